@@ -1,0 +1,22 @@
+#pragma once
+/// Prefill worker settings (section `prefill:`). Thread rules: filled once in main, then read-only.
+
+#include <cstdint>
+#include <string>
+
+#include "pd/common/config.h"
+
+namespace pd::prefill {
+
+struct PrefillConfig {
+  std::string host = "127.0.0.1";
+  std::int64_t port = 0;
+  std::int64_t chunk_size = 512;
+  std::int64_t token_budget = 2048;
+  std::int64_t max_queued_requests = 256;
+  std::int64_t request_timeout_ms = 120000;
+};
+
+void registerOptions(config::OptionSet& set, PrefillConfig& cfg);
+
+}  // namespace pd::prefill

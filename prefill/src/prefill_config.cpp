@@ -1,0 +1,14 @@
+#include "pd/prefill/prefill_config.h"
+
+namespace pd::prefill {
+
+void registerOptions(config::OptionSet& set, PrefillConfig& cfg) {
+  set.add("host", &cfg.host, "address the prefill control endpoint binds")
+      .add("port", &cfg.port, "control port (0 = any free port)", 0, 65535)
+      .add("chunk_size", &cfg.chunk_size, "prompt tokens per prefill chunk", 1, 1 << 20)
+      .add("token_budget", &cfg.token_budget, "prompt tokens per forward, across requests", 1, 1 << 24)
+      .add("max_queued_requests", &cfg.max_queued_requests, "queued prompts before refusing", 1, 1 << 20)
+      .add("request_timeout_ms", &cfg.request_timeout_ms, "deadline for one prefill incl. KV transfer", 100, 86400000);
+}
+
+}  // namespace pd::prefill

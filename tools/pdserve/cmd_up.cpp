@@ -1,0 +1,4 @@
+#include "cli.h"
+namespace pd::cli {
+int runUp(const std::vector<std::string>&) { return 3; }
+}
