@@ -1,1 +1,91 @@
 #include "cli.h"
+
+#include <cstdio>
+
+#include "pd/common/log.h"
+#include "pd/common/model_factory.h"
+#include "pd/decode/decode_config.h"
+#include "pd/kvtransfer/kvtransfer_config.h"
+#include "pd/prefill/prefill_config.h"
+#include "pd/router/router_config.h"
+
+namespace pd::cli {
+namespace {
+
+// Every section the shared YAML file may hold, bound to scratch values: a command validates the
+// whole file against these, so a typo in another role's section is still caught.
+struct AllSections {
+  CommonConfig common;
+  router::RouterConfig router_cfg;
+  prefill::PrefillConfig prefill_cfg;
+  decode::DecodeConfig decode_cfg;
+  kvtransfer::KvTransferConfig kv_cfg;
+  CommonOptions common_sets{common};
+  config::OptionSet router{"router"};
+  config::OptionSet prefill{"prefill"};
+  config::OptionSet decode{"decode"};
+  config::OptionSet kvtransfer{"kvtransfer"};
+
+  AllSections() {
+    router::registerOptions(router, router_cfg);
+    prefill::registerOptions(prefill, prefill_cfg);
+    decode::registerOptions(decode, decode_cfg);
+    kvtransfer::registerOptions(kvtransfer, kv_cfg);
+  }
+  std::vector<config::OptionSet*> sets() {
+    return {&common_sets.log, &common_sets.model, &router, &prefill, &decode, &kvtransfer};
+  }
+};
+
+}  // namespace
+
+CommonOptions::CommonOptions(CommonConfig& cfg) {
+  log.add("level", &cfg.log_level, "log verbosity", {"debug", "info", "warn", "error", "off"});
+  model.add("path", &cfg.model_path, "model folder (Hugging Face DeepSeek-V3 layout); empty: the embedded default model")
+      .add("tokenizer", &cfg.tokenizer_path, "tokenizer folder; empty: the model folder, or the fetched DeepSeek-V3 tokenizer")
+      .add("cache_dir", &cfg.cache_dir, "folder for the embedded default model and fetched tokenizer files");
+}
+
+int reportFailure(const Error& error) {
+  std::fprintf(stderr, "pdserve: error: %s\n", error.toString().c_str());
+  return error.code == ErrorCode::InvalidArgument ? 2 : 1;
+}
+
+Result<config::LoadOutput> loadCommandOptions(const std::string& usage, const std::vector<config::OptionSet*>& active,
+                                               const std::vector<std::string>& args, const CommonConfig* common) {
+  config::LoadInput input;
+  input.args = args;
+  AllSections scratch;
+  std::vector<config::OptionSet*> all = active;
+  for (auto* set : scratch.sets()) {
+    bool shadowed = false;
+    for (const auto* a : active) shadowed = shadowed || a->section() == set->section();
+    if (!shadowed) all.push_back(set);
+  }
+  PD_ASSIGN_OR_RETURN(config::LoadOutput out, config::loadConfig(all, active, std::move(input)));
+  if (out.help_requested) {
+    std::printf("%s\n\noptions (YAML section / PDSERVE_<SECTION>_<NAME> / --name or --section.name):\n", usage.c_str());
+    for (const auto* set : active) std::printf("%s", set->helpText().c_str());
+    return out;
+  }
+  if (common != nullptr) {
+    log::Level level = log::Level::Info;
+    PD_CHECK(log::parseLevel(common->log_level, &level));  // choices were validated
+    log::setLevel(level);
+  }
+  return out;
+}
+
+Result<std::filesystem::path> resolveModelDir(const CommonConfig& cfg) {
+  if (!cfg.model_path.empty()) return cfg.model_path;
+  const std::filesystem::path tokenizer =
+      cfg.tokenizer_path.empty() ? cfg.cache_dir / "tokenizers" / "deepseek-v3" : cfg.tokenizer_path;
+  if (!std::filesystem::exists(tokenizer / "tokenizer.json")) {
+    return makeError(ErrorCode::NotFound,
+                     "the default model needs the DeepSeek-V3 tokenizer in " + tokenizer.string() +
+                         ": run scripts/fetch-tokenizer.sh (or pass --model.tokenizer DIR)");
+  }
+  return ensureDefaultModel(cfg.cache_dir, tokenizer);
+}
+
+}  // namespace pd::cli

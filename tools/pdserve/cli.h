@@ -17,27 +17,33 @@ struct CommonConfig {
   std::string log_level = "info";
   /// Model folder; empty means the embedded default model (created on first use).
   std::filesystem::path model_path;
-  /// Tokenizer folder (tokenizer.json + tokenizer_config.json); empty: the model folder's.
+  /// Tokenizer folder (tokenizer.json + tokenizer_config.json); empty: the model folder's, or
+  /// for the default model the fetched DeepSeek-V3 tokenizer in the cache folder.
   std::filesystem::path tokenizer_path;
-  /// Where the embedded default model and fetched tokenizer live.
-  std::filesystem::path cache_dir;
+  /// Where the embedded default model and the fetched tokenizer live.
+  std::filesystem::path cache_dir = config::defaultCacheDir();
 };
 
-void registerCommonOptions(config::OptionSet& log_set, config::OptionSet& model_set, CommonConfig& cfg);
+/// The `log:` and `model:` sections, bound to `cfg`.
+struct CommonOptions {
+  explicit CommonOptions(CommonConfig& cfg);
+  config::OptionSet log{"log"};
+  config::OptionSet model{"model"};
+};
 
-/// The default cache folder: $PDSERVE_CACHE_DIR is read through the config module (section
-/// `model`, key `cache_dir`); otherwise $XDG_CACHE_HOME/pdserve or ~/.cache/pdserve.
-[[nodiscard]] std::filesystem::path defaultCacheDir();
-
-/// Prints "error: ..." to stderr and returns the exit code for a failed command (2 for bad
-/// input, 1 otherwise).
+/// Prints "pdserve: error: ..." to stderr; returns 2 for bad input, 1 otherwise.
 int reportFailure(const Error& error);
 
-/// Loads options for a subcommand: `sets` are the sections it uses (all of them applied).
-/// On --help prints `usage` and every option table and returns std::nullopt-like
-/// help_requested. Applies log.level.
-Result<config::LoadOutput> loadCommandOptions(const std::string& usage, std::vector<config::OptionSet*> sets,
-                                               const std::vector<std::string>& args);
+/// Loads a subcommand's options: the YAML file (--config) is validated against every role's
+/// sections, and applied, with env and flags, to the `active` sections. On --help prints
+/// `usage` and the option tables. Applies log.level when `common` is given.
+Result<config::LoadOutput> loadCommandOptions(const std::string& usage, const std::vector<config::OptionSet*>& active,
+                                               const std::vector<std::string>& args,
+                                               const CommonConfig* common = nullptr);
+
+/// The model folder to use: `cfg.model_path`, or the embedded default model (created in the
+/// cache folder on first use from the fetched tokenizer).
+Result<std::filesystem::path> resolveModelDir(const CommonConfig& cfg);
 
 int runUp(const std::vector<std::string>& args);
 int runInspect(const std::vector<std::string>& args);

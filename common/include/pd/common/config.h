@@ -87,6 +87,10 @@ struct LoadOutput {
 /// Applies the YAML file to every set in `all` (so the whole file is validated, whatever the
 /// role), then the environment and the flags to the sets in `active`. A flag or variable that no
 /// active set knows is an error. `--config FILE` among `args` names the YAML file.
+/// The per-user cache folder: $PDSERVE_CACHE_DIR, else $XDG_CACHE_HOME/pdserve, else
+/// $HOME/.cache/pdserve, else ./.cache/pdserve.
+[[nodiscard]] std::filesystem::path defaultCacheDir();
+
 Result<LoadOutput> loadConfig(const std::vector<OptionSet*>& all, const std::vector<OptionSet*>& active,
                               LoadInput input);
 

@@ -24,6 +24,8 @@ struct RopeScaling {
   double beta_slow = 1.0;
   double mscale = 1.0;
   double mscale_all_dim = 1.0;
+
+  bool operator==(const RopeScaling&) const = default;
 };
 
 struct Fp8Quantization {
@@ -31,6 +33,8 @@ struct Fp8Quantization {
   std::string activation_scheme = "dynamic";
   std::int64_t block_out = 128;  ///< weight_block_size[0]: rows per scale block
   std::int64_t block_in = 128;   ///< weight_block_size[1]: columns per scale block
+
+  bool operator==(const Fp8Quantization&) const = default;
 };
 
 struct ModelConfig {
@@ -67,15 +71,26 @@ struct ModelConfig {
   std::int64_t eos_token_id = 1;
   bool tie_word_embeddings = false;
 
+  bool operator==(const ModelConfig&) const = default;
+
   /// Parses config.json text. Unknown keys are ignored (HF configs carry many); missing required
   /// keys, wrong types and inconsistent values are InvalidArgument naming the key and `source`.
+  /// Every problem found is reported, one per line. JSON `null` counts as absent, except
+  /// `q_lora_rank: null`, which means 0 (a direct q_proj). rope_scaling missing keys take the
+  /// Hugging Face defaults (beta_fast 32, beta_slow 1, mscale 1, mscale_all_dim 0).
   static Result<ModelConfig> fromJson(std::string_view json_text, const std::string& source);
-  /// Reads `dir/config.json`.
+  /// Reads `dir/config.json` (NotFound when absent, Io when unreadable).
   static Result<ModelConfig> load(const std::filesystem::path& dir);
-  /// config.json text in the Hugging Face DeepSeek-V3 key names (what make-model writes).
+  /// config.json text in the Hugging Face DeepSeek-V3 key names (what make-model writes),
+  /// pretty-printed; `fromJson(toJson())` gives back an equal config.
   [[nodiscard]] std::string toJson() const;
+  /// The consistency rules fromJson applies, for configs built in code (presets + overrides).
+  /// InvalidArgument listing every broken rule by key name.
+  [[nodiscard]] Status validate() const;
 
-  [[nodiscard]] bool isMoeLayer(std::int64_t layer) const;  ///< layer >= first_k_dense_replace
+  /// True for layers (main or MTP) whose FFN is MoE: layer >= first_k_dense_replace and
+  /// layer % moe_layer_freq == 0, as in Hugging Face's DeepSeek-V3 code.
+  [[nodiscard]] bool isMoeLayer(std::int64_t layer) const;
   [[nodiscard]] std::int64_t qkHeadDim() const { return qk_nope_head_dim + qk_rope_head_dim; }
   /// Latent KV values per token per layer: kv_lora_rank + qk_rope_head_dim (576 for V3).
   [[nodiscard]] std::int64_t latentDim() const { return kv_lora_rank + qk_rope_head_dim; }
