@@ -3,7 +3,6 @@
 #include <array>
 #include <bit>
 #include <cmath>
-#include <cstring>
 
 #include "pd/common/check.h"
 
@@ -36,8 +35,9 @@ const DTypeInfo& info(DType dtype) {
 }
 
 // Builds the float32 bit pattern of each e4m3fn code directly (rebias the exponent, widen the
-// mantissa); the tests check it against an independent ldexp formula.
-std::array<float, 256> buildFp8Table() {
+// mantissa); the tests check it against an independent ldexp formula. Evaluated at compile time,
+// so other static initializers can decode safely.
+constexpr std::array<float, 256> buildFp8Table() {
   std::array<float, 256> table{};
   for (std::uint32_t code = 0; code < 256; ++code) {
     const std::uint32_t sign = (code & 0x80U) << 24;
@@ -60,11 +60,13 @@ std::array<float, 256> buildFp8Table() {
   return table;
 }
 
-const std::array<float, 256> kFp8Table = buildFp8Table();
+constexpr std::array<float, 256> kFp8Table = buildFp8Table();
 
 }  // namespace
 
-std::string_view dtypeName(DType dtype) { return info(dtype).name; }
+std::string_view dtypeName(DType dtype) {
+  return info(dtype).name;
+}
 
 std::optional<DType> parseDType(std::string_view name) {
   for (const DTypeInfo& entry : kDTypes) {
@@ -73,7 +75,9 @@ std::optional<DType> parseDType(std::string_view name) {
   return std::nullopt;
 }
 
-std::size_t dtypeSize(DType dtype) { return info(dtype).size; }
+std::size_t dtypeSize(DType dtype) {
+  return info(dtype).size;
+}
 
 float bf16ToFloat(std::uint16_t bits) {
   return std::bit_cast<float>(static_cast<std::uint32_t>(bits) << 16);
@@ -106,9 +110,13 @@ float f16ToFloat(std::uint16_t bits) {
   return std::bit_cast<float>(out);
 }
 
-float fp8e4m3ToFloat(std::uint8_t bits) { return kFp8Table[bits]; }
+float fp8e4m3ToFloat(std::uint8_t bits) {
+  return kFp8Table[bits];
+}
 
-const float* fp8e4m3Table() { return kFp8Table.data(); }
+const float* fp8e4m3Table() {
+  return kFp8Table.data();
+}
 
 std::uint8_t floatToFp8e4m3(float value) {
   if (std::isnan(value)) return 0x7F;

@@ -1,6 +1,7 @@
 #include "pd/common/sha256.h"
 
 #include <fcntl.h>
+#include <fmt/format.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -8,8 +9,6 @@
 #include <cerrno>
 #include <cstring>
 #include <vector>
-
-#include <fmt/format.h>
 
 namespace pd {
 
@@ -92,6 +91,7 @@ void Sha256::compress(const std::uint8_t* block) {
 
 void Sha256::update(std::span<const std::byte> bytes) {
   PD_CHECK_MSG(!finished_, "Sha256::update() after finish()");
+  if (bytes.empty()) return;  // data() may be null; memcpy must not see it
   const auto* p = reinterpret_cast<const std::uint8_t*>(bytes.data());
   std::size_t n = bytes.size();
   total_bytes_ += n;

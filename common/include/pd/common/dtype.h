@@ -1,6 +1,7 @@
 #pragma once
 /// Element types of checkpoints and caches, and exact scalar conversions between them.
-/// Thread rules: pure functions; the lookup tables are built at static-init time and read-only.
+/// Thread rules: pure functions; the lookup table is a compile-time constant, safe to use from any
+/// thread and from other static initializers.
 
 #include <cstddef>
 #include <cstdint>
@@ -18,7 +19,8 @@ enum class DType { BF16, F16, F32, F8E4M3, I32, I64, U8 };
 
 /// bfloat16 -> float32: exact (a shift).
 [[nodiscard]] float bf16ToFloat(std::uint16_t bits);
-/// float32 -> bfloat16, round to nearest even; NaN stays NaN (quiet), infinities stay.
+/// float32 -> bfloat16, round to nearest even; NaN stays NaN (quiet bit set, sign and high payload
+/// kept), infinities stay, finite values beyond the bf16 range round to infinity (IEEE).
 [[nodiscard]] std::uint16_t floatToBf16(float value);
 
 /// IEEE binary16 -> float32: exact, subnormals, infinities and NaN included.
@@ -29,7 +31,7 @@ enum class DType { BF16, F16, F32, F8E4M3, I32, I64, U8 };
 /// The whole decode table, for kernels that dequantize in their inner loop.
 [[nodiscard]] const float* fp8e4m3Table();
 /// float32 -> e4m3fn, round to nearest even, saturating to +-448 (no infinities in e4m3fn);
-/// NaN -> 0x7F.
+/// NaN -> 0x7F. The sign survives rounding to zero: a tiny negative value gives 0x80 (-0).
 [[nodiscard]] std::uint8_t floatToFp8e4m3(float value);
 
 }  // namespace pd
