@@ -43,7 +43,7 @@ std::string formatDouble(double v) { return fmt::format("{}", v); }
 
 OptionSet::OptionSet(std::string section) : section_(std::move(section)) {}
 
-OptionSet& OptionSet::add(std::string name, bool* field, std::string help) {
+OptionSet& OptionSet::add(const std::string& name, bool* field, std::string help) {
   PD_CHECK(field != nullptr);
   Binding b;
   b.info = {name, OptionType::Bool, *field ? "true" : "false", std::move(help), "true or false"};
@@ -58,7 +58,7 @@ OptionSet& OptionSet::add(std::string name, bool* field, std::string help) {
   return *this;
 }
 
-OptionSet& OptionSet::add(std::string name, std::int64_t* field, std::string help, std::int64_t min, std::int64_t max) {
+OptionSet& OptionSet::add(const std::string& name, std::int64_t* field, std::string help, std::int64_t min, std::int64_t max) {
   PD_CHECK(field != nullptr);
   PD_CHECK(min <= *field && *field <= max);
   Binding b;
@@ -78,7 +78,7 @@ OptionSet& OptionSet::add(std::string name, std::int64_t* field, std::string hel
   return *this;
 }
 
-OptionSet& OptionSet::add(std::string name, double* field, std::string help, double min, double max) {
+OptionSet& OptionSet::add(const std::string& name, double* field, std::string help, double min, double max) {
   PD_CHECK(field != nullptr);
   Binding b;
   b.info = {name, OptionType::Double, formatDouble(*field), std::move(help),
@@ -102,7 +102,7 @@ OptionSet& OptionSet::add(std::string name, double* field, std::string help, dou
   return *this;
 }
 
-OptionSet& OptionSet::add(std::string name, std::string* field, std::string help, std::vector<std::string> choices) {
+OptionSet& OptionSet::add(const std::string& name, std::string* field, std::string help, std::vector<std::string> choices) {
   PD_CHECK(field != nullptr);
   Binding b;
   std::string constraint;
@@ -121,7 +121,7 @@ OptionSet& OptionSet::add(std::string name, std::string* field, std::string help
   return *this;
 }
 
-OptionSet& OptionSet::add(std::string name, std::filesystem::path* field, std::string help) {
+OptionSet& OptionSet::add(const std::string& name, std::filesystem::path* field, std::string help) {
   PD_CHECK(field != nullptr);
   Binding b;
   b.info = {name, OptionType::Path, field->string(), std::move(help), ""};

@@ -5,7 +5,15 @@ namespace pd::kvtransfer {
 void registerOptions(config::OptionSet& set, KvTransferConfig& cfg) {
   set.add("ucx_tls", &cfg.ucx_tls, "UCX_TLS for the KV data plane (must include tcp for peer-failure detection)")
       .add("transfer_timeout_ms", &cfg.transfer_timeout_ms, "deadline of one request's KV transfer", 10, 86400000)
-      .add("connect_timeout_ms", &cfg.connect_timeout_ms, "deadline to connect to a peer", 10, 600000);
+      .add("connect_timeout_ms", &cfg.connect_timeout_ms, "deadline to connect to a peer", 10, 600000)
+      .add("receive_grace_ms", &cfg.receive_grace_ms,
+           "extra wait on the receiving side past the transfer deadline before blocks are released", 0, 600000)
+      .add("peer_suspect_ms", &cfg.peer_suspect_ms, "how long a peer that missed a deadline is refused", 0, 86400000)
+      .add("progress_spin_us", &cfg.progress_spin_us, "progress-thread polling after activity before sleeping", 0,
+           1000000)
+      .add("data_path", &cfg.data_path,
+           "how KV bytes move: rma (one-sided puts), am (checked active messages), auto (am on tcp/shared memory)",
+           {"auto", "rma", "am"});
 }
 
 }  // namespace pd::kvtransfer

@@ -10,7 +10,8 @@ void registerOptions(config::OptionSet& set, RouterConfig& cfg) {
       .add("max_queued_requests", &cfg.max_queued_requests, "requests waiting for a worker before 429", 1, 1 << 20)
       .add("request_timeout_ms", &cfg.request_timeout_ms, "end-to-end deadline of one request", 100, 86400000)
       .add("api_keys_file", &cfg.api_keys_file, "file of accepted Bearer keys, one per line (empty: no auth)")
-      .add("served_model_name", &cfg.served_model_name, "model name reported by /v1/models and required in requests");
+      .add("served_model_name", &cfg.served_model_name, "model name reported by /v1/models and required in requests")
+      .add("retry_after_s", &cfg.retry_after_s, "Retry-After seconds sent with 429 and 503 answers", 1, 3600);
 }
 
 }  // namespace pd::router

@@ -48,5 +48,16 @@ Result<std::filesystem::path> resolveModelDir(const CommonConfig& cfg);
 int runUp(const std::vector<std::string>& args);
 int runInspect(const std::vector<std::string>& args);
 int runMakeModel(const std::vector<std::string>& args);
+/// JSONL filters over the tokenizer and chat template (cmd_tokenize.cpp).
+int runTokenize(const std::vector<std::string>& args);
+int runDetokenize(const std::vector<std::string>& args);
+int runChatTemplate(const std::vector<std::string>& args);
+/// pdserve bench kv: KV transfer between two processes vs ucx_perftest (cmd_bench_kv.cpp).
+int runBenchKv(const std::vector<std::string>& args);
+/// pdserve logits / generate: the model engine in one process (cmd_model.cpp).
+int runLogits(const std::vector<std::string>& args);
+int runGenerate(const std::vector<std::string>& args);
+/// pdserve bench engine: decode MBU and prefill FLOP utilization (cmd_bench_engine.cpp).
+int runBenchEngine(const std::vector<std::string>& args);
 
 }  // namespace pd::cli

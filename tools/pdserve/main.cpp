@@ -17,6 +17,16 @@ struct Command {
 
 int notYetBuilt(const std::vector<std::string>& /*args*/) { return 3; }
 
+/// `pdserve bench kv` (issue 5) and `pdserve bench engine` (issue 4) are built; the load
+/// generator is not yet.
+int runBench(const std::vector<std::string>& args) {
+  if (!args.empty() && args[0] == "kv") return pd::cli::runBenchKv({args.begin() + 1, args.end()});
+  if (!args.empty() && args[0] == "engine") return pd::cli::runBenchEngine({args.begin() + 1, args.end()});
+  std::fprintf(stderr, "pdserve bench %s: not built yet (issue 10); built: pdserve bench kv, pdserve bench engine\n",
+               args.empty() ? "" : args[0].c_str());
+  return 3;
+}
+
 constexpr Command kCommands[] = {
     {"up", "start a whole local cluster (router + prefill + decode) on a model", pd::cli::runUp, ""},
     {"router", "run the OpenAI-compatible router", notYetBuilt, "issue 8"},
@@ -25,17 +35,23 @@ constexpr Command kCommands[] = {
     {"inspect", "summarize a checkpoint: config, parameters, bytes, KV per token, tensor check",
      pd::cli::runInspect, ""},
     {"make-model", "write a random-weight DeepSeek-V3-layout checkpoint", pd::cli::runMakeModel, ""},
-    {"tokenize", "tokenize JSONL text from stdin", notYetBuilt, "issue 3"},
-    {"logits", "print logits of a prompt", notYetBuilt, "issue 4"},
-    {"generate", "greedy/sampled generation in one process", notYetBuilt, "issue 4"},
-    {"bench", "load generator against an OpenAI-compatible server", notYetBuilt, "issue 10"},
+    {"tokenize", "JSONL {\"text\"} -> {\"ids\"} with the model's tokenizer", pd::cli::runTokenize, ""},
+    {"detokenize", "JSONL {\"ids\"} -> {\"text\"}", pd::cli::runDetokenize, ""},
+    {"chat-template", "JSONL {\"messages\"} -> {\"rendered\", \"ids\"} (the chat template)", pd::cli::runChatTemplate,
+     ""},
+    {"logits", "run a prompt through the model; write logits, latent KV, hidden states (safetensors)",
+     pd::cli::runLogits, ""},
+    {"generate", "greedy/sampled generation in one process (prefill + decode, optional MTP)", pd::cli::runGenerate,
+     ""},
+    {"bench", "benchmarks: `bench kv` (KV transfer vs ucx_perftest), `bench engine` (CPU engine MBU/FLOPs)",
+     runBench, ""},
     {"plan", "capacity planner", notYetBuilt, "issue 10"},
 };
 
 void printUsage(std::FILE* out) {
   std::fprintf(out, "usage: pdserve <command> [options]   (pdserve <command> --help for its options)\n\ncommands:\n");
   for (const auto& c : kCommands) {
-    std::fprintf(out, "  %-11s %.*s%s%.*s%s\n", std::string(c.name).c_str(), static_cast<int>(c.summary.size()),
+    std::fprintf(out, "  %-13s %.*s%s%.*s%s\n", std::string(c.name).c_str(), static_cast<int>(c.summary.size()),
                  c.summary.data(), c.issue.empty() ? "" : " [not built yet: ", static_cast<int>(c.issue.size()),
                  c.issue.data(), c.issue.empty() ? "" : "]");
   }

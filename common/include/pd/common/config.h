@@ -40,13 +40,13 @@ class OptionSet {
  public:
   explicit OptionSet(std::string section);
 
-  OptionSet& add(std::string name, bool* field, std::string help);
-  OptionSet& add(std::string name, std::int64_t* field, std::string help, std::int64_t min,
+  OptionSet& add(const std::string& name, bool* field, std::string help);
+  OptionSet& add(const std::string& name, std::int64_t* field, std::string help, std::int64_t min,
                  std::int64_t max);
-  OptionSet& add(std::string name, double* field, std::string help, double min, double max);
-  OptionSet& add(std::string name, std::string* field, std::string help,
+  OptionSet& add(const std::string& name, double* field, std::string help, double min, double max);
+  OptionSet& add(const std::string& name, std::string* field, std::string help,
                  std::vector<std::string> choices = {});
-  OptionSet& add(std::string name, std::filesystem::path* field, std::string help);
+  OptionSet& add(const std::string& name, std::filesystem::path* field, std::string help);
 
   [[nodiscard]] const std::string& section() const { return section_; }
   [[nodiscard]] const std::vector<OptionInfo>& options() const { return infos_; }

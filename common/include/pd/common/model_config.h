@@ -66,7 +66,7 @@ struct ModelConfig {
   std::int64_t max_position_embeddings = 0;
   std::optional<RopeScaling> rope_scaling;
   std::optional<Fp8Quantization> quantization;  ///< set for FP8 block-quantized checkpoints
-  std::int64_t num_nextn_predict_layers = 0;     ///< MTP layers, stored after the main layers
+  std::int64_t num_nextn_predict_layers = 0;    ///< MTP layers, stored after the main layers
   std::int64_t bos_token_id = 0;
   std::int64_t eos_token_id = 1;
   bool tie_word_embeddings = false;
@@ -118,7 +118,10 @@ struct TensorSpec {
 [[nodiscard]] std::vector<TensorSpec> expectedTensors(const ModelConfig& config);
 
 /// Compares a checkpoint with expectedTensors(config): reports every missing tensor, every
-/// unexpected one, and every shape or dtype mismatch, all in one InvalidArgument message.
+/// unexpected one, and every shape or dtype mismatch, all in one InvalidArgument message (a count
+/// line naming the checkpoint folder, then one line per problem). An F8_E4M3 weight needs its
+/// F32 `_scale_inv`; a weight kept in BF16/F16/F32 under an FP8 config needs none (and a scale
+/// next to it is unexpected); F8_E4M3 without a quantization_config is a dtype mismatch.
 Status validateCheckpoint(const ModelConfig& config, const Checkpoint& checkpoint);
 
 }  // namespace pd

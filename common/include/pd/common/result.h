@@ -130,4 +130,4 @@ using Status = Result<void>;
   if (!PD_CONCAT_(pd_assign_result_, __LINE__).ok()) {                    \
     return std::move(PD_CONCAT_(pd_assign_result_, __LINE__)).error();    \
   }                                                                       \
-  decl = std::move(PD_CONCAT_(pd_assign_result_, __LINE__)).value()
+  decl = std::move(PD_CONCAT_(pd_assign_result_, __LINE__)).value()  // NOLINT(bugprone-macro-parentheses)

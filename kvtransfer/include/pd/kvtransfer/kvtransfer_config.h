@@ -1,5 +1,6 @@
 #pragma once
 /// KV transfer settings (section `kvtransfer:`). Thread rules: filled once in main, then read-only.
+/// docs/kv-transfer.md explains every timeout.
 
 #include <cstdint>
 #include <string>
@@ -11,8 +12,19 @@ namespace pd::kvtransfer {
 struct KvTransferConfig {
   /// UCX transports. Must include tcp: shared-memory-only transports refuse peer error handling.
   std::string ucx_tls = "tcp,sm";
+  /// Budget of one request's KV transfer; travels in the descriptor (KvDescriptor::timeout_ms).
   std::int64_t transfer_timeout_ms = 30000;
+  /// A new endpoint must complete its first round trip within this.
   std::int64_t connect_timeout_ms = 5000;
+  /// The receiving side waits this much longer than the transfer budget before releasing blocks,
+  /// so that a sender that started late has stopped writing by then.
+  std::int64_t receive_grace_ms = 2000;
+  /// A peer that missed a deadline is refused for this long.
+  std::int64_t peer_suspect_ms = 10000;
+  /// After activity the progress thread polls this long before sleeping.
+  std::int64_t progress_spin_us = 200;
+  /// How senders move KV bytes: auto | rma | am (ucx_transport.h, KvDataPath).
+  std::string data_path = "auto";
 };
 
 void registerOptions(config::OptionSet& set, KvTransferConfig& cfg);

@@ -18,6 +18,7 @@ struct RouterConfig {
   std::int64_t request_timeout_ms = 600000;
   std::filesystem::path api_keys_file;
   std::string served_model_name = "pdserve-default";
+  std::int64_t retry_after_s = 1;
 };
 
 void registerOptions(config::OptionSet& set, RouterConfig& cfg);

@@ -1,0 +1,143 @@
+#pragma once
+/// Wire messages of the KV data plane (docs/kv-transfer.md, "Messages").
+///
+/// Three messages cross process boundaries:
+///  - KvDescriptor: decode -> router -> prefill. Where to write a request's latent KV: every
+///    decode rank's UCX worker address, the packed remote keys and strides of its KV regions, the
+///    block ids, the compatibility information and the transfer's time budget.
+///  - CompletionRecord: prefill -> decode over the transport, after every put of the request is
+///    remotely complete: first sampled token, last hidden state (the MTP input), logprobs.
+///  - FailureRecord: prefill -> decode, when the prefill side gives up on a request.
+///
+/// Every message starts with the same 12-byte header: magic "PDKV", protocol version (u16), message
+/// type (u8), a reserved zero byte, payload length (u32). All integers are little-endian; a float
+/// is its IEEE-754 bits. Vectors and byte strings are a u32 count followed by the elements.
+/// Encoding is canonical: a buffer that decodes re-encodes to the same bytes.
+///
+/// Decoders never trust their input: they check the header, every length against the bytes
+/// left, enum values, the compatibility hash and trailing bytes, and return ErrorCode::Corrupt
+/// (malformed) or ErrorCode::Unsupported (well-formed, but another protocol version).
+///
+/// Thread rules: values and pure functions; thread-safe.
+
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <string>
+#include <variant>
+#include <vector>
+
+#include "pd/common/dtype.h"
+#include "pd/common/result.h"
+
+namespace pd::kvtransfer {
+
+/// Bumped on any incompatible change of a message or of the KV layout rules.
+inline constexpr std::uint16_t kProtocolVersion = 1;
+/// "PDKV" read as a little-endian u32.
+inline constexpr std::uint32_t kWireMagic = 0x564B4450;
+inline constexpr std::size_t kWireHeaderBytes = 12;
+
+enum class MessageType : std::uint8_t { KvDescriptor = 1, Completion = 2, Failure = 3 };
+
+/// What must agree between a prefill and a decode worker for the bytes one writes to mean the
+/// same to the other. Its hash travels in every message; the fields travel in the descriptor so
+/// a mismatch can be reported field by field.
+struct CompatInfo {
+  std::uint16_t protocol_version = kProtocolVersion;
+  std::uint64_t model_hash = 0;  ///< identifies the checkpoint (weights and config)
+  DType kv_dtype = DType::BF16;  ///< element type of the latent KV cache (BF16 or F32)
+  std::uint32_t block_size = 64;  ///< tokens per KV block
+  std::uint32_t num_layers = 0;   ///< KV layers shipped: main layers + the MTP layer
+  std::uint32_t kv_dim = 576;     ///< kv_lora_rank + qk_rope_head_dim
+  std::uint32_t tp_size = 1;      ///< decode tensor-parallel ranks
+
+  /// Bytes of one token of one layer: kv_dim * element size.
+  [[nodiscard]] std::uint64_t tokenBytes() const;
+  friend bool operator==(const CompatInfo&, const CompatInfo&) = default;
+};
+
+/// FNV-1a 64 over the canonical encoding of `info`.
+[[nodiscard]] std::uint64_t compatHash(const CompatInfo& info);
+
+/// Ok when `theirs` equals `ours`; otherwise Unsupported naming the first differing field with
+/// both values ("block_size: ours 64, peer 32").
+[[nodiscard]] Status checkCompatible(const CompatInfo& ours, const CompatInfo& theirs);
+
+/// One registered memory range on a decode rank holding layers [first_layer, first_layer +
+/// num_layers). Token t of layer l lives at base_address + (l - first_layer) * layer_stride +
+/// block_ids[t / block_size] * block_stride + (t % block_size) * token_bytes.
+struct KvRegion {
+  std::uint64_t base_address = 0;
+  std::uint64_t length = 0;
+  std::uint32_t first_layer = 0;
+  std::uint32_t num_layers = 0;
+  std::uint64_t layer_stride = 0;
+  std::uint64_t block_stride = 0;
+  std::vector<std::uint8_t> rkey;  ///< packed remote key, opaque to everything but the transport
+  friend bool operator==(const KvRegion&, const KvRegion&) = default;
+};
+
+/// One decode rank: where its transport listens and its KV regions.
+struct KvTarget {
+  std::uint32_t tp_rank = 0;
+  std::vector<std::uint8_t> worker_address;  ///< opaque transport address
+  std::vector<KvRegion> regions;
+  friend bool operator==(const KvTarget&, const KvTarget&) = default;
+};
+
+struct KvDescriptor {
+  std::uint64_t request_id = 0;
+  CompatInfo compat;
+  std::uint32_t num_tokens = 0;  ///< prompt tokens whose KV will be written
+  /// The transfer's budget in ms, counted by each side from when it sees the descriptor (clocks
+  /// of different machines are not compared).
+  std::uint32_t timeout_ms = 0;
+  std::vector<std::uint32_t> block_ids;  ///< the same ids on every rank
+  std::vector<KvTarget> targets;         ///< one per decode rank written to
+  friend bool operator==(const KvDescriptor&, const KvDescriptor&) = default;
+};
+
+struct TokenLogprob {
+  std::int32_t token = 0;
+  float logprob = 0.0F;
+  friend bool operator==(const TokenLogprob&, const TokenLogprob&) = default;
+};
+
+/// Sent after every put of the request is remotely complete.
+struct CompletionRecord {
+  std::uint64_t request_id = 0;
+  std::uint64_t compat_hash = 0;  ///< filled by the sending transport
+  std::uint32_t num_tokens = 0;   ///< tokens whose KV was written
+  std::int32_t first_token = 0;
+  std::vector<float> hidden_state;  ///< last position's final hidden state (MTP input)
+  std::optional<TokenLogprob> first_logprob;  ///< set when logprobs were requested
+  std::vector<TokenLogprob> top_logprobs;     ///< alternatives, best first
+  friend bool operator==(const CompletionRecord&, const CompletionRecord&) = default;
+};
+
+/// Sent when the prefill side gives up on a request; the decode side releases its blocks.
+struct FailureRecord {
+  std::uint64_t request_id = 0;
+  std::uint64_t compat_hash = 0;
+  ErrorCode code = ErrorCode::Internal;
+  std::string message;
+  friend bool operator==(const FailureRecord&, const FailureRecord&) = default;
+};
+
+using Record = std::variant<CompletionRecord, FailureRecord>;
+
+[[nodiscard]] std::vector<std::uint8_t> encode(const KvDescriptor& descriptor);
+[[nodiscard]] std::vector<std::uint8_t> encode(const CompletionRecord& record);
+[[nodiscard]] std::vector<std::uint8_t> encode(const FailureRecord& record);
+
+/// The message type of a buffer whose header is valid.
+[[nodiscard]] Result<MessageType> peekMessageType(std::span<const std::uint8_t> bytes);
+
+[[nodiscard]] Result<KvDescriptor> decodeKvDescriptor(std::span<const std::uint8_t> bytes);
+[[nodiscard]] Result<CompletionRecord> decodeCompletionRecord(std::span<const std::uint8_t> bytes);
+[[nodiscard]] Result<FailureRecord> decodeFailureRecord(std::span<const std::uint8_t> bytes);
+/// A completion or failure record, whichever the header says.
+[[nodiscard]] Result<Record> decodeRecord(std::span<const std::uint8_t> bytes);
+
+}  // namespace pd::kvtransfer

@@ -1,0 +1,75 @@
+#pragma once
+/// The OpenAI-compatible HTTP front end (docs/api.md): POST /v1/chat/completions and
+/// /v1/completions (streaming and not), GET /v1/models, the probes /health and /ready, and
+/// /metrics. It validates and tokenizes requests (PromptRenderer), hands them to a
+/// CompletionBackend, and turns the backend's token events into OpenAI responses or
+/// server-sent events. A client that disconnects aborts its generation; every request has a
+/// deadline; a bounded number of requests may wait for their first token (429 beyond it).
+///
+/// Errors: start() fails with Io / InvalidArgument when the HTTP server cannot bind.
+///
+/// Thread rules: start() and stop() from one control thread (main). The backend, the renderer
+/// and the registry must outlive the ApiServer and every generation it started (the backend
+/// joins its threads in its destructor, after the ApiServer is gone).
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "pd/common/http_server.h"
+#include "pd/common/metrics.h"
+#include "pd/common/result.h"
+#include "pd/router/api_keys.h"
+#include "pd/router/completion_backend.h"
+#include "pd/router/prompt_renderer.h"
+#include "pd/router/router_config.h"
+
+namespace pd::router {
+
+struct ApiServerOptions {
+  http::ServerOptions http;  ///< host, port, io threads, body limit, HTTP deadlines
+  std::string served_model_name = "pdserve-default";
+  std::int64_t max_model_len = 4096;  ///< the context: prompt + max_tokens must fit
+  /// /v1/completions without max_tokens generates this many (OpenAI's legacy default);
+  /// chat without it may use the rest of the context.
+  std::int64_t default_completion_max_tokens = 16;
+  /// Requests admitted but still waiting for their first token; more get 429.
+  std::int64_t max_queued_requests = 256;
+  std::chrono::milliseconds request_timeout{600000};
+  std::chrono::seconds retry_after{1};  ///< the Retry-After of 429 and 503
+  ApiKeySet api_keys;                   ///< empty: no authentication
+};
+
+/// Options from the router's config section; reads the API key file if one is set.
+/// `max_model_len` comes from the model's config.
+[[nodiscard]] Result<ApiServerOptions> apiServerOptionsFromConfig(const RouterConfig& config,
+                                                                  std::int64_t max_model_len);
+
+class ApiServer {
+ public:
+  [[nodiscard]] static Result<std::unique_ptr<ApiServer>> start(ApiServerOptions options, CompletionBackend& backend,
+                                                                const PromptRenderer& renderer,
+                                                                metrics::Registry& registry);
+  ApiServer(const ApiServer&) = delete;
+  ApiServer& operator=(const ApiServer&) = delete;
+  ApiServer(ApiServer&&) = delete;
+  ApiServer& operator=(ApiServer&&) = delete;
+  /// stop() with no drain time if not called yet.
+  ~ApiServer();
+
+  [[nodiscard]] std::uint16_t port() const;
+  /// Requests being served right now (admitted and not yet answered in full).
+  [[nodiscard]] std::int64_t inFlight() const;
+  /// Stops accepting, lets in-flight requests finish for up to `drain`, then cuts the rest
+  /// (aborting their generations). Idempotent.
+  void stop(std::chrono::milliseconds drain = std::chrono::milliseconds{0});
+
+  class Impl;
+
+ private:
+  explicit ApiServer(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace pd::router

@@ -1,0 +1,146 @@
+#pragma once
+/// The seam between the OpenAI front end and whatever generates tokens. Today tests plug in a
+/// scripted fake (tests/fakes/fake_completion_backend.h); the P/D orchestrator (worker registry,
+/// decode stream + prefill submission, retries) will implement it next.
+///
+/// A generation: the front end validates and tokenizes a request, then calls start() with a
+/// GenerationRequest and a TokenSink. The backend streams TokenDelta events to the sink and ends
+/// with exactly one terminal event. The backend owns detokenization and stop handling (it has the
+/// tokenizer and sees token boundaries): the text it emits already ends before a stop string.
+///
+/// Errors the backend reports map to HTTP statuses (docs/api.md):
+///   InvalidArgument, ResourceExhausted, Unsupported -> 400 (the request can never be served)
+///   Overloaded                                      -> 503 + Retry-After (no pool can take it now)
+///   PeerFailed, Corrupt, Io                         -> 502 (a worker failed, after retries)
+///   Timeout                                         -> 504 (a worker did not answer in time)
+///   Cancelled                                       -> (the client is gone; nothing is sent)
+///   anything else                                   -> 500
+/// Before the first token these become the response status; after it, an error event ends the
+/// stream. The front end's own queue limit answers 429 before start() is called.
+///
+/// Retries are the backend's business; it counts them on the shared metrics registry as
+/// `pdserve_router_retries_total{leg="prefill"|"decode"}` (the front end registers that family).
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "pd/common/result.h"
+
+namespace pd::router {
+
+/// Token ids as the tokenizer numbers them.
+using TokenId = std::uint32_t;
+
+struct SamplingParams {
+  double temperature = 1.0;  ///< 0 means greedy
+  double top_p = 1.0;        ///< in (0, 1]
+  std::int64_t top_k = 0;    ///< 0: no top-k cut
+  std::optional<std::int64_t> seed;
+  double presence_penalty = 0.0;   ///< in [-2, 2]
+  double frequency_penalty = 0.0;  ///< in [-2, 2]
+};
+
+struct GenerationRequest {
+  std::string request_id;  ///< unique per request ("chatcmpl-..." / "cmpl-..."); for logs and workers
+  std::vector<TokenId> prompt_token_ids;
+  std::int64_t max_tokens = 16;  ///< >= 1; prompt + max_tokens fits the model's context
+  SamplingParams sampling;
+  std::vector<std::string> stop;        ///< stop strings; the returned text ends before the match
+  std::vector<TokenId> stop_token_ids;  ///< extra end tokens (besides the model's EOS)
+  bool ignore_eos = false;              ///< keep going past EOS (benchmarks)
+  /// -1: no logprobs. 0..20: the chosen token's logprob plus this many alternatives per token.
+  int top_logprobs = -1;
+  /// The front end aborts the generation at this time; the backend should give up before it.
+  std::chrono::steady_clock::time_point deadline;
+};
+
+struct TopLogprob {
+  TokenId token_id = 0;
+  std::string token;  ///< the token's text (raw bytes; the front end sanitizes)
+  double logprob = 0.0;
+};
+
+struct TokenLogprob {
+  TokenId token_id = 0;
+  std::string token;
+  double logprob = 0.0;
+  std::vector<TopLogprob> top;  ///< top_logprobs entries, best first
+};
+
+/// New tokens. `text` is what they add to the output (may be empty while a multi-byte character
+/// or a possible stop-string prefix is held back). Several tokens may come at once (MTP).
+struct TokenDelta {
+  std::vector<TokenId> token_ids;
+  std::string text;
+  std::vector<TokenLogprob> logprobs;  ///< one per token id when logprobs were requested
+};
+
+enum class FinishReason { Stop, Length };
+
+struct GenerationEnd {
+  FinishReason reason = FinishReason::Stop;
+  std::int64_t cached_prompt_tokens = 0;  ///< prompt tokens served from a prefix cache
+  std::string text;                       ///< any held-back text released at the end
+};
+
+/// Receives one generation's events.
+///
+/// Thread rules: the backend calls a sink from any thread but serially (never two calls at once
+/// for one generation); zero or more onTokens(), then exactly one onFinish() or onError(), then
+/// nothing. Calls may come before start() returns. Implementations must not block.
+class TokenSink {
+ public:
+  TokenSink() = default;
+  virtual ~TokenSink() = default;
+  TokenSink(const TokenSink&) = delete;
+  TokenSink& operator=(const TokenSink&) = delete;
+  TokenSink(TokenSink&&) = delete;
+  TokenSink& operator=(TokenSink&&) = delete;
+  virtual void onTokens(TokenDelta delta) = 0;
+  virtual void onFinish(GenerationEnd end) = 0;
+  virtual void onError(Error error) = 0;
+};
+
+/// Control of one running generation.
+/// Thread rules: abort() is thread-safe, idempotent and non-blocking; it may be called before
+/// or after the terminal event. Destroying the control does not abort.
+class GenerationControl {
+ public:
+  GenerationControl() = default;
+  virtual ~GenerationControl() = default;
+  GenerationControl(const GenerationControl&) = delete;
+  GenerationControl& operator=(const GenerationControl&) = delete;
+  GenerationControl(GenerationControl&&) = delete;
+  GenerationControl& operator=(GenerationControl&&) = delete;
+  /// Stops the generation and frees its resources on every worker; the sink then gets its
+  /// terminal event (normally onError(Cancelled)) if it has not had it yet.
+  virtual void abort() = 0;
+};
+
+/// Something that turns token ids into more token ids.
+/// Thread rules: thread-safe; start() and ready() are called from the HTTP io threads and must
+/// not block. The backend outlives the front end and joins its threads before it is destroyed.
+class CompletionBackend {
+ public:
+  CompletionBackend() = default;
+  virtual ~CompletionBackend() = default;
+  CompletionBackend(const CompletionBackend&) = delete;
+  CompletionBackend& operator=(const CompletionBackend&) = delete;
+  CompletionBackend(CompletionBackend&&) = delete;
+  CompletionBackend& operator=(CompletionBackend&&) = delete;
+
+  /// Begins a generation. On success the sink gets its events as described above (the backend
+  /// keeps `sink` alive until its terminal event). On error the sink is never called; the error
+  /// maps to a status as in the file comment.
+  [[nodiscard]] virtual Result<std::unique_ptr<GenerationControl>> start(GenerationRequest request,
+                                                                         std::shared_ptr<TokenSink> sink) = 0;
+  /// True when a request could be served now (at least one ready prefill and decode worker);
+  /// drives /ready. A request that arrives while false gets 503.
+  [[nodiscard]] virtual bool ready() const = 0;
+};
+
+}  // namespace pd::router

@@ -1,0 +1,59 @@
+#pragma once
+/// Parsing and validation of OpenAI request bodies for POST /v1/chat/completions and
+/// POST /v1/completions (docs/api.md lists every parameter and rule).
+///
+/// The body must be valid UTF-8 without lone surrogate escapes, a JSON object, and each known
+/// parameter must have the right type and range; unknown parameters are ignored (as vLLM does),
+/// known features this server does not offer (n > 1, tools, echo, suffix, logit_bias, best_of,
+/// non-text response formats, non-text content parts) are refused rather than silently ignored.
+///
+/// Errors: InvalidArgument with a message for the client that names the parameter but never
+/// repeats the client's text. Checks that need the model (name, context length, vocabulary)
+/// happen later, in the API server.
+///
+/// Thread rules: pure functions.
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "pd/common/result.h"
+#include "pd/router/completion_backend.h"
+#include "pd/router/prompt_renderer.h"
+
+namespace pd::router {
+
+enum class Endpoint { ChatCompletions, Completions };
+
+/// Largest `top_logprobs` (chat) / `logprobs` (completions) accepted.
+inline constexpr int kMaxTopLogprobs = 20;
+/// Most stop strings / stop token ids accepted.
+inline constexpr std::size_t kMaxStopSequences = 16;
+
+struct CompletionParams {
+  Endpoint endpoint = Endpoint::ChatCompletions;
+  std::string model;
+  ChatConversation conversation;  ///< chat only
+  /// completions only: exactly one of the two is set.
+  std::optional<std::string> prompt_text;
+  std::optional<std::vector<TokenId>> prompt_token_ids;
+  /// max_completion_tokens if given, else max_tokens; unset: the endpoint's default.
+  std::optional<std::int64_t> max_tokens;
+  SamplingParams sampling;
+  std::vector<std::string> stop;
+  std::vector<TokenId> stop_token_ids;
+  bool ignore_eos = false;
+  bool stream = false;
+  bool include_usage = false;  ///< stream_options.include_usage
+  bool logprobs = false;
+  int top_logprobs = 0;  ///< alternatives per token when logprobs is on
+  bool return_token_ids = false;
+  std::string user;
+};
+
+/// Parses a request body for `endpoint`.
+[[nodiscard]] Result<CompletionParams> parseCompletionRequest(Endpoint endpoint, std::string_view body);
+
+}  // namespace pd::router

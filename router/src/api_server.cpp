@@ -1,0 +1,643 @@
+#include "pd/router/api_server.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <atomic>
+#include <mutex>
+#include <optional>
+#include <random>
+#include <utility>
+
+#include "deadline_scheduler.h"
+#include "json_writer.h"
+#include "openai_response.h"
+#include "pd/common/log.h"
+#include "pd/router/json_text.h"
+#include "pd/router/openai_request.h"
+
+namespace pd::router {
+namespace {
+
+constexpr std::string_view kLog = "router";
+constexpr std::string_view kJson = "application/json";
+using Clock = std::chrono::steady_clock;
+
+std::int64_t unixSeconds() {
+  return std::chrono::duration_cast<std::chrono::seconds>(std::chrono::system_clock::now().time_since_epoch()).count();
+}
+
+double secondsBetween(Clock::time_point a, Clock::time_point b) {
+  return std::chrono::duration<double>(b - a).count();
+}
+
+/// The router's metrics; references stay valid as long as the registry (which outlives us).
+struct FrontEndMetrics {
+  explicit FrontEndMetrics(metrics::Registry& r)
+      : requests(r.counter("pdserve_router_requests_total",
+                           "Requests answered, by endpoint and HTTP status (499: the client went away).",
+                           {"endpoint", "status"})),
+        ttft(r.histogram("pdserve_router_time_to_first_token_seconds",
+                         "Time from receiving a generation request to its first token.", metrics::latencyBuckets())
+                 .get()),
+        tpot(r.histogram("pdserve_router_time_per_output_token_seconds",
+                         "Mean time between output tokens after the first, per request.",
+                         {0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0})
+                 .get()),
+        e2e(r.histogram("pdserve_router_e2e_request_latency_seconds",
+                        "Time from receiving a generation request to its last byte.", metrics::latencyBuckets())
+                .get()),
+        in_flight(r.gauge("pdserve_router_requests_in_flight", "Generation requests being served.").get()),
+        waiting(r.gauge("pdserve_router_requests_waiting",
+                        "Generation requests admitted and waiting for their first token (the queue).")
+                    .get()),
+        prompt_tokens(r.counter("pdserve_router_prompt_tokens_total", "Prompt tokens of admitted requests.").get()),
+        generation_tokens(r.counter("pdserve_router_generation_tokens_total", "Tokens generated for clients.").get()) {
+    // Retries happen in the backend, which increments these on the same registry.
+    auto& retries = r.counter("pdserve_router_retries_total",
+                              "Generation legs retried on another worker, by leg (prefill or decode).", {"leg"});
+    retries.labels({"prefill"});
+    retries.labels({"decode"});
+  }
+
+  metrics::Family<metrics::Counter>& requests;
+  metrics::Histogram& ttft;
+  metrics::Histogram& tpot;
+  metrics::Histogram& e2e;
+  metrics::Gauge& in_flight;
+  metrics::Gauge& waiting;
+  metrics::Counter& prompt_tokens;
+  metrics::Counter& generation_tokens;
+};
+
+/// What every request of one server shares. Each request holds it (shared_ptr: a backend may
+/// deliver a late event after the ApiServer is gone), so it owns only values and references to
+/// things that outlive every generation.
+struct FrontEnd {
+  FrontEnd(const ApiServerOptions& o, CompletionBackend& b, const PromptRenderer& pr, metrics::Registry& r)
+      : served_model_name(o.served_model_name),
+        max_model_len(o.max_model_len),
+        default_completion_max_tokens(o.default_completion_max_tokens),
+        max_queued_requests(o.max_queued_requests),
+        request_timeout(o.request_timeout),
+        retry_after(o.retry_after),
+        api_keys(o.api_keys),
+        backend(b),
+        renderer(pr),
+        registry(r),
+        metrics(r),
+        started_at(unixSeconds()) {
+    std::random_device rd;
+    id_salt = fmt::format("{:08x}{:08x}", rd(), rd());
+  }
+
+  void countRequest(std::string_view endpoint, int status) {
+    metrics.requests.labels({std::string(endpoint), std::to_string(status)}).inc();
+  }
+  http::Response errorResponse(const ApiError& e, std::string_view request_id) const {
+    http::Response r = http::Response::withBody(e.status, std::string(kJson), errorJson(e));
+    if (e.status == 429 || e.status == 503) r.headers.push_back({"Retry-After", std::to_string(retry_after.count())});
+    if (e.status == 401) r.headers.push_back({"WWW-Authenticate", "Bearer"});
+    if (!request_id.empty()) r.headers.push_back({"X-Request-Id", std::string(request_id)});
+    return r;
+  }
+
+  const std::string served_model_name;
+  const std::int64_t max_model_len;
+  const std::int64_t default_completion_max_tokens;
+  const std::int64_t max_queued_requests;
+  const std::chrono::milliseconds request_timeout;
+  const std::chrono::seconds retry_after;
+  const ApiKeySet api_keys;
+  CompletionBackend& backend;
+  const PromptRenderer& renderer;
+  metrics::Registry& registry;
+  FrontEndMetrics metrics;
+  const std::int64_t started_at;
+  std::string id_salt;
+  std::atomic<std::int64_t> waiting{0};
+  std::atomic<std::int64_t> in_flight{0};
+  std::atomic<std::uint64_t> next_id{0};
+  /// Weak: the ApiServer owns the scheduler; a late event after it is gone just skips the cancel.
+  std::weak_ptr<DeadlineScheduler> deadlines;
+};
+
+ApiError serverError(int status, std::string code, std::string message) {
+  return ApiError{status, "server_error", std::move(code), std::move(message)};
+}
+
+/// A backend error as the client sees it (the mapping documented in completion_backend.h).
+ApiError fromBackendError(const Error& e) {
+  switch (e.code) {
+    case ErrorCode::InvalidArgument:
+    case ErrorCode::ResourceExhausted:
+    case ErrorCode::Unsupported:
+      return invalidRequest(e.message);
+    case ErrorCode::Overloaded:
+      return serverError(503, "service_unavailable", "no worker can take the request now; retry later");
+    case ErrorCode::PeerFailed:
+    case ErrorCode::Corrupt:
+    case ErrorCode::Io:
+      return serverError(502, "upstream_error", "a worker failed while serving the request");
+    case ErrorCode::Timeout:
+      return serverError(504, "upstream_timeout", "a worker did not answer in time");
+    case ErrorCode::Cancelled:
+      return serverError(503, "cancelled", "the request was cancelled by the server");
+    case ErrorCode::NotFound:
+    case ErrorCode::Internal:
+      break;
+  }
+  return serverError(500, "internal_error", "internal error");
+}
+
+/// One generation request from admission to its last byte: the backend's TokenSink, and the
+/// target of the client-gone and deadline callbacks.
+///
+/// Thread rules: the backend calls the sink methods serially; clientGone() comes from an io
+/// thread and deadlinePassed() from the scheduler thread, concurrently with them. `mu_` guards
+/// everything; the backend's abort() and the scheduler's cancel() are called without it (either
+/// may call back into this object).
+class RequestState final : public TokenSink, public std::enable_shared_from_this<RequestState> {
+ public:
+  RequestState(std::shared_ptr<FrontEnd> fe, http::Exchange exchange, ResponseShape shape, bool stream,
+               std::string endpoint, std::vector<TokenId> prompt_ids, Clock::time_point received)
+      : fe_(std::move(fe)),
+        exchange_(std::move(exchange)),
+        shape_(std::move(shape)),
+        stream_(stream),
+        endpoint_(std::move(endpoint)),
+        prompt_ids_(std::move(prompt_ids)),
+        received_(received) {}
+
+  void onTokens(TokenDelta delta) override {
+    std::lock_guard lock(mu_);
+    if (done_) return;
+    const auto now = Clock::now();
+    if (!first_token_at_) {
+      first_token_at_ = now;
+      leaveQueue();
+      fe_->metrics.ttft.observe(secondsBetween(received_, now));
+    }
+    last_token_at_ = now;
+    completion_tokens_ += static_cast<std::int64_t>(delta.token_ids.size());
+    std::string text = sanitizer_.push(delta.text);
+    if (!stream_) {
+      text_ += text;
+      ids_.insert(ids_.end(), delta.token_ids.begin(), delta.token_ids.end());
+      for (auto& lp : delta.logprobs) logprobs_.push_back(std::move(lp));
+      return;
+    }
+    beginStreamLocked();
+    const bool has_payload =
+        !text.empty() || (!delta.token_ids.empty() && (shape_.return_token_ids || shape_.logprobs));
+    if (!has_payload) return;
+    exchange_.write(deltaChunk(shape_, text, delta.token_ids, delta.logprobs, cursor_, promptIdsForChunk()));
+  }
+
+  void onFinish(GenerationEnd end) override {
+    std::optional<DeadlineScheduler::Id> cancel;
+    {
+      std::lock_guard lock(mu_);
+      backend_ended_ = true;
+      if (done_) return;
+      std::string tail = sanitizer_.push(end.text);
+      tail += sanitizer_.finish();
+      const Usage usage{static_cast<std::int64_t>(prompt_ids_.size()), completion_tokens_, end.cached_prompt_tokens};
+      if (stream_) {
+        beginStreamLocked();
+        if (!tail.empty()) exchange_.write(deltaChunk(shape_, tail, {}, {}, cursor_, promptIdsForChunk()));
+        exchange_.write(finishChunk(shape_, end.reason, promptIdsForChunk()));
+        if (shape_.include_usage) exchange_.write(usageChunk(shape_, usage));
+        exchange_.write(std::string(kSseDone));
+        exchange_.end();
+      } else {
+        text_ += tail;
+        http::Response r = http::Response::withBody(
+            200, std::string(kJson), fullResponse(shape_, text_, ids_, logprobs_, end.reason, usage, prompt_ids_));
+        r.headers.push_back({"X-Request-Id", shape_.id});
+        exchange_.respond(std::move(r));
+      }
+      cancel = finishLocked(200);
+    }
+    cancelDeadline(cancel);
+  }
+
+  void onError(Error error) override {
+    std::optional<DeadlineScheduler::Id> cancel;
+    {
+      std::lock_guard lock(mu_);
+      backend_ended_ = true;
+      if (done_) return;
+      const ApiError api = fromBackendError(error);
+      if (api.status >= 500) log::warn(kLog, "{}: generation failed: {}", shape_.id, error.toString());
+      cancel = failLocked(api);
+    }
+    cancelDeadline(cancel);
+  }
+
+  /// start() refused the request; the sink was never called.
+  void startFailed(const Error& error) {
+    std::optional<DeadlineScheduler::Id> cancel;
+    {
+      std::lock_guard lock(mu_);
+      backend_ended_ = true;
+      if (done_) return;
+      const ApiError api = fromBackendError(error);
+      if (api.status >= 500) log::warn(kLog, "{}: backend refused the request: {}", shape_.id, error.toString());
+      cancel = failLocked(api);
+    }
+    cancelDeadline(cancel);
+  }
+
+  void setControl(std::unique_ptr<GenerationControl> control) {
+    bool abort_now = false;
+    {
+      std::lock_guard lock(mu_);
+      control_ = std::move(control);
+      abort_now = done_ && !backend_ended_;
+    }
+    if (abort_now) control_->abort();
+  }
+
+  void setDeadline(DeadlineScheduler::Id id) {
+    std::lock_guard lock(mu_);
+    if (!done_) deadline_id_ = id;
+  }
+
+  /// The client disconnected: stop generating for it.
+  void clientGone() {
+    std::optional<DeadlineScheduler::Id> cancel;
+    {
+      std::lock_guard lock(mu_);
+      if (done_) return;
+      log::debug(kLog, "{}: client went away; aborting the generation", shape_.id);
+      cancel = finishLocked(499);
+    }
+    cancelDeadline(cancel);
+    abortBackend();
+  }
+
+  /// The request's deadline passed (on the scheduler thread, so no cancel() here).
+  void deadlinePassed() {
+    {
+      std::lock_guard lock(mu_);
+      if (done_) return;
+      deadline_id_.reset();
+      log::warn(kLog, "{}: request deadline passed; aborting the generation", shape_.id);
+      (void)failLocked(serverError(504, "timeout", "the request did not finish within the time limit"));
+    }
+    abortBackend();
+  }
+
+ private:
+  void leaveQueue() { fe_->metrics.waiting.set(static_cast<double>(--fe_->waiting)); }
+
+  void beginStreamLocked() {
+    if (stream_started_) return;
+    stream_started_ = true;
+    exchange_.beginStream(200, {{"Content-Type", "text/event-stream; charset=utf-8"},
+                                {"Cache-Control", "no-cache"},
+                                {"X-Accel-Buffering", "no"},
+                                {"X-Request-Id", shape_.id}});
+    if (shape_.endpoint == Endpoint::ChatCompletions) {
+      exchange_.write(chatRoleChunk(shape_, prompt_ids_));
+      prompt_ids_sent_ = true;
+    }
+  }
+
+  /// The prompt ids ride on the first completions chunk when the client asked for them.
+  const std::vector<TokenId>* promptIdsForChunk() {
+    if (prompt_ids_sent_ || !shape_.return_token_ids) return nullptr;
+    prompt_ids_sent_ = true;
+    return &prompt_ids_;
+  }
+
+  std::optional<DeadlineScheduler::Id> failLocked(const ApiError& api) {
+    if (stream_started_) {
+      // Headers are gone already: end the stream with an error event, as OpenAI does.
+      exchange_.write(sseData(errorJson(api)));
+      exchange_.write(std::string(kSseDone));
+      exchange_.end();
+    } else {
+      exchange_.respond(fe_->errorResponse(api, shape_.id));
+    }
+    return finishLocked(api.status);
+  }
+
+  /// Books the outcome once; returns the deadline to cancel after unlocking.
+  std::optional<DeadlineScheduler::Id> finishLocked(int status) {
+    done_ = true;
+    fe_->countRequest(endpoint_, status);
+    if (!first_token_at_) leaveQueue();
+    fe_->metrics.in_flight.set(static_cast<double>(--fe_->in_flight));
+    fe_->metrics.generation_tokens.inc(static_cast<double>(completion_tokens_));
+    if (status == 200) {
+      const auto now = Clock::now();
+      fe_->metrics.e2e.observe(secondsBetween(received_, now));
+      if (first_token_at_ && completion_tokens_ > 1) {
+        fe_->metrics.tpot.observe(secondsBetween(*first_token_at_, last_token_at_) /
+                                  static_cast<double>(completion_tokens_ - 1));
+      }
+    }
+    auto id = deadline_id_;
+    deadline_id_.reset();
+    return id;
+  }
+
+  void cancelDeadline(std::optional<DeadlineScheduler::Id> id) {
+    if (!id) return;
+    if (auto scheduler = fe_->deadlines.lock()) scheduler->cancel(*id);
+  }
+
+  void abortBackend() {
+    GenerationControl* control = nullptr;
+    {
+      std::lock_guard lock(mu_);
+      if (backend_ended_) return;
+      control = control_.get();  // stable once set; null until start() returned (setControl aborts then)
+    }
+    if (control != nullptr) control->abort();
+  }
+
+  const std::shared_ptr<FrontEnd> fe_;
+  http::Exchange exchange_;
+  const ResponseShape shape_;
+  const bool stream_;
+  const std::string endpoint_;
+  const std::vector<TokenId> prompt_ids_;
+  const Clock::time_point received_;
+
+  std::mutex mu_;
+  std::unique_ptr<GenerationControl> control_;
+  std::optional<DeadlineScheduler::Id> deadline_id_;
+  bool done_ = false;           ///< the client has its answer (or is gone); later events are dropped
+  bool backend_ended_ = false;  ///< the backend delivered its terminal event
+  bool stream_started_ = false;
+  bool prompt_ids_sent_ = false;
+  std::optional<Clock::time_point> first_token_at_;
+  Clock::time_point last_token_at_;
+  std::int64_t completion_tokens_ = 0;
+  Utf8StreamSanitizer sanitizer_;
+  LogprobCursor cursor_;
+  std::string text_;  ///< non-streaming: accumulated output
+  std::vector<TokenId> ids_;
+  std::vector<TokenLogprob> logprobs_;
+};
+
+std::string_view endpointLabel(Endpoint e) {
+  return e == Endpoint::ChatCompletions ? "/v1/chat/completions" : "/v1/completions";
+}
+
+}  // namespace
+
+class ApiServer::Impl {
+ public:
+  Impl(const ApiServerOptions& options, CompletionBackend& backend, const PromptRenderer& renderer,
+       metrics::Registry& registry)
+      : fe_(std::make_shared<FrontEnd>(options, backend, renderer, registry)),
+        deadlines_(std::make_shared<DeadlineScheduler>()) {
+    fe_->deadlines = deadlines_;
+  }
+  Impl(const Impl&) = delete;
+  Impl& operator=(const Impl&) = delete;
+  Impl(Impl&&) = delete;
+  Impl& operator=(Impl&&) = delete;
+  ~Impl() {
+    try {
+      stop(std::chrono::milliseconds{0});
+    } catch (const std::exception& e) {
+      log::error(kLog, "stopping the API server failed: {}", e.what());
+    }
+  }
+
+  Status startHttp(http::ServerOptions options) {
+    metrics::Family<metrics::Counter>* requests = &fe_->metrics.requests;
+    const auto retry_after = fe_->retry_after;
+    // Errors the HTTP layer answers itself (malformed HTTP, unknown path, 413, ...) in OpenAI's shape.
+    options.error_responder = [requests, retry_after](int status, std::string_view message) {
+      requests->labels({"other", std::to_string(status)}).inc();
+      ApiError e{status, status >= 500 ? "server_error" : "invalid_request_error", "", std::string(message)};
+      if (status == 404) e.code = "not_found";
+      if (status == 413) e.code = "request_too_large";
+      http::Response r = http::Response::withBody(status, std::string(kJson), errorJson(e));
+      if (status == 503) r.headers.push_back({"Retry-After", std::to_string(retry_after.count())});
+      return r;
+    };
+    std::vector<http::Route> routes;
+    routes.push_back({"POST", "/v1/chat/completions", [this](const http::Request& req, http::Exchange ex) {
+                        handleCompletion(Endpoint::ChatCompletions, req, std::move(ex));
+                      }});
+    routes.push_back({"POST", "/v1/completions", [this](const http::Request& req, http::Exchange ex) {
+                        handleCompletion(Endpoint::Completions, req, std::move(ex));
+                      }});
+    routes.push_back(
+        {"GET", "/v1/models", [this](const http::Request& req, http::Exchange ex) { handleModels(req, ex); }});
+    routes.push_back({"GET", "/health", [](const http::Request& /*req*/, http::Exchange ex) {
+                        ex.respond(http::Response::withBody(200, std::string(kJson), R"({"status":"ok"})"));
+                      }});
+    routes.push_back({"GET", "/ready", [this](const http::Request& /*req*/, http::Exchange ex) {
+                        const bool ready = fe_->backend.ready();
+                        ex.respond(
+                            http::Response::withBody(ready ? 200 : 503, std::string(kJson),
+                                                     ready ? R"({"status":"ready"})" : R"({"status":"not ready"})"));
+                      }});
+    routes.push_back({"GET", "/metrics", [this](const http::Request& /*req*/, http::Exchange ex) {
+                        ex.respond(http::Response::withBody(200, std::string(metrics::kExpositionContentType),
+                                                            fe_->registry.render()));
+                      }});
+    PD_ASSIGN_OR_RETURN(http_, http::Server::start(std::move(options), std::move(routes)));
+    return okStatus();
+  }
+
+  std::uint16_t port() const { return http_->port(); }
+  std::int64_t inFlight() const { return fe_->in_flight.load(); }
+
+  void stop(std::chrono::milliseconds drain) {
+    if (http_) http_->stop(drain);  // cuts remaining clients: their generations are aborted
+    deadlines_.reset();             // joins the scheduler thread
+  }
+
+ private:
+  /// Answers 401 and returns false unless the request carries an accepted key.
+  bool authorized(const http::Request& req, http::Exchange& ex, std::string_view endpoint) {
+    if (fe_->api_keys.empty()) return true;
+    const std::string_view auth = req.header("Authorization");
+    if (!auth.empty() && fe_->api_keys.acceptsAuthorization(auth)) return true;
+    reject(
+        ex, endpoint,
+        ApiError{401, "invalid_request_error", "invalid_api_key",
+                 auth.empty() ? "missing API key: send the header 'Authorization: Bearer <key>'" : "invalid API key"});
+    return false;
+  }
+
+  void reject(http::Exchange& ex, std::string_view endpoint, const ApiError& e) {
+    fe_->countRequest(endpoint, e.status);
+    ex.respond(fe_->errorResponse(e, {}));
+  }
+
+  void handleModels(const http::Request& req, http::Exchange& ex) {
+    if (!authorized(req, ex, "/v1/models")) return;
+    JsonWriter w;
+    w.beginObject().key("object").string("list").key("data").beginArray().beginObject();
+    w.key("id").string(fe_->served_model_name);
+    w.key("object").string("model");
+    w.key("created").number(fe_->started_at);
+    w.key("owned_by").string("pdserve");
+    w.key("max_model_len").number(fe_->max_model_len);
+    w.endObject().endArray().endObject();
+    fe_->countRequest("/v1/models", 200);
+    ex.respond(http::Response::withBody(200, std::string(kJson), w.take()));
+  }
+
+  /// The prompt's token ids, or the error to answer.
+  Result<std::vector<TokenId>> promptIds(const CompletionParams& p) {
+    if (p.endpoint == Endpoint::ChatCompletions) return fe_->renderer.renderChat(p.conversation);
+    if (p.prompt_token_ids) return *p.prompt_token_ids;
+    return fe_->renderer.tokenize(*p.prompt_text);
+  }
+
+  void handleCompletion(Endpoint endpoint, const http::Request& req, http::Exchange ex) {
+    const auto received = Clock::now();
+    const std::string_view label = endpointLabel(endpoint);
+    if (!authorized(req, ex, label)) return;
+
+    auto parsed = parseCompletionRequest(endpoint, req.body);
+    if (!parsed.ok()) return reject(ex, label, invalidRequest(parsed.error().message));
+    CompletionParams p = std::move(parsed).value();
+    if (p.model != fe_->served_model_name) {
+      return reject(ex, label,
+                    ApiError{404, "invalid_request_error", "model_not_found",
+                             "the requested model does not exist; GET /v1/models lists the served model"});
+    }
+
+    auto prompt = promptIds(p);
+    if (!prompt.ok()) {
+      if (prompt.error().code == ErrorCode::InvalidArgument) {
+        return reject(ex, label, invalidRequest(prompt.error().message));
+      }
+      log::error(kLog, "rendering a prompt failed: {}", prompt.error().toString());
+      return reject(ex, label, serverError(500, "internal_error", "the prompt could not be rendered"));
+    }
+    std::vector<TokenId> prompt_ids = std::move(prompt).value();
+    if (prompt_ids.empty()) return reject(ex, label, invalidRequest("the prompt is empty"));
+    const std::size_t vocab = fe_->renderer.vocabSize();
+    for (TokenId id : prompt_ids) {
+      if (id >= vocab) return reject(ex, label, invalidRequest("'prompt' contains a token id outside the vocabulary"));
+    }
+    for (TokenId id : p.stop_token_ids) {
+      if (id >= vocab)
+        return reject(ex, label, invalidRequest("'stop_token_ids' contains an id outside the vocabulary"));
+    }
+    const auto prompt_len = static_cast<std::int64_t>(prompt_ids.size());
+    const std::int64_t room = fe_->max_model_len - prompt_len;
+    if (room < 1) {
+      return reject(ex, label,
+                    invalidRequest(fmt::format("the prompt has {} tokens, which leaves no room to generate within the "
+                                               "model's context length of {} tokens",
+                                               prompt_len, fe_->max_model_len),
+                                   "context_length_exceeded"));
+    }
+    std::int64_t max_tokens = 0;
+    if (p.max_tokens) {
+      if (*p.max_tokens > room) {
+        return reject(ex, label,
+                      invalidRequest(fmt::format("the prompt has {} tokens; with the requested max_tokens the request "
+                                                 "exceeds the model's context length of {} tokens (at most {} more)",
+                                                 prompt_len, fe_->max_model_len, room),
+                                     "context_length_exceeded"));
+      }
+      max_tokens = *p.max_tokens;
+    } else {
+      max_tokens = endpoint == Endpoint::Completions ? std::min(room, fe_->default_completion_max_tokens) : room;
+    }
+
+    if (!fe_->backend.ready()) {
+      return reject(ex, label,
+                    serverError(503, "service_unavailable", "no prefill and decode workers are ready; retry later"));
+    }
+    if (fe_->waiting.fetch_add(1) >= fe_->max_queued_requests) {
+      fe_->waiting.fetch_sub(1);
+      return reject(
+          ex, label,
+          ApiError{429, "requests", "rate_limit_exceeded", "too many requests are waiting for a worker; retry later"});
+    }
+    fe_->metrics.waiting.set(static_cast<double>(fe_->waiting.load()));
+    fe_->metrics.in_flight.set(static_cast<double>(++fe_->in_flight));
+    fe_->metrics.prompt_tokens.inc(static_cast<double>(prompt_len));
+
+    const std::string id = fmt::format("{}-{}{:x}", endpoint == Endpoint::ChatCompletions ? "chatcmpl" : "cmpl",
+                                       fe_->id_salt, fe_->next_id.fetch_add(1));
+    GenerationRequest g;
+    g.request_id = id;
+    g.prompt_token_ids = prompt_ids;
+    g.max_tokens = max_tokens;
+    g.sampling = p.sampling;
+    g.stop = std::move(p.stop);
+    g.stop_token_ids = std::move(p.stop_token_ids);
+    g.ignore_eos = p.ignore_eos;
+    g.top_logprobs = p.logprobs ? p.top_logprobs : -1;
+    g.deadline = received + fe_->request_timeout;
+
+    ResponseShape shape{endpoint,           id,        unixSeconds(), fe_->served_model_name, p.include_usage,
+                        p.return_token_ids, p.logprobs};
+    auto state = std::make_shared<RequestState>(fe_, ex, std::move(shape), p.stream, std::string(label),
+                                                std::move(prompt_ids), received);
+    const std::weak_ptr<RequestState> weak = state;
+    ex.onClientGone([weak] {
+      if (auto s = weak.lock()) s->clientGone();
+    });
+    if (auto scheduler = deadlines_) {
+      state->setDeadline(scheduler->schedule(g.deadline, [weak] {
+        if (auto s = weak.lock()) s->deadlinePassed();
+      }));
+    }
+    auto started = fe_->backend.start(std::move(g), state);
+    if (!started.ok()) return state->startFailed(started.error());
+    state->setControl(std::move(started).value());
+  }
+
+  std::shared_ptr<FrontEnd> fe_;
+  std::shared_ptr<DeadlineScheduler> deadlines_;  // shared only so requests can hold it weakly
+  std::unique_ptr<http::Server> http_;
+};
+
+Result<ApiServerOptions> apiServerOptionsFromConfig(const RouterConfig& config, std::int64_t max_model_len) {
+  ApiServerOptions o;
+  o.http.host = config.host;
+  o.http.port = static_cast<std::uint16_t>(config.port);
+  o.http.io_threads = static_cast<int>(config.io_threads);
+  o.http.max_body_bytes = static_cast<std::size_t>(config.max_body_bytes);
+  o.served_model_name = config.served_model_name;
+  o.max_model_len = max_model_len;
+  o.max_queued_requests = config.max_queued_requests;
+  o.request_timeout = std::chrono::milliseconds(config.request_timeout_ms);
+  o.retry_after = std::chrono::seconds(config.retry_after_s);
+  if (!config.api_keys_file.empty()) {
+    PD_ASSIGN_OR_RETURN(o.api_keys, ApiKeySet::fromFile(config.api_keys_file));
+  }
+  return o;
+}
+
+Result<std::unique_ptr<ApiServer>> ApiServer::start(ApiServerOptions options, CompletionBackend& backend,
+                                                    const PromptRenderer& renderer, metrics::Registry& registry) {
+  if (options.max_model_len < 2) return makeError(ErrorCode::InvalidArgument, "max_model_len must be at least 2");
+  const std::string host = options.http.host;
+  auto impl = std::make_unique<Impl>(options, backend, renderer, registry);
+  PD_TRY(impl->startHttp(std::move(options.http)));
+  log::info(kLog, "OpenAI API for model '{}' on http://{}:{}", options.served_model_name, host, impl->port());
+  return std::unique_ptr<ApiServer>(new ApiServer(std::move(impl)));
+}
+
+ApiServer::ApiServer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+ApiServer::~ApiServer() = default;
+std::uint16_t ApiServer::port() const {
+  return impl_->port();
+}
+std::int64_t ApiServer::inFlight() const {
+  return impl_->inFlight();
+}
+void ApiServer::stop(std::chrono::milliseconds drain) {
+  impl_->stop(drain);
+}
+
+}  // namespace pd::router

@@ -1,0 +1,369 @@
+#include "pd/router/openai_request.h"
+
+#include <fmt/format.h>
+
+#include <boost/json.hpp>
+#include <cmath>
+#include <limits>
+
+#include "pd/router/json_text.h"
+
+namespace pd::router {
+namespace {
+
+namespace json = boost::json;
+
+constexpr std::size_t kMaxJsonDepth = 64;
+constexpr std::size_t kMaxStopTokenIds = 1024;
+
+Error bad(std::string message) {
+  return makeError(ErrorCode::InvalidArgument, std::move(message));
+}
+
+/// The value of a parameter, or nullptr when absent or null (null means "use the default").
+const json::value* field(const json::object& o, std::string_view name) {
+  const auto it = o.find(name);
+  if (it == o.end() || it->value().is_null()) return nullptr;
+  return &it->value();
+}
+
+Result<std::optional<bool>> getBool(const json::object& o, std::string_view name) {
+  const json::value* v = field(o, name);
+  if (v == nullptr) return std::optional<bool>{};
+  if (!v->is_bool()) return bad(fmt::format("'{}' must be a boolean", name));
+  return std::optional<bool>{v->get_bool()};
+}
+
+Result<std::optional<double>> getNumber(const json::object& o, std::string_view name, double lo, double hi,
+                                        bool lo_open = false) {
+  const json::value* v = field(o, name);
+  if (v == nullptr) return std::optional<double>{};
+  double d = 0.0;
+  if (v->is_double()) {
+    d = v->get_double();
+  } else if (v->is_int64()) {
+    d = static_cast<double>(v->get_int64());
+  } else if (v->is_uint64()) {
+    d = static_cast<double>(v->get_uint64());
+  } else {
+    return bad(fmt::format("'{}' must be a number", name));
+  }
+  if (!std::isfinite(d) || d > hi || d < lo || (lo_open && d == lo)) {
+    return bad(fmt::format("'{}' must be {} {} and {}", name, lo_open ? "greater than" : "between", lo,
+                           lo_open ? fmt::format("at most {}", hi) : fmt::format("{}", hi)));
+  }
+  return std::optional<double>{d};
+}
+
+/// An integer; a float with an integral value (16.0) is accepted as that integer.
+Result<std::optional<std::int64_t>> getInt(const json::object& o, std::string_view name, std::int64_t lo,
+                                           std::int64_t hi) {
+  const json::value* v = field(o, name);
+  if (v == nullptr) return std::optional<std::int64_t>{};
+  std::int64_t n = 0;
+  bool in_range = true;
+  if (v->is_int64()) {
+    n = v->get_int64();
+  } else if (v->is_uint64()) {
+    in_range = false;  // above INT64_MAX
+  } else if (v->is_double() && std::trunc(v->get_double()) == v->get_double() && std::isfinite(v->get_double())) {
+    const double d = v->get_double();
+    in_range = d >= -9.2e18 && d <= 9.2e18;
+    if (in_range) n = static_cast<std::int64_t>(d);
+  } else {
+    return bad(fmt::format("'{}' must be an integer", name));
+  }
+  if (!in_range || n < lo || n > hi) {
+    if (hi == std::numeric_limits<std::int64_t>::max()) {
+      if (lo == std::numeric_limits<std::int64_t>::min())
+        return bad(fmt::format("'{}' must be a 64-bit integer", name));
+      return bad(fmt::format("'{}' must be at least {}", name, lo));
+    }
+    return bad(fmt::format("'{}' must be an integer between {} and {}", name, lo, hi));
+  }
+  return std::optional<std::int64_t>{n};
+}
+
+Result<std::optional<std::string>> getString(const json::object& o, std::string_view name) {
+  const json::value* v = field(o, name);
+  if (v == nullptr) return std::optional<std::string>{};
+  if (!v->is_string()) return bad(fmt::format("'{}' must be a string", name));
+  return std::optional<std::string>{std::string(v->get_string())};
+}
+
+Result<TokenId> tokenIdOf(const json::value& v, std::string_view name) {
+  if (v.is_int64() && v.get_int64() >= 0 && v.get_int64() <= std::numeric_limits<TokenId>::max()) {
+    return static_cast<TokenId>(v.get_int64());
+  }
+  if (v.is_uint64() && v.get_uint64() <= std::numeric_limits<TokenId>::max())
+    return static_cast<TokenId>(v.get_uint64());
+  return bad(fmt::format("'{}' must contain only non-negative integer token ids", name));
+}
+
+Result<std::vector<TokenId>> tokenIds(const json::array& a, std::string_view name) {
+  std::vector<TokenId> ids;
+  ids.reserve(a.size());
+  for (const auto& v : a) {
+    PD_ASSIGN_OR_RETURN(TokenId id, tokenIdOf(v, name));
+    ids.push_back(id);
+  }
+  return ids;
+}
+
+/// Refuses a known OpenAI feature this server does not offer, when the client actually uses it.
+Status refuseUnsupported(const json::object& o, Endpoint endpoint) {
+  if (const auto* v = field(o, "n")) {
+    if (!v->is_int64() && !v->is_uint64()) return bad("'n' must be an integer");
+    if (!v->is_int64() || v->get_int64() != 1) {
+      return bad("'n' must be 1: several choices per request are not supported yet");
+    }
+  }
+  if (const auto* v = field(o, "best_of")) {
+    if (!v->is_int64() || v->get_int64() != 1) return bad("'best_of' must be 1: it is not supported");
+  }
+  if (const auto* v = field(o, "echo")) {
+    if (!v->is_bool()) return bad("'echo' must be a boolean");
+    if (v->get_bool()) return bad("'echo' is not supported");
+  }
+  if (const auto* v = field(o, "suffix")) {
+    if (!v->is_string()) return bad("'suffix' must be a string");
+    if (!v->get_string().empty()) return bad("'suffix' is not supported");
+  }
+  if (const auto* v = field(o, "logit_bias")) {
+    if (!v->is_object()) return bad("'logit_bias' must be an object");
+    if (!v->get_object().empty()) return bad("'logit_bias' is not supported");
+  }
+  for (std::string_view name : {"tools", "functions"}) {
+    if (const auto* v = field(o, name)) {
+      if (!v->is_array()) return bad(fmt::format("'{}' must be an array", name));
+      if (!v->get_array().empty()) return bad(fmt::format("'{}' (tool calling) is not supported yet", name));
+    }
+  }
+  if (const auto* v = field(o, "tool_choice")) {
+    if (!v->is_string() || (v->get_string() != "none" && v->get_string() != "auto")) {
+      return bad("'tool_choice' is not supported: tool calling is not available yet");
+    }
+  }
+  if (const auto* v = field(o, "response_format")) {
+    const json::value* type = v->is_object() ? field(v->get_object(), "type") : nullptr;
+    if (type == nullptr || !type->is_string()) return bad("'response_format' must be an object with a 'type'");
+    if (type->get_string() != "text") return bad("'response_format' other than text is not supported yet");
+  }
+  (void)endpoint;
+  return okStatus();
+}
+
+Result<ChatConversation> parseMessages(const json::object& o) {
+  const json::value* v = field(o, "messages");
+  if (v == nullptr) return bad("'messages' is required");
+  if (!v->is_array()) return bad("'messages' must be an array");
+  const json::array& in = v->get_array();
+  if (in.empty()) return bad("'messages' must not be empty");
+  ChatConversation conv;
+  json::array normalized;
+  normalized.reserve(in.size());
+  for (std::size_t i = 0; i < in.size(); ++i) {
+    if (!in[i].is_object()) return bad(fmt::format("'messages[{}]' must be an object", i));
+    const json::object& m = in[i].get_object();
+    const json::value* role = field(m, "role");
+    if (role == nullptr || !role->is_string()) return bad(fmt::format("'messages[{}].role' must be a string", i));
+    const std::string_view r = role->get_string();
+    if (r != "system" && r != "developer" && r != "user" && r != "assistant") {
+      if (r == "tool" || r == "function") {
+        return bad(fmt::format("'messages[{}].role': tool messages are not supported yet", i));
+      }
+      return bad(fmt::format("'messages[{}].role' must be system, developer, user or assistant", i));
+    }
+    if (const json::value* calls = field(m, "tool_calls")) {
+      if (!calls->is_array() || !calls->get_array().empty()) {
+        return bad(fmt::format("'messages[{}].tool_calls': tool calling is not supported yet", i));
+      }
+    }
+    ChatMessage msg;
+    msg.role = std::string(r);
+    const json::value* content = field(m, "content");
+    if (content == nullptr) {
+      if (r != "assistant") return bad(fmt::format("'messages[{}].content' is required", i));
+    } else if (content->is_string()) {
+      msg.content = std::string(content->get_string());
+    } else if (content->is_array()) {
+      bool first = true;
+      for (const auto& part : content->get_array()) {
+        const json::object* p = part.if_object();
+        const json::value* type = p != nullptr ? field(*p, "type") : nullptr;
+        if (type == nullptr || !type->is_string()) {
+          return bad(fmt::format("'messages[{}].content' parts must be objects with a 'type'", i));
+        }
+        if (type->get_string() != "text") {
+          return bad(fmt::format("'messages[{}].content': only text parts are supported", i));
+        }
+        const json::value* text = field(*p, "text");
+        if (text == nullptr || !text->is_string()) {
+          return bad(fmt::format("'messages[{}].content' text parts need a string 'text'", i));
+        }
+        if (!first) msg.content += '\n';
+        msg.content.append(text->get_string());
+        first = false;
+      }
+    } else {
+      return bad(fmt::format("'messages[{}].content' must be a string or an array of text parts", i));
+    }
+    normalized.push_back(json::object{{"role", msg.role}, {"content", msg.content}});
+    conv.messages.push_back(std::move(msg));
+  }
+  conv.messages_json = json::serialize(normalized);
+  if (const json::value* kw = field(o, "chat_template_kwargs")) {
+    if (!kw->is_object()) return bad("'chat_template_kwargs' must be an object");
+    conv.template_kwargs_json = json::serialize(*kw);
+  }
+  return conv;
+}
+
+Status parsePrompt(const json::object& o, CompletionParams& p) {
+  const json::value* v = field(o, "prompt");
+  if (v == nullptr) return bad("'prompt' is required");
+  if (v->is_string()) {
+    p.prompt_text = std::string(v->get_string());
+    return okStatus();
+  }
+  if (!v->is_array()) return bad("'prompt' must be a string or an array of token ids");
+  const json::array& a = v->get_array();
+  if (a.empty()) return bad("'prompt' must not be empty");
+  if (a.size() == 1 && a[0].is_string()) {
+    p.prompt_text = std::string(a[0].get_string());
+    return okStatus();
+  }
+  if (a.size() == 1 && a[0].is_array()) {
+    if (a[0].get_array().empty()) return bad("'prompt' must not be empty");
+    PD_ASSIGN_OR_RETURN(p.prompt_token_ids, tokenIds(a[0].get_array(), "prompt"));
+    return okStatus();
+  }
+  if (a[0].is_string() || a[0].is_array()) {
+    return bad("'prompt' with several prompts (a batch) is not supported: send one prompt per request");
+  }
+  PD_ASSIGN_OR_RETURN(p.prompt_token_ids, tokenIds(a, "prompt"));
+  return okStatus();
+}
+
+Status parseStop(const json::object& o, CompletionParams& p) {
+  if (const json::value* v = field(o, "stop")) {
+    if (v->is_string()) {
+      if (v->get_string().empty()) return bad("'stop' strings must not be empty");
+      p.stop.emplace_back(v->get_string());
+    } else if (v->is_array()) {
+      if (v->get_array().size() > kMaxStopSequences) {
+        return bad(fmt::format("'stop' may hold at most {} sequences", kMaxStopSequences));
+      }
+      for (const auto& s : v->get_array()) {
+        if (!s.is_string()) return bad("'stop' must be a string or an array of strings");
+        if (s.get_string().empty()) return bad("'stop' strings must not be empty");
+        p.stop.emplace_back(s.get_string());
+      }
+    } else {
+      return bad("'stop' must be a string or an array of strings");
+    }
+  }
+  if (const json::value* v = field(o, "stop_token_ids")) {
+    if (!v->is_array()) return bad("'stop_token_ids' must be an array of token ids");
+    if (v->get_array().size() > kMaxStopTokenIds) {
+      return bad(fmt::format("'stop_token_ids' may hold at most {} ids", kMaxStopTokenIds));
+    }
+    PD_ASSIGN_OR_RETURN(p.stop_token_ids, tokenIds(v->get_array(), "stop_token_ids"));
+  }
+  return okStatus();
+}
+
+Status parseSampling(const json::object& o, CompletionParams& p) {
+  PD_ASSIGN_OR_RETURN(auto temperature, getNumber(o, "temperature", 0.0, 2.0));
+  PD_ASSIGN_OR_RETURN(auto top_p, getNumber(o, "top_p", 0.0, 1.0, /*lo_open=*/true));
+  PD_ASSIGN_OR_RETURN(auto top_k, getInt(o, "top_k", -1, std::numeric_limits<std::int32_t>::max()));
+  PD_ASSIGN_OR_RETURN(
+      auto seed, getInt(o, "seed", std::numeric_limits<std::int64_t>::min(), std::numeric_limits<std::int64_t>::max()));
+  PD_ASSIGN_OR_RETURN(auto presence, getNumber(o, "presence_penalty", -2.0, 2.0));
+  PD_ASSIGN_OR_RETURN(auto frequency, getNumber(o, "frequency_penalty", -2.0, 2.0));
+  if (temperature) p.sampling.temperature = *temperature;
+  if (top_p) p.sampling.top_p = *top_p;
+  if (top_k) p.sampling.top_k = *top_k < 0 ? 0 : *top_k;  // -1 (vLLM) and 0 both mean "off"
+  p.sampling.seed = seed;
+  if (presence) p.sampling.presence_penalty = *presence;
+  if (frequency) p.sampling.frequency_penalty = *frequency;
+  return okStatus();
+}
+
+Status parseLogprobs(const json::object& o, Endpoint endpoint, CompletionParams& p) {
+  if (endpoint == Endpoint::ChatCompletions) {
+    PD_ASSIGN_OR_RETURN(auto logprobs, getBool(o, "logprobs"));
+    PD_ASSIGN_OR_RETURN(auto top, getInt(o, "top_logprobs", 0, kMaxTopLogprobs));
+    p.logprobs = logprobs.value_or(false);
+    if (top) {
+      if (!p.logprobs) return bad("'top_logprobs' requires 'logprobs' to be true");
+      p.top_logprobs = static_cast<int>(*top);
+    }
+    return okStatus();
+  }
+  PD_ASSIGN_OR_RETURN(auto logprobs, getInt(o, "logprobs", 0, kMaxTopLogprobs));
+  if (logprobs) {
+    p.logprobs = true;
+    p.top_logprobs = static_cast<int>(*logprobs);
+  }
+  return okStatus();
+}
+
+Status parseStreaming(const json::object& o, CompletionParams& p) {
+  PD_ASSIGN_OR_RETURN(auto stream, getBool(o, "stream"));
+  p.stream = stream.value_or(false);
+  if (const json::value* v = field(o, "stream_options")) {
+    if (!p.stream) return bad("'stream_options' is only allowed when 'stream' is true");
+    if (!v->is_object()) return bad("'stream_options' must be an object");
+    PD_ASSIGN_OR_RETURN(auto include_usage, getBool(v->get_object(), "include_usage"));
+    p.include_usage = include_usage.value_or(false);
+  }
+  return okStatus();
+}
+
+}  // namespace
+
+Result<CompletionParams> parseCompletionRequest(Endpoint endpoint, std::string_view body) {
+  if (!isValidUtf8(body)) return bad("the request body is not valid UTF-8");
+  if (hasLoneSurrogateEscape(body)) return bad("the request body contains an unpaired UTF-16 surrogate escape");
+  json::parse_options options;
+  options.max_depth = kMaxJsonDepth;
+  boost::system::error_code ec;
+  const json::value root = json::parse(body, ec, json::storage_ptr(), options);
+  if (ec) return bad("the request body is not valid JSON");
+  if (!root.is_object()) return bad("the request body must be a JSON object");
+  const json::object& o = root.get_object();
+
+  CompletionParams p;
+  p.endpoint = endpoint;
+  PD_ASSIGN_OR_RETURN(auto model, getString(o, "model"));
+  if (!model || model->empty()) return bad("'model' is required");
+  p.model = std::move(*model);
+
+  PD_TRY(refuseUnsupported(o, endpoint));
+  if (endpoint == Endpoint::ChatCompletions) {
+    PD_ASSIGN_OR_RETURN(p.conversation, parseMessages(o));
+  } else {
+    PD_TRY(parsePrompt(o, p));
+  }
+
+  PD_ASSIGN_OR_RETURN(auto max_tokens, getInt(o, "max_tokens", 1, std::numeric_limits<std::int64_t>::max()));
+  PD_ASSIGN_OR_RETURN(auto max_completion_tokens,
+                      getInt(o, "max_completion_tokens", 1, std::numeric_limits<std::int64_t>::max()));
+  p.max_tokens = max_completion_tokens ? max_completion_tokens : max_tokens;
+
+  PD_TRY(parseSampling(o, p));
+  PD_TRY(parseStop(o, p));
+  PD_TRY(parseLogprobs(o, endpoint, p));
+  PD_TRY(parseStreaming(o, p));
+
+  PD_ASSIGN_OR_RETURN(auto ignore_eos, getBool(o, "ignore_eos"));
+  p.ignore_eos = ignore_eos.value_or(false);
+  PD_ASSIGN_OR_RETURN(auto return_token_ids, getBool(o, "return_token_ids"));
+  p.return_token_ids = return_token_ids.value_or(false);
+  PD_ASSIGN_OR_RETURN(auto user, getString(o, "user"));
+  p.user = user.value_or("");
+  return p;
+}
+
+}  // namespace pd::router

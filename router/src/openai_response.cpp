@@ -1,0 +1,250 @@
+#include "openai_response.h"
+
+#include "json_writer.h"
+#include "pd/router/json_text.h"
+
+namespace pd::router {
+namespace {
+
+bool isChat(const ResponseShape& s) {
+  return s.endpoint == Endpoint::ChatCompletions;
+}
+
+std::string_view finishReasonName(FinishReason r) {
+  return r == FinishReason::Length ? "length" : "stop";
+}
+
+void writeCommon(JsonWriter& w, const ResponseShape& s, bool chunk) {
+  w.key("id").string(s.id);
+  w.key("object").string(isChat(s) ? (chunk ? "chat.completion.chunk" : "chat.completion") : "text_completion");
+  w.key("created").number(s.created);
+  w.key("model").string(s.model);
+}
+
+void writeIds(JsonWriter& w, const std::vector<TokenId>& ids) {
+  w.beginArray();
+  for (TokenId id : ids) w.number(static_cast<std::int64_t>(id));
+  w.endArray();
+}
+
+void writeBytes(JsonWriter& w, std::string_view token) {
+  w.beginArray();
+  for (char c : token) w.number(static_cast<std::int64_t>(static_cast<unsigned char>(c)));
+  w.endArray();
+}
+
+void writeUsage(JsonWriter& w, const Usage& u) {
+  w.beginObject();
+  w.key("prompt_tokens").number(u.prompt_tokens);
+  w.key("completion_tokens").number(u.completion_tokens);
+  w.key("total_tokens").number(u.prompt_tokens + u.completion_tokens);
+  if (u.cached_tokens > 0) {
+    w.key("prompt_tokens_details").beginObject().key("cached_tokens").number(u.cached_tokens).endObject();
+  }
+  w.endObject();
+}
+
+/// Chat: {"content":[{"token","logprob","bytes","top_logprobs":[...]}]}
+void writeChatLogprobs(JsonWriter& w, const std::vector<TokenLogprob>& lps) {
+  w.beginObject().key("content").beginArray();
+  for (const auto& lp : lps) {
+    w.beginObject();
+    w.key("token").string(lp.token);
+    w.key("logprob").number(lp.logprob);
+    w.key("bytes");
+    writeBytes(w, lp.token);
+    w.key("top_logprobs").beginArray();
+    for (const auto& t : lp.top) {
+      w.beginObject();
+      w.key("token").string(t.token);
+      w.key("logprob").number(t.logprob);
+      w.key("bytes");
+      writeBytes(w, t.token);
+      w.endObject();
+    }
+    w.endArray();
+    w.endObject();
+  }
+  w.endArray().endObject();
+}
+
+/// Completions (legacy): {"tokens","token_logprobs","top_logprobs":[{token: logprob}],"text_offset"}
+void writeCompletionLogprobs(JsonWriter& w, const std::vector<TokenLogprob>& lps, LogprobCursor& cursor) {
+  w.beginObject();
+  w.key("tokens").beginArray();
+  for (const auto& lp : lps) w.string(lp.token);
+  w.endArray();
+  w.key("token_logprobs").beginArray();
+  for (const auto& lp : lps) w.number(lp.logprob);
+  w.endArray();
+  w.key("top_logprobs").beginArray();
+  for (const auto& lp : lps) {
+    w.beginObject();
+    for (const auto& t : lp.top) w.key(t.token).number(t.logprob);
+    w.endObject();
+  }
+  w.endArray();
+  w.key("text_offset").beginArray();
+  for (const auto& lp : lps) {
+    w.number(cursor.text_offset);
+    cursor.text_offset += static_cast<std::int64_t>(sanitizeUtf8(lp.token).size());
+  }
+  w.endArray();
+  w.endObject();
+}
+
+void writeLogprobs(JsonWriter& w, const ResponseShape& s, const std::vector<TokenLogprob>& lps, LogprobCursor& cursor) {
+  if (!s.logprobs) {
+    w.null();
+  } else if (isChat(s)) {
+    writeChatLogprobs(w, lps);
+  } else {
+    writeCompletionLogprobs(w, lps, cursor);
+  }
+}
+
+/// One streamed choice; `delta_text` null means an empty chat delta ({}).
+std::string chunk(const ResponseShape& s, const std::string_view* delta_text, bool role,
+                  const std::vector<TokenId>& ids, const std::vector<TokenLogprob>& lps, LogprobCursor& cursor,
+                  std::optional<FinishReason> finish, const std::vector<TokenId>* prompt_ids) {
+  JsonWriter w;
+  w.beginObject();
+  writeCommon(w, s, true);
+  w.key("choices").beginArray().beginObject();
+  w.key("index").number(std::int64_t{0});
+  if (isChat(s)) {
+    w.key("delta").beginObject();
+    if (role) w.key("role").string("assistant");
+    if (delta_text != nullptr) w.key("content").string(*delta_text);
+    w.endObject();
+  } else {
+    w.key("text").string(delta_text != nullptr ? *delta_text : std::string_view{});
+  }
+  w.key("logprobs");
+  if (finish || role) {
+    w.null();
+  } else {
+    writeLogprobs(w, s, lps, cursor);
+  }
+  w.key("finish_reason");
+  if (finish) {
+    w.string(finishReasonName(*finish));
+  } else {
+    w.null();
+  }
+  if (s.return_token_ids) {
+    if (!isChat(s) && prompt_ids != nullptr) {
+      w.key("prompt_token_ids");
+      writeIds(w, *prompt_ids);
+    }
+    if (!role) {
+      w.key("token_ids");
+      writeIds(w, ids);
+    }
+  }
+  w.endObject().endArray();
+  if (s.include_usage) w.key("usage").null();
+  if (s.return_token_ids && isChat(s) && prompt_ids != nullptr) {
+    w.key("prompt_token_ids");
+    writeIds(w, *prompt_ids);
+  }
+  w.endObject();
+  return sseData(w.take());
+}
+
+}  // namespace
+
+ApiError invalidRequest(std::string message, std::string code) {
+  return ApiError{400, "invalid_request_error", std::move(code), std::move(message)};
+}
+
+std::string errorJson(const ApiError& e) {
+  JsonWriter w;
+  w.beginObject().key("error").beginObject();
+  w.key("message").string(e.message);
+  w.key("type").string(e.type);
+  w.key("param").null();
+  w.key("code");
+  if (e.code.empty()) {
+    w.null();
+  } else {
+    w.string(e.code);
+  }
+  w.endObject().endObject();
+  return w.take();
+}
+
+std::string sseData(std::string_view json) {
+  std::string out;
+  out.reserve(json.size() + 8);
+  out += "data: ";
+  out += json;
+  out += "\n\n";
+  return out;
+}
+
+std::string chatRoleChunk(const ResponseShape& shape, const std::vector<TokenId>& prompt_ids) {
+  LogprobCursor unused;
+  const std::string_view empty;
+  return chunk(shape, &empty, true, {}, {}, unused, std::nullopt, &prompt_ids);
+}
+
+std::string deltaChunk(const ResponseShape& shape, std::string_view text, const std::vector<TokenId>& ids,
+                       const std::vector<TokenLogprob>& logprobs, LogprobCursor& cursor,
+                       const std::vector<TokenId>* prompt_ids) {
+  return chunk(shape, &text, false, ids, logprobs, cursor, std::nullopt, prompt_ids);
+}
+
+std::string finishChunk(const ResponseShape& shape, FinishReason reason, const std::vector<TokenId>* prompt_ids) {
+  LogprobCursor unused;
+  return chunk(shape, nullptr, false, {}, {}, unused, reason, prompt_ids);
+}
+
+std::string usageChunk(const ResponseShape& shape, const Usage& usage) {
+  JsonWriter w;
+  w.beginObject();
+  writeCommon(w, shape, true);
+  w.key("choices").beginArray().endArray();
+  w.key("usage");
+  writeUsage(w, usage);
+  w.endObject();
+  return sseData(w.take());
+}
+
+std::string fullResponse(const ResponseShape& shape, std::string_view text, const std::vector<TokenId>& ids,
+                         const std::vector<TokenLogprob>& logprobs, FinishReason reason, const Usage& usage,
+                         const std::vector<TokenId>& prompt_ids) {
+  LogprobCursor cursor;
+  JsonWriter w;
+  w.beginObject();
+  writeCommon(w, shape, false);
+  w.key("choices").beginArray().beginObject();
+  w.key("index").number(std::int64_t{0});
+  if (isChat(shape)) {
+    w.key("message").beginObject().key("role").string("assistant").key("content").string(text).endObject();
+  } else {
+    w.key("text").string(text);
+  }
+  w.key("logprobs");
+  writeLogprobs(w, shape, logprobs, cursor);
+  w.key("finish_reason").string(finishReasonName(reason));
+  if (shape.return_token_ids) {
+    if (!isChat(shape)) {
+      w.key("prompt_token_ids");
+      writeIds(w, prompt_ids);
+    }
+    w.key("token_ids");
+    writeIds(w, ids);
+  }
+  w.endObject().endArray();
+  w.key("usage");
+  writeUsage(w, usage);
+  if (shape.return_token_ids && isChat(shape)) {
+    w.key("prompt_token_ids");
+    writeIds(w, prompt_ids);
+  }
+  w.endObject();
+  return w.take();
+}
+
+}  // namespace pd::router

@@ -1,0 +1,70 @@
+#pragma once
+/// OpenAI response bodies: whole responses, stream chunks (each framed as one server-sent
+/// event) and error objects, in the exact shapes of the OpenAI API (docs/api.md). All text goes
+/// through JsonWriter, so model output with invalid UTF-8 still yields valid JSON.
+/// Thread rules: pure functions.
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "pd/router/completion_backend.h"
+#include "pd/router/openai_request.h"
+
+namespace pd::router {
+
+/// An error as the OpenAI API reports it: {"error":{"message","type","param","code"}}.
+struct ApiError {
+  int status = 400;
+  std::string type = "invalid_request_error";
+  std::string code;  ///< empty: null
+  std::string message;
+};
+
+[[nodiscard]] ApiError invalidRequest(std::string message, std::string code = {});
+[[nodiscard]] std::string errorJson(const ApiError& error);
+
+/// What every body of one response shares.
+struct ResponseShape {
+  Endpoint endpoint = Endpoint::ChatCompletions;
+  std::string id;
+  std::int64_t created = 0;
+  std::string model;
+  bool include_usage = false;     ///< streams: "usage": null on chunks, then a usage chunk
+  bool return_token_ids = false;  ///< add prompt_token_ids / token_ids
+  bool logprobs = false;
+};
+
+struct Usage {
+  std::int64_t prompt_tokens = 0;
+  std::int64_t completion_tokens = 0;
+  std::int64_t cached_tokens = 0;
+};
+
+/// Accumulates completions-style logprobs text offsets across chunks.
+struct LogprobCursor {
+  std::int64_t text_offset = 0;
+};
+
+/// "data: <json>\n\n"
+[[nodiscard]] std::string sseData(std::string_view json);
+inline constexpr std::string_view kSseDone = "data: [DONE]\n\n";
+
+/// Chat streams begin with a chunk carrying the assistant role (and, on request, the prompt ids).
+[[nodiscard]] std::string chatRoleChunk(const ResponseShape& shape, const std::vector<TokenId>& prompt_ids);
+/// A chunk of new text and tokens. `prompt_ids` is non-null on the first completions chunk when
+/// prompt ids are to be returned.
+[[nodiscard]] std::string deltaChunk(const ResponseShape& shape, std::string_view text, const std::vector<TokenId>& ids,
+                                     const std::vector<TokenLogprob>& logprobs, LogprobCursor& cursor,
+                                     const std::vector<TokenId>* prompt_ids);
+[[nodiscard]] std::string finishChunk(const ResponseShape& shape, FinishReason reason,
+                                      const std::vector<TokenId>* prompt_ids);
+[[nodiscard]] std::string usageChunk(const ResponseShape& shape, const Usage& usage);
+/// The whole non-streaming response.
+[[nodiscard]] std::string fullResponse(const ResponseShape& shape, std::string_view text,
+                                       const std::vector<TokenId>& ids, const std::vector<TokenLogprob>& logprobs,
+                                       FinishReason reason, const Usage& usage, const std::vector<TokenId>& prompt_ids);
+
+}  // namespace pd::router

@@ -1,0 +1,194 @@
+// kv_test_peer: the other process of the cross-process KV transfer tests
+// (test_kv_cross_process.cpp). It talks to the test over stdin/stdout, one line per message:
+//
+// Every mode takes --tls T and --path auto|rma|am (the sender's data path).
+//   kv_test_peer receive --tls T --tokens N --blocks B --seed S [--model-hash H] [--timeout-ms MS]
+//       registers a pool of B blocks, prints "DESCRIPTOR <hex>", waits for the request's record,
+//       verifies every byte, prints "RESULT ok" or "RESULT <what went wrong>".
+//   kv_test_peer send --tls T --seed S [--model-hash H] [--stall-after-layers K]
+//       reads "DESCRIPTOR <hex>" from stdin, puts every layer, finishes, prints "RESULT ...";
+//       with --stall-after-layers it puts K layers, prints "POSTED" and hangs (to be killed).
+//   kv_test_peer corpus DIR
+//       writes a seed corpus of valid wire messages for fuzz_kv_wire.
+
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <iostream>
+#include <map>
+#include <string>
+#include <thread>
+
+#include "pd/common/log.h"
+#include "pd/kvtransfer/ucx_transport.h"
+#include "unit/kvtransfer/kv_test_util.h"
+
+namespace pd::kvtransfer {
+namespace {
+
+using namespace std::chrono_literals;
+
+void say(const std::string& line) {
+  std::printf("%s\n", line.c_str());
+  std::fflush(stdout);
+}
+
+std::map<std::string, std::string> parseFlags(int argc, char** argv, int first) {
+  std::map<std::string, std::string> flags;
+  for (int i = first; i + 1 < argc; i += 2) flags[argv[i]] = argv[i + 1];
+  return flags;
+}
+
+std::uint64_t flagU64(const std::map<std::string, std::string>& flags, const std::string& name, std::uint64_t fallback) {
+  const auto it = flags.find(name);
+  return it == flags.end() ? fallback : std::stoull(it->second, nullptr, 0);
+}
+
+std::unique_ptr<Transport> transport(const std::map<std::string, std::string>& flags, const CompatInfo& compat) {
+  UcxTransportOptions options;
+  options.ucx_tls = flags.count("--tls") != 0 ? flags.at("--tls") : "tcp";
+  options.data_path = parseKvDataPath(flags.count("--path") != 0 ? flags.at("--path") : "auto").value();
+  options.compat = compat;
+  options.connect_timeout = 2s;
+  options.spin_time = 50us;
+  options.name = "peer";
+  auto t = createUcxTransport(options);
+  if (!t.ok()) {
+    say("RESULT " + t.error().toString());
+    std::exit(1);
+  }
+  return std::move(t).value();
+}
+
+int receive(const std::map<std::string, std::string>& flags) {
+  const CompatInfo compat = testutil::realCompat(flagU64(flags, "--model-hash", 0x5eed));
+  const auto tokens = static_cast<std::uint32_t>(flagU64(flags, "--tokens", 130));
+  const auto blocks = static_cast<std::uint32_t>(flagU64(flags, "--blocks", 4));
+  const auto seed = flagU64(flags, "--seed", 1);
+  const auto timeout_ms = static_cast<std::uint32_t>(flagU64(flags, "--timeout-ms", 20000));
+  auto t = transport(flags, compat);
+  testutil::KvPool pool(*t, compat, blocks);
+  const std::uint32_t needed = (tokens + compat.block_size - 1) / compat.block_size;
+  auto desc = pool.descriptor(seed, tokens, testutil::shuffledBlocks(blocks, needed, seed), timeout_ms);
+  if (!desc.ok()) {
+    say("RESULT " + desc.error().toString());
+    return 1;
+  }
+  testutil::Outcomes out;
+  if (const Status s = t->expect(seed, Clock::now() + std::chrono::milliseconds(timeout_ms), out.onArrival()); !s.ok()) {
+    say("RESULT " + s.error().toString());
+    return 1;
+  }
+  say("DESCRIPTOR " + testutil::toHex(encode(desc.value())));
+  const auto arrived = out.waitArrival(seed, std::chrono::milliseconds(timeout_ms) + 5s);
+  if (!arrived) {
+    say("RESULT no callback");
+    return 1;
+  }
+  if (!arrived->ok()) {
+    say("RESULT " + arrived->error().toString());
+    return 0;
+  }
+  const std::string mismatch = pool.verify(desc.value(), seed);
+  say(mismatch.empty() ? fmt::format("RESULT ok first_token={}", arrived->value().first_token)
+                       : "RESULT mismatch: " + mismatch);
+  return 0;
+}
+
+int send(const std::map<std::string, std::string>& flags) {
+  const CompatInfo compat = testutil::realCompat(flagU64(flags, "--model-hash", 0x5eed));
+  const auto seed = flagU64(flags, "--seed", 1);
+  const auto stall_after = flagU64(flags, "--stall-after-layers", 0);
+  std::string line;
+  if (!std::getline(std::cin, line) || line.rfind("DESCRIPTOR ", 0) != 0) {
+    say("RESULT no descriptor on stdin");
+    return 1;
+  }
+  const auto bytes = testutil::fromHex(line.substr(11));
+  auto desc = bytes ? decodeKvDescriptor(*bytes) : Result<KvDescriptor>(makeError(ErrorCode::Corrupt, "bad hex"));
+  if (!desc.ok()) {
+    say("RESULT " + desc.error().toString());
+    return 1;
+  }
+  auto t = transport(flags, compat);
+  testutil::SourceKv source(compat, desc->num_tokens, seed);
+  testutil::ScopedRegion src(*t, source.bytes);
+  testutil::Outcomes out;
+  const auto id = desc->request_id;
+  if (stall_after > 0) {
+    // A complete warm-up transfer first (its record is dropped by the receiver as unexpected), so
+    // the connection is fully wired up before the test kills us: UCX 1.13 aborts a process whose
+    // peer vanishes within the first round trip of a connection (docs/kv-transfer.md, "UCX 1.13").
+    KvDescriptor warm = desc.value();
+    warm.request_id = id + 1000000;
+    const bool sent = t->beginTransfer(warm, Clock::now() + 20s, out.onDone()).ok() &&
+                      t->finish(CompletionRecord{warm.request_id}).ok();
+    const auto warm_done = sent ? out.waitDone(warm.request_id, 20s) : std::nullopt;
+    if (!warm_done || !warm_done->ok()) {
+      say("RESULT warm-up failed");
+      return 1;
+    }
+  }
+  if (const Status s = t->beginTransfer(desc.value(), Clock::now() + 20s, out.onDone()); !s.ok()) {
+    say("RESULT " + s.error().toString());
+    return 0;
+  }
+  auto puts = source.chunkPuts(src.id(), 0, desc->num_tokens);
+  if (stall_after > 0) puts.resize(std::min<std::size_t>(puts.size(), stall_after));
+  if (const Status s = t->put(id, puts); !s.ok()) {
+    say("RESULT " + s.error().toString());
+    return 0;
+  }
+  if (stall_after > 0) {
+    say("POSTED");
+    std::this_thread::sleep_for(std::chrono::hours(1));  // the test kills us
+    return 0;
+  }
+  CompletionRecord record;
+  record.request_id = id;
+  record.num_tokens = desc->num_tokens;
+  record.first_token = 4242;
+  if (const Status s = t->finish(record); !s.ok()) {
+    say("RESULT " + s.error().toString());
+    return 0;
+  }
+  const auto done = out.waitDone(id, 25s);
+  say(!done ? std::string("RESULT no callback") : done->ok() ? std::string("RESULT ok") : "RESULT " + done->error().toString());
+  return 0;
+}
+
+int corpus(const std::string& dir) {
+  int n = 0;
+  const auto write = [&](const std::vector<std::uint8_t>& bytes) {
+    std::ofstream(fmt::format("{}/seed-{:02d}", dir, n++), std::ios::binary)
+        .write(reinterpret_cast<const char*>(bytes.data()), static_cast<std::streamsize>(bytes.size()));
+  };
+  CompatInfo compat = testutil::smallCompat();
+  KvDescriptor d{1, compat, 10, 1000, {3, 1, 2}, {}};
+  d.targets.push_back(KvTarget{0, {1, 2, 3, 4}, {KvRegion{1ULL << 40, 3 * 10 * 64, 0, 3, 640, 64, {7, 7}}}});
+  write(encode(d));
+  d.targets[0].regions = {KvRegion{1ULL << 40, 640, 0, 1, 0, 64, {1}}, KvRegion{1ULL << 41, 1280, 1, 2, 640, 64, {2}}};
+  write(encode(d));
+  CompletionRecord c;
+  c.request_id = 9;
+  c.hidden_state = {1.0F, 2.0F, 3.0F};
+  write(encode(c));
+  c.first_logprob = TokenLogprob{5, -0.5F};
+  c.top_logprobs = {{5, -0.5F}, {6, -1.5F}};
+  write(encode(c));
+  write(encode(FailureRecord{3, 4, ErrorCode::Timeout, "deadline"}));
+  return 0;
+}
+
+}  // namespace
+}  // namespace pd::kvtransfer
+
+int main(int argc, char** argv) {
+  pd::log::setLevel(pd::log::Level::Error);
+  if (argc < 2) return 2;
+  const std::string mode = argv[1];
+  if (mode == "receive") return pd::kvtransfer::receive(pd::kvtransfer::parseFlags(argc, argv, 2));
+  if (mode == "send") return pd::kvtransfer::send(pd::kvtransfer::parseFlags(argc, argv, 2));
+  if (mode == "corpus" && argc == 3) return pd::kvtransfer::corpus(argv[2]);
+  return 2;
+}

@@ -1,0 +1,168 @@
+#include <gtest/gtest.h>
+
+#include <string>
+
+#include "pd/router/openai_request.h"
+
+namespace {
+
+using pd::router::Endpoint;
+using pd::router::parseCompletionRequest;
+
+constexpr std::string_view kMarker = "ZQX-secret-input";
+
+pd::router::CompletionParams parseOk(Endpoint e, std::string_view body) {
+  auto r = parseCompletionRequest(e, body);
+  EXPECT_TRUE(r.ok()) << (r.ok() ? "" : r.error().message) << "\n" << body;
+  return r.ok() ? std::move(r).value() : pd::router::CompletionParams{};
+}
+
+std::string parseError(Endpoint e, std::string_view body) {
+  auto r = parseCompletionRequest(e, body);
+  EXPECT_FALSE(r.ok()) << body;
+  if (r.ok()) return {};
+  EXPECT_EQ(r.error().code, pd::ErrorCode::InvalidArgument);
+  EXPECT_EQ(r.error().message.find(kMarker), std::string::npos) << "echoes input: " << r.error().message;
+  return r.error().message;
+}
+
+TEST(OpenAiRequest, ChatBodyAsTheOpenAiPythonSdkSendsIt) {
+  const auto p = parseOk(Endpoint::ChatCompletions,
+                         R"({"messages":[{"role":"system","content":"Be brief."},{"role":"user","content":"Hi"}],)"
+                         R"("model":"m","max_tokens":16,"stream":true,"stream_options":{"include_usage":true},)"
+                         R"("temperature":0,"top_p":0.9,"seed":42,"stop":["\n\n"],"presence_penalty":0.5,)"
+                         R"("frequency_penalty":-0.5,"logprobs":true,"top_logprobs":3,"n":1,"user":"u-1"})");
+  EXPECT_EQ(p.model, "m");
+  ASSERT_EQ(p.conversation.messages.size(), 2u);
+  EXPECT_EQ(p.conversation.messages[1].role, "user");
+  EXPECT_EQ(p.conversation.messages[1].content, "Hi");
+  EXPECT_EQ(p.conversation.messages_json,
+            R"([{"role":"system","content":"Be brief."},{"role":"user","content":"Hi"}])");
+  EXPECT_EQ(p.max_tokens, 16);
+  EXPECT_TRUE(p.stream);
+  EXPECT_TRUE(p.include_usage);
+  EXPECT_EQ(p.sampling.temperature, 0.0);
+  EXPECT_EQ(p.sampling.top_p, 0.9);
+  EXPECT_EQ(p.sampling.seed, 42);
+  EXPECT_EQ(p.sampling.presence_penalty, 0.5);
+  EXPECT_EQ(p.sampling.frequency_penalty, -0.5);
+  EXPECT_EQ(p.stop, std::vector<std::string>{"\n\n"});
+  EXPECT_TRUE(p.logprobs);
+  EXPECT_EQ(p.top_logprobs, 3);
+  EXPECT_EQ(p.user, "u-1");
+}
+
+TEST(OpenAiRequest, ContentPartsNullsAndExtensions) {
+  const auto p = parseOk(
+      Endpoint::ChatCompletions,
+      R"({"model":"m","messages":[{"role":"user","content":[{"type":"text","text":"a"},{"type":"text","text":"b"}]},)"
+      R"({"role":"assistant","content":null},{"role":"developer","content":"d"}],"max_completion_tokens":5,)"
+      R"("max_tokens":9,"top_k":-1,"temperature":null,"stop":"END","stop_token_ids":[7,8],"ignore_eos":true,)"
+      R"("return_token_ids":true,"chat_template_kwargs":{"thinking":true},"some_future_field":{"x":1}})");
+  EXPECT_EQ(p.conversation.messages[0].content, "a\nb");
+  EXPECT_EQ(p.conversation.messages[1].content, "");
+  EXPECT_EQ(p.max_tokens, 5);  // max_completion_tokens wins
+  EXPECT_EQ(p.sampling.top_k, 0);
+  EXPECT_EQ(p.sampling.temperature, 1.0);  // null means default
+  EXPECT_EQ(p.stop, std::vector<std::string>{"END"});
+  EXPECT_EQ(p.stop_token_ids, (std::vector<pd::router::TokenId>{7, 8}));
+  EXPECT_TRUE(p.ignore_eos);
+  EXPECT_TRUE(p.return_token_ids);
+  EXPECT_EQ(p.conversation.template_kwargs_json, R"({"thinking":true})");
+}
+
+TEST(OpenAiRequest, CompletionPromptForms) {
+  auto p = parseOk(Endpoint::Completions, R"({"model":"m","prompt":"Once upon"})");
+  EXPECT_EQ(p.prompt_text, "Once upon");
+  EXPECT_FALSE(p.prompt_token_ids);
+  EXPECT_FALSE(p.max_tokens);
+  p = parseOk(Endpoint::Completions, R"({"model":"m","prompt":[1,2,3],"logprobs":2,"max_tokens":4.0})");
+  EXPECT_EQ(p.prompt_token_ids, (std::vector<pd::router::TokenId>{1, 2, 3}));
+  EXPECT_TRUE(p.logprobs);
+  EXPECT_EQ(p.top_logprobs, 2);
+  EXPECT_EQ(p.max_tokens, 4);
+  p = parseOk(Endpoint::Completions, R"({"model":"m","prompt":[[5,6]]})");
+  EXPECT_EQ(p.prompt_token_ids, (std::vector<pd::router::TokenId>{5, 6}));
+  p = parseOk(Endpoint::Completions, R"({"model":"m","prompt":["one"],"echo":false,"suffix":null,"best_of":1})");
+  EXPECT_EQ(p.prompt_text, "one");
+}
+
+TEST(OpenAiRequest, MalformedBodies) {
+  EXPECT_EQ(parseError(Endpoint::ChatCompletions, "{\"model\": \"m\", "), "the request body is not valid JSON");
+  EXPECT_EQ(parseError(Endpoint::ChatCompletions, ""), "the request body is not valid JSON");
+  EXPECT_EQ(parseError(Endpoint::ChatCompletions, "[1,2]"), "the request body must be a JSON object");
+  EXPECT_EQ(parseError(Endpoint::ChatCompletions, "{\"model\":\"m\xFF\"}"), "the request body is not valid UTF-8");
+  EXPECT_EQ(parseError(Endpoint::ChatCompletions, R"({"model":"m","messages":[{"role":"user","content":"\ud800"}]})"),
+            "the request body contains an unpaired UTF-16 surrogate escape");
+  EXPECT_EQ(parseError(Endpoint::ChatCompletions, std::string(100, '[') + std::string(100, ']')),
+            "the request body is not valid JSON");  // nesting limit
+}
+
+TEST(OpenAiRequest, RefusesWhatItCannotDo) {
+  const std::string base = R"({"model":"m","messages":[{"role":"user","content":"x"}],)";
+  auto chat = [&](std::string_view extra) {
+    return parseError(Endpoint::ChatCompletions, base + std::string(extra) + "}");
+  };
+  EXPECT_NE(chat(R"("n":2)").find("'n' must be 1"), std::string::npos);
+  EXPECT_NE(chat(R"("n":0)").find("'n' must be 1"), std::string::npos);
+  EXPECT_NE(chat(R"("temperature":2.5)").find("'temperature' must be between 0 and 2"), std::string::npos);
+  EXPECT_NE(chat(R"("temperature":"ZQX-secret-input")").find("'temperature' must be a number"), std::string::npos);
+  EXPECT_NE(chat(R"("temperature":1e400)").find("'temperature'"), std::string::npos);
+  EXPECT_NE(chat(R"("top_p":0)").find("'top_p' must be greater than 0"), std::string::npos);
+  EXPECT_NE(chat(R"("top_k":-2)").find("'top_k'"), std::string::npos);
+  EXPECT_NE(chat(R"("max_tokens":0)").find("'max_tokens' must be at least 1"), std::string::npos);
+  EXPECT_NE(chat(R"("max_tokens":1.5)").find("'max_tokens' must be an integer"), std::string::npos);
+  EXPECT_NE(chat(R"("presence_penalty":-3)").find("'presence_penalty'"), std::string::npos);
+  EXPECT_NE(chat(R"("top_logprobs":2)").find("requires 'logprobs'"), std::string::npos);
+  EXPECT_NE(chat(R"("logprobs":true,"top_logprobs":21)").find("'top_logprobs'"), std::string::npos);
+  EXPECT_NE(chat(R"("stream_options":{"include_usage":true})").find("only allowed when 'stream' is true"),
+            std::string::npos);
+  EXPECT_NE(chat(R"("stop":["a",""])").find("must not be empty"), std::string::npos);
+  EXPECT_NE(chat(R"("stop":["1","2","3","4","5","6","7","8","9","10","11","12","13","14","15","16","17"])")
+                .find("at most 16"),
+            std::string::npos);
+  EXPECT_NE(chat(R"("stop_token_ids":[-1])").find("'stop_token_ids'"), std::string::npos);
+  EXPECT_NE(chat(R"("tools":[{"type":"function"}])").find("not supported"), std::string::npos);
+  EXPECT_NE(chat(R"("tool_choice":"required")").find("not supported"), std::string::npos);
+  EXPECT_NE(chat(R"("logit_bias":{"1":5})").find("not supported"), std::string::npos);
+  EXPECT_NE(chat(R"("response_format":{"type":"json_object"})").find("not supported"), std::string::npos);
+  EXPECT_NE(chat(R"("seed":"ZQX-secret-input")").find("'seed' must be an integer"), std::string::npos);
+  EXPECT_NE(chat(R"("seed":18446744073709551615)").find("'seed'"), std::string::npos);
+
+  auto completion = [](std::string_view body) { return parseError(Endpoint::Completions, body); };
+  EXPECT_EQ(completion(R"({"model":"m"})"), "'prompt' is required");
+  EXPECT_NE(completion(R"({"model":"m","prompt":["a","b"]})").find("batch"), std::string::npos);
+  EXPECT_NE(completion(R"({"model":"m","prompt":[[1],[2]]})").find("batch"), std::string::npos);
+  EXPECT_NE(completion(R"({"model":"m","prompt":[1,-2]})").find("token ids"), std::string::npos);
+  EXPECT_NE(completion(R"({"model":"m","prompt":[1,"ZQX-secret-input"]})").find("token ids"), std::string::npos);
+  EXPECT_EQ(completion(R"({"model":"m","prompt":[]})"), "'prompt' must not be empty");
+  EXPECT_NE(completion(R"({"model":"m","prompt":"x","echo":true})").find("'echo'"), std::string::npos);
+  EXPECT_NE(completion(R"({"model":"m","prompt":"x","suffix":"ZQX-secret-input"})").find("'suffix'"),
+            std::string::npos);
+  EXPECT_NE(completion(R"({"model":"m","prompt":"x","best_of":3})").find("'best_of'"), std::string::npos);
+  EXPECT_NE(completion(R"({"model":"m","prompt":"x","logprobs":true})").find("'logprobs' must be an integer"),
+            std::string::npos);
+  EXPECT_EQ(completion(R"({"prompt":"x"})"), "'model' is required");
+  EXPECT_EQ(completion(R"({"model":7,"prompt":"x"})"), "'model' must be a string");
+}
+
+TEST(OpenAiRequest, ValidatesMessages) {
+  auto chat = [](std::string_view messages) {
+    return parseError(Endpoint::ChatCompletions, R"({"model":"m","messages":)" + std::string(messages) + "}");
+  };
+  EXPECT_EQ(parseError(Endpoint::ChatCompletions, R"({"model":"m"})"), "'messages' is required");
+  EXPECT_EQ(chat("[]"), "'messages' must not be empty");
+  EXPECT_EQ(chat(R"("ZQX-secret-input")"), "'messages' must be an array");
+  EXPECT_EQ(chat(R"([{"role":"ZQX-secret-input","content":"x"}])"),
+            "'messages[0].role' must be system, developer, user or assistant");
+  EXPECT_NE(chat(R"([{"role":"tool","content":"x","tool_call_id":"1"}])").find("tool messages"), std::string::npos);
+  EXPECT_EQ(chat(R"([{"role":"user"}])"), "'messages[0].content' is required");
+  EXPECT_NE(chat(R"([{"role":"user","content":[{"type":"image_url","image_url":{"url":"x"}}]}])").find("only text"),
+            std::string::npos);
+  EXPECT_NE(chat(R"([{"role":"user","content":5}])").find("must be a string or an array"), std::string::npos);
+  EXPECT_NE(chat(R"([{"role":"assistant","content":"x","tool_calls":[{"id":"1"}]}])").find("tool calling"),
+            std::string::npos);
+  EXPECT_EQ(chat(R"([{"role":"user","content":"x"}, 3])"), "'messages[1]' must be an object");
+}
+
+}  // namespace

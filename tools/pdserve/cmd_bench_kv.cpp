@@ -1,0 +1,575 @@
+// pdserve bench kv: time moving the latent KV of a prompt between two processes over the UCX
+// transport, and report it as a ratio to ucx_perftest's put bandwidth measured in the same run,
+// on the same UCX_TLS and message size (docs/benchmarks.md, docs/kv-transfer.md).
+//
+// The process forks once, before UCX starts: the child is the decode side (a KV pool of the
+// largest case, one descriptor per run with freshly shuffled block ids), the parent the prefill
+// side (one put per layer, as layer-wise streaming does, then the completion record). A run is
+// timed from beginTransfer to the success callback, which comes after the record is delivered.
+// Runs of pdserve and of ucx_perftest alternate, so both see the same machine noise; each case
+// reports medians. The first transfer of each case is a verified warm-up (every byte checked).
+
+#include <poll.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <netinet/in.h>
+#include <unistd.h>
+
+#include <boost/json.hpp>
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <charconv>
+#include <chrono>
+#include <condition_variable>
+#include <cstdio>
+#include <cstring>
+#include <mutex>
+#include <numeric>
+#include <optional>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "cli.h"
+#include "pd/common/log.h"
+#include "pd/kvtransfer/kvtransfer_config.h"
+#include "pd/kvtransfer/ucx_transport.h"
+
+extern char** environ;
+
+namespace pd::cli {
+namespace {
+
+using kvtransfer::Clock;
+using namespace std::chrono_literals;
+
+constexpr const char* kUsage =
+    "usage: pdserve bench kv [--tokens 1024,4096] [--runs 7] [--json] [--kvtransfer.ucx_tls tcp,sm]\n"
+    "Moves the BF16 latent KV of prompts (61 layers x block 64 x 576 values by default) between two\n"
+    "processes and compares it with ucx_perftest ucp_put_bw on the same UCX_TLS and message size.";
+
+struct BenchKvConfig {
+  std::string tokens = "1024,4096";
+  std::int64_t runs = 7;
+  std::int64_t layers = 61;
+  std::int64_t block_size = 64;
+  std::int64_t kv_dim = 576;
+  bool json = false;
+  std::string perftest = "ucx_perftest";
+};
+
+// ---- small pieces ---------------------------------------------------------------------------
+
+std::uint64_t mix(std::uint64_t x) {
+  x += 0x9e3779b97f4a7c15ULL;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
+  return x ^ (x >> 31);
+}
+
+/// The 8 bytes at `word` of token `token` of layer `layer` in the benchmark's payload.
+std::uint64_t patternWord(std::uint32_t layer, std::uint32_t token, std::uint64_t word) {
+  return mix((std::uint64_t{layer} << 48) ^ (std::uint64_t{token} << 24) ^ word);
+}
+
+double median(std::vector<double> v) {
+  if (v.empty()) return 0.0;
+  std::sort(v.begin(), v.end());
+  const std::size_t n = v.size();
+  return n % 2 == 1 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+Result<std::vector<std::uint32_t>> parseTokenList(const std::string& text) {
+  std::vector<std::uint32_t> out;
+  std::size_t pos = 0;
+  while (pos <= text.size()) {
+    const std::size_t comma = std::min(text.find(',', pos), text.size());
+    std::uint32_t v = 0;
+    const auto r = std::from_chars(text.data() + pos, text.data() + comma, v);
+    if (r.ec != std::errc() || r.ptr != text.data() + comma || v == 0) {
+      return makeError(ErrorCode::InvalidArgument, fmt::format("bench.tokens: '{}' is not a list of token counts", text));
+    }
+    out.push_back(v);
+    pos = comma + 1;
+  }
+  return out;
+}
+
+/// Length-prefixed frames over the control socket between the two benchmark processes.
+bool writeFrame(int fd, std::string_view payload) {
+  const auto n = static_cast<std::uint32_t>(payload.size());
+  std::string frame(sizeof(n) + payload.size(), '\0');
+  std::memcpy(frame.data(), &n, sizeof(n));
+  std::memcpy(frame.data() + sizeof(n), payload.data(), payload.size());
+  std::size_t done = 0;
+  while (done < frame.size()) {
+    const ssize_t w = ::write(fd, frame.data() + done, frame.size() - done);
+    if (w <= 0) return false;
+    done += static_cast<std::size_t>(w);
+  }
+  return true;
+}
+
+std::optional<std::string> readFrame(int fd, std::chrono::milliseconds timeout) {
+  const auto deadline = Clock::now() + timeout;
+  std::string buffer;
+  std::optional<std::uint32_t> need;
+  while (true) {
+    if (!need && buffer.size() >= 4) {
+      std::uint32_t n = 0;
+      std::memcpy(&n, buffer.data(), 4);
+      need = n;
+    }
+    if (need && buffer.size() >= 4 + *need) return buffer.substr(4, *need);
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
+    if (left <= 0) return std::nullopt;
+    pollfd pfd{fd, POLLIN, 0};
+    if (::poll(&pfd, 1, static_cast<int>(left)) <= 0) continue;
+    // Read no further than this frame: the next one stays in the socket.
+    char chunk[4096];
+    const std::size_t want = need ? 4 + *need - buffer.size() : 4 - buffer.size();
+    const ssize_t r = ::read(fd, chunk, std::min(sizeof(chunk), want));
+    if (r <= 0) return std::nullopt;
+    buffer.append(chunk, static_cast<std::size_t>(r));
+  }
+}
+
+/// Waits for one transport callback.
+template <class T>
+class OneShot {
+ public:
+  void set(T value) {
+    std::lock_guard lock(mutex_);
+    value_.emplace(std::move(value));
+    cv_.notify_all();
+  }
+  std::optional<T> wait(std::chrono::milliseconds timeout) {
+    std::unique_lock lock(mutex_);
+    cv_.wait_for(lock, timeout, [&] { return value_.has_value(); });
+    auto out = std::move(value_);
+    value_.reset();
+    return out;
+  }
+
+ private:
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  std::optional<T> value_;
+};
+
+// ---- the decode side (child process) --------------------------------------------------------
+
+int runReceiver(int control, const kvtransfer::UcxTransportOptions& options, std::uint32_t max_tokens) {
+  const auto& c = options.compat;
+  auto transport = kvtransfer::createUcxTransport(options);
+  if (!transport.ok()) {
+    (void)writeFrame(control, "error " + transport.error().toString());
+    return 1;
+  }
+  auto& t = *transport.value();
+  const std::uint32_t num_blocks = (max_tokens + c.block_size - 1) / c.block_size;
+  const std::uint64_t block_bytes = std::uint64_t{c.block_size} * c.tokenBytes();
+  std::vector<std::byte> pool(block_bytes * num_blocks * c.num_layers);
+  auto region = t.registerRegion(pool);
+  if (!region.ok()) {
+    (void)writeFrame(control, "error " + region.error().toString());
+    return 1;
+  }
+  const kvtransfer::RegionLayout layout{region.value(), 0, 0, c.num_layers, block_bytes * num_blocks, block_bytes};
+  auto target = t.exportTarget(0, std::span(&layout, 1));
+  if (!target.ok()) {
+    (void)writeFrame(control, "error " + target.error().toString());
+    return 1;
+  }
+  OneShot<Result<kvtransfer::CompletionRecord>> arrival;
+  while (true) {
+    const auto command = readFrame(control, std::chrono::hours(1));
+    if (!command || *command == "quit") break;
+    // "go <request id> <tokens> <verify 0|1>"
+    std::uint64_t id = 0;
+    std::uint32_t tokens = 0;
+    int verify = 0;
+    if (std::sscanf(command->c_str(), "go %lu %u %d", &id, &tokens, &verify) != 3) break;
+    kvtransfer::KvDescriptor d;
+    d.request_id = id;
+    d.compat = c;
+    d.num_tokens = tokens;
+    d.timeout_ms = 60000;
+    d.block_ids.resize(num_blocks);
+    std::iota(d.block_ids.begin(), d.block_ids.end(), 0U);
+    std::mt19937_64 rng(id);
+    std::shuffle(d.block_ids.begin(), d.block_ids.end(), rng);
+    d.block_ids.resize((tokens + c.block_size - 1) / c.block_size);
+    d.targets = {target.value()};
+    if (verify != 0) std::fill(pool.begin(), pool.end(), std::byte{0});
+    const Status expected = t.expect(id, Clock::now() + 120s, [&](std::uint64_t, Result<kvtransfer::CompletionRecord> r) {
+      arrival.set(std::move(r));
+    });
+    if (!expected.ok()) {
+      (void)writeFrame(control, "error " + expected.error().toString());
+      return 1;
+    }
+    const auto wire = kvtransfer::encode(d);
+    if (!writeFrame(control, std::string_view(reinterpret_cast<const char*>(wire.data()), wire.size()))) break;
+    auto got = arrival.wait(130s);
+    std::string result = "ok";
+    if (!got || !got->ok()) {
+      result = "error " + (got ? got->error().toString() : std::string("no callback"));
+    } else if (verify != 0) {
+      for (std::uint32_t l = 0; l < c.num_layers && result == "ok"; ++l) {
+        for (std::uint32_t tok = 0; tok < tokens; ++tok) {
+          const std::byte* p = pool.data() + l * layout.layer_stride + d.block_ids[tok / c.block_size] * block_bytes +
+                               (tok % c.block_size) * c.tokenBytes();
+          bool same = true;
+          for (std::uint64_t w = 0; w * 8 < c.tokenBytes(); ++w) {
+            std::uint64_t v = 0;
+            std::memcpy(&v, p + w * 8, std::min<std::uint64_t>(8, c.tokenBytes() - w * 8));
+            const std::uint64_t want = patternWord(l, tok, w);
+            same = same && std::memcmp(&v, &want, std::min<std::uint64_t>(8, c.tokenBytes() - w * 8)) == 0;
+          }
+          if (!same) {
+            result = fmt::format("error layer {} token {} arrived corrupted", l, tok);
+            break;
+          }
+        }
+      }
+    }
+    if (!writeFrame(control, result)) break;
+  }
+  (void)t.deregisterRegion(region.value());
+  return 0;
+}
+
+// ---- ucx_perftest, the ceiling --------------------------------------------------------------
+
+std::optional<pid_t> spawn(const std::vector<std::string>& argv, const std::string& tls, int stdout_fd) {
+  std::vector<std::string> env_storage;
+  for (char** e = environ; *e != nullptr; ++e) {
+    if (std::strncmp(*e, "UCX_TLS=", 8) != 0) env_storage.emplace_back(*e);
+  }
+  env_storage.push_back("UCX_TLS=" + tls);
+  std::vector<char*> envp;
+  for (auto& e : env_storage) envp.push_back(e.data());
+  envp.push_back(nullptr);
+  std::vector<std::string> args = argv;
+  std::vector<char*> argp;
+  for (auto& a : args) argp.push_back(a.data());
+  argp.push_back(nullptr);
+  posix_spawn_file_actions_t actions;
+  posix_spawn_file_actions_init(&actions);
+  posix_spawn_file_actions_adddup2(&actions, stdout_fd, STDOUT_FILENO);
+  posix_spawn_file_actions_adddup2(&actions, stdout_fd, STDERR_FILENO);
+  pid_t pid = -1;
+  const int rc = posix_spawnp(&pid, argp[0], &actions, nullptr, argp.data(), envp.data());
+  posix_spawn_file_actions_destroy(&actions);
+  if (rc != 0) return std::nullopt;
+  return pid;
+}
+
+/// Waits for `pid` up to `timeout`; kills it after that. True when it exited with status 0.
+bool reap(pid_t pid, std::chrono::milliseconds timeout) {
+  const auto deadline = Clock::now() + timeout;
+  int status = 0;
+  while (::waitpid(pid, &status, WNOHANG) == 0) {
+    if (Clock::now() > deadline) {
+      ::kill(pid, SIGKILL);
+      ::waitpid(pid, &status, 0);
+      return false;
+    }
+    std::this_thread::sleep_for(2ms);
+  }
+  return WIFEXITED(status) && WEXITSTATUS(status) == 0;
+}
+
+int freePort() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(addr);
+  int port = 0;
+  if (::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0 &&
+      ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0) {
+    port = ntohs(addr.sin_port);
+  }
+  ::close(fd);
+  return port;
+}
+
+/// ucx_perftest ucp_put_bw between two processes: `iterations` puts of `size` bytes with error
+/// handling on (-e) and pre-registered memory (-z), like the transport's; `sleep` selects its
+/// wakeup-based wait mode (-I -E sleep) instead of busy polling. Bytes per second.
+Result<double> perftestBandwidth(const std::string& perftest, const std::string& tls, std::uint64_t size,
+                                 std::uint64_t iterations, bool sleep) {
+  for (int attempt = 0; attempt < 5; ++attempt) {
+    const std::string port = std::to_string(freePort());
+    FILE* server_out = std::tmpfile();
+    FILE* client_out = std::tmpfile();
+    if (server_out == nullptr || client_out == nullptr) return makeError(ErrorCode::Io, "tmpfile");
+    const auto server = spawn({perftest, "-p", port}, tls, fileno(server_out));
+    if (!server) return makeError(ErrorCode::NotFound, fmt::format("cannot run '{}' (ucx-utils)", perftest));
+    std::this_thread::sleep_for(150ms);  // let the server listen
+    std::vector<std::string> argv = {perftest, "127.0.0.1", "-p", port, "-t", "ucp_put_bw", "-s", std::to_string(size),
+                                     "-n", std::to_string(iterations), "-w", "20", "-e", "-z", "-v"};
+    if (sleep) argv.insert(argv.end(), {"-I", "-E", "sleep"});
+    const auto client = spawn(argv, tls, fileno(client_out));
+    const bool client_ok = client && reap(*client, 120s);
+    (void)reap(*server, client_ok ? 10s : 1s);
+    std::string text;
+    std::rewind(client_out);
+    char buf[4096];
+    for (std::size_t n; (n = std::fread(buf, 1, sizeof(buf), client_out)) > 0;) text.append(buf, n);
+    std::fclose(server_out);
+    std::fclose(client_out);
+    if (!client_ok) continue;  // most likely the server was not listening yet
+    // CSV: iterations,50.0_percentile_lat,avg_lat,overall_lat,avg_bw,overall_bw,avg_mr,overall_mr
+    const auto last = text.find_last_not_of("\n ");
+    const auto line_start = text.rfind('\n', last == std::string::npos ? 0 : last);
+    const std::string line = text.substr(line_start == std::string::npos ? 0 : line_start + 1);
+    std::vector<std::string> cols;
+    for (std::size_t p = 0; p <= line.size();) {
+      const std::size_t c = std::min(line.find(',', p), line.size());
+      cols.push_back(line.substr(p, c - p));
+      p = c + 1;
+    }
+    if (cols.size() >= 6) {
+      const double mb_per_s = std::strtod(cols[5].c_str(), nullptr);
+      if (mb_per_s > 0) return mb_per_s * 1024.0 * 1024.0;
+    }
+    return makeError(ErrorCode::Internal, "could not parse ucx_perftest output: " + text);
+  }
+  return makeError(ErrorCode::Internal, "ucx_perftest failed 5 times");
+}
+
+// ---- the prefill side (parent) --------------------------------------------------------------
+
+struct CaseResult {
+  std::uint32_t tokens = 0;
+  std::uint64_t bytes = 0;
+  std::uint64_t puts = 0;
+  std::vector<double> ours_bps;
+  std::vector<double> ours_s;
+  std::vector<double> perftest_poll_bps;
+  std::vector<double> perftest_sleep_bps;
+  std::vector<double> perftest_bps;  ///< per run, the better of the two wait modes: the ceiling
+  [[nodiscard]] double ratio() const {
+    const double p = median(perftest_bps);
+    return p > 0 ? median(ours_bps) / p : 0.0;
+  }
+};
+
+/// One transfer of `tokens` tokens; seconds from beginTransfer to the success callback.
+Result<double> transferOnce(kvtransfer::Transport& t, int control, kvtransfer::RegionId source,
+                            const kvtransfer::CompatInfo& c, std::uint32_t max_tokens, std::uint64_t id,
+                            std::uint32_t tokens, bool verify) {
+  if (!writeFrame(control, fmt::format("go {} {} {}", id, tokens, verify ? 1 : 0))) {
+    return makeError(ErrorCode::PeerFailed, "benchmark receiver process is gone");
+  }
+  const auto wire = readFrame(control, 60s);
+  if (!wire) return makeError(ErrorCode::PeerFailed, "no descriptor from the receiver process");
+  if (wire->starts_with("error ")) return makeError(ErrorCode::Internal, "receiver: " + wire->substr(6));
+  const std::span<const std::uint8_t> bytes(reinterpret_cast<const std::uint8_t*>(wire->data()), wire->size());
+  PD_ASSIGN_OR_RETURN(auto desc, kvtransfer::decodeKvDescriptor(bytes));
+  std::vector<kvtransfer::LayerPut> puts;
+  for (std::uint32_t l = 0; l < c.num_layers; ++l) {
+    puts.push_back({kvtransfer::LayerSlice{l, 0, tokens}, source, std::uint64_t{l} * max_tokens * c.tokenBytes()});
+  }
+  OneShot<Status> done;
+  const auto start = Clock::now();
+  PD_TRY(t.beginTransfer(desc, start + 60s, [&](std::uint64_t, Status s) { done.set(std::move(s)); }));
+  for (const auto& p : puts) PD_TRY(t.put(id, std::span(&p, 1)));  // layer by layer, as prefill streams
+  kvtransfer::CompletionRecord record;
+  record.request_id = id;
+  record.num_tokens = tokens;
+  PD_TRY(t.finish(std::move(record)));
+  auto status = done.wait(70s);
+  const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
+  if (!status) return makeError(ErrorCode::Internal, "no transfer callback (a bug: the deadline should have fired)");
+  PD_TRY(*status);
+  const auto reply = readFrame(control, 60s);
+  if (!reply || *reply != "ok") return makeError(ErrorCode::Internal, "receiver: " + reply.value_or("no reply"));
+  return seconds;
+}
+
+void printTable(const std::vector<CaseResult>& cases, const BenchKvConfig& cfg, const std::string& tls,
+                std::uint64_t put_size, double overall) {
+  std::printf("pdserve bench kv: UCX_TLS=%s, %lld layers x block %lld x %lld BF16 (%llu-byte puts), %lld runs per case\n",
+              tls.c_str(), static_cast<long long>(cfg.layers), static_cast<long long>(cfg.block_size),
+              static_cast<long long>(cfg.kv_dim), static_cast<unsigned long long>(put_size),
+              static_cast<long long>(cfg.runs));
+  std::printf("%7s %9s %6s %10s %13s %14s %15s %14s %7s\n", "tokens", "MB", "puts", "median ms", "pdserve MB/s",
+              "perftest poll", "perftest sleep", "ceiling MB/s", "ratio");
+  for (const auto& c : cases) {
+    std::printf("%7u %9.1f %6llu %10.2f %13.1f %14.1f %15.1f %14.1f %7.3f\n", c.tokens, static_cast<double>(c.bytes) / 1e6,
+                static_cast<unsigned long long>(c.puts), median(c.ours_s) * 1e3, median(c.ours_bps) / 1e6,
+                median(c.perftest_poll_bps) / 1e6, median(c.perftest_sleep_bps) / 1e6, median(c.perftest_bps) / 1e6,
+                c.ratio());
+  }
+  std::printf("ratio_to_ucx_perftest (median over cases): %.3f  (MB = 10^6 bytes; ceiling = per run the better of\n"
+              "ucx_perftest ucp_put_bw -e -z in poll and in sleep mode; ratio = median pdserve / median ceiling)\n",
+              overall);
+}
+
+boost::json::object toJson(const std::vector<CaseResult>& cases, const BenchKvConfig& cfg, const std::string& tls,
+                           std::uint64_t put_size, double overall) {
+  boost::json::array out_cases;
+  for (const auto& c : cases) {
+    boost::json::object o;
+    o["tokens"] = c.tokens;
+    o["bytes"] = c.bytes;
+    o["puts"] = c.puts;
+    o["median_seconds"] = median(c.ours_s);
+    o["median_bytes_per_second"] = median(c.ours_bps);
+    o["ucx_perftest_median_bytes_per_second"] = median(c.perftest_bps);
+    o["ratio_to_ucx_perftest"] = c.ratio();
+    o["runs_bytes_per_second"] = boost::json::value_from(c.ours_bps);
+    o["ucx_perftest_runs_bytes_per_second"] = boost::json::value_from(c.perftest_bps);
+    o["ucx_perftest_poll_median_bytes_per_second"] = median(c.perftest_poll_bps);
+    o["ucx_perftest_sleep_median_bytes_per_second"] = median(c.perftest_sleep_bps);
+    out_cases.push_back(std::move(o));
+  }
+  boost::json::object o;
+  o["ucx_tls"] = tls;
+  o["layers"] = cfg.layers;
+  o["block_size"] = cfg.block_size;
+  o["kv_dim"] = cfg.kv_dim;
+  o["kv_dtype"] = "BF16";
+  o["put_bytes"] = put_size;
+  o["runs"] = cfg.runs;
+  o["ratio_to_ucx_perftest"] = overall;
+  o["cases"] = std::move(out_cases);
+  return o;
+}
+
+int runSender(int control, pid_t receiver, const kvtransfer::UcxTransportOptions& options, const BenchKvConfig& cfg,
+              const std::vector<std::uint32_t>& token_cases, std::uint32_t max_tokens) {
+  const auto& c = options.compat;
+  const auto fail = [&](const Error& e) {
+    (void)writeFrame(control, "quit");
+    (void)reap(receiver, 5s);
+    return reportFailure(e);
+  };
+  auto transport = kvtransfer::createUcxTransport(options);
+  if (!transport.ok()) return fail(transport.error());
+  auto& t = *transport.value();
+  // Source KV: [layer][max_tokens][token bytes] with the seeded pattern.
+  std::vector<std::byte> source(std::uint64_t{c.num_layers} * max_tokens * c.tokenBytes());
+  for (std::uint32_t l = 0; l < c.num_layers; ++l) {
+    for (std::uint32_t tok = 0; tok < max_tokens; ++tok) {
+      std::byte* p = source.data() + (std::uint64_t{l} * max_tokens + tok) * c.tokenBytes();
+      for (std::uint64_t w = 0; w * 8 < c.tokenBytes(); ++w) {
+        const std::uint64_t v = patternWord(l, tok, w);
+        std::memcpy(p + w * 8, &v, std::min<std::uint64_t>(8, c.tokenBytes() - w * 8));
+      }
+    }
+  }
+  auto region = t.registerRegion(source);
+  if (!region.ok()) return fail(region.error());
+  const std::uint64_t put_size = std::uint64_t{c.block_size} * c.tokenBytes();
+  std::vector<CaseResult> cases;
+  std::uint64_t id = 1;
+  for (const std::uint32_t tokens : token_cases) {
+    CaseResult r;
+    r.tokens = tokens;
+    r.bytes = std::uint64_t{tokens} * c.num_layers * c.tokenBytes();
+    r.puts = std::uint64_t{(tokens + c.block_size - 1) / c.block_size} * c.num_layers;
+    auto warm = transferOnce(t, control, region.value(), c, max_tokens, id++, tokens, /*verify=*/true);
+    if (!warm.ok()) return fail(warm.error());
+    log::info("bench", "{} tokens: warm-up transfer verified byte for byte", tokens);
+    for (std::int64_t run = 0; run < cfg.runs; ++run) {
+      auto s = transferOnce(t, control, region.value(), c, max_tokens, id++, tokens, false);
+      if (!s.ok()) return fail(s.error());
+      r.ours_s.push_back(s.value());
+      r.ours_bps.push_back(static_cast<double>(r.bytes) / s.value());
+      if (!cfg.perftest.empty()) {
+        // Busy polling is UCX's fastest mode on idle cores, its sleep mode on busy ones: the
+        // ceiling is whichever did better in this run.
+        auto poll = perftestBandwidth(cfg.perftest, options.ucx_tls, put_size, r.puts, false);
+        if (!poll.ok()) return fail(poll.error());
+        auto sleep = perftestBandwidth(cfg.perftest, options.ucx_tls, put_size, r.puts, true);
+        if (!sleep.ok()) return fail(sleep.error());
+        r.perftest_poll_bps.push_back(poll.value());
+        r.perftest_sleep_bps.push_back(sleep.value());
+        r.perftest_bps.push_back(std::max(poll.value(), sleep.value()));
+      }
+      log::info("bench", "{} tokens run {}: {:.1f} MB/s, ucx_perftest {:.1f} MB/s", tokens, run + 1,
+                r.ours_bps.back() / 1e6, r.perftest_bps.empty() ? 0.0 : r.perftest_bps.back() / 1e6);
+    }
+    cases.push_back(std::move(r));
+  }
+  (void)t.deregisterRegion(region.value());
+  transport.value().reset();  // before the receiver exits, so that no endpoint sees it vanish
+  (void)writeFrame(control, "quit");
+  (void)reap(receiver, 10s);
+  std::vector<double> ratios;
+  for (const auto& r : cases) ratios.push_back(r.ratio());
+  const double overall = median(ratios);
+  if (cfg.json) {
+    std::printf("%s\n", boost::json::serialize(toJson(cases, cfg, options.ucx_tls, put_size, overall)).c_str());
+  } else {
+    printTable(cases, cfg, options.ucx_tls, put_size, overall);
+  }
+  return 0;
+}
+
+}  // namespace
+
+int runBenchKv(const std::vector<std::string>& args) {
+  CommonConfig common;
+  CommonOptions common_sets(common);
+  BenchKvConfig cfg;
+  config::OptionSet bench("bench");
+  bench.add("tokens", &cfg.tokens, "prompt lengths to time, comma-separated")
+      .add("runs", &cfg.runs, "timed runs per case (medians are reported; use at least 5)", 1, 1000)
+      .add("layers", &cfg.layers, "KV layers per token", 1, 4096)
+      .add("block_size", &cfg.block_size, "tokens per KV block (one put moves one block of one layer)", 1, 4096)
+      .add("kv_dim", &cfg.kv_dim, "latent KV values per token per layer (kv_lora_rank + qk_rope_head_dim)", 1, 65536)
+      .add("json", &cfg.json, "print one JSON object instead of the table")
+      .add("perftest", &cfg.perftest, "ucx_perftest binary for the ceiling; empty skips it");
+  kvtransfer::KvTransferConfig kv_cfg;
+  config::OptionSet kv_set("kvtransfer");
+  kvtransfer::registerOptions(kv_set, kv_cfg);
+  auto loaded = loadCommandOptions(kUsage, {&common_sets.log, &bench, &kv_set}, args, &common);
+  if (!loaded.ok()) return reportFailure(loaded.error());
+  if (loaded->help_requested) return 0;
+  if (!loaded->positionals.empty()) {
+    return reportFailure(makeError(ErrorCode::InvalidArgument, "bench kv takes no positional arguments"));
+  }
+  auto token_cases = parseTokenList(cfg.tokens);
+  if (!token_cases.ok()) return reportFailure(token_cases.error());
+  if (cfg.runs < 5) log::warn("bench", "fewer than 5 runs per case: medians will be noisy");
+  const std::uint32_t max_tokens = *std::max_element(token_cases->begin(), token_cases->end());
+
+  kvtransfer::CompatInfo compat;
+  compat.model_hash = 0xbe9c;
+  compat.kv_dtype = DType::BF16;
+  compat.block_size = static_cast<std::uint32_t>(cfg.block_size);
+  compat.num_layers = static_cast<std::uint32_t>(cfg.layers);
+  compat.kv_dim = static_cast<std::uint32_t>(cfg.kv_dim);
+  auto options = kvtransfer::ucxOptionsFromConfig(kv_cfg, compat);
+
+  // Fork before any UCX or thread exists: the child is the decode side.
+  int sockets[2];
+  if (::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sockets) != 0) {
+    return reportFailure(makeError(ErrorCode::Io, fmt::format("socketpair: {}", std::strerror(errno))));
+  }
+  const pid_t child = ::fork();
+  if (child < 0) return reportFailure(makeError(ErrorCode::Io, fmt::format("fork: {}", std::strerror(errno))));
+  if (child == 0) {
+    ::close(sockets[0]);
+    options.name = "bench-decode";
+    std::fflush(stdout);
+    ::_exit(runReceiver(sockets[1], options, max_tokens));
+  }
+  ::close(sockets[1]);
+  options.name = "bench-prefill";
+  const int rc = runSender(sockets[0], child, options, cfg, token_cases.value(), max_tokens);
+  ::close(sockets[0]);
+  return rc;
+}
+
+}  // namespace pd::cli
