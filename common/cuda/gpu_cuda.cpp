@@ -6,8 +6,12 @@
 
 namespace pd::gpu {
 
-bool builtWithCuda() { return true; }
-int deviceCount() { return kernels::deviceCount(); }
+bool builtWithCuda() {
+  return true;
+}
+int deviceCount() {
+  return kernels::deviceCount();
+}
 
 Status axpy(float a, std::span<const float> x, std::span<float> y) {
   if (x.size() != y.size()) return makeError(ErrorCode::InvalidArgument, "axpy: x and y differ in length");

@@ -21,7 +21,9 @@ struct DeviceFloats {
   }
 };
 
-std::string describe(const char* what, cudaError_t err) { return std::string(what) + ": " + cudaGetErrorString(err); }
+std::string describe(const char* what, cudaError_t err) {
+  return std::string(what) + ": " + cudaGetErrorString(err);
+}
 
 }  // namespace
 

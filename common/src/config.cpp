@@ -1,5 +1,7 @@
 #include "pd/common/config.h"
 
+#include <fmt/format.h>
+#include <unistd.h>
 #include <yaml-cpp/yaml.h>
 
 #include <algorithm>
@@ -7,8 +9,6 @@
 #include <charconv>
 #include <cmath>
 #include <cstdlib>
-#include <fmt/format.h>
-#include <unistd.h>
 
 extern char** environ;  // POSIX; read only here (STYLE: no getenv outside the config module)
 
@@ -23,11 +23,16 @@ std::string normalizeName(std::string_view name) {
 
 std::string typeName(OptionType type) {
   switch (type) {
-    case OptionType::Bool: return "bool";
-    case OptionType::Int: return "int";
-    case OptionType::Double: return "float";
-    case OptionType::String: return "string";
-    case OptionType::Path: return "path";
+    case OptionType::Bool:
+      return "bool";
+    case OptionType::Int:
+      return "int";
+    case OptionType::Double:
+      return "float";
+    case OptionType::String:
+      return "string";
+    case OptionType::Path:
+      return "path";
   }
   return "?";
 }
@@ -37,7 +42,9 @@ Error badValue(std::string_view source, std::string_view name, std::string_view 
                    fmt::format("{}: invalid value '{}' for '{}': {}", source, text, name, why));
 }
 
-std::string formatDouble(double v) { return fmt::format("{}", v); }
+std::string formatDouble(double v) {
+  return fmt::format("{}", v);
+}
 
 }  // namespace
 
@@ -48,8 +55,14 @@ OptionSet& OptionSet::add(const std::string& name, bool* field, std::string help
   Binding b;
   b.info = {name, OptionType::Bool, *field ? "true" : "false", std::move(help), "true or false"};
   b.parse = [field, name](std::string_view text, std::string_view source) -> Status {
-    if (text == "true" || text == "1" || text == "yes" || text == "on") { *field = true; return okStatus(); }
-    if (text == "false" || text == "0" || text == "no" || text == "off") { *field = false; return okStatus(); }
+    if (text == "true" || text == "1" || text == "yes" || text == "on") {
+      *field = true;
+      return okStatus();
+    }
+    if (text == "false" || text == "0" || text == "no" || text == "off") {
+      *field = false;
+      return okStatus();
+    }
     return badValue(source, name, text, "expected true or false");
   };
   b.show = [field] { return std::string(*field ? "true" : "false"); };
@@ -58,7 +71,8 @@ OptionSet& OptionSet::add(const std::string& name, bool* field, std::string help
   return *this;
 }
 
-OptionSet& OptionSet::add(const std::string& name, std::int64_t* field, std::string help, std::int64_t min, std::int64_t max) {
+OptionSet& OptionSet::add(const std::string& name, std::int64_t* field, std::string help, std::int64_t min,
+                          std::int64_t max) {
   PD_CHECK(field != nullptr);
   PD_CHECK(min <= *field && *field <= max);
   Binding b;
@@ -102,7 +116,8 @@ OptionSet& OptionSet::add(const std::string& name, double* field, std::string he
   return *this;
 }
 
-OptionSet& OptionSet::add(const std::string& name, std::string* field, std::string help, std::vector<std::string> choices) {
+OptionSet& OptionSet::add(const std::string& name, std::string* field, std::string help,
+                          std::vector<std::string> choices) {
   PD_CHECK(field != nullptr);
   Binding b;
   std::string constraint;
@@ -147,12 +162,15 @@ const OptionSet::Binding* OptionSet::lookup(std::string_view name) const {
   return const_cast<OptionSet*>(this)->lookup(name);  // NOLINT(cppcoreguidelines-pro-type-const-cast)
 }
 
-bool OptionSet::has(std::string_view name) const { return lookup(name) != nullptr; }
+bool OptionSet::has(std::string_view name) const {
+  return lookup(name) != nullptr;
+}
 
 Status OptionSet::set(std::string_view name, std::string_view text, std::string_view source) {
   Binding* b = lookup(name);
   if (b == nullptr) {
-    return makeError(ErrorCode::InvalidArgument, fmt::format("{}: unknown option '{}' in section '{}'", source, name, section_));
+    return makeError(ErrorCode::InvalidArgument,
+                     fmt::format("{}: unknown option '{}' in section '{}'", source, name, section_));
   }
   return b->parse(text, source);
 }
@@ -194,7 +212,8 @@ Status applyYaml(const std::vector<OptionSet*>& all, const std::filesystem::path
   }
   if (root.IsNull()) return okStatus();
   if (!root.IsMap()) {
-    return makeError(ErrorCode::InvalidArgument, fmt::format("{}: top level must be a mapping of sections", file.string()));
+    return makeError(ErrorCode::InvalidArgument,
+                     fmt::format("{}: top level must be a mapping of sections", file.string()));
   }
   for (const auto& section : root) {
     const std::string section_name = section.first.as<std::string>();
@@ -333,7 +352,8 @@ Result<LoadOutput> loadConfig(const std::vector<OptionSet*>& all, const std::vec
           value = "true";
         }
       } else {
-        if (!next_is_value) return makeError(ErrorCode::InvalidArgument, fmt::format("flag '--{}' needs a value", name));
+        if (!next_is_value)
+          return makeError(ErrorCode::InvalidArgument, fmt::format("flag '--{}' needs a value", name));
         value = input.args[++i];
       }
     }

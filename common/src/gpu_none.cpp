@@ -3,8 +3,12 @@
 
 namespace pd::gpu {
 
-bool builtWithCuda() { return false; }
-int deviceCount() { return 0; }
+bool builtWithCuda() {
+  return false;
+}
+int deviceCount() {
+  return 0;
+}
 
 Status axpy(float /*a*/, std::span<const float> /*x*/, std::span<float> /*y*/) {
   return makeError(ErrorCode::Unsupported, "axpy: this pdserve was built without CUDA (PD_WITH_CUDA=OFF)");

@@ -7,17 +7,28 @@ namespace pd {
 
 std::string_view errorCodeName(ErrorCode code) {
   switch (code) {
-    case ErrorCode::InvalidArgument: return "InvalidArgument";
-    case ErrorCode::NotFound: return "NotFound";
-    case ErrorCode::Io: return "Io";
-    case ErrorCode::Corrupt: return "Corrupt";
-    case ErrorCode::Unsupported: return "Unsupported";
-    case ErrorCode::Timeout: return "Timeout";
-    case ErrorCode::PeerFailed: return "PeerFailed";
-    case ErrorCode::Cancelled: return "Cancelled";
-    case ErrorCode::Overloaded: return "Overloaded";
-    case ErrorCode::ResourceExhausted: return "ResourceExhausted";
-    case ErrorCode::Internal: return "Internal";
+    case ErrorCode::InvalidArgument:
+      return "InvalidArgument";
+    case ErrorCode::NotFound:
+      return "NotFound";
+    case ErrorCode::Io:
+      return "Io";
+    case ErrorCode::Corrupt:
+      return "Corrupt";
+    case ErrorCode::Unsupported:
+      return "Unsupported";
+    case ErrorCode::Timeout:
+      return "Timeout";
+    case ErrorCode::PeerFailed:
+      return "PeerFailed";
+    case ErrorCode::Cancelled:
+      return "Cancelled";
+    case ErrorCode::Overloaded:
+      return "Overloaded";
+    case ErrorCode::ResourceExhausted:
+      return "ResourceExhausted";
+    case ErrorCode::Internal:
+      return "Internal";
   }
   return "Unknown";
 }
@@ -31,8 +42,8 @@ std::string Error::toString() const {
 
 namespace detail {
 void checkFailed(const char* file, int line, const char* condition, const char* message) {
-  std::fprintf(stderr, "PD_CHECK failed at %s:%d: %s%s%s\n", file, line, condition,
-               message != nullptr ? ": " : "", message != nullptr ? message : "");
+  std::fprintf(stderr, "PD_CHECK failed at %s:%d: %s%s%s\n", file, line, condition, message != nullptr ? ": " : "",
+               message != nullptr ? message : "");
   std::fflush(stderr);
   std::abort();
 }

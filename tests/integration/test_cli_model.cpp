@@ -76,7 +76,8 @@ class CliModel : public ::testing::TestWithParam<std::string> {
 TEST_P(CliModel, GenerateGreedyPrintsTheGoldenTokensWithAndWithoutMtp) {
   const std::string want = "{\"ids\": [" + joined(ids(*golden_, "p0.greedy"), ", ") + "]}\n";
   for (const char* mtp : {"0", "2"}) {
-    const CommandResult r = pdserve("generate --model " + model() + " --prompt-ids " + prompt_ + " --max-tokens 24 --mtp " + mtp);
+    const CommandResult r =
+        pdserve("generate --model " + model() + " --prompt-ids " + prompt_ + " --max-tokens 24 --mtp " + mtp);
     EXPECT_EQ(r.exit_code, 0);
     EXPECT_EQ(r.out, want) << "--mtp " << mtp;
   }
@@ -94,15 +95,18 @@ TEST_P(CliModel, SampledGenerationRepeatsForASeed) {
 }
 
 TEST_P(CliModel, LogitsWritesTheGoldenTensors) {
-  const fs::path out = fs::temp_directory_path() / ("pd_cli_logits_" + GetParam() + "_" +
-                                                    std::to_string(::testing::UnitTest::GetInstance()->random_seed()) +
-                                                    ".safetensors");
+  const fs::path out =
+      fs::temp_directory_path() / ("pd_cli_logits_" + GetParam() + "_" +
+                                   std::to_string(::testing::UnitTest::GetInstance()->random_seed()) + ".safetensors");
   const CommandResult r = pdserve("logits --model " + model() + " --prompt-ids " + prompt_ + " --out " + out.string());
   ASSERT_EQ(r.exit_code, 0);
   auto written = pd::SafetensorsFile::open(out);
   ASSERT_TRUE(written.ok());
-  for (const auto& [name, tol] : std::vector<std::pair<std::string, double>>{
-           {"logits_all", 1e-3}, {"kv_cache", 2e-4}, {"pe_cache", 2e-4}, {"hidden_final", 2e-4}, {"mtp_logits_nozero", 1e-3}}) {
+  for (const auto& [name, tol] : std::vector<std::pair<std::string, double>>{{"logits_all", 1e-3},
+                                                                             {"kv_cache", 2e-4},
+                                                                             {"pe_cache", 2e-4},
+                                                                             {"hidden_final", 2e-4},
+                                                                             {"mtp_logits_nozero", 1e-3}}) {
     const std::vector<float> got = floats(*written, name);
     const std::vector<float> want = floats(*golden_, "p0." + name);
     ASSERT_FALSE(got.empty()) << name;

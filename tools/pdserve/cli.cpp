@@ -41,8 +41,10 @@ struct AllSections {
 
 CommonOptions::CommonOptions(CommonConfig& cfg) {
   log.add("level", &cfg.log_level, "log verbosity", {"debug", "info", "warn", "error", "off"});
-  model.add("path", &cfg.model_path, "model folder (Hugging Face DeepSeek-V3 layout); empty: the embedded default model")
-      .add("tokenizer", &cfg.tokenizer_path, "tokenizer folder; empty: the model folder, or the fetched DeepSeek-V3 tokenizer")
+  model
+      .add("path", &cfg.model_path, "model folder (Hugging Face DeepSeek-V3 layout); empty: the embedded default model")
+      .add("tokenizer", &cfg.tokenizer_path,
+           "tokenizer folder; empty: the model folder, or the fetched DeepSeek-V3 tokenizer")
       .add("cache_dir", &cfg.cache_dir, "folder for the embedded default model and fetched tokenizer files");
 }
 
@@ -52,7 +54,7 @@ int reportFailure(const Error& error) {
 }
 
 Result<config::LoadOutput> loadCommandOptions(const std::string& usage, const std::vector<config::OptionSet*>& active,
-                                               const std::vector<std::string>& args, const CommonConfig* common) {
+                                              const std::vector<std::string>& args, const CommonConfig* common) {
   config::LoadInput input;
   input.args = args;
   AllSections scratch;
@@ -81,9 +83,8 @@ Result<std::filesystem::path> resolveModelDir(const CommonConfig& cfg) {
   const std::filesystem::path tokenizer =
       cfg.tokenizer_path.empty() ? cfg.cache_dir / "tokenizers" / "deepseek-v3" : cfg.tokenizer_path;
   if (!std::filesystem::exists(tokenizer / "tokenizer.json")) {
-    return makeError(ErrorCode::NotFound,
-                     "the default model needs the DeepSeek-V3 tokenizer in " + tokenizer.string() +
-                         ": run scripts/fetch-tokenizer.sh (or pass --model.tokenizer DIR)");
+    return makeError(ErrorCode::NotFound, "the default model needs the DeepSeek-V3 tokenizer in " + tokenizer.string() +
+                                              ": run scripts/fetch-tokenizer.sh (or pass --model.tokenizer DIR)");
   }
   return ensureDefaultModel(cfg.cache_dir, tokenizer);
 }

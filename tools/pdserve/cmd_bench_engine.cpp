@@ -27,7 +27,9 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-double secondsSince(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+double secondsSince(Clock::time_point t) {
+  return std::chrono::duration<double>(Clock::now() - t).count();
+}
 
 // CPU seconds this process has used (all threads).
 double processCpuSeconds() {
@@ -222,11 +224,12 @@ int runBenchEngine(const std::vector<std::string>& args) {
     if (!r.ok()) return reportFailure(r.error());
     decode.push_back(*r);
     if (!json) {
-      std::printf("decode batch %3lld: %8.2f ms/step  %9.2f tok/s  %8.1f MB/step  %6.2f GB/s  MBU %.3f  (%lld "
-                  "experts/step, cpu share %.2f)\n",
-                  static_cast<long long>(b), r->step_seconds * 1e3, static_cast<double>(b) / r->step_seconds,
-                  r->bytes_per_step / 1e6, r->bytes_per_step / r->step_seconds / 1e9, r->mbu,
-                  static_cast<long long>(r->experts_per_step), r->cpu_share);
+      std::printf(
+          "decode batch %3lld: %8.2f ms/step  %9.2f tok/s  %8.1f MB/step  %6.2f GB/s  MBU %.3f  (%lld "
+          "experts/step, cpu share %.2f)\n",
+          static_cast<long long>(b), r->step_seconds * 1e3, static_cast<double>(b) / r->step_seconds,
+          r->bytes_per_step / 1e6, r->bytes_per_step / r->step_seconds / 1e9, r->mbu,
+          static_cast<long long>(r->experts_per_step), r->cpu_share);
     }
   }
   double prefill_seconds = 0.0, prefill_flops = 0.0, prefill_cpu_share = 0.0;
@@ -261,11 +264,11 @@ int runBenchEngine(const std::vector<std::string>& args) {
     std::string d = "[";
     for (std::size_t i = 0; i < decode.size(); ++i) {
       const auto& r = decode[i];
-      d += fmt::format("{}{{\"batch\": {}, \"step_ms\": {:.4f}, \"tokens_per_s\": {:.3f}, \"bytes_per_step\": {:.0f}, "
-                       "\"gbs\": {:.3f}, \"mbu\": {:.4f}, \"experts_per_step\": {}, \"cpu_share\": {:.3f}}}",
-                       i ? ", " : "", r.batch, r.step_seconds * 1e3, static_cast<double>(r.batch) / r.step_seconds,
-                       r.bytes_per_step, r.bytes_per_step / r.step_seconds / 1e9, r.mbu, r.experts_per_step,
-                       r.cpu_share);
+      d += fmt::format(
+          "{}{{\"batch\": {}, \"step_ms\": {:.4f}, \"tokens_per_s\": {:.3f}, \"bytes_per_step\": {:.0f}, "
+          "\"gbs\": {:.3f}, \"mbu\": {:.4f}, \"experts_per_step\": {}, \"cpu_share\": {:.3f}}}",
+          i ? ", " : "", r.batch, r.step_seconds * 1e3, static_cast<double>(r.batch) / r.step_seconds, r.bytes_per_step,
+          r.bytes_per_step / r.step_seconds / 1e9, r.mbu, r.experts_per_step, r.cpu_share);
     }
     d += "]";
     double mbu1 = 0.0;
@@ -273,16 +276,17 @@ int runBenchEngine(const std::vector<std::string>& args) {
       if (r.batch == 1) mbu1 = r.mbu;
     }
     const double prefill_rate = prefill_seconds > 0 ? prefill_flops / prefill_seconds : 0.0;
-    std::printf("{\"model\": \"%s\", \"weight_dtype\": \"%s\", \"backend\": \"%s\", \"threads\": %d, "
-                "\"read_bandwidth_gbs\": %.3f, \"peak_gflops\": %.2f, \"context\": %lld, \"decode\": %s, "
-                "\"mbu_batch1\": %.4f, \"prefill_tokens\": %lld, \"prefill_seconds\": %.4f, "
-                "\"prefill_tokens_per_s\": %.2f, \"prefill_gflops\": %.2f, \"prefill_flops_fraction\": %.4f, "
-                "\"prefill_cpu_share\": %.3f}\n",
-                model_dir.string().c_str(), std::string(dtypeName(caps.weight_dtype)).c_str(), caps.backend.c_str(),
-                caps.threads, bandwidth / 1e9, peak / 1e9, static_cast<long long>(context), d.c_str(), mbu1,
-                static_cast<long long>(prefill_tokens), prefill_seconds,
-                prefill_seconds > 0 ? static_cast<double>(prefill_tokens) / prefill_seconds : 0.0, prefill_rate / 1e9,
-                peak > 0 ? prefill_rate / peak : 0.0, prefill_cpu_share);
+    std::printf(
+        "{\"model\": \"%s\", \"weight_dtype\": \"%s\", \"backend\": \"%s\", \"threads\": %d, "
+        "\"read_bandwidth_gbs\": %.3f, \"peak_gflops\": %.2f, \"context\": %lld, \"decode\": %s, "
+        "\"mbu_batch1\": %.4f, \"prefill_tokens\": %lld, \"prefill_seconds\": %.4f, "
+        "\"prefill_tokens_per_s\": %.2f, \"prefill_gflops\": %.2f, \"prefill_flops_fraction\": %.4f, "
+        "\"prefill_cpu_share\": %.3f}\n",
+        model_dir.string().c_str(), std::string(dtypeName(caps.weight_dtype)).c_str(), caps.backend.c_str(),
+        caps.threads, bandwidth / 1e9, peak / 1e9, static_cast<long long>(context), d.c_str(), mbu1,
+        static_cast<long long>(prefill_tokens), prefill_seconds,
+        prefill_seconds > 0 ? static_cast<double>(prefill_tokens) / prefill_seconds : 0.0, prefill_rate / 1e9,
+        peak > 0 ? prefill_rate / peak : 0.0, prefill_cpu_share);
   }
   return 0;
 }

@@ -145,7 +145,8 @@ int runLogits(const std::vector<std::string>& args) {
   const auto vocab = static_cast<std::size_t>(cfg.vocab_size);
   std::vector<std::int32_t> argmaxes;
   for (std::int64_t p = 0; p < n; ++p) {
-    argmaxes.push_back(model::argmax(std::span<const float>(out->logits.data() + static_cast<std::size_t>(p) * vocab, vocab)));
+    argmaxes.push_back(
+        model::argmax(std::span<const float>(out->logits.data() + static_cast<std::size_t>(p) * vocab, vocab)));
   }
   std::vector<TensorToWrite> tensors{
       f32Tensor("logits_all", {n, cfg.vocab_size}, out->logits),

@@ -36,7 +36,8 @@ int runUp(const std::vector<std::string>& args) {
   if (!loaded.ok()) return reportFailure(loaded.error());
   if (loaded->help_requested) return 0;
   if (!loaded->positionals.empty()) {
-    return reportFailure(makeError(ErrorCode::InvalidArgument, "up takes no positional arguments: " + loaded->positionals[0]));
+    return reportFailure(
+        makeError(ErrorCode::InvalidArgument, "up takes no positional arguments: " + loaded->positionals[0]));
   }
   for (auto* set : {&common_sets.log, &common_sets.model, &router_set, &prefill_set, &decode_set, &kv_set}) {
     for (const auto& line : set->describeValues()) log::debug("up", "{}", line);
@@ -54,9 +55,10 @@ int runUp(const std::vector<std::string>& args) {
             model_config->num_hidden_layers, model_config->num_nextn_predict_layers, model_config->hidden_size,
             model_config->vocab_size, checkpoint->tensors().size(),
             static_cast<double>(checkpoint->totalTensorBytes()) / 1e6);
-  std::printf("pdserve up: model loaded from %s; not yet serving: the router (issue 8), prefill (issue 7) and "
-              "decode (issue 6) workers are not built yet\n",
-              model_dir->string().c_str());
+  std::printf(
+      "pdserve up: model loaded from %s; not yet serving: the router (issue 8), prefill (issue 7) and "
+      "decode (issue 6) workers are not built yet\n",
+      model_dir->string().c_str());
   return 0;
 }
 

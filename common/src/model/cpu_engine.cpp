@@ -21,7 +21,9 @@ namespace {
 
 using i64 = std::int64_t;
 
-constexpr auto sz(i64 n) { return static_cast<std::size_t>(n); }
+constexpr auto sz(i64 n) {
+  return static_cast<std::size_t>(n);
+}
 
 // Grows a workspace buffer (never shrinks, so steady-state calls do not allocate).
 float* grow(std::vector<float>& v, i64 n) {
@@ -37,8 +39,12 @@ void rmsNorm(const float* x, const float* w, i64 n, float eps, float* out) {
   for (i64 i = 0; i < n; ++i) out[i] = (x[i] * inv) * w[i];
 }
 
-float sigmoid(float x) { return 1.0F / (1.0F + std::exp(-x)); }
-float silu(float x) { return x / (1.0F + std::exp(-x)); }
+float sigmoid(float x) {
+  return 1.0F / (1.0F + std::exp(-x));
+}
+float silu(float x) {
+  return x / (1.0F + std::exp(-x));
+}
 
 // Where each new token of a batch goes.
 struct BatchPlan {
@@ -47,7 +53,7 @@ struct BatchPlan {
   std::vector<i64> cache_pos;   // [tokens]
   std::vector<float> rope_cos;  // [tokens, dr / 2]
   std::vector<float> rope_sin;
-  i64 max_chunk = 0;            // longest chunk
+  i64 max_chunk = 0;  // longest chunk
 };
 
 // One routed (or shared / dense) expert's share of a MoE step.
@@ -56,8 +62,8 @@ struct ExpertWork {
   i64 width = 0;
   const float* x = nullptr;  // [n, hidden] rows (gathered, or the layer input itself)
   i64 n = 0;
-  float* act = nullptr;      // [n, width]
-  float* out = nullptr;      // [n, hidden]
+  float* act = nullptr;  // [n, width]
+  float* out = nullptr;  // [n, hidden]
 };
 
 struct RowTask {
@@ -68,8 +74,7 @@ struct RowTask {
 
 class CpuEngine final : public Engine {
  public:
-  CpuEngine(std::unique_ptr<ModelWeights> weights, const KernelTable& kernels, int threads,
-            std::vector<float> inv_freq)
+  CpuEngine(std::unique_ptr<ModelWeights> weights, const KernelTable& kernels, int threads, std::vector<float> inv_freq)
       : weights_(std::move(weights)),
         cfg_(weights_->config()),
         k_(kernels),
@@ -257,8 +262,7 @@ class CpuEngine final : public Engine {
   }
 
   // y[t] = W x[t] for t < n, rows spread over the pool in multiples of 4.
-  void linear(const WeightMatrix& w, const float* x, i64 x_stride, i64 n, float* y, i64 y_stride,
-              ForwardStats& stats) {
+  void linear(const WeightMatrix& w, const float* x, i64 x_stride, i64 n, float* y, i64 y_stride, ForwardStats& stats) {
     stats.weight_bytes += w.bytes();
     stats.flops += static_cast<std::uint64_t>(2 * w.rows * w.cols * n);
     const i64 units = (w.rows + 3) / 4;
@@ -335,8 +339,9 @@ class CpuEngine final : public Engine {
       }
     }
     for (std::size_t s = 0; s < batch.size(); ++s) {
-      stats.kv_bytes += static_cast<std::uint64_t>((batch[s].start_pos + static_cast<i64>(batch[s].tokens.size())) *
-                                                   ld) * dtypeSize(cache.dtype);
+      stats.kv_bytes +=
+          static_cast<std::uint64_t>((batch[s].start_pos + static_cast<i64>(batch[s].tokens.size())) * ld) *
+          dtypeSize(cache.dtype);
     }
     AttentionPath path = options.attention;
     if (path == AttentionPath::Auto) path = plan.max_chunk > 16 ? AttentionPath::Prefill : AttentionPath::Absorbed;
@@ -586,7 +591,8 @@ class CpuEngine final : public Engine {
   const float* dense(const MlpWeights& mlp, i64 n, ForwardStats& stats) {
     const i64 d = cfg_.hidden_size;
     const i64 width = mlp.gate.rows;
-    std::vector<ExpertWork> work{{&mlp, width, ws_.xn.data(), n, grow(ws_.moe_act, n * width), grow(ws_.ffn_out, n * d)}};
+    std::vector<ExpertWork> work{
+        {&mlp, width, ws_.xn.data(), n, grow(ws_.moe_act, n * width), grow(ws_.ffn_out, n * d)}};
     runExperts(work, stats);
     return ws_.ffn_out.data();
   }
@@ -649,8 +655,7 @@ class CpuEngine final : public Engine {
       for (i64 k = 0; k < top_k; ++k) sum += score[sz(order[sz(k)])];
       for (i64 k = 0; k < top_k; ++k) {
         chosen[sz(t * top_k + k)] = static_cast<std::int32_t>(order[sz(k)]);
-        weight[sz(t * top_k + k)] =
-            score[sz(order[sz(k)])] / sum * static_cast<float>(cfg_.routed_scaling_factor);
+        weight[sz(t * top_k + k)] = score[sz(order[sz(k)])] / sum * static_cast<float>(cfg_.routed_scaling_factor);
       }
     }
     if (options.trace) {
@@ -692,7 +697,8 @@ class CpuEngine final : public Engine {
       std::fill(y, y + d, 0.0F);
       // Experts in ascending id order, as the reference accumulates them.
       std::iota(ks.begin(), ks.end(), 0);
-      std::sort(ks.begin(), ks.end(), [&](i64 x, i64 z) { return chosen[sz(t * top_k + x)] < chosen[sz(t * top_k + z)]; });
+      std::sort(ks.begin(), ks.end(),
+                [&](i64 x, i64 z) { return chosen[sz(t * top_k + x)] < chosen[sz(t * top_k + z)]; });
       for (const i64 k : ks) {
         k_.axpy(weight[sz(t * top_k + k)], gout + slot_of[sz(t * top_k + k)] * d, y, d);
       }
@@ -752,7 +758,8 @@ class CpuEngine final : public Engine {
 
 }  // namespace
 
-Result<std::unique_ptr<Engine>> createCpuEngine(std::unique_ptr<ModelWeights> weights, const CpuEngineOptions& options) {
+Result<std::unique_ptr<Engine>> createCpuEngine(std::unique_ptr<ModelWeights> weights,
+                                                const CpuEngineOptions& options) {
   const CpuIsa isa = options.isa.value_or(detectCpuIsa());
   if (!cpuSupports(isa)) {
     return makeError(ErrorCode::Unsupported, fmt::format("this CPU cannot run the {} kernels", cpuIsaName(isa)));
@@ -766,7 +773,8 @@ Result<std::unique_ptr<Engine>> createCpuEngine(std::unique_ptr<ModelWeights> we
   return std::unique_ptr<Engine>(std::move(engine));
 }
 
-Result<std::unique_ptr<Engine>> createCpuEngine(const std::filesystem::path& model_dir, const CpuEngineOptions& options) {
+Result<std::unique_ptr<Engine>> createCpuEngine(const std::filesystem::path& model_dir,
+                                                const CpuEngineOptions& options) {
   PD_ASSIGN_OR_RETURN(std::unique_ptr<ModelWeights> weights, ModelWeights::load(model_dir));
   return createCpuEngine(std::move(weights), options);
 }

@@ -53,7 +53,8 @@ Result<GenerateResult> generate(Engine& engine, std::span<const std::int32_t> pr
   ForwardOutput out;
   for (std::int64_t c0 = 0; c0 < n_prompt; c0 += chunk) {
     const std::int64_t c1 = std::min(n_prompt, c0 + chunk);
-    const SequenceChunk sc{std::span<const std::int32_t>(seq.data() + c0, static_cast<std::size_t>(c1 - c0)), c0, table};
+    const SequenceChunk sc{std::span<const std::int32_t>(seq.data() + c0, static_cast<std::size_t>(c1 - c0)), c0,
+                           table};
     ForwardOptions fo;
     fo.logits = c1 == n_prompt ? OutputRows::Last : OutputRows::None;
     fo.hidden = mtp ? OutputRows::All : OutputRows::None;
@@ -72,9 +73,10 @@ Result<GenerateResult> generate(Engine& engine, std::span<const std::int32_t> pr
     drafts.clear();
     if (k > 0) {
       // MTP over the positions whose inputs are now known; its last row drafts seq[len].
-      const SequenceChunk sc{std::span<const std::int32_t>(seq.data() + mtp_done + 1, static_cast<std::size_t>(start - mtp_done)),
-                             mtp_done, table,
-                             std::span<const float>(hidden.data() + mtp_done * d, static_cast<std::size_t>((start - mtp_done) * d))};
+      const SequenceChunk sc{
+          std::span<const std::int32_t>(seq.data() + mtp_done + 1, static_cast<std::size_t>(start - mtp_done)),
+          mtp_done, table,
+          std::span<const float>(hidden.data() + mtp_done * d, static_cast<std::size_t>((start - mtp_done) * d))};
       ForwardOptions fo;
       fo.logits = OutputRows::Last;
       fo.hidden = OutputRows::Last;
@@ -101,8 +103,9 @@ Result<GenerateResult> generate(Engine& engine, std::span<const std::int32_t> pr
     ++result.decode_steps;
     const auto vocab = static_cast<std::size_t>(cfg.vocab_size);
     for (std::size_t j = 0; j < feed.size(); ++j) {
-      if (mtp) hidden.insert(hidden.end(), out.hidden.begin() + static_cast<std::ptrdiff_t>(j * static_cast<std::size_t>(d)),
-                             out.hidden.begin() + static_cast<std::ptrdiff_t>((j + 1) * static_cast<std::size_t>(d)));
+      if (mtp)
+        hidden.insert(hidden.end(), out.hidden.begin() + static_cast<std::ptrdiff_t>(j * static_cast<std::size_t>(d)),
+                      out.hidden.begin() + static_cast<std::ptrdiff_t>((j + 1) * static_cast<std::size_t>(d)));
       if (emit(std::span<const float>(out.logits.data() + j * vocab, vocab))) return result;
       if (j >= drafts.size() || seq.back() != drafts[j]) break;
       ++result.drafts_accepted;

@@ -1,11 +1,12 @@
 // Kernel dispatch, dequantization and the portable (generic) kernel set.
+#include "pd/common/model/kernels.h"
+
 #include <algorithm>
 #include <cstring>
 #include <vector>
 
 #include "kernels_isa.h"
 #include "pd/common/check.h"
-#include "pd/common/model/kernels.h"
 
 namespace pd::model {
 
@@ -47,9 +48,12 @@ void dequantizeRow(const WeightMatrix& w, std::int64_t row, float* out) {
 
 std::string_view cpuIsaName(CpuIsa isa) {
   switch (isa) {
-    case CpuIsa::Generic: return "generic";
-    case CpuIsa::Avx2: return "avx2";
-    case CpuIsa::Avx512: return "avx512";
+    case CpuIsa::Generic:
+      return "generic";
+    case CpuIsa::Avx2:
+      return "avx2";
+    case CpuIsa::Avx512:
+      return "avx512";
   }
   return "?";
 }
@@ -57,7 +61,8 @@ std::string_view cpuIsaName(CpuIsa isa) {
 bool cpuSupports(CpuIsa isa) {
 #if defined(__x86_64__) || defined(__i386__)
   switch (isa) {
-    case CpuIsa::Generic: return true;
+    case CpuIsa::Generic:
+      return true;
     case CpuIsa::Avx2:
       return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
     case CpuIsa::Avx512:
@@ -79,9 +84,12 @@ CpuIsa detectCpuIsa() {
 const KernelTable& kernelTable(CpuIsa isa) {
   PD_CHECK_MSG(cpuSupports(isa), "kernelTable: this CPU does not support the requested instruction set");
   switch (isa) {
-    case CpuIsa::Avx512: return detail::avx512Kernels();
-    case CpuIsa::Avx2: return detail::avx2Kernels();
-    case CpuIsa::Generic: break;
+    case CpuIsa::Avx512:
+      return detail::avx512Kernels();
+    case CpuIsa::Avx2:
+      return detail::avx2Kernels();
+    case CpuIsa::Generic:
+      break;
   }
   return detail::genericKernels();
 }
@@ -153,8 +161,8 @@ float genericFmaLoop(std::int64_t iterations) {
 }  // namespace
 
 const KernelTable& genericKernels() {
-  static const KernelTable table{CpuIsa::Generic, genericMatmul, genericMatmulTransposed, genericDot, genericAxpy,
-                                 genericFmaLoop, 16};
+  static const KernelTable table{
+      CpuIsa::Generic, genericMatmul, genericMatmulTransposed, genericDot, genericAxpy, genericFmaLoop, 16};
   return table;
 }
 

@@ -14,7 +14,9 @@ using i64 = std::int64_t;
 template <DType D>
 constexpr i64 kElemBytes = D == DType::F32 ? 4 : (D == DType::F8E4M3 ? 1 : 2);
 
-inline i64 minI(i64 a, i64 b) { return a < b ? a : b; }
+inline i64 minI(i64 a, i64 b) {
+  return a < b ? a : b;
+}
 
 // e4m3 -> fp16 bits whose value is 2^-8 times the e4m3 value (see kernels_avx512.cpp).
 inline __m256 fp8ToHalfScaled(__m128i bytes8) {
@@ -81,13 +83,13 @@ void matmulTile(const WeightMatrix& w, i64 row, const float* x, i64 x_stride, fl
   const i64 cols = w.cols;
   const auto* base = static_cast<const std::uint8_t*>(w.data);
   const std::uint8_t* rp[R];
-  #pragma GCC unroll 16
+#pragma GCC unroll 16
   for (int r = 0; r < R; ++r) rp[r] = base + (row + r) * cols * kB;
   __m256 acc[R][T];
   float tail[R][T];
-  #pragma GCC unroll 16
+#pragma GCC unroll 16
   for (int r = 0; r < R; ++r) {
-    #pragma GCC unroll 16
+#pragma GCC unroll 16
     for (int t = 0; t < T; ++t) {
       acc[r][t] = _mm256_setzero_ps();
       tail[r][t] = 0.0F;
@@ -100,7 +102,7 @@ void matmulTile(const WeightMatrix& w, i64 row, const float* x, i64 x_stride, fl
     const i64 c1 = minI(cols, c0 + block);
     float sf[R];
     __m256 s[R];
-    #pragma GCC unroll 16
+#pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
       sf[r] = D == DType::F8E4M3 ? fp8Scale(w, row + r, cb, scale_cols) : 1.0F;
       s[r] = _mm256_set1_ps(sf[r]);
@@ -108,9 +110,9 @@ void matmulTile(const WeightMatrix& w, i64 row, const float* x, i64 x_stride, fl
     i64 c = c0;
     for (; c + 8 <= c1; c += 8) {
       __m256 xv[T];
-      #pragma GCC unroll 16
+#pragma GCC unroll 16
       for (int t = 0; t < T; ++t) xv[t] = _mm256_loadu_ps(x + t * x_stride + c);
-      #pragma GCC unroll 16
+#pragma GCC unroll 16
       for (int r = 0; r < R; ++r) {
         // A decode step streams each row once: prefetch the next row group at the same column
         // (hardware prefetchers stop at 4 KiB page boundaries).
@@ -119,33 +121,41 @@ void matmulTile(const WeightMatrix& w, i64 row, const float* x, i64 x_stride, fl
         }
         __m256 wv = load8<D>(rp[r] + c * kB);
         if constexpr (D == DType::F8E4M3) wv = _mm256_mul_ps(wv, s[r]);
-        #pragma GCC unroll 16
+#pragma GCC unroll 16
         for (int t = 0; t < T; ++t) acc[r][t] = _mm256_fmadd_ps(wv, xv[t], acc[r][t]);
       }
     }
     for (; c < c1; ++c) {
-      #pragma GCC unroll 16
+#pragma GCC unroll 16
       for (int r = 0; r < R; ++r) {
         float wv = load1<D>(rp[r] + c * kB);
         if constexpr (D == DType::F8E4M3) wv *= sf[r];
-        #pragma GCC unroll 16
+#pragma GCC unroll 16
         for (int t = 0; t < T; ++t) tail[r][t] += wv * x[t * x_stride + c];
       }
     }
   }
-  #pragma GCC unroll 16
+#pragma GCC unroll 16
   for (int r = 0; r < R; ++r)
-    #pragma GCC unroll 16
+#pragma GCC unroll 16
     for (int t = 0; t < T; ++t) y[t * y_stride + r] = hsum(acc[r][t]) + tail[r][t];
 }
 
 template <DType D, int R>
 void matmulTileAnyT(i64 tokens, const WeightMatrix& w, i64 row, const float* x, i64 xs, float* y, i64 ys) {
   switch (tokens) {
-    case 1: matmulTile<D, R, 1>(w, row, x, xs, y, ys); break;
-    case 2: matmulTile<D, R, 2>(w, row, x, xs, y, ys); break;
-    case 3: matmulTile<D, R, 3>(w, row, x, xs, y, ys); break;
-    default: matmulTile<D, R, 4>(w, row, x, xs, y, ys); break;
+    case 1:
+      matmulTile<D, R, 1>(w, row, x, xs, y, ys);
+      break;
+    case 2:
+      matmulTile<D, R, 2>(w, row, x, xs, y, ys);
+      break;
+    case 3:
+      matmulTile<D, R, 3>(w, row, x, xs, y, ys);
+      break;
+    default:
+      matmulTile<D, R, 4>(w, row, x, xs, y, ys);
+      break;
   }
 }
 
@@ -176,13 +186,21 @@ void matmulTyped(const WeightMatrix& w, i64 row_begin, i64 row_end, const float*
 void matmul(const WeightMatrix& w, i64 row_begin, i64 row_end, const float* x, i64 x_stride, i64 n_tokens, float* y,
             i64 y_stride) {
   switch (w.dtype) {
-    case DType::F32: matmulTyped<DType::F32>(w, row_begin, row_end, x, x_stride, n_tokens, y, y_stride); return;
-    case DType::BF16: matmulTyped<DType::BF16>(w, row_begin, row_end, x, x_stride, n_tokens, y, y_stride); return;
-    case DType::F16: matmulTyped<DType::F16>(w, row_begin, row_end, x, x_stride, n_tokens, y, y_stride); return;
+    case DType::F32:
+      matmulTyped<DType::F32>(w, row_begin, row_end, x, x_stride, n_tokens, y, y_stride);
+      return;
+    case DType::BF16:
+      matmulTyped<DType::BF16>(w, row_begin, row_end, x, x_stride, n_tokens, y, y_stride);
+      return;
+    case DType::F16:
+      matmulTyped<DType::F16>(w, row_begin, row_end, x, x_stride, n_tokens, y, y_stride);
+      return;
     case DType::F8E4M3:
       matmulTyped<DType::F8E4M3>(w, row_begin, row_end, x, x_stride, n_tokens, y, y_stride);
       return;
-    default: genericKernels().matmul(w, row_begin, row_end, x, x_stride, n_tokens, y, y_stride); return;
+    default:
+      genericKernels().matmul(w, row_begin, row_end, x, x_stride, n_tokens, y, y_stride);
+      return;
   }
 }
 
@@ -196,22 +214,24 @@ void transposedTile(const WeightMatrix& w, i64 row_begin, i64 row_end, const flo
   i64 c = 0;
   for (; c + 8 <= cols; c += 8) {
     __m256 acc[T];
-    #pragma GCC unroll 16
+#pragma GCC unroll 16
     for (int t = 0; t < T; ++t) acc[t] = _mm256_loadu_ps(y + t * y_stride + c);
     for (i64 r = row_begin; r < row_end; ++r) {
       __m256 wv = load8<D>(base + (r * cols + c) * kB);
-      if constexpr (D == DType::F8E4M3) wv = _mm256_mul_ps(wv, _mm256_set1_ps(fp8Scale(w, r, c / w.block_cols, scale_cols)));
-      #pragma GCC unroll 16
-      for (int t = 0; t < T; ++t) acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(x[t * x_stride + (r - row_begin)]), wv, acc[t]);
+      if constexpr (D == DType::F8E4M3)
+        wv = _mm256_mul_ps(wv, _mm256_set1_ps(fp8Scale(w, r, c / w.block_cols, scale_cols)));
+#pragma GCC unroll 16
+      for (int t = 0; t < T; ++t)
+        acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(x[t * x_stride + (r - row_begin)]), wv, acc[t]);
     }
-    #pragma GCC unroll 16
+#pragma GCC unroll 16
     for (int t = 0; t < T; ++t) _mm256_storeu_ps(y + t * y_stride + c, acc[t]);
   }
   for (; c < cols; ++c) {
     for (i64 r = row_begin; r < row_end; ++r) {
       float wv = load1<D>(base + (r * cols + c) * kB);
       if constexpr (D == DType::F8E4M3) wv *= fp8Scale(w, r, c / w.block_cols, scale_cols);
-      #pragma GCC unroll 16
+#pragma GCC unroll 16
       for (int t = 0; t < T; ++t) y[t * y_stride + c] += x[t * x_stride + (r - row_begin)] * wv;
     }
   }
@@ -225,10 +245,18 @@ void transposedTyped(const WeightMatrix& w, i64 row_begin, i64 row_end, const fl
     const float* xt = x + t0 * x_stride;
     float* yt = y + t0 * y_stride;
     switch (tn) {
-      case 1: transposedTile<D, 1>(w, row_begin, row_end, xt, x_stride, yt, y_stride); break;
-      case 2: transposedTile<D, 2>(w, row_begin, row_end, xt, x_stride, yt, y_stride); break;
-      case 3: transposedTile<D, 3>(w, row_begin, row_end, xt, x_stride, yt, y_stride); break;
-      default: transposedTile<D, 4>(w, row_begin, row_end, xt, x_stride, yt, y_stride); break;
+      case 1:
+        transposedTile<D, 1>(w, row_begin, row_end, xt, x_stride, yt, y_stride);
+        break;
+      case 2:
+        transposedTile<D, 2>(w, row_begin, row_end, xt, x_stride, yt, y_stride);
+        break;
+      case 3:
+        transposedTile<D, 3>(w, row_begin, row_end, xt, x_stride, yt, y_stride);
+        break;
+      default:
+        transposedTile<D, 4>(w, row_begin, row_end, xt, x_stride, yt, y_stride);
+        break;
     }
   }
 }
@@ -236,16 +264,23 @@ void transposedTyped(const WeightMatrix& w, i64 row_begin, i64 row_end, const fl
 void matmulTransposed(const WeightMatrix& w, i64 row_begin, i64 row_end, const float* x, i64 x_stride, i64 n_tokens,
                       float* y, i64 y_stride) {
   switch (w.dtype) {
-    case DType::F32: transposedTyped<DType::F32>(w, row_begin, row_end, x, x_stride, n_tokens, y, y_stride); return;
-    case DType::BF16: transposedTyped<DType::BF16>(w, row_begin, row_end, x, x_stride, n_tokens, y, y_stride); return;
-    case DType::F16: transposedTyped<DType::F16>(w, row_begin, row_end, x, x_stride, n_tokens, y, y_stride); return;
+    case DType::F32:
+      transposedTyped<DType::F32>(w, row_begin, row_end, x, x_stride, n_tokens, y, y_stride);
+      return;
+    case DType::BF16:
+      transposedTyped<DType::BF16>(w, row_begin, row_end, x, x_stride, n_tokens, y, y_stride);
+      return;
+    case DType::F16:
+      transposedTyped<DType::F16>(w, row_begin, row_end, x, x_stride, n_tokens, y, y_stride);
+      return;
     case DType::F8E4M3:
       if (w.block_cols % 8 == 0) {
         transposedTyped<DType::F8E4M3>(w, row_begin, row_end, x, x_stride, n_tokens, y, y_stride);
         return;
       }
       break;
-    default: break;
+    default:
+      break;
   }
   genericKernels().matmulTransposed(w, row_begin, row_end, x, x_stride, n_tokens, y, y_stride);
 }
@@ -267,23 +302,24 @@ float dot(const float* a, const float* b, i64 n) {
 void axpy(float a, const float* x, float* y, i64 n) {
   const __m256 av = _mm256_set1_ps(a);
   i64 i = 0;
-  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_fmadd_ps(av, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(y + i, _mm256_fmadd_ps(av, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
   for (; i < n; ++i) y[i] += a * x[i];
 }
 
 // 12 independent FMA chains: enough to cover FMA latency x throughput on current cores.
 float fmaLoop(i64 iterations) {
   __m256 acc[12];
-  #pragma GCC unroll 16
+#pragma GCC unroll 16
   for (int j = 0; j < 12; ++j) acc[j] = _mm256_set1_ps(1.0F + 0.01F * static_cast<float>(j));
   const __m256 m = _mm256_set1_ps(0.999999F);
   const __m256 a = _mm256_set1_ps(1e-7F);
   for (i64 i = 0; i < iterations; ++i) {
-    #pragma GCC unroll 16
+#pragma GCC unroll 16
     for (int j = 0; j < 12; ++j) acc[j] = _mm256_fmadd_ps(acc[j], m, a);
   }
   __m256 s = acc[0];
-  #pragma GCC unroll 16
+#pragma GCC unroll 16
   for (int j = 1; j < 12; ++j) s = _mm256_add_ps(s, acc[j]);
   float out[8];
   _mm256_storeu_ps(out, s);

@@ -18,7 +18,9 @@ using i64 = std::int64_t;
 template <DType D>
 constexpr i64 kElemBytes = D == DType::F32 ? 4 : (D == DType::F8E4M3 ? 1 : 2);
 
-inline i64 minI(i64 a, i64 b) { return a < b ? a : b; }
+inline i64 minI(i64 a, i64 b) {
+  return a < b ? a : b;
+}
 
 // e4m3 -> fp16 bit pattern with the same sign, exponent and mantissa bits: the fp16 value is
 // exactly 2^-8 times the e4m3 value (normals and subnormals alike), so the conversion is one
@@ -71,12 +73,12 @@ void matmulTile(const WeightMatrix& w, i64 row, const float* x, i64 x_stride, fl
   const i64 cols = w.cols;
   const auto* base = static_cast<const std::uint8_t*>(w.data);
   const std::uint8_t* rp[R];
-  #pragma GCC unroll 16
+#pragma GCC unroll 16
   for (int r = 0; r < R; ++r) rp[r] = base + (row + r) * cols * kB;
   __m512 acc[R][T];
-  #pragma GCC unroll 16
+#pragma GCC unroll 16
   for (int r = 0; r < R; ++r)
-    #pragma GCC unroll 16
+#pragma GCC unroll 16
     for (int t = 0; t < T; ++t) acc[r][t] = _mm512_setzero_ps();
   const i64 block = D == DType::F8E4M3 ? w.block_cols : cols;
   const i64 scale_cols = D == DType::F8E4M3 ? (cols + block - 1) / block : 1;
@@ -85,49 +87,57 @@ void matmulTile(const WeightMatrix& w, i64 row, const float* x, i64 x_stride, fl
     const i64 c1 = minI(cols, c0 + block);
     __m512 s[R];
     if constexpr (D == DType::F8E4M3) {
-      #pragma GCC unroll 16
+#pragma GCC unroll 16
       for (int r = 0; r < R; ++r) s[r] = _mm512_set1_ps(fp8Scale(w, row + r, cb, scale_cols));
     }
     i64 c = c0;
     for (; c + 16 <= c1; c += 16) {
       __m512 xv[T];
-      #pragma GCC unroll 16
+#pragma GCC unroll 16
       for (int t = 0; t < T; ++t) xv[t] = _mm512_loadu_ps(x + t * x_stride + c);
-      #pragma GCC unroll 16
+#pragma GCC unroll 16
       for (int r = 0; r < R; ++r) {
         __m512 wv = load16<D>(rp[r] + c * kB);
         if constexpr (D == DType::F8E4M3) wv = _mm512_mul_ps(wv, s[r]);
-        #pragma GCC unroll 16
+#pragma GCC unroll 16
         for (int t = 0; t < T; ++t) acc[r][t] = _mm512_fmadd_ps(wv, xv[t], acc[r][t]);
       }
     }
     if (c < c1) {
       const auto m = static_cast<__mmask16>((1U << (c1 - c)) - 1U);
       __m512 xv[T];
-      #pragma GCC unroll 16
+#pragma GCC unroll 16
       for (int t = 0; t < T; ++t) xv[t] = _mm512_maskz_loadu_ps(m, x + t * x_stride + c);
-      #pragma GCC unroll 16
+#pragma GCC unroll 16
       for (int r = 0; r < R; ++r) {
         __m512 wv = load16Masked<D>(rp[r] + c * kB, m);
         if constexpr (D == DType::F8E4M3) wv = _mm512_mul_ps(wv, s[r]);
-        #pragma GCC unroll 16
+#pragma GCC unroll 16
         for (int t = 0; t < T; ++t) acc[r][t] = _mm512_fmadd_ps(wv, xv[t], acc[r][t]);
       }
     }
   }
-  #pragma GCC unroll 16
+#pragma GCC unroll 16
   for (int r = 0; r < R; ++r)
-    #pragma GCC unroll 16
+#pragma GCC unroll 16
     for (int t = 0; t < T; ++t) y[t * y_stride + r] = _mm512_reduce_add_ps(acc[r][t]);
 }
 
 template <DType D, int R>
 void matmulTileAnyT(i64 tokens, const WeightMatrix& w, i64 row, const float* x, i64 xs, float* y, i64 ys) {
   switch (tokens) {
-    case 1: matmulTile<D, R, 1>(w, row, x, xs, y, ys); break;
-    case 2: matmulTile<D, R, 2>(w, row, x, xs, y, ys); break;
-    case 3: matmulTile<D, R, 3>(w, row, x, xs, y, ys); break;
-    default: matmulTile<D, R, 4>(w, row, x, xs, y, ys); break;
+    case 1:
+      matmulTile<D, R, 1>(w, row, x, xs, y, ys);
+      break;
+    case 2:
+      matmulTile<D, R, 2>(w, row, x, xs, y, ys);
+      break;
+    case 3:
+      matmulTile<D, R, 3>(w, row, x, xs, y, ys);
+      break;
+    default:
+      matmulTile<D, R, 4>(w, row, x, xs, y, ys);
+      break;
   }
 }
 
@@ -175,9 +185,14 @@ void panelTiles(const WeightMatrix& panel, const float* x, i64 x_stride, i64 n_t
   const float* xt = x + t0 * x_stride;
   float* yt = y + t0 * y_stride;
   switch (n_tokens - t0) {
-    case 0: break;
-    case 5: matmulTile<DType::F32, R, 5>(panel, 0, xt, x_stride, yt, y_stride); break;
-    default: matmulTileAnyT<DType::F32, R>(n_tokens - t0, panel, 0, xt, x_stride, yt, y_stride); break;
+    case 0:
+      break;
+    case 5:
+      matmulTile<DType::F32, R, 5>(panel, 0, xt, x_stride, yt, y_stride);
+      break;
+    default:
+      matmulTileAnyT<DType::F32, R>(n_tokens - t0, panel, 0, xt, x_stride, yt, y_stride);
+      break;
   }
 }
 
@@ -209,7 +224,9 @@ void matmulPanels(const WeightMatrix& w, i64 row_begin, i64 row_end, const float
 
 // Software prefetch of the next 4-row group at the same column: hardware prefetchers stop at
 // 4 KiB page boundaries, and a BF16 row of 2048 columns is exactly one page.
-inline i64 prefetchAhead(i64 row_bytes) { return 4 * row_bytes; }
+inline i64 prefetchAhead(i64 row_bytes) {
+  return 4 * row_bytes;
+}
 
 inline __m512i evenIndex() {
   return _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
@@ -220,14 +237,13 @@ inline __m512i oddIndex() {
 
 // Adds the masked 16-wide tail [c, c1) of 4 rows to acc (weights already scaled by `scale`).
 template <DType D>
-inline void gemvTail16(const std::uint8_t* const* rp, const float* x, i64 c, i64 c1, const __m512* scale,
-                       __m512* acc) {
+inline void gemvTail16(const std::uint8_t* const* rp, const float* x, i64 c, i64 c1, const __m512* scale, __m512* acc) {
   constexpr i64 kB = kElemBytes<D>;
   for (; c < c1; c += 16) {
     const i64 n = minI(16, c1 - c);
     const auto m = static_cast<__mmask16>(n == 16 ? 0xFFFFU : (1U << n) - 1U);
     const __m512 xv = _mm512_maskz_loadu_ps(m, x + c);
-    #pragma GCC unroll 16
+#pragma GCC unroll 16
     for (int r = 0; r < 4; ++r) {
       __m512 wv = load16Masked<D>(rp[r] + c * kB, m);
       if (scale != nullptr) wv = _mm512_mul_ps(wv, scale[r]);
@@ -240,10 +256,10 @@ void gemvBf16x4(const WeightMatrix& w, i64 row, const float* x, float* y) {
   const i64 cols = w.cols;
   const auto* base = static_cast<const std::uint8_t*>(w.data);
   const std::uint8_t* rp[4];
-  #pragma GCC unroll 16
+#pragma GCC unroll 16
   for (int r = 0; r < 4; ++r) rp[r] = base + (row + r) * cols * 2;
   __m512 acc_e[4], acc_o[4];
-  #pragma GCC unroll 16
+#pragma GCC unroll 16
   for (int r = 0; r < 4; ++r) acc_e[r] = acc_o[r] = _mm512_setzero_ps();
   const __m512i ie = evenIndex(), io = oddIndex();
   const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000U));
@@ -253,7 +269,7 @@ void gemvBf16x4(const WeightMatrix& w, i64 row, const float* x, float* y) {
     const __m512 x0 = _mm512_loadu_ps(x + c), x1 = _mm512_loadu_ps(x + c + 16);
     const __m512 xe = _mm512_permutex2var_ps(x0, ie, x1);
     const __m512 xo = _mm512_permutex2var_ps(x0, io, x1);
-    #pragma GCC unroll 16
+#pragma GCC unroll 16
     for (int r = 0; r < 4; ++r) {
       _mm_prefetch(reinterpret_cast<const char*>(rp[r] + c * 2 + ahead), _MM_HINT_T0);
       const __m512i wv = _mm512_loadu_si512(rp[r] + c * 2);
@@ -262,7 +278,7 @@ void gemvBf16x4(const WeightMatrix& w, i64 row, const float* x, float* y) {
     }
   }
   gemvTail16<DType::BF16>(rp, x, c, cols, nullptr, acc_e);
-  #pragma GCC unroll 16
+#pragma GCC unroll 16
   for (int r = 0; r < 4; ++r) y[r] = _mm512_reduce_add_ps(_mm512_add_ps(acc_e[r], acc_o[r]));
 }
 
@@ -271,7 +287,7 @@ void gemvFp8x4(const WeightMatrix& w, i64 row, const float* x, float* y) {
   const i64 cols = w.cols;
   const auto* base = static_cast<const std::uint8_t*>(w.data);
   const std::uint8_t* rp[4];
-  #pragma GCC unroll 16
+#pragma GCC unroll 16
   for (int r = 0; r < 4; ++r) rp[r] = base + (row + r) * cols;
   const i64 block = w.block_cols;
   const i64 scale_cols = (cols + block - 1) / block;
@@ -280,13 +296,13 @@ void gemvFp8x4(const WeightMatrix& w, i64 row, const float* x, float* y) {
   const __m512i clear14 = _mm512_set1_epi16(static_cast<short>(0xBFFF));
   const i64 ahead = prefetchAhead(cols);
   __m512 total[4];
-  #pragma GCC unroll 16
+#pragma GCC unroll 16
   for (int r = 0; r < 4; ++r) total[r] = _mm512_setzero_ps();
   i64 cb = 0;
   for (i64 c0 = 0; c0 < cols; c0 += block, ++cb) {
     const i64 c1 = minI(cols, c0 + block);
     __m512 acc_e[4], acc_o[4];
-    #pragma GCC unroll 16
+#pragma GCC unroll 16
     for (int r = 0; r < 4; ++r) acc_e[r] = acc_o[r] = _mm512_setzero_ps();
     i64 c = c0;
     for (; c + 64 <= c1; c += 64) {
@@ -294,7 +310,7 @@ void gemvFp8x4(const WeightMatrix& w, i64 row, const float* x, float* y) {
       const __m512 x2 = _mm512_loadu_ps(x + c + 32), x3 = _mm512_loadu_ps(x + c + 48);
       const __m512 xe_lo = _mm512_permutex2var_ps(x0, ie, x1), xo_lo = _mm512_permutex2var_ps(x0, io, x1);
       const __m512 xe_hi = _mm512_permutex2var_ps(x2, ie, x3), xo_hi = _mm512_permutex2var_ps(x2, io, x3);
-      #pragma GCC unroll 16
+#pragma GCC unroll 16
       for (int r = 0; r < 4; ++r) {
         _mm_prefetch(reinterpret_cast<const char*>(rp[r] + c + ahead), _MM_HINT_T0);
         const __m512i wv = _mm512_loadu_si512(rp[r] + c);
@@ -308,13 +324,13 @@ void gemvFp8x4(const WeightMatrix& w, i64 row, const float* x, float* y) {
       }
     }
     gemvTail16<DType::F8E4M3>(rp, x, c, c1, nullptr, acc_e);
-    #pragma GCC unroll 16
+#pragma GCC unroll 16
     for (int r = 0; r < 4; ++r) {
-      total[r] = _mm512_fmadd_ps(_mm512_add_ps(acc_e[r], acc_o[r]), _mm512_set1_ps(fp8Scale(w, row + r, cb, scale_cols)),
-                                 total[r]);
+      total[r] = _mm512_fmadd_ps(_mm512_add_ps(acc_e[r], acc_o[r]),
+                                 _mm512_set1_ps(fp8Scale(w, row + r, cb, scale_cols)), total[r]);
     }
   }
-  #pragma GCC unroll 16
+#pragma GCC unroll 16
   for (int r = 0; r < 4; ++r) y[r] = _mm512_reduce_add_ps(total[r]);
 }
 
@@ -362,13 +378,21 @@ void matmulTyped(const WeightMatrix& w, i64 row_begin, i64 row_end, const float*
 void matmul(const WeightMatrix& w, i64 row_begin, i64 row_end, const float* x, i64 x_stride, i64 n_tokens, float* y,
             i64 y_stride) {
   switch (w.dtype) {
-    case DType::F32: matmulTyped<DType::F32>(w, row_begin, row_end, x, x_stride, n_tokens, y, y_stride); return;
-    case DType::BF16: matmulTyped<DType::BF16>(w, row_begin, row_end, x, x_stride, n_tokens, y, y_stride); return;
-    case DType::F16: matmulTyped<DType::F16>(w, row_begin, row_end, x, x_stride, n_tokens, y, y_stride); return;
+    case DType::F32:
+      matmulTyped<DType::F32>(w, row_begin, row_end, x, x_stride, n_tokens, y, y_stride);
+      return;
+    case DType::BF16:
+      matmulTyped<DType::BF16>(w, row_begin, row_end, x, x_stride, n_tokens, y, y_stride);
+      return;
+    case DType::F16:
+      matmulTyped<DType::F16>(w, row_begin, row_end, x, x_stride, n_tokens, y, y_stride);
+      return;
     case DType::F8E4M3:
       matmulTyped<DType::F8E4M3>(w, row_begin, row_end, x, x_stride, n_tokens, y, y_stride);
       return;
-    default: genericKernels().matmul(w, row_begin, row_end, x, x_stride, n_tokens, y, y_stride); return;
+    default:
+      genericKernels().matmul(w, row_begin, row_end, x, x_stride, n_tokens, y, y_stride);
+      return;
   }
 }
 
@@ -385,15 +409,17 @@ void transposedTile(const WeightMatrix& w, i64 row_begin, i64 row_end, const flo
     const i64 n = minI(16, cols - c);
     const auto m = static_cast<__mmask16>(n == 16 ? 0xFFFFU : (1U << n) - 1U);
     __m512 acc[T];
-    #pragma GCC unroll 16
+#pragma GCC unroll 16
     for (int t = 0; t < T; ++t) acc[t] = _mm512_maskz_loadu_ps(m, y + t * y_stride + c);
     for (i64 r = row_begin; r < row_end; ++r) {
       __m512 wv = n == 16 ? load16<D>(base + (r * cols + c) * kB) : load16Masked<D>(base + (r * cols + c) * kB, m);
-      if constexpr (D == DType::F8E4M3) wv = _mm512_mul_ps(wv, _mm512_set1_ps(fp8Scale(w, r, c / w.block_cols, scale_cols)));
-      #pragma GCC unroll 16
-      for (int t = 0; t < T; ++t) acc[t] = _mm512_fmadd_ps(_mm512_set1_ps(x[t * x_stride + (r - row_begin)]), wv, acc[t]);
+      if constexpr (D == DType::F8E4M3)
+        wv = _mm512_mul_ps(wv, _mm512_set1_ps(fp8Scale(w, r, c / w.block_cols, scale_cols)));
+#pragma GCC unroll 16
+      for (int t = 0; t < T; ++t)
+        acc[t] = _mm512_fmadd_ps(_mm512_set1_ps(x[t * x_stride + (r - row_begin)]), wv, acc[t]);
     }
-    #pragma GCC unroll 16
+#pragma GCC unroll 16
     for (int t = 0; t < T; ++t) _mm512_mask_storeu_ps(y + t * y_stride + c, m, acc[t]);
   }
 }
@@ -406,10 +432,18 @@ void transposedTyped(const WeightMatrix& w, i64 row_begin, i64 row_end, const fl
     const float* xt = x + t0 * x_stride;
     float* yt = y + t0 * y_stride;
     switch (tn) {
-      case 1: transposedTile<D, 1>(w, row_begin, row_end, xt, x_stride, yt, y_stride); break;
-      case 2: transposedTile<D, 2>(w, row_begin, row_end, xt, x_stride, yt, y_stride); break;
-      case 3: transposedTile<D, 3>(w, row_begin, row_end, xt, x_stride, yt, y_stride); break;
-      default: transposedTile<D, 4>(w, row_begin, row_end, xt, x_stride, yt, y_stride); break;
+      case 1:
+        transposedTile<D, 1>(w, row_begin, row_end, xt, x_stride, yt, y_stride);
+        break;
+      case 2:
+        transposedTile<D, 2>(w, row_begin, row_end, xt, x_stride, yt, y_stride);
+        break;
+      case 3:
+        transposedTile<D, 3>(w, row_begin, row_end, xt, x_stride, yt, y_stride);
+        break;
+      default:
+        transposedTile<D, 4>(w, row_begin, row_end, xt, x_stride, yt, y_stride);
+        break;
     }
   }
 }
@@ -417,9 +451,15 @@ void transposedTyped(const WeightMatrix& w, i64 row_begin, i64 row_end, const fl
 void matmulTransposed(const WeightMatrix& w, i64 row_begin, i64 row_end, const float* x, i64 x_stride, i64 n_tokens,
                       float* y, i64 y_stride) {
   switch (w.dtype) {
-    case DType::F32: transposedTyped<DType::F32>(w, row_begin, row_end, x, x_stride, n_tokens, y, y_stride); return;
-    case DType::BF16: transposedTyped<DType::BF16>(w, row_begin, row_end, x, x_stride, n_tokens, y, y_stride); return;
-    case DType::F16: transposedTyped<DType::F16>(w, row_begin, row_end, x, x_stride, n_tokens, y, y_stride); return;
+    case DType::F32:
+      transposedTyped<DType::F32>(w, row_begin, row_end, x, x_stride, n_tokens, y, y_stride);
+      return;
+    case DType::BF16:
+      transposedTyped<DType::BF16>(w, row_begin, row_end, x, x_stride, n_tokens, y, y_stride);
+      return;
+    case DType::F16:
+      transposedTyped<DType::F16>(w, row_begin, row_end, x, x_stride, n_tokens, y, y_stride);
+      return;
     case DType::F8E4M3:
       // A 16-column vector must not straddle two scale blocks.
       if (w.block_cols % 16 == 0) {
@@ -427,7 +467,8 @@ void matmulTransposed(const WeightMatrix& w, i64 row_begin, i64 row_end, const f
         return;
       }
       break;
-    default: break;
+    default:
+      break;
   }
   genericKernels().matmulTransposed(w, row_begin, row_end, x, x_stride, n_tokens, y, y_stride);
 }
@@ -461,16 +502,16 @@ void axpy(float a, const float* x, float* y, i64 n) {
 // 12 independent FMA chains: enough to cover FMA latency x throughput on current cores.
 float fmaLoop(i64 iterations) {
   __m512 acc[12];
-  #pragma GCC unroll 16
+#pragma GCC unroll 16
   for (int j = 0; j < 12; ++j) acc[j] = _mm512_set1_ps(1.0F + 0.01F * static_cast<float>(j));
   const __m512 m = _mm512_set1_ps(0.999999F);
   const __m512 a = _mm512_set1_ps(1e-7F);
   for (i64 i = 0; i < iterations; ++i) {
-    #pragma GCC unroll 16
+#pragma GCC unroll 16
     for (int j = 0; j < 12; ++j) acc[j] = _mm512_fmadd_ps(acc[j], m, a);
   }
   __m512 s = acc[0];
-  #pragma GCC unroll 16
+#pragma GCC unroll 16
   for (int j = 1; j < 12; ++j) s = _mm512_add_ps(s, acc[j]);
   float out[16];
   _mm512_storeu_ps(out, s);

@@ -58,8 +58,7 @@ Result<PagedLatentCache> PagedLatentCache::create(std::int64_t layers, std::int6
                                  "block_size {})",
                                  layers, latent_dim, num_blocks, block_size));
   }
-  const auto layer_bytes =
-      static_cast<std::size_t>(num_blocks * block_size * latent_dim) * dtypeSize(dtype);
+  const auto layer_bytes = static_cast<std::size_t>(num_blocks * block_size * latent_dim) * dtypeSize(dtype);
   const std::size_t bytes = layer_bytes * static_cast<std::size_t>(layers);
   std::unique_ptr<std::byte[]> storage(new (std::nothrow) std::byte[bytes]());
   if (!storage) {
@@ -70,7 +69,8 @@ Result<PagedLatentCache> PagedLatentCache::create(std::int64_t layers, std::int6
   view.latent_dim = latent_dim;
   view.block_size = block_size;
   view.num_blocks = num_blocks;
-  for (std::int64_t l = 0; l < layers; ++l) view.layers.push_back(storage.get() + layer_bytes * static_cast<std::size_t>(l));
+  for (std::int64_t l = 0; l < layers; ++l)
+    view.layers.push_back(storage.get() + layer_bytes * static_cast<std::size_t>(l));
   return PagedLatentCache(std::move(storage), bytes, std::move(view));
 }
 

@@ -62,10 +62,10 @@ class Binder {
     }
     const std::vector<std::int64_t> want{w.scaleRows(), w.scaleCols()};
     if (s->dtype != DType::F32 || s->shape != want) {
-      return makeError(ErrorCode::InvalidArgument,
-                       fmt::format("scale tensor '{}' is {} {}, expected F32 {} for {}x{} blocks", scale_name,
-                                   dtypeName(s->dtype), shapeText(s->shape), shapeText(want), w.block_rows,
-                                   w.block_cols));
+      return makeError(
+          ErrorCode::InvalidArgument,
+          fmt::format("scale tensor '{}' is {} {}, expected F32 {} for {}x{} blocks", scale_name, dtypeName(s->dtype),
+                      shapeText(s->shape), shapeText(want), w.block_rows, w.block_cols));
     }
     if (!aligned(s->data.data(), sizeof(float))) {
       return makeError(ErrorCode::Corrupt, fmt::format("tensor '{}' is not aligned to its element size", scale_name));
@@ -82,8 +82,8 @@ class Binder {
                        fmt::format("tensor '{}' has shape {}, expected [{}]", name, shapeText(t->shape), n));
     }
     if (t->dtype != DType::F32 && t->dtype != DType::BF16 && t->dtype != DType::F16) {
-      return makeError(ErrorCode::Unsupported, fmt::format("tensor '{}' has dtype {}; expected BF16, F16 or F32",
-                                                           name, dtypeName(t->dtype)));
+      return makeError(ErrorCode::Unsupported,
+                       fmt::format("tensor '{}' has dtype {}; expected BF16, F16 or F32", name, dtypeName(t->dtype)));
     }
     WeightMatrix as_row{t->dtype, 1, n, t->data.data()};
     std::vector<float> out(static_cast<std::size_t>(n));
@@ -118,8 +118,8 @@ class Binder {
     }
     PD_ASSIGN_OR_RETURN(a.kv_a, matrix(p + "self_attn.kv_a_proj_with_mqa.weight", c.latentDim(), hidden));
     PD_ASSIGN_OR_RETURN(a.kv_a_norm, vector(p + "self_attn.kv_a_layernorm.weight", c.kv_lora_rank));
-    PD_ASSIGN_OR_RETURN(a.kv_b, matrix(p + "self_attn.kv_b_proj.weight", heads * (c.qk_nope_head_dim + c.v_head_dim),
-                                       c.kv_lora_rank));
+    PD_ASSIGN_OR_RETURN(
+        a.kv_b, matrix(p + "self_attn.kv_b_proj.weight", heads * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank));
     PD_ASSIGN_OR_RETURN(a.o, matrix(p + "self_attn.o_proj.weight", hidden, heads * c.v_head_dim));
     l.moe = c.isMoeLayer(index);
     if (!l.moe) {

@@ -11,7 +11,8 @@ namespace pd::model {
 Result<std::vector<float>> ropeInvFreq(const ModelConfig& config) {
   const std::int64_t dim = config.qk_rope_head_dim;
   if (dim <= 0 || dim % 2 != 0) {
-    return makeError(ErrorCode::InvalidArgument, fmt::format("qk_rope_head_dim must be even and positive, not {}", dim));
+    return makeError(ErrorCode::InvalidArgument,
+                     fmt::format("qk_rope_head_dim must be even and positive, not {}", dim));
   }
   const auto base = static_cast<float>(config.rope_theta);
   std::vector<float> freq(static_cast<std::size_t>(dim / 2));
@@ -22,7 +23,8 @@ Result<std::vector<float>> ropeInvFreq(const ModelConfig& config) {
   if (!config.rope_scaling) return freq;
   const RopeScaling& s = *config.rope_scaling;
   if (s.type != "yarn") {
-    return makeError(ErrorCode::Unsupported, fmt::format("rope_scaling type '{}' is not supported (only yarn)", s.type));
+    return makeError(ErrorCode::Unsupported,
+                     fmt::format("rope_scaling type '{}' is not supported (only yarn)", s.type));
   }
   // Correction range in double, as the reference computes it with Python floats.
   const auto correction_dim = [&](double rotations) {

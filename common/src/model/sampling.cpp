@@ -46,7 +46,9 @@ double Sampler::nextUniform() {
   return static_cast<double>(z >> 11) * 0x1.0p-53;
 }
 
-void Sampler::observe(std::int32_t token) { ++counts_[token]; }
+void Sampler::observe(std::int32_t token) {
+  ++counts_[token];
+}
 
 SampledToken Sampler::sample(std::span<const float> logits) {
   PD_CHECK(!logits.empty());
@@ -55,8 +57,8 @@ SampledToken Sampler::sample(std::span<const float> logits) {
   if (params_.presence_penalty != 0.0 || params_.frequency_penalty != 0.0) {
     for (const auto& [token, count] : counts_) {
       if (token < 0 || token >= vocab) continue;
-      work_[static_cast<std::size_t>(token)] -= static_cast<float>(params_.presence_penalty +
-                                                                   params_.frequency_penalty * static_cast<double>(count));
+      work_[static_cast<std::size_t>(token)] -=
+          static_cast<float>(params_.presence_penalty + params_.frequency_penalty * static_cast<double>(count));
     }
   }
   SampledToken out;
@@ -98,9 +100,8 @@ SampledToken Sampler::sample(std::span<const float> logits) {
       std::vector<double> prob(static_cast<std::size_t>(keep));
       double total = 0.0;
       for (std::int64_t i = 0; i < keep; ++i) {
-        prob[static_cast<std::size_t>(i)] =
-            std::exp((static_cast<double>(work_[static_cast<std::size_t>(order_[static_cast<std::size_t>(i)])]) - mx) *
-                     inv_t);
+        prob[static_cast<std::size_t>(i)] = std::exp(
+            (static_cast<double>(work_[static_cast<std::size_t>(order_[static_cast<std::size_t>(i)])]) - mx) * inv_t);
         total += prob[static_cast<std::size_t>(i)];
       }
       if (params_.top_p < 1.0) {

@@ -65,15 +65,16 @@ TEST_F(Fixture, DefaultsComeFromFieldsAndAppearInHelp) {
 }
 
 TEST_F(Fixture, PrecedenceIsYamlThenEnvThenFlags) {
-  const auto yaml = writeYaml("decode:\n  block_size: 16\n  temperature: 0.5\n  level: debug\nrouter:\n  block_size: 7\n");
+  const auto yaml =
+      writeYaml("decode:\n  block_size: 16\n  temperature: 0.5\n  level: debug\nrouter:\n  block_size: 7\n");
   auto r = load({"--config", yaml.string(), "--block-size=32", "pos1", "--verbose"},
                 {{"PDSERVE_DECODE_TEMPERATURE", "0.25"}, {"PDSERVE_DECODE_BLOCK_SIZE", "8"}});
   ASSERT_TRUE(r.ok()) << r.error().toString();
-  EXPECT_EQ(s.block_size, 32);        // flag beats env and file
+  EXPECT_EQ(s.block_size, 32);            // flag beats env and file
   EXPECT_DOUBLE_EQ(s.temperature, 0.25);  // env beats file
-  EXPECT_EQ(s.level, "debug");        // file beats default
-  EXPECT_TRUE(s.verbose);             // bare bool flag
-  EXPECT_EQ(other.block_size, 7);     // inactive sections are still read from the file
+  EXPECT_EQ(s.level, "debug");            // file beats default
+  EXPECT_TRUE(s.verbose);                 // bare bool flag
+  EXPECT_EQ(other.block_size, 7);         // inactive sections are still read from the file
   ASSERT_EQ(r->positionals.size(), 1u);
   EXPECT_EQ(r->positionals[0], "pos1");
 }

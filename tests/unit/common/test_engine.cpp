@@ -78,7 +78,8 @@ class Golden {
 double maxAbsDiff(const std::vector<float>& a, const std::vector<float>& b) {
   EXPECT_EQ(a.size(), b.size());
   double m = 0.0;
-  for (std::size_t i = 0; i < std::min(a.size(), b.size()); ++i) m = std::max(m, std::abs(static_cast<double>(a[i]) - b[i]));
+  for (std::size_t i = 0; i < std::min(a.size(), b.size()); ++i)
+    m = std::max(m, std::abs(static_cast<double>(a[i]) - b[i]));
   return m;
 }
 
@@ -137,8 +138,13 @@ class GoldenModel : public ::testing::TestWithParam<std::string> {
 TEST_P(GoldenModel, RopeFrequenciesAndSoftmaxScale) {
   auto inv = ropeInvFreq(cfg());
   ASSERT_TRUE(inv.ok());
-  const std::vector<float> want{1.0F, 0.23717081546783447F, 0.04999999701976776F, 0.007905694656074047F,
-                                0.0024999999441206455F, 0.0007905694656074047F, 0.0002500000118743628F,
+  const std::vector<float> want{1.0F,
+                                0.23717081546783447F,
+                                0.04999999701976776F,
+                                0.007905694656074047F,
+                                0.0024999999441206455F,
+                                0.0007905694656074047F,
+                                0.0002500000118743628F,
                                 7.905694656074047e-05F};
   ASSERT_EQ(inv->size(), want.size());
   for (std::size_t j = 0; j < want.size(); ++j) EXPECT_NEAR((*inv)[j], want[j], 1e-7 * want[j]) << j;
@@ -186,12 +192,16 @@ TEST_P(GoldenModel, PrefillMatchesEveryGoldenTensorOnBothAttentionPaths) {
     for (std::size_t row = 0; row < idx.size() / static_cast<std::size_t>(k); ++row) {
       for (std::int64_t j = 0; j < k; ++j) {
         const std::size_t want_at = row * static_cast<std::size_t>(k) + static_cast<std::size_t>(j);
-        const auto it = std::find(trace.topk_idx.begin() + static_cast<std::ptrdiff_t>(row * static_cast<std::size_t>(k)),
-                                  trace.topk_idx.begin() + static_cast<std::ptrdiff_t>((row + 1) * static_cast<std::size_t>(k)),
-                                  idx[want_at]);
+        const auto it =
+            std::find(trace.topk_idx.begin() + static_cast<std::ptrdiff_t>(row * static_cast<std::size_t>(k)),
+                      trace.topk_idx.begin() + static_cast<std::ptrdiff_t>((row + 1) * static_cast<std::size_t>(k)),
+                      idx[want_at]);
         ASSERT_NE(it, trace.topk_idx.begin() + static_cast<std::ptrdiff_t>((row + 1) * static_cast<std::size_t>(k)))
             << "expert set differs at row " << row;
-        wmax = std::max(wmax, std::abs(static_cast<double>(trace.topk_weight[static_cast<std::size_t>(it - trace.topk_idx.begin())]) - w[want_at]));
+        wmax = std::max(
+            wmax,
+            std::abs(static_cast<double>(trace.topk_weight[static_cast<std::size_t>(it - trace.topk_idx.begin())]) -
+                     w[want_at]));
       }
     }
     std::printf("  [golden] %-44s max|diff| = %.3g (tolerance %.0e)\n", name(tag + "moe_topk_weight").c_str(), wmax,
@@ -236,7 +246,8 @@ TEST_P(GoldenModel, GreedyDecodeMatchesGoldenLogitsTokensAndCache) {
   std::vector<float> kv, pe;
   for (std::int64_t l = 0; l < cfg().num_hidden_layers; ++l) {
     const std::vector<float> a = readCache(cache->view(), l, table, 0, n + g - 1, 0, cfg().kv_lora_rank);
-    const std::vector<float> b = readCache(cache->view(), l, table, 0, n + g - 1, cfg().kv_lora_rank, cfg().latentDim());
+    const std::vector<float> b =
+        readCache(cache->view(), l, table, 0, n + g - 1, cfg().kv_lora_rank, cfg().latentDim());
     kv.insert(kv.end(), a.begin(), a.end());
     pe.insert(pe.end(), b.begin(), b.end());
   }
@@ -294,7 +305,8 @@ TEST_P(GoldenModel, MtpRunsMatchGolden) {
         std::int64_t p = 0;
         while (p < n + g - 1) {
           const std::int64_t cnt = p == 0 ? n : 1;
-          const SequenceChunk c{std::span<const std::int32_t>(in.tokens.data() + p, static_cast<std::size_t>(cnt)), p, table,
+          const SequenceChunk c{std::span<const std::int32_t>(in.tokens.data() + p, static_cast<std::size_t>(cnt)), p,
+                                table,
                                 std::span<const float>(in.hidden.data() + p * d, static_cast<std::size_t>(cnt * d))};
           o.attention = AttentionPath::Auto;
           auto out = engine_->forwardMtp(std::span<const SequenceChunk>(&c, 1), cache->view(), o);
@@ -320,8 +332,10 @@ TEST_P(GoldenModel, MtpRunsMatchGolden) {
       // The drafts after each decode step.
       const std::vector<float> want = golden_->f32("p0.mtp_logits" + run.suffix);
       for (std::int64_t row = n - 1; row < n + g - 1; ++row) {
-        const std::span<const float> a(logits.data() + row * cfg().vocab_size, static_cast<std::size_t>(cfg().vocab_size));
-        const std::span<const float> b(want.data() + row * cfg().vocab_size, static_cast<std::size_t>(cfg().vocab_size));
+        const std::span<const float> a(logits.data() + row * cfg().vocab_size,
+                                       static_cast<std::size_t>(cfg().vocab_size));
+        const std::span<const float> b(want.data() + row * cfg().vocab_size,
+                                       static_cast<std::size_t>(cfg().vocab_size));
         EXPECT_EQ(argmax(a), argmax(b)) << tag << " draft row " << row;
       }
     }
@@ -352,11 +366,13 @@ TEST_P(GoldenModel, MtpRunsMatchGolden) {
   for (std::size_t i = 0; i < idx.size(); i += static_cast<std::size_t>(k)) {
     std::set<std::int32_t> a(trace.topk_idx.begin() + static_cast<std::ptrdiff_t>(i),
                              trace.topk_idx.begin() + static_cast<std::ptrdiff_t>(i + static_cast<std::size_t>(k)));
-    std::set<std::int32_t> b(idx.begin() + static_cast<std::ptrdiff_t>(i), idx.begin() + static_cast<std::ptrdiff_t>(i + static_cast<std::size_t>(k)));
+    std::set<std::int32_t> b(idx.begin() + static_cast<std::ptrdiff_t>(i),
+                             idx.begin() + static_cast<std::ptrdiff_t>(i + static_cast<std::size_t>(k)));
     ASSERT_EQ(a, b) << "MTP expert set, row " << i / static_cast<std::size_t>(k);
     for (std::size_t j = i; j < i + static_cast<std::size_t>(k); ++j) {
       for (std::size_t m = i; m < i + static_cast<std::size_t>(k); ++m) {
-        if (trace.topk_idx[m] == idx[j]) wmax = std::max(wmax, std::abs(static_cast<double>(trace.topk_weight[m]) - w[j]));
+        if (trace.topk_idx[m] == idx[j])
+          wmax = std::max(wmax, std::abs(static_cast<double>(trace.topk_weight[m]) - w[j]));
       }
     }
   }
@@ -411,7 +427,8 @@ TEST_P(GoldenModel, FinalHiddenFeedsTheMtpLikeThePrefillWorkerDoes) {
   ForwardOutput last;
   for (std::int64_t c0 = 0; c0 < n; c0 += 16) {
     const std::int64_t c1 = std::min(n, c0 + 16);
-    const SequenceChunk c{std::span<const std::int32_t>(prompt_.data() + c0, static_cast<std::size_t>(c1 - c0)), c0, table};
+    const SequenceChunk c{std::span<const std::int32_t>(prompt_.data() + c0, static_cast<std::size_t>(c1 - c0)), c0,
+                          table};
     ForwardOptions o;
     o.hidden = OutputRows::All;
     auto out = engine_->forward(std::span<const SequenceChunk>(&c, 1), cache->view(), o);
@@ -504,7 +521,8 @@ class EngineInvariants : public ::testing::Test {
     const auto n = static_cast<std::int64_t>(prompt_.size());
     for (std::int64_t c0 = 0; c0 < n; c0 += chunk) {
       const std::int64_t c1 = std::min(n, c0 + chunk);
-      const SequenceChunk c{std::span<const std::int32_t>(prompt_.data() + c0, static_cast<std::size_t>(c1 - c0)), c0, table};
+      const SequenceChunk c{std::span<const std::int32_t>(prompt_.data() + c0, static_cast<std::size_t>(c1 - c0)), c0,
+                            table};
       ForwardOptions o;
       o.attention = path;
       o.logits = OutputRows::All;
@@ -568,11 +586,14 @@ TEST_F(EngineInvariants, BatchOfSequencesEqualsEachAlone) {
       const SequenceChunk one{prompts[s], 0, tables[s]};
       auto alone = engine_->forward(std::span<const SequenceChunk>(&one, 1), alone_cache->view(), o);
       ASSERT_TRUE(alone.ok());
-      const std::vector<float> mine(together->logits.begin() + static_cast<std::ptrdiff_t>(row * vocab),
-                                    together->logits.begin() + static_cast<std::ptrdiff_t>((row + prompts[s].size()) * vocab));
+      const std::vector<float> mine(
+          together->logits.begin() + static_cast<std::ptrdiff_t>(row * vocab),
+          together->logits.begin() + static_cast<std::ptrdiff_t>((row + prompts[s].size()) * vocab));
       EXPECT_LE(maxAbsDiff(mine, alone->logits), 1e-5) << "sequence " << s;
-      const std::vector<float> mine_h(together->hidden.begin() + static_cast<std::ptrdiff_t>(s * static_cast<std::size_t>(cfg().hidden_size)),
-                                      together->hidden.begin() + static_cast<std::ptrdiff_t>((s + 1) * static_cast<std::size_t>(cfg().hidden_size)));
+      const std::vector<float> mine_h(
+          together->hidden.begin() + static_cast<std::ptrdiff_t>(s * static_cast<std::size_t>(cfg().hidden_size)),
+          together->hidden.begin() +
+              static_cast<std::ptrdiff_t>((s + 1) * static_cast<std::size_t>(cfg().hidden_size)));
       EXPECT_LE(maxAbsDiff(mine_h, alone->hidden), 1e-5);
       row += prompts[s].size();
       const SequenceChunk one_step{nexts[s], static_cast<std::int64_t>(prompts[s].size()), tables[s]};
@@ -624,8 +645,7 @@ TEST_F(EngineInvariants, SinkGetsEveryLayersLatentAsTheCacheHoldsIt) {
   ASSERT_TRUE(cache.ok());
   const std::vector<std::int32_t> t0{0, 1}, t1{2, 3};
   const std::vector<std::int32_t> second(prompt_.begin() + 20, prompt_.begin() + 27);
-  const std::vector<SequenceChunk> batch{{std::span<const std::int32_t>(prompt_.data(), 20), 0, t0},
-                                         {second, 9, t1}};
+  const std::vector<SequenceChunk> batch{{std::span<const std::int32_t>(prompt_.data(), 20), 0, t0}, {second, 9, t1}};
   RecordingSink sink;
   ForwardOptions o;
   o.sink = &sink;
@@ -687,10 +707,10 @@ TEST_F(EngineInvariants, MalformedBatchesAreInvalidArgumentAndWriteNothing) {
     EXPECT_EQ(r.error().code, ErrorCode::InvalidArgument) << r.error().toString();
   };
   expectInvalid({bad_token, 0, table});
-  expectInvalid({long_prompt, 0, table});                       // 2 blocks of 16 < 33 positions
-  expectInvalid({ok_tokens, 15, bad_table});                    // block id 9 of 2
-  expectInvalid({std::span<const std::int32_t>(), 0, table});   // empty chunk
-  expectInvalid({ok_tokens, 0, table}, /*mtp=*/true);           // no prev_hidden
+  expectInvalid({long_prompt, 0, table});                      // 2 blocks of 16 < 33 positions
+  expectInvalid({ok_tokens, 15, bad_table});                   // block id 9 of 2
+  expectInvalid({std::span<const std::int32_t>(), 0, table});  // empty chunk
+  expectInvalid({ok_tokens, 0, table}, /*mtp=*/true);          // no prev_hidden
   auto big = PagedLatentCache::create(cfg(), 20, 16);
   ASSERT_TRUE(big.ok());
   const std::vector<std::int32_t> big_table = iotaBlocks(20);
@@ -726,7 +746,8 @@ TEST(MadeModel, DirectQProjAndPartialFp8BlocksAreConsistent) {
   ASSERT_TRUE(engine.ok()) << engine.error().toString();
   Engine& e = **engine;
   EXPECT_EQ(e.capabilities().weight_dtype, DType::F8E4M3);
-  const std::vector<std::int32_t> prompt{5, 17, 300, 2000, 9, 9, 41, 1024, 77, 3, 8, 1500, 600, 12, 13, 14, 15, 16, 1999, 2};
+  const std::vector<std::int32_t> prompt{5, 17,   300, 2000, 9,  9,  41, 1024, 77,   3,
+                                         8, 1500, 600, 12,   13, 14, 15, 16,   1999, 2};
   const std::vector<std::int32_t> table = iotaBlocks(2);
   const auto run = [&](std::int64_t chunk, AttentionPath path) {
     auto cache = PagedLatentCache::create(e.config(), 2, 16);
@@ -734,7 +755,8 @@ TEST(MadeModel, DirectQProjAndPartialFp8BlocksAreConsistent) {
     std::vector<float> logits;
     for (std::size_t c0 = 0; c0 < prompt.size(); c0 += static_cast<std::size_t>(chunk)) {
       const std::size_t c1 = std::min(prompt.size(), c0 + static_cast<std::size_t>(chunk));
-      const SequenceChunk c{std::span<const std::int32_t>(prompt.data() + c0, c1 - c0), static_cast<std::int64_t>(c0), table};
+      const SequenceChunk c{std::span<const std::int32_t>(prompt.data() + c0, c1 - c0), static_cast<std::int64_t>(c0),
+                            table};
       ForwardOptions o;
       o.attention = path;
       o.logits = OutputRows::All;
@@ -757,8 +779,9 @@ TEST(MadeModel, DirectQProjAndPartialFp8BlocksAreConsistent) {
 class BrokenCheckpoint : public ::testing::Test {
  protected:
   void SetUp() override {
-    dir_ = fs::temp_directory_path() / ("pd_engine_test_" + std::to_string(::testing::UnitTest::GetInstance()->random_seed()) +
-                                        "_" + ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    dir_ = fs::temp_directory_path() /
+           ("pd_engine_test_" + std::to_string(::testing::UnitTest::GetInstance()->random_seed()) + "_" +
+            ::testing::UnitTest::GetInstance()->current_test_info()->name());
     fs::remove_all(dir_);
     fs::create_directories(dir_);
     fs::copy_file(kGoldenDir / "tiny-fp8" / "config.json", dir_ / "config.json");

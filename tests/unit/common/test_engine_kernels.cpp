@@ -37,7 +37,9 @@ TestMatrix makeMatrix(DType dtype, std::int64_t rows, std::int64_t cols, std::in
   for (std::int64_t i = 0; i < rows * cols; ++i) {
     const float v = normal(rng);
     switch (dtype) {
-      case DType::F32: std::memcpy(m.bytes.data() + i * 4, &v, 4); break;
+      case DType::F32:
+        std::memcpy(m.bytes.data() + i * 4, &v, 4);
+        break;
       case DType::BF16: {
         const std::uint16_t h = floatToBf16(v);
         std::memcpy(m.bytes.data() + i * 2, &h, 2);
@@ -49,8 +51,11 @@ TestMatrix makeMatrix(DType dtype, std::int64_t rows, std::int64_t cols, std::in
         std::memcpy(m.bytes.data() + i * 2, &h, 2);
         break;
       }
-      case DType::F8E4M3: m.bytes[static_cast<std::size_t>(i)] = floatToFp8e4m3(v * 100.0F); break;
-      default: break;
+      case DType::F8E4M3:
+        m.bytes[static_cast<std::size_t>(i)] = floatToFp8e4m3(v * 100.0F);
+        break;
+      default:
+        break;
     }
   }
   m.w.data = m.bytes.data();
@@ -87,7 +92,8 @@ std::vector<double> referenceMatmul(const WeightMatrix& w, const std::vector<flo
     dequantizeRow(w, r, row.data());
     for (std::int64_t t = 0; t < n; ++t) {
       double s = 0.0;
-      for (std::int64_t c = 0; c < w.cols; ++c) s += static_cast<double>(row[static_cast<std::size_t>(c)]) * x[static_cast<std::size_t>(t * w.cols + c)];
+      for (std::int64_t c = 0; c < w.cols; ++c)
+        s += static_cast<double>(row[static_cast<std::size_t>(c)]) * x[static_cast<std::size_t>(t * w.cols + c)];
       y[static_cast<std::size_t>(t * w.rows + r)] = s;
     }
   }
@@ -160,7 +166,9 @@ TEST(EngineKernels, MatmulTransposedEveryIsaAndDtypeMatchesFloat64) {
           dequantizeRow(m.w, r, row.data());
           for (std::int64_t t = 0; t < tokens; ++t) {
             for (std::int64_t c = 0; c < cols; ++c) {
-              want[static_cast<std::size_t>(t * cols + c)] += static_cast<double>(x[static_cast<std::size_t>(t * (r1 - r0) + r - r0)]) * row[static_cast<std::size_t>(c)];
+              want[static_cast<std::size_t>(t * cols + c)] +=
+                  static_cast<double>(x[static_cast<std::size_t>(t * (r1 - r0) + r - r0)]) *
+                  row[static_cast<std::size_t>(c)];
             }
           }
         }
@@ -180,12 +188,14 @@ TEST(EngineKernels, DotAndAxpyEveryIsa) {
       const std::vector<float> a = randomVector(n, 1);
       const std::vector<float> b = randomVector(n, 2);
       double want = 0.0;
-      for (std::int64_t i = 0; i < n; ++i) want += static_cast<double>(a[static_cast<std::size_t>(i)]) * b[static_cast<std::size_t>(i)];
+      for (std::int64_t i = 0; i < n; ++i)
+        want += static_cast<double>(a[static_cast<std::size_t>(i)]) * b[static_cast<std::size_t>(i)];
       EXPECT_NEAR(k.dot(a.data(), b.data(), n), want, 1e-4) << cpuIsaName(isa) << " n=" << n;
       std::vector<float> y = b;
       k.axpy(0.5F, a.data(), y.data(), n);
       for (std::int64_t i = 0; i < n; ++i) {
-        EXPECT_FLOAT_EQ(y[static_cast<std::size_t>(i)], b[static_cast<std::size_t>(i)] + 0.5F * a[static_cast<std::size_t>(i)]);
+        EXPECT_FLOAT_EQ(y[static_cast<std::size_t>(i)],
+                        b[static_cast<std::size_t>(i)] + 0.5F * a[static_cast<std::size_t>(i)]);
       }
     }
   }
@@ -284,7 +294,9 @@ TEST(Sampling, TopKTopPMinPRestrictTheSupport) {
   // top_k = 3: only the three largest logits ever come out.
   std::vector<std::int32_t> idx(l.size());
   for (std::size_t i = 0; i < idx.size(); ++i) idx[i] = static_cast<std::int32_t>(i);
-  std::sort(idx.begin(), idx.end(), [&](std::int32_t a, std::int32_t b) { return l[static_cast<std::size_t>(a)] > l[static_cast<std::size_t>(b)]; });
+  std::sort(idx.begin(), idx.end(), [&](std::int32_t a, std::int32_t b) {
+    return l[static_cast<std::size_t>(a)] > l[static_cast<std::size_t>(b)];
+  });
   p.min_p = 0.0;
   p.top_k = 3;
   Sampler k3(p);

@@ -7,16 +7,16 @@ namespace pd::detail {
 [[noreturn]] void checkFailed(const char* file, int line, const char* condition, const char* message);
 }  // namespace pd::detail
 
-#define PD_CHECK(cond)                                                   \
-  do {                                                                   \
-    if (!(cond)) [[unlikely]] {                                          \
-      ::pd::detail::checkFailed(__FILE__, __LINE__, #cond, nullptr);     \
-    }                                                                    \
+#define PD_CHECK(cond)                                               \
+  do {                                                               \
+    if (!(cond)) [[unlikely]] {                                      \
+      ::pd::detail::checkFailed(__FILE__, __LINE__, #cond, nullptr); \
+    }                                                                \
   } while (false)
 
-#define PD_CHECK_MSG(cond, msg)                                          \
-  do {                                                                   \
-    if (!(cond)) [[unlikely]] {                                          \
-      ::pd::detail::checkFailed(__FILE__, __LINE__, #cond, (msg));       \
-    }                                                                    \
+#define PD_CHECK_MSG(cond, msg)                                    \
+  do {                                                             \
+    if (!(cond)) [[unlikely]] {                                    \
+      ::pd::detail::checkFailed(__FILE__, __LINE__, #cond, (msg)); \
+    }                                                              \
   } while (false)

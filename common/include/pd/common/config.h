@@ -32,7 +32,7 @@ struct OptionInfo {
   OptionType type = OptionType::String;
   std::string default_text;  ///< the field's value when the option was registered
   std::string help;
-  std::string constraint;    ///< e.g. "1..1048576" or "one of: debug, info"; may be empty
+  std::string constraint;  ///< e.g. "1..1048576" or "one of: debug, info"; may be empty
 };
 
 /// Options of one section bound to fields of a config struct. The fields must outlive it.
@@ -41,11 +41,9 @@ class OptionSet {
   explicit OptionSet(std::string section);
 
   OptionSet& add(const std::string& name, bool* field, std::string help);
-  OptionSet& add(const std::string& name, std::int64_t* field, std::string help, std::int64_t min,
-                 std::int64_t max);
+  OptionSet& add(const std::string& name, std::int64_t* field, std::string help, std::int64_t min, std::int64_t max);
   OptionSet& add(const std::string& name, double* field, std::string help, double min, double max);
-  OptionSet& add(const std::string& name, std::string* field, std::string help,
-                 std::vector<std::string> choices = {});
+  OptionSet& add(const std::string& name, std::string* field, std::string help, std::vector<std::string> choices = {});
   OptionSet& add(const std::string& name, std::filesystem::path* field, std::string help);
 
   [[nodiscard]] const std::string& section() const { return section_; }

@@ -16,17 +16,17 @@ namespace pd {
 /// The one error code enum of the project. Keep it small: a code says what the caller can do
 /// about the failure (retry, report as 4xx, give up); the message says what happened.
 enum class ErrorCode {
-  InvalidArgument,   ///< the caller's input is wrong (bad request, bad flag, bad config value)
-  NotFound,          ///< a named file, tensor, request or peer does not exist
-  Io,                ///< the operating system refused an operation (open, mmap, read, write)
-  Corrupt,           ///< stored data is malformed or truncated (checkpoint, wire message)
-  Unsupported,       ///< well-formed but not something this build can do (dtype, no GPU)
-  Timeout,           ///< a deadline expired
-  PeerFailed,        ///< the remote side of a transfer or connection failed or vanished
-  Cancelled,         ///< the operation was aborted on purpose
-  Overloaded,        ///< temporarily out of capacity; retrying later may succeed
-  ResourceExhausted, ///< can never fit (request larger than the whole pool)
-  Internal,          ///< a bug surfaced as an error where aborting would lose more
+  InvalidArgument,    ///< the caller's input is wrong (bad request, bad flag, bad config value)
+  NotFound,           ///< a named file, tensor, request or peer does not exist
+  Io,                 ///< the operating system refused an operation (open, mmap, read, write)
+  Corrupt,            ///< stored data is malformed or truncated (checkpoint, wire message)
+  Unsupported,        ///< well-formed but not something this build can do (dtype, no GPU)
+  Timeout,            ///< a deadline expired
+  PeerFailed,         ///< the remote side of a transfer or connection failed or vanished
+  Cancelled,          ///< the operation was aborted on purpose
+  Overloaded,         ///< temporarily out of capacity; retrying later may succeed
+  ResourceExhausted,  ///< can never fit (request larger than the whole pool)
+  Internal,           ///< a bug surfaced as an error where aborting would lose more
 };
 
 std::string_view errorCodeName(ErrorCode code);
@@ -48,7 +48,7 @@ struct Error {
 template <class T>
 class [[nodiscard]] Result {
  public:
-  Result(T value) : state_(std::in_place_index<0>, std::move(value)) {}  // NOLINT(google-explicit-constructor)
+  Result(T value) : state_(std::in_place_index<0>, std::move(value)) {}      // NOLINT(google-explicit-constructor)
   Result(Error error) : state_(std::in_place_index<1>, std::move(error)) {}  // NOLINT(google-explicit-constructor)
 
   [[nodiscard]] bool ok() const { return state_.index() == 0; }
@@ -108,26 +108,28 @@ class [[nodiscard]] Result<void> {
 
 using Status = Result<void>;
 
-[[nodiscard]] inline Status okStatus() { return {}; }
+[[nodiscard]] inline Status okStatus() {
+  return {};
+}
 
 }  // namespace pd
 
 /// Propagates an error from an expression returning Result<...>.
-#define PD_TRY(expr)                                    \
-  do {                                                  \
-    auto pd_try_result_ = (expr);                       \
-    if (!pd_try_result_.ok()) {                         \
-      return std::move(pd_try_result_).error();         \
-    }                                                   \
+#define PD_TRY(expr)                            \
+  do {                                          \
+    auto pd_try_result_ = (expr);               \
+    if (!pd_try_result_.ok()) {                 \
+      return std::move(pd_try_result_).error(); \
+    }                                           \
   } while (false)
 
 #define PD_CONCAT_INNER_(a, b) a##b
 #define PD_CONCAT_(a, b) PD_CONCAT_INNER_(a, b)
 
 /// `PD_ASSIGN_OR_RETURN(auto x, makeX());` declares x from the value or returns the error.
-#define PD_ASSIGN_OR_RETURN(decl, expr)                                   \
-  auto PD_CONCAT_(pd_assign_result_, __LINE__) = (expr);                  \
-  if (!PD_CONCAT_(pd_assign_result_, __LINE__).ok()) {                    \
-    return std::move(PD_CONCAT_(pd_assign_result_, __LINE__)).error();    \
-  }                                                                       \
+#define PD_ASSIGN_OR_RETURN(decl, expr)                                \
+  auto PD_CONCAT_(pd_assign_result_, __LINE__) = (expr);               \
+  if (!PD_CONCAT_(pd_assign_result_, __LINE__).ok()) {                 \
+    return std::move(PD_CONCAT_(pd_assign_result_, __LINE__)).error(); \
+  }                                                                    \
   decl = std::move(PD_CONCAT_(pd_assign_result_, __LINE__)).value()  // NOLINT(bugprone-macro-parentheses)

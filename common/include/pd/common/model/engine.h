@@ -79,10 +79,10 @@ class LatentKvSink {
 
 /// Intermediate values for tests and diagnostics (filled only when requested).
 struct ForwardTrace {
-  std::vector<float> layer_hidden;        ///< [layers run, tokens, hidden]: residual after each layer
-  std::vector<std::int32_t> topk_idx;     ///< [MoE layers run, tokens, experts_per_tok], descending biased score
-  std::vector<float> topk_weight;         ///< same shape: routing weights (scaled)
-  std::vector<float> mtp_input;           ///< forwardMtp: eh_proj output [tokens, hidden]
+  std::vector<float> layer_hidden;     ///< [layers run, tokens, hidden]: residual after each layer
+  std::vector<std::int32_t> topk_idx;  ///< [MoE layers run, tokens, experts_per_tok], descending biased score
+  std::vector<float> topk_weight;      ///< same shape: routing weights (scaled)
+  std::vector<float> mtp_input;        ///< forwardMtp: eh_proj output [tokens, hidden]
 };
 
 struct ForwardOptions {
@@ -111,9 +111,9 @@ struct ForwardOutput {
 };
 
 struct EngineCapabilities {
-  std::string backend;          ///< e.g. "cpu/avx512"
+  std::string backend;  ///< e.g. "cpu/avx512"
   int threads = 1;
-  bool mtp = false;             ///< the checkpoint has an MTP layer
+  bool mtp = false;  ///< the checkpoint has an MTP layer
   DType weight_dtype = DType::BF16;
 };
 
@@ -132,8 +132,8 @@ class Engine {
 };
 
 struct CpuEngineOptions {
-  int threads = 0;                 ///< 0 = every hardware thread
-  std::optional<CpuIsa> isa;       ///< default: the best this CPU runs (detectCpuIsa())
+  int threads = 0;            ///< 0 = every hardware thread
+  std::optional<CpuIsa> isa;  ///< default: the best this CPU runs (detectCpuIsa())
   /// Touch every page of the memory-mapped checkpoint at creation, so that the first requests
   /// do not pay the page faults (and a decode step's time is its bandwidth, not the disk's).
   bool prefault_weights = true;

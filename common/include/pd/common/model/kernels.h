@@ -18,10 +18,10 @@ namespace pd::model {
 /// A row-major [rows, cols] weight matrix referenced in place (usually in the mmap'd
 /// checkpoint). Linear layers compute y = W x, i.e. `x @ W^T` with W [out_features, in_features].
 struct WeightMatrix {
-  DType dtype = DType::F32;          ///< F32, BF16, F16 or F8E4M3
+  DType dtype = DType::F32;  ///< F32, BF16, F16 or F8E4M3
   std::int64_t rows = 0;
   std::int64_t cols = 0;
-  const void* data = nullptr;        ///< rows * cols elements
+  const void* data = nullptr;  ///< rows * cols elements
   /// F8E4M3 only: float32 multipliers [ceil(rows / block_rows), ceil(cols / block_cols)];
   /// W[i][j] = e4m3(q[i][j]) * scale_inv[i / block_rows][j / block_cols].
   const float* scale_inv = nullptr;

@@ -22,11 +22,11 @@ namespace pd::model {
 
 /// Non-owning description of cache memory (a PagedLatentCache, or a worker's registered pool).
 struct LatentCacheView {
-  DType dtype = DType::F32;          ///< F32 or BF16
-  std::int64_t latent_dim = 0;       ///< kv_lora_rank + qk_rope_head_dim
-  std::int64_t block_size = 0;       ///< tokens per block
+  DType dtype = DType::F32;     ///< F32 or BF16
+  std::int64_t latent_dim = 0;  ///< kv_lora_rank + qk_rope_head_dim
+  std::int64_t block_size = 0;  ///< tokens per block
   std::int64_t num_blocks = 0;
-  std::vector<std::byte*> layers;    ///< base of each KV layer's region
+  std::vector<std::byte*> layers;  ///< base of each KV layer's region
 
   /// Address of `layer`'s slot for token `offset` of `block`.
   [[nodiscard]] std::byte* slot(std::int64_t layer, std::int64_t block, std::int64_t offset) const {

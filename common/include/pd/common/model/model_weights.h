@@ -51,9 +51,9 @@ struct LayerWeights {
 
 /// The (first) next-token-prediction layer, stored as model.layers.{num_hidden_layers}.
 struct MtpWeights {
-  std::vector<float> enorm;      ///< [hidden]
-  std::vector<float> hnorm;      ///< [hidden]
-  WeightMatrix eh_proj;          ///< [hidden, 2 * hidden]: embedding half first
+  std::vector<float> enorm;  ///< [hidden]
+  std::vector<float> hnorm;  ///< [hidden]
+  WeightMatrix eh_proj;      ///< [hidden, 2 * hidden]: embedding half first
   LayerWeights block;
   std::vector<float> head_norm;  ///< shared_head.norm [hidden]
   WeightMatrix head;             ///< shared_head.head [vocab, hidden]

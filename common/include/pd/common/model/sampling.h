@@ -21,14 +21,14 @@
 namespace pd::model {
 
 struct SamplingParams {
-  double temperature = 0.0;  ///< 0 = greedy
-  std::int64_t top_k = 0;    ///< 0 = no limit
-  double top_p = 1.0;        ///< (0, 1]
-  double min_p = 0.0;        ///< [0, 1]
+  double temperature = 0.0;        ///< 0 = greedy
+  std::int64_t top_k = 0;          ///< 0 = no limit
+  double top_p = 1.0;              ///< (0, 1]
+  double min_p = 0.0;              ///< [0, 1]
   double presence_penalty = 0.0;   ///< [-2, 2]
   double frequency_penalty = 0.0;  ///< [-2, 2]
   std::uint64_t seed = 0;
-  std::int64_t top_logprobs = 0;   ///< how many alternatives to report per token (0..20)
+  std::int64_t top_logprobs = 0;  ///< how many alternatives to report per token (0..20)
 };
 
 /// InvalidArgument naming the field when a value is out of range.
@@ -41,8 +41,8 @@ struct TokenLogprob {
 
 struct SampledToken {
   std::int32_t token = 0;
-  float logprob = 0.0F;              ///< of `token` under the raw model distribution
-  std::vector<TokenLogprob> top;     ///< top_logprobs most likely tokens, descending
+  float logprob = 0.0F;           ///< of `token` under the raw model distribution
+  std::vector<TokenLogprob> top;  ///< top_logprobs most likely tokens, descending
 };
 
 class Sampler {

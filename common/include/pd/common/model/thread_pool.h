@@ -35,7 +35,8 @@ class ThreadPool {
       for (std::int64_t t = 0; t < num_tasks; ++t) fn(t);
       return;
     }
-    runErased(num_tasks, [](const void* ctx, std::int64_t task) { (*static_cast<const Fn*>(ctx))(task); }, &fn);
+    runErased(
+        num_tasks, [](const void* ctx, std::int64_t task) { (*static_cast<const Fn*>(ctx))(task); }, &fn);
   }
 
   /// Splits [0, n) into contiguous ranges of at least `grain` items (about four per thread)
