@@ -18,7 +18,7 @@ static_assert(std::endian::native == std::endian::little, "the wire format assum
 class ByteWriter {
  public:
   template <class T>
-    requires std::is_integral_v<T>
+  requires std::is_integral_v<T>
   void put(T value) {
     const auto pos = out_.size();
     out_.resize(pos + sizeof(T));
@@ -49,8 +49,7 @@ class ByteReader {
   explicit ByteReader(std::span<const std::uint8_t> bytes) : bytes_(bytes) {}
 
   template <class T>
-    requires std::is_integral_v<T>
-  T get() {
+  requires std::is_integral_v<T> T get() {
     T value{};
     if (!take(sizeof(T))) return value;
     std::memcpy(&value, bytes_.data() + pos_ - sizeof(T), sizeof(T));

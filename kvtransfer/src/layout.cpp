@@ -12,7 +12,9 @@ using U128 = unsigned __int128;
 
 constexpr std::uint32_t kMaxLayers = 4096;
 
-Error invalid(std::string message) { return makeError(ErrorCode::InvalidArgument, "KV descriptor: " + std::move(message)); }
+Error invalid(std::string message) {
+  return makeError(ErrorCode::InvalidArgument, "KV descriptor: " + std::move(message));
+}
 
 Status validateTarget(const KvDescriptor& d, std::size_t ti, std::uint32_t max_block_id) {
   const auto& t = d.targets[ti];
@@ -40,7 +42,8 @@ Status validateTarget(const KvDescriptor& d, std::size_t ti, std::uint32_t max_b
     }
     if (r.rkey.empty()) return invalid(where + " has an empty remote key");
     if (r.block_stride < block_bytes) {
-      return invalid(fmt::format("{}: block stride {} is below one block's {} bytes", where, r.block_stride, block_bytes));
+      return invalid(
+          fmt::format("{}: block stride {} is below one block's {} bytes", where, r.block_stride, block_bytes));
     }
     if (U128{r.base_address} + r.length > U128{UINT64_MAX}) return invalid(where + " wraps the address space");
     const U128 last_byte = U128{r.num_layers - 1U} * r.layer_stride + U128{max_block_id} * r.block_stride + block_bytes;
@@ -112,7 +115,8 @@ Result<std::vector<PlannedPut>> planLayerPuts(const KvDescriptor& d, std::size_t
   const auto it = std::find_if(regions.begin(), regions.end(), [&](const KvRegion& r) {
     return s.layer >= r.first_layer && s.layer - r.first_layer < r.num_layers;
   });
-  if (it == regions.end()) return makeError(ErrorCode::InvalidArgument, fmt::format("layer {} is in no region", s.layer));
+  if (it == regions.end())
+    return makeError(ErrorCode::InvalidArgument, fmt::format("layer {} is in no region", s.layer));
   const auto region_index = static_cast<std::uint32_t>(it - regions.begin());
   const std::uint64_t token_bytes = c.tokenBytes();
   const std::uint64_t layer_base = it->base_address + std::uint64_t{s.layer - it->first_layer} * it->layer_stride;

@@ -12,30 +12,42 @@ constexpr std::size_t kSend = 0;
 constexpr std::size_t kReceive = 1;
 constexpr const char* kSides[] = {"send", "receive"};
 
-double seconds(TransportMetrics::Duration d) { return std::chrono::duration<double>(d).count(); }
+double seconds(TransportMetrics::Duration d) {
+  return std::chrono::duration<double>(d).count();
+}
 
 }  // namespace
 
 std::string_view failureCauseName(FailureCause cause) {
   switch (cause) {
-    case FailureCause::Timeout: return "timeout";
-    case FailureCause::PeerFailed: return "peer_failed";
-    case FailureCause::Cancelled: return "cancelled";
-    case FailureCause::Rejected: return "rejected";
-    case FailureCause::Other: return "other";
+    case FailureCause::Timeout:
+      return "timeout";
+    case FailureCause::PeerFailed:
+      return "peer_failed";
+    case FailureCause::Cancelled:
+      return "cancelled";
+    case FailureCause::Rejected:
+      return "rejected";
+    case FailureCause::Other:
+      return "other";
   }
   return "other";
 }
 
 FailureCause failureCauseOf(ErrorCode code) {
   switch (code) {
-    case ErrorCode::Timeout: return FailureCause::Timeout;
-    case ErrorCode::PeerFailed: return FailureCause::PeerFailed;
-    case ErrorCode::Cancelled: return FailureCause::Cancelled;
+    case ErrorCode::Timeout:
+      return FailureCause::Timeout;
+    case ErrorCode::PeerFailed:
+      return FailureCause::PeerFailed;
+    case ErrorCode::Cancelled:
+      return FailureCause::Cancelled;
     case ErrorCode::InvalidArgument:
     case ErrorCode::Unsupported:
-    case ErrorCode::Corrupt: return FailureCause::Rejected;
-    default: return FailureCause::Other;
+    case ErrorCode::Corrupt:
+      return FailureCause::Rejected;
+    default:
+      return FailureCause::Other;
   }
 }
 
@@ -49,20 +61,22 @@ std::uint64_t TransportStats::receivesFailed() const {
 TransportMetrics::TransportMetrics(metrics::Registry* registry) {
   if (registry == nullptr) return;
   auto& p = published_;
-  p.bytes_put = &registry->counter("pdserve_kv_put_bytes_total", "Bytes posted as one-sided puts (once per target).").get();
+  p.bytes_put =
+      &registry->counter("pdserve_kv_put_bytes_total", "Bytes posted as one-sided puts (once per target).").get();
   p.bytes_received =
       &registry->counter("pdserve_kv_received_bytes_total", "KV bytes accepted as active messages.").get();
-  p.bytes_dropped = &registry->counter("pdserve_kv_dropped_bytes_total",
-                                       "KV bytes refused: request not expected, or outside every region.")
+  p.bytes_dropped = &registry
+                         ->counter("pdserve_kv_dropped_bytes_total",
+                                   "KV bytes refused: request not expected, or outside every region.")
                          .get();
-  auto& started = registry->counter("pdserve_kv_transfers_total",
-                                    "KV transfers begun (send) or expected (receive).", {"side"});
+  auto& started =
+      registry->counter("pdserve_kv_transfers_total", "KV transfers begun (send) or expected (receive).", {"side"});
   auto& succeeded = registry->counter("pdserve_kv_transfers_succeeded_total", "KV transfers completed.", {"side"});
-  auto& failed = registry->counter("pdserve_kv_transfers_failed_total", "KV transfers failed, by cause.",
-                                   {"side", "cause"});
+  auto& failed =
+      registry->counter("pdserve_kv_transfers_failed_total", "KV transfers failed, by cause.", {"side", "cause"});
   const std::vector<double> bounds(kLatencyBucketBoundsS.begin(), kLatencyBucketBoundsS.end());
-  auto& latency = registry->histogram("pdserve_kv_transfer_seconds", "Latency of successful KV transfers.", bounds,
-                                      {"side"});
+  auto& latency =
+      registry->histogram("pdserve_kv_transfer_seconds", "Latency of successful KV transfers.", bounds, {"side"});
   for (std::size_t side = 0; side < 2; ++side) {
     p.started[side] = &started.labels({kSides[side]});
     p.succeeded[side] = &succeeded.labels({kSides[side]});
@@ -71,9 +85,9 @@ TransportMetrics::TransportMetrics(metrics::Registry* registry) {
       p.failed[side][c] = &failed.labels({kSides[side], std::string(failureCauseName(static_cast<FailureCause>(c)))});
     }
   }
-  auto& records = registry->counter("pdserve_kv_records_total",
-                                    "Completion and failure records; rejected: malformed or for no pending receive.",
-                                    {"event"});
+  auto& records =
+      registry->counter("pdserve_kv_records_total",
+                        "Completion and failure records; rejected: malformed or for no pending receive.", {"event"});
   p.records = {&records.labels({"sent"}), &records.labels({"received"}), &records.labels({"rejected"})};
   p.in_flight = &registry->gauge("pdserve_kv_in_flight", "KV transfers begun and not yet reported.").get();
   p.pending_receives = &registry->gauge("pdserve_kv_pending_receives", "Expected KV transfers not yet resolved.").get();

@@ -28,14 +28,26 @@ constexpr std::size_t kTargetFixedBytes = 4 + 4 + 4;
 
 // Wire codes are spelled out so that reordering an enum can never change the protocol.
 constexpr std::array<std::pair<DType, std::uint8_t>, 7> kDTypeCodes{{
-    {DType::BF16, 1}, {DType::F32, 2}, {DType::F16, 3}, {DType::F8E4M3, 4},
-    {DType::I32, 5}, {DType::I64, 6}, {DType::U8, 7},
+    {DType::BF16, 1},
+    {DType::F32, 2},
+    {DType::F16, 3},
+    {DType::F8E4M3, 4},
+    {DType::I32, 5},
+    {DType::I64, 6},
+    {DType::U8, 7},
 }};
 constexpr std::array<std::pair<ErrorCode, std::uint8_t>, 11> kErrorCodes{{
-    {ErrorCode::InvalidArgument, 1}, {ErrorCode::NotFound, 2}, {ErrorCode::Io, 3},
-    {ErrorCode::Corrupt, 4}, {ErrorCode::Unsupported, 5}, {ErrorCode::Timeout, 6},
-    {ErrorCode::PeerFailed, 7}, {ErrorCode::Cancelled, 8}, {ErrorCode::Overloaded, 9},
-    {ErrorCode::ResourceExhausted, 10}, {ErrorCode::Internal, 11},
+    {ErrorCode::InvalidArgument, 1},
+    {ErrorCode::NotFound, 2},
+    {ErrorCode::Io, 3},
+    {ErrorCode::Corrupt, 4},
+    {ErrorCode::Unsupported, 5},
+    {ErrorCode::Timeout, 6},
+    {ErrorCode::PeerFailed, 7},
+    {ErrorCode::Cancelled, 8},
+    {ErrorCode::Overloaded, 9},
+    {ErrorCode::ResourceExhausted, 10},
+    {ErrorCode::Internal, 11},
 }};
 
 template <class Enum, std::size_t N>
@@ -85,9 +97,12 @@ void putCompat(ByteWriter& w, const CompatInfo& c) {
 
 std::string_view messageName(MessageType type) {
   switch (type) {
-    case MessageType::KvDescriptor: return "KV descriptor";
-    case MessageType::Completion: return "completion record";
-    case MessageType::Failure: return "failure record";
+    case MessageType::KvDescriptor:
+      return "KV descriptor";
+    case MessageType::Completion:
+      return "completion record";
+    case MessageType::Failure:
+      return "failure record";
   }
   return "message";
 }
@@ -127,7 +142,9 @@ Result<CompatInfo> getCompat(ByteReader& r) {
 
 }  // namespace
 
-std::uint64_t CompatInfo::tokenBytes() const { return std::uint64_t{kv_dim} * dtypeSize(kv_dtype); }
+std::uint64_t CompatInfo::tokenBytes() const {
+  return std::uint64_t{kv_dim} * dtypeSize(kv_dtype);
+}
 
 std::uint64_t compatHash(const CompatInfo& info) {
   ByteWriter w;
@@ -152,7 +169,8 @@ Status checkCompatible(const CompatInfo& ours, const CompatInfo& theirs) {
   if (ours.model_hash != theirs.model_hash) {
     return mismatch("model_hash", fmt::format("{:016x}", ours.model_hash), fmt::format("{:016x}", theirs.model_hash));
   }
-  if (ours.kv_dtype != theirs.kv_dtype) return mismatch("kv_dtype", dtypeName(ours.kv_dtype), dtypeName(theirs.kv_dtype));
+  if (ours.kv_dtype != theirs.kv_dtype)
+    return mismatch("kv_dtype", dtypeName(ours.kv_dtype), dtypeName(theirs.kv_dtype));
   if (ours.block_size != theirs.block_size) return mismatch("block_size", ours.block_size, theirs.block_size);
   if (ours.num_layers != theirs.num_layers) return mismatch("num_layers", ours.num_layers, theirs.num_layers);
   if (ours.kv_dim != theirs.kv_dim) return mismatch("kv_dim", ours.kv_dim, theirs.kv_dim);
@@ -222,8 +240,8 @@ std::vector<std::uint8_t> encode(const FailureRecord& rec) {
 
 Result<MessageType> peekMessageType(std::span<const std::uint8_t> bytes) {
   if (bytes.size() < kWireHeaderBytes) {
-    return corrupt("KV wire message", fmt::format("{} bytes, shorter than the {}-byte header", bytes.size(),
-                                                  kWireHeaderBytes));
+    return corrupt("KV wire message",
+                   fmt::format("{} bytes, shorter than the {}-byte header", bytes.size(), kWireHeaderBytes));
   }
   ByteReader r(bytes);
   const auto magic = r.get<std::uint32_t>();
@@ -239,8 +257,8 @@ Result<MessageType> peekMessageType(std::span<const std::uint8_t> bytes) {
   if (type < 1 || type > 3) return corrupt("KV wire message", fmt::format("unknown message type {}", type));
   if (reserved != 0) return corrupt("KV wire message", "reserved header byte is not zero");
   if (length != bytes.size() - kWireHeaderBytes) {
-    return corrupt("KV wire message",
-                   fmt::format("header says {} payload bytes, buffer holds {}", length, bytes.size() - kWireHeaderBytes));
+    return corrupt("KV wire message", fmt::format("header says {} payload bytes, buffer holds {}", length,
+                                                  bytes.size() - kWireHeaderBytes));
   }
   return static_cast<MessageType>(type);
 }
@@ -345,7 +363,8 @@ Result<Record> decodeRecord(std::span<const std::uint8_t> bytes) {
       PD_ASSIGN_OR_RETURN(auto rec, decodeFailureRecord(bytes));
       return Record{std::move(rec)};
     }
-    case MessageType::KvDescriptor: break;
+    case MessageType::KvDescriptor:
+      break;
   }
   return corrupt("KV record", "expected a completion or failure record, got a KV descriptor");
 }

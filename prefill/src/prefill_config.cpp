@@ -8,7 +8,10 @@ void registerOptions(config::OptionSet& set, PrefillConfig& cfg) {
       .add("chunk_size", &cfg.chunk_size, "prompt tokens per prefill chunk", 1, 1 << 20)
       .add("token_budget", &cfg.token_budget, "prompt tokens per forward, across requests", 1, 1 << 24)
       .add("max_queued_requests", &cfg.max_queued_requests, "queued prompts before refusing", 1, 1 << 20)
-      .add("request_timeout_ms", &cfg.request_timeout_ms, "deadline for one prefill incl. KV transfer", 100, 86400000);
+      .add("request_timeout_ms", &cfg.request_timeout_ms, "deadline for one prefill incl. KV transfer", 100, 86400000)
+      .add("cache_blocks", &cfg.cache_blocks, "blocks of the prefill-local latent cache (bounds prompts in flight)", 1,
+           1 << 24)
+      .add("cache_block_size", &cfg.cache_block_size, "tokens per block of the prefill-local latent cache", 1, 1 << 16);
 }
 
 }  // namespace pd::prefill

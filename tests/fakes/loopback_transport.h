@@ -135,8 +135,8 @@ class LoopbackTransport final : public Transport {
     PD_TRY(validateDescriptor(descriptor));
     std::lock_guard lock(fabric_->mutex_);
     if (transfers_.contains(descriptor.request_id)) {
-      return makeError(ErrorCode::InvalidArgument, fmt::format("request {} is already being transferred",
-                                                               descriptor.request_id));
+      return makeError(ErrorCode::InvalidArgument,
+                       fmt::format("request {} is already being transferred", descriptor.request_id));
     }
     for (const auto& target : descriptor.targets) {
       if (!fabric_->transports_.contains(target.worker_address) || fabric_->down_.contains(target.worker_address)) {
@@ -159,7 +159,8 @@ class LoopbackTransport final : public Transport {
     {
       std::lock_guard lock(fabric_->mutex_);
       const auto it = transfers_.find(request_id);
-      if (it == transfers_.end()) return makeError(ErrorCode::NotFound, fmt::format("request {} not in flight", request_id));
+      if (it == transfers_.end())
+        return makeError(ErrorCode::NotFound, fmt::format("request {} not in flight", request_id));
       Transfer& t = it->second;
       if (t.finished) return makeError(ErrorCode::InvalidArgument, "put after finish");
       status = putLocked(t, puts);
@@ -305,9 +306,8 @@ class LoopbackTransport final : public Transport {
         if (fabric_->silent_.contains(target.worker_address)) continue;
         auto planned = planLayerPuts(t.descriptor, ti, lp.slice);
         for (const auto& p : planned.value()) {
-          PD_ASSIGN_OR_RETURN(std::byte * dest,
-                              peer->second->resolveLocked(target.regions[p.region_index].rkey, p.remote_address,
-                                                          p.length));
+          PD_ASSIGN_OR_RETURN(std::byte * dest, peer->second->resolveLocked(target.regions[p.region_index].rkey,
+                                                                            p.remote_address, p.length));
           std::memcpy(dest, local.memory.data() + lp.local_offset + p.local_offset, p.length);
           metrics_.addBytesPut(p.length);
         }
@@ -324,7 +324,8 @@ class LoopbackTransport final : public Transport {
     const auto it = regions_.find(id);
     if (it == regions_.end()) return makeError(ErrorCode::PeerFailed, "remote region was deregistered");
     const auto base = reinterpret_cast<std::uint64_t>(it->second.memory.data());
-    if (address < base || address - base > it->second.memory.size() || length > it->second.memory.size() - (address - base)) {
+    if (address < base || address - base > it->second.memory.size() ||
+        length > it->second.memory.size() - (address - base)) {
       return makeError(ErrorCode::PeerFailed, "put outside the remote region");
     }
     return it->second.memory.data() + (address - base);
@@ -349,9 +350,11 @@ class LoopbackTransport final : public Transport {
       return [] {};
     }
     if (hash != compat_hash_) {
-      return arrivalCall(id, std::move(node.mapped()), makeError(ErrorCode::Unsupported, "compatibility hash mismatch"));
+      return arrivalCall(id, std::move(node.mapped()),
+                         makeError(ErrorCode::Unsupported, "compatibility hash mismatch"));
     }
-    if (completion) return arrivalCall(id, std::move(node.mapped()), std::get<CompletionRecord>(std::move(decoded).value()));
+    if (completion)
+      return arrivalCall(id, std::move(node.mapped()), std::get<CompletionRecord>(std::move(decoded).value()));
     auto& failure = std::get<FailureRecord>(decoded.value());
     return arrivalCall(id, std::move(node.mapped()),
                        makeError(failure.code, fmt::format("prefill side failed request {}: {}", id, failure.message)));
@@ -362,31 +365,32 @@ class LoopbackTransport final : public Transport {
     {
       std::lock_guard lock(fabric_->mutex_);
       const auto it = transfers_.find(request_id);
-      if (it == transfers_.end()) return makeError(ErrorCode::NotFound, fmt::format("request {} not in flight", request_id));
+      if (it == transfers_.end())
+        return makeError(ErrorCode::NotFound, fmt::format("request {} not in flight", request_id));
       Transfer& t = it->second;
       if (t.finished) return makeError(ErrorCode::InvalidArgument, "finished twice");
+      const auto& targets = t.descriptor.targets;
+      const bool reachable = std::all_of(targets.begin(), targets.end(), [&](const KvTarget& target) {
+        return fabric_->transports_.contains(target.worker_address) && !fabric_->down_.contains(target.worker_address);
+      });
       bool silent = false;
-      for (const auto& target : t.descriptor.targets) {
-        const auto peer = fabric_->transports_.find(target.worker_address);
-        if (peer == fabric_->transports_.end() || fabric_->down_.contains(target.worker_address)) {
-          calls.push_back(doneCall(request_id, std::move(t), makeError(ErrorCode::PeerFailed, "loopback peer is gone")));
-          transfers_.erase(it);
-          break;
-        }
+      for (const auto& target : targets) {
+        if (!reachable) break;
         if (fabric_->silent_.contains(target.worker_address)) {
           silent = true;
           continue;
         }
         metrics_.recordSent();
-        calls.push_back(peer->second->deliverLocked(record));
+        calls.push_back(fabric_->transports_.at(target.worker_address)->deliverLocked(record));
       }
-      if (transfers_.contains(request_id)) {
-        if (silent) {
-          t.finished = true;  // only the deadline ends it
-        } else {
-          calls.push_back(doneCall(request_id, std::move(t), std::move(outcome)));
-          transfers_.erase(request_id);
-        }
+      if (!reachable) {
+        calls.push_back(doneCall(request_id, std::move(t), makeError(ErrorCode::PeerFailed, "loopback peer is gone")));
+        transfers_.erase(it);
+      } else if (silent) {
+        t.finished = true;  // only the deadline ends it
+      } else {
+        calls.push_back(doneCall(request_id, std::move(t), std::move(outcome)));
+        transfers_.erase(it);
       }
     }
     for (auto& call : calls) call();
@@ -396,13 +400,14 @@ class LoopbackTransport final : public Transport {
   void peerDownLocked(const std::vector<std::uint8_t>& address, std::vector<std::function<void()>>& calls) {
     for (auto it = transfers_.begin(); it != transfers_.end();) {
       const auto& targets = it->second.descriptor.targets;
-      const bool uses = std::any_of(targets.begin(), targets.end(),
-                                    [&](const KvTarget& t) { return t.worker_address == address; });
+      const bool uses =
+          std::any_of(targets.begin(), targets.end(), [&](const KvTarget& t) { return t.worker_address == address; });
       if (!uses) {
         ++it;
         continue;
       }
-      calls.push_back(doneCall(it->first, std::move(it->second), makeError(ErrorCode::PeerFailed, "loopback peer went down")));
+      calls.push_back(
+          doneCall(it->first, std::move(it->second), makeError(ErrorCode::PeerFailed, "loopback peer went down")));
       it = transfers_.erase(it);
     }
   }

@@ -9,18 +9,17 @@
 // Runs of pdserve and of ucx_perftest alternate, so both see the same machine noise; each case
 // reports medians. The first transfer of each case is a verified warm-up (every byte checked).
 
+#include <fmt/format.h>
+#include <netinet/in.h>
 #include <poll.h>
 #include <signal.h>
 #include <spawn.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
-#include <netinet/in.h>
 #include <unistd.h>
 
-#include <boost/json.hpp>
-#include <fmt/format.h>
-
 #include <algorithm>
+#include <boost/json.hpp>
 #include <charconv>
 #include <chrono>
 #include <condition_variable>
@@ -32,6 +31,7 @@
 #include <random>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "cli.h"
@@ -91,7 +91,8 @@ Result<std::vector<std::uint32_t>> parseTokenList(const std::string& text) {
     std::uint32_t v = 0;
     const auto r = std::from_chars(text.data() + pos, text.data() + comma, v);
     if (r.ec != std::errc() || r.ptr != text.data() + comma || v == 0) {
-      return makeError(ErrorCode::InvalidArgument, fmt::format("bench.tokens: '{}' is not a list of token counts", text));
+      return makeError(ErrorCode::InvalidArgument,
+                       fmt::format("bench.tokens: '{}' is not a list of token counts", text));
     }
     out.push_back(v);
     pos = comma + 1;
@@ -206,9 +207,9 @@ int runReceiver(int control, const kvtransfer::UcxTransportOptions& options, std
     d.block_ids.resize((tokens + c.block_size - 1) / c.block_size);
     d.targets = {target.value()};
     if (verify != 0) std::fill(pool.begin(), pool.end(), std::byte{0});
-    const Status expected = t.expect(id, Clock::now() + 120s, [&](std::uint64_t, Result<kvtransfer::CompletionRecord> r) {
-      arrival.set(std::move(r));
-    });
+    const Status expected =
+        t.expect(id, Clock::now() + 120s,
+                 [&](std::uint64_t, Result<kvtransfer::CompletionRecord> r) { arrival.set(std::move(r)); });
     if (!expected.ok()) {
       (void)writeFrame(control, "error " + expected.error().toString());
       return 1;
@@ -246,17 +247,26 @@ int runReceiver(int control, const kvtransfer::UcxTransportOptions& options, std
 
 // ---- ucx_perftest, the ceiling --------------------------------------------------------------
 
-std::optional<pid_t> spawn(const std::vector<std::string>& argv, const std::string& tls, int stdout_fd) {
+using UcxEnv = std::vector<std::pair<std::string, std::string>>;
+
+/// `argv` with stdout and stderr to `stdout_fd`, the environment plus `ucx` as UCX_<name>=<value>.
+std::optional<pid_t> spawn(const std::vector<std::string>& argv, const UcxEnv& ucx, int stdout_fd) {
   std::vector<std::string> env_storage;
   for (char** e = environ; *e != nullptr; ++e) {
-    if (std::strncmp(*e, "UCX_TLS=", 8) != 0) env_storage.emplace_back(*e);
+    const bool overridden = std::any_of(ucx.begin(), ucx.end(), [&](const auto& kv) {
+      const std::string prefix = fmt::format("UCX_{}=", kv.first);
+      return std::strncmp(*e, prefix.c_str(), prefix.size()) == 0;
+    });
+    if (!overridden) env_storage.emplace_back(*e);
   }
-  env_storage.push_back("UCX_TLS=" + tls);
+  for (const auto& [name, value] : ucx) env_storage.push_back(fmt::format("UCX_{}={}", name, value));
   std::vector<char*> envp;
+  envp.reserve(env_storage.size() + 1);
   for (auto& e : env_storage) envp.push_back(e.data());
   envp.push_back(nullptr);
   std::vector<std::string> args = argv;
   std::vector<char*> argp;
+  argp.reserve(args.size() + 1);
   for (auto& a : args) argp.push_back(a.data());
   argp.push_back(nullptr);
   posix_spawn_file_actions_t actions;
@@ -300,23 +310,24 @@ int freePort() {
   return port;
 }
 
-/// ucx_perftest ucp_put_bw between two processes: `iterations` puts of `size` bytes with error
-/// handling on (-e) and pre-registered memory (-z), like the transport's; `sleep` selects its
-/// wakeup-based wait mode (-I -E sleep) instead of busy polling. Bytes per second.
-Result<double> perftestBandwidth(const std::string& perftest, const std::string& tls, std::uint64_t size,
-                                 std::uint64_t iterations, bool sleep) {
+/// ucx_perftest `test` (ucp_put_bw, ucp_am_bw) between two processes: `iterations` messages of
+/// `size` bytes with error handling on (-e) and pre-registered memory (-z), like the transport's;
+/// `sleep` selects its wakeup-based wait mode (-I -E sleep) instead of busy polling. Bytes/s.
+Result<double> perftestBandwidth(const std::string& perftest, const std::string& test, const UcxEnv& ucx,
+                                 std::uint64_t size, std::uint64_t iterations, bool sleep) {
   for (int attempt = 0; attempt < 5; ++attempt) {
     const std::string port = std::to_string(freePort());
     FILE* server_out = std::tmpfile();
     FILE* client_out = std::tmpfile();
     if (server_out == nullptr || client_out == nullptr) return makeError(ErrorCode::Io, "tmpfile");
-    const auto server = spawn({perftest, "-p", port}, tls, fileno(server_out));
+    const auto server = spawn({perftest, "-p", port}, ucx, fileno(server_out));
     if (!server) return makeError(ErrorCode::NotFound, fmt::format("cannot run '{}' (ucx-utils)", perftest));
     std::this_thread::sleep_for(150ms);  // let the server listen
-    std::vector<std::string> argv = {perftest, "127.0.0.1", "-p", port, "-t", "ucp_put_bw", "-s", std::to_string(size),
-                                     "-n", std::to_string(iterations), "-w", "20", "-e", "-z", "-v"};
+    std::vector<std::string> argv = {
+        perftest, "127.0.0.1", "-p", port, "-t", test, "-s", std::to_string(size), "-n", std::to_string(iterations),
+        "-w",     "20",        "-e", "-z", "-v"};
     if (sleep) argv.insert(argv.end(), {"-I", "-E", "sleep"});
-    const auto client = spawn(argv, tls, fileno(client_out));
+    const auto client = spawn(argv, ucx, fileno(client_out));
     const bool client_ok = client && reap(*client, 120s);
     (void)reap(*server, client_ok ? 10s : 1s);
     std::string text;
@@ -355,7 +366,8 @@ struct CaseResult {
   std::vector<double> ours_s;
   std::vector<double> perftest_poll_bps;
   std::vector<double> perftest_sleep_bps;
-  std::vector<double> perftest_bps;  ///< per run, the better of the two wait modes: the ceiling
+  std::vector<double> perftest_bps;     ///< per run, the better of the two wait modes: the ceiling
+  std::vector<double> perftest_am_bps;  ///< ucp_am_bw, the better of the two modes (context only)
   [[nodiscard]] double ratio() const {
     const double p = median(perftest_bps);
     return p > 0 ? median(ours_bps) / p : 0.0;
@@ -396,26 +408,36 @@ Result<double> transferOnce(kvtransfer::Transport& t, int control, kvtransfer::R
 }
 
 void printTable(const std::vector<CaseResult>& cases, const BenchKvConfig& cfg, const std::string& tls,
-                std::uint64_t put_size, double overall) {
-  std::printf("pdserve bench kv: UCX_TLS=%s, %lld layers x block %lld x %lld BF16 (%llu-byte puts), %lld runs per case\n",
-              tls.c_str(), static_cast<long long>(cfg.layers), static_cast<long long>(cfg.block_size),
-              static_cast<long long>(cfg.kv_dim), static_cast<unsigned long long>(put_size),
-              static_cast<long long>(cfg.runs));
-  std::printf("%7s %9s %6s %10s %13s %14s %15s %14s %7s\n", "tokens", "MB", "puts", "median ms", "pdserve MB/s",
-              "perftest poll", "perftest sleep", "ceiling MB/s", "ratio");
+                const std::string& path, std::uint64_t put_size, double overall) {
+  std::printf(
+      "pdserve bench kv: UCX_TLS=%s, data path %s, %lld layers x block %lld x %lld BF16 (%llu-byte puts), "
+      "%lld runs per case\n",
+      tls.c_str(), path.c_str(), static_cast<long long>(cfg.layers), static_cast<long long>(cfg.block_size),
+      static_cast<long long>(cfg.kv_dim), static_cast<unsigned long long>(put_size), static_cast<long long>(cfg.runs));
+  std::printf("%7s %7s %5s %9s %12s %13s %14s %13s %7s %12s\n", "tokens", "MB", "puts", "median ms", "pdserve MB/s",
+              "put_bw poll", "put_bw sleep", "put ceiling", "ratio", "am_bw");
   for (const auto& c : cases) {
-    std::printf("%7u %9.1f %6llu %10.2f %13.1f %14.1f %15.1f %14.1f %7.3f\n", c.tokens, static_cast<double>(c.bytes) / 1e6,
-                static_cast<unsigned long long>(c.puts), median(c.ours_s) * 1e3, median(c.ours_bps) / 1e6,
-                median(c.perftest_poll_bps) / 1e6, median(c.perftest_sleep_bps) / 1e6, median(c.perftest_bps) / 1e6,
-                c.ratio());
+    if (c.perftest_bps.empty()) {  // --perftest "": no ceiling
+      std::printf("%7u %7.1f %5llu %9.2f %12.1f %13s %14s %13s %7s %12s\n", c.tokens,
+                  static_cast<double>(c.bytes) / 1e6, static_cast<unsigned long long>(c.puts), median(c.ours_s) * 1e3,
+                  median(c.ours_bps) / 1e6, "-", "-", "-", "-", "-");
+      continue;
+    }
+    std::printf("%7u %7.1f %5llu %9.2f %12.1f %13.1f %14.1f %13.1f %7.3f %12.1f\n", c.tokens,
+                static_cast<double>(c.bytes) / 1e6, static_cast<unsigned long long>(c.puts), median(c.ours_s) * 1e3,
+                median(c.ours_bps) / 1e6, median(c.perftest_poll_bps) / 1e6, median(c.perftest_sleep_bps) / 1e6,
+                median(c.perftest_bps) / 1e6, c.ratio(), median(c.perftest_am_bps) / 1e6);
   }
-  std::printf("ratio_to_ucx_perftest (median over cases): %.3f  (MB = 10^6 bytes; ceiling = per run the better of\n"
-              "ucx_perftest ucp_put_bw -e -z in poll and in sleep mode; ratio = median pdserve / median ceiling)\n",
-              overall);
+  std::printf(
+      "ratio_to_ucx_perftest (median over cases): %.3f\n"
+      "(MB = 10^6 bytes, medians of the runs. put ceiling = per run the best ucx_perftest ucp_put_bw -e -z\n"
+      " over poll/sleep wait modes and UCX default/pdserve settings; ratio = pdserve / put ceiling;\n"
+      " am_bw = ucx_perftest ucp_am_bw -e -z in sleep mode with UCX defaults, for context)\n",
+      overall);
 }
 
 boost::json::object toJson(const std::vector<CaseResult>& cases, const BenchKvConfig& cfg, const std::string& tls,
-                           std::uint64_t put_size, double overall) {
+                           const std::string& path, std::uint64_t put_size, double overall) {
   boost::json::array out_cases;
   for (const auto& c : cases) {
     boost::json::object o;
@@ -430,10 +452,12 @@ boost::json::object toJson(const std::vector<CaseResult>& cases, const BenchKvCo
     o["ucx_perftest_runs_bytes_per_second"] = boost::json::value_from(c.perftest_bps);
     o["ucx_perftest_poll_median_bytes_per_second"] = median(c.perftest_poll_bps);
     o["ucx_perftest_sleep_median_bytes_per_second"] = median(c.perftest_sleep_bps);
+    o["ucx_perftest_am_bw_median_bytes_per_second"] = median(c.perftest_am_bps);
     out_cases.push_back(std::move(o));
   }
   boost::json::object o;
   o["ucx_tls"] = tls;
+  o["data_path"] = path;
   o["layers"] = cfg.layers;
   o["block_size"] = cfg.block_size;
   o["kv_dim"] = cfg.kv_dim;
@@ -456,6 +480,7 @@ int runSender(int control, pid_t receiver, const kvtransfer::UcxTransportOptions
   auto transport = kvtransfer::createUcxTransport(options);
   if (!transport.ok()) return fail(transport.error());
   auto& t = *transport.value();
+  const std::string path(kvtransfer::kvDataPathName(kvtransfer::resolveKvDataPath(options.data_path, options.ucx_tls)));
   // Source KV: [layer][max_tokens][token bytes] with the seeded pattern.
   std::vector<std::byte> source(std::uint64_t{c.num_layers} * max_tokens * c.tokenBytes());
   for (std::uint32_t l = 0; l < c.num_layers; ++l) {
@@ -486,15 +511,28 @@ int runSender(int control, pid_t receiver, const kvtransfer::UcxTransportOptions
       r.ours_s.push_back(s.value());
       r.ours_bps.push_back(static_cast<double>(r.bytes) / s.value());
       if (!cfg.perftest.empty()) {
-        // Busy polling is UCX's fastest mode on idle cores, its sleep mode on busy ones: the
-        // ceiling is whichever did better in this run.
-        auto poll = perftestBandwidth(cfg.perftest, options.ucx_tls, put_size, r.puts, false);
-        if (!poll.ok()) return fail(poll.error());
-        auto sleep = perftestBandwidth(cfg.perftest, options.ucx_tls, put_size, r.puts, true);
-        if (!sleep.ok()) return fail(sleep.error());
-        r.perftest_poll_bps.push_back(poll.value());
-        r.perftest_sleep_bps.push_back(sleep.value());
-        r.perftest_bps.push_back(std::max(poll.value(), sleep.value()));
+        // The ceiling is the best ucp_put_bw of this run over UCX's wait modes (busy polling wins
+        // on idle cores, sleeping on busy ones) and settings (UCX's defaults, and the ones the
+        // transport applies, which suit tcp better).
+        const UcxEnv defaults = {{"TLS", options.ucx_tls}};
+        UcxEnv tuned = defaults;
+        for (const auto& kv : kvtransfer::ucxSettings(options)) tuned.push_back(kv);
+        double best_poll = 0;
+        double best_sleep = 0;
+        for (const UcxEnv* env : {&defaults, static_cast<const UcxEnv*>(&tuned)}) {
+          for (const bool sleep : {false, true}) {
+            auto bw = perftestBandwidth(cfg.perftest, "ucp_put_bw", *env, put_size, r.puts, sleep);
+            if (!bw.ok()) return fail(bw.error());
+            (sleep ? best_sleep : best_poll) = std::max(sleep ? best_sleep : best_poll, bw.value());
+          }
+        }
+        r.perftest_poll_bps.push_back(best_poll);
+        r.perftest_sleep_bps.push_back(best_sleep);
+        r.perftest_bps.push_back(std::max(best_poll, best_sleep));
+        // Context for the am data path: UCX's own active messages (defaults, zero-copy on).
+        auto am = perftestBandwidth(cfg.perftest, "ucp_am_bw", defaults, put_size, r.puts, true);
+        if (!am.ok()) return fail(am.error());
+        r.perftest_am_bps.push_back(am.value());
       }
       log::info("bench", "{} tokens run {}: {:.1f} MB/s, ucx_perftest {:.1f} MB/s", tokens, run + 1,
                 r.ours_bps.back() / 1e6, r.perftest_bps.empty() ? 0.0 : r.perftest_bps.back() / 1e6);
@@ -506,12 +544,13 @@ int runSender(int control, pid_t receiver, const kvtransfer::UcxTransportOptions
   (void)writeFrame(control, "quit");
   (void)reap(receiver, 10s);
   std::vector<double> ratios;
+  ratios.reserve(cases.size());
   for (const auto& r : cases) ratios.push_back(r.ratio());
   const double overall = median(ratios);
   if (cfg.json) {
-    std::printf("%s\n", boost::json::serialize(toJson(cases, cfg, options.ucx_tls, put_size, overall)).c_str());
+    std::printf("%s\n", boost::json::serialize(toJson(cases, cfg, options.ucx_tls, path, put_size, overall)).c_str());
   } else {
-    printTable(cases, cfg, options.ucx_tls, put_size, overall);
+    printTable(cases, cfg, options.ucx_tls, path, put_size, overall);
   }
   return 0;
 }

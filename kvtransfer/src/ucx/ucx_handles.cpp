@@ -31,12 +31,18 @@ ErrorCode codeOf(ucs_status_t status) {
     case UCS_ERR_REJECTED:
     case UCS_ERR_NOT_CONNECTED:
     case UCS_ERR_IO_ERROR:
-    case UCS_ERR_SOME_CONNECTS_FAILED: return ErrorCode::PeerFailed;
-    case UCS_ERR_CANCELED: return ErrorCode::Cancelled;
-    case UCS_ERR_TIMED_OUT: return ErrorCode::Timeout;
-    case UCS_ERR_UNSUPPORTED: return ErrorCode::Unsupported;
-    case UCS_ERR_INVALID_PARAM: return ErrorCode::InvalidArgument;
-    default: return ErrorCode::Internal;
+    case UCS_ERR_SOME_CONNECTS_FAILED:
+      return ErrorCode::PeerFailed;
+    case UCS_ERR_CANCELED:
+      return ErrorCode::Cancelled;
+    case UCS_ERR_TIMED_OUT:
+      return ErrorCode::Timeout;
+    case UCS_ERR_UNSUPPORTED:
+      return ErrorCode::Unsupported;
+    case UCS_ERR_INVALID_PARAM:
+      return ErrorCode::InvalidArgument;
+    default:
+      return ErrorCode::Internal;
   }
 }
 
@@ -44,18 +50,21 @@ Error ucsError(std::string_view what, ucs_status_t status) {
   return makeError(codeOf(status), fmt::format("{}: {}", what, ucs_status_string(status)));
 }
 
-Result<Context> Context::create(const std::string& tls, const std::vector<std::pair<std::string, std::string>>& settings) {
+Result<Context> Context::create(const std::string& tls,
+                                const std::vector<std::pair<std::string, std::string>>& settings) {
   ucp_config_t* raw_config = nullptr;
   if (const auto st = ucp_config_read(nullptr, nullptr, &raw_config); st != UCS_OK) {
     return ucsError("ucp_config_read", st);
   }
   const ConfigPtr config(raw_config);
   if (const auto st = ucp_config_modify(config.get(), "TLS", tls.c_str()); st != UCS_OK) {
-    return makeError(ErrorCode::InvalidArgument,
-                     fmt::format("UCX refuses TLS '{}': {}", tls, ucs_status_string(st)));
+    return makeError(ErrorCode::InvalidArgument, fmt::format("UCX refuses TLS '{}': {}", tls, ucs_status_string(st)));
   }
   for (const auto& [name, value] : settings) {
-    if (const auto st = ucp_config_modify(config.get(), name.c_str(), value.c_str()); st != UCS_OK) {
+    // Transport settings carry their transport prefix, as in the environment (TCP_TX_SEG_SIZE);
+    // UCX applies modified ones to every transport's table under the bare name.
+    const std::string key = name.starts_with("TCP_") ? name.substr(4) : name;
+    if (const auto st = ucp_config_modify(config.get(), key.c_str(), value.c_str()); st != UCS_OK) {
       return ucsError(fmt::format("UCX setting {}={}", name, value), st);
     }
   }
@@ -101,8 +110,8 @@ Result<int> Worker::eventFd() const {
 Result<Endpoint> Endpoint::create(const Worker& worker, std::span<const std::uint8_t> address,
                                   ucp_err_handler_cb_t on_error, void* arg) {
   ucp_ep_params_t params{};
-  params.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
-                      UCP_EP_PARAM_FIELD_ERR_HANDLER;
+  params.field_mask =
+      UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE | UCP_EP_PARAM_FIELD_ERR_HANDLER;
   params.address = reinterpret_cast<const ucp_address_t*>(address.data());
   params.err_mode = UCP_ERR_HANDLING_MODE_PEER;
   params.err_handler.cb = on_error;

@@ -29,8 +29,8 @@ namespace pd::kvtransfer::ucx {
 
 class Context {
  public:
-  /// ucp_config_read, then UCX_TLS and `settings` (UCX names without the UCX_ prefix) override
-  /// the environment, then ucp_init with RMA, AM and WAKEUP.
+  /// ucp_config_read, then UCX_TLS and `settings` (UCX variable names without the UCX_ prefix,
+  /// e.g. TCP_TX_SEG_SIZE) override the environment, then ucp_init with RMA, AM and WAKEUP.
   [[nodiscard]] static Result<Context> create(const std::string& tls,
                                               const std::vector<std::pair<std::string, std::string>>& settings);
   [[nodiscard]] ucp_context_h get() const { return context_.get(); }

@@ -6,12 +6,13 @@
 // transfers and calls user callbacks outside any UCX call, so user code never re-enters UCX from
 // inside ucp_worker_progress.
 
-#include <sys/epoll.h>
-#include <sys/eventfd.h>
-#include <unistd.h>
+#include "pd/kvtransfer/ucx_transport.h"
 
 #include <fmt/format.h>
 #include <pthread.h>
+#include <sys/epoll.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <array>
@@ -32,7 +33,6 @@
 
 #include "pd/common/log.h"
 #include "pd/kvtransfer/layout.h"
-#include "pd/kvtransfer/ucx_transport.h"
 #include "ucx/ucx_handles.h"
 
 namespace pd::kvtransfer {
@@ -41,6 +41,10 @@ namespace {
 constexpr unsigned kRecordAmId = 7;
 constexpr unsigned kDataAmId = 8;
 constexpr std::size_t kMaxRecordBytes = 64U << 20;
+/// Data path am: KV data messages are at most this long, so that each fits one tcp segment
+/// (kTcpSegment below): single-segment sends run 3-5x faster than fragmented ones in UCX 1.13.
+constexpr std::uint64_t kAmChunkBytes = 112U << 10;
+constexpr const char* kTcpSegment = "128K";
 
 // Transport framing in active-message headers (docs/kv-transfer.md, "Data paths"); little-endian.
 /// Header of a KV data message (data path am): which request, and where the bytes go.
@@ -118,7 +122,7 @@ class UcxTransport final : public Transport {
   UcxTransport& operator=(UcxTransport&&) = delete;
 
   [[nodiscard]] TransportCapabilities capabilities() const override {
-    return {fmt::format("ucx({}; {})", options_.ucx_tls, data_path_ == KvDataPath::Rma ? "rma" : "am"), true, true};
+    return {fmt::format("ucx({}; {})", options_.ucx_tls, kvDataPathName(data_path_)), true, true};
   }
   [[nodiscard]] const CompatInfo& compat() const override { return options_.compat; }
   Result<RegionId> registerRegion(std::span<std::byte> memory) override;
@@ -163,7 +167,7 @@ class UcxTransport final : public Transport {
   enum class Stage { Posting, Flushing, Recording };
 
   struct Link {
-    std::string key;      // the peer's address; the Peer may be gone once the transfer failed
+    std::string key;  // the peer's address; the Peer may be gone once the transfer failed
     Peer* peer = nullptr;
     std::vector<ucp_rkey_h> rkeys;  // per descriptor region, owned by peer->rkeys
   };
@@ -177,16 +181,16 @@ class UcxTransport final : public Transport {
     Clock::time_point started;
     TransferDoneFn on_done;
     Stage stage = Stage::Posting;
-    bool closing_requested = false;  // finish() or abort() called
-    Status final_status;             // what success of the closing sequence reports
+    bool closing_requested = false;          // finish() or abort() called
+    Status final_status;                     // what success of the closing sequence reports
     std::vector<std::uint8_t> record_bytes;  // completion or failure record; alive until sent
     std::optional<Error> error;
     bool deadline_fired = false;
     Clock::time_point force_closed_at;
     std::set<RegionId> regions;
-    std::vector<std::uint64_t> am_bytes;      // per link: KV bytes sent as active messages
-    std::deque<DataHeader> data_headers;      // alive until the transfer ends (UCX may read them late)
-    std::vector<RecordHeader> record_headers;  // per link
+    std::vector<std::uint64_t> am_bytes;          // per link: KV bytes sent as active messages
+    std::deque<DataHeader> data_headers;          // alive until the transfer ends (UCX may read them late)
+    std::vector<RecordHeader> record_headers;     // per link
     std::unordered_map<void*, ucx::Request> ops;  // outstanding puts, flushes, record sends
   };
 
@@ -255,10 +259,10 @@ class UcxTransport final : public Transport {
   static void onOpDone(void* request, ucs_status_t status, void* user_data);
   static void onProbeDone(void* request, ucs_status_t status, void* user_data);
   static void onPeerError(void* arg, ucp_ep_h ep, ucs_status_t status);
-  static ucs_status_t onRecord(void* arg, const void* header, std::size_t header_length, void* data,
-                               std::size_t length, const ucp_am_recv_param_t* param);
-  static ucs_status_t onData(void* arg, const void* header, std::size_t header_length, void* data,
-                             std::size_t length, const ucp_am_recv_param_t* param);
+  static ucs_status_t onRecord(void* arg, const void* header, std::size_t header_length, void* data, std::size_t length,
+                               const ucp_am_recv_param_t* param);
+  static ucs_status_t onData(void* arg, const void* header, std::size_t header_length, void* data, std::size_t length,
+                             const ucp_am_recv_param_t* param);
   static void onRecvDataDone(void* request, ucs_status_t status, std::size_t length, void* user_data);
 
   const UcxTransportOptions options_;
@@ -280,7 +284,6 @@ class UcxTransport final : public Transport {
   std::unordered_map<std::uint64_t, std::unique_ptr<Transfer>> transfers_;
   std::unordered_map<std::uint64_t, Expectation> expectations_;
   std::vector<std::unique_ptr<PendingRecv>> pending_recvs_;
-  std::vector<ucx::Request> detached_;
 
   // Recorded by UCX callbacks, handled by afterProgress().
   std::vector<std::pair<Peer*, ucs_status_t>> failed_peers_;
@@ -308,16 +311,7 @@ Result<std::unique_ptr<Transport>> UcxTransport::create(const UcxTransportOption
                                  "peer error handling, so a dead peer could never be reported",
                                  options.ucx_tls));
   }
-  // Workarounds for UCX 1.13 error paths that abort the process instead of failing the endpoint
-  // (docs/kv-transfer.md, "UCX 1.13"):
-  //  - count an endpoint as connected only once the peer's wireup reply went out; otherwise the
-  //    reply of a one-way connection stays pending and the peer's death trips a spurious
-  //    assertion (ucp_request_send_state_ff, removed upstream in openucx/ucx#8175);
-  //  - on host transports, send with copies instead of tcp zero-copy, whose completion is
-  //    counted twice when the peer fails (uct_iface.h "comp->count > 0" assertion).
-  std::vector<std::pair<std::string, std::string>> settings = {{"RESOLVE_REMOTE_EP_ID", "on"}};
-  if (hostTransportsOnly(options.ucx_tls)) settings.emplace_back("ZCOPY_THRESH", "inf");
-  PD_ASSIGN_OR_RETURN(auto context, ucx::Context::create(options.ucx_tls, settings));
+  PD_ASSIGN_OR_RETURN(auto context, ucx::Context::create(options.ucx_tls, ucxSettings(options)));
   PD_ASSIGN_OR_RETURN(auto worker, ucx::Worker::create(context));
   PD_ASSIGN_OR_RETURN(auto address, worker.address());
   PD_ASSIGN_OR_RETURN(const int worker_fd, worker.eventFd());
@@ -334,9 +328,8 @@ Result<std::unique_ptr<Transport>> UcxTransport::create(const UcxTransportOption
       return makeError(ErrorCode::Io, fmt::format("epoll_ctl: {}", std::strerror(errno)));
     }
   }
-  std::unique_ptr<UcxTransport> transport(new UcxTransport(options, std::move(context), std::move(worker),
-                                                           std::move(address), std::move(epoll_fd),
-                                                           std::move(event_fd)));
+  std::unique_ptr<UcxTransport> transport(new UcxTransport(
+      options, std::move(context), std::move(worker), std::move(address), std::move(epoll_fd), std::move(event_fd)));
   ucp_am_handler_param_t am{};
   am.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB | UCP_AM_HANDLER_PARAM_FIELD_ARG |
                   UCP_AM_HANDLER_PARAM_FIELD_FLAGS;
@@ -357,16 +350,14 @@ Result<std::unique_ptr<Transport>> UcxTransport::create(const UcxTransportOption
   raw->thread_ = std::jthread([raw] { raw->run(); });
   raw->thread_id_.store(raw->thread_.get_id());
   log::info("kv", "{}: UCX transport up (UCX_TLS={}, data path {}, compat {:016x})", options.name, options.ucx_tls,
-            raw->data_path_ == KvDataPath::Rma ? "rma" : "am", raw->compat_hash_);
+            kvDataPathName(raw->data_path_), raw->compat_hash_);
   return std::unique_ptr<Transport>(std::move(transport));
 }
 
 UcxTransport::UcxTransport(const UcxTransportOptions& options, ucx::Context context, ucx::Worker worker,
                            std::vector<std::uint8_t> address, Fd epoll_fd, Fd event_fd)
     : options_(options),
-      data_path_(options.data_path != KvDataPath::Auto ? options.data_path
-                 : hostTransportsOnly(options.ucx_tls) ? KvDataPath::ActiveMessage
-                                                       : KvDataPath::Rma),
+      data_path_(resolveKvDataPath(options.data_path, options.ucx_tls)),
       compat_hash_(compatHash(options.compat)),
       metrics_(options.metrics),
       context_(std::move(context)),
@@ -456,8 +447,8 @@ void UcxTransport::waitForEvents(Clock::time_point now) {
   if (next != Deadline::max()) timeout_ms = std::clamp<std::int64_t>(msUntil(next, now), 0, 1000);
   if (st != UCS_OK) timeout_ms = std::min<std::int64_t>(timeout_ms, 1);  // cannot sleep on the fd: poll
   std::array<epoll_event, 4> events{};
-  const int n = ::epoll_wait(epoll_fd_.get(), events.data(), static_cast<int>(events.size()),
-                             static_cast<int>(timeout_ms));
+  const int n =
+      ::epoll_wait(epoll_fd_.get(), events.data(), static_cast<int>(events.size()), static_cast<int>(timeout_ms));
   for (int i = 0; i < n; ++i) {
     if (events[static_cast<std::size_t>(i)].data.fd == event_fd_.get()) {
       std::uint64_t value = 0;
@@ -471,13 +462,16 @@ void UcxTransport::afterProgress() {
   if (!failed_peers_.empty()) {
     auto failed = std::move(failed_peers_);
     failed_peers_.clear();
-    for (const auto& [peer, status] : failed) {
+    for (const auto& report : failed) {
       // The peer may already be closing or replaced; only a live one is failed.
-      const auto it = std::find_if(peers_.begin(), peers_.end(), [&](const auto& kv) { return kv.second.get() == peer; });
+      const Peer* peer = report.first;
+      const auto it =
+          std::find_if(peers_.begin(), peers_.end(), [peer](const auto& kv) { return kv.second.get() == peer; });
       if (it == peers_.end()) continue;
       const std::string key = it->first;
       failPeer(key,
-               makeError(ErrorCode::PeerFailed, fmt::format("{} failed: {}", it->second->name, ucs_status_string(status))),
+               makeError(ErrorCode::PeerFailed,
+                         fmt::format("{} failed: {}", it->second->name, ucs_status_string(report.second))),
                false);
     }
   }
@@ -495,7 +489,6 @@ void UcxTransport::afterProgress() {
     it = pending_recvs_.erase(it);
   }
   handleInbox();
-  std::erase_if(detached_, [](const ucx::Request& r) { return r.status() != UCS_INPROGRESS; });
   const auto now = Clock::now();
   std::erase_if(closing_, [&](const ClosingPeer& c) {
     if (c.close.empty() || c.close.status() != UCS_INPROGRESS) return true;
@@ -518,14 +511,15 @@ void UcxTransport::fireDeadlines(Clock::time_point now) {
     const Expectation& e = node.mapped();
     metrics_.receiveFailed(ErrorCode::Timeout);
     const std::string what =
-        e.held_record ? fmt::format("the record arrived but only {} of its {} data bytes", e.bytes_received,
-                                    e.record_data_bytes)
-                      : fmt::format("no completion record ({} data bytes arrived)", e.bytes_received);
+        e.held_record
+            ? fmt::format("the record arrived but only {} of its {} data bytes", e.bytes_received, e.record_data_bytes)
+            : fmt::format("no completion record ({} data bytes arrived)", e.bytes_received);
     log::warn("kv", "{}: request {}: {} within the deadline; releasing its blocks", options_.name, id, what);
     node.mapped().on_arrival(
-        id, makeError(ErrorCode::Timeout,
-                      fmt::format("KV receive of request {}: deadline expired after {} ms: {}", id,
-                                  std::chrono::duration_cast<std::chrono::milliseconds>(now - e.started).count(), what)));
+        id,
+        makeError(ErrorCode::Timeout,
+                  fmt::format("KV receive of request {}: deadline expired after {} ms: {}", id,
+                              std::chrono::duration_cast<std::chrono::milliseconds>(now - e.started).count(), what)));
   }
 
   std::vector<std::string> unconnected;
@@ -534,14 +528,15 @@ void UcxTransport::fireDeadlines(Clock::time_point now) {
   }
   for (const auto& key : unconnected) {
     failPeer(key,
-             makeError(ErrorCode::PeerFailed, fmt::format("{}: not connected within {} ms", peerName(key),
-                                                          options_.connect_timeout.count())),
+             makeError(ErrorCode::PeerFailed,
+                       fmt::format("{}: not connected within {} ms", peerName(key), options_.connect_timeout.count())),
              true);
   }
 
   std::vector<std::uint64_t> late;
   for (const auto& [id, t] : transfers_) {
-    if ((!t->deadline_fired && t->deadline <= now) || (t->deadline_fired && now - t->force_closed_at > kForceCloseGrace)) {
+    if ((!t->deadline_fired && t->deadline <= now) ||
+        (t->deadline_fired && now - t->force_closed_at > kForceCloseGrace)) {
       late.push_back(id);
     }
   }
@@ -551,8 +546,8 @@ void UcxTransport::fireDeadlines(Clock::time_point now) {
     Transfer& t = *it->second;
     if (t.deadline_fired) {
       // UCX did not complete the requests of a force-closed endpoint: release them unanswered.
-      log::error("kv", "{}: request {}: {} requests still outstanding after force close; releasing them",
-                 options_.name, id, t.ops.size());
+      log::error("kv", "{}: request {}: {} requests still outstanding after force close; releasing them", options_.name,
+                 id, t.ops.size());
       t.ops.clear();
       dirty_.insert(id);
       continue;
@@ -590,7 +585,8 @@ void UcxTransport::drainWorker(Clock::time_point until) {
   if (!UCS_PTR_IS_PTR(flush)) return;
   const ucx::Request request(flush);
   while (request.status() == UCS_INPROGRESS && Clock::now() < until) ucp_worker_progress(worker_.get());
-  if (request.status() == UCS_INPROGRESS) log::warn("kv", "{}: worker flush did not complete at shutdown", options_.name);
+  if (request.status() == UCS_INPROGRESS)
+    log::warn("kv", "{}: worker flush did not complete at shutdown", options_.name);
 }
 
 void UcxTransport::shutdown() {
@@ -621,7 +617,6 @@ void UcxTransport::shutdown() {
     std::erase_if(closing_, [](const ClosingPeer& c) { return c.close.empty() || c.close.status() != UCS_INPROGRESS; });
   }
   closing_.clear();
-  detached_.clear();
   pending_recvs_.clear();
   drainWorker(start + kShutdownCloseBound);
   {
@@ -650,7 +645,8 @@ Result<RegionId> UcxTransport::registerRegion(std::span<std::byte> memory) {
     PD_ASSIGN_OR_RETURN(auto mem, ucx::MemHandle::map(context_, memory.data(), memory.size()));
     PD_ASSIGN_OR_RETURN(auto rkey, mem.packRemoteKey());
     const RegionId id = next_region_++;
-    regions_.emplace(id, std::make_unique<Region>(Region{std::move(mem), memory.data(), memory.size(), std::move(rkey), 0}));
+    regions_.emplace(
+        id, std::make_unique<Region>(Region{std::move(mem), memory.data(), memory.size(), std::move(rkey), 0}));
     metrics_.regionRegistered();
     return id;
   });
@@ -677,7 +673,8 @@ Result<KvTarget> UcxTransport::exportTarget(std::uint32_t tp_rank, std::span<con
     target.worker_address = address_;
     for (const auto& layout : layouts) {
       const auto it = regions_.find(layout.region);
-      if (it == regions_.end()) return makeError(ErrorCode::NotFound, fmt::format("no registered region {}", layout.region));
+      if (it == regions_.end())
+        return makeError(ErrorCode::NotFound, fmt::format("no registered region {}", layout.region));
       const Region& r = *it->second;
       if (layout.offset >= r.length) {
         return makeError(ErrorCode::InvalidArgument,
@@ -763,8 +760,8 @@ Status UcxTransport::beginTransfer(const KvDescriptor& descriptor, Deadline dead
     for (auto& link : t->links) link.peer->transfers.insert(id);
     t->am_bytes.assign(t->links.size(), 0);
     metrics_.transferStarted();
-    log::debug("kv", "{}: request {}: transfer begun to {} targets, {} bytes per target, deadline {} ms",
-               options_.name, id, descriptor.targets.size(), requestKvBytes(descriptor), msUntil(t->deadline, now));
+    log::debug("kv", "{}: request {}: transfer begun to {} targets, {} bytes per target, deadline {} ms", options_.name,
+               id, descriptor.targets.size(), requestKvBytes(descriptor), msUntil(t->deadline, now));
     transfers_.emplace(id, std::move(t));
     return okStatus();
   });
@@ -837,10 +834,14 @@ Status UcxTransport::put(std::uint64_t request_id, std::span<const LayerPut> put
             // Eager: the receiver copies each message as it arrives and never has to fetch it.
             params.op_attr_mask |= UCP_OP_ATTR_FIELD_FLAGS;
             params.flags = UCP_AM_SEND_FLAG_EAGER;
-            const DataHeader& header = t.data_headers.emplace_back(DataHeader{t.id, p.remote_address});
-            const auto st = ucp_am_send_nbx(link.peer->ep.get(), kDataAmId, &header, sizeof(header),
-                                            source + p.local_offset, p.length, &params);
-            PD_TRY(post(t, st, "KV data send"));
+            for (std::uint64_t done = 0; done < p.length;) {
+              const std::uint64_t n = std::min(kAmChunkBytes, p.length - done);
+              const DataHeader& header = t.data_headers.emplace_back(DataHeader{t.id, p.remote_address + done});
+              const auto st = ucp_am_send_nbx(link.peer->ep.get(), kDataAmId, &header, sizeof(header),
+                                              source + p.local_offset + done, n, &params);
+              PD_TRY(post(t, st, "KV data send"));
+              done += n;
+            }
             t.am_bytes[ti] += p.length;
           }
           metrics_.addBytesPut(p.length);
@@ -878,7 +879,7 @@ void UcxTransport::sendRecord(Transfer& t) {
     if (!post(t, st, "record send").ok()) return;
     metrics_.recordSent();
   }
-  // A second flush makes success mean "the record reached the peer", not just "left here".
+  // A second flush: success is reported only once the record's send is flushed to the peer.
   flushAll(t);
 }
 
@@ -1034,8 +1035,8 @@ bool UcxTransport::cancelExpect(std::uint64_t request_id) {
     auto node = expectations_.extract(request_id);
     if (node.empty()) return false;
     metrics_.receiveFailed(ErrorCode::Cancelled);
-    node.mapped().on_arrival(request_id,
-                             makeError(ErrorCode::Cancelled, fmt::format("receive of request {} cancelled", request_id)));
+    node.mapped().on_arrival(
+        request_id, makeError(ErrorCode::Cancelled, fmt::format("receive of request {} cancelled", request_id)));
     return true;
   });
 }
@@ -1065,7 +1066,8 @@ void UcxTransport::deliverRecord(InboxRecord record) {
   const auto it = expectations_.find(id);
   if (it == expectations_.end() || it->second.held_record) {
     metrics_.recordRejected();
-    log::warn("kv", "{}: dropped a record for request {}, which is not expected (late or duplicate)", options_.name, id);
+    log::warn("kv", "{}: dropped a record for request {}, which is not expected (late or duplicate)", options_.name,
+              id);
     return;
   }
   if (hash == compat_hash_ && is_completion && record.data_bytes > it->second.bytes_received) {
@@ -1213,8 +1215,8 @@ ucs_status_t UcxTransport::onData(void* arg, const void* header, std::size_t hea
   if (destination == nullptr) {
     self->metrics_.addBytesDropped(length);
     if (!e.data_error) {
-      e.data_error = fmt::format("{} bytes for address 0x{:x} lie outside every registered region", length,
-                                 h.remote_address);
+      e.data_error =
+          fmt::format("{} bytes for address 0x{:x} lie outside every registered region", length, h.remote_address);
     }
     self->data_complete_.insert(h.request_id);
     return UCS_OK;
@@ -1239,7 +1241,42 @@ Result<KvDataPath> parseKvDataPath(std::string_view text) {
   if (text == "auto") return KvDataPath::Auto;
   if (text == "rma") return KvDataPath::Rma;
   if (text == "am") return KvDataPath::ActiveMessage;
-  return makeError(ErrorCode::InvalidArgument, fmt::format("kvtransfer data_path '{}': expected auto, rma or am", text));
+  return makeError(ErrorCode::InvalidArgument,
+                   fmt::format("kvtransfer data_path '{}': expected auto, rma or am", text));
+}
+
+std::vector<std::pair<std::string, std::string>> ucxSettings(const UcxTransportOptions& options) {
+  // Workarounds for UCX 1.13 error paths that abort the process instead of failing the endpoint:
+  //  - count an endpoint as connected only once the peer's wireup reply went out; otherwise the
+  //    reply of a one-way connection stays pending and the peer's death trips a spurious
+  //    assertion (ucp_request_send_state_ff, removed upstream in openucx/ucx#8175);
+  //  - on host transports, send with copies instead of tcp zero-copy, whose completion is
+  //    counted twice when the peer fails (uct_iface.h "comp->count > 0" assertion), in tcp
+  //    segments large enough for one KV data message each.
+  std::vector<std::pair<std::string, std::string>> settings = {{"RESOLVE_REMOTE_EP_ID", "on"}};
+  if (hostTransportsOnly(options.ucx_tls)) {
+    settings.emplace_back("ZCOPY_THRESH", "inf");
+    settings.emplace_back("TCP_TX_SEG_SIZE", kTcpSegment);
+    settings.emplace_back("TCP_RX_SEG_SIZE", kTcpSegment);
+  }
+  return settings;
+}
+
+std::string_view kvDataPathName(KvDataPath path) {
+  switch (path) {
+    case KvDataPath::Auto:
+      return "auto";
+    case KvDataPath::Rma:
+      return "rma";
+    case KvDataPath::ActiveMessage:
+      return "am";
+  }
+  return "auto";
+}
+
+KvDataPath resolveKvDataPath(KvDataPath requested, std::string_view ucx_tls) {
+  if (requested != KvDataPath::Auto) return requested;
+  return hostTransportsOnly(ucx_tls) ? KvDataPath::ActiveMessage : KvDataPath::Rma;
 }
 
 UcxTransportOptions ucxOptionsFromConfig(const KvTransferConfig& config, const CompatInfo& compat) {

@@ -39,7 +39,8 @@ std::map<std::string, std::string> parseFlags(int argc, char** argv, int first) 
   return flags;
 }
 
-std::uint64_t flagU64(const std::map<std::string, std::string>& flags, const std::string& name, std::uint64_t fallback) {
+std::uint64_t flagU64(const std::map<std::string, std::string>& flags, const std::string& name,
+                      std::uint64_t fallback) {
   const auto it = flags.find(name);
   return it == flags.end() ? fallback : std::stoull(it->second, nullptr, 0);
 }
@@ -75,7 +76,8 @@ int receive(const std::map<std::string, std::string>& flags) {
     return 1;
   }
   testutil::Outcomes out;
-  if (const Status s = t->expect(seed, Clock::now() + std::chrono::milliseconds(timeout_ms), out.onArrival()); !s.ok()) {
+  if (const Status s = t->expect(seed, Clock::now() + std::chrono::milliseconds(timeout_ms), out.onArrival());
+      !s.ok()) {
     say("RESULT " + s.error().toString());
     return 1;
   }
@@ -153,7 +155,9 @@ int send(const std::map<std::string, std::string>& flags) {
     return 0;
   }
   const auto done = out.waitDone(id, 25s);
-  say(!done ? std::string("RESULT no callback") : done->ok() ? std::string("RESULT ok") : "RESULT " + done->error().toString());
+  say(!done        ? std::string("RESULT no callback")
+      : done->ok() ? std::string("RESULT ok")
+                   : "RESULT " + done->error().toString());
   return 0;
 }
 
@@ -165,7 +169,7 @@ int corpus(const std::string& dir) {
   };
   CompatInfo compat = testutil::smallCompat();
   KvDescriptor d{1, compat, 10, 1000, {3, 1, 2}, {}};
-  d.targets.push_back(KvTarget{0, {1, 2, 3, 4}, {KvRegion{1ULL << 40, 3 * 10 * 64, 0, 3, 640, 64, {7, 7}}}});
+  d.targets.push_back(KvTarget{0, {1, 2, 3, 4}, {KvRegion{1ULL << 40, 3U * 10 * 64, 0, 3, 640, 64, {7, 7}}}});
   write(encode(d));
   d.targets[0].regions = {KvRegion{1ULL << 40, 640, 0, 1, 0, 64, {1}}, KvRegion{1ULL << 41, 1280, 1, 2, 640, 64, {2}}};
   write(encode(d));
@@ -183,7 +187,7 @@ int corpus(const std::string& dir) {
 }  // namespace
 }  // namespace pd::kvtransfer
 
-int main(int argc, char** argv) {
+int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): a test helper; an exception aborts it
   pd::log::setLevel(pd::log::Level::Error);
   if (argc < 2) return 2;
   const std::string mode = argv[1];

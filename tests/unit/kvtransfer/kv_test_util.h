@@ -5,12 +5,11 @@
 // Thread rules: test code, one thread at a time per object.
 
 #include <fcntl.h>
+#include <fmt/format.h>
 #include <poll.h>
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
-
-#include <fmt/format.h>
 
 #include <algorithm>
 #include <chrono>
@@ -97,7 +96,8 @@ struct SourceKv {
   [[nodiscard]] std::vector<LayerPut> chunkPuts(RegionId region, std::uint32_t first, std::uint32_t count) const {
     std::vector<LayerPut> puts;
     for (std::uint32_t l = 0; l < compat.num_layers; ++l) {
-      puts.push_back(LayerPut{LayerSlice{l, first, count}, region, layerOffset(l) + std::uint64_t{first} * compat.tokenBytes()});
+      puts.push_back(
+          LayerPut{LayerSlice{l, first, count}, region, layerOffset(l) + std::uint64_t{first} * compat.tokenBytes()});
     }
     return puts;
   }
@@ -159,8 +159,9 @@ class KvPool {
       }
       for (std::uint32_t b = 0; b < num_blocks_; ++b) {
         const std::uint32_t first_free_slot =
-            used[b] ? (b == d.block_ids[used_blocks - 1] ? (d.num_tokens - 1) % compat_.block_size + 1 : compat_.block_size)
-                    : 0;
+            used[b]
+                ? (b == d.block_ids[used_blocks - 1] ? (d.num_tokens - 1) % compat_.block_size + 1 : compat_.block_size)
+                : 0;
         const std::byte* p = at(l, b, first_free_slot);
         const std::byte* end = at(l, b, 0) + blockBytes();
         if (std::any_of(p, end, [](std::byte x) { return x != kUntouched; })) {
@@ -173,7 +174,8 @@ class KvPool {
 
  private:
   [[nodiscard]] const std::byte* at(std::uint32_t layer, std::uint32_t block, std::uint32_t slot) const {
-    return bytes_.data() + (std::uint64_t{layer} * num_blocks_ + block) * blockBytes() + std::uint64_t{slot} * compat_.tokenBytes();
+    return bytes_.data() + (std::uint64_t{layer} * num_blocks_ + block) * blockBytes() +
+           std::uint64_t{slot} * compat_.tokenBytes();
   }
 
   Transport& transport_;
@@ -300,6 +302,7 @@ class ChildProcess {
     int out[2];
     if (::pipe2(in, O_CLOEXEC) != 0 || ::pipe2(out, O_CLOEXEC) != 0) return;
     std::vector<char*> args;
+    args.reserve(argv.size() + 1);
     for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
     args.push_back(nullptr);
     pid_ = ::fork();
@@ -346,7 +349,8 @@ class ChildProcess {
         if (line.rfind(prefix, 0) == 0) return line.substr(prefix.size());
         continue;
       }
-      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+      const auto left =
+          std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
       if (left.count() <= 0) return std::nullopt;
       pollfd pfd{stdout_, POLLIN, 0};
       if (::poll(&pfd, 1, static_cast<int>(left.count())) <= 0) continue;

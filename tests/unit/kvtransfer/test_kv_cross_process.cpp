@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 
 #include <csignal>
+#include <ostream>
 
 #include "pd/kvtransfer/ucx_transport.h"
 #include "unit/kvtransfer/kv_test_util.h"
@@ -25,6 +26,10 @@ struct Variant {
   std::string tls;
   std::string path;  // the senders' data path: "am" or "rma"
 };
+/// gtest prints the parameter in test names: keep it short and stable.
+void PrintTo(const Variant& v, std::ostream* os) {  // NOLINT(readability-identifier-naming): gtest's name
+  *os << v.tls << "/" << v.path;
+}
 
 class CrossProcessTest : public ::testing::TestWithParam<Variant> {
  protected:
@@ -79,7 +84,9 @@ TEST_P(CrossProcessTest, SendsToAnotherProcessByteForByte) {
   ScopedRegion src(*transport_, source.bytes);
   ASSERT_TRUE(transport_->beginTransfer(*desc, Clock::now() + 10s, out_.onDone()).ok());
   for (std::uint32_t first = 0; first < desc->num_tokens; first += 64) {
-    ASSERT_TRUE(transport_->put(desc->request_id, source.chunkPuts(src.id(), first, std::min(64U, desc->num_tokens - first))).ok());
+    ASSERT_TRUE(
+        transport_->put(desc->request_id, source.chunkPuts(src.id(), first, std::min(64U, desc->num_tokens - first)))
+            .ok());
   }
   CompletionRecord rec;
   rec.request_id = desc->request_id;
@@ -141,10 +148,13 @@ TEST_P(CrossProcessTest, SenderKilledMidTransferExpiresTheReceive) {
   ASSERT_TRUE(desc.ok());
   bool blocks_released = false;
   const auto start = Clock::now();
-  ASSERT_TRUE(transport_->expect(24, start + 1s, [&](std::uint64_t id, Result<CompletionRecord> r) {
-    blocks_released = true;  // what the decode worker does on any outcome
-    out_.onArrival()(id, std::move(r));
-  }).ok());
+  ASSERT_TRUE(transport_
+                  ->expect(24, start + 1s,
+                           [&](std::uint64_t id, Result<CompletionRecord> r) {
+                             blocks_released = true;  // what the decode worker does on any outcome
+                             out_.onArrival()(id, std::move(r));
+                           })
+                  .ok());
   ChildProcess peer(peerArgs({"send", "--seed", "24", "--stall-after-layers", "10"}));
   ASSERT_TRUE(peer.writeLine("DESCRIPTOR " + testutil::toHex(encode(desc.value()))));
   ASSERT_TRUE(peer.readLine("POSTED", 10s).has_value());
@@ -161,8 +171,8 @@ TEST_P(CrossProcessTest, SenderKilledMidTransferExpiresTheReceive) {
 }
 
 TEST_P(CrossProcessTest, CompatibilityMismatchIsAClearErrorAcrossProcesses) {
-  ChildProcess peer(peerArgs({"receive", "--tokens", "10", "--blocks", "1", "--seed", "25",
-                              "--model-hash", "0xbad", "--timeout-ms", "2000"}));
+  ChildProcess peer(peerArgs(
+      {"receive", "--tokens", "10", "--blocks", "1", "--seed", "25", "--model-hash", "0xbad", "--timeout-ms", "2000"}));
   const auto desc = startReceiver(peer);
   ASSERT_TRUE(desc.has_value());
   const Status s = transport_->beginTransfer(*desc, Clock::now() + 5s, out_.onDone());

@@ -20,8 +20,8 @@ KvDescriptor smallDescriptor() {
   d.num_tokens = 10;
   d.timeout_ms = 1000;
   d.block_ids = {7, 2, 3};
-  const std::uint64_t block = 4 * 16;
-  d.targets.push_back(KvTarget{0, {1, 2, 3}, {KvRegion{kBase, 3 * 10 * block, 0, 3, 10 * block, block, {9}}}});
+  const std::uint64_t block = 4U * 16;
+  d.targets.push_back(KvTarget{0, {1, 2, 3}, {KvRegion{kBase, 3U * 10 * block, 0, 3, 10U * block, block, {9}}}});
   return d;
 }
 
@@ -30,36 +30,38 @@ std::string validationError(const KvDescriptor& d) {
   return s.ok() ? std::string() : s.error().message;
 }
 
-TEST(KvLayout, ValidDescriptorPasses) { EXPECT_EQ(validationError(smallDescriptor()), ""); }
+TEST(KvLayout, ValidDescriptorPasses) {
+  EXPECT_EQ(validationError(smallDescriptor()), "");
+}
 
 TEST(KvLayout, PlansOnePutPerBlockRunAndMergesContiguousBlocks) {
   const KvDescriptor d = smallDescriptor();
   // Layer 1, tokens 1..9: block 7 slots 1..3, then blocks 2 and 3 (contiguous: merged).
   auto puts = planLayerPuts(d, 0, LayerSlice{1, 1, 9});
   ASSERT_TRUE(puts.ok()) << puts.error().toString();
-  const std::uint64_t layer1 = kBase + 10 * 64;
+  const std::uint64_t layer1 = kBase + 10U * 64;
   ASSERT_EQ(puts.value().size(), 2U);
-  EXPECT_EQ(puts.value()[0], (PlannedPut{0, layer1 + 7 * 64 + 16, 0, 3 * 16}));
-  EXPECT_EQ(puts.value()[1], (PlannedPut{0, layer1 + 2 * 64, 3 * 16, 6 * 16}));
+  EXPECT_EQ(puts.value()[0], (PlannedPut{0, layer1 + 7U * 64 + 16, 0, 3U * 16}));
+  EXPECT_EQ(puts.value()[1], (PlannedPut{0, layer1 + 2U * 64, 3U * 16, 6U * 16}));
 }
 
 TEST(KvLayout, SplitRegionsPerLayerAreFound) {
   KvDescriptor d = smallDescriptor();
   auto& regions = d.targets[0].regions;
-  regions = {KvRegion{kBase, 640, 0, 1, 0, 64, {1}}, KvRegion{kBase + 4096, 2 * 640, 1, 2, 640, 64, {2}}};
+  regions = {KvRegion{kBase, 640, 0, 1, 0, 64, {1}}, KvRegion{kBase + 4096, 2U * 640, 1, 2, 640, 64, {2}}};
   ASSERT_EQ(validationError(d), "");
   auto puts = planLayerPuts(d, 0, LayerSlice{2, 0, 1});
   ASSERT_TRUE(puts.ok());
   ASSERT_EQ(puts.value().size(), 1U);
-  EXPECT_EQ(puts.value()[0], (PlannedPut{1, kBase + 4096 + 640 + 7 * 64, 0, 16}));
+  EXPECT_EQ(puts.value()[0], (PlannedPut{1, kBase + 4096 + 640 + 7U * 64, 0, 16}));
 }
 
 TEST(KvLayout, SlicesOutsideTheRequestAreRefused) {
   const KvDescriptor d = smallDescriptor();
-  EXPECT_FALSE(planLayerPuts(d, 0, LayerSlice{3, 0, 1}).ok());   // layer
-  EXPECT_FALSE(planLayerPuts(d, 0, LayerSlice{0, 8, 3}).ok());   // tokens 8..10 of 10
-  EXPECT_FALSE(planLayerPuts(d, 1, LayerSlice{0, 0, 1}).ok());   // target
-  EXPECT_TRUE(planLayerPuts(d, 0, LayerSlice{0, 0, 0}).ok());    // empty slice: nothing to do
+  EXPECT_FALSE(planLayerPuts(d, 0, LayerSlice{3, 0, 1}).ok());  // layer
+  EXPECT_FALSE(planLayerPuts(d, 0, LayerSlice{0, 8, 3}).ok());  // tokens 8..10 of 10
+  EXPECT_FALSE(planLayerPuts(d, 1, LayerSlice{0, 0, 1}).ok());  // target
+  EXPECT_TRUE(planLayerPuts(d, 0, LayerSlice{0, 0, 0}).ok());   // empty slice: nothing to do
   EXPECT_TRUE(planLayerPuts(d, 0, LayerSlice{0, 0, 0}).value().empty());
 }
 
@@ -75,7 +77,8 @@ TEST(KvLayout, ValidationNamesWhatIsWrong) {
       {"need 4 blocks", [](KvDescriptor& d) { d.num_tokens = 13; }},
       {"no targets", [](KvDescriptor& d) { d.targets.clear(); }},
       {"tp_rank 1 >= tp_size 1", [](KvDescriptor& d) { d.targets[0].tp_rank = 1; }},
-      {"listed twice", [](KvDescriptor& d) {
+      {"listed twice",
+       [](KvDescriptor& d) {
          d.compat.tp_size = 2;
          d.targets.push_back(d.targets[0]);
        }},

@@ -28,11 +28,12 @@ KvDescriptor randomDescriptor(std::mt19937_64& rng) {
   for (std::uint32_t i = 0, n = small(rng); i < n; ++i) {
     KvTarget t;
     t.tp_rank = i;
-    t.worker_address.resize(small(rng) * 50);
+    t.worker_address.resize(std::size_t{small(rng)} * 50);
     for (auto& b : t.worker_address) b = static_cast<std::uint8_t>(rng());
     for (std::uint32_t r = 0, nr = small(rng); r < nr; ++r) {
-      KvRegion region{rng(), rng(), static_cast<std::uint32_t>(rng()), static_cast<std::uint32_t>(rng()), rng(), rng(), {}};
-      region.rkey.resize(small(rng) * 11);
+      KvRegion region{rng(), rng(), static_cast<std::uint32_t>(rng()), static_cast<std::uint32_t>(rng()), rng(),
+                      rng(), {}};
+      region.rkey.resize(std::size_t{small(rng)} * 11);
       for (auto& b : region.rkey) b = static_cast<std::uint8_t>(rng());
       t.regions.push_back(std::move(region));
     }
@@ -50,7 +51,8 @@ CompletionRecord randomCompletion(std::mt19937_64& rng) {
   r.first_token = static_cast<std::int32_t>(rng());
   r.hidden_state.resize(rng() % 300);
   for (auto& v : r.hidden_state) v = value(rng);
-  if ((rng() & 1) != 0) r.first_logprob = TokenLogprob{static_cast<std::int32_t>(rng() % 129280), -value(rng) * value(rng)};
+  if ((rng() & 1) != 0)
+    r.first_logprob = TokenLogprob{static_cast<std::int32_t>(rng() % 129280), -value(rng) * value(rng)};
   for (std::uint64_t i = 0, n = rng() % 21; i < n; ++i) {
     r.top_logprobs.push_back(TokenLogprob{static_cast<std::int32_t>(rng() % 129280), value(rng)});
   }
@@ -59,9 +61,12 @@ CompletionRecord randomCompletion(std::mt19937_64& rng) {
 
 std::vector<std::uint8_t> validMessage(std::mt19937_64& rng) {
   switch (rng() % 3) {
-    case 0: return encode(randomDescriptor(rng));
-    case 1: return encode(randomCompletion(rng));
-    default: return encode(FailureRecord{rng(), rng(), ErrorCode::Timeout, "deadline of 30000 ms expired"});
+    case 0:
+      return encode(randomDescriptor(rng));
+    case 1:
+      return encode(randomCompletion(rng));
+    default:
+      return encode(FailureRecord{rng(), rng(), ErrorCode::Timeout, "deadline of 30000 ms expired"});
   }
 }
 
@@ -256,10 +261,18 @@ TEST(KvWire, SeededRandomAndMutatedInputsKeepTheDecoderContract) {
         for (int m = 0, n = 1 + static_cast<int>(rng() % 4); m < n && !bytes.empty(); ++m) {
           const std::size_t at = rng() % bytes.size();
           switch (rng() % 4) {
-            case 0: bytes[at] ^= static_cast<std::uint8_t>(1U << (rng() % 8)); break;
-            case 1: bytes[at] = static_cast<std::uint8_t>(rng()); break;
-            case 2: bytes.insert(bytes.begin() + static_cast<std::ptrdiff_t>(at), static_cast<std::uint8_t>(rng())); break;
-            default: bytes.resize(at); break;
+            case 0:
+              bytes[at] ^= static_cast<std::uint8_t>(1U << (rng() % 8));
+              break;
+            case 1:
+              bytes[at] = static_cast<std::uint8_t>(rng());
+              break;
+            case 2:
+              bytes.insert(bytes.begin() + static_cast<std::ptrdiff_t>(at), static_cast<std::uint8_t>(rng()));
+              break;
+            default:
+              bytes.resize(at);
+              break;
           }
         }
         break;

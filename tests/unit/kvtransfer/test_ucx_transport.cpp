@@ -5,6 +5,7 @@
 
 #include <gtest/gtest.h>
 
+#include <ostream>
 #include <thread>
 
 #include "pd/kvtransfer/ucx_transport.h"
@@ -23,6 +24,10 @@ struct Variant {
   std::string tls;
   KvDataPath path;
 };
+/// gtest prints the parameter in test names: keep it short and stable.
+void PrintTo(const Variant& v, std::ostream* os) {  // NOLINT(readability-identifier-naming): gtest's name
+  *os << v.tls << "/" << kvDataPathName(v.path);
+}
 
 std::unique_ptr<Transport> makeTransport(const Variant& v, const CompatInfo& compat, const std::string& name) {
   UcxTransportOptions options;
@@ -149,7 +154,7 @@ TEST_P(UcxTransportTest, DataOfAnExpiredReceiveIsDropped) {
   // The record left the sender; the receiver handles it on its own thread.
   const auto settled = [&] {
     const auto st = receiver_->stats();
-    return st.records_rejected == 1 && st.bytes_dropped == 3U * 6 * 16;
+    return st.records_rejected == 1 && st.bytes_dropped == 3ULL * 6 * 16;
   };
   for (auto until = Clock::now() + 5s; !settled() && Clock::now() < until;) {
     std::this_thread::sleep_for(1ms);
@@ -174,18 +179,21 @@ TEST_P(UcxTransportTest, ConcurrentSmallTransfersAllLand) {
   std::vector<KvDescriptor> descs;
   const auto blocks = testutil::shuffledBlocks(32, 2 * kRequests, 99);
   for (int i = 0; i < kRequests; ++i) {
-    const auto id = static_cast<std::uint64_t>(100 + i);
+    const auto id = 100U + static_cast<std::uint64_t>(i);
     sources.push_back(std::make_unique<SourceKv>(compat_, 7, id));
     regions.push_back(std::make_unique<ScopedRegion>(*sender_, sources.back()->bytes));
-    auto d = pool.descriptor(id, 7, {blocks[2 * i], blocks[2 * i + 1]}, 10000);
+    const auto first = static_cast<std::size_t>(i) * 2;
+    auto d = pool.descriptor(id, 7, {blocks[first], blocks[first + 1]}, 10000);
     ASSERT_TRUE(d.ok());
     descs.push_back(d.value());
     ASSERT_TRUE(receiver_->expect(id, Clock::now() + 10s, out_.onArrival()).ok());
     ASSERT_TRUE(sender_->beginTransfer(descs.back(), Clock::now() + 10s, out_.onDone()).ok());
   }
   // Interleave: first halves of every request, then second halves, then the records.
-  for (int i = 0; i < kRequests; ++i) ASSERT_TRUE(sender_->put(descs[i].request_id, sources[i]->chunkPuts(regions[i]->id(), 0, 3)).ok());
-  for (int i = 0; i < kRequests; ++i) ASSERT_TRUE(sender_->put(descs[i].request_id, sources[i]->chunkPuts(regions[i]->id(), 3, 4)).ok());
+  for (int i = 0; i < kRequests; ++i)
+    ASSERT_TRUE(sender_->put(descs[i].request_id, sources[i]->chunkPuts(regions[i]->id(), 0, 3)).ok());
+  for (int i = 0; i < kRequests; ++i)
+    ASSERT_TRUE(sender_->put(descs[i].request_id, sources[i]->chunkPuts(regions[i]->id(), 3, 4)).ok());
   for (int i = 0; i < kRequests; ++i) {
     CompletionRecord r;
     r.request_id = descs[i].request_id;
@@ -287,7 +295,7 @@ TEST_P(UcxTransportTest, ReceiverGoneMidTransferIsReportedAsPeerFailure) {
   std::vector<std::byte> pool_memory(64U << 20);
   auto region = receiver_->registerRegion(pool_memory);
   ASSERT_TRUE(region.ok());
-  const std::uint64_t block = 64 * 1152;
+  const std::uint64_t block = 64U * 1152;
   const RegionLayout layout{region.value(), 0, 0, 61, 8 * block, block};
   auto target = receiver_->exportTarget(0, std::span(&layout, 1));
   ASSERT_TRUE(target.ok());
@@ -384,6 +392,24 @@ INSTANTIATE_TEST_SUITE_P(Ucx, UcxTransportTest,
                            return std::string(v.param.tls == "tcp" ? "tcp" : "tcp_sm") +
                                   (v.param.path == KvDataPath::Rma ? "_rma" : "_am");
                          });
+
+}  // namespace
+}  // namespace pd::kvtransfer
+
+namespace pd::kvtransfer {
+namespace {
+
+TEST(UcxDataPath, AutoPicksActiveMessagesOnHostTransportsOnly) {
+  EXPECT_EQ(resolveKvDataPath(KvDataPath::Auto, "tcp"), KvDataPath::ActiveMessage);
+  EXPECT_EQ(resolveKvDataPath(KvDataPath::Auto, "tcp,sm"), KvDataPath::ActiveMessage);
+  EXPECT_EQ(resolveKvDataPath(KvDataPath::Auto, "tcp,cma,self"), KvDataPath::ActiveMessage);
+  EXPECT_EQ(resolveKvDataPath(KvDataPath::Auto, "rc,tcp"), KvDataPath::Rma);
+  EXPECT_EQ(resolveKvDataPath(KvDataPath::Auto, "all"), KvDataPath::Rma);
+  EXPECT_EQ(resolveKvDataPath(KvDataPath::Auto, "^ud"), KvDataPath::Rma);
+  EXPECT_EQ(resolveKvDataPath(KvDataPath::Rma, "tcp"), KvDataPath::Rma);
+  EXPECT_EQ(parseKvDataPath("am").value(), KvDataPath::ActiveMessage);
+  EXPECT_EQ(parseKvDataPath("bogus").error().code, ErrorCode::InvalidArgument);
+}
 
 }  // namespace
 }  // namespace pd::kvtransfer

@@ -113,10 +113,10 @@ class TransportMetrics {
     metrics::Counter* bytes_put = nullptr;
     metrics::Counter* bytes_received = nullptr;
     metrics::Counter* bytes_dropped = nullptr;
-    std::array<metrics::Counter*, 2> started{};    // [send, receive]
+    std::array<metrics::Counter*, 2> started{};  // [send, receive]
     std::array<metrics::Counter*, 2> succeeded{};
     std::array<std::array<metrics::Counter*, kFailureCauseCount>, 2> failed{};
-    std::array<metrics::Counter*, 3> records{};    // [sent, received, rejected]
+    std::array<metrics::Counter*, 3> records{};  // [sent, received, rejected]
     std::array<metrics::Histogram*, 2> latency{};
     metrics::Gauge* in_flight = nullptr;
     metrics::Gauge* pending_receives = nullptr;

@@ -86,8 +86,7 @@ class Transport {
   /// InvalidArgument while a transfer in flight reads from the region; NotFound for an unknown id.
   [[nodiscard]] virtual Status deregisterRegion(RegionId region) = 0;
   /// This transport as a descriptor target: its address and a remote key for each layout.
-  [[nodiscard]] virtual Result<KvTarget> exportTarget(std::uint32_t tp_rank,
-                                                      std::span<const RegionLayout> layouts) = 0;
+  [[nodiscard]] virtual Result<KvTarget> exportTarget(std::uint32_t tp_rank, std::span<const RegionLayout> layouts) = 0;
 
   // ---- sending side (prefill) ---------------------------------------------------------------
   /// Validates `descriptor` (layout.h) and its compatibility with compat() (Unsupported names

@@ -13,6 +13,8 @@
 #include <memory>
 #include <string>
 #include <string_view>
+#include <utility>
+#include <vector>
 
 #include "pd/common/result.h"
 #include "pd/kvtransfer/kvtransfer_config.h"
@@ -36,6 +38,9 @@ enum class KvDataPath {
 
 /// "auto", "rma", "am".
 [[nodiscard]] Result<KvDataPath> parseKvDataPath(std::string_view text);
+[[nodiscard]] std::string_view kvDataPathName(KvDataPath path);
+/// What Auto means for `ucx_tls`; Rma and ActiveMessage stay as they are.
+[[nodiscard]] KvDataPath resolveKvDataPath(KvDataPath requested, std::string_view ucx_tls);
 
 struct UcxTransportOptions {
   /// UCX_TLS for this transport's context; must name tcp.
@@ -53,6 +58,11 @@ struct UcxTransportOptions {
   metrics::Registry* metrics = nullptr;
   KvDataPath data_path = KvDataPath::Auto;
 };
+
+/// The UCX settings (names without the UCX_ prefix) a transport with `options` applies on top of
+/// the environment: workarounds for UCX 1.13 error paths and tcp segment sizes
+/// (docs/kv-transfer.md, "UCX 1.13"). Benchmarks give ucx_perftest the same.
+[[nodiscard]] std::vector<std::pair<std::string, std::string>> ucxSettings(const UcxTransportOptions& options);
 
 /// Options from the `kvtransfer:` config section (validated there: data_path is one of its choices).
 [[nodiscard]] UcxTransportOptions ucxOptionsFromConfig(const KvTransferConfig& config, const CompatInfo& compat);

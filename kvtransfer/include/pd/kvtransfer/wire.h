@@ -45,8 +45,8 @@ enum class MessageType : std::uint8_t { KvDescriptor = 1, Completion = 2, Failur
 /// a mismatch can be reported field by field.
 struct CompatInfo {
   std::uint16_t protocol_version = kProtocolVersion;
-  std::uint64_t model_hash = 0;  ///< identifies the checkpoint (weights and config)
-  DType kv_dtype = DType::BF16;  ///< element type of the latent KV cache (BF16 or F32)
+  std::uint64_t model_hash = 0;   ///< identifies the checkpoint (weights and config)
+  DType kv_dtype = DType::BF16;   ///< element type of the latent KV cache (BF16 or F32)
   std::uint32_t block_size = 64;  ///< tokens per KV block
   std::uint32_t num_layers = 0;   ///< KV layers shipped: main layers + the MTP layer
   std::uint32_t kv_dim = 576;     ///< kv_lora_rank + qk_rope_head_dim
@@ -110,7 +110,7 @@ struct CompletionRecord {
   std::uint64_t compat_hash = 0;  ///< filled by the sending transport
   std::uint32_t num_tokens = 0;   ///< tokens whose KV was written
   std::int32_t first_token = 0;
-  std::vector<float> hidden_state;  ///< last position's final hidden state (MTP input)
+  std::vector<float> hidden_state;            ///< last position's final hidden state (MTP input)
   std::optional<TokenLogprob> first_logprob;  ///< set when logprobs were requested
   std::vector<TokenLogprob> top_logprobs;     ///< alternatives, best first
   friend bool operator==(const CompletionRecord&, const CompletionRecord&) = default;

@@ -15,6 +15,8 @@ struct PrefillConfig {
   std::int64_t token_budget = 2048;
   std::int64_t max_queued_requests = 256;
   std::int64_t request_timeout_ms = 120000;
+  std::int64_t cache_blocks = 512;     ///< prefill-local latent cache, in blocks
+  std::int64_t cache_block_size = 64;  ///< tokens per prefill-local cache block
 };
 
 void registerOptions(config::OptionSet& set, PrefillConfig& cfg);

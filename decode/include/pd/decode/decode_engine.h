@@ -1,0 +1,164 @@
+#pragma once
+/// The decode worker's scheduler and step loop body (DESIGN §3 steps 2 and 4).
+///
+/// A request's life here:
+///  1. admit(): blocks for the prompt are allocated and the worst case reserved
+///     (kv_block_manager.h); the answer is the block ids the prefill worker writes into.
+///  2. Waiting for KV: onKvReady() delivers the completion record (first token + the prompt's
+///     last hidden state, the MTP input) or the failure; a request still waiting at its
+///     kv_deadline ends with Timeout at the next step().
+///  3. Running: the first token is streamed at once; each step() then runs one batched decode
+///     forward (absorbed MLA over the paged cache) for every running sequence, with k MTP draft
+///     tokens per sequence verified in that same forward, samples each verified position with
+///     the request's sampler exactly as plain decoding would (one draw per emitted token; a draft
+///     is accepted only if it equals that sample, so speculation never changes the output), and
+///     streams the new tokens. Drafts are the MTP layer's argmax (q one-hot), so accepting iff
+///     the sample equals the draft accepts with probability p(draft) and emits exactly p — what
+///     speculative sampling's min(1, p/q) test with a max(0, p − q) residual gives for that q.
+///     The first token was sampled by the prefill worker with a sampler of the same params and
+///     seed; this side replays that one draw, so a seeded request samples the same tokens as
+///     single-process generation (model::generate).
+///  4. It ends on max_tokens, EOS (unless ignore_eos), a stop token id, abort(), a KV failure
+///     or deadline, or an engine error; the sink gets exactly one event with `finish` set, and
+///     every block of the request is released before that event is delivered.
+///
+/// The MTP layer's latent KV (kv layer num_hidden_layers) for prompt positions [0, n-1) must be
+/// written by the prefill side like any other layer. Position n-1 pairs the prompt's last hidden
+/// state with the first token; this engine computes it from the record on the first draft step
+/// (the prefill worker also writes it: same inputs, same values) and writes every later one.
+///
+/// Thread rules: engine thread only — one thread owns a DecodeEngine, the model engine and the
+/// pool during every call. Network threads hand work over through a queue to that thread. Sinks
+/// are called on that thread, must not block and must not call back into the DecodeEngine.
+
+#include <chrono>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <span>
+#include <unordered_map>
+#include <vector>
+
+#include "pd/common/model/engine.h"
+#include "pd/common/model/sampling.h"
+#include "pd/common/result.h"
+#include "pd/decode/decode_config.h"
+#include "pd/decode/kv_block_manager.h"
+#include "pd/decode/kv_pool.h"
+#include "pd/kvtransfer/wire.h"
+
+namespace pd::decode {
+
+using Clock = std::chrono::steady_clock;
+
+enum class FinishReason {
+  Stop,     ///< EOS or a stop token id (OpenAI "stop")
+  Length,   ///< max_tokens reached (OpenAI "length")
+  Aborted,  ///< abort(): the client went away or the router cancelled
+  Error,    ///< KV failure, KV deadline, or an engine error; TokenEvent::error says which
+};
+
+[[nodiscard]] const char* finishReasonName(FinishReason reason);
+
+/// What a request's sink receives: new tokens, and on the last event the finish.
+struct TokenEvent {
+  std::uint64_t request_id = 0;
+  std::vector<model::SampledToken> tokens;  ///< tokens produced since the previous event
+  std::optional<FinishReason> finish;       ///< set on the request's last event only
+  std::optional<Error> error;               ///< with finish == Error (or Aborted: Cancelled)
+  std::int64_t prompt_tokens = 0;           ///< usage
+  std::int64_t completion_tokens = 0;       ///< usage: tokens streamed so far, these included
+};
+
+/// Called on the engine thread; must not block.
+using TokenSink = std::function<void(const TokenEvent&)>;
+
+struct DecodeRequest {
+  std::uint64_t id = 0;
+  std::int64_t prompt_tokens = 0;
+  std::int64_t max_tokens = 16;  ///< the first token (from prefill) counts
+  model::SamplingParams sampling;
+  std::vector<std::int32_t> stop_token_ids;
+  bool ignore_eos = false;
+  Clock::time_point kv_deadline = Clock::time_point::max();
+  TokenSink sink;
+};
+
+struct DecodeEngineOptions {
+  std::int64_t num_speculative_tokens = 0;  ///< MTP drafts per step (0 = off)
+  std::int64_t max_running_requests = 64;   ///< sequences in one step; the rest wait their turn
+};
+
+/// The engine options a worker's typed config implies.
+[[nodiscard]] DecodeEngineOptions engineOptions(const DecodeConfig& config);
+
+/// Counters since construction (acceptance rate = drafts_accepted / drafts_proposed).
+struct DecodeStats {
+  std::int64_t steps = 0;
+  std::int64_t tokens_generated = 0;  ///< by decode steps (first tokens from prefill excluded)
+  std::int64_t drafts_proposed = 0;
+  std::int64_t drafts_accepted = 0;
+};
+
+class DecodeEngine {
+ public:
+  /// `engine` and `pool` must outlive this object and fit each other (PD_CHECKed: same
+  /// latent_dim and layer count). Unsupported (via admit) for speculation without an MTP layer.
+  DecodeEngine(model::Engine& engine, KvPool& pool, DecodeEngineOptions options);
+  ~DecodeEngine();
+  DecodeEngine(const DecodeEngine&) = delete;
+  DecodeEngine& operator=(const DecodeEngine&) = delete;
+  DecodeEngine(DecodeEngine&&) = delete;
+  DecodeEngine& operator=(DecodeEngine&&) = delete;
+
+  /// Admits a request and returns the block ids that will hold its prompt's KV.
+  /// InvalidArgument (bad sizes, sampling params, duplicate id, no sink, beyond
+  /// max_position_embeddings), ResourceExhausted (can never fit), Overloaded (pool full now),
+  /// Unsupported (speculation configured on a checkpoint without MTP). Nothing is held on error.
+  [[nodiscard]] Result<std::vector<std::int32_t>> admit(DecodeRequest request);
+
+  /// The request's KV has arrived (the record) or will not (the error: the prefill failure, a
+  /// transport Timeout, ...). On an error, or a record that does not match the request, the
+  /// request ends with finish Error and its blocks are freed. NotFound when no request with this
+  /// id is waiting for KV (unknown, aborted, or already running).
+  [[nodiscard]] Status onKvReady(std::uint64_t request_id, Result<kvtransfer::CompletionRecord> record);
+
+  /// Ends a request in any state with finish Aborted and frees its blocks. False if unknown.
+  bool abort(std::uint64_t request_id);
+
+  /// Expires KV waits whose deadline is before `now`, then runs one decode step over the
+  /// running batch (nothing when it is empty). Errors are per request (they end those requests);
+  /// the step itself does not fail.
+  void step(Clock::time_point now);
+
+  /// The earliest kv_deadline of the requests still waiting for KV (the loop sleeps until then).
+  [[nodiscard]] std::optional<Clock::time_point> nextKvDeadline() const;
+  /// True when a step() would do work (a sequence is running or ready to run).
+  [[nodiscard]] bool hasWork() const { return !running_.empty() || !ready_.empty(); }
+  [[nodiscard]] std::size_t numRequests() const { return requests_.size(); }
+  [[nodiscard]] std::size_t numRunning() const { return running_.size(); }
+  [[nodiscard]] const KvBlockManager& blocks() const { return blocks_; }
+  [[nodiscard]] const DecodeStats& stats() const { return stats_; }
+
+ private:
+  struct Sequence;
+
+  void startRunning(Sequence& seq, kvtransfer::CompletionRecord record);
+  // Streams `tokens` and, if a stop condition holds, ends the request. True if it ended.
+  bool emit(Sequence& seq, std::vector<model::SampledToken> tokens);
+  void finish(std::uint64_t request_id, FinishReason reason, std::optional<Error> error);
+  void runBatch(std::span<Sequence* const> batch);
+
+  model::Engine& engine_;
+  KvPool& pool_;
+  DecodeEngineOptions options_;
+  KvBlockManager blocks_;
+  std::unordered_map<std::uint64_t, std::unique_ptr<Sequence>> requests_;
+  std::deque<std::uint64_t> ready_;     // KV arrived, waiting for a batch slot (FIFO)
+  std::vector<std::uint64_t> running_;  // in the batch, in join order
+  DecodeStats stats_;
+};
+
+}  // namespace pd::decode

@@ -1,0 +1,87 @@
+#pragma once
+/// The decode worker's engine loop thread (STYLE "Concurrency"): one thread owns the
+/// DecodeEngine — and through it the block manager, the KV pool's reads and writes by the model,
+/// and the model engine — and runs step() while there is work. Other threads (HTTP handlers, the
+/// transport's progress thread) only post commands to it.
+///
+/// Blocking: admit() waits for the loop thread to answer (admission needs the block manager);
+/// postKvReady() and postAbort() never block beyond a short lock, so they may be called from a
+/// transport callback. When idle, the loop sleeps until a command arrives or the earliest KV
+/// deadline passes.
+///
+/// Thread rules: every public method is thread-safe. Sinks run on the loop thread (must not
+/// block, must not call back into the loop). The destructor stops the thread after aborting every
+/// request still held (each sink hears Aborted); the engine and pool must outlive the loop.
+
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "pd/common/model/engine.h"
+#include "pd/common/result.h"
+#include "pd/decode/decode_engine.h"
+#include "pd/decode/kv_pool.h"
+#include "pd/kvtransfer/transport.h"
+
+namespace pd::decode {
+
+class DecodeLoop {
+ public:
+  /// Starts the loop thread.
+  DecodeLoop(model::Engine& engine, KvPool& pool, DecodeEngineOptions options);
+  ~DecodeLoop();
+  DecodeLoop(const DecodeLoop&) = delete;
+  DecodeLoop& operator=(const DecodeLoop&) = delete;
+  DecodeLoop(DecodeLoop&&) = delete;
+  DecodeLoop& operator=(DecodeLoop&&) = delete;
+
+  /// DecodeEngine::admit on the loop thread; blocks until it answers. Never call it from the
+  /// loop thread (a sink): it would wait on itself.
+  [[nodiscard]] Result<std::vector<std::int32_t>> admit(DecodeRequest request);
+  /// Opens a request's decode stream (DESIGN §3 step 2): arms `transport` to expect its KV
+  /// record until request.kv_deadline, admits it, and returns the descriptor the prefill worker
+  /// writes by (`compat`, the admitted block ids, `targets` from Transport::exportTarget, and
+  /// `timeout_ms`). Admission errors as admit(); the transport's expect() errors as they are.
+  /// On any error nothing is held: no blocks, no pending expectation, and the sink is not called.
+  /// Request ids must not be reused: a cancelled expectation's answer may reach the loop late.
+  /// Blocks like admit().
+  [[nodiscard]] Result<kvtransfer::KvDescriptor> openStream(DecodeRequest request, kvtransfer::Transport& transport,
+                                                            const kvtransfer::CompatInfo& compat,
+                                                            const std::vector<kvtransfer::KvTarget>& targets,
+                                                            std::uint32_t timeout_ms);
+  /// DecodeEngine::onKvReady on the loop thread (an unknown id is ignored: it was aborted).
+  void postKvReady(std::uint64_t request_id, Result<kvtransfer::CompletionRecord> record);
+  /// DecodeEngine::abort on the loop thread (the client went away, the router cancelled).
+  void postAbort(std::uint64_t request_id);
+  /// An ArrivalFn for Transport::expect() that posts the outcome to this loop. Safe to call
+  /// after the loop is destroyed (the outcome is dropped then).
+  [[nodiscard]] kvtransfer::ArrivalFn arrivalFn();
+  /// Runs `fn` on the loop thread and waits for it (tests, metrics snapshots).
+  void runOnLoop(const std::function<void(DecodeEngine&)>& fn);
+
+ private:
+  using Command = std::function<void(DecodeEngine&)>;
+  // Commands for the loop thread. Shared with the ArrivalFns handed to transports, which may
+  // outlive the loop: after close, posts are dropped instead of touching a destroyed loop.
+  struct Inbox {
+    std::mutex mutex;
+    std::condition_variable wake;
+    std::deque<Command> commands;  // guarded by mutex
+    bool closed = false;           // guarded by mutex
+    // False (and the command dropped) once the loop has stopped.
+    bool post(Command command);
+  };
+  void post(Command command) { inbox_->post(std::move(command)); }
+  void run();
+
+  DecodeEngine engine_;  // loop thread only once the thread runs
+  std::shared_ptr<Inbox> inbox_ = std::make_shared<Inbox>();
+  std::thread thread_;  // last: started after everything it uses exists
+};
+
+}  // namespace pd::decode

@@ -1,0 +1,58 @@
+#pragma once
+/// The decode worker's latent-KV memory (DESIGN §4): one contiguous allocation holding, per KV
+/// layer (main layers, then the MTP layer), a region [num_blocks][block_size][latent_dim] of
+/// F32 or BF16, latent_dim = kv_lora_rank + qk_rope_head_dim. It is the engine's own paged cache
+/// type (model::PagedLatentCache), so forward() reads and writes it directly, and it is laid out
+/// so that a kvtransfer::Transport can register it as one region and describe it with one
+/// RegionLayout (layer stride and block stride constant).
+///
+/// Ownership: owns the memory; move-only. A transport registration must be deregistered before
+/// the pool is destroyed (the pool does not hold the transport).
+/// Thread rules: the memory is written by the engine thread during forward calls and by the
+/// transport (remote puts) into blocks the engine has handed out and does not yet read; the
+/// object itself is immutable after create().
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+
+#include "pd/common/dtype.h"
+#include "pd/common/model/latent_cache.h"
+#include "pd/common/model_config.h"
+#include "pd/common/result.h"
+#include "pd/kvtransfer/transport.h"
+#include "pd/kvtransfer/wire.h"
+
+namespace pd::decode {
+
+class KvPool {
+ public:
+  /// config.kvLayers() layers of num_blocks x block_size tokens. InvalidArgument for a dtype
+  /// other than F32/BF16 or non-positive sizes; ResourceExhausted if the memory is not there.
+  [[nodiscard]] static Result<KvPool> create(const ModelConfig& config, std::int64_t num_blocks,
+                                             std::int64_t block_size, DType dtype);
+
+  /// What the engine's forward() takes.
+  [[nodiscard]] const model::LatentCacheView& view() const { return cache_.view(); }
+  [[nodiscard]] std::int64_t numLayers() const { return static_cast<std::int64_t>(view().layers.size()); }
+  [[nodiscard]] std::int64_t numBlocks() const { return view().num_blocks; }
+  [[nodiscard]] std::int64_t blockSize() const { return view().block_size; }
+  [[nodiscard]] std::int64_t latentDim() const { return view().latent_dim; }
+  [[nodiscard]] DType dtype() const { return view().dtype; }
+
+  /// The whole allocation, to pass to Transport::registerRegion().
+  [[nodiscard]] std::span<std::byte> memory() const;
+  [[nodiscard]] std::uint64_t layerStride() const;
+  [[nodiscard]] std::uint64_t blockStride() const;
+  /// The layout of every layer inside the registered region `region`, for exportTarget().
+  [[nodiscard]] kvtransfer::RegionLayout regionLayout(kvtransfer::RegionId region) const;
+  /// The layout fields of CompatInfo this pool implies (model_hash and tp_size left to caller).
+  [[nodiscard]] kvtransfer::CompatInfo compat(std::uint64_t model_hash, std::uint32_t tp_size) const;
+
+ private:
+  explicit KvPool(model::PagedLatentCache cache) : cache_(std::move(cache)) {}
+
+  model::PagedLatentCache cache_;
+};
+
+}  // namespace pd::decode

@@ -1,0 +1,359 @@
+#include "pd/decode/decode_engine.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <limits>
+#include <utility>
+
+namespace pd::decode {
+
+const char* finishReasonName(FinishReason reason) {
+  switch (reason) {
+    case FinishReason::Stop:
+      return "stop";
+    case FinishReason::Length:
+      return "length";
+    case FinishReason::Aborted:
+      return "abort";
+    case FinishReason::Error:
+      return "error";
+  }
+  return "unknown";
+}
+
+DecodeEngineOptions engineOptions(const DecodeConfig& config) {
+  return DecodeEngineOptions{config.num_speculative_tokens, config.max_running_requests};
+}
+
+struct DecodeEngine::Sequence {
+  enum class State { WaitingKv, Ready, Running };
+
+  Sequence(DecodeRequest r, bool spec) : req(std::move(r)), sampler(req.sampling), speculate(spec) {}
+
+  [[nodiscard]] std::int64_t len() const { return req.prompt_tokens + static_cast<std::int64_t>(generated.size()); }
+
+  DecodeRequest req;
+  State state = State::WaitingKv;
+  model::Sampler sampler;
+  bool speculate;
+  std::vector<std::int32_t> generated;  // tokens after the prompt; the last is not yet in the cache
+  std::int64_t mtp_done = 0;            // MTP layer positions [0, mtp_done) are cached
+  std::vector<float> hidden;            // main-model final hidden states of positions [mtp_done, len - 1)
+};
+
+DecodeEngine::DecodeEngine(model::Engine& engine, KvPool& pool, DecodeEngineOptions options)
+    : engine_(engine), pool_(pool), options_(options), blocks_(pool.numBlocks(), pool.blockSize()) {
+  PD_CHECK(pool.latentDim() == engine.config().latentDim());
+  PD_CHECK(pool.numLayers() == engine.config().kvLayers());
+  PD_CHECK(options_.num_speculative_tokens >= 0 && options_.max_running_requests >= 1);
+}
+
+DecodeEngine::~DecodeEngine() {
+  // Requests still held end as aborted so that every sink hears the end of its stream.
+  std::vector<std::uint64_t> ids;
+  ids.reserve(requests_.size());
+  for (const auto& [id, seq] : requests_) ids.push_back(id);
+  for (const std::uint64_t id : ids) abort(id);
+}
+
+Result<std::vector<std::int32_t>> DecodeEngine::admit(DecodeRequest request) {
+  const ModelConfig& cfg = engine_.config();
+  if (!request.sink) return makeError(ErrorCode::InvalidArgument, fmt::format("request {}: no sink", request.id));
+  if (request.prompt_tokens < 1 || request.max_tokens < 1) {
+    return makeError(ErrorCode::InvalidArgument,
+                     fmt::format("request {}: prompt_tokens ({}) and max_tokens ({}) must be >= 1", request.id,
+                                 request.prompt_tokens, request.max_tokens));
+  }
+  PD_TRY(model::validate(request.sampling));
+  if (cfg.max_position_embeddings > 0 && request.prompt_tokens + request.max_tokens - 1 > cfg.max_position_embeddings) {
+    return makeError(ErrorCode::InvalidArgument,
+                     fmt::format("request {}: prompt ({}) + max_tokens ({}) exceeds max_position_embeddings ({})",
+                                 request.id, request.prompt_tokens, request.max_tokens, cfg.max_position_embeddings));
+  }
+  const bool speculate = options_.num_speculative_tokens > 0;
+  if (speculate && !engine_.capabilities().mtp) {
+    return makeError(ErrorCode::Unsupported, "speculative decoding needs a checkpoint with an MTP layer");
+  }
+  if (requests_.contains(request.id)) {
+    return makeError(ErrorCode::InvalidArgument, fmt::format("request {} is already admitted", request.id));
+  }
+  PD_TRY(blocks_.admit(request.id, request.prompt_tokens, request.prompt_tokens + request.max_tokens - 1));
+  const std::uint64_t id = request.id;
+  const std::span<const std::int32_t> table = blocks_.blockTable(id);
+  std::vector<std::int32_t> ids(table.begin(), table.end());
+  auto seq = std::make_unique<Sequence>(std::move(request), speculate);
+  requests_.emplace(id, std::move(seq));
+  return ids;
+}
+
+Status DecodeEngine::onKvReady(std::uint64_t request_id, Result<kvtransfer::CompletionRecord> record) {
+  const auto it = requests_.find(request_id);
+  if (it == requests_.end() || it->second->state != Sequence::State::WaitingKv) {
+    return makeError(ErrorCode::NotFound, fmt::format("request {} is not waiting for its KV", request_id));
+  }
+  Sequence& seq = *it->second;
+  if (!record.ok()) {
+    finish(request_id, FinishReason::Error, std::move(record).error());
+    return okStatus();
+  }
+  kvtransfer::CompletionRecord rec = std::move(record).value();
+  const ModelConfig& cfg = engine_.config();
+  std::string problem;
+  if (static_cast<std::int64_t>(rec.num_tokens) != seq.req.prompt_tokens) {
+    problem = fmt::format("KV of {} tokens arrived for a {}-token prompt", rec.num_tokens, seq.req.prompt_tokens);
+  } else if (rec.first_token < 0 || rec.first_token >= cfg.vocab_size) {
+    problem = fmt::format("first token {} is outside the vocabulary", rec.first_token);
+  } else if (seq.speculate && static_cast<std::int64_t>(rec.hidden_state.size()) != cfg.hidden_size) {
+    problem = fmt::format("hidden state of {} values, expected {}", rec.hidden_state.size(), cfg.hidden_size);
+  }
+  if (!problem.empty()) {
+    finish(request_id, FinishReason::Error,
+           makeError(ErrorCode::Corrupt, fmt::format("request {}: {}", request_id, problem)));
+    return okStatus();
+  }
+  startRunning(seq, std::move(rec));
+  return okStatus();
+}
+
+void DecodeEngine::startRunning(Sequence& seq, kvtransfer::CompletionRecord record) {
+  model::SampledToken first;
+  first.token = record.first_token;
+  if (record.first_logprob) first.logprob = record.first_logprob->logprob;
+  for (const auto& t : record.top_logprobs) first.top.push_back(model::TokenLogprob{t.token, t.logprob});
+  // Replay the prefill worker's draw: sampling a row where only the first token is possible
+  // advances the RNG by the one draw the prefill side used (none when greedy) and counts the
+  // token for penalties, so the rest of the stream is what single-process generation samples.
+  std::vector<float> only(static_cast<std::size_t>(engine_.config().vocab_size), std::numeric_limits<float>::lowest());
+  only[static_cast<std::size_t>(first.token)] = 0.0F;
+  PD_CHECK(seq.sampler.sample(only).token == first.token);
+  // The prefill side wrote MTP positions [0, n - 1); position n - 1 pairs h[n - 1] with the first token.
+  seq.mtp_done = seq.req.prompt_tokens - 1;
+  seq.hidden = std::move(record.hidden_state);
+  std::vector<model::SampledToken> tokens;
+  tokens.push_back(std::move(first));
+  seq.state = Sequence::State::Ready;
+  const std::uint64_t id = seq.req.id;
+  if (!emit(seq, std::move(tokens))) ready_.push_back(id);
+}
+
+bool DecodeEngine::emit(Sequence& seq, std::vector<model::SampledToken> tokens) {
+  const std::int32_t eos = static_cast<std::int32_t>(engine_.config().eos_token_id);
+  std::optional<FinishReason> reason;
+  std::size_t kept = 0;
+  for (const auto& t : tokens) {
+    seq.generated.push_back(t.token);
+    ++kept;
+    const bool stop = (!seq.req.ignore_eos && t.token == eos) ||
+                      std::find(seq.req.stop_token_ids.begin(), seq.req.stop_token_ids.end(), t.token) !=
+                          seq.req.stop_token_ids.end();
+    if (stop) {
+      reason = FinishReason::Stop;
+    } else if (static_cast<std::int64_t>(seq.generated.size()) >= seq.req.max_tokens) {
+      reason = FinishReason::Length;
+    }
+    if (reason) break;
+  }
+  tokens.resize(kept);
+  TokenEvent event;
+  event.request_id = seq.req.id;
+  event.tokens = std::move(tokens);
+  event.prompt_tokens = seq.req.prompt_tokens;
+  event.completion_tokens = static_cast<std::int64_t>(seq.generated.size());
+  if (!reason) {
+    seq.req.sink(event);
+    return false;
+  }
+  event.finish = reason;
+  const std::uint64_t id = seq.req.id;
+  TokenSink sink = std::exchange(seq.req.sink, nullptr);
+  finish(id, *reason, std::nullopt);  // frees the blocks; the sink was moved out, so it is not called there
+  sink(event);
+  return true;
+}
+
+void DecodeEngine::finish(std::uint64_t request_id, FinishReason reason, std::optional<Error> error) {
+  const auto it = requests_.find(request_id);
+  PD_CHECK(it != requests_.end());
+  std::unique_ptr<Sequence> seq = std::move(it->second);
+  requests_.erase(it);
+  std::erase(running_, request_id);
+  std::erase(ready_, request_id);
+  PD_CHECK(blocks_.release(request_id));
+  if (!seq->req.sink) return;  // emit() delivers the final event itself
+  TokenEvent event;
+  event.request_id = request_id;
+  event.finish = reason;
+  event.error = std::move(error);
+  event.prompt_tokens = seq->req.prompt_tokens;
+  event.completion_tokens = static_cast<std::int64_t>(seq->generated.size());
+  seq->req.sink(event);
+}
+
+bool DecodeEngine::abort(std::uint64_t request_id) {
+  if (!requests_.contains(request_id)) return false;
+  finish(request_id, FinishReason::Aborted,
+         makeError(ErrorCode::Cancelled, fmt::format("request {} aborted", request_id)));
+  return true;
+}
+
+std::optional<Clock::time_point> DecodeEngine::nextKvDeadline() const {
+  std::optional<Clock::time_point> next;
+  for (const auto& [id, seq] : requests_) {
+    if (seq->state == Sequence::State::WaitingKv && (!next || seq->req.kv_deadline < *next))
+      next = seq->req.kv_deadline;
+  }
+  return next;
+}
+
+void DecodeEngine::step(Clock::time_point now) {
+  std::vector<std::uint64_t> expired;
+  for (const auto& [id, seq] : requests_) {
+    if (seq->state == Sequence::State::WaitingKv && seq->req.kv_deadline < now) expired.push_back(id);
+  }
+  for (const std::uint64_t id : expired) {
+    finish(id, FinishReason::Error,
+           makeError(ErrorCode::Timeout, fmt::format("request {}: its KV did not arrive before the deadline", id)));
+  }
+  while (!ready_.empty() && static_cast<std::int64_t>(running_.size()) < options_.max_running_requests) {
+    const std::uint64_t id = ready_.front();
+    ready_.pop_front();
+    requests_.at(id)->state = Sequence::State::Running;
+    running_.push_back(id);
+  }
+  if (running_.empty()) return;
+  std::vector<Sequence*> batch;
+  batch.reserve(running_.size());
+  for (const std::uint64_t id : running_) batch.push_back(requests_.at(id).get());
+  runBatch(batch);
+}
+
+void DecodeEngine::runBatch(std::span<Sequence* const> all) {
+  const ModelConfig& cfg = engine_.config();
+  const auto d = static_cast<std::size_t>(cfg.hidden_size);
+  const auto vocab = static_cast<std::size_t>(cfg.vocab_size);
+  const std::int64_t max_pos = cfg.max_position_embeddings > 0 ? cfg.max_position_embeddings : INT64_MAX;
+
+  // Drafts per sequence (clipped so that every cached position is within the reservation),
+  // then the blocks the step writes.
+  std::vector<Sequence*> batch;
+  std::vector<std::int64_t> k;
+  for (Sequence* seq : all) {
+    const std::int64_t start = seq->len() - 1;
+    const std::int64_t remaining = seq->req.max_tokens - static_cast<std::int64_t>(seq->generated.size());
+    const std::int64_t ki =
+        seq->speculate
+            ? std::max<std::int64_t>(0, std::min({options_.num_speculative_tokens, remaining - 1, max_pos - 1 - start}))
+            : 0;
+    Status grown = blocks_.grow(seq->req.id, start + 1 + ki);
+    if (!grown.ok()) {
+      finish(seq->req.id, FinishReason::Error, makeError(ErrorCode::Internal, std::move(grown).error().toString()));
+      continue;
+    }
+    batch.push_back(seq);
+    k.push_back(ki);
+  }
+  const std::size_t n = batch.size();
+  if (n == 0) return;
+  const auto fail_all = [&](const Error& e) {
+    for (Sequence* seq : batch) {
+      finish(seq->req.id, FinishReason::Error,
+             makeError(ErrorCode::Internal, fmt::format("decode step failed: {}", e.toString())));
+    }
+  };
+
+  // Draft: the MTP layer catches up on positions whose inputs are now known; its last row
+  // drafts the token after the last one. Further drafts chain it on its own output.
+  std::vector<std::vector<std::int32_t>> drafts(n);
+  std::vector<std::vector<float>> mtp_hidden(n);
+  const std::int64_t k_max = k.empty() ? 0 : *std::max_element(k.begin(), k.end());
+  if (k_max > 0) {
+    std::vector<model::SequenceChunk> chunks;
+    std::vector<std::size_t> who;
+    for (std::size_t i = 0; i < n; ++i) {
+      if (k[i] == 0) continue;
+      Sequence& s = *batch[i];
+      const std::int64_t start = s.len() - 1;
+      const auto first = static_cast<std::size_t>(s.mtp_done + 1 - s.req.prompt_tokens);
+      const auto count = static_cast<std::size_t>(start - s.mtp_done);
+      PD_CHECK(s.hidden.size() == count * d);
+      chunks.push_back(model::SequenceChunk{std::span<const std::int32_t>(s.generated.data() + first, count),
+                                            s.mtp_done, blocks_.blockTable(s.req.id), s.hidden});
+      who.push_back(i);
+    }
+    model::ForwardOptions fo;
+    fo.logits = model::OutputRows::Last;
+    fo.hidden = model::OutputRows::Last;
+    auto m = engine_.forwardMtp(chunks, pool_.view(), fo);
+    if (!m.ok()) return fail_all(m.error());
+    for (std::size_t r = 0; r < who.size(); ++r) {
+      Sequence& s = *batch[who[r]];
+      drafts[who[r]].push_back(model::argmax(std::span<const float>(m->logits.data() + r * vocab, vocab)));
+      mtp_hidden[who[r]].assign(m->hidden.begin() + static_cast<std::ptrdiff_t>(r * d),
+                                m->hidden.begin() + static_cast<std::ptrdiff_t>((r + 1) * d));
+      s.mtp_done = s.len() - 1;
+      s.hidden.clear();
+    }
+    for (std::int64_t j = 1; j < k_max; ++j) {
+      chunks.clear();
+      who.clear();
+      for (std::size_t i = 0; i < n; ++i) {
+        if (k[i] <= j) continue;
+        Sequence& s = *batch[i];
+        chunks.push_back(model::SequenceChunk{std::span<const std::int32_t>(&drafts[i].back(), 1), s.len() - 1 + j - 1,
+                                              blocks_.blockTable(s.req.id), mtp_hidden[i]});
+        who.push_back(i);
+      }
+      auto c = engine_.forwardMtp(chunks, pool_.view(), fo);
+      if (!c.ok()) return fail_all(c.error());
+      for (std::size_t r = 0; r < who.size(); ++r) {
+        const std::size_t i = who[r];
+        drafts[i].push_back(model::argmax(std::span<const float>(c->logits.data() + r * vocab, vocab)));
+        mtp_hidden[i].assign(c->hidden.begin() + static_cast<std::ptrdiff_t>(r * d),
+                             c->hidden.begin() + static_cast<std::ptrdiff_t>((r + 1) * d));
+      }
+    }
+  }
+
+  // Verify: one forward of the main model over (last token, drafts...) of every sequence.
+  std::vector<std::vector<std::int32_t>> feeds(n);
+  std::vector<model::SequenceChunk> chunks;
+  bool any_spec = false;
+  for (std::size_t i = 0; i < n; ++i) {
+    Sequence& s = *batch[i];
+    feeds[i].push_back(s.generated.back());
+    feeds[i].insert(feeds[i].end(), drafts[i].begin(), drafts[i].end());
+    chunks.push_back(model::SequenceChunk{feeds[i], s.len() - 1, blocks_.blockTable(s.req.id)});
+    any_spec = any_spec || s.speculate;
+  }
+  model::ForwardOptions fo;
+  fo.attention = model::AttentionPath::Absorbed;
+  fo.logits = model::OutputRows::All;
+  fo.hidden = any_spec ? model::OutputRows::All : model::OutputRows::None;
+  auto out = engine_.forward(chunks, pool_.view(), fo);
+  if (!out.ok()) return fail_all(out.error());
+  ++stats_.steps;
+
+  std::size_t row = 0;
+  for (std::size_t i = 0; i < n; ++i) {
+    Sequence& s = *batch[i];
+    const std::size_t rows = feeds[i].size();
+    std::vector<model::SampledToken> emitted;
+    const auto remaining = static_cast<std::size_t>(s.req.max_tokens) - s.generated.size();
+    for (std::size_t j = 0; j < rows && emitted.size() < remaining; ++j) {
+      if (s.speculate) {
+        const auto* h = out->hidden.data() + (row + j) * d;
+        s.hidden.insert(s.hidden.end(), h, h + d);
+      }
+      emitted.push_back(s.sampler.sample(std::span<const float>(out->logits.data() + (row + j) * vocab, vocab)));
+      if (j >= drafts[i].size() || emitted.back().token != drafts[i][j]) break;
+      ++stats_.drafts_accepted;
+    }
+    row += rows;
+    stats_.drafts_proposed += static_cast<std::int64_t>(drafts[i].size());
+    stats_.tokens_generated += static_cast<std::int64_t>(emitted.size());
+    emit(s, std::move(emitted));  // may end and destroy s: not touched after this
+  }
+}
+
+}  // namespace pd::decode

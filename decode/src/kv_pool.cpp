@@ -1,0 +1,53 @@
+#include "pd/decode/kv_pool.h"
+
+#include <utility>
+
+namespace pd::decode {
+
+Result<KvPool> KvPool::create(const ModelConfig& config, std::int64_t num_blocks, std::int64_t block_size,
+                              DType dtype) {
+  PD_ASSIGN_OR_RETURN(model::PagedLatentCache cache,
+                      model::PagedLatentCache::create(config, num_blocks, block_size, dtype));
+  // The transport describes the pool as one region with constant strides: check that holds.
+  const auto& v = cache.view();
+  for (std::size_t l = 1; l < v.layers.size(); ++l) {
+    PD_CHECK(v.layers[l] - v.layers[l - 1] == v.layers[1] - v.layers[0]);
+  }
+  return KvPool(std::move(cache));
+}
+
+std::span<std::byte> KvPool::memory() const {
+  return {view().layers.front(), cache_.bytes()};
+}
+
+std::uint64_t KvPool::blockStride() const {
+  return static_cast<std::uint64_t>(blockSize() * latentDim()) * dtypeSize(dtype());
+}
+
+std::uint64_t KvPool::layerStride() const {
+  return blockStride() * static_cast<std::uint64_t>(numBlocks());
+}
+
+kvtransfer::RegionLayout KvPool::regionLayout(kvtransfer::RegionId region) const {
+  kvtransfer::RegionLayout layout;
+  layout.region = region;
+  layout.offset = 0;
+  layout.first_layer = 0;
+  layout.num_layers = static_cast<std::uint32_t>(numLayers());
+  layout.layer_stride = layerStride();
+  layout.block_stride = blockStride();
+  return layout;
+}
+
+kvtransfer::CompatInfo KvPool::compat(std::uint64_t model_hash, std::uint32_t tp_size) const {
+  kvtransfer::CompatInfo c;
+  c.model_hash = model_hash;
+  c.kv_dtype = dtype();
+  c.block_size = static_cast<std::uint32_t>(blockSize());
+  c.num_layers = static_cast<std::uint32_t>(numLayers());
+  c.kv_dim = static_cast<std::uint32_t>(latentDim());
+  c.tp_size = tp_size;
+  return c;
+}
+
+}  // namespace pd::decode

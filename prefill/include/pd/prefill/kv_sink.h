@@ -1,0 +1,43 @@
+#pragma once
+/// Where a prefill request's latent KV and its outcome go (issue 7, DESIGN §3 step 3): the seam
+/// between the prefill engine loop and the KV data plane. The transport-backed implementation is
+/// TransportKvSink (transport_kv_sink.h); tests use an in-memory one.
+///
+/// Call order, per request: any number of putLayer() calls (each layer of each chunk as soon as
+/// it is computed, main layers 0..L-1, then the MTP layer L over the whole prompt), then exactly
+/// one of complete() or fail(). After complete()/fail() the engine never calls the sink again
+/// and destroys it.
+///
+/// Thread rules: every method is called on the prefill engine thread only, and must not block on
+/// the network (post and return).
+
+#include <cstdint>
+#include <span>
+
+#include "pd/common/result.h"
+#include "pd/kvtransfer/wire.h"
+
+namespace pd::prefill {
+
+class KvSink {
+ public:
+  KvSink() = default;
+  virtual ~KvSink() = default;
+  KvSink(const KvSink&) = delete;
+  KvSink& operator=(const KvSink&) = delete;
+  KvSink(KvSink&&) = delete;
+  KvSink& operator=(KvSink&&) = delete;
+
+  /// Latent KV of KV layer `layer` (main layers, then MTP) for prompt positions
+  /// [first_pos, first_pos + n): `rows` is [n, latent_dim] float32 (normalized c_kv ‖ roped
+  /// k_pe), valid only during the call — copy what must outlive it. An error fails the request
+  /// (the engine then calls fail() with it).
+  [[nodiscard]] virtual Status putLayer(std::uint32_t layer, std::int64_t first_pos, std::span<const float> rows) = 0;
+  /// Every layer of every prompt position has been put. `record` has request_id, num_tokens,
+  /// first_token, hidden_state and (when asked) logprobs; compat_hash is left to the transport.
+  virtual void complete(kvtransfer::CompletionRecord record) = 0;
+  /// The request ended without a result (Cancelled, Timeout, a compute or put error).
+  virtual void fail(const Error& reason) = 0;
+};
+
+}  // namespace pd::prefill

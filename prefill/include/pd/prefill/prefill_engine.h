@@ -1,0 +1,141 @@
+#pragma once
+/// The prefill engine loop (issue 7): a bounded queue of prefill requests and one thread that
+/// owns the queue's consumer side, a local paged latent cache and the model engine. Each step
+/// admits queued requests while the local cache has blocks for them, then runs one forward over
+/// up to `token_budget` new tokens taken from several requests, each contributing at most
+/// `chunk_size` tokens (long prompts take several steps; a chunk attends to its own tokens and
+/// the earlier chunks' KV in the local cache). Every layer's latent KV goes to the request's
+/// KvSink as the engine produces it. When a prompt's last chunk is done the engine samples the
+/// first token (the request's SamplingParams and seed), runs the MTP layer over the prompt
+/// (golden README §3.8: row i pairs token i+1 with final hidden state i, every position, the last
+/// row taking the first sampled token) and puts its latent KV as KV layer num_hidden_layers, then
+/// calls KvSink::complete() with the first token, the last position's final hidden state and,
+/// when asked, logprobs.
+///
+/// Failures: a request past its deadline ends with Timeout and a cancel()led one with Cancelled;
+/// both are checked before every step and before every layer's put (its sink gets no further
+/// layers; the forward in progress still finishes, then the request is failed). A forward error
+/// fails every request of that forward; a putLayer error fails its request. Each ends with
+/// exactly one KvSink::fail() call, after which its local blocks are free again.
+///
+/// Thread rules: submit(), cancel() and stats() are thread-safe. step() is the engine thread's
+/// work; call it either from the thread start() launches or, with no thread started, from one
+/// test thread. The Engine must not be used by anyone else while this object exists.
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <thread>
+#include <unordered_set>
+#include <vector>
+
+#include "pd/common/model/engine.h"
+#include "pd/common/model/latent_cache.h"
+#include "pd/common/model/sampling.h"
+#include "pd/common/result.h"
+#include "pd/prefill/kv_sink.h"
+#include "pd/prefill/prefill_config.h"
+
+namespace pd::prefill {
+
+using Clock = std::chrono::steady_clock;
+
+struct PrefillRequest {
+  std::uint64_t id = 0;
+  std::vector<std::int32_t> tokens;  ///< the prompt; at least one token
+  model::SamplingParams sampling;
+  bool logprobs = false;  ///< fill first_logprob (and top_logprobs per sampling)
+  Clock::time_point deadline = Clock::time_point::max();
+  std::unique_ptr<KvSink> sink;  ///< where the KV and the outcome go; required
+};
+
+struct PrefillEngineOptions {
+  std::int64_t chunk_size = 512;           ///< most new tokens of one request per forward
+  std::int64_t token_budget = 2048;        ///< most new tokens per forward, all requests together
+  std::int64_t max_queued_requests = 256;  ///< submit() answers Overloaded beyond this
+  std::int64_t cache_blocks = 64;          ///< local latent cache size, in blocks
+  std::int64_t block_size = 64;            ///< tokens per local cache block
+  /// The clock deadlines are checked against (a fake in tests).
+  std::function<Clock::time_point()> now = [] { return Clock::now(); };
+};
+
+/// The engine options a validated PrefillConfig asks for (real clock).
+[[nodiscard]] PrefillEngineOptions engineOptions(const PrefillConfig& config);
+
+struct PrefillEngineStats {
+  std::int64_t queued_requests = 0;
+  std::int64_t queued_tokens = 0;
+  std::int64_t running_requests = 0;
+  std::int64_t completed = 0;
+  std::int64_t failed = 0;
+  std::int64_t free_blocks = 0;
+  std::int64_t prompt_tokens = 0;  ///< prompt tokens run through the main model, all requests
+  double compute_seconds = 0.0;    ///< wall time inside forward() and forwardMtp()
+};
+
+class PrefillEngine {
+ public:
+  /// InvalidArgument for non-positive sizes; ResourceExhausted when the local cache cannot be
+  /// allocated. `engine` must outlive the PrefillEngine.
+  static Result<std::unique_ptr<PrefillEngine>> create(model::Engine& engine, PrefillEngineOptions options);
+  /// Stops the thread (if started) and fails every request still held with Cancelled.
+  ~PrefillEngine();
+  PrefillEngine(const PrefillEngine&) = delete;
+  PrefillEngine& operator=(const PrefillEngine&) = delete;
+  PrefillEngine(PrefillEngine&&) = delete;
+  PrefillEngine& operator=(PrefillEngine&&) = delete;
+
+  /// Queues a request. InvalidArgument (empty prompt, token out of range, prompt beyond
+  /// max_position_embeddings, bad sampling params, missing sink, duplicate id), ResourceExhausted
+  /// (the prompt can never fit the local cache), Overloaded (queue full). On error the sink is
+  /// dropped without being called. Thread-safe.
+  [[nodiscard]] Status submit(PrefillRequest request);
+  /// Asks to end request `id` with Cancelled before the next step. False when the engine holds no
+  /// such request. Thread-safe.
+  bool cancel(std::uint64_t id);
+  /// Thread-safe snapshot.
+  [[nodiscard]] PrefillEngineStats stats() const;
+
+  /// One step: expire deadlines, apply cancels, admit, one forward (and the MTP of prompts that
+  /// finished). Returns false when there was nothing to do. Engine thread only.
+  bool step();
+  /// Launches the engine thread, which steps while there is work and sleeps otherwise. Call once.
+  void start();
+  /// Stops and joins the engine thread; requests stay held until destruction. Idempotent.
+  void stop();
+
+ private:
+  struct Running;
+  PrefillEngine(model::Engine& engine, PrefillEngineOptions options, model::PagedLatentCache cache);
+  void failRunning(Running& r, const Error& reason);
+  void finishPrompt(std::vector<Running*>& done);
+  void release(Running& r);
+  // Why `r` must stop now (deadline passed, cancel asked), checked before each layer's put.
+  [[nodiscard]] std::optional<Error> stopReason(const Running& r) const;
+  void loop();
+
+  model::Engine& engine_;
+  const PrefillEngineOptions options_;
+  model::PagedLatentCache cache_;
+
+  mutable std::mutex mutex_;
+  std::condition_variable wake_;
+  std::deque<PrefillRequest> queue_;            // guarded by mutex_
+  std::unordered_set<std::uint64_t> held_ids_;  // guarded by mutex_: queued or running
+  std::unordered_set<std::uint64_t> cancels_;   // guarded by mutex_
+  PrefillEngineStats stats_;                    // guarded by mutex_
+  bool stopping_ = false;                       // guarded by mutex_
+
+  // Engine thread only.
+  std::vector<std::unique_ptr<Running>> running_;
+  std::vector<std::int32_t> free_blocks_;
+
+  std::thread thread_;  // last: joined before the state above goes
+};
+
+}  // namespace pd::prefill

@@ -1,0 +1,58 @@
+#pragma once
+/// A KvSink over kvtransfer's Transport (transport.h): the prefill side of one request's KV
+/// transfer. Each putLayer() converts the rows to the descriptor's cache dtype into a staging
+/// buffer registered with the transport ([num_layers][num_tokens][token bytes]) and posts one
+/// put of that layer slice; the transport writes token t of layer l into the decode worker's
+/// block block_ids[t / block_size] at offset t % block_size (DESIGN §4). complete() hands the
+/// record to Transport::finish(), which sends it once every put is remotely complete; fail()
+/// (and destruction before either) calls Transport::abort().
+///
+/// The staging buffer lives until the transport's done callback, not the sink: the transport
+/// may still read it after the engine has dropped the sink.
+///
+/// Thread rules: KvSink calls on the engine thread only. `on_done` runs on the transport's
+/// progress thread exactly once (success, failure, cancel or deadline) and must not block.
+
+#include <memory>
+
+#include "pd/common/result.h"
+#include "pd/kvtransfer/transport.h"
+#include "pd/prefill/kv_sink.h"
+
+namespace pd::prefill {
+
+class TransportKvSink final : public KvSink {
+ public:
+  /// Registers the staging buffer and begins the transfer (Transport::beginTransfer, which
+  /// validates the descriptor). On error nothing stays registered and on_done is never called.
+  /// `transport` must outlive the transfer (until on_done).
+  [[nodiscard]] static Result<std::unique_ptr<TransportKvSink>> create(kvtransfer::Transport& transport,
+                                                                       kvtransfer::KvDescriptor descriptor,
+                                                                       kvtransfer::Deadline deadline,
+                                                                       kvtransfer::TransferDoneFn on_done);
+  /// Aborts the transfer with Cancelled when neither complete() nor fail() was called.
+  ~TransportKvSink() override;
+  TransportKvSink(const TransportKvSink&) = delete;
+  TransportKvSink& operator=(const TransportKvSink&) = delete;
+  TransportKvSink(TransportKvSink&&) = delete;
+  TransportKvSink& operator=(TransportKvSink&&) = delete;
+
+  /// InvalidArgument for a layer or positions outside the descriptor or rows of the wrong width;
+  /// the transport's error when the put is refused (NotFound once the transfer has ended).
+  [[nodiscard]] Status putLayer(std::uint32_t layer, std::int64_t first_pos, std::span<const float> rows) override;
+  void complete(kvtransfer::CompletionRecord record) override;
+  void fail(const Error& reason) override;
+
+  struct Staging;
+
+ private:
+  TransportKvSink(kvtransfer::Transport& transport, kvtransfer::KvDescriptor descriptor,
+                  std::shared_ptr<Staging> staging);
+
+  kvtransfer::Transport& transport_;
+  const kvtransfer::KvDescriptor descriptor_;
+  std::shared_ptr<Staging> staging_;  // shared with the done callback, which outlives the sink
+  bool ended_ = false;
+};
+
+}  // namespace pd::prefill

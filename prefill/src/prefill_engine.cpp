@@ -1,0 +1,396 @@
+#include "pd/prefill/prefill_engine.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <functional>
+#include <optional>
+#include <utility>
+
+namespace pd::prefill {
+
+struct PrefillEngine::Running {
+  PrefillRequest request;
+  std::vector<std::int32_t> blocks;
+  std::int64_t next_pos = 0;       // prompt positions [0, next_pos) are in the local cache
+  std::vector<float> hidden;       // [next_pos, hidden_size] final hidden states (the MTP input)
+  std::vector<float> last_logits;  // the last prompt position's logits
+  std::vector<std::int32_t> mtp_tokens;
+  std::optional<Error> error;  // first put error
+  bool finished = false;
+
+  [[nodiscard]] std::int64_t size() const { return static_cast<std::int64_t>(request.tokens.size()); }
+};
+
+namespace {
+
+// Routes each layer of a forward to the KvSink of the batch row's request. A row whose request
+// errs, is cancelled or passes its deadline gets no further layers; the step then fails it.
+class BatchSink final : public model::LatentKvSink {
+ public:
+  using StopFn = std::function<std::optional<Error>(std::size_t row)>;
+  BatchSink(std::vector<KvSink*> sinks, std::vector<std::optional<Error>*> errors, StopFn stop)
+      : sinks_(std::move(sinks)), errors_(std::move(errors)), stop_(std::move(stop)) {}
+
+  void onLayer(std::int64_t kv_layer, std::size_t sequence, std::int64_t start_pos,
+               std::span<const float> latent) override {
+    std::optional<Error>& error = *errors_[sequence];
+    if (error) return;
+    error = stop_(sequence);
+    if (error) return;
+    Status s = sinks_[sequence]->putLayer(static_cast<std::uint32_t>(kv_layer), start_pos, latent);
+    if (!s.ok()) error = std::move(s).error();
+  }
+
+ private:
+  std::vector<KvSink*> sinks_;
+  std::vector<std::optional<Error>*> errors_;
+  StopFn stop_;
+};
+
+std::int64_t ceilDiv(std::int64_t a, std::int64_t b) {
+  return (a + b - 1) / b;
+}
+
+}  // namespace
+
+PrefillEngineOptions engineOptions(const PrefillConfig& config) {
+  PrefillEngineOptions o;
+  o.chunk_size = config.chunk_size;
+  o.token_budget = config.token_budget;
+  o.max_queued_requests = config.max_queued_requests;
+  o.cache_blocks = config.cache_blocks;
+  o.block_size = config.cache_block_size;
+  return o;
+}
+
+Result<std::unique_ptr<PrefillEngine>> PrefillEngine::create(model::Engine& engine, PrefillEngineOptions options) {
+  if (options.chunk_size <= 0 || options.token_budget <= 0 || options.max_queued_requests <= 0 ||
+      options.cache_blocks <= 0 || options.block_size <= 0 || !options.now) {
+    return makeError(ErrorCode::InvalidArgument,
+                     "prefill engine: chunk_size, token_budget, max_queued_requests, cache_blocks and block_size "
+                     "must be positive and a clock given");
+  }
+  PD_ASSIGN_OR_RETURN(auto cache, model::PagedLatentCache::create(engine.config(), options.cache_blocks,
+                                                                  options.block_size, DType::F32));
+  return std::unique_ptr<PrefillEngine>(new PrefillEngine(engine, std::move(options), std::move(cache)));
+}
+
+PrefillEngine::PrefillEngine(model::Engine& engine, PrefillEngineOptions options, model::PagedLatentCache cache)
+    : engine_(engine), options_(std::move(options)), cache_(std::move(cache)) {
+  for (std::int64_t b = options_.cache_blocks - 1; b >= 0; --b) free_blocks_.push_back(static_cast<std::int32_t>(b));
+  stats_.free_blocks = options_.cache_blocks;
+}
+
+PrefillEngine::~PrefillEngine() {
+  stop();
+  const Error cancelled = makeError(ErrorCode::Cancelled, "prefill engine shut down");
+  for (auto& r : running_) failRunning(*r, cancelled);
+  running_.clear();
+  std::deque<PrefillRequest> queued;
+  {
+    std::lock_guard lock(mutex_);
+    queued.swap(queue_);
+    held_ids_.clear();
+    stats_.queued_requests = 0;
+    stats_.queued_tokens = 0;
+  }
+  for (PrefillRequest& q : queued) q.sink->fail(cancelled);
+}
+
+Status PrefillEngine::submit(PrefillRequest request) {
+  const ModelConfig& cfg = engine_.config();
+  const auto n = static_cast<std::int64_t>(request.tokens.size());
+  if (request.sink == nullptr) return makeError(ErrorCode::InvalidArgument, "prefill request without a KV sink");
+  if (n == 0) return makeError(ErrorCode::InvalidArgument, "prefill request with an empty prompt");
+  if (cfg.max_position_embeddings > 0 && n > cfg.max_position_embeddings) {
+    return makeError(ErrorCode::InvalidArgument, fmt::format("prompt of {} tokens exceeds max_position_embeddings {}",
+                                                             n, cfg.max_position_embeddings));
+  }
+  for (const std::int32_t t : request.tokens) {
+    if (t < 0 || t >= cfg.vocab_size) {
+      return makeError(ErrorCode::InvalidArgument, fmt::format("token id {} outside the vocabulary", t));
+    }
+  }
+  PD_TRY(model::validate(request.sampling));
+  if (ceilDiv(n, options_.block_size) > options_.cache_blocks) {
+    return makeError(ErrorCode::ResourceExhausted,
+                     fmt::format("prompt of {} tokens exceeds the prefill cache ({} blocks of {})", n,
+                                 options_.cache_blocks, options_.block_size));
+  }
+  {
+    std::lock_guard lock(mutex_);
+    if (static_cast<std::int64_t>(queue_.size()) >= options_.max_queued_requests) {
+      return makeError(ErrorCode::Overloaded, fmt::format("prefill queue full ({} requests)", queue_.size()));
+    }
+    if (!held_ids_.insert(request.id).second) {
+      return makeError(ErrorCode::InvalidArgument,
+                       fmt::format("request {} is already in the prefill engine", request.id));
+    }
+    stats_.queued_requests += 1;
+    stats_.queued_tokens += n;
+    queue_.push_back(std::move(request));
+  }
+  wake_.notify_one();
+  return okStatus();
+}
+
+bool PrefillEngine::cancel(std::uint64_t id) {
+  {
+    std::lock_guard lock(mutex_);
+    if (!held_ids_.contains(id)) return false;
+    cancels_.insert(id);
+  }
+  wake_.notify_one();
+  return true;
+}
+
+PrefillEngineStats PrefillEngine::stats() const {
+  std::lock_guard lock(mutex_);
+  return stats_;
+}
+
+void PrefillEngine::release(Running& r) {
+  free_blocks_.insert(free_blocks_.end(), r.blocks.begin(), r.blocks.end());
+  r.blocks.clear();
+  r.finished = true;
+  std::lock_guard lock(mutex_);
+  held_ids_.erase(r.request.id);
+  cancels_.erase(r.request.id);  // a late cancel must not hit a later request with this id
+  stats_.running_requests -= 1;
+  stats_.free_blocks = static_cast<std::int64_t>(free_blocks_.size());
+}
+
+void PrefillEngine::failRunning(Running& r, const Error& reason) {
+  if (r.finished) return;
+  r.request.sink->fail(reason);
+  release(r);
+  std::lock_guard lock(mutex_);
+  stats_.failed += 1;
+}
+
+std::optional<Error> PrefillEngine::stopReason(const Running& r) const {
+  if (r.request.deadline <= options_.now()) {
+    return makeError(ErrorCode::Timeout, fmt::format("request {} passed its deadline", r.request.id));
+  }
+  std::lock_guard lock(mutex_);
+  if (cancels_.contains(r.request.id)) {
+    return makeError(ErrorCode::Cancelled, fmt::format("request {} cancelled", r.request.id));
+  }
+  return std::nullopt;
+}
+
+bool PrefillEngine::step() {
+  const Clock::time_point now = options_.now();
+  std::vector<std::pair<PrefillRequest, Error>> dropped;  // queued requests that end before running
+  std::unordered_set<std::uint64_t> cancels;
+  {
+    std::lock_guard lock(mutex_);
+    cancels.swap(cancels_);
+    for (auto it = queue_.begin(); it != queue_.end();) {
+      std::optional<Error> why;
+      if (cancels.contains(it->id)) {
+        why = makeError(ErrorCode::Cancelled, fmt::format("request {} cancelled", it->id));
+      } else if (it->deadline <= now) {
+        why = makeError(ErrorCode::Timeout, fmt::format("request {} passed its deadline while queued", it->id));
+      }
+      if (!why) {
+        ++it;
+        continue;
+      }
+      held_ids_.erase(it->id);
+      stats_.queued_requests -= 1;
+      stats_.queued_tokens -= static_cast<std::int64_t>(it->tokens.size());
+      stats_.failed += 1;
+      dropped.emplace_back(std::move(*it), std::move(*why));
+      it = queue_.erase(it);
+    }
+  }
+  bool worked = !dropped.empty();
+  for (auto& [request, why] : dropped) request.sink->fail(why);
+
+  for (auto& r : running_) {
+    if (cancels.contains(r->request.id)) {
+      worked = true;
+      failRunning(*r, makeError(ErrorCode::Cancelled, fmt::format("request {} cancelled", r->request.id)));
+    } else if (r->request.deadline <= now) {
+      worked = true;
+      failRunning(*r, makeError(ErrorCode::Timeout, fmt::format("request {} passed its deadline", r->request.id)));
+    }
+  }
+
+  // Admit in arrival order while the local cache has room; a prompt that cannot fit waits.
+  {
+    std::lock_guard lock(mutex_);
+    while (!queue_.empty()) {
+      const std::int64_t need = ceilDiv(static_cast<std::int64_t>(queue_.front().tokens.size()), options_.block_size);
+      if (need > static_cast<std::int64_t>(free_blocks_.size())) break;
+      auto r = std::make_unique<Running>();
+      r->request = std::move(queue_.front());
+      queue_.pop_front();
+      for (std::int64_t i = 0; i < need; ++i) {
+        r->blocks.push_back(free_blocks_.back());
+        free_blocks_.pop_back();
+      }
+      stats_.queued_requests -= 1;
+      stats_.queued_tokens -= r->size();
+      stats_.running_requests += 1;
+      stats_.free_blocks = static_cast<std::int64_t>(free_blocks_.size());
+      running_.push_back(std::move(r));
+    }
+  }
+
+  // One forward over up to token_budget new tokens, at most chunk_size per request.
+  std::vector<Running*> rows;
+  std::vector<model::SequenceChunk> batch;
+  std::vector<std::int64_t> takes;
+  std::int64_t budget = options_.token_budget;
+  for (auto& r : running_) {
+    if (r->finished || budget == 0) continue;
+    const std::int64_t take = std::min({options_.chunk_size, r->size() - r->next_pos, budget});
+    budget -= take;
+    rows.push_back(r.get());
+    takes.push_back(take);
+    batch.push_back(
+        model::SequenceChunk{std::span<const std::int32_t>(r->request.tokens)
+                                 .subspan(static_cast<std::size_t>(r->next_pos), static_cast<std::size_t>(take)),
+                             r->next_pos, r->blocks});
+  }
+  if (!batch.empty()) {
+    worked = true;
+    std::vector<KvSink*> sinks;
+    std::vector<std::optional<Error>*> errors;
+    for (Running* r : rows) {
+      sinks.push_back(r->request.sink.get());
+      errors.push_back(&r->error);
+    }
+    BatchSink sink(std::move(sinks), std::move(errors), [&](std::size_t row) { return stopReason(*rows[row]); });
+    model::ForwardOptions fo;
+    fo.logits = model::OutputRows::Last;
+    fo.hidden = model::OutputRows::All;
+    fo.sink = &sink;
+    const auto t0 = Clock::now();
+    Result<model::ForwardOutput> out = engine_.forward(batch, cache_.view(), fo);
+    {
+      std::lock_guard lock(mutex_);
+      stats_.compute_seconds += std::chrono::duration<double>(Clock::now() - t0).count();
+      if (out.ok()) stats_.prompt_tokens += options_.token_budget - budget;
+    }
+    if (!out.ok()) {
+      for (Running* r : rows) failRunning(*r, out.error());
+    } else {
+      const auto hidden_size = static_cast<std::size_t>(engine_.config().hidden_size);
+      const auto vocab = static_cast<std::size_t>(engine_.config().vocab_size);
+      std::size_t hidden_row = 0;
+      std::vector<Running*> done;
+      for (std::size_t i = 0; i < rows.size(); ++i) {
+        Running& r = *rows[i];
+        const auto take = static_cast<std::size_t>(takes[i]);
+        r.hidden.insert(r.hidden.end(), out->hidden.begin() + static_cast<std::ptrdiff_t>(hidden_row * hidden_size),
+                        out->hidden.begin() + static_cast<std::ptrdiff_t>((hidden_row + take) * hidden_size));
+        hidden_row += take;
+        r.next_pos += takes[i];
+        if (r.error) {
+          failRunning(r, *r.error);
+        } else if (r.next_pos == r.size()) {
+          r.last_logits.assign(out->logits.begin() + static_cast<std::ptrdiff_t>(i * vocab),
+                               out->logits.begin() + static_cast<std::ptrdiff_t>((i + 1) * vocab));
+          done.push_back(&r);
+        }
+      }
+      if (!done.empty()) finishPrompt(done);
+    }
+  }
+  std::erase_if(running_, [](const std::unique_ptr<Running>& r) { return r->finished; });
+  return worked;
+}
+
+void PrefillEngine::finishPrompt(std::vector<Running*>& done) {
+  const ModelConfig& cfg = engine_.config();
+  std::vector<model::SampledToken> first;
+  for (Running* r : done) {
+    model::Sampler sampler(r->request.sampling);
+    first.push_back(sampler.sample(r->last_logits));
+  }
+  if (cfg.num_nextn_predict_layers > 0) {
+    // MTP row i pairs token i+1 with final hidden state i; the last row takes the first sampled token.
+    std::vector<model::SequenceChunk> batch;
+    std::vector<KvSink*> sinks;
+    std::vector<std::optional<Error>*> errors;
+    for (std::size_t i = 0; i < done.size(); ++i) {
+      Running& r = *done[i];
+      r.mtp_tokens.assign(r.request.tokens.begin() + 1, r.request.tokens.end());
+      r.mtp_tokens.push_back(first[i].token);
+      model::SequenceChunk c{r.mtp_tokens, 0, r.blocks};
+      c.prev_hidden = r.hidden;
+      batch.push_back(c);
+      sinks.push_back(r.request.sink.get());
+      errors.push_back(&r.error);
+    }
+    BatchSink sink(std::move(sinks), std::move(errors), [&](std::size_t row) { return stopReason(*done[row]); });
+    model::ForwardOptions fo;
+    fo.logits = model::OutputRows::None;
+    fo.hidden = model::OutputRows::None;
+    fo.sink = &sink;
+    const auto t0 = Clock::now();
+    Result<model::ForwardOutput> out = engine_.forwardMtp(batch, cache_.view(), fo);
+    {
+      std::lock_guard lock(mutex_);
+      stats_.compute_seconds += std::chrono::duration<double>(Clock::now() - t0).count();
+    }
+    if (!out.ok()) {
+      for (Running* r : done) failRunning(*r, out.error());
+      return;
+    }
+  }
+  const auto hidden_size = static_cast<std::size_t>(cfg.hidden_size);
+  for (std::size_t i = 0; i < done.size(); ++i) {
+    Running& r = *done[i];
+    if (r.error) {
+      failRunning(r, *r.error);
+      continue;
+    }
+    kvtransfer::CompletionRecord record;
+    record.request_id = r.request.id;
+    record.num_tokens = static_cast<std::uint32_t>(r.size());
+    record.first_token = first[i].token;
+    record.hidden_state.assign(r.hidden.end() - static_cast<std::ptrdiff_t>(hidden_size), r.hidden.end());
+    if (r.request.logprobs) {
+      record.first_logprob = kvtransfer::TokenLogprob{first[i].token, first[i].logprob};
+      for (const model::TokenLogprob& t : first[i].top) record.top_logprobs.push_back({t.token, t.logprob});
+    }
+    r.request.sink->complete(std::move(record));
+    release(r);
+    std::lock_guard lock(mutex_);
+    stats_.completed += 1;
+  }
+}
+
+void PrefillEngine::loop() {
+  for (;;) {
+    {
+      std::unique_lock lock(mutex_);
+      // Wakes for work, and at least every few ms so that queued deadlines fire on time.
+      wake_.wait_for(lock, std::chrono::milliseconds(5),
+                     [&] { return stopping_ || !queue_.empty() || !cancels_.empty() || !running_.empty(); });
+      if (stopping_) return;
+    }
+    (void)step();
+  }
+}
+
+void PrefillEngine::start() {
+  PD_CHECK_MSG(!thread_.joinable(), "PrefillEngine::start() called twice");
+  thread_ = std::thread([this] { loop(); });
+}
+
+void PrefillEngine::stop() {
+  {
+    std::lock_guard lock(mutex_);
+    stopping_ = true;
+  }
+  wake_.notify_all();
+  if (thread_.joinable()) thread_.join();
+}
+
+}  // namespace pd::prefill

@@ -1,0 +1,118 @@
+#include "pd/prefill/transport_kv_sink.h"
+
+#include <fmt/format.h>
+
+#include <mutex>
+#include <optional>
+#include <utility>
+#include <vector>
+
+#include "pd/common/log.h"
+#include "pd/common/model/latent_cache.h"
+
+namespace pd::prefill {
+
+struct TransportKvSink::Staging {
+  std::vector<std::byte> bytes;  // [num_layers][num_tokens][token bytes]
+  kvtransfer::RegionId region = 0;
+  std::mutex mutex;
+  std::optional<Status> outcome;  // guarded by mutex: the transport's answer, once given
+};
+
+Result<std::unique_ptr<TransportKvSink>> TransportKvSink::create(kvtransfer::Transport& transport,
+                                                                 kvtransfer::KvDescriptor descriptor,
+                                                                 kvtransfer::Deadline deadline,
+                                                                 kvtransfer::TransferDoneFn on_done) {
+  const kvtransfer::CompatInfo& c = descriptor.compat;
+  if (c.kv_dtype != DType::BF16 && c.kv_dtype != DType::F32) {
+    return makeError(ErrorCode::Unsupported, fmt::format("KV dtype {} cannot be staged", dtypeName(c.kv_dtype)));
+  }
+  auto staging = std::make_shared<Staging>();
+  staging->bytes.resize(std::uint64_t{c.num_layers} * descriptor.num_tokens * c.tokenBytes());
+  PD_ASSIGN_OR_RETURN(staging->region, transport.registerRegion(staging->bytes));
+  auto done = [&transport, staging, on_done = std::move(on_done)](std::uint64_t request_id, Status status) {
+    // The transport no longer reads the staging buffer once it answers.
+    Status s = transport.deregisterRegion(staging->region);
+    if (!s.ok())
+      log::warn("prefill", "request {}: staging region not deregistered: {}", request_id, s.error().toString());
+    {
+      std::lock_guard lock(staging->mutex);
+      staging->outcome = status;
+    }
+    on_done(request_id, std::move(status));
+  };
+  Status begun = transport.beginTransfer(descriptor, deadline, std::move(done));
+  if (!begun.ok()) {
+    (void)transport.deregisterRegion(staging->region);
+    return std::move(begun).error();
+  }
+  return std::unique_ptr<TransportKvSink>(new TransportKvSink(transport, std::move(descriptor), std::move(staging)));
+}
+
+TransportKvSink::TransportKvSink(kvtransfer::Transport& transport, kvtransfer::KvDescriptor descriptor,
+                                 std::shared_ptr<Staging> staging)
+    : transport_(transport), descriptor_(std::move(descriptor)), staging_(std::move(staging)) {}
+
+TransportKvSink::~TransportKvSink() {
+  if (!ended_) fail(makeError(ErrorCode::Cancelled, "prefill request dropped"));
+}
+
+Status TransportKvSink::putLayer(std::uint32_t layer, std::int64_t first_pos, std::span<const float> rows) {
+  const kvtransfer::CompatInfo& c = descriptor_.compat;
+  const auto dim = static_cast<std::int64_t>(c.kv_dim);
+  const auto n = static_cast<std::int64_t>(rows.size()) / dim;
+  if (layer >= c.num_layers || first_pos < 0 || static_cast<std::int64_t>(rows.size()) != n * dim ||
+      first_pos + n > static_cast<std::int64_t>(descriptor_.num_tokens)) {
+    return makeError(
+        ErrorCode::InvalidArgument,
+        fmt::format("request {}: layer {} rows [{}, {}) of width {} outside the descriptor", descriptor_.request_id,
+                    layer, first_pos, first_pos + n, rows.size() / (n > 0 ? n : 1)));
+  }
+  {
+    // A transfer the transport already ended (peer failed, deadline) reports why, not NotFound.
+    std::lock_guard lock(staging_->mutex);
+    if (staging_->outcome) {
+      if (!staging_->outcome->ok()) return staging_->outcome->error();
+      return makeError(ErrorCode::Internal,
+                       fmt::format("request {}: put after the transfer ended", descriptor_.request_id));
+    }
+  }
+  if (n == 0) return okStatus();
+  // The staging buffer seen as one block per layer holding every prompt token.
+  const std::uint64_t layer_bytes = std::uint64_t{descriptor_.num_tokens} * c.tokenBytes();
+  model::LatentCacheView view;
+  view.dtype = c.kv_dtype;
+  view.latent_dim = dim;
+  view.block_size = descriptor_.num_tokens;
+  view.num_blocks = 1;
+  view.layers.assign(c.num_layers, nullptr);
+  view.layers[layer] = staging_->bytes.data() + layer * layer_bytes;
+  const std::int32_t block = 0;
+  for (std::int64_t i = 0; i < n; ++i) {
+    model::writeLatent(view, layer, std::span(&block, 1), first_pos + i, rows.data() + i * dim);
+  }
+  const kvtransfer::LayerPut put{
+      kvtransfer::LayerSlice{layer, static_cast<std::uint32_t>(first_pos), static_cast<std::uint32_t>(n)},
+      staging_->region, layer * layer_bytes + static_cast<std::uint64_t>(first_pos) * c.tokenBytes()};
+  return transport_.put(descriptor_.request_id, std::span(&put, 1));
+}
+
+void TransportKvSink::complete(kvtransfer::CompletionRecord record) {
+  ended_ = true;
+  const std::uint64_t id = record.request_id;
+  Status s = transport_.finish(std::move(record));
+  if (!s.ok()) {
+    // The transfer already ended (deadline, peer failure); its done callback reports that.
+    log::warn("prefill", "request {}: completion record not sent: {}", id, s.error().toString());
+  }
+}
+
+void TransportKvSink::fail(const Error& reason) {
+  ended_ = true;
+  Status s = transport_.abort(descriptor_.request_id, reason.code, reason.message);
+  if (!s.ok() && s.error().code != ErrorCode::NotFound) {
+    log::warn("prefill", "request {}: abort failed: {}", descriptor_.request_id, s.error().toString());
+  }
+}
+
+}  // namespace pd::prefill

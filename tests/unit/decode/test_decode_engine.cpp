@@ -1,0 +1,483 @@
+// The decode engine fed with KV written by the reference prefill path (in process, through a sink
+// that copies each layer into the decode pool at the admitted block ids, as a prefill worker's
+// puts would): greedy tokens equal the golden and single-process generation, batching does not
+// change tokens, MTP does not change tokens, and every exit path returns the pool to fully free.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstring>
+#include <filesystem>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "pd/common/model/engine.h"
+#include "pd/common/model/generate.h"
+#include "pd/common/model/latent_cache.h"
+#include "pd/common/model/sampling.h"
+#include "pd/common/safetensors.h"
+#include "pd/decode/decode_engine.h"
+#include "pd/decode/kv_pool.h"
+#include "unit/decode/golden_support.h"
+
+namespace pd::decode {
+namespace {
+
+namespace fs = std::filesystem;
+
+using test_support::goldenDir;
+using test_support::goldenIds;
+
+// Copies each computed layer's latent KV into the decode pool at the request's blocks.
+class PoolWriter : public model::LatentKvSink {
+ public:
+  PoolWriter(const model::LatentCacheView& pool, std::vector<std::int32_t> blocks)
+      : pool_(pool), blocks_(std::move(blocks)) {}
+  void onLayer(std::int64_t kv_layer, std::size_t /*sequence*/, std::int64_t start_pos,
+               std::span<const float> latent) override {
+    const auto dim = static_cast<std::size_t>(pool_.latent_dim);
+    for (std::size_t t = 0; t * dim < latent.size(); ++t) {
+      model::writeLatent(pool_, kv_layer, blocks_, start_pos + static_cast<std::int64_t>(t), latent.data() + t * dim);
+    }
+  }
+
+ private:
+  const model::LatentCacheView& pool_;
+  std::vector<std::int32_t> blocks_;
+};
+
+// What a prefill worker does for one request: the main model and the MTP layer over the prompt
+// in its own cache, each layer also written to the decode pool; the completion record.
+kvtransfer::CompletionRecord prefill(model::Engine& engine, std::span<const std::int32_t> prompt, const KvPool& pool,
+                                     std::vector<std::int32_t> block_ids, const model::SamplingParams& sampling = {}) {
+  const ModelConfig& cfg = engine.config();
+  const auto n = static_cast<std::int64_t>(prompt.size());
+  const std::int64_t bs = 16;
+  auto local = model::PagedLatentCache::create(cfg, (n + bs - 1) / bs, bs, DType::F32);
+  PD_CHECK(local.ok());
+  std::vector<std::int32_t> table(static_cast<std::size_t>((n + bs - 1) / bs));
+  for (std::size_t i = 0; i < table.size(); ++i) table[i] = static_cast<std::int32_t>(i);
+  PoolWriter writer(pool.view(), std::move(block_ids));
+
+  model::ForwardOptions fo;
+  fo.logits = model::OutputRows::Last;
+  fo.hidden = model::OutputRows::All;
+  fo.sink = &writer;
+  const model::SequenceChunk chunk{prompt, 0, table};
+  auto out = engine.forward(std::span<const model::SequenceChunk>(&chunk, 1), local->view(), fo);
+  PD_CHECK(out.ok());
+  const auto d = static_cast<std::size_t>(cfg.hidden_size);
+  if (n > 1 && engine.capabilities().mtp) {
+    const model::SequenceChunk mtp{prompt.subspan(1), 0, table,
+                                   std::span<const float>(out->hidden.data(), static_cast<std::size_t>(n - 1) * d)};
+    model::ForwardOptions mo;
+    mo.logits = model::OutputRows::None;
+    mo.sink = &writer;
+    auto m = engine.forwardMtp(std::span<const model::SequenceChunk>(&mtp, 1), local->view(), mo);
+    PD_CHECK(m.ok());
+  }
+  kvtransfer::CompletionRecord rec;
+  rec.num_tokens = static_cast<std::uint32_t>(n);
+  model::Sampler sampler(sampling);  // as a prefill worker samples the first token
+  rec.first_token = sampler.sample(out->logits).token;
+  rec.hidden_state.assign(out->hidden.end() - static_cast<std::ptrdiff_t>(d), out->hidden.end());
+  return rec;
+}
+
+// The CPU engine with the MTP layer's draft replaced by an oracle that knows the sequence: with
+// probability `p` it proposes the true next token, otherwise a wrong one (deterministic). The MTP
+// layer still runs (its KV and hidden states are real); only the draft logits are overridden.
+// Random tiny weights accept almost no real drafts, so this is what exercises acceptance.
+class OracleDraftEngine : public model::Engine {
+ public:
+  OracleDraftEngine(model::Engine& inner, std::vector<std::int32_t> sequence, double p)
+      : inner_(inner), sequence_(std::move(sequence)), p_(p) {}
+  const ModelConfig& config() const override { return inner_.config(); }
+  model::EngineCapabilities capabilities() const override { return inner_.capabilities(); }
+  Result<model::ForwardOutput> forward(std::span<const model::SequenceChunk> batch, const model::LatentCacheView& cache,
+                                       const model::ForwardOptions& options) override {
+    return inner_.forward(batch, cache, options);
+  }
+  Result<model::ForwardOutput> forwardMtp(std::span<const model::SequenceChunk> batch,
+                                          const model::LatentCacheView& cache,
+                                          const model::ForwardOptions& options) override {
+    auto out = inner_.forwardMtp(batch, cache, options);
+    if (!out.ok() || options.logits != model::OutputRows::Last) return out;
+    const auto vocab = static_cast<std::size_t>(config().vocab_size);
+    for (std::size_t i = 0; i < batch.size(); ++i) {
+      // Row i drafts the token two positions after the chunk's last MTP position.
+      const auto target =
+          static_cast<std::size_t>(batch[i].start_pos + static_cast<std::int64_t>(batch[i].tokens.size()) + 1);
+      if (target >= sequence_.size()) continue;
+      rng_ = rng_ * 6364136223846793005ULL + 1442695040888963407ULL;
+      const bool right = static_cast<double>(rng_ >> 11) / 9007199254740992.0 < p_;
+      const auto token = static_cast<std::size_t>(right ? sequence_[target]
+                                                        : (sequence_[target] + 1) % static_cast<std::int32_t>(vocab));
+      out->logits[i * vocab + token] = 1e9F;
+      ++proposed_;
+      proposed_right_ += right ? 1 : 0;
+    }
+    return out;
+  }
+  std::int64_t proposedRight() const { return proposed_right_; }
+
+ private:
+  model::Engine& inner_;
+  std::vector<std::int32_t> sequence_;
+  double p_;
+  std::uint64_t rng_ = 42;
+  std::int64_t proposed_ = 0;
+  std::int64_t proposed_right_ = 0;
+};
+
+// The CPU engine whose main-model forward fails from the `fail_from`-th call on (a device error).
+class FailingEngine : public model::Engine {
+ public:
+  FailingEngine(model::Engine& inner, int fail_from) : inner_(inner), fail_from_(fail_from) {}
+  const ModelConfig& config() const override { return inner_.config(); }
+  model::EngineCapabilities capabilities() const override { return inner_.capabilities(); }
+  Result<model::ForwardOutput> forward(std::span<const model::SequenceChunk> batch, const model::LatentCacheView& cache,
+                                       const model::ForwardOptions& options) override {
+    if (++calls_ >= fail_from_) return makeError(ErrorCode::Internal, "injected device failure");
+    return inner_.forward(batch, cache, options);
+  }
+  Result<model::ForwardOutput> forwardMtp(std::span<const model::SequenceChunk> batch,
+                                          const model::LatentCacheView& cache,
+                                          const model::ForwardOptions& options) override {
+    return inner_.forwardMtp(batch, cache, options);
+  }
+
+ private:
+  model::Engine& inner_;
+  int fail_from_;
+  int calls_ = 0;
+};
+
+// Collects a request's stream and checks that it ends exactly once.
+struct Stream {
+  std::vector<std::int32_t> tokens;
+  std::optional<FinishReason> finish;
+  std::optional<Error> error;
+  int finish_events = 0;
+  bool after_finish = false;
+
+  TokenSink sink() {
+    return [this](const TokenEvent& e) {
+      if (finish) after_finish = true;
+      for (const auto& t : e.tokens) tokens.push_back(t.token);
+      if (e.finish) {
+        ++finish_events;
+        finish = e.finish;
+        error = e.error;
+        EXPECT_EQ(e.completion_tokens, static_cast<std::int64_t>(tokens.size()));
+      }
+    };
+  }
+};
+
+class DecodeGolden : public ::testing::TestWithParam<std::string> {
+ protected:
+  void SetUp() override {
+    auto e = model::createCpuEngine(goldenDir() / GetParam(), model::CpuEngineOptions{2, std::nullopt, false});
+    ASSERT_TRUE(e.ok()) << e.error().toString();
+    engine_ = std::move(e).value();
+    const fs::path file = goldenDir() / GetParam() / "golden.safetensors";
+    prompt_ = goldenIds(file, "p0.tokens");
+    greedy_ = goldenIds(file, "p0.greedy");
+    auto p = KvPool::create(engine_->config(), 128, 4, DType::F32);  // small blocks: many per sequence
+    ASSERT_TRUE(p.ok()) << p.error().toString();
+    pool_ = std::make_unique<KvPool>(std::move(p).value());
+  }
+
+  DecodeRequest request(std::uint64_t id, std::int64_t prompt_tokens, std::int64_t max_tokens, Stream& s) const {
+    DecodeRequest r;
+    r.id = id;
+    r.prompt_tokens = prompt_tokens;
+    r.max_tokens = max_tokens;
+    r.ignore_eos = true;  // the golden ran a fixed number of tokens
+    r.sink = s.sink();
+    return r;
+  }
+
+  // Admits, prefills and decodes `prompts` together; returns each one's tokens.
+  std::vector<std::vector<std::int32_t>> decodeTogether(const std::vector<std::vector<std::int32_t>>& prompts,
+                                                        std::int64_t max_tokens, std::int64_t drafts,
+                                                        DecodeStats* stats = nullptr, std::int64_t max_running = 64,
+                                                        const model::SamplingParams& sampling = {},
+                                                        KvPool* pool = nullptr) {
+    KvPool& kv = pool != nullptr ? *pool : *pool_;
+    std::vector<Stream> streams(prompts.size());  // outlives the engine, whose destructor may call sinks
+    DecodeEngine dec(*engine_, kv, DecodeEngineOptions{drafts, max_running});
+    for (std::size_t i = 0; i < prompts.size(); ++i) {
+      DecodeRequest r = request(i + 1, static_cast<std::int64_t>(prompts[i].size()), max_tokens, streams[i]);
+      r.sampling = sampling;
+      auto blocks = dec.admit(std::move(r));
+      PD_CHECK_MSG(blocks.ok(), "admission failed");
+      PD_CHECK(dec.onKvReady(i + 1, prefill(*engine_, prompts[i], kv, *blocks, sampling)).ok());
+    }
+    for (int guard = 0; dec.hasWork() && guard < 1000; ++guard) dec.step(Clock::now());
+    EXPECT_EQ(dec.numRequests(), 0U);
+    EXPECT_TRUE(dec.blocks().isFullyFree());
+    if (stats) *stats = dec.stats();
+    std::vector<std::vector<std::int32_t>> out;
+    for (const Stream& s : streams) {
+      EXPECT_EQ(s.finish_events, 1);
+      EXPECT_FALSE(s.after_finish);
+      EXPECT_EQ(s.finish, FinishReason::Length);
+      out.push_back(s.tokens);
+    }
+    return out;
+  }
+
+  std::unique_ptr<model::Engine> engine_;
+  std::unique_ptr<KvPool> pool_;
+  std::vector<std::int32_t> prompt_;
+  std::vector<std::int32_t> greedy_;
+};
+
+TEST_P(DecodeGolden, GreedyTokensEqualGoldenWithAndWithoutMtp) {
+  const auto g = static_cast<std::int64_t>(greedy_.size());
+  for (const std::int64_t drafts : {0, 1, 2}) {
+    DecodeStats stats;
+    const auto got = decodeTogether({prompt_}, g, drafts, &stats);
+    EXPECT_EQ(got[0], greedy_) << GetParam() << " with " << drafts << " MTP drafts";
+    std::printf("  [decode] %s k=%lld: %lld steps for %lld tokens, drafts accepted %lld / %lld\n", GetParam().c_str(),
+                static_cast<long long>(drafts), static_cast<long long>(stats.steps), static_cast<long long>(g),
+                static_cast<long long>(stats.drafts_accepted), static_cast<long long>(stats.drafts_proposed));
+    EXPECT_EQ(stats.steps + stats.drafts_accepted, g - 1);  // every token but the first from a step
+  }
+}
+
+TEST_P(DecodeGolden, BatchOfDifferentLengthsEqualsEachAloneAndSingleProcess) {
+  std::vector<std::vector<std::int32_t>> prompts{
+      prompt_, {prompt_.begin(), prompt_.begin() + 7}, {prompt_.rbegin(), prompt_.rend() - 13}, {prompt_[5]}};
+  const std::int64_t max_tokens = 9;
+  for (const std::int64_t drafts : {0, 1}) {
+    const auto together = decodeTogether(prompts, max_tokens, drafts);
+    for (std::size_t i = 0; i < prompts.size(); ++i) {
+      const auto alone = decodeTogether({prompts[i]}, max_tokens, drafts);
+      EXPECT_EQ(together[i], alone[0]) << "prompt " << i << ", " << drafts << " drafts";
+      model::GenerateOptions go;
+      go.max_tokens = max_tokens;
+      go.stop_at_eos = false;
+      go.mtp_drafts = drafts;
+      auto ref = model::generate(*engine_, prompts[i], go);
+      ASSERT_TRUE(ref.ok()) << ref.error().toString();
+      EXPECT_EQ(alone[0], ref->tokens) << "prompt " << i << " vs single-process generate";
+    }
+  }
+}
+
+TEST_P(DecodeGolden, AcceptedDraftsGiveTheSameTokensInFewerSteps) {
+  std::vector<std::int32_t> sequence = prompt_;
+  sequence.insert(sequence.end(), greedy_.begin(), greedy_.end());
+  const auto g = static_cast<std::int64_t>(greedy_.size());
+  for (const std::int64_t drafts : {1, 2}) {
+    for (const double p : {1.0, 0.6}) {
+      OracleDraftEngine oracle(*engine_, sequence, p);
+      Stream s;
+      DecodeEngine dec(oracle, *pool_, DecodeEngineOptions{drafts, 8});
+      auto blocks = dec.admit(request(1, static_cast<std::int64_t>(prompt_.size()), g, s));
+      ASSERT_TRUE(blocks.ok());
+      ASSERT_TRUE(dec.onKvReady(1, prefill(*engine_, prompt_, *pool_, *blocks)).ok());
+      while (dec.hasWork()) dec.step(Clock::now());
+      EXPECT_EQ(s.tokens, greedy_) << drafts << " drafts, p = " << p;
+      const DecodeStats& st = dec.stats();
+      std::printf("  [decode] %s oracle p=%.1f k=%lld: %lld steps for %lld tokens, accepted %lld / %lld\n",
+                  GetParam().c_str(), p, static_cast<long long>(drafts), static_cast<long long>(st.steps),
+                  static_cast<long long>(g), static_cast<long long>(st.drafts_accepted),
+                  static_cast<long long>(st.drafts_proposed));
+      EXPECT_EQ(st.steps + st.drafts_accepted, g - 1);
+      EXPECT_GT(st.drafts_accepted, 0);
+      if (p == 1.0) {
+        EXPECT_EQ(st.drafts_accepted, st.drafts_proposed);
+      }
+      EXPECT_LE(st.drafts_accepted, oracle.proposedRight());
+      EXPECT_TRUE(dec.blocks().isFullyFree());
+    }
+  }
+}
+
+TEST_P(DecodeGolden, MoreRequestsThanBatchSlotsGiveTheSameTokens) {
+  std::vector<std::vector<std::int32_t>> prompts;
+  for (std::size_t len : {40U, 3U, 17U, 28U, 9U}) prompts.emplace_back(prompt_.begin(), prompt_.begin() + len);
+  const auto wide = decodeTogether(prompts, 6, 1, nullptr, 64);
+  const auto narrow = decodeTogether(prompts, 6, 1, nullptr, 2);  // the rest wait in the ready queue
+  EXPECT_EQ(narrow, wide);
+  EXPECT_EQ(wide[0], std::vector<std::int32_t>(greedy_.begin(), greedy_.begin() + 6));
+}
+
+TEST_P(DecodeGolden, SampledTokensDoNotDependOnSpeculation) {
+  model::SamplingParams sp;
+  sp.temperature = 0.8;
+  sp.top_k = 50;
+  sp.seed = 1234;
+  const std::vector<std::vector<std::int32_t>> prompts{prompt_, {prompt_.begin(), prompt_.begin() + 11}};
+  const auto plain = decodeTogether(prompts, 12, 0, nullptr, 64, sp);
+  EXPECT_NE(plain[0], std::vector<std::int32_t>(greedy_.begin(), greedy_.begin() + 12)) << "sampling had no effect";
+  for (const std::int64_t drafts : {1, 2}) {
+    EXPECT_EQ(decodeTogether(prompts, 12, drafts, nullptr, 64, sp), plain) << drafts << " drafts";
+  }
+  // Disaggregated sampling (first token drawn on the prefill side) equals single-process.
+  for (std::size_t i = 0; i < prompts.size(); ++i) {
+    model::GenerateOptions go;
+    go.max_tokens = 12;
+    go.stop_at_eos = false;
+    go.sampling = sp;
+    auto ref = model::generate(*engine_, prompts[i], go);
+    ASSERT_TRUE(ref.ok());
+    EXPECT_EQ(plain[i], ref->tokens) << "prompt " << i;
+  }
+  // Drafts that are accepted (an oracle proposing the sampled continuation most of the time) must
+  // not shift the sampler's random draws either.
+  std::vector<std::int32_t> sequence = prompt_;
+  sequence.insert(sequence.end(), plain[0].begin(), plain[0].end());
+  OracleDraftEngine oracle(*engine_, sequence, 0.7);
+  Stream s;
+  DecodeEngine dec(oracle, *pool_, DecodeEngineOptions{2, 8});
+  DecodeRequest r = request(1, static_cast<std::int64_t>(prompt_.size()), 12, s);
+  r.sampling = sp;
+  auto blocks = dec.admit(std::move(r));
+  ASSERT_TRUE(blocks.ok());
+  ASSERT_TRUE(dec.onKvReady(1, prefill(*engine_, prompt_, *pool_, *blocks, sp)).ok());
+  while (dec.hasWork()) dec.step(Clock::now());
+  EXPECT_EQ(s.tokens, plain[0]);
+  EXPECT_GT(dec.stats().drafts_accepted, 0);
+  EXPECT_TRUE(dec.blocks().isFullyFree());
+}
+
+TEST_P(DecodeGolden, Bf16PoolEqualsSingleProcessGenerationWithBf16Cache) {
+  auto bf16 = KvPool::create(engine_->config(), 64, 8, DType::BF16);
+  ASSERT_TRUE(bf16.ok());
+  const auto g = static_cast<std::int64_t>(greedy_.size());
+  model::GenerateOptions go;
+  go.max_tokens = g;
+  go.stop_at_eos = false;
+  go.cache_dtype = DType::BF16;
+  auto ref = model::generate(*engine_, prompt_, go);
+  ASSERT_TRUE(ref.ok()) << ref.error().toString();
+  for (const std::int64_t drafts : {0, 1}) {
+    EXPECT_EQ(decodeTogether({prompt_}, g, drafts, nullptr, 64, {}, &*bf16)[0], ref->tokens) << drafts << " drafts";
+  }
+}
+
+TEST_P(DecodeGolden, StopTokenEndsTheStreamWithStop) {
+  Stream s;
+  DecodeEngine dec(*engine_, *pool_, DecodeEngineOptions{1, 8});
+  DecodeRequest r = request(1, static_cast<std::int64_t>(prompt_.size()), 24, s);
+  r.stop_token_ids = {greedy_[3]};
+  const auto stop_at = std::find(greedy_.begin(), greedy_.end(), greedy_[3]) - greedy_.begin();
+  auto blocks = dec.admit(std::move(r));
+  ASSERT_TRUE(blocks.ok());
+  ASSERT_TRUE(dec.onKvReady(1, prefill(*engine_, prompt_, *pool_, *blocks)).ok());
+  while (dec.hasWork()) dec.step(Clock::now());
+  EXPECT_EQ(s.finish, FinishReason::Stop);
+  EXPECT_EQ(s.tokens, std::vector<std::int32_t>(greedy_.begin(), greedy_.begin() + stop_at + 1));
+  EXPECT_TRUE(dec.blocks().isFullyFree());
+}
+
+TEST_P(DecodeGolden, EveryExitPathFreesEveryBlock) {
+  std::map<std::uint64_t, Stream> s;
+  DecodeEngine dec(*engine_, *pool_, DecodeEngineOptions{1, 8});
+  const auto n = static_cast<std::int64_t>(prompt_.size());
+  const Clock::time_point t0 = Clock::now();
+
+  // 1: aborted while waiting for KV; 2: aborted while running; 3: KV deadline passes;
+  // 4: the prefill side reports failure; 5: a record that does not match the request;
+  // 6: the KV arrives after the request was aborted.
+  for (std::uint64_t id = 1; id <= 6; ++id) {
+    DecodeRequest r = request(id, n, 20, s[id]);
+    r.kv_deadline = id == 3 ? t0 + std::chrono::milliseconds(10) : t0 + std::chrono::hours(1);
+    ASSERT_TRUE(dec.admit(std::move(r)).ok());
+  }
+  EXPECT_TRUE(dec.abort(1));
+  EXPECT_FALSE(dec.abort(1));
+  ASSERT_TRUE(dec.onKvReady(2, prefill(*engine_, prompt_, *pool_,
+                                       {dec.blocks().blockTable(2).begin(), dec.blocks().blockTable(2).end()}))
+                  .ok());
+  ASSERT_TRUE(dec.onKvReady(4, makeError(ErrorCode::PeerFailed, "prefill worker died")).ok());
+  kvtransfer::CompletionRecord wrong;
+  wrong.num_tokens = static_cast<std::uint32_t>(n - 1);
+  ASSERT_TRUE(dec.onKvReady(5, std::move(wrong)).ok());
+  EXPECT_TRUE(dec.abort(6));
+  EXPECT_EQ(dec.onKvReady(6, kvtransfer::CompletionRecord{}).error().code, ErrorCode::NotFound);
+  dec.step(t0);  // request 2 decodes; 3 still within its deadline
+  EXPECT_EQ(s[3].finish_events, 0);
+  dec.step(t0 + std::chrono::milliseconds(11));
+  EXPECT_EQ(s[3].finish, FinishReason::Error);
+  ASSERT_TRUE(s[3].error.has_value());
+  EXPECT_EQ(s[3].error->code, ErrorCode::Timeout);
+  EXPECT_GE(s[2].tokens.size(), 2U);
+  EXPECT_TRUE(dec.abort(2));
+
+  EXPECT_EQ(s[1].finish, FinishReason::Aborted);
+  EXPECT_EQ(s[2].finish, FinishReason::Aborted);
+  EXPECT_EQ(s[4].finish, FinishReason::Error);
+  EXPECT_EQ(s[4].error->code, ErrorCode::PeerFailed);
+  EXPECT_EQ(s[5].finish, FinishReason::Error);
+  EXPECT_EQ(s[5].error->code, ErrorCode::Corrupt);
+  EXPECT_EQ(s[6].finish, FinishReason::Aborted);
+  for (auto& [id, st] : s) {
+    EXPECT_EQ(st.finish_events, 1) << "request " << id;
+    EXPECT_FALSE(st.after_finish) << "request " << id;
+  }
+  EXPECT_EQ(dec.numRequests(), 0U);
+  EXPECT_FALSE(dec.hasWork());
+  EXPECT_TRUE(dec.blocks().isFullyFree());
+}
+
+TEST_P(DecodeGolden, AnEngineFailureEndsTheBatchWithAnErrorAndFreesEveryBlock) {
+  for (const std::int64_t drafts : {0, 1}) {
+    FailingEngine failing(*engine_, 3);
+    std::vector<Stream> s(3);
+    DecodeEngine dec(failing, *pool_, DecodeEngineOptions{drafts, 8});
+    for (std::uint64_t id = 1; id <= 3; ++id) {
+      auto blocks = dec.admit(request(id, 10 + static_cast<std::int64_t>(id), 20, s[id - 1]));
+      ASSERT_TRUE(blocks.ok());
+      const std::vector<std::int32_t> prompt(prompt_.begin(), prompt_.begin() + 10 + static_cast<std::ptrdiff_t>(id));
+      ASSERT_TRUE(dec.onKvReady(id, prefill(*engine_, prompt, *pool_, *blocks)).ok());
+    }
+    for (int i = 0; i < 5 && dec.hasWork(); ++i) dec.step(Clock::now());
+    EXPECT_FALSE(dec.hasWork());
+    for (Stream& st : s) {
+      EXPECT_EQ(st.finish, FinishReason::Error);
+      ASSERT_TRUE(st.error.has_value());
+      EXPECT_EQ(st.error->code, ErrorCode::Internal);
+      EXPECT_EQ(st.tokens.size(), 3U);  // the first token and two good steps
+      EXPECT_EQ(st.finish_events, 1);
+    }
+    EXPECT_TRUE(dec.blocks().isFullyFree());
+  }
+}
+
+TEST_P(DecodeGolden, AdmissionAnswersOverloadedAndResourceExhausted) {
+  // 16 blocks of 4 tokens: a 40-token prompt with 25 new tokens reserves all 16 (the last token
+  // is never cached).
+  auto small = KvPool::create(engine_->config(), 16, 4, DType::F32);
+  ASSERT_TRUE(small.ok());
+  std::map<std::uint64_t, Stream> s;
+  DecodeEngine dec(*engine_, *small, DecodeEngineOptions{0, 8});
+  ASSERT_TRUE(dec.admit(request(1, 40, 25, s[1])).ok());
+  auto full = dec.admit(request(2, 1, 1, s[2]));
+  ASSERT_FALSE(full.ok());
+  EXPECT_EQ(full.error().code, ErrorCode::Overloaded);
+  auto never = dec.admit(request(3, 40, 26, s[3]));
+  ASSERT_FALSE(never.ok());
+  EXPECT_EQ(never.error().code, ErrorCode::ResourceExhausted);
+  auto too_long = dec.admit(request(4, 250, 10, s[4]));
+  ASSERT_FALSE(too_long.ok());
+  EXPECT_EQ(too_long.error().code, ErrorCode::InvalidArgument);
+  auto duplicate = dec.admit(request(1, 1, 1, s[5]));
+  ASSERT_FALSE(duplicate.ok());
+  EXPECT_EQ(duplicate.error().code, ErrorCode::InvalidArgument);
+  EXPECT_TRUE(dec.abort(1));
+  EXPECT_TRUE(dec.admit(request(2, 1, 1, s[2])).ok());  // a retry after capacity frees up
+  EXPECT_EQ(s[3].finish_events, 0);                     // refused requests never stream
+  EXPECT_TRUE(dec.abort(2));
+  EXPECT_TRUE(dec.blocks().isFullyFree());
+}
+
+INSTANTIATE_TEST_SUITE_P(Golden, DecodeGolden, ::testing::Values("tiny-bf16", "tiny-fp8"));
+
+}  // namespace
+}  // namespace pd::decode

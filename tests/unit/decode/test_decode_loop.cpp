@@ -1,0 +1,311 @@
+// The decode engine loop thread, fed through the kvtransfer seam: the decode pool is registered
+// with a loopback transport, a "prefill worker" in the test puts each layer's latent KV into the
+// admitted blocks through the real layout/descriptor code and finishes with a completion record,
+// and the loop decodes the golden greedy tokens. Also: deadline, abort and shutdown on the loop.
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <condition_variable>
+#include <cstring>
+#include <filesystem>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "fakes/loopback_transport.h"
+#include "pd/common/model/engine.h"
+#include "pd/common/model/latent_cache.h"
+#include "pd/common/model/sampling.h"
+#include "pd/common/safetensors.h"
+#include "pd/decode/decode_loop.h"
+#include "pd/decode/kv_pool.h"
+#include "pd/kvtransfer/layout.h"
+#include "unit/decode/golden_support.h"
+
+namespace pd::decode {
+namespace {
+
+namespace fs = std::filesystem;
+using kvtransfer::fakes::LoopbackFabric;
+using kvtransfer::fakes::LoopbackTransport;
+
+using test_support::goldenDir;
+using test_support::goldenIds;
+
+constexpr auto kWait = std::chrono::seconds(60);
+
+std::unique_ptr<model::Engine> makeEngine(const std::string& model) {
+  auto e = model::createCpuEngine(goldenDir() / model, model::CpuEngineOptions{2, std::nullopt, false});
+  PD_CHECK_MSG(e.ok(), "cannot create the engine on the golden model");
+  return std::move(e).value();
+}
+
+// A stream read by the test thread while the loop thread writes it.
+class Stream {
+ public:
+  TokenSink sink() {
+    return [this](const TokenEvent& e) {
+      std::lock_guard lock(mutex_);
+      for (const auto& t : e.tokens) tokens_.push_back(t.token);
+      if (e.finish) {
+        ++finish_events_;
+        finish_ = e.finish;
+        error_ = e.error;
+        done_.notify_all();
+      }
+    };
+  }
+  // Waits for the end of the stream; false on timeout.
+  bool waitFinished() {
+    std::unique_lock lock(mutex_);
+    return done_.wait_for(lock, kWait, [this] { return finish_events_ > 0; });
+  }
+  std::vector<std::int32_t> tokens() {
+    std::lock_guard lock(mutex_);
+    return tokens_;
+  }
+  std::optional<FinishReason> finish() {
+    std::lock_guard lock(mutex_);
+    return finish_;
+  }
+  std::optional<Error> error() {
+    std::lock_guard lock(mutex_);
+    return error_;
+  }
+  int finishEvents() {
+    std::lock_guard lock(mutex_);
+    return finish_events_;
+  }
+
+ private:
+  std::mutex mutex_;
+  std::condition_variable done_;
+  std::vector<std::int32_t> tokens_;
+  std::optional<FinishReason> finish_;
+  std::optional<Error> error_;
+  int finish_events_ = 0;
+};
+
+// The sending side of one request: layer latents staged contiguously per layer in a registered
+// buffer and put into the decode pool as each layer is computed (docs/kv-transfer.md).
+class PutSink : public model::LatentKvSink {
+ public:
+  PutSink(kvtransfer::Transport& tx, std::uint64_t request_id, std::int64_t layers, std::int64_t tokens,
+          std::int64_t dim)
+      : tx_(tx),
+        request_id_(request_id),
+        tokens_(tokens),
+        dim_(dim),
+        staging_(static_cast<std::size_t>(layers * tokens * dim)) {
+    auto r = tx_.registerRegion(std::as_writable_bytes(std::span<float>(staging_)));
+    PD_CHECK(r.ok());
+    region_ = *r;
+  }
+  void onLayer(std::int64_t kv_layer, std::size_t /*sequence*/, std::int64_t start_pos,
+               std::span<const float> latent) override {
+    const auto at = static_cast<std::size_t>((kv_layer * tokens_ + start_pos) * dim_);
+    std::memcpy(staging_.data() + at, latent.data(), latent.size_bytes());
+    kvtransfer::LayerPut put;
+    put.slice = kvtransfer::LayerSlice{static_cast<std::uint32_t>(kv_layer), static_cast<std::uint32_t>(start_pos),
+                                       static_cast<std::uint32_t>(latent.size() / static_cast<std::size_t>(dim_))};
+    put.local_region = region_;
+    put.local_offset = at * sizeof(float);
+    const Status s = tx_.put(request_id_, std::span<const kvtransfer::LayerPut>(&put, 1));
+    EXPECT_TRUE(s.ok()) << s.error().toString();
+  }
+
+ private:
+  kvtransfer::Transport& tx_;
+  std::uint64_t request_id_;
+  std::int64_t tokens_;
+  std::int64_t dim_;
+  std::vector<float> staging_;
+  kvtransfer::RegionId region_ = 0;
+};
+
+class DecodeLoopGolden : public ::testing::TestWithParam<std::string> {
+ protected:
+  void SetUp() override {
+    decode_engine_ = makeEngine(GetParam());
+    prefill_engine_ = makeEngine(GetParam());
+    const fs::path file = goldenDir() / GetParam() / "golden.safetensors";
+    prompt_ = goldenIds(file, "p0.tokens");
+    greedy_ = goldenIds(file, "p0.greedy");
+    auto p = KvPool::create(decode_engine_->config(), 64, 8, DType::F32);
+    ASSERT_TRUE(p.ok()) << p.error().toString();
+    pool_ = std::make_unique<KvPool>(std::move(p).value());
+  }
+
+  DecodeRequest request(std::uint64_t id, std::int64_t max_tokens, Stream& s) const {
+    DecodeRequest r;
+    r.id = id;
+    r.prompt_tokens = static_cast<std::int64_t>(prompt_.size());
+    r.max_tokens = max_tokens;
+    r.ignore_eos = true;
+    r.sink = s.sink();
+    return r;
+  }
+
+  std::unique_ptr<model::Engine> decode_engine_;
+  std::unique_ptr<model::Engine> prefill_engine_;  // the "prefill worker" runs on the test thread
+  std::unique_ptr<KvPool> pool_;
+  std::vector<std::int32_t> prompt_;
+  std::vector<std::int32_t> greedy_;
+};
+
+TEST_P(DecodeLoopGolden, KvPutThroughTheTransportThenDecodedEqualsGolden) {
+  const ModelConfig& cfg = decode_engine_->config();
+  auto fabric = std::make_shared<LoopbackFabric>();
+  const kvtransfer::CompatInfo compat = pool_->compat(/*model_hash=*/0x5eed, /*tp_size=*/1);
+  LoopbackTransport decode_tx(fabric, compat);
+  LoopbackTransport prefill_tx(fabric, compat);
+  auto region = decode_tx.registerRegion(pool_->memory());
+  ASSERT_TRUE(region.ok());
+  const kvtransfer::RegionLayout layout = pool_->regionLayout(*region);
+  auto target = decode_tx.exportTarget(0, std::span<const kvtransfer::RegionLayout>(&layout, 1));
+  ASSERT_TRUE(target.ok());
+
+  Stream stream;
+  {
+    DecodeLoop loop(*decode_engine_, *pool_, DecodeEngineOptions{1, 8});
+    const std::uint64_t id = 77;
+    DecodeRequest r = request(id, static_cast<std::int64_t>(greedy_.size()), stream);
+    r.kv_deadline = Clock::now() + kWait;
+    auto opened = loop.openStream(std::move(r), decode_tx, compat, {*target}, 60000);
+    ASSERT_TRUE(opened.ok()) << opened.error().toString();
+    const kvtransfer::KvDescriptor& desc = *opened;
+    EXPECT_TRUE(kvtransfer::validateDescriptor(desc).ok());
+    EXPECT_EQ(desc.num_tokens, prompt_.size());
+
+    std::mutex done_mutex;
+    std::optional<Status> sent;
+    ASSERT_TRUE(prefill_tx
+                    .beginTransfer(desc, kvtransfer::Clock::now() + kWait,
+                                   [&](std::uint64_t, Status s) {
+                                     std::lock_guard lock(done_mutex);
+                                     sent = std::move(s);
+                                   })
+                    .ok());
+
+    // The prefill worker: main model and MTP layer over the prompt in its own cache.
+    const auto n = static_cast<std::int64_t>(prompt_.size());
+    PutSink sink(prefill_tx, id, cfg.kvLayers(), n, cfg.latentDim());
+    auto local = model::PagedLatentCache::create(cfg, 1, n, DType::F32);
+    ASSERT_TRUE(local.ok());
+    const std::vector<std::int32_t> table{0};
+    model::ForwardOptions fo;
+    fo.hidden = model::OutputRows::All;
+    fo.sink = &sink;
+    const model::SequenceChunk chunk{prompt_, 0, table};
+    auto out = prefill_engine_->forward(std::span<const model::SequenceChunk>(&chunk, 1), local->view(), fo);
+    ASSERT_TRUE(out.ok());
+    const auto d = static_cast<std::size_t>(cfg.hidden_size);
+    const model::SequenceChunk mtp{std::span<const std::int32_t>(prompt_).subspan(1), 0, table,
+                                   std::span<const float>(out->hidden.data(), static_cast<std::size_t>(n - 1) * d)};
+    model::ForwardOptions mo;
+    mo.logits = model::OutputRows::None;
+    mo.sink = &sink;
+    ASSERT_TRUE(prefill_engine_->forwardMtp(std::span<const model::SequenceChunk>(&mtp, 1), local->view(), mo).ok());
+    kvtransfer::CompletionRecord rec;
+    rec.request_id = id;
+    rec.num_tokens = static_cast<std::uint32_t>(n);
+    rec.first_token = model::argmax(out->logits);
+    rec.hidden_state.assign(out->hidden.end() - static_cast<std::ptrdiff_t>(d), out->hidden.end());
+    ASSERT_TRUE(prefill_tx.finish(std::move(rec)).ok());
+
+    ASSERT_TRUE(stream.waitFinished());
+    EXPECT_EQ(stream.tokens(), greedy_);
+    EXPECT_EQ(stream.finish(), FinishReason::Length);
+    {
+      std::lock_guard lock(done_mutex);
+      ASSERT_TRUE(sent.has_value());
+      EXPECT_TRUE(sent->ok());
+    }
+    bool free = false;
+    loop.runOnLoop([&](DecodeEngine& e) { free = e.blocks().isFullyFree(); });
+    EXPECT_TRUE(free);
+  }
+  EXPECT_EQ(stream.finishEvents(), 1);
+  EXPECT_TRUE(decode_tx.deregisterRegion(*region).ok());
+}
+
+TEST_P(DecodeLoopGolden, AFailedOpenHoldsNothing) {
+  auto fabric = std::make_shared<LoopbackFabric>();
+  const kvtransfer::CompatInfo compat = pool_->compat(0x5eed, 1);
+  // Declared before the loop, so destroyed after it: its pending expectations are answered into
+  // a closed inbox (what a worker that stops the loop before the transport does).
+  LoopbackTransport decode_tx(fabric, compat);
+  Stream refused;
+  Stream ok;
+  Stream left_open;
+  {
+    auto small_pool = KvPool::create(decode_engine_->config(), 8, 8, DType::F32);
+    ASSERT_TRUE(small_pool.ok());
+    DecodeLoop loop(*decode_engine_, *small_pool, DecodeEngineOptions{0, 8});
+    DecodeRequest big = request(1, 40, refused);  // 40 + 40 - 1 tokens > 8 blocks of 8
+    big.kv_deadline = Clock::now() + kWait;
+    auto opened = loop.openStream(std::move(big), decode_tx, compat, {}, 1000);
+    ASSERT_FALSE(opened.ok());
+    EXPECT_EQ(opened.error().code, ErrorCode::ResourceExhausted);
+    EXPECT_FALSE(decode_tx.cancelExpect(1)) << "the refused request's expectation is still armed";
+    DecodeRequest small = request(3, 4, ok);
+    small.kv_deadline = Clock::now() + kWait;
+    auto opened_ok = loop.openStream(std::move(small), decode_tx, compat, {}, 1000);
+    ASSERT_TRUE(opened_ok.ok()) << opened_ok.error().toString();
+    auto dup = loop.openStream(request(3, 4, refused), decode_tx, compat, {}, 1000);
+    ASSERT_FALSE(dup.ok());
+    EXPECT_EQ(dup.error().code, ErrorCode::InvalidArgument);
+    EXPECT_TRUE(decode_tx.cancelExpect(3));  // the transport gives up: the loop ends the stream
+    ASSERT_TRUE(ok.waitFinished());
+    EXPECT_EQ(ok.finish(), FinishReason::Error);
+    EXPECT_EQ(ok.error()->code, ErrorCode::Cancelled);
+    bool free = false;
+    loop.runOnLoop([&](DecodeEngine& e) { free = e.blocks().isFullyFree(); });
+    EXPECT_TRUE(free);
+    // Left pending at shutdown: the loop ends the stream, the transport answers later.
+    DecodeRequest pending = request(2, 4, left_open);
+    pending.kv_deadline = Clock::now() + kWait;
+    ASSERT_TRUE(loop.openStream(std::move(pending), decode_tx, compat, {}, 1000).ok());
+  }
+  EXPECT_EQ(left_open.finish(), FinishReason::Aborted);
+  EXPECT_EQ(refused.finishEvents(), 0);
+  EXPECT_EQ(ok.finishEvents(), 1);
+}
+
+TEST_P(DecodeLoopGolden, DeadlineAbortAndShutdownEndEveryStreamAndFreeEveryBlock) {
+  Stream expires;
+  Stream aborted;
+  Stream at_shutdown;
+  {
+    DecodeLoop loop(*decode_engine_, *pool_, DecodeEngineOptions{1, 8});
+    DecodeRequest r = request(1, 8, expires);
+    r.kv_deadline = Clock::now() + std::chrono::milliseconds(50);  // the loop wakes up for it
+    ASSERT_TRUE(loop.admit(std::move(r)).ok());
+    ASSERT_TRUE(loop.admit(request(2, 8, aborted)).ok());
+    ASSERT_TRUE(loop.admit(request(3, 8, at_shutdown)).ok());
+    loop.postAbort(2);
+    ASSERT_TRUE(expires.waitFinished());
+    ASSERT_TRUE(aborted.waitFinished());
+    EXPECT_EQ(expires.finish(), FinishReason::Error);
+    ASSERT_TRUE(expires.error().has_value());
+    EXPECT_EQ(expires.error()->code, ErrorCode::Timeout);
+    EXPECT_EQ(aborted.finish(), FinishReason::Aborted);
+    loop.postKvReady(2, kvtransfer::CompletionRecord{});  // too late: ignored
+    std::size_t held = 0;
+    std::size_t holding_blocks = 0;
+    loop.runOnLoop([&](DecodeEngine& e) {
+      held = e.numRequests();
+      holding_blocks = e.blocks().numRequests();
+    });
+    EXPECT_EQ(held, 1U);
+    EXPECT_EQ(holding_blocks, 1U);  // the expired and the aborted request gave theirs back
+  }
+  EXPECT_EQ(at_shutdown.finish(), FinishReason::Aborted);
+  for (Stream* s : {&expires, &aborted, &at_shutdown}) EXPECT_EQ(s->finishEvents(), 1);
+  // Shutdown released request 3's blocks too: ~DecodeEngine aborts it through a PD_CHECKed release.
+}
+
+INSTANTIATE_TEST_SUITE_P(Golden, DecodeLoopGolden, ::testing::Values("tiny-bf16", "tiny-fp8"));
+
+}  // namespace
+}  // namespace pd::decode
