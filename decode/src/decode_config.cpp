@@ -10,7 +10,8 @@ void registerOptions(config::OptionSet& set, DecodeConfig& cfg) {
       .add("max_running_requests", &cfg.max_running_requests, "sequences in one decode batch", 1, 1 << 16)
       .add("num_speculative_tokens", &cfg.num_speculative_tokens, "MTP draft tokens per step (0 = off)", 0, 8)
       .add("tensor_parallel", &cfg.tensor_parallel, "tensor-parallel ranks", 1, 64)
-      .add("kv_wait_timeout_ms", &cfg.kv_wait_timeout_ms, "how long an admitted request waits for its KV", 100, 86400000);
+      .add("kv_wait_timeout_ms", &cfg.kv_wait_timeout_ms, "how long an admitted request waits for its KV", 100,
+           86400000);
 }
 
 }  // namespace pd::decode

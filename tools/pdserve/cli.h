@@ -38,8 +38,8 @@ int reportFailure(const Error& error);
 /// sections, and applied, with env and flags, to the `active` sections. On --help prints
 /// `usage` and the option tables. Applies log.level when `common` is given.
 Result<config::LoadOutput> loadCommandOptions(const std::string& usage, const std::vector<config::OptionSet*>& active,
-                                               const std::vector<std::string>& args,
-                                               const CommonConfig* common = nullptr);
+                                              const std::vector<std::string>& args,
+                                              const CommonConfig* common = nullptr);
 
 /// The model folder to use: `cfg.model_path`, or the embedded default model (created in the
 /// cache folder on first use from the fetched tokenizer).

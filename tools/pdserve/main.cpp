@@ -15,7 +15,9 @@ struct Command {
   std::string_view issue;  ///< set while the command is not built yet
 };
 
-int notYetBuilt(const std::vector<std::string>& /*args*/) { return 3; }
+int notYetBuilt(const std::vector<std::string>& /*args*/) {
+  return 3;
+}
 
 /// `pdserve bench kv` (issue 5) and `pdserve bench engine` (issue 4) are built; the load
 /// generator is not yet.
@@ -32,8 +34,8 @@ constexpr Command kCommands[] = {
     {"router", "run the OpenAI-compatible router", notYetBuilt, "issue 8"},
     {"prefill", "run a prefill worker", notYetBuilt, "issue 7"},
     {"decode", "run a decode worker", notYetBuilt, "issue 6"},
-    {"inspect", "summarize a checkpoint: config, parameters, bytes, KV per token, tensor check",
-     pd::cli::runInspect, ""},
+    {"inspect", "summarize a checkpoint: config, parameters, bytes, KV per token, tensor check", pd::cli::runInspect,
+     ""},
     {"make-model", "write a random-weight DeepSeek-V3-layout checkpoint", pd::cli::runMakeModel, ""},
     {"tokenize", "JSONL {\"text\"} -> {\"ids\"} with the model's tokenizer", pd::cli::runTokenize, ""},
     {"detokenize", "JSONL {\"ids\"} -> {\"text\"}", pd::cli::runDetokenize, ""},
@@ -41,10 +43,9 @@ constexpr Command kCommands[] = {
      ""},
     {"logits", "run a prompt through the model; write logits, latent KV, hidden states (safetensors)",
      pd::cli::runLogits, ""},
-    {"generate", "greedy/sampled generation in one process (prefill + decode, optional MTP)", pd::cli::runGenerate,
+    {"generate", "greedy/sampled generation in one process (prefill + decode, optional MTP)", pd::cli::runGenerate, ""},
+    {"bench", "benchmarks: `bench kv` (KV transfer vs ucx_perftest), `bench engine` (CPU engine MBU/FLOPs)", runBench,
      ""},
-    {"bench", "benchmarks: `bench kv` (KV transfer vs ucx_perftest), `bench engine` (CPU engine MBU/FLOPs)",
-     runBench, ""},
     {"plan", "capacity planner", notYetBuilt, "issue 10"},
 };
 
@@ -73,8 +74,8 @@ int main(int argc, char** argv) {
   for (const auto& c : kCommands) {
     if (c.name != name) continue;
     if (!c.issue.empty()) {
-      std::fprintf(stderr, "pdserve %s: not built yet (tracked in %.*s)\n", argv[1],
-                   static_cast<int>(c.issue.size()), c.issue.data());
+      std::fprintf(stderr, "pdserve %s: not built yet (tracked in %.*s)\n", argv[1], static_cast<int>(c.issue.size()),
+                   c.issue.data());
       return c.run(args);
     }
     return c.run(args);
