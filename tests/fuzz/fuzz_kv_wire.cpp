@@ -14,6 +14,7 @@
 
 #include "kv_wire_oracle.h"
 
+// NOLINTNEXTLINE(readability-identifier-naming): the name libFuzzer looks for
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
   const std::string problem = pd::kvtransfer::fuzz::checkKvWireInput(std::span(data, size));
   if (!problem.empty()) {

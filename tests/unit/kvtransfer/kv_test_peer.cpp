@@ -169,7 +169,7 @@ int corpus(const std::string& dir) {
   };
   CompatInfo compat = testutil::smallCompat();
   KvDescriptor d{1, compat, 10, 1000, {3, 1, 2}, {}};
-  d.targets.push_back(KvTarget{0, {1, 2, 3, 4}, {KvRegion{1ULL << 40, 3U * 10 * 64, 0, 3, 640, 64, {7, 7}}}});
+  d.targets.push_back(KvTarget{0, {1, 2, 3, 4}, {KvRegion{1ULL << 40, 3ULL * 10 * 64, 0, 3, 640, 64, {7, 7}}}});
   write(encode(d));
   d.targets[0].regions = {KvRegion{1ULL << 40, 640, 0, 1, 0, 64, {1}}, KvRegion{1ULL << 41, 1280, 1, 2, 640, 64, {2}}};
   write(encode(d));

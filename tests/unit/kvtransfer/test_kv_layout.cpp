@@ -20,8 +20,8 @@ KvDescriptor smallDescriptor() {
   d.num_tokens = 10;
   d.timeout_ms = 1000;
   d.block_ids = {7, 2, 3};
-  const std::uint64_t block = 4U * 16;
-  d.targets.push_back(KvTarget{0, {1, 2, 3}, {KvRegion{kBase, 3U * 10 * block, 0, 3, 10U * block, block, {9}}}});
+  const std::uint64_t block = 4ULL * 16;
+  d.targets.push_back(KvTarget{0, {1, 2, 3}, {KvRegion{kBase, 3ULL * 10 * block, 0, 3, 10ULL * block, block, {9}}}});
   return d;
 }
 
@@ -39,21 +39,21 @@ TEST(KvLayout, PlansOnePutPerBlockRunAndMergesContiguousBlocks) {
   // Layer 1, tokens 1..9: block 7 slots 1..3, then blocks 2 and 3 (contiguous: merged).
   auto puts = planLayerPuts(d, 0, LayerSlice{1, 1, 9});
   ASSERT_TRUE(puts.ok()) << puts.error().toString();
-  const std::uint64_t layer1 = kBase + 10U * 64;
+  const std::uint64_t layer1 = kBase + 10ULL * 64;
   ASSERT_EQ(puts.value().size(), 2U);
-  EXPECT_EQ(puts.value()[0], (PlannedPut{0, layer1 + 7U * 64 + 16, 0, 3U * 16}));
-  EXPECT_EQ(puts.value()[1], (PlannedPut{0, layer1 + 2U * 64, 3U * 16, 6U * 16}));
+  EXPECT_EQ(puts.value()[0], (PlannedPut{0, layer1 + 7ULL * 64 + 16, 0, 3ULL * 16}));
+  EXPECT_EQ(puts.value()[1], (PlannedPut{0, layer1 + 2ULL * 64, 3ULL * 16, 6ULL * 16}));
 }
 
 TEST(KvLayout, SplitRegionsPerLayerAreFound) {
   KvDescriptor d = smallDescriptor();
   auto& regions = d.targets[0].regions;
-  regions = {KvRegion{kBase, 640, 0, 1, 0, 64, {1}}, KvRegion{kBase + 4096, 2U * 640, 1, 2, 640, 64, {2}}};
+  regions = {KvRegion{kBase, 640, 0, 1, 0, 64, {1}}, KvRegion{kBase + 4096, 2ULL * 640, 1, 2, 640, 64, {2}}};
   ASSERT_EQ(validationError(d), "");
   auto puts = planLayerPuts(d, 0, LayerSlice{2, 0, 1});
   ASSERT_TRUE(puts.ok());
   ASSERT_EQ(puts.value().size(), 1U);
-  EXPECT_EQ(puts.value()[0], (PlannedPut{1, kBase + 4096 + 640 + 7U * 64, 0, 16}));
+  EXPECT_EQ(puts.value()[0], (PlannedPut{1, kBase + 4096 + 640 + 7ULL * 64, 0, 16}));
 }
 
 TEST(KvLayout, SlicesOutsideTheRequestAreRefused) {

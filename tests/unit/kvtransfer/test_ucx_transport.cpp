@@ -295,7 +295,7 @@ TEST_P(UcxTransportTest, ReceiverGoneMidTransferIsReportedAsPeerFailure) {
   std::vector<std::byte> pool_memory(64U << 20);
   auto region = receiver_->registerRegion(pool_memory);
   ASSERT_TRUE(region.ok());
-  const std::uint64_t block = 64U * 1152;
+  const std::uint64_t block = 64ULL * 1152;
   const RegionLayout layout{region.value(), 0, 0, 61, 8 * block, block};
   auto target = receiver_->exportTarget(0, std::span(&layout, 1));
   ASSERT_TRUE(target.ok());
