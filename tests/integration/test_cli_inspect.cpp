@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "pd/common/model_config.h"
+#include "support/temp_dir.h"
 
 namespace {
 
@@ -25,25 +26,7 @@ fs::path goldenDir() {
   return fs::path(PD_TEST_DATA_DIR) / "golden";
 }
 
-class TempDir {
- public:
-  TempDir() {
-    std::string tmpl = (fs::temp_directory_path() / "pd_cli_inspect_XXXXXX").string();
-    path_ = ::mkdtemp(tmpl.data());
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path_, ec);
-  }
-  TempDir(const TempDir&) = delete;
-  TempDir& operator=(const TempDir&) = delete;
-  TempDir(TempDir&&) = delete;
-  TempDir& operator=(TempDir&&) = delete;
-  [[nodiscard]] const fs::path& path() const { return path_; }
-
- private:
-  fs::path path_;
-};
+using pd::test::TempDir;
 
 std::string readText(const fs::path& p) {
   std::ifstream in(p, std::ios::binary);

@@ -14,6 +14,7 @@
 
 #include "pd/common/model_config.h"
 #include "pd/common/safetensors.h"
+#include "support/temp_dir.h"
 
 namespace {
 
@@ -33,25 +34,7 @@ std::string readText(const fs::path& p) {
 }
 
 /// A fresh temporary folder, removed with its contents at scope exit.
-class TempDir {
- public:
-  TempDir() {
-    std::string tmpl = (fs::temp_directory_path() / "pd_model_config_XXXXXX").string();
-    path_ = ::mkdtemp(tmpl.data());
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path_, ec);
-  }
-  TempDir(const TempDir&) = delete;
-  TempDir& operator=(const TempDir&) = delete;
-  TempDir(TempDir&&) = delete;
-  TempDir& operator=(TempDir&&) = delete;
-  [[nodiscard]] const fs::path& path() const { return path_; }
-
- private:
-  fs::path path_;
-};
+using pd::test::TempDir;
 
 json::object goldenConfigJson(const char* set) {
   return json::parse(readText(goldenDir() / set / "config.json")).as_object();

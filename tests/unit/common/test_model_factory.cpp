@@ -15,6 +15,7 @@
 #include "pd/common/model_config.h"
 #include "pd/common/model_factory.h"
 #include "pd/common/safetensors.h"
+#include "support/temp_dir.h"
 
 namespace {
 
@@ -25,25 +26,7 @@ fs::path goldenDir() {
   return fs::path(PD_TEST_DATA_DIR) / "golden";
 }
 
-class TempDir {
- public:
-  TempDir() {
-    std::string tmpl = (fs::temp_directory_path() / "pd_model_factory_XXXXXX").string();
-    path_ = ::mkdtemp(tmpl.data());
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path_, ec);
-  }
-  TempDir(const TempDir&) = delete;
-  TempDir& operator=(const TempDir&) = delete;
-  TempDir(TempDir&&) = delete;
-  TempDir& operator=(TempDir&&) = delete;
-  [[nodiscard]] const fs::path& path() const { return path_; }
-
- private:
-  fs::path path_;
-};
+using pd::test::TempDir;
 
 std::string readBytes(const fs::path& p) {
   std::ifstream in(p, std::ios::binary);
