@@ -15,25 +15,17 @@
 #include <vector>
 
 #include "pd/common/model_config.h"
-#include "support/temp_dir.h"
+#include "support/test_files.h"
 
 namespace {
 
 namespace fs = std::filesystem;
 using ::testing::HasSubstr;
 
-fs::path goldenDir() {
-  return fs::path(PD_TEST_DATA_DIR) / "golden";
-}
+using pd::test::goldenDir;
 
+using pd::test::readFile;
 using pd::test::TempDir;
-
-std::string readText(const fs::path& p) {
-  std::ifstream in(p, std::ios::binary);
-  std::ostringstream s;
-  s << in.rdbuf();
-  return s.str();
-}
 
 struct CommandResult {
   int exit_code = -1;
@@ -56,8 +48,8 @@ CommandResult pdserve(const std::vector<std::string>& args) {
   const int status = std::system(cmd.c_str());
   CommandResult r;
   r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  r.out = readText(io.path() / "out");
-  r.err = readText(io.path() / "err");
+  r.out = readFile(io.path() / "out");
+  r.err = readFile(io.path() / "err");
   return r;
 }
 
@@ -269,7 +261,7 @@ TEST(CliInspect, GarbageHeaderIsAClearError) {
 TEST(CliInspect, ConfigMismatchListsEveryTensor) {
   TempDir tmp;
   const fs::path dir = copyGolden(tmp.path());
-  std::string config = readText(dir / "config.json");
+  std::string config = readFile(dir / "config.json");
   const std::string from = "\"n_routed_experts\": 16";
   ASSERT_NE(config.find(from), std::string::npos);
   config.replace(config.find(from), from.size(), "\"n_routed_experts\": 8");

@@ -14,7 +14,7 @@
 
 #include "pd/common/model_config.h"
 #include "pd/common/safetensors.h"
-#include "support/temp_dir.h"
+#include "support/test_files.h"
 
 namespace {
 
@@ -22,22 +22,14 @@ namespace fs = std::filesystem;
 namespace json = boost::json;
 using ::testing::HasSubstr;
 
-fs::path goldenDir() {
-  return fs::path(PD_TEST_DATA_DIR) / "golden";
-}
-
-std::string readText(const fs::path& p) {
-  std::ifstream in(p, std::ios::binary);
-  std::ostringstream s;
-  s << in.rdbuf();
-  return s.str();
-}
+using pd::test::goldenDir;
 
 /// A fresh temporary folder, removed with its contents at scope exit.
+using pd::test::readFile;
 using pd::test::TempDir;
 
 json::object goldenConfigJson(const char* set) {
-  return json::parse(readText(goldenDir() / set / "config.json")).as_object();
+  return json::parse(readFile(goldenDir() / set / "config.json")).as_object();
 }
 
 pd::Result<pd::ModelConfig> parse(const json::object& o) {

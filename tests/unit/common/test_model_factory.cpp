@@ -15,25 +15,17 @@
 #include "pd/common/model_config.h"
 #include "pd/common/model_factory.h"
 #include "pd/common/safetensors.h"
-#include "support/temp_dir.h"
+#include "support/test_files.h"
 
 namespace {
 
 namespace fs = std::filesystem;
 using ::testing::HasSubstr;
 
-fs::path goldenDir() {
-  return fs::path(PD_TEST_DATA_DIR) / "golden";
-}
+using pd::test::goldenDir;
 
+using pd::test::readFile;
 using pd::test::TempDir;
-
-std::string readBytes(const fs::path& p) {
-  std::ifstream in(p, std::ios::binary);
-  std::ostringstream s;
-  s << in.rdbuf();
-  return s.str();
-}
 
 void writeText(const fs::path& p, const std::string& text) {
   std::ofstream out(p, std::ios::binary);
@@ -217,9 +209,9 @@ TEST(ModelFactory, SameSeedSameBytesOtherSeedDiffers) {
   make(c, b.path(), 42);
   make(c, other.path(), 43);
   for (const char* f : {"config.json", "model.safetensors"}) {
-    EXPECT_EQ(readBytes(a.path() / f), readBytes(b.path() / f)) << f;
+    EXPECT_EQ(readFile(a.path() / f), readFile(b.path() / f)) << f;
   }
-  EXPECT_NE(readBytes(a.path() / "model.safetensors"), readBytes(other.path() / "model.safetensors"));
+  EXPECT_NE(readFile(a.path() / "model.safetensors"), readFile(other.path() / "model.safetensors"));
   // Every random tensor differs with the seed, not just some. (Not the tiny scale tensors: a
   // block's amax is a bf16 value, so two seeds can share one.)
   auto ca = pd::Checkpoint::open(a.path());
@@ -383,8 +375,8 @@ TEST(ModelFactory, CopiesTokenizerAndRefusesNonEmptyFolder) {
   opt.tokenizer_dir = tok.path();
   auto r = pd::makeModel(preset("tiny"), dir.path(), opt);
   ASSERT_TRUE(r.ok()) << r.error().toString();
-  EXPECT_EQ(readBytes(dir.path() / "tokenizer.json"), "{\"model\": {}}");
-  EXPECT_EQ(readBytes(dir.path() / "tokenizer_config.json"), "{\"bos_token\": \"<b>\"}");
+  EXPECT_EQ(readFile(dir.path() / "tokenizer.json"), "{\"model\": {}}");
+  EXPECT_EQ(readFile(dir.path() / "tokenizer_config.json"), "{\"bos_token\": \"<b>\"}");
 
   auto again = pd::makeModel(preset("tiny"), dir.path(), opt);
   ASSERT_FALSE(again.ok());

@@ -1,15 +1,31 @@
 #pragma once
-// A temporary folder for one test, removed with everything in it when the test ends.
-// Thread rules: one owner; not copyable or movable (tests hold it on the stack).
+// File helpers shared by tests: the golden data folder, whole-file reads, and a temporary
+// folder removed with everything in it when the test ends.
+// Thread rules: TempDir has one owner (not copyable or movable); the functions are reentrant.
 
 #include <gtest/gtest.h>
 #include <stdlib.h>
 
 #include <filesystem>
+#include <fstream>
+#include <sstream>
 #include <string>
 #include <system_error>
 
 namespace pd::test {
+
+/// tests/data/golden (PD_TEST_DATA_DIR is set for every test target by pd_add_test).
+inline std::filesystem::path goldenDir() {
+  return std::filesystem::path(PD_TEST_DATA_DIR) / "golden";
+}
+
+/// The whole file as bytes; empty when it cannot be read.
+inline std::string readFile(const std::filesystem::path& p) {
+  std::ifstream in(p, std::ios::binary);
+  std::ostringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
 
 class TempDir {
  public:
