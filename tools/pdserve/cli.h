@@ -46,6 +46,10 @@ Result<config::LoadOutput> loadCommandOptions(const std::string& usage, const st
 Result<std::filesystem::path> resolveModelDir(const CommonConfig& cfg);
 
 int runUp(const std::vector<std::string>& args);
+/// The three server roles (cmd_router.cpp, cmd_prefill.cpp, cmd_decode.cpp).
+int runRouter(const std::vector<std::string>& args);
+int runPrefill(const std::vector<std::string>& args);
+int runDecode(const std::vector<std::string>& args);
 int runInspect(const std::vector<std::string>& args);
 int runMakeModel(const std::vector<std::string>& args);
 /// JSONL filters over the tokenizer and chat template (cmd_tokenize.cpp).

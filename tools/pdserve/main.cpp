@@ -31,9 +31,9 @@ int runBench(const std::vector<std::string>& args) {
 
 constexpr Command kCommands[] = {
     {"up", "start a whole local cluster (router + prefill + decode) on a model", pd::cli::runUp, ""},
-    {"router", "run the OpenAI-compatible router", notYetBuilt, "issue 8"},
-    {"prefill", "run a prefill worker", notYetBuilt, "issue 7"},
-    {"decode", "run a decode worker", notYetBuilt, "issue 6"},
+    {"router", "run the OpenAI-compatible router", pd::cli::runRouter, ""},
+    {"prefill", "run a prefill worker", pd::cli::runPrefill, ""},
+    {"decode", "run a decode worker", pd::cli::runDecode, ""},
     {"inspect", "summarize a checkpoint: config, parameters, bytes, KV per token, tensor check", pd::cli::runInspect,
      ""},
     {"make-model", "write a random-weight DeepSeek-V3-layout checkpoint", pd::cli::runMakeModel, ""},

@@ -1,0 +1,146 @@
+#pragma once
+/// The workers' internal HTTP API (docs/internal-api.md): the JSON messages the router exchanges
+/// with decode and prefill workers, and their codecs. The router links only pd_common, so the KV
+/// descriptor crosses it as opaque bytes (base64 of kvtransfer's wire encoding).
+///
+/// Decoders never trust their input: a missing or mistyped field, an out-of-range value or
+/// malformed JSON is InvalidArgument naming the field, never an exception.
+///
+/// Thread rules: values and pure functions; thread-safe.
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "pd/common/model/sampling.h"
+#include "pd/common/result.h"
+
+namespace pd::worker_api {
+
+// Paths served by every worker: /health, /ready, /metrics, kStatusPath.
+inline constexpr std::string_view kStatusPath = "/v1/internal/status";
+// Decode worker.
+inline constexpr std::string_view kDecodeOpenPath = "/v1/internal/decode";
+inline constexpr std::string_view kDecodeAbortPath = "/v1/internal/decode/abort";
+// Prefill worker.
+inline constexpr std::string_view kPrefillPath = "/v1/internal/prefill";
+inline constexpr std::string_view kPrefillCancelPath = "/v1/internal/prefill/cancel";
+
+/// Largest id or string field accepted, in bytes.
+inline constexpr std::size_t kMaxIdBytes = 256;
+
+/// POST kDecodeOpenPath: admit a request and stream its tokens (NDJSON DecodeEvent lines).
+struct DecodeOpen {
+  std::string request_id;  ///< the router's id; unique among the worker's live requests
+  std::int64_t prompt_tokens = 0;
+  std::int64_t max_tokens = 16;  ///< the first token (sampled by prefill) counts
+  /// Must equal what the prefill worker gets (same seed): decode replays the first draw.
+  model::SamplingParams sampling;
+  bool logprobs = false;  ///< report each token's logprob (and sampling.top_logprobs alternatives)
+  std::vector<std::int32_t> stop_token_ids;
+  bool ignore_eos = false;
+  /// How long the worker waits for the KV record, over every prefill attempt together.
+  std::int64_t kv_timeout_ms = 60000;
+  /// Prefill failure records the worker absorbs (keeping the blocks) before it ends the
+  /// request: attempts - 1. At least 1.
+  std::int64_t prefill_attempts = 1;
+};
+
+enum class DecodeEventType { Descriptor, Tokens, Finish, Error };
+
+struct TokenLogprobs {
+  std::int32_t token = 0;
+  float logprob = 0.0F;
+  std::vector<model::TokenLogprob> top;  ///< best first
+};
+
+/// One line of the decode stream. The first is Descriptor; then Tokens events; the last is
+/// Finish or Error (exactly one of them). A stream that ends without either was cut.
+struct DecodeEvent {
+  DecodeEventType type = DecodeEventType::Tokens;
+  // Descriptor
+  std::string kv_descriptor;  ///< kvtransfer wire bytes (raw; base64 on the wire)
+  std::int64_t blocks = 0;    ///< KV blocks held for the request
+  // Tokens
+  std::vector<std::int32_t> token_ids;
+  std::vector<TokenLogprobs> logprobs;  ///< one per token id, when asked
+  // Finish
+  std::string finish_reason;  ///< "stop" or "length"
+  std::int64_t prompt_tokens = 0;
+  std::int64_t completion_tokens = 0;
+  // Error
+  ErrorCode code = ErrorCode::Internal;
+  std::string message;
+};
+
+/// POST kDecodeAbortPath and kPrefillCancelPath: {"request_id": "..."} -> {"found": bool}.
+struct AbortRequest {
+  std::string request_id;
+};
+
+/// POST kPrefillPath: prefill the prompt into the decode worker's blocks; the response comes
+/// when the request is over (PrefillOutcome on 200, an error body otherwise).
+struct PrefillSubmit {
+  std::string request_id;
+  std::vector<std::int32_t> token_ids;
+  model::SamplingParams sampling;
+  bool logprobs = false;
+  std::string kv_descriptor;  ///< as the decode worker's Descriptor event gave it (raw bytes)
+  std::int64_t timeout_ms = 60000;
+};
+
+struct PrefillOutcome {
+  std::int32_t first_token = 0;
+  std::int64_t prompt_tokens = 0;
+  double queue_ms = 0.0;     ///< submit to first forward
+  double compute_ms = 0.0;   ///< first forward to last layer computed
+  double transfer_ms = 0.0;  ///< last layer computed to the record delivered
+};
+
+/// GET kStatusPath: what the router's policies and health polling read.
+struct WorkerStatus {
+  std::string role;  ///< "prefill" or "decode"
+  bool ready = false;
+  bool draining = false;
+  std::string model_hash;  ///< 16 hex digits; P and D of one deployment must agree
+  std::int64_t queued_requests = 0;
+  std::int64_t queued_tokens = 0;
+  std::int64_t running_requests = 0;
+  std::int64_t free_blocks = 0;
+  std::int64_t total_blocks = 0;
+  std::int64_t block_size = 0;
+};
+
+[[nodiscard]] std::string toJson(const DecodeOpen& value);
+[[nodiscard]] std::string toJson(const DecodeEvent& value);  ///< one line, no '\n'
+[[nodiscard]] std::string toJson(const AbortRequest& value);
+[[nodiscard]] std::string toJson(const PrefillSubmit& value);
+[[nodiscard]] std::string toJson(const PrefillOutcome& value);
+[[nodiscard]] std::string toJson(const WorkerStatus& value);
+
+[[nodiscard]] Result<DecodeOpen> parseDecodeOpen(std::string_view json);
+[[nodiscard]] Result<DecodeEvent> parseDecodeEvent(std::string_view json);
+[[nodiscard]] Result<AbortRequest> parseAbortRequest(std::string_view json);
+[[nodiscard]] Result<PrefillSubmit> parsePrefillSubmit(std::string_view json);
+[[nodiscard]] Result<PrefillOutcome> parsePrefillOutcome(std::string_view json);
+[[nodiscard]] Result<WorkerStatus> parseWorkerStatus(std::string_view json);
+
+/// Error bodies of every internal endpoint: {"error":{"code":"Timeout","message":"..."}}.
+[[nodiscard]] std::string errorJson(const Error& error);
+/// The Error of an error body; a body that is not one becomes Corrupt with `status` in the
+/// message.
+[[nodiscard]] Error parseErrorJson(int status, std::string_view json);
+/// The HTTP status an internal endpoint answers an error with: 400 InvalidArgument /
+/// ResourceExhausted / Unsupported, 404 NotFound, 409 Cancelled, 502 PeerFailed / Corrupt / Io,
+/// 503 Overloaded, 504 Timeout, 500 otherwise.
+[[nodiscard]] int httpStatusFor(ErrorCode code);
+/// The code errorCodeName() names; nullopt for an unknown name.
+[[nodiscard]] std::optional<ErrorCode> parseErrorCode(std::string_view name);
+
+[[nodiscard]] std::string base64Encode(std::string_view bytes);
+/// InvalidArgument for characters outside the standard alphabet or bad padding.
+[[nodiscard]] Result<std::string> base64Decode(std::string_view text);
+
+}  // namespace pd::worker_api

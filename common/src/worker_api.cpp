@@ -1,0 +1,560 @@
+// Codecs of the workers' internal API messages (worker_api.h, docs/internal-api.md).
+#include "pd/common/worker_api.h"
+
+#include <array>
+#include <boost/json.hpp>
+#include <cmath>
+#include <limits>
+
+namespace pd::worker_api {
+
+namespace json = boost::json;
+
+namespace {
+
+// Reads typed fields out of one JSON object; the first problem is kept and reported by status().
+class Reader {
+ public:
+  Reader(const json::object& object, std::string_view what) : object_(object), what_(what) {}
+
+  // Absent: keeps the default unless `required`.
+  void str(std::string_view key, std::string& out, bool required = true, std::size_t max_bytes = kMaxIdBytes) {
+    const json::value* v = find(key, required);
+    if (v == nullptr) return;
+    const auto* s = v->if_string();
+    if (s == nullptr) return fail(key, "must be a string");
+    if (s->size() > max_bytes) return fail(key, "is too long");
+    out.assign(s->data(), s->size());
+  }
+  void integer(std::string_view key, std::int64_t& out, bool required, std::int64_t lo,
+               std::int64_t hi = std::numeric_limits<std::int64_t>::max()) {
+    const json::value* v = find(key, required);
+    if (v == nullptr) return;
+    std::int64_t value = 0;
+    if (const auto* i = v->if_int64()) {
+      value = *i;
+    } else if (const auto* u = v->if_uint64()) {
+      if (*u > static_cast<std::uint64_t>(hi)) return fail(key, "is out of range");
+      value = static_cast<std::int64_t>(*u);
+    } else {
+      return fail(key, "must be an integer");
+    }
+    if (value < lo || value > hi) return fail(key, "is out of range");
+    out = value;
+  }
+  void unsignedInt(std::string_view key, std::uint64_t& out, bool required) {
+    const json::value* v = find(key, required);
+    if (v == nullptr) return;
+    if (const auto* u = v->if_uint64()) {
+      out = *u;
+    } else if (const auto* i = v->if_int64(); i != nullptr && *i >= 0) {
+      out = static_cast<std::uint64_t>(*i);
+    } else {
+      fail(key, "must be a non-negative integer");
+    }
+  }
+  void number(std::string_view key, double& out, bool required) {
+    const json::value* v = find(key, required);
+    if (v == nullptr) return;
+    if (const auto* d = v->if_double()) {
+      out = *d;
+    } else if (const auto* i = v->if_int64()) {
+      out = static_cast<double>(*i);
+    } else if (const auto* u = v->if_uint64()) {
+      out = static_cast<double>(*u);
+    } else {
+      return fail(key, "must be a number");
+    }
+    if (!std::isfinite(out)) fail(key, "must be finite");
+  }
+  void boolean(std::string_view key, bool& out, bool required) {
+    const json::value* v = find(key, required);
+    if (v == nullptr) return;
+    const auto* b = v->if_bool();
+    if (b == nullptr) return fail(key, "must be true or false");
+    out = *b;
+  }
+  void tokenIds(std::string_view key, std::vector<std::int32_t>& out, bool required) {
+    const json::value* v = find(key, required);
+    if (v == nullptr) return;
+    const auto* a = v->if_array();
+    if (a == nullptr) return fail(key, "must be an array of token ids");
+    out.clear();
+    out.reserve(a->size());
+    for (const auto& e : *a) {
+      const auto* i = e.if_int64();
+      if (i == nullptr || *i < 0 || *i > std::numeric_limits<std::int32_t>::max()) {
+        return fail(key, "must hold token ids (integers in [0, 2^31))");
+      }
+      out.push_back(static_cast<std::int32_t>(*i));
+    }
+  }
+  const json::object* object(std::string_view key, bool required) {
+    const json::value* v = find(key, required);
+    if (v == nullptr) return nullptr;
+    const auto* o = v->if_object();
+    if (o == nullptr) fail(key, "must be an object");
+    return o;
+  }
+  const json::array* array(std::string_view key, bool required) {
+    const json::value* v = find(key, required);
+    if (v == nullptr) return nullptr;
+    const auto* a = v->if_array();
+    if (a == nullptr) fail(key, "must be an array");
+    return a;
+  }
+  void fail(std::string_view key, std::string_view why) {
+    if (!error_) error_ = makeError(ErrorCode::InvalidArgument, fmtField(key) + " " + std::string(why));
+  }
+  [[nodiscard]] bool ok() const { return !error_.has_value(); }
+  [[nodiscard]] Status status() const { return error_ ? Status(*error_) : okStatus(); }
+
+ private:
+  const json::value* find(std::string_view key, bool required) {
+    if (error_) return nullptr;
+    const json::value* v = object_.if_contains(key);
+    if (v == nullptr && required) fail(key, "is missing");
+    return v;
+  }
+  [[nodiscard]] std::string fmtField(std::string_view key) const { return std::string(what_) + "." + std::string(key); }
+
+  const json::object& object_;
+  std::string_view what_;
+  std::optional<Error> error_;
+};
+
+Result<json::object> parseObject(std::string_view text, std::string_view what) {
+  json::error_code ec;
+  json::value v = json::parse(text, ec);
+  if (ec) return makeError(ErrorCode::InvalidArgument, std::string(what) + ": malformed JSON (" + ec.message() + ")");
+  auto* o = v.if_object();
+  if (o == nullptr) return makeError(ErrorCode::InvalidArgument, std::string(what) + ": must be a JSON object");
+  return std::move(*o);
+}
+
+json::object samplingJson(const model::SamplingParams& s) {
+  return json::object{{"temperature", s.temperature},
+                      {"top_k", s.top_k},
+                      {"top_p", s.top_p},
+                      {"min_p", s.min_p},
+                      {"presence_penalty", s.presence_penalty},
+                      {"frequency_penalty", s.frequency_penalty},
+                      {"seed", s.seed},
+                      {"top_logprobs", s.top_logprobs}};
+}
+
+void readSampling(Reader& parent, model::SamplingParams& out) {
+  const json::object* o = parent.object("sampling", true);
+  if (o == nullptr) return;
+  Reader r(*o, "sampling");
+  r.number("temperature", out.temperature, false);
+  r.integer("top_k", out.top_k, false, 0);
+  r.number("top_p", out.top_p, false);
+  r.number("min_p", out.min_p, false);
+  r.number("presence_penalty", out.presence_penalty, false);
+  r.number("frequency_penalty", out.frequency_penalty, false);
+  r.unsignedInt("seed", out.seed, false);
+  r.integer("top_logprobs", out.top_logprobs, false, 0, 20);
+  if (!r.ok()) {
+    const Status s = r.status();
+    parent.fail("sampling", "is invalid: " + s.error().message);
+    return;
+  }
+  if (auto valid = model::validate(out); !valid.ok()) parent.fail("sampling", "is invalid: " + valid.error().message);
+}
+
+std::string dump(const json::object& v) {
+  return json::serialize(v);
+}
+
+json::array logprobsJson(const std::vector<TokenLogprobs>& logprobs) {
+  json::array out;
+  out.reserve(logprobs.size());
+  for (const auto& lp : logprobs) {
+    json::array top;
+    for (const auto& t : lp.top) top.push_back(json::object{{"token", t.token}, {"logprob", t.logprob}});
+    out.push_back(json::object{{"token", lp.token}, {"logprob", lp.logprob}, {"top", std::move(top)}});
+  }
+  return out;
+}
+
+Status readLogprobs(const json::array& array, std::vector<TokenLogprobs>& out) {
+  const auto bad = [] { return makeError(ErrorCode::InvalidArgument, "event.logprobs: malformed entry"); };
+  const auto readPair = [](const json::value& v, std::int32_t& token, float& logprob) {
+    const auto* o = v.if_object();
+    if (o == nullptr) return false;
+    const auto* t = o->if_contains("token");
+    const auto* l = o->if_contains("logprob");
+    if (t == nullptr || l == nullptr || !t->is_int64() || !l->is_number()) return false;
+    const std::int64_t id = t->get_int64();
+    if (id < 0 || id > std::numeric_limits<std::int32_t>::max()) return false;
+    token = static_cast<std::int32_t>(id);
+    logprob = static_cast<float>(l->to_number<double>());
+    return true;
+  };
+  for (const auto& e : array) {
+    TokenLogprobs lp;
+    if (!readPair(e, lp.token, lp.logprob)) return bad();
+    const auto* top = e.as_object().if_contains("top");
+    if (top != nullptr) {
+      const auto* a = top->if_array();
+      if (a == nullptr) return bad();
+      for (const auto& t : *a) {
+        model::TokenLogprob alt;
+        if (!readPair(t, alt.token, alt.logprob)) return bad();
+        lp.top.push_back(alt);
+      }
+    }
+    out.push_back(std::move(lp));
+  }
+  return okStatus();
+}
+
+}  // namespace
+
+std::string toJson(const DecodeOpen& v) {
+  json::array stops;
+  for (auto id : v.stop_token_ids) stops.push_back(id);
+  return dump(json::object{{"request_id", v.request_id},
+                           {"prompt_tokens", v.prompt_tokens},
+                           {"max_tokens", v.max_tokens},
+                           {"sampling", samplingJson(v.sampling)},
+                           {"logprobs", v.logprobs},
+                           {"stop_token_ids", std::move(stops)},
+                           {"ignore_eos", v.ignore_eos},
+                           {"kv_timeout_ms", v.kv_timeout_ms},
+                           {"prefill_attempts", v.prefill_attempts}});
+}
+
+Result<DecodeOpen> parseDecodeOpen(std::string_view text) {
+  auto object = parseObject(text, "decode request");
+  if (!object.ok()) return object.error();
+  DecodeOpen v;
+  Reader r(*object, "decode request");
+  r.str("request_id", v.request_id);
+  if (r.ok() && v.request_id.empty()) r.fail("request_id", "must not be empty");
+  r.integer("prompt_tokens", v.prompt_tokens, true, 1);
+  r.integer("max_tokens", v.max_tokens, true, 1);
+  readSampling(r, v.sampling);
+  r.boolean("logprobs", v.logprobs, false);
+  r.tokenIds("stop_token_ids", v.stop_token_ids, false);
+  r.boolean("ignore_eos", v.ignore_eos, false);
+  r.integer("kv_timeout_ms", v.kv_timeout_ms, false, 1, std::int64_t{24} * 3600 * 1000);
+  r.integer("prefill_attempts", v.prefill_attempts, false, 1, 100);
+  if (!r.ok()) return r.status().error();
+  return v;
+}
+
+std::string toJson(const DecodeEvent& v) {
+  json::object o;
+  switch (v.type) {
+    case DecodeEventType::Descriptor:
+      o = {{"event", "descriptor"}, {"kv_descriptor", base64Encode(v.kv_descriptor)}, {"blocks", v.blocks}};
+      break;
+    case DecodeEventType::Tokens: {
+      json::array ids;
+      for (auto id : v.token_ids) ids.push_back(id);
+      o = {{"event", "tokens"}, {"token_ids", std::move(ids)}};
+      if (!v.logprobs.empty()) o["logprobs"] = logprobsJson(v.logprobs);
+      break;
+    }
+    case DecodeEventType::Finish:
+      o = {{"event", "finish"},
+           {"finish_reason", v.finish_reason},
+           {"prompt_tokens", v.prompt_tokens},
+           {"completion_tokens", v.completion_tokens}};
+      break;
+    case DecodeEventType::Error:
+      o = {{"event", "error"}, {"code", errorCodeName(v.code)}, {"message", v.message}};
+      break;
+  }
+  return dump(o);
+}
+
+Result<DecodeEvent> parseDecodeEvent(std::string_view text) {
+  auto object = parseObject(text, "decode event");
+  if (!object.ok()) return object.error();
+  DecodeEvent v;
+  Reader r(*object, "event");
+  std::string type;
+  r.str("event", type);
+  if (!r.ok()) return r.status().error();
+  if (type == "descriptor") {
+    v.type = DecodeEventType::Descriptor;
+    std::string b64;
+    r.str("kv_descriptor", b64, true, std::size_t{64} << 20);
+    r.integer("blocks", v.blocks, false, 0);
+    if (!r.ok()) return r.status().error();
+    auto bytes = base64Decode(b64);
+    if (!bytes.ok()) return makeError(ErrorCode::InvalidArgument, "event.kv_descriptor: " + bytes.error().message);
+    v.kv_descriptor = std::move(*bytes);
+  } else if (type == "tokens") {
+    v.type = DecodeEventType::Tokens;
+    r.tokenIds("token_ids", v.token_ids, true);
+    const json::array* lps = r.array("logprobs", false);
+    if (!r.ok()) return r.status().error();
+    if (lps != nullptr) {
+      if (auto s = readLogprobs(*lps, v.logprobs); !s.ok()) return s.error();
+      if (v.logprobs.size() != v.token_ids.size()) {
+        return makeError(ErrorCode::InvalidArgument, "event.logprobs: one entry per token id expected");
+      }
+    }
+  } else if (type == "finish") {
+    v.type = DecodeEventType::Finish;
+    r.str("finish_reason", v.finish_reason);
+    r.integer("prompt_tokens", v.prompt_tokens, false, 0);
+    r.integer("completion_tokens", v.completion_tokens, false, 0);
+    if (r.ok() && v.finish_reason != "stop" && v.finish_reason != "length") {
+      r.fail("finish_reason", "must be \"stop\" or \"length\"");
+    }
+  } else if (type == "error") {
+    v.type = DecodeEventType::Error;
+    std::string code;
+    r.str("code", code);
+    r.str("message", v.message, false, std::size_t{64} << 10);
+    if (r.ok()) {
+      auto parsed = parseErrorCode(code);
+      if (!parsed) {
+        r.fail("code", "is not a known error code");
+      } else {
+        v.code = *parsed;
+      }
+    }
+  } else {
+    r.fail("event", "is not descriptor, tokens, finish or error");
+  }
+  if (!r.ok()) return r.status().error();
+  return v;
+}
+
+std::string toJson(const AbortRequest& v) {
+  return dump(json::object{{"request_id", v.request_id}});
+}
+
+Result<AbortRequest> parseAbortRequest(std::string_view text) {
+  auto object = parseObject(text, "abort request");
+  if (!object.ok()) return object.error();
+  AbortRequest v;
+  Reader r(*object, "abort request");
+  r.str("request_id", v.request_id);
+  if (!r.ok()) return r.status().error();
+  return v;
+}
+
+std::string toJson(const PrefillSubmit& v) {
+  json::array ids;
+  ids.reserve(v.token_ids.size());
+  for (auto id : v.token_ids) ids.push_back(id);
+  return dump(json::object{{"request_id", v.request_id},
+                           {"token_ids", std::move(ids)},
+                           {"sampling", samplingJson(v.sampling)},
+                           {"logprobs", v.logprobs},
+                           {"kv_descriptor", base64Encode(v.kv_descriptor)},
+                           {"timeout_ms", v.timeout_ms}});
+}
+
+Result<PrefillSubmit> parsePrefillSubmit(std::string_view text) {
+  auto object = parseObject(text, "prefill request");
+  if (!object.ok()) return object.error();
+  PrefillSubmit v;
+  Reader r(*object, "prefill request");
+  r.str("request_id", v.request_id);
+  if (r.ok() && v.request_id.empty()) r.fail("request_id", "must not be empty");
+  r.tokenIds("token_ids", v.token_ids, true);
+  if (r.ok() && v.token_ids.empty()) r.fail("token_ids", "must not be empty");
+  readSampling(r, v.sampling);
+  r.boolean("logprobs", v.logprobs, false);
+  std::string b64;
+  r.str("kv_descriptor", b64, true, std::size_t{64} << 20);
+  r.integer("timeout_ms", v.timeout_ms, false, 1, std::int64_t{24} * 3600 * 1000);
+  if (!r.ok()) return r.status().error();
+  auto bytes = base64Decode(b64);
+  if (!bytes.ok())
+    return makeError(ErrorCode::InvalidArgument, "prefill request.kv_descriptor: " + bytes.error().message);
+  v.kv_descriptor = std::move(*bytes);
+  return v;
+}
+
+std::string toJson(const PrefillOutcome& v) {
+  return dump(json::object{{"first_token", v.first_token},
+                           {"prompt_tokens", v.prompt_tokens},
+                           {"queue_ms", v.queue_ms},
+                           {"compute_ms", v.compute_ms},
+                           {"transfer_ms", v.transfer_ms}});
+}
+
+Result<PrefillOutcome> parsePrefillOutcome(std::string_view text) {
+  auto object = parseObject(text, "prefill outcome");
+  if (!object.ok()) return object.error();
+  PrefillOutcome v;
+  Reader r(*object, "prefill outcome");
+  std::int64_t first = 0;
+  r.integer("first_token", first, true, 0, std::numeric_limits<std::int32_t>::max());
+  v.first_token = static_cast<std::int32_t>(first);
+  r.integer("prompt_tokens", v.prompt_tokens, false, 0);
+  r.number("queue_ms", v.queue_ms, false);
+  r.number("compute_ms", v.compute_ms, false);
+  r.number("transfer_ms", v.transfer_ms, false);
+  if (!r.ok()) return r.status().error();
+  return v;
+}
+
+std::string toJson(const WorkerStatus& v) {
+  return dump(json::object{{"role", v.role},
+                           {"ready", v.ready},
+                           {"draining", v.draining},
+                           {"model_hash", v.model_hash},
+                           {"queued_requests", v.queued_requests},
+                           {"queued_tokens", v.queued_tokens},
+                           {"running_requests", v.running_requests},
+                           {"free_blocks", v.free_blocks},
+                           {"total_blocks", v.total_blocks},
+                           {"block_size", v.block_size}});
+}
+
+Result<WorkerStatus> parseWorkerStatus(std::string_view text) {
+  auto object = parseObject(text, "worker status");
+  if (!object.ok()) return object.error();
+  WorkerStatus v;
+  Reader r(*object, "worker status");
+  r.str("role", v.role);
+  if (r.ok() && v.role != "prefill" && v.role != "decode") r.fail("role", "must be \"prefill\" or \"decode\"");
+  r.boolean("ready", v.ready, true);
+  r.boolean("draining", v.draining, false);
+  r.str("model_hash", v.model_hash, false);
+  r.integer("queued_requests", v.queued_requests, false, 0);
+  r.integer("queued_tokens", v.queued_tokens, false, 0);
+  r.integer("running_requests", v.running_requests, false, 0);
+  r.integer("free_blocks", v.free_blocks, false, 0);
+  r.integer("total_blocks", v.total_blocks, false, 0);
+  r.integer("block_size", v.block_size, false, 0);
+  if (!r.ok()) return r.status().error();
+  return v;
+}
+
+std::string errorJson(const Error& error) {
+  return dump(json::object{{"error", json::object{{"code", errorCodeName(error.code)}, {"message", error.message}}}});
+}
+
+Error parseErrorJson(int status, std::string_view text) {
+  const auto corrupt = [status] {
+    return makeError(ErrorCode::Corrupt, "worker answered HTTP " + std::to_string(status) + " without an error body");
+  };
+  auto object = parseObject(text, "error");
+  if (!object.ok()) return corrupt();
+  const auto* e = object->if_contains("error");
+  if (e == nullptr || !e->is_object()) return corrupt();
+  const auto* code = e->as_object().if_contains("code");
+  const auto* message = e->as_object().if_contains("message");
+  if (code == nullptr || !code->is_string()) return corrupt();
+  auto parsed = parseErrorCode(code->as_string());
+  if (!parsed) return corrupt();
+  std::string text_message;
+  if (message != nullptr && message->is_string()) text_message = std::string(message->as_string());
+  return makeError(*parsed, std::move(text_message));
+}
+
+int httpStatusFor(ErrorCode code) {
+  switch (code) {
+    case ErrorCode::InvalidArgument:
+    case ErrorCode::ResourceExhausted:
+    case ErrorCode::Unsupported:
+      return 400;
+    case ErrorCode::NotFound:
+      return 404;
+    case ErrorCode::Cancelled:
+      return 409;
+    case ErrorCode::PeerFailed:
+    case ErrorCode::Corrupt:
+    case ErrorCode::Io:
+      return 502;
+    case ErrorCode::Overloaded:
+      return 503;
+    case ErrorCode::Timeout:
+      return 504;
+    case ErrorCode::Internal:
+      return 500;
+  }
+  return 500;
+}
+
+std::optional<ErrorCode> parseErrorCode(std::string_view name) {
+  constexpr std::array kAll = {ErrorCode::InvalidArgument,   ErrorCode::NotFound,    ErrorCode::Io,
+                               ErrorCode::Corrupt,           ErrorCode::Unsupported, ErrorCode::Timeout,
+                               ErrorCode::PeerFailed,        ErrorCode::Cancelled,   ErrorCode::Overloaded,
+                               ErrorCode::ResourceExhausted, ErrorCode::Internal};
+  for (auto code : kAll) {
+    if (errorCodeName(code) == name) return code;
+  }
+  return std::nullopt;
+}
+
+namespace {
+constexpr std::string_view kAlphabet = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+
+int sextet(char c) {
+  if (c >= 'A' && c <= 'Z') return c - 'A';
+  if (c >= 'a' && c <= 'z') return c - 'a' + 26;
+  if (c >= '0' && c <= '9') return c - '0' + 52;
+  if (c == '+') return 62;
+  if (c == '/') return 63;
+  return -1;
+}
+}  // namespace
+
+std::string base64Encode(std::string_view bytes) {
+  std::string out;
+  out.reserve((bytes.size() + 2) / 3 * 4);
+  std::size_t i = 0;
+  for (; i + 3 <= bytes.size(); i += 3) {
+    const auto n = (static_cast<std::uint32_t>(static_cast<std::uint8_t>(bytes[i])) << 16) |
+                   (static_cast<std::uint32_t>(static_cast<std::uint8_t>(bytes[i + 1])) << 8) |
+                   static_cast<std::uint32_t>(static_cast<std::uint8_t>(bytes[i + 2]));
+    out += kAlphabet[(n >> 18) & 63];
+    out += kAlphabet[(n >> 12) & 63];
+    out += kAlphabet[(n >> 6) & 63];
+    out += kAlphabet[n & 63];
+  }
+  const std::size_t rest = bytes.size() - i;
+  if (rest > 0) {
+    std::uint32_t n = static_cast<std::uint32_t>(static_cast<std::uint8_t>(bytes[i])) << 16;
+    if (rest == 2) n |= static_cast<std::uint32_t>(static_cast<std::uint8_t>(bytes[i + 1])) << 8;
+    out += kAlphabet[(n >> 18) & 63];
+    out += kAlphabet[(n >> 12) & 63];
+    out += rest == 2 ? kAlphabet[(n >> 6) & 63] : '=';
+    out += '=';
+  }
+  return out;
+}
+
+Result<std::string> base64Decode(std::string_view text) {
+  if (text.size() % 4 != 0) return makeError(ErrorCode::InvalidArgument, "base64 length is not a multiple of 4");
+  std::string out;
+  out.reserve(text.size() / 4 * 3);
+  for (std::size_t i = 0; i < text.size(); i += 4) {
+    const bool last = i + 4 == text.size();
+    const int pad = last ? (text[i + 3] == '=' ? (text[i + 2] == '=' ? 2 : 1) : 0) : 0;
+    std::uint32_t n = 0;
+    for (std::size_t k = 0; k < 4; ++k) {
+      const char c = text[i + k];
+      int s = 0;
+      if (k >= 4 - static_cast<std::size_t>(pad)) {
+        s = 0;  // padding
+      } else {
+        s = sextet(c);
+        if (s < 0) return makeError(ErrorCode::InvalidArgument, "base64 has a character outside its alphabet");
+      }
+      n = (n << 6) | static_cast<std::uint32_t>(s);
+    }
+    out += static_cast<char>((n >> 16) & 0xFF);
+    if (pad < 2) out += static_cast<char>((n >> 8) & 0xFF);
+    if (pad < 1) out += static_cast<char>(n & 0xFF);
+    // Canonical form: the bits dropped by padding must be zero.
+    if ((pad == 1 && (n & 0xFF) != 0) || (pad == 2 && (n & 0xFFFF) != 0)) {
+      return makeError(ErrorCode::InvalidArgument, "base64 padding bits are not zero");
+    }
+  }
+  return out;
+}
+
+}  // namespace pd::worker_api

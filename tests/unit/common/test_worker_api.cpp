@@ -1,0 +1,180 @@
+// The workers' internal API codecs (worker_api.h): round trips, and refusal of bad input.
+#include <gtest/gtest.h>
+
+#include "pd/common/worker_api.h"
+
+namespace pd::worker_api {
+namespace {
+
+TEST(WorkerApi, Base64RoundTripsEveryLength) {
+  std::string bytes;
+  for (int n = 0; n < 40; ++n) {
+    const std::string encoded = base64Encode(bytes);
+    EXPECT_EQ(encoded.size() % 4, 0U);
+    auto decoded = base64Decode(encoded);
+    ASSERT_TRUE(decoded.ok()) << decoded.error().toString();
+    EXPECT_EQ(*decoded, bytes);
+    bytes += static_cast<char>((n * 97 + 13) & 0xFF);
+  }
+  EXPECT_EQ(base64Encode("foob"), "Zm9vYg==");
+  EXPECT_EQ(base64Encode("fooba"), "Zm9vYmE=");
+}
+
+TEST(WorkerApi, Base64RefusesMalformedText) {
+  EXPECT_FALSE(base64Decode("Zm9").ok());       // length
+  EXPECT_FALSE(base64Decode("Zm9*").ok());      // alphabet
+  EXPECT_FALSE(base64Decode("Zm==Zm9v").ok());  // padding in the middle
+  EXPECT_FALSE(base64Decode("Zm9vYh==").ok());  // non-zero padding bits
+}
+
+TEST(WorkerApi, DecodeOpenRoundTrips) {
+  DecodeOpen v;
+  v.request_id = "cmpl-7";
+  v.prompt_tokens = 20;
+  v.max_tokens = 5;
+  v.sampling.temperature = 0.7;
+  v.sampling.top_k = 40;
+  v.sampling.seed = 0xFFFFFFFFFFFFFFF0ULL;
+  v.sampling.top_logprobs = 3;
+  v.logprobs = true;
+  v.stop_token_ids = {1, 2};
+  v.ignore_eos = true;
+  v.kv_timeout_ms = 1234;
+  v.prefill_attempts = 3;
+  auto back = parseDecodeOpen(toJson(v));
+  ASSERT_TRUE(back.ok()) << back.error().toString();
+  EXPECT_EQ(back->request_id, v.request_id);
+  EXPECT_EQ(back->prompt_tokens, 20);
+  EXPECT_EQ(back->max_tokens, 5);
+  EXPECT_DOUBLE_EQ(back->sampling.temperature, 0.7);
+  EXPECT_EQ(back->sampling.top_k, 40);
+  EXPECT_EQ(back->sampling.seed, v.sampling.seed);
+  EXPECT_EQ(back->sampling.top_logprobs, 3);
+  EXPECT_TRUE(back->logprobs);
+  EXPECT_EQ(back->stop_token_ids, v.stop_token_ids);
+  EXPECT_TRUE(back->ignore_eos);
+  EXPECT_EQ(back->kv_timeout_ms, 1234);
+  EXPECT_EQ(back->prefill_attempts, 3);
+}
+
+TEST(WorkerApi, DecodeOpenRefusesBadInputNamingTheField) {
+  const auto message = [](std::string_view json) {
+    auto r = parseDecodeOpen(json);
+    EXPECT_FALSE(r.ok());
+    return r.ok() ? std::string() : r.error().message;
+  };
+  EXPECT_NE(message("{").find("malformed JSON"), std::string::npos);
+  EXPECT_NE(message("[]").find("object"), std::string::npos);
+  EXPECT_NE(message(R"({"prompt_tokens":1,"max_tokens":1,"sampling":{}})").find("request_id"), std::string::npos);
+  EXPECT_NE(message(R"({"request_id":"a","prompt_tokens":0,"max_tokens":1,"sampling":{}})").find("prompt_tokens"),
+            std::string::npos);
+  EXPECT_NE(message(R"({"request_id":"a","prompt_tokens":1,"max_tokens":1.5,"sampling":{}})").find("max_tokens"),
+            std::string::npos);
+  EXPECT_NE(message(R"({"request_id":"a","prompt_tokens":1,"max_tokens":1,"sampling":{"top_p":0}})").find("sampling"),
+            std::string::npos);
+  EXPECT_NE(message(R"({"request_id":"a","prompt_tokens":1,"max_tokens":1,"sampling":{},"stop_token_ids":[-1]})")
+                .find("stop_token_ids"),
+            std::string::npos);
+  EXPECT_NE(message(R"({"request_id":"a","prompt_tokens":1,"max_tokens":1,"sampling":{},"prefill_attempts":0})")
+                .find("prefill_attempts"),
+            std::string::npos);
+  EXPECT_NE(message(R"({"request_id":"","prompt_tokens":1,"max_tokens":1,"sampling":{}})").find("empty"),
+            std::string::npos);
+}
+
+TEST(WorkerApi, DecodeEventsRoundTrip) {
+  DecodeEvent descriptor;
+  descriptor.type = DecodeEventType::Descriptor;
+  descriptor.kv_descriptor = std::string("PDKV\0\x01\xff", 7);
+  descriptor.blocks = 3;
+  DecodeEvent tokens;
+  tokens.type = DecodeEventType::Tokens;
+  tokens.token_ids = {5, 6};
+  tokens.logprobs = {{5, -0.5F, {{5, -0.5F}, {9, -1.5F}}}, {6, -0.25F, {}}};
+  DecodeEvent finish;
+  finish.type = DecodeEventType::Finish;
+  finish.finish_reason = "length";
+  finish.prompt_tokens = 4;
+  finish.completion_tokens = 2;
+  DecodeEvent error;
+  error.type = DecodeEventType::Error;
+  error.code = ErrorCode::Timeout;
+  error.message = "KV did not arrive";
+  for (const auto* e : {&descriptor, &tokens, &finish, &error}) {
+    const std::string line = toJson(*e);
+    EXPECT_EQ(line.find('\n'), std::string::npos);
+    auto back = parseDecodeEvent(line);
+    ASSERT_TRUE(back.ok()) << back.error().toString();
+    EXPECT_EQ(back->type, e->type);
+    EXPECT_EQ(toJson(*back), line);
+  }
+  auto back = parseDecodeEvent(toJson(tokens));
+  ASSERT_TRUE(back.ok());
+  ASSERT_EQ(back->logprobs.size(), 2U);
+  EXPECT_EQ(back->logprobs[0].top.size(), 2U);
+  EXPECT_EQ(back->logprobs[0].top[1].token, 9);
+  EXPECT_FLOAT_EQ(back->logprobs[0].top[1].logprob, -1.5F);
+  EXPECT_EQ(parseDecodeEvent(toJson(descriptor))->kv_descriptor, descriptor.kv_descriptor);
+  EXPECT_EQ(parseDecodeEvent(toJson(error))->code, ErrorCode::Timeout);
+}
+
+TEST(WorkerApi, DecodeEventRefusesUnknownOrInconsistentEvents) {
+  EXPECT_FALSE(parseDecodeEvent(R"({"event":"bogus"})").ok());
+  EXPECT_FALSE(parseDecodeEvent(R"({"event":"finish","finish_reason":"abort"})").ok());
+  EXPECT_FALSE(parseDecodeEvent(R"({"event":"error","code":"NoSuchCode","message":"x"})").ok());
+  EXPECT_FALSE(parseDecodeEvent(R"({"event":"descriptor","kv_descriptor":"@@@@"})").ok());
+  EXPECT_FALSE(parseDecodeEvent(R"({"event":"tokens","token_ids":[1,2],"logprobs":[{"token":1,"logprob":0}]})").ok());
+}
+
+TEST(WorkerApi, PrefillMessagesRoundTrip) {
+  PrefillSubmit s;
+  s.request_id = "chatcmpl-1";
+  s.token_ids = {0, 1, 2, 65535};
+  s.sampling.seed = 9;
+  s.logprobs = true;
+  s.kv_descriptor = std::string(100, '\x7f');
+  s.timeout_ms = 5000;
+  auto back = parsePrefillSubmit(toJson(s));
+  ASSERT_TRUE(back.ok()) << back.error().toString();
+  EXPECT_EQ(back->token_ids, s.token_ids);
+  EXPECT_EQ(back->kv_descriptor, s.kv_descriptor);
+  EXPECT_EQ(back->timeout_ms, 5000);
+  EXPECT_EQ(back->sampling.seed, 9U);
+  EXPECT_FALSE(parsePrefillSubmit(R"({"request_id":"a","token_ids":[],"sampling":{},"kv_descriptor":""})").ok());
+
+  PrefillOutcome o{17, 4, 0.5, 12.25, 1.0};
+  auto ob = parsePrefillOutcome(toJson(o));
+  ASSERT_TRUE(ob.ok());
+  EXPECT_EQ(ob->first_token, 17);
+  EXPECT_DOUBLE_EQ(ob->compute_ms, 12.25);
+}
+
+TEST(WorkerApi, StatusAndErrorsRoundTrip) {
+  WorkerStatus st;
+  st.role = "decode";
+  st.ready = true;
+  st.model_hash = "0123456789abcdef";
+  st.free_blocks = 10;
+  st.total_blocks = 16;
+  st.block_size = 64;
+  auto back = parseWorkerStatus(toJson(st));
+  ASSERT_TRUE(back.ok());
+  EXPECT_EQ(back->free_blocks, 10);
+  EXPECT_EQ(back->model_hash, st.model_hash);
+  EXPECT_FALSE(parseWorkerStatus(R"({"role":"router","ready":true})").ok());
+
+  const Error e = parseErrorJson(503, errorJson(makeError(ErrorCode::Overloaded, "pool full")));
+  EXPECT_EQ(e.code, ErrorCode::Overloaded);
+  EXPECT_EQ(e.message, "pool full");
+  const Error junk = parseErrorJson(502, "<html>bad gateway</html>");
+  EXPECT_EQ(junk.code, ErrorCode::Corrupt);
+  EXPECT_NE(junk.message.find("502"), std::string::npos);
+  EXPECT_EQ(httpStatusFor(ErrorCode::Overloaded), 503);
+  EXPECT_EQ(httpStatusFor(ErrorCode::Timeout), 504);
+  EXPECT_EQ(httpStatusFor(ErrorCode::PeerFailed), 502);
+  EXPECT_EQ(parseErrorCode("ResourceExhausted"), ErrorCode::ResourceExhausted);
+  EXPECT_FALSE(parseErrorCode("nope").has_value());
+}
+
+}  // namespace
+}  // namespace pd::worker_api
