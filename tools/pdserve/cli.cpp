@@ -20,7 +20,9 @@ struct AllSections {
   prefill::PrefillConfig prefill_cfg;
   decode::DecodeConfig decode_cfg;
   kvtransfer::KvTransferConfig kv_cfg;
+  UpConfig up_cfg;
   CommonOptions common_sets{common};
+  config::OptionSet up{"up"};
   config::OptionSet router{"router"};
   config::OptionSet prefill{"prefill"};
   config::OptionSet decode{"decode"};
@@ -31,9 +33,10 @@ struct AllSections {
     prefill::registerOptions(prefill, prefill_cfg);
     decode::registerOptions(decode, decode_cfg);
     kvtransfer::registerOptions(kvtransfer, kv_cfg);
+    registerUpOptions(up, up_cfg);
   }
   std::vector<config::OptionSet*> sets() {
-    return {&common_sets.log, &common_sets.model, &router, &prefill, &decode, &kvtransfer};
+    return {&common_sets.log, &common_sets.model, &up, &router, &prefill, &decode, &kvtransfer};
   }
 };
 

@@ -3,6 +3,7 @@
 /// (log, model), and the YAML/env/flag loading around them.
 /// Thread rules: main thread only.
 
+#include <cstdint>
 #include <filesystem>
 #include <string>
 #include <vector>
@@ -30,6 +31,16 @@ struct CommonOptions {
   config::OptionSet log{"log"};
   config::OptionSet model{"model"};
 };
+
+/// `pdserve up` settings (section `up:`).
+struct UpConfig {
+  std::int64_t prefill_workers = 1;
+  std::int64_t decode_workers = 1;
+  std::int64_t ready_timeout_ms = 600000;
+  std::int64_t stop_timeout_ms = 40000;
+  bool smoke = false;
+};
+void registerUpOptions(config::OptionSet& set, UpConfig& cfg);
 
 /// Prints "pdserve: error: ..." to stderr; returns 2 for bad input, 1 otherwise.
 int reportFailure(const Error& error);
