@@ -122,6 +122,7 @@ class Supervisor {
         if (auto url = readyUrl(line)) {
           c.url = *url;
           log::info("up", "{} ready at {}", c.name, c.url);
+          std::fprintf(stdout, "PDSERVE_CHILD name=%s url=%s\n", c.name.c_str(), c.url.c_str());
         } else {
           std::fprintf(stdout, "[%s] %s\n", c.name.c_str(), line.c_str());
         }

@@ -1,0 +1,108 @@
+// The whole system against DeepSeek's reference: /v1/completions on the golden prompt ids with
+// temperature 0 returns exactly the golden greedy tokens, through router -> decode (descriptor)
+// -> prefill (KV over UCX) -> decode (tokens), for the BF16 and FP8 golden models, with MTP off
+// and on; afterwards every decode worker's KV pool is fully free again.
+#include <gtest/gtest.h>
+
+#include <boost/json.hpp>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "pd/common/worker_api.h"
+#include "support/local_cluster.h"
+#include "support/test_files.h"
+
+namespace pd::test {
+namespace {
+
+namespace json = boost::json;
+
+struct GoldenPrompt {
+  std::vector<std::int64_t> tokens;
+  std::vector<std::int64_t> greedy;
+};
+
+GoldenPrompt goldenPrompt(const std::string& model) {
+  const auto doc = json::parse(readFile(goldenDir() / model / "golden.json"));
+  const auto& p = doc.at("prompts").as_array().at(0).as_object();
+  GoldenPrompt g;
+  for (const auto& t : p.at("tokens").as_array()) g.tokens.push_back(t.to_number<std::int64_t>());
+  for (const auto& t : p.at("greedy").as_array()) g.greedy.push_back(t.to_number<std::int64_t>());
+  return g;
+}
+
+// The URLs of up's children, from its PDSERVE_CHILD lines.
+std::vector<std::string> childUrls(const LocalCluster& cluster, const std::string& role) {
+  std::vector<std::string> out;
+  const std::string prefix = "PDSERVE_CHILD name=" + role + "-";
+  for (const auto& line : cluster.stdoutLines()) {
+    if (!line.starts_with(prefix)) continue;
+    const auto pos = line.find("url=http://");
+    if (pos != std::string::npos) out.push_back(line.substr(pos + 11));
+  }
+  return out;
+}
+
+worker_api::WorkerStatus workerStatus(const std::string& host_port) {
+  const auto colon = host_port.rfind(':');
+  auto r = getPath(host_port.substr(0, colon), static_cast<std::uint16_t>(std::stoi(host_port.substr(colon + 1))),
+                   std::string(worker_api::kStatusPath));
+  EXPECT_EQ(r.status, 200);
+  auto st = worker_api::parseWorkerStatus(r.body);
+  EXPECT_TRUE(st.ok()) << (st.ok() ? "" : st.error().toString());
+  return st.ok() ? *st : worker_api::WorkerStatus{};
+}
+
+class E2eGolden : public ::testing::TestWithParam<std::tuple<std::string, int>> {};
+
+TEST_P(E2eGolden, CompletionsReturnTheGoldenGreedyTokens) {
+  const auto& [model, mtp] = GetParam();
+  const GoldenPrompt golden = goldenPrompt(model);
+  TempDir cache;
+  LocalCluster cluster({"--model.path=" + (goldenDir() / model).string(), "--model.tokenizer=" PD_TOKENIZER_DIR,
+                        "--model.cache_dir=" + cache.path().string(), "--router.port=0",
+                        "--decode.num_speculative_tokens=" + std::to_string(mtp), "--log.level=warn"});
+  ASSERT_FALSE(cluster.url().empty());
+
+  json::array prompt;
+  for (auto t : golden.tokens) prompt.push_back(t);
+  const json::object body{{"model", "pdserve-default"},
+                          {"prompt", prompt},
+                          {"max_tokens", golden.greedy.size()},
+                          {"temperature", 0},
+                          {"return_token_ids", true}};
+  for (int round = 0; round < 2; ++round) {  // the second round reuses freed blocks
+    const auto response = postJson(cluster, "/v1/completions", json::serialize(body));
+    ASSERT_EQ(response.status, 200) << response.body;
+    const auto doc = json::parse(response.body);
+    const auto& choice = doc.at("choices").as_array().at(0).as_object();
+    std::vector<std::int64_t> ids;
+    for (const auto& t : choice.at("token_ids").as_array()) ids.push_back(t.to_number<std::int64_t>());
+    EXPECT_EQ(ids, golden.greedy) << "round " << round;
+    EXPECT_EQ(choice.at("finish_reason").as_string(), "length");
+    const auto& usage = doc.at("usage").as_object();
+    EXPECT_EQ(usage.at("prompt_tokens").to_number<std::int64_t>(), static_cast<std::int64_t>(golden.tokens.size()));
+    EXPECT_EQ(usage.at("completion_tokens").to_number<std::int64_t>(), static_cast<std::int64_t>(golden.greedy.size()));
+  }
+
+  const auto decoders = childUrls(cluster, "decode");
+  ASSERT_EQ(decoders.size(), 1U);
+  const auto st = workerStatus(decoders[0]);
+  EXPECT_GT(st.total_blocks, 0);
+  EXPECT_EQ(st.free_blocks, st.total_blocks) << "KV blocks leaked";
+  EXPECT_EQ(st.running_requests, 0);
+  EXPECT_EQ(cluster.stop(std::chrono::seconds{60}), 0);
+}
+
+INSTANTIATE_TEST_SUITE_P(Models, E2eGolden,
+                         ::testing::Combine(::testing::Values("tiny-bf16", "tiny-fp8"), ::testing::Values(0, 1, 2)),
+                         [](const auto& param_info) {
+                           std::string name =
+                               std::get<0>(param_info.param) + "_mtp" + std::to_string(std::get<1>(param_info.param));
+                           for (auto& ch : name) ch = (ch == '-') ? '_' : ch;
+                           return name;
+                         });
+
+}  // namespace
+}  // namespace pd::test
