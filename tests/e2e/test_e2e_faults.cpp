@@ -1,0 +1,245 @@
+// Faults under load through real processes: two prefill and two decode workers behind a router,
+// tens of concurrent streaming requests, and one of: kill -9 of a prefill worker, of a decode
+// worker, SIGSTOP of either, or clients that disconnect mid-stream. Every request must complete
+// or end with a clean error within its deadline (nothing hangs), and afterwards every surviving
+// worker's KV pool is fully free and nothing is in flight (read from /v1/internal/status).
+#include <gtest/gtest.h>
+#include <signal.h>
+
+#include <atomic>
+#include <boost/json.hpp>
+#include <cstdio>
+#include <functional>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "pd/common/http_client.h"
+#include "pd/common/subprocess.h"
+#include "pd/common/worker_api.h"
+#include "support/local_cluster.h"
+#include "support/role_process.h"
+#include "support/test_files.h"
+
+namespace pd::test {
+namespace {
+
+namespace json = boost::json;
+using namespace std::chrono_literals;
+using Clock = std::chrono::steady_clock;
+
+constexpr int kRequests = 16;
+constexpr int kMaxTokens = 160;
+constexpr auto kRequestDeadline = 60s;  // router.request_timeout_ms below, plus slack for the client
+
+enum class Outcome { Completed, CleanError, Hung, Broken };
+
+struct RequestResult {
+  Outcome outcome = Outcome::Broken;
+  int tokens = 0;
+  std::string detail;
+  double seconds = 0.0;
+};
+
+class Faults : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    model_dir_ = std::make_unique<TempDir>();
+    auto make = proc::Subprocess::spawn({{PD_PDSERVE_BIN, "make-model", (model_dir_->path() / "m").string(), "--preset",
+                                          "default", "--tokenizer", PD_TOKENIZER_DIR},
+                                         {},
+                                         false,
+                                         false});
+    ASSERT_TRUE(make.ok());
+    ASSERT_EQ((*make)->wait(120s), 0) << "make-model failed";
+  }
+  static void TearDownTestSuite() { model_dir_.reset(); }
+
+  void SetUp() override {
+    const std::string model = "--model.path=" + (model_dir_->path() / "m").string();
+    for (int i = 0; i < 2; ++i) {
+      decoders_.push_back(std::make_unique<RoleProcess>(
+          "decode", std::vector<std::string>{model, "--decode.port=0", "--decode.threads=1", "--decode.num_blocks=256",
+                                             "--log.level=warn"}));
+      prefillers_.push_back(std::make_unique<RoleProcess>(
+          "prefill", std::vector<std::string>{model, "--prefill.port=0", "--prefill.threads=1", "--log.level=warn"}));
+    }
+    for (const auto& w : decoders_) ASSERT_TRUE(w->ready());
+    for (const auto& w : prefillers_) ASSERT_TRUE(w->ready());
+    router_ = std::make_unique<RoleProcess>(
+        "router", std::vector<std::string>{model, "--router.port=0", "--router.prefill_workers=" + list(prefillers_),
+                                           "--router.decode_workers=" + list(decoders_),
+                                           "--router.health_interval_ms=200", "--router.health_timeout_ms=500",
+                                           "--router.health_failures=2", "--router.prefill_timeout_ms=8000",
+                                           "--router.kv_timeout_ms=20000", "--router.stream_stall_timeout_ms=6000",
+                                           "--router.request_timeout_ms=45000", "--log.level=warn"});
+    ASSERT_TRUE(router_->ready());
+  }
+
+  static std::string list(const std::vector<std::unique_ptr<RoleProcess>>& workers) {
+    std::string out;
+    for (const auto& w : workers) out += (out.empty() ? "" : ",") + w->hostPort();
+    return out;
+  }
+
+  // One streaming completion; `disconnect_after` > 0 closes the connection after that many tokens.
+  RequestResult streamOne(int index, int disconnect_after = 0) {
+    RequestResult r;
+    const auto start = Clock::now();
+    http::Client client(router_->host(), router_->port());
+    http::ClientRequest req;
+    req.method = "POST";
+    req.target = "/v1/completions";
+    req.headers = {{"Content-Type", "application/json"}};
+    req.body = json::serialize(json::object{{"model", "pdserve-default"},
+                                            {"prompt", "Request " + std::to_string(index) + " tells a long tale of"},
+                                            {"max_tokens", kMaxTokens},
+                                            {"ignore_eos", true},
+                                            {"temperature", 0},
+                                            {"stream", true},
+                                            {"return_token_ids", true}});
+    bool done = false;
+    bool error_event = false;
+    std::string finish;
+    auto response = client.streamEvents(req, kRequestDeadline, [&](const http::SseEvent& event) {
+      if (event.data == "[DONE]") {
+        done = true;
+        return true;
+      }
+      json::error_code ec;
+      const auto doc = json::parse(event.data, ec);
+      if (ec || !doc.is_object()) {
+        r.detail = "unparsable event";
+        return false;
+      }
+      if (doc.as_object().contains("error")) {
+        error_event = true;
+        return true;
+      }
+      for (const auto& c : doc.at("choices").as_array()) {
+        if (c.as_object().contains("token_ids")) r.tokens += static_cast<int>(c.at("token_ids").as_array().size());
+        if (c.at("finish_reason").is_string()) finish = std::string(c.at("finish_reason").as_string());
+      }
+      return disconnect_after == 0 || r.tokens < disconnect_after;
+    });
+    r.seconds = std::chrono::duration<double>(Clock::now() - start).count();
+    if (!response.ok()) {
+      r.outcome = response.error().code == ErrorCode::Timeout ? Outcome::Hung : Outcome::Broken;
+      r.detail = response.error().toString();
+      return r;
+    }
+    if (disconnect_after > 0 && !response->complete) {
+      r.outcome = Outcome::CleanError;  // we hung up on purpose
+      return r;
+    }
+    if (response->status != 200) {
+      // An error status with an OpenAI error body is a clean error.
+      r.outcome = response->body.find("\"error\"") != std::string::npos ? Outcome::CleanError : Outcome::Broken;
+      r.detail = "HTTP " + std::to_string(response->status);
+      return r;
+    }
+    if (done && !error_event && finish == "length" && r.tokens == kMaxTokens) {
+      r.outcome = Outcome::Completed;
+    } else if (error_event) {
+      r.outcome = Outcome::CleanError;
+      r.detail = "error event after " + std::to_string(r.tokens) + " tokens";
+    } else {
+      r.outcome = Outcome::Broken;
+      r.detail = "stream ended without [DONE] or an error event (" + std::to_string(r.tokens) + " tokens)";
+    }
+    return r;
+  }
+
+  // Runs kRequests concurrent streams and calls `fault` once the first tokens flowed.
+  std::vector<RequestResult> underLoad(const std::function<void()>& fault, int disconnect_after = 0) {
+    std::vector<RequestResult> results(kRequests);
+    std::vector<std::thread> threads;
+    for (int i = 0; i < kRequests; ++i) {
+      threads.emplace_back([&, i] { results[i] = streamOne(i, disconnect_after); });
+    }
+    std::this_thread::sleep_for(1500ms);
+    if (fault) fault();
+    for (auto& t : threads) t.join();
+    int completed = 0;
+    for (int i = 0; i < kRequests; ++i) {
+      const auto& r = results[i];
+      EXPECT_NE(r.outcome, Outcome::Hung) << "request " << i << " hung: " << r.detail;
+      EXPECT_NE(r.outcome, Outcome::Broken) << "request " << i << ": " << r.detail;
+      EXPECT_LT(r.seconds, std::chrono::duration<double>(kRequestDeadline).count()) << "request " << i;
+      if (r.outcome == Outcome::Completed) ++completed;
+    }
+    std::printf("faults: %d of %d requests completed, the rest ended with clean errors\n", completed, kRequests);
+    return results;
+  }
+
+  // Every listed worker ends with nothing held: polls its status for up to `timeout`.
+  static void expectClean(const std::vector<RoleProcess*>& workers, std::chrono::seconds timeout = 30s) {
+    for (auto* w : workers) {
+      const auto deadline = Clock::now() + timeout;
+      worker_api::WorkerStatus st;
+      bool clean = false;
+      while (Clock::now() < deadline && !clean) {
+        http::Client client(w->host(), w->port());
+        http::ClientRequest req;
+        req.target = std::string(worker_api::kStatusPath);
+        auto r = client.send(req, 5s);
+        if (r.ok() && r->status == 200) {
+          auto parsed = worker_api::parseWorkerStatus(r->body);
+          if (parsed.ok()) {
+            st = *parsed;
+            clean = st.running_requests == 0 && st.queued_requests == 0 &&
+                    (st.role != "decode" || st.free_blocks == st.total_blocks);
+          }
+        }
+        if (!clean) std::this_thread::sleep_for(200ms);
+      }
+      EXPECT_TRUE(clean) << st.role << " worker " << w->hostPort() << " still holds work: running "
+                         << st.running_requests << ", queued " << st.queued_requests << ", free blocks "
+                         << st.free_blocks << "/" << st.total_blocks;
+    }
+  }
+
+  static std::unique_ptr<TempDir> model_dir_;
+  std::vector<std::unique_ptr<RoleProcess>> decoders_;
+  std::vector<std::unique_ptr<RoleProcess>> prefillers_;
+  std::unique_ptr<RoleProcess> router_;
+};
+
+std::unique_ptr<TempDir> Faults::model_dir_;
+
+TEST_F(Faults, NoFaultEveryRequestCompletes) {
+  const auto results = underLoad(nullptr);
+  for (const auto& r : results) EXPECT_EQ(r.outcome, Outcome::Completed) << r.detail;
+  expectClean({decoders_[0].get(), decoders_[1].get(), prefillers_[0].get(), prefillers_[1].get()});
+}
+
+TEST_F(Faults, PrefillWorkerKilled) {
+  underLoad([&] { prefillers_[0]->signal(SIGKILL); });
+  expectClean({decoders_[0].get(), decoders_[1].get(), prefillers_[1].get()});
+}
+
+TEST_F(Faults, DecodeWorkerKilled) {
+  underLoad([&] { decoders_[0]->signal(SIGKILL); });
+  expectClean({decoders_[1].get(), prefillers_[0].get(), prefillers_[1].get()});
+}
+
+TEST_F(Faults, PrefillWorkerStopped) {
+  underLoad([&] { prefillers_[0]->signal(SIGSTOP); });
+  prefillers_[0]->signal(SIGCONT);
+  expectClean({decoders_[0].get(), decoders_[1].get(), prefillers_[0].get(), prefillers_[1].get()});
+}
+
+TEST_F(Faults, DecodeWorkerStopped) {
+  underLoad([&] { decoders_[0]->signal(SIGSTOP); });
+  decoders_[0]->signal(SIGCONT);
+  expectClean({decoders_[0].get(), decoders_[1].get(), prefillers_[0].get(), prefillers_[1].get()});
+}
+
+TEST_F(Faults, ClientsDisconnectMidStream) {
+  underLoad(nullptr, /*disconnect_after=*/5);
+  expectClean({decoders_[0].get(), decoders_[1].get(), prefillers_[0].get(), prefillers_[1].get()});
+}
+
+}  // namespace
+}  // namespace pd::test
