@@ -1,0 +1,306 @@
+// pdserve bench router: what the router adds to a request's latency (issue 8's benchmark).
+//
+// Starts a decode worker, a prefill worker and a router as child processes (this binary), then
+// times one-token completions of a fixed token-id prompt two ways, alternating so both see the
+// same machine noise:
+//  - through the router: POST /v1/completions {"prompt": ids, "max_tokens": 1};
+//  - direct: the bench plays the router itself over the workers' internal API (open the decode
+//    stream, submit the prefill with its descriptor, read the token and the finish).
+// The router's overhead is the difference of the latency percentiles (p50, p99), at each
+// concurrency (default 1 and 64). Both ways do the same worker work; the difference is the
+// router's HTTP front end, validation, policy choice and relaying.
+
+#include <fmt/format.h>
+#include <signal.h>
+
+#include <algorithm>
+#include <atomic>
+#include <boost/json.hpp>
+#include <chrono>
+#include <cstdio>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "cli.h"
+#include "pd/common/http_client.h"
+#include "pd/common/log.h"
+#include "pd/common/subprocess.h"
+#include "pd/common/worker_api.h"
+
+namespace pd::cli {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using namespace std::chrono_literals;
+
+struct BenchRouterConfig {
+  std::string concurrency = "1,64";
+  std::int64_t requests = 256;  ///< timed requests per way and concurrency
+  std::int64_t warmup = 16;
+  std::int64_t prompt_tokens = 16;
+  bool json = false;
+};
+
+struct Endpoint {
+  std::string host;
+  std::uint16_t port = 0;
+};
+
+Endpoint parseHostPort(const std::string& url) {
+  std::string hp = url.starts_with("http://") ? url.substr(7) : url;
+  const auto colon = hp.rfind(':');
+  return {hp.substr(0, colon), static_cast<std::uint16_t>(std::stoi(hp.substr(colon + 1)))};
+}
+
+// A child role process that reports its URL on a PDSERVE_READY line.
+struct Role {
+  std::unique_ptr<proc::Subprocess> process;
+  Endpoint endpoint;
+};
+
+Result<Role> startRole(const std::string& exe, std::vector<std::string> args) {
+  args.insert(args.begin(), exe);
+  PD_ASSIGN_OR_RETURN(auto process, proc::Subprocess::spawn({args, {}, true, false}));
+  proc::LineReader out(process->stdoutFd());
+  const auto deadline = Clock::now() + 300s;
+  while (Clock::now() < deadline) {
+    auto line = out.next(500ms);
+    if (!line) {
+      if (out.eof()) break;
+      continue;
+    }
+    const auto pos = line->find("url=");
+    if (line->starts_with("PDSERVE_READY ") && pos != std::string::npos) {
+      return Role{std::move(process), parseHostPort(line->substr(pos + 4))};
+    }
+  }
+  return makeError(ErrorCode::PeerFailed, "pdserve " + args[1] + " did not become ready");
+}
+
+std::vector<std::int64_t> parseList(const std::string& text) {
+  std::vector<std::int64_t> out;
+  std::size_t pos = 0;
+  while (pos < text.size()) {
+    auto comma = text.find(',', pos);
+    if (comma == std::string::npos) comma = text.size();
+    out.push_back(std::stoll(text.substr(pos, comma - pos)));
+    pos = comma + 1;
+  }
+  return out;
+}
+
+// One request through the router; its latency in µs, or an error.
+Result<double> viaRouter(http::Client& client, const std::string& body) {
+  http::ClientRequest req;
+  req.method = "POST";
+  req.target = "/v1/completions";
+  req.headers = {{"Content-Type", "application/json"}};
+  req.body = body;
+  const auto start = Clock::now();
+  PD_ASSIGN_OR_RETURN(auto response, client.send(req, 60s));
+  const double us = std::chrono::duration<double, std::micro>(Clock::now() - start).count();
+  if (response.status != 200) {
+    return makeError(ErrorCode::PeerFailed, "router answered HTTP " + std::to_string(response.status));
+  }
+  return us;
+}
+
+// The same request with the bench as the router: decode stream + prefill submission.
+Result<double> direct(http::Client& decode, http::Client& prefill, const std::vector<std::int32_t>& prompt,
+                      std::uint64_t serial) {
+  worker_api::DecodeOpen open;
+  open.request_id = "bench-" + std::to_string(serial);
+  open.prompt_tokens = static_cast<std::int64_t>(prompt.size());
+  open.max_tokens = 1;
+  open.sampling.seed = serial;
+  open.kv_timeout_ms = 60000;
+  http::ClientRequest req;
+  req.method = "POST";
+  req.target = std::string(worker_api::kDecodeOpenPath);
+  req.headers = {{"Content-Type", "application/json"}};
+  req.body = worker_api::toJson(open);
+  std::optional<Error> failure;
+  bool finished = false;
+  const auto start = Clock::now();
+  auto response = decode.streamLines(req, 60s, [&](std::string_view line) {
+    auto event = worker_api::parseDecodeEvent(line);
+    if (!event.ok()) {
+      failure = event.error();
+      return false;
+    }
+    if (event->type == worker_api::DecodeEventType::Descriptor) {
+      worker_api::PrefillSubmit submit;
+      submit.request_id = open.request_id;
+      submit.token_ids = prompt;
+      submit.sampling = open.sampling;
+      submit.kv_descriptor = event->kv_descriptor;
+      http::ClientRequest preq;
+      preq.method = "POST";
+      preq.target = std::string(worker_api::kPrefillPath);
+      preq.headers = {{"Content-Type", "application/json"}};
+      preq.body = worker_api::toJson(submit);
+      auto answer = prefill.send(preq, 60s);
+      if (!answer.ok() || answer->status != 200) {
+        failure = answer.ok() ? worker_api::parseErrorJson(answer->status, answer->body) : answer.error();
+        return false;
+      }
+    } else if (event->type == worker_api::DecodeEventType::Finish) {
+      finished = true;
+    } else if (event->type == worker_api::DecodeEventType::Error) {
+      failure = makeError(event->code, event->message);
+      return false;
+    }
+    return true;
+  });
+  const double us = std::chrono::duration<double, std::micro>(Clock::now() - start).count();
+  if (!response.ok()) return response.error();
+  if (failure) return *failure;
+  if (response->status != 200) return worker_api::parseErrorJson(response->status, response->body);
+  if (!finished) return makeError(ErrorCode::PeerFailed, "decode stream ended without a finish event");
+  return us;
+}
+
+double percentile(std::vector<double> v, double p) {
+  if (v.empty()) return 0.0;
+  std::sort(v.begin(), v.end());
+  const auto idx = static_cast<std::size_t>(p * static_cast<double>(v.size() - 1) + 0.5);
+  return v[std::min(idx, v.size() - 1)];
+}
+
+}  // namespace
+
+int runBenchRouter(const std::vector<std::string>& args) {
+  CommonConfig common;
+  BenchRouterConfig cfg;
+  CommonOptions common_sets(common);
+  config::OptionSet set("bench_router");
+  set.add("concurrency", &cfg.concurrency, "comma-separated concurrency levels")
+      .add("requests", &cfg.requests, "timed requests per way and level", 1, 1000000)
+      .add("warmup", &cfg.warmup, "untimed requests per way before each level", 0, 100000)
+      .add("prompt_tokens", &cfg.prompt_tokens, "prompt length in tokens", 1, 4096)
+      .add("json", &cfg.json, "print one JSON object instead of text");
+  auto loaded = loadCommandOptions(
+      "usage: pdserve bench router [--model.path DIR] [--concurrency 1,64] [--requests N] [--json]\n"
+      "Latency of one-token completions through the router minus the same requests sent straight to the\n"
+      "workers' internal API, p50 and p99 (starts its own decode, prefill and router processes).",
+      {&common_sets.log, &common_sets.model, &set}, args, &common);
+  if (!loaded.ok()) return reportFailure(loaded.error());
+  if (loaded->help_requested) return 0;
+  std::vector<std::int64_t> levels;
+  try {
+    levels = parseList(cfg.concurrency);
+  } catch (const std::exception&) {
+    return reportFailure(makeError(ErrorCode::InvalidArgument, "bench_router.concurrency: not a list of integers"));
+  }
+  for (auto c : levels) {
+    if (c < 1 || c > 1024) return reportFailure(makeError(ErrorCode::InvalidArgument, "concurrency must be 1..1024"));
+  }
+  auto model_dir = resolveModelDir(common);
+  if (!model_dir.ok()) return reportFailure(model_dir.error());
+  auto exe = proc::selfExecutable();
+  if (!exe.ok()) return reportFailure(exe.error());
+
+  const std::string model_flag = "--model.path=" + model_dir->string();
+  std::vector<std::string> extra;
+  if (!common.tokenizer_path.empty()) extra.push_back("--model.tokenizer=" + common.tokenizer_path.string());
+  auto withExtra = [&](std::vector<std::string> a) {
+    a.insert(a.end(), extra.begin(), extra.end());
+    return a;
+  };
+  auto decode = startRole(*exe, withExtra({"decode", model_flag, "--decode.port=0", "--log.level=warn"}));
+  if (!decode.ok()) return reportFailure(decode.error());
+  auto prefill = startRole(*exe, withExtra({"prefill", model_flag, "--prefill.port=0", "--log.level=warn"}));
+  if (!prefill.ok()) return reportFailure(prefill.error());
+  const auto hp = [](const Endpoint& e) { return e.host + ":" + std::to_string(e.port); };
+  auto router = startRole(*exe, withExtra({"router", model_flag, "--router.port=0", "--log.level=warn",
+                                           "--router.io_threads=2", "--router.prefill_workers=" + hp(prefill->endpoint),
+                                           "--router.decode_workers=" + hp(decode->endpoint)}));
+  if (!router.ok()) return reportFailure(router.error());
+  // The router marks workers ready after its first health poll.
+  for (int i = 0; i < 100; ++i) {
+    http::Client probe(router->endpoint.host, router->endpoint.port);
+    http::ClientRequest req;
+    req.target = "/ready";
+    auto r = probe.send(req, 5s);
+    if (r.ok() && r->status == 200) break;
+    std::this_thread::sleep_for(100ms);
+  }
+
+  std::vector<std::int32_t> prompt;
+  boost::json::array prompt_json;
+  for (std::int64_t i = 0; i < cfg.prompt_tokens; ++i) {
+    prompt.push_back(static_cast<std::int32_t>(100 + i));
+    prompt_json.push_back(100 + i);
+  }
+  const std::string body = boost::json::serialize(boost::json::object{
+      {"model", "pdserve-default"}, {"prompt", prompt_json}, {"max_tokens", 1}, {"temperature", 0}});
+
+  boost::json::object report;
+  report["requests_per_level"] = cfg.requests;
+  report["prompt_tokens"] = cfg.prompt_tokens;
+  std::atomic<std::uint64_t> serial{1};
+  int failures = 0;
+  for (auto level : levels) {
+    std::mutex mutex;
+    std::vector<double> via;
+    std::vector<double> straight;
+    std::optional<Error> first_error;
+    const auto worker = [&](std::int64_t count, bool record) {
+      http::Client rc(router->endpoint.host, router->endpoint.port);
+      http::Client dc(decode->endpoint.host, decode->endpoint.port);
+      http::Client pc(prefill->endpoint.host, prefill->endpoint.port);
+      for (std::int64_t i = 0; i < count; ++i) {
+        auto a = viaRouter(rc, body);
+        auto b = direct(dc, pc, prompt, serial.fetch_add(1));
+        std::lock_guard lock(mutex);
+        if (!a.ok() || !b.ok()) {
+          if (!first_error) first_error = a.ok() ? b.error() : a.error();
+          continue;
+        }
+        if (record) {
+          via.push_back(*a);
+          straight.push_back(*b);
+        }
+      }
+    };
+    const auto run = [&](std::int64_t total, bool record) {
+      std::vector<std::thread> threads;
+      for (std::int64_t t = 0; t < level; ++t) {
+        const std::int64_t share = total / level + (t < total % level ? 1 : 0);
+        threads.emplace_back(worker, share, record);
+      }
+      for (auto& t : threads) t.join();
+    };
+    run(std::max<std::int64_t>(cfg.warmup, level), false);
+    run(cfg.requests, true);
+    if (first_error) {
+      ++failures;
+      log::error("bench", "concurrency {}: {}", level, first_error->toString());
+    }
+    const double rp50 = percentile(via, 0.5);
+    const double rp99 = percentile(via, 0.99);
+    const double dp50 = percentile(straight, 0.5);
+    const double dp99 = percentile(straight, 0.99);
+    boost::json::object row{{"concurrency", level},           {"samples", via.size()},         {"router_p50_us", rp50},
+                            {"router_p99_us", rp99},          {"direct_p50_us", dp50},         {"direct_p99_us", dp99},
+                            {"overhead_p50_us", rp50 - dp50}, {"overhead_p99_us", rp99 - dp99}};
+    if (!cfg.json) {
+      std::printf(
+          "concurrency %3lld: through router p50 %8.0f us p99 %8.0f us | direct p50 %8.0f us p99 %8.0f us | "
+          "overhead p50 %6.0f us p99 %6.0f us (%zu samples)\n",
+          static_cast<long long>(level), rp50, rp99, dp50, dp99, rp50 - dp50, rp99 - dp99, via.size());
+      std::fflush(stdout);
+    }
+    report["concurrency_" + std::to_string(level)] = std::move(row);
+  }
+  if (cfg.json) std::printf("%s\n", boost::json::serialize(report).c_str());
+  for (auto* role : {&*router, &*prefill, &*decode}) {
+    role->process->signal(SIGTERM);
+    if (!role->process->wait(30s)) role->process->signal(SIGKILL);
+  }
+  return failures == 0 ? 0 : 1;
+}
+
+}  // namespace pd::cli
