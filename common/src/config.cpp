@@ -33,6 +33,8 @@ std::string typeName(OptionType type) {
       return "string";
     case OptionType::Path:
       return "path";
+    case OptionType::StringList:
+      return "list";
   }
   return "?";
 }
@@ -150,6 +152,30 @@ OptionSet& OptionSet::add(const std::string& name, std::filesystem::path* field,
   return *this;
 }
 
+OptionSet& OptionSet::add(const std::string& name, std::vector<std::string>* field, std::string help) {
+  PD_CHECK(field != nullptr);
+  Binding b;
+  b.info = {name, OptionType::StringList, fmt::format("{}", fmt::join(*field, ",")), std::move(help),
+            "comma-separated"};
+  b.parse = [field](std::string_view text, std::string_view /*source*/) -> Status {
+    std::vector<std::string> items;
+    while (!text.empty()) {
+      const auto comma = text.find(',');
+      std::string_view item = text.substr(0, comma);
+      text = comma == std::string_view::npos ? std::string_view{} : text.substr(comma + 1);
+      while (!item.empty() && std::isspace(static_cast<unsigned char>(item.front())) != 0) item.remove_prefix(1);
+      while (!item.empty() && std::isspace(static_cast<unsigned char>(item.back())) != 0) item.remove_suffix(1);
+      if (!item.empty()) items.emplace_back(item);
+    }
+    *field = std::move(items);
+    return okStatus();
+  };
+  b.show = [field] { return fmt::format("{}", fmt::join(*field, ",")); };
+  infos_.push_back(b.info);
+  bindings_.push_back(std::move(b));
+  return *this;
+}
+
 OptionSet::Binding* OptionSet::lookup(std::string_view name) {
   const std::string key = normalizeName(name);
   for (auto& b : bindings_) {
@@ -164,6 +190,12 @@ const OptionSet::Binding* OptionSet::lookup(std::string_view name) const {
 
 bool OptionSet::has(std::string_view name) const {
   return lookup(name) != nullptr;
+}
+
+std::optional<OptionType> OptionSet::typeOf(std::string_view name) const {
+  const Binding* b = lookup(name);
+  if (b == nullptr) return std::nullopt;
+  return b->info.type;
 }
 
 Status OptionSet::set(std::string_view name, std::string_view text, std::string_view source) {
@@ -233,6 +265,18 @@ Status applyYaml(const std::vector<OptionSet*>& all, const std::filesystem::path
       if (!set->has(key)) {
         return makeError(ErrorCode::InvalidArgument,
                          fmt::format("{}: unknown key '{}' in section '{}'", file.string(), key, section_name));
+      }
+      if (kv.second.IsSequence() && set->typeOf(key) == OptionType::StringList) {
+        std::vector<std::string> items;
+        for (const auto& item : kv.second) {
+          if (!item.IsScalar() || item.Scalar().find(',') != std::string::npos) {
+            return makeError(ErrorCode::InvalidArgument,
+                             fmt::format("{}: expected a list of plain values (no commas)", source));
+          }
+          items.push_back(item.Scalar());
+        }
+        PD_TRY(set->set(key, fmt::format("{}", fmt::join(items, ",")), source));
+        continue;
       }
       if (!kv.second.IsScalar()) {
         return makeError(ErrorCode::InvalidArgument, fmt::format("{}: expected a scalar value", source));

@@ -10,8 +10,13 @@ void registerOptions(config::OptionSet& set, DecodeConfig& cfg) {
       .add("max_running_requests", &cfg.max_running_requests, "sequences in one decode batch", 1, 1 << 16)
       .add("num_speculative_tokens", &cfg.num_speculative_tokens, "MTP draft tokens per step (0 = off)", 0, 8)
       .add("tensor_parallel", &cfg.tensor_parallel, "tensor-parallel ranks", 1, 64)
-      .add("kv_wait_timeout_ms", &cfg.kv_wait_timeout_ms, "how long an admitted request waits for its KV", 100,
-           86400000);
+      .add("kv_wait_timeout_ms", &cfg.kv_wait_timeout_ms,
+           "longest an admitted request waits for its KV (a request's kv_timeout_ms is clamped to it)", 100, 86400000)
+      .add("kv_dtype", &cfg.kv_dtype, "element type of the latent-KV pool", {"bf16", "f32"})
+      .add("threads", &cfg.threads, "model engine compute threads (0 = every hardware thread)", 0, 1024)
+      .add("http_threads", &cfg.http_threads, "io threads of the internal HTTP API", 1, 64)
+      .add("drain_timeout_ms", &cfg.drain_timeout_ms,
+           "on SIGTERM, how long in-flight requests may finish before the rest are aborted", 0, 86400000);
 }
 
 }  // namespace pd::decode

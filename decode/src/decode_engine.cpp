@@ -3,8 +3,11 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <chrono>
 #include <limits>
 #include <utility>
+
+#include "pd/common/log.h"
 
 namespace pd::decode {
 
@@ -23,7 +26,7 @@ const char* finishReasonName(FinishReason reason) {
 }
 
 DecodeEngineOptions engineOptions(const DecodeConfig& config) {
-  return DecodeEngineOptions{config.num_speculative_tokens, config.max_running_requests};
+  return DecodeEngineOptions{config.num_speculative_tokens, config.max_running_requests, nullptr};
 }
 
 struct DecodeEngine::Sequence {
@@ -47,6 +50,7 @@ DecodeEngine::DecodeEngine(model::Engine& engine, KvPool& pool, DecodeEngineOpti
   PD_CHECK(pool.latentDim() == engine.config().latentDim());
   PD_CHECK(pool.numLayers() == engine.config().kvLayers());
   PD_CHECK(options_.num_speculative_tokens >= 0 && options_.max_running_requests >= 1);
+  publishGauges();
 }
 
 DecodeEngine::~DecodeEngine() {
@@ -66,6 +70,10 @@ Result<std::vector<std::int32_t>> DecodeEngine::admit(DecodeRequest request) {
                                  request.prompt_tokens, request.max_tokens));
   }
   PD_TRY(model::validate(request.sampling));
+  if (request.prefill_attempts < 1) {
+    return makeError(ErrorCode::InvalidArgument, fmt::format("request {}: prefill_attempts ({}) must be >= 1",
+                                                             request.id, request.prefill_attempts));
+  }
   if (cfg.max_position_embeddings > 0 && request.prompt_tokens + request.max_tokens - 1 > cfg.max_position_embeddings) {
     return makeError(ErrorCode::InvalidArgument,
                      fmt::format("request {}: prompt ({}) + max_tokens ({}) exceeds max_position_embeddings ({})",
@@ -84,6 +92,7 @@ Result<std::vector<std::int32_t>> DecodeEngine::admit(DecodeRequest request) {
   std::vector<std::int32_t> ids(table.begin(), table.end());
   auto seq = std::make_unique<Sequence>(std::move(request), speculate);
   requests_.emplace(id, std::move(seq));
+  publishGauges();
   return ids;
 }
 
@@ -94,7 +103,9 @@ Status DecodeEngine::onKvReady(std::uint64_t request_id, Result<kvtransfer::Comp
   }
   Sequence& seq = *it->second;
   if (!record.ok()) {
-    finish(request_id, FinishReason::Error, std::move(record).error());
+    const bool timeout = record.error().code == ErrorCode::Timeout;
+    finish(request_id, FinishReason::Error, std::move(record).error(),
+           timeout ? RequestOutcome::Timeout : RequestOutcome::KvFailed);
     return okStatus();
   }
   kvtransfer::CompletionRecord rec = std::move(record).value();
@@ -109,7 +120,7 @@ Status DecodeEngine::onKvReady(std::uint64_t request_id, Result<kvtransfer::Comp
   }
   if (!problem.empty()) {
     finish(request_id, FinishReason::Error,
-           makeError(ErrorCode::Corrupt, fmt::format("request {}: {}", request_id, problem)));
+           makeError(ErrorCode::Corrupt, fmt::format("request {}: {}", request_id, problem)), RequestOutcome::KvFailed);
     return okStatus();
   }
   startRunning(seq, std::move(rec));
@@ -134,7 +145,10 @@ void DecodeEngine::startRunning(Sequence& seq, kvtransfer::CompletionRecord reco
   tokens.push_back(std::move(first));
   seq.state = Sequence::State::Ready;
   const std::uint64_t id = seq.req.id;
-  if (!emit(seq, std::move(tokens))) ready_.push_back(id);
+  if (!emit(seq, std::move(tokens))) {
+    ready_.push_back(id);
+    publishGauges();
+  }
 }
 
 bool DecodeEngine::emit(Sequence& seq, std::vector<model::SampledToken> tokens) {
@@ -167,19 +181,27 @@ bool DecodeEngine::emit(Sequence& seq, std::vector<model::SampledToken> tokens) 
   event.finish = reason;
   const std::uint64_t id = seq.req.id;
   TokenSink sink = std::exchange(seq.req.sink, nullptr);
-  finish(id, *reason, std::nullopt);  // frees the blocks; the sink was moved out, so it is not called there
+  finish(id, *reason, std::nullopt,
+         *reason == FinishReason::Stop
+             ? RequestOutcome::Stop
+             : RequestOutcome::Length);  // frees the blocks; the sink was moved out, so it is not called there
   sink(event);
   return true;
 }
 
-void DecodeEngine::finish(std::uint64_t request_id, FinishReason reason, std::optional<Error> error) {
+void DecodeEngine::finish(std::uint64_t request_id, FinishReason reason, std::optional<Error> error,
+                          RequestOutcome outcome) {
   const auto it = requests_.find(request_id);
   PD_CHECK(it != requests_.end());
   std::unique_ptr<Sequence> seq = std::move(it->second);
   requests_.erase(it);
   std::erase(running_, request_id);
   std::erase(ready_, request_id);
+  // Stop the transport's expectation before the blocks can be handed to another request.
+  if (seq->state == Sequence::State::WaitingKv && seq->req.stop_kv_wait) seq->req.stop_kv_wait();
   PD_CHECK(blocks_.release(request_id));
+  if (options_.metrics != nullptr) options_.metrics->requestEnded(outcome);
+  publishGauges();             // before the sink: whoever sees the end of the stream sees the blocks free
   if (!seq->req.sink) return;  // emit() delivers the final event itself
   TokenEvent event;
   event.request_id = request_id;
@@ -190,11 +212,34 @@ void DecodeEngine::finish(std::uint64_t request_id, FinishReason reason, std::op
   seq->req.sink(event);
 }
 
+void DecodeEngine::noteKvRetry(std::uint64_t request_id, const Error& failure) {
+  const auto it = requests_.find(request_id);
+  if (it == requests_.end()) return;
+  ++stats_.prefill_retries;
+  if (options_.metrics != nullptr) options_.metrics->prefillRetried();
+  log::info("decode", "request {}: prefill attempt failed ({}); keeping its blocks for the next attempt", request_id,
+            failure.toString());
+}
+
 bool DecodeEngine::abort(std::uint64_t request_id) {
   if (!requests_.contains(request_id)) return false;
   finish(request_id, FinishReason::Aborted,
-         makeError(ErrorCode::Cancelled, fmt::format("request {} aborted", request_id)));
+         makeError(ErrorCode::Cancelled, fmt::format("request {} aborted", request_id)), RequestOutcome::Aborted);
   return true;
+}
+
+void DecodeEngine::publishGauges() const {
+  if (options_.metrics == nullptr) return;
+  std::int64_t waiting = 0;
+  std::int64_t waiting_tokens = 0;
+  for (const auto& [id, seq] : requests_) {
+    if (seq->state != Sequence::State::WaitingKv) continue;
+    ++waiting;
+    waiting_tokens += seq->req.prompt_tokens;
+  }
+  options_.metrics->setBlocks(blocks_.freeBlocks(), blocks_.availableBlocks(), blocks_.numBlocks());
+  options_.metrics->setSequences(waiting, waiting_tokens, static_cast<std::int64_t>(ready_.size()),
+                                 static_cast<std::int64_t>(running_.size()));
 }
 
 std::optional<Clock::time_point> DecodeEngine::nextKvDeadline() const {
@@ -213,7 +258,8 @@ void DecodeEngine::step(Clock::time_point now) {
   }
   for (const std::uint64_t id : expired) {
     finish(id, FinishReason::Error,
-           makeError(ErrorCode::Timeout, fmt::format("request {}: its KV did not arrive before the deadline", id)));
+           makeError(ErrorCode::Timeout, fmt::format("request {}: its KV did not arrive before the deadline", id)),
+           RequestOutcome::Timeout);
   }
   while (!ready_.empty() && static_cast<std::int64_t>(running_.size()) < options_.max_running_requests) {
     const std::uint64_t id = ready_.front();
@@ -226,9 +272,12 @@ void DecodeEngine::step(Clock::time_point now) {
   batch.reserve(running_.size());
   for (const std::uint64_t id : running_) batch.push_back(requests_.at(id).get());
   runBatch(batch);
+  publishGauges();
 }
 
 void DecodeEngine::runBatch(std::span<Sequence* const> all) {
+  const auto started = Clock::now();
+  const DecodeStats before = stats_;
   const ModelConfig& cfg = engine_.config();
   const auto d = static_cast<std::size_t>(cfg.hidden_size);
   const auto vocab = static_cast<std::size_t>(cfg.vocab_size);
@@ -247,7 +296,8 @@ void DecodeEngine::runBatch(std::span<Sequence* const> all) {
             : 0;
     Status grown = blocks_.grow(seq->req.id, start + 1 + ki);
     if (!grown.ok()) {
-      finish(seq->req.id, FinishReason::Error, makeError(ErrorCode::Internal, std::move(grown).error().toString()));
+      finish(seq->req.id, FinishReason::Error, makeError(ErrorCode::Internal, std::move(grown).error().toString()),
+             RequestOutcome::Error);
       continue;
     }
     batch.push_back(seq);
@@ -258,7 +308,8 @@ void DecodeEngine::runBatch(std::span<Sequence* const> all) {
   const auto fail_all = [&](const Error& e) {
     for (Sequence* seq : batch) {
       finish(seq->req.id, FinishReason::Error,
-             makeError(ErrorCode::Internal, fmt::format("decode step failed: {}", e.toString())));
+             makeError(ErrorCode::Internal, fmt::format("decode step failed: {}", e.toString())),
+             RequestOutcome::Error);
     }
   };
 
@@ -335,10 +386,11 @@ void DecodeEngine::runBatch(std::span<Sequence* const> all) {
   ++stats_.steps;
 
   std::size_t row = 0;
+  std::vector<std::vector<model::SampledToken>> emitted_by_seq(n);
   for (std::size_t i = 0; i < n; ++i) {
     Sequence& s = *batch[i];
     const std::size_t rows = feeds[i].size();
-    std::vector<model::SampledToken> emitted;
+    std::vector<model::SampledToken>& emitted = emitted_by_seq[i];
     const auto remaining = static_cast<std::size_t>(s.req.max_tokens) - s.generated.size();
     for (std::size_t j = 0; j < rows && emitted.size() < remaining; ++j) {
       if (s.speculate) {
@@ -352,7 +404,16 @@ void DecodeEngine::runBatch(std::span<Sequence* const> all) {
     row += rows;
     stats_.drafts_proposed += static_cast<std::int64_t>(drafts[i].size());
     stats_.tokens_generated += static_cast<std::int64_t>(emitted.size());
-    emit(s, std::move(emitted));  // may end and destroy s: not touched after this
+  }
+  // Counted before any stream hears of this step, so its last event implies the step's metrics.
+  if (options_.metrics != nullptr) {
+    options_.metrics->stepDone(std::chrono::duration<double>(Clock::now() - started).count(),
+                               stats_.tokens_generated - before.tokens_generated,
+                               stats_.drafts_proposed - before.drafts_proposed,
+                               stats_.drafts_accepted - before.drafts_accepted);
+  }
+  for (std::size_t i = 0; i < n; ++i) {
+    emit(*batch[i], std::move(emitted_by_seq[i]));  // may end and destroy the sequence: not touched after
   }
 }
 

@@ -1,8 +1,11 @@
 #include "pd/decode/decode_loop.h"
 
+#include <algorithm>
 #include <future>
 #include <memory>
 #include <utility>
+
+#include "pd/common/log.h"
 
 namespace pd::decode {
 
@@ -37,29 +40,102 @@ Result<std::vector<std::int32_t>> DecodeLoop::admit(DecodeRequest request) {
   return future.get();
 }
 
+struct DecodeLoop::KvWait {
+  std::shared_ptr<Inbox> inbox;
+  kvtransfer::Transport* transport = nullptr;
+  std::uint64_t id = 0;
+  Clock::time_point deadline;
+  std::mutex mutex;
+  std::int64_t failures_to_absorb = 0;  // guarded by mutex
+  bool stopped = false;                 // guarded by mutex: the request ended, never re-arm
+
+  // The request ended while waiting: no more re-arming, and the pending expectation (if any)
+  // is cancelled so that the transport drops its late bytes.
+  void stop() {
+    {
+      std::lock_guard lock(mutex);
+      stopped = true;
+    }
+    transport->cancelExpect(id);
+  }
+};
+
+kvtransfer::ArrivalFn DecodeLoop::waitArrival(std::shared_ptr<KvWait> wait) {
+  return [wait](std::uint64_t request_id, Result<kvtransfer::CompletionRecord> record) {
+    // Timeout is the deadline of every attempt together; any other failure may be one attempt's.
+    if (!record.ok() && record.error().code != ErrorCode::Timeout) {
+      std::lock_guard lock(wait->mutex);
+      if (!wait->stopped && wait->failures_to_absorb > 0) {
+        // Re-armed here, on the transport's thread, so the next attempt's bytes are never dropped.
+        const Status rearmed = wait->transport->expect(request_id, wait->deadline, waitArrival(wait));
+        if (rearmed.ok()) {
+          --wait->failures_to_absorb;
+          auto failure = std::make_shared<Error>(std::move(record).error());
+          wait->inbox->post([request_id, failure](DecodeEngine& e) { e.noteKvRetry(request_id, *failure); });
+          return;
+        }
+        log::warn("decode", "request {}: cannot wait for another prefill attempt: {}", request_id,
+                  rearmed.error().toString());
+      }
+    }
+    auto rec = std::make_shared<Result<kvtransfer::CompletionRecord>>(std::move(record));
+    wait->inbox->post([request_id, rec](DecodeEngine& e) { (void)e.onKvReady(request_id, std::move(*rec)); });
+  };
+}
+
+void DecodeLoop::openStreamAsync(DecodeRequest request, kvtransfer::Transport& transport,
+                                 const kvtransfer::CompatInfo& compat, const std::vector<kvtransfer::KvTarget>& targets,
+                                 std::uint32_t timeout_ms, OpenDone done) {
+  auto wait = std::make_shared<KvWait>();
+  wait->inbox = inbox_;
+  wait->transport = &transport;
+  wait->id = request.id;
+  wait->deadline = request.kv_deadline;
+  wait->failures_to_absorb = std::max<std::int64_t>(0, request.prefill_attempts - 1);
+  request.stop_kv_wait = [wait] { wait->stop(); };
+
+  auto descriptor = std::make_shared<kvtransfer::KvDescriptor>();
+  descriptor->request_id = request.id;
+  descriptor->compat = compat;
+  descriptor->num_tokens = static_cast<std::uint32_t>(request.prompt_tokens);
+  descriptor->timeout_ms = timeout_ms;
+  descriptor->targets = targets;
+
+  // Expect first, so that a record can never arrive unexpected; if admission then fails, the
+  // cancelled expectation posts a Cancelled arrival for an unknown id, which the engine ignores.
+  const Status expected = transport.expect(request.id, request.kv_deadline, waitArrival(wait));
+  if (!expected.ok()) {
+    done(expected.error());
+    return;
+  }
+  auto req = std::make_shared<DecodeRequest>(std::move(request));
+  auto answer = std::make_shared<OpenDone>(std::move(done));
+  const bool posted = inbox_->post([req, wait, descriptor, answer](DecodeEngine& e) {
+    Result<std::vector<std::int32_t>> blocks = e.admit(std::move(*req));
+    if (!blocks.ok()) {
+      wait->stop();
+      (*answer)(std::move(blocks).error());
+      return;
+    }
+    descriptor->block_ids.reserve(blocks->size());
+    for (const std::int32_t b : *blocks) descriptor->block_ids.push_back(static_cast<std::uint32_t>(b));
+    (*answer)(std::move(*descriptor));
+  });
+  if (!posted) {
+    wait->stop();
+    (*answer)(makeError(ErrorCode::Cancelled, "the decode loop has stopped"));
+  }
+}
+
 Result<kvtransfer::KvDescriptor> DecodeLoop::openStream(DecodeRequest request, kvtransfer::Transport& transport,
                                                         const kvtransfer::CompatInfo& compat,
                                                         const std::vector<kvtransfer::KvTarget>& targets,
                                                         std::uint32_t timeout_ms) {
-  const std::uint64_t id = request.id;
-  const auto prompt_tokens = static_cast<std::uint32_t>(request.prompt_tokens);
-  // Expect first, so that a record can never arrive unexpected; if admission then fails, the
-  // cancelled expectation posts a Cancelled arrival for an unknown id, which the engine ignores.
-  PD_TRY(transport.expect(id, request.kv_deadline, arrivalFn()));
-  Result<std::vector<std::int32_t>> blocks = admit(std::move(request));
-  if (!blocks.ok()) {
-    transport.cancelExpect(id);
-    return std::move(blocks).error();
-  }
-  kvtransfer::KvDescriptor descriptor;
-  descriptor.request_id = id;
-  descriptor.compat = compat;
-  descriptor.num_tokens = prompt_tokens;
-  descriptor.timeout_ms = timeout_ms;
-  descriptor.block_ids.reserve(blocks->size());
-  for (const std::int32_t b : *blocks) descriptor.block_ids.push_back(static_cast<std::uint32_t>(b));
-  descriptor.targets = targets;
-  return descriptor;
+  auto answer = std::make_shared<std::promise<Result<kvtransfer::KvDescriptor>>>();
+  auto future = answer->get_future();
+  openStreamAsync(std::move(request), transport, compat, targets, timeout_ms,
+                  [answer](Result<kvtransfer::KvDescriptor> r) { answer->set_value(std::move(r)); });
+  return future.get();
 }
 
 void DecodeLoop::postKvReady(std::uint64_t request_id, Result<kvtransfer::CompletionRecord> record) {

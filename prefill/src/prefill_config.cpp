@@ -11,7 +11,11 @@ void registerOptions(config::OptionSet& set, PrefillConfig& cfg) {
       .add("request_timeout_ms", &cfg.request_timeout_ms, "deadline for one prefill incl. KV transfer", 100, 86400000)
       .add("cache_blocks", &cfg.cache_blocks, "blocks of the prefill-local latent cache (bounds prompts in flight)", 1,
            1 << 24)
-      .add("cache_block_size", &cfg.cache_block_size, "tokens per block of the prefill-local latent cache", 1, 1 << 16);
+      .add("cache_block_size", &cfg.cache_block_size, "tokens per block of the prefill-local latent cache", 1, 1 << 16)
+      .add("drain_timeout_ms", &cfg.drain_timeout_ms,
+           "on SIGTERM/SIGINT, how long in-flight prefills may finish before they are aborted", 0, 86400000)
+      .add("threads", &cfg.threads, "compute threads of the model engine (0: every hardware thread)", 0, 1024)
+      .add("io_threads", &cfg.io_threads, "HTTP server threads of the internal API", 1, 64);
 }
 
 }  // namespace pd::prefill

@@ -220,6 +220,7 @@ bool PrefillEngine::step() {
   }
 
   // Admit in arrival order while the local cache has room; a prompt that cannot fit waits.
+  const std::size_t first_admitted = running_.size();
   {
     std::lock_guard lock(mutex_);
     while (!queue_.empty()) {
@@ -239,6 +240,7 @@ bool PrefillEngine::step() {
       running_.push_back(std::move(r));
     }
   }
+  for (std::size_t i = first_admitted; i < running_.size(); ++i) running_[i]->request.sink->admitted();
 
   // One forward over up to token_budget new tokens, at most chunk_size per request.
   std::vector<Running*> rows;

@@ -99,11 +99,15 @@ Status TransportKvSink::putLayer(std::uint32_t layer, std::int64_t first_pos, st
 
 void TransportKvSink::complete(kvtransfer::CompletionRecord record) {
   ended_ = true;
-  const std::uint64_t id = record.request_id;
+  // The transfer is numbered by the decode worker (the descriptor), not by the engine.
+  const std::uint64_t id = descriptor_.request_id;
+  record.request_id = id;
   Status s = transport_.finish(std::move(record));
   if (!s.ok()) {
-    // The transfer already ended (deadline, peer failure); its done callback reports that.
+    // NotFound: the transfer already ended (deadline, peer failure) and its done callback says
+    // why. Anything else must not leave the transfer waiting for its deadline.
     log::warn("prefill", "request {}: completion record not sent: {}", id, s.error().toString());
+    if (s.error().code != ErrorCode::NotFound) fail(s.error());
   }
 }
 

@@ -11,7 +11,35 @@ void registerOptions(config::OptionSet& set, RouterConfig& cfg) {
       .add("request_timeout_ms", &cfg.request_timeout_ms, "end-to-end deadline of one request", 100, 86400000)
       .add("api_keys_file", &cfg.api_keys_file, "file of accepted Bearer keys, one per line (empty: no auth)")
       .add("served_model_name", &cfg.served_model_name, "model name reported by /v1/models and required in requests")
-      .add("retry_after_s", &cfg.retry_after_s, "Retry-After seconds sent with 429 and 503 answers", 1, 3600);
+      .add("retry_after_s", &cfg.retry_after_s, "Retry-After seconds sent with 429 and 503 answers", 1, 3600)
+      .add("drain_timeout_ms", &cfg.drain_timeout_ms, "on SIGTERM, how long in-flight requests may finish", 0, 86400000)
+      .add("prefill_workers", &cfg.prefill_workers, "static prefill workers, host:port each")
+      .add("decode_workers", &cfg.decode_workers, "static decode workers, host:port each")
+      .add("prefill_service", &cfg.prefill_service, "DNS name:port whose every address is a prefill worker")
+      .add("decode_service", &cfg.decode_service, "DNS name:port whose every address is a decode worker")
+      .add("discovery_interval_ms", &cfg.discovery_interval_ms, "how often the service names are re-resolved", 100,
+           3600000)
+      .add("health_interval_ms", &cfg.health_interval_ms, "how often each worker's status is polled", 10, 600000)
+      .add("health_timeout_ms", &cfg.health_timeout_ms, "deadline of one status poll", 10, 600000)
+      .add("health_failures", &cfg.health_failures, "failed polls in a row that take a worker out of rotation", 1,
+           1000)
+      .add("model_hash", &cfg.model_hash,
+           "model_hash every worker must report (empty: the first one a ready worker reports)")
+      .add("prefill_policy", &cfg.prefill_policy, "how a prefill worker is chosen",
+           {"least_queued_tokens", "round_robin"})
+      .add("prefill_retries", &cfg.prefill_retries, "retries of a failed prefill on another prefill worker", 0, 16)
+      .add("decode_retries", &cfg.decode_retries,
+           "retries of a request on another decode worker while no token reached the client", 0, 16)
+      .add("decode_open_timeout_ms", &cfg.decode_open_timeout_ms, "deadline for a decode worker's KV descriptor", 10,
+           600000)
+      .add("kv_timeout_ms", &cfg.kv_timeout_ms, "how long a decode worker waits for the prefilled KV (all attempts)",
+           10, 3600000)
+      .add("prefill_timeout_ms", &cfg.prefill_timeout_ms, "deadline of one prefill attempt", 10, 3600000)
+      .add("stream_stall_timeout_ms", &cfg.stream_stall_timeout_ms,
+           "longest silence of a decode stream once its tokens flow", 10, 3600000)
+      .add("abort_timeout_ms", &cfg.abort_timeout_ms, "deadline of the abort/cancel calls to workers", 10, 60000)
+      .add("max_generations", &cfg.max_generations, "generations running at once; more are refused (503)", 1,
+           1 << 20);
 }
 
 }  // namespace pd::router

@@ -15,16 +15,13 @@ struct Command {
   std::string_view issue;  ///< set while the command is not built yet
 };
 
-int notYetBuilt(const std::vector<std::string>& /*args*/) {
-  return 3;
-}
-
 /// `pdserve bench kv` (issue 5) and `pdserve bench engine` (issue 4) are built; the load
 /// generator is not yet.
 int runBench(const std::vector<std::string>& args) {
   if (!args.empty() && args[0] == "kv") return pd::cli::runBenchKv({args.begin() + 1, args.end()});
   if (!args.empty() && args[0] == "engine") return pd::cli::runBenchEngine({args.begin() + 1, args.end()});
   if (!args.empty() && args[0] == "router") return pd::cli::runBenchRouter({args.begin() + 1, args.end()});
+  if (!args.empty() && args[0] == "comm") return pd::cli::runBenchComm({args.begin() + 1, args.end()});
   std::fprintf(stderr, "pdserve bench %s: not built yet (issue 10); built: pdserve bench kv, pdserve bench engine\n",
                args.empty() ? "" : args[0].c_str());
   return 3;
@@ -47,7 +44,8 @@ constexpr Command kCommands[] = {
     {"generate", "greedy/sampled generation in one process (prefill + decode, optional MTP)", pd::cli::runGenerate, ""},
     {"bench", "benchmarks: `bench kv` (KV transfer vs ucx_perftest), `bench engine` (CPU engine MBU/FLOPs)", runBench,
      ""},
-    {"plan", "capacity planner", notYetBuilt, "issue 10"},
+    {"plan", "capacity planner: decode tokens/s, TTFT, KV bytes, prefill:decode pools (docs/planner.md)",
+     pd::cli::runPlan, ""},
 };
 
 void printUsage(std::FILE* out) {

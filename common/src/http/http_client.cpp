@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <array>
+#include <atomic>
 #include <boost/asio.hpp>
 #include <boost/beast/core.hpp>
 #include <boost/beast/http.hpp>
@@ -95,6 +96,7 @@ class Client::Impl {
   Impl(std::string host, std::uint16_t port) : host_(std::move(host)), port_(port) {}
 
   Result<ClientResponse> send(const ClientRequest& request, std::chrono::milliseconds timeout) {
+    if (cancelled_.load()) return cancelledError();
     const auto deadline = Clock::now() + timeout;
     for (int attempt = 0;; ++attempt) {
       const bool reused = stream_.has_value();
@@ -121,6 +123,7 @@ class Client::Impl {
 
   Result<ClientResponse> stream(const ClientRequest& request, std::chrono::milliseconds timeout,
                                 const LineCallback& on_line) {
+    if (cancelled_.load()) return cancelledError();
     const auto deadline = Clock::now() + timeout;
     for (int attempt = 0;; ++attempt) {
       const bool reused = stream_.has_value();
@@ -179,7 +182,21 @@ class Client::Impl {
     buffer_.clear();
   }
 
+  void cancel() {
+    cancelled_.store(true);
+    // Runs on the calling thread inside the io_context (posting is thread-safe).
+    net::post(ioc_, [this] { interrupt(); });
+  }
+
  private:
+  void interrupt() {
+    if (stream_) stream_->cancel();
+  }
+
+  Result<ClientResponse> cancelledError() const {
+    return makeError(ErrorCode::Cancelled, fmt::format("http {}:{}: cancelled", host_, port_));
+  }
+
   /// Starts an async operation with a completion handler and runs the io_context until it is done.
   template <class Start>
   beast::error_code run(Start&& start) {
@@ -189,6 +206,7 @@ class Client::Impl {
       result = ec;
       done = true;
     });
+    if (cancelled_.load()) interrupt();  // a cancel() that came between two operations
     ioc_.restart();
     ioc_.run();
     PD_CHECK_MSG(done, "client operation did not complete");
@@ -267,6 +285,7 @@ class Client::Impl {
 
   Result<ClientResponse> toError(const beast::error_code& ec, std::string_view what) const {
     const std::string where = fmt::format("http {}:{}", host_, port_);
+    if (cancelled_.load()) return cancelledError();
     if (ec == beast::error::timeout) {
       return makeError(ErrorCode::Timeout, fmt::format("{}: {} did not finish before the deadline", where, what));
     }
@@ -281,6 +300,7 @@ class Client::Impl {
 
   std::string host_;
   std::uint16_t port_;
+  std::atomic<bool> cancelled_{false};
   net::io_context ioc_{1};
   std::optional<beast::tcp_stream> stream_;
   beast::flat_buffer buffer_;
@@ -308,6 +328,10 @@ Result<ClientResponse> Client::streamEvents(const ClientRequest& request, std::c
 
 void Client::disconnect() {
   impl_->disconnect();
+}
+
+void Client::cancel() {
+  impl_->cancel();
 }
 
 }  // namespace pd::http

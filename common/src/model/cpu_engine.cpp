@@ -1,6 +1,8 @@
 // The CPU backend of the model engine: DeepSeek-V3 forward (MLA with a paged latent cache, MoE
 // with grouped experts, MTP) on float32 activations, matrix products via the ISA kernel table,
-// parallel over a ThreadPool.
+// parallel over a ThreadPool. With a tensor-parallel communicator the weights are this rank's
+// shard (model_weights.h TpShard) and partial results are summed / gathered across ranks after
+// attention, each MLP / MoE, the embedding and the LM head (docs/tensor-parallel.md).
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -10,6 +12,7 @@
 #include <numeric>
 #include <utility>
 
+#include "pd/common/communicator.h"
 #include "pd/common/log.h"
 #include "pd/common/model/engine.h"
 #include "pd/common/model/model_weights.h"
@@ -74,25 +77,63 @@ struct RowTask {
 
 class CpuEngine final : public Engine {
  public:
-  CpuEngine(std::unique_ptr<ModelWeights> weights, const KernelTable& kernels, int threads, std::vector<float> inv_freq)
+  CpuEngine(std::unique_ptr<ModelWeights> weights, const KernelTable& kernels, int threads, std::vector<float> inv_freq,
+            comm::Communicator* tp)
       : weights_(std::move(weights)),
         cfg_(weights_->config()),
         k_(kernels),
         pool_(threads),
         inv_freq_(std::move(inv_freq)),
         softmax_scale_(static_cast<float>(cfg_.softmaxScale())),
-        eps_(static_cast<float>(cfg_.rms_norm_eps)) {}
+        eps_(static_cast<float>(cfg_.rms_norm_eps)),
+        tp_(tp != nullptr && tp->size() > 1 ? tp : nullptr),
+        heads_(cfg_.num_attention_heads / (tp_ ? tp_->size() : 1)),
+        vocab_(tp_ ? shardRange(cfg_.vocab_size, tp_->rank(), tp_->size()) : ShardRange{0, cfg_.vocab_size}) {}
 
   [[nodiscard]] const ModelConfig& config() const override { return cfg_; }
 
-  // Reads one byte per page of every tensor, spread over the pool.
+  // Reads one byte per page of every tensor, spread over the pool (under tensor parallelism,
+  // only the matrices of this rank's shard: the rest of the file never becomes resident).
   void prefault() {
+    if (tp_) {
+      prefaultShard();
+      return;
+    }
     const std::vector<const TensorView*> tensors = weights_->checkpoint().tensors();
     std::vector<unsigned> sums(tensors.size());
     pool_.run(static_cast<i64>(tensors.size()), [&](i64 i) {
       const std::span<const std::byte> bytes = tensors[sz(i)]->data;
       unsigned sum = 0;
       for (std::size_t p = 0; p < bytes.size(); p += 4096) sum += static_cast<unsigned>(bytes[p]);
+      sums[sz(i)] = sum;
+    });
+    volatile unsigned keep = std::accumulate(sums.begin(), sums.end(), 0U);
+    (void)keep;
+  }
+
+  void prefaultShard() {
+    std::vector<const WeightMatrix*> mats{&weights_->embedTokens(), &weights_->lmHead()};
+    const auto add_layer = [&](const LayerWeights& l) {
+      for (const WeightMatrix* w : {&l.attn.q_a, &l.attn.q_b, &l.attn.q, &l.attn.kv_a, &l.attn.kv_b, &l.attn.o,
+                                    &l.dense.gate, &l.dense.up, &l.dense.down, &l.router}) {
+        mats.push_back(w);
+      }
+      for (const MlpWeights& e : l.experts) mats.insert(mats.end(), {&e.gate, &e.up, &e.down});
+      if (l.shared) mats.insert(mats.end(), {&l.shared->gate, &l.shared->up, &l.shared->down});
+    };
+    for (const LayerWeights& l : weights_->layers()) add_layer(l);
+    if (const MtpWeights* m = weights_->mtp()) {
+      add_layer(m->block);
+      mats.insert(mats.end(), {&m->eh_proj, &m->head, &m->embed});
+    }
+    std::vector<unsigned> sums(mats.size());
+    pool_.run(static_cast<i64>(mats.size()), [&](i64 i) {
+      const WeightMatrix& w = *mats[sz(i)];
+      if (w.data == nullptr) return;
+      const auto* bytes = static_cast<const std::byte*>(w.data);
+      const std::size_t n = sz(w.rows * w.cols) * dtypeSize(w.dtype);
+      unsigned sum = 0;
+      for (std::size_t p = 0; p < n; p += 4096) sum += static_cast<unsigned>(bytes[p]);
       sums[sz(i)] = sum;
     });
     volatile unsigned keep = std::accumulate(sums.begin(), sums.end(), 0U);
@@ -117,18 +158,19 @@ class CpuEngine final : public Engine {
     float* h = grow(ws_.h, t_count * d);
     i64 t = 0;
     for (const SequenceChunk& s : batch) {
-      for (const std::int32_t tok : s.tokens) dequantizeRow(weights_->embedTokens(), tok, h + (t++) * d);
+      for (const std::int32_t tok : s.tokens) embed(weights_->embedTokens(), tok, h + (t++) * d);
     }
+    PD_TRY(reduce(h, t_count * d));
     if (options.trace) clearTrace(*options.trace);
     const auto& layers = weights_->layers();
     for (std::size_t l = 0; l < layers.size(); ++l) {
-      runLayer(layers[l], static_cast<i64>(l), batch, cache, plan, options, out.stats);
+      PD_TRY(runLayer(layers[l], static_cast<i64>(l), batch, cache, plan, options, out.stats));
       if (options.trace) {
         options.trace->layer_hidden.insert(options.trace->layer_hidden.end(), ws_.h.begin(),
                                            ws_.h.begin() + t_count * d);
       }
     }
-    finish(weights_->finalNorm(), weights_->lmHead(), batch, plan, options, out);
+    PD_TRY(finish(weights_->finalNorm(), weights_->lmHead(), batch, plan, options, out));
     return out;
   }
 
@@ -141,15 +183,23 @@ class CpuEngine final : public Engine {
     const i64 d = cfg_.hidden_size;
     const i64 t_count = plan.tokens;
     float* cat = grow(ws_.mtp_cat, t_count * 2 * d);
-    std::vector<float> row(sz(d));
+    // Token embeddings (the rows of a vocab shard, summed across ranks), then the two norms.
+    float* emb = grow(ws_.xn, t_count * d);
     i64 t = 0;
     for (const SequenceChunk& s : batch) {
       for (std::size_t i = 0; i < s.tokens.size(); ++i, ++t) {
-        dequantizeRow(mtp->embed, s.tokens[i], row.data());
+        float* row = emb + t * d;
+        embed(mtp->embed, s.tokens[i], row);
         if (options.mtp_zero_position0_embedding && s.start_pos + s.rope_offset + static_cast<i64>(i) == 0) {
-          std::fill(row.begin(), row.end(), 0.0F);
+          std::fill(row, row + d, 0.0F);
         }
-        rmsNorm(row.data(), mtp->enorm.data(), d, eps_, cat + t * 2 * d);
+      }
+    }
+    PD_TRY(reduce(emb, t_count * d));
+    t = 0;
+    for (const SequenceChunk& s : batch) {
+      for (std::size_t i = 0; i < s.tokens.size(); ++i, ++t) {
+        rmsNorm(emb + t * d, mtp->enorm.data(), d, eps_, cat + t * 2 * d);
         rmsNorm(s.prev_hidden.data() + sz(static_cast<i64>(i) * d), mtp->hnorm.data(), d, eps_, cat + t * 2 * d + d);
       }
     }
@@ -159,11 +209,11 @@ class CpuEngine final : public Engine {
       clearTrace(*options.trace);
       options.trace->mtp_input.assign(h, h + t_count * d);
     }
-    runLayer(mtp->block, cfg_.num_hidden_layers, batch, cache, plan, options, out.stats);
+    PD_TRY(runLayer(mtp->block, cfg_.num_hidden_layers, batch, cache, plan, options, out.stats));
     if (options.trace) {
       options.trace->layer_hidden.insert(options.trace->layer_hidden.end(), ws_.h.begin(), ws_.h.begin() + t_count * d);
     }
-    finish(mtp->head_norm, mtp->head, batch, plan, options, out, /*normalize_hidden=*/false);
+    PD_TRY(finish(mtp->head_norm, mtp->head, batch, plan, options, out, /*normalize_hidden=*/false));
     return out;
   }
 
@@ -277,28 +327,46 @@ class CpuEngine final : public Engine {
     });
   }
 
-  void runLayer(const LayerWeights& lw, i64 kv_layer, std::span<const SequenceChunk> batch,
-                const LatentCacheView& cache, const BatchPlan& plan, const ForwardOptions& options,
-                ForwardStats& stats) {
+  // Row `tok` of an embedding (a vocab shard under TP: zeros for tokens other ranks hold).
+  void embed(const WeightMatrix& table, std::int32_t tok, float* out) const {
+    if (tok < vocab_.begin || tok >= vocab_.end) {
+      std::fill(out, out + cfg_.hidden_size, 0.0F);
+      return;
+    }
+    dequantizeRow(table, tok - vocab_.begin, out);
+  }
+
+  // Sums a partial result across the tensor-parallel ranks (nothing without TP).
+  Status reduce(float* data, i64 n) {
+    if (!tp_) return okStatus();
+    return tp_->allReduceSum(std::span<float>(data, sz(n)));
+  }
+
+  Status runLayer(const LayerWeights& lw, i64 kv_layer, std::span<const SequenceChunk> batch,
+                  const LatentCacheView& cache, const BatchPlan& plan, const ForwardOptions& options,
+                  ForwardStats& stats) {
     const i64 d = cfg_.hidden_size;
     const i64 n = plan.tokens;
     float* h = ws_.h.data();
     float* xn = grow(ws_.xn, n * d);
     for (i64 t = 0; t < n; ++t) rmsNorm(h + t * d, lw.input_norm.data(), d, eps_, xn + t * d);
-    const float* attn = attention(lw.attn, kv_layer, batch, cache, plan, options, stats);
+    float* attn = attention(lw.attn, kv_layer, batch, cache, plan, options, stats);
+    PD_TRY(reduce(attn, n * d));
     for (i64 i = 0; i < n * d; ++i) h[i] += attn[i];
     for (i64 t = 0; t < n; ++t) rmsNorm(h + t * d, lw.post_norm.data(), d, eps_, xn + t * d);
-    const float* ffn = lw.moe ? moe(lw, n, options, stats) : dense(lw.dense, n, stats);
+    float* ffn = lw.moe ? moe(lw, n, options, stats) : dense(lw.dense, n, stats);
+    PD_TRY(reduce(ffn, n * d));
     for (i64 i = 0; i < n * d; ++i) h[i] += ffn[i];
+    return okStatus();
   }
 
   // Multi-head latent attention on ws_.xn; returns [tokens, hidden].
-  const float* attention(const AttentionWeights& a, i64 kv_layer, std::span<const SequenceChunk> batch,
+  float* attention(const AttentionWeights& a, i64 kv_layer, std::span<const SequenceChunk> batch,
                          const LatentCacheView& cache, const BatchPlan& plan, const ForwardOptions& options,
                          ForwardStats& stats) {
     const i64 d = cfg_.hidden_size;
     const i64 n = plan.tokens;
-    const i64 heads = cfg_.num_attention_heads;
+    const i64 heads = heads_;
     const i64 dn = cfg_.qk_nope_head_dim;
     const i64 dr = cfg_.qk_rope_head_dim;
     const i64 qk = dn + dr;
@@ -382,7 +450,7 @@ class CpuEngine final : public Engine {
   void absorbedAttention(const AttentionWeights& a, i64 kv_layer, std::span<const SequenceChunk> batch,
                          const LatentCacheView& cache, const BatchPlan& plan, float* o, ForwardStats& stats) {
     const i64 n = plan.tokens;
-    const i64 heads = cfg_.num_attention_heads;
+    const i64 heads = heads_;
     const i64 dn = cfg_.qk_nope_head_dim;
     const i64 dr = cfg_.qk_rope_head_dim;
     const i64 dv = cfg_.v_head_dim;
@@ -464,7 +532,7 @@ class CpuEngine final : public Engine {
   void prefillAttention(const AttentionWeights& a, i64 kv_layer, std::span<const SequenceChunk> batch,
                         const LatentCacheView& cache, const BatchPlan& plan, float* o, ForwardStats& stats) {
     constexpr i64 kCtxChunk = 512;
-    const i64 heads = cfg_.num_attention_heads;
+    const i64 heads = heads_;
     const i64 dn = cfg_.qk_nope_head_dim;
     const i64 dr = cfg_.qk_rope_head_dim;
     const i64 dv = cfg_.v_head_dim;
@@ -588,7 +656,7 @@ class CpuEngine final : public Engine {
     });
   }
 
-  const float* dense(const MlpWeights& mlp, i64 n, ForwardStats& stats) {
+  float* dense(const MlpWeights& mlp, i64 n, ForwardStats& stats) {
     const i64 d = cfg_.hidden_size;
     const i64 width = mlp.gate.rows;
     std::vector<ExpertWork> work{
@@ -599,7 +667,7 @@ class CpuEngine final : public Engine {
 
   // Sigmoid routing with e_score_correction_bias (selection only), group-limited top-k, weights
   // renormalized over the chosen experts and scaled; experts run grouped; plus shared experts.
-  const float* moe(const LayerWeights& lw, i64 n, const ForwardOptions& options, ForwardStats& stats) {
+  float* moe(const LayerWeights& lw, i64 n, const ForwardOptions& options, ForwardStats& stats) {
     const i64 d = cfg_.hidden_size;
     const i64 n_exp = cfg_.n_routed_experts;
     const i64 top_k = cfg_.num_experts_per_tok;
@@ -673,7 +741,7 @@ class CpuEngine final : public Engine {
       for (i64 i = 0; i < n * top_k; ++i) slot_of[sz(i)] = fill[sz(chosen[sz(i)])]++;
     }
     const i64 slots = n * top_k;
-    const i64 width = cfg_.moe_intermediate_size;
+    const i64 width = lw.experts.empty() ? 0 : lw.experts[0].gate.rows;  // this rank's share under TP
     const i64 shared_width = lw.shared ? lw.shared->gate.rows : 0;
     float* gx = grow(ws_.moe_x, slots * d);
     for (i64 i = 0; i < slots; ++i) std::memcpy(gx + slot_of[sz(i)] * d, xn + (i / top_k) * d, sz(d) * sizeof(float));
@@ -711,8 +779,8 @@ class CpuEngine final : public Engine {
   }
 
   // Final norm, then the rows of logits and hidden states the options ask for.
-  void finish(const std::vector<float>& norm, const WeightMatrix& head, std::span<const SequenceChunk> batch,
-              const BatchPlan& plan, const ForwardOptions& options, ForwardOutput& out, bool normalize_hidden = true) {
+  Status finish(const std::vector<float>& norm, const WeightMatrix& head, std::span<const SequenceChunk> batch,
+                const BatchPlan& plan, const ForwardOptions& options, ForwardOutput& out, bool normalize_hidden = true) {
     const i64 d = cfg_.hidden_size;
     const auto rows_of = [&](OutputRows which) {
       std::vector<i64> rows;
@@ -742,8 +810,26 @@ class CpuEngine final : public Engine {
       float* hn = grow(ws_.final_h, m * d);
       for (i64 i = 0; i < m; ++i) rmsNorm(h + logit_rows[sz(i)] * d, norm.data(), d, eps_, hn + i * d);
       out.logits.resize(sz(m * cfg_.vocab_size));
-      linear(head, hn, d, m, out.logits.data(), cfg_.vocab_size, out.stats);
+      if (!tp_) {
+        linear(head, hn, d, m, out.logits.data(), cfg_.vocab_size, out.stats);
+        return okStatus();
+      }
+      // Vocab-parallel head: each rank's slice (padded to the largest), gathered in rank order.
+      const int ranks = tp_->size();
+      const i64 pad = (cfg_.vocab_size + ranks - 1) / ranks;
+      std::vector<float> mine(sz(m * pad), 0.0F);
+      linear(head, hn, d, m, mine.data(), pad, out.stats);
+      std::vector<float> all(sz(m * pad) * sz(ranks));
+      PD_TRY(comm::allGatherFloats(*tp_, mine, all));
+      for (int r = 0; r < ranks; ++r) {
+        const ShardRange v = shardRange(cfg_.vocab_size, r, ranks);
+        for (i64 i = 0; i < m; ++i) {
+          std::memcpy(out.logits.data() + i * cfg_.vocab_size + v.begin, all.data() + (r * m + i) * pad,
+                      sz(v.end - v.begin) * sizeof(float));
+        }
+      }
     }
+    return okStatus();
   }
 
   std::unique_ptr<ModelWeights> weights_;
@@ -753,6 +839,9 @@ class CpuEngine final : public Engine {
   std::vector<float> inv_freq_;
   float softmax_scale_;
   float eps_;
+  comm::Communicator* tp_;  // null without tensor parallelism (size 1); not owned
+  i64 heads_;               // attention heads of this rank
+  ShardRange vocab_;        // vocab rows of this rank's embedding / head shard
   Workspace ws_;
 };
 
@@ -765,7 +854,14 @@ Result<std::unique_ptr<Engine>> createCpuEngine(std::unique_ptr<ModelWeights> we
     return makeError(ErrorCode::Unsupported, fmt::format("this CPU cannot run the {} kernels", cpuIsaName(isa)));
   }
   PD_ASSIGN_OR_RETURN(std::vector<float> inv_freq, ropeInvFreq(weights->config()));
-  auto engine = std::make_unique<CpuEngine>(std::move(weights), kernelTable(isa), options.threads, std::move(inv_freq));
+  const TpShard want = options.tp ? TpShard{options.tp->rank(), options.tp->size()} : TpShard{};
+  if (weights->shard().rank != want.rank || weights->shard().size != want.size) {
+    return makeError(ErrorCode::InvalidArgument,
+                     fmt::format("weights are shard {} of {}, the tensor-parallel group wants rank {} of {}",
+                                 weights->shard().rank, weights->shard().size, want.rank, want.size));
+  }
+  auto engine = std::make_unique<CpuEngine>(std::move(weights), kernelTable(isa), options.threads, std::move(inv_freq),
+                                            options.tp);
   if (options.prefault_weights) engine->prefault();
   const EngineCapabilities caps = engine->capabilities();
   log::debug("engine", "cpu engine: {} threads, {} kernels, weights {}", caps.threads, caps.backend,
@@ -775,7 +871,8 @@ Result<std::unique_ptr<Engine>> createCpuEngine(std::unique_ptr<ModelWeights> we
 
 Result<std::unique_ptr<Engine>> createCpuEngine(const std::filesystem::path& model_dir,
                                                 const CpuEngineOptions& options) {
-  PD_ASSIGN_OR_RETURN(std::unique_ptr<ModelWeights> weights, ModelWeights::load(model_dir));
+  const TpShard shard = options.tp ? TpShard{options.tp->rank(), options.tp->size()} : TpShard{};
+  PD_ASSIGN_OR_RETURN(std::unique_ptr<ModelWeights> weights, ModelWeights::load(model_dir, shard));
   return createCpuEngine(std::move(weights), options);
 }
 

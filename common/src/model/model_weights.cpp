@@ -2,6 +2,9 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
+#include <cstring>
+#include <numeric>
 #include <string>
 #include <utility>
 
@@ -147,20 +150,127 @@ class Binder {
   const Checkpoint& checkpoint_;
 };
 
+// Cuts tensor-parallel slices out of bound matrices; copies land in `owned`.
+class Slicer {
+ public:
+  explicit Slicer(std::vector<std::unique_ptr<std::byte[]>>& owned) : owned_(owned) {}
+
+  // Rows [r0, r1): the data stays in place; FP8 scales are re-blocked when r0 is not on a block
+  // boundary (block height gcd(r0, block_rows), so every new block lies inside one old block).
+  WeightMatrix rows(const WeightMatrix& w, std::int64_t r0, std::int64_t r1) {
+    WeightMatrix out = w;
+    out.rows = r1 - r0;
+    out.data = static_cast<const std::byte*>(w.data) + static_cast<std::size_t>(r0 * w.cols) * dtypeSize(w.dtype);
+    if (w.dtype != DType::F8E4M3) return out;
+    if (r0 % w.block_rows == 0) {
+      out.scale_inv = w.scale_inv + (r0 / w.block_rows) * w.scaleCols();
+      return out;
+    }
+    out.block_rows = std::gcd(r0, w.block_rows);
+    const std::int64_t scale_cols = w.scaleCols();
+    float* scales = allocate<float>(out.scaleRows() * scale_cols);
+    for (std::int64_t i = 0; i < out.scaleRows(); ++i) {
+      const float* src = w.scale_inv + ((r0 + i * out.block_rows) / w.block_rows) * scale_cols;
+      std::memcpy(scales + i * scale_cols, src, static_cast<std::size_t>(scale_cols) * sizeof(float));
+    }
+    out.scale_inv = scales;
+    return out;
+  }
+
+  // Columns [c0, c1): copied out row by row; FP8 scales re-blocked as for rows.
+  WeightMatrix cols(const WeightMatrix& w, std::int64_t c0, std::int64_t c1) {
+    WeightMatrix out = w;
+    out.cols = c1 - c0;
+    const std::size_t es = dtypeSize(w.dtype);
+    std::byte* data = allocate<std::byte>(w.rows * out.cols * static_cast<std::int64_t>(es));
+    const auto* src = static_cast<const std::byte*>(w.data);
+    for (std::int64_t r = 0; r < w.rows; ++r) {
+      std::memcpy(data + static_cast<std::size_t>(r * out.cols) * es, src + static_cast<std::size_t>(r * w.cols + c0) * es,
+                  static_cast<std::size_t>(out.cols) * es);
+    }
+    out.data = data;
+    if (w.dtype != DType::F8E4M3) return out;
+    out.block_cols = std::gcd(c0, w.block_cols);
+    const std::int64_t old_cols = w.scaleCols();
+    const std::int64_t new_cols = out.scaleCols();
+    float* scales = allocate<float>(w.scaleRows() * new_cols);
+    for (std::int64_t i = 0; i < w.scaleRows(); ++i) {
+      for (std::int64_t j = 0; j < new_cols; ++j) {
+        scales[i * new_cols + j] = w.scale_inv[i * old_cols + (c0 + j * out.block_cols) / w.block_cols];
+      }
+    }
+    out.scale_inv = scales;
+    return out;
+  }
+
+  void mlp(MlpWeights& m, int rank, int size) {
+    const ShardRange r = shardRange(m.gate.rows, rank, size);
+    m.gate = rows(m.gate, r.begin, r.end);
+    m.up = rows(m.up, r.begin, r.end);
+    m.down = cols(m.down, r.begin, r.end);
+  }
+
+  void layer(LayerWeights& l, const ModelConfig& c, int rank, int size) {
+    const ShardRange heads = shardRange(c.num_attention_heads, rank, size);
+    AttentionWeights& a = l.attn;
+    const std::int64_t qk = c.qkHeadDim();
+    if (a.q_b.rows > 0) a.q_b = rows(a.q_b, heads.begin * qk, heads.end * qk);
+    if (a.q.rows > 0) a.q = rows(a.q, heads.begin * qk, heads.end * qk);
+    const std::int64_t kvw = c.qk_nope_head_dim + c.v_head_dim;
+    a.kv_b = rows(a.kv_b, heads.begin * kvw, heads.end * kvw);
+    a.o = cols(a.o, heads.begin * c.v_head_dim, heads.end * c.v_head_dim);
+    if (!l.moe) {
+      mlp(l.dense, rank, size);
+      return;
+    }
+    for (MlpWeights& e : l.experts) mlp(e, rank, size);
+    if (l.shared) mlp(*l.shared, rank, size);
+  }
+
+ private:
+  template <class T>
+  T* allocate(std::int64_t count) {
+    owned_.push_back(std::make_unique<std::byte[]>(static_cast<std::size_t>(count) * sizeof(T)));
+    return reinterpret_cast<T*>(owned_.back().get());
+  }
+
+  std::vector<std::unique_ptr<std::byte[]>>& owned_;
+};
+
 }  // namespace
 
-ModelWeights::ModelWeights(ModelConfig config, Checkpoint checkpoint)
-    : config_(std::move(config)), checkpoint_(std::move(checkpoint)) {}
+ShardRange shardRange(std::int64_t n, int rank, int size) {
+  return {n * rank / size, n * (rank + 1) / size};
+}
+
+ModelWeights::ModelWeights(ModelConfig config, Checkpoint checkpoint, TpShard shard)
+    : config_(std::move(config)), checkpoint_(std::move(checkpoint)), shard_(shard) {}
 
 ModelWeights::~ModelWeights() = default;
 
-Result<std::unique_ptr<ModelWeights>> ModelWeights::load(const std::filesystem::path& dir) {
+Result<std::unique_ptr<ModelWeights>> ModelWeights::load(const std::filesystem::path& dir, TpShard shard) {
   PD_ASSIGN_OR_RETURN(ModelConfig config, ModelConfig::load(dir));
   PD_ASSIGN_OR_RETURN(Checkpoint checkpoint, Checkpoint::open(dir));
-  return fromCheckpoint(std::move(config), std::move(checkpoint));
+  return fromCheckpoint(std::move(config), std::move(checkpoint), shard);
 }
 
-Result<std::unique_ptr<ModelWeights>> ModelWeights::fromCheckpoint(ModelConfig config, Checkpoint checkpoint) {
+Result<std::unique_ptr<ModelWeights>> ModelWeights::fromCheckpoint(ModelConfig config, Checkpoint checkpoint,
+                                                                   TpShard shard) {
+  if (shard.size < 1 || shard.rank < 0 || shard.rank >= shard.size) {
+    return makeError(ErrorCode::InvalidArgument,
+                     fmt::format("tensor-parallel shard: rank {} of size {}", shard.rank, shard.size));
+  }
+  if (shard.size > 1) {
+    const std::int64_t shared_width = config.moe_intermediate_size * std::max<std::int64_t>(1, config.n_shared_experts);
+    if (config.num_attention_heads % shard.size != 0 || config.vocab_size < shard.size ||
+        config.intermediate_size < shard.size || config.moe_intermediate_size < shard.size || shared_width < shard.size) {
+      return makeError(ErrorCode::InvalidArgument,
+                       fmt::format("tensor parallel size {} does not divide the model: {} attention heads (must be a "
+                                   "multiple), intermediate sizes {} / {}, vocab {}",
+                                   shard.size, config.num_attention_heads, config.intermediate_size,
+                                   config.moe_intermediate_size, config.vocab_size));
+    }
+  }
   if (config.scoring_func != "sigmoid") {
     return makeError(ErrorCode::Unsupported,
                      fmt::format("scoring_func '{}' is not supported (DeepSeek-V3 uses sigmoid)", config.scoring_func));
@@ -170,9 +280,32 @@ Result<std::unique_ptr<ModelWeights>> ModelWeights::fromCheckpoint(ModelConfig c
     return makeError(ErrorCode::InvalidArgument, "model config: inconsistent expert groups or odd rope dimension");
   }
   PD_TRY(validateCheckpoint(config, checkpoint));
-  std::unique_ptr<ModelWeights> w(new ModelWeights(std::move(config), std::move(checkpoint)));
+  std::unique_ptr<ModelWeights> w(new ModelWeights(std::move(config), std::move(checkpoint), shard));
   PD_TRY(w->bind());
+  if (shard.size > 1) PD_TRY(w->applyShard());
   return w;
+}
+
+Status ModelWeights::applyShard() {
+  const ModelConfig& c = config_;
+  const int rank = shard_.rank;
+  const int size = shard_.size;
+  Slicer slicer(owned_);
+  const ShardRange vocab = shardRange(c.vocab_size, rank, size);
+  // The MTP layer may share the main embedding / head: slice those from the unsliced originals.
+  const WeightMatrix embed_full = embed_;
+  const WeightMatrix head_full = lm_head_;
+  embed_ = slicer.rows(embed_full, vocab.begin, vocab.end);
+  lm_head_ = slicer.rows(head_full, vocab.begin, vocab.end);
+  for (LayerWeights& l : layers_) slicer.layer(l, c, rank, size);
+  if (mtp_) {
+    MtpWeights& m = *mtp_;
+    const auto same = [](const WeightMatrix& a, const WeightMatrix& b) { return a.data == b.data; };
+    m.embed = same(m.embed, embed_full) ? embed_ : slicer.rows(m.embed, vocab.begin, vocab.end);
+    m.head = same(m.head, head_full) ? lm_head_ : slicer.rows(m.head, vocab.begin, vocab.end);
+    slicer.layer(m.block, c, rank, size);
+  }
+  return okStatus();
 }
 
 Status ModelWeights::bind() {

@@ -1091,7 +1091,15 @@ void UcxTransport::deliverRecord(InboxRecord record) {
   } else {
     auto& failure = std::get<FailureRecord>(decoded.value());
     metrics_.receiveFailed(failure.code);
+    // A retry's data may overtake this record (data is copied at once, records wait for this
+    // pass): bytes beyond the failed sender's count go to the expectation that on_arrival may
+    // re-arm for the same request (decode's prefill retries, docs/internal-api.md).
+    const std::uint64_t early =
+        node.mapped().bytes_received > record.data_bytes ? node.mapped().bytes_received - record.data_bytes : 0;
     on_arrival(id, makeError(failure.code, fmt::format("prefill side failed request {}: {}", id, failure.message)));
+    if (const auto again = expectations_.find(id); early > 0 && again != expectations_.end()) {
+      again->second.bytes_received += early;
+    }
   }
 }
 

@@ -146,6 +146,44 @@ class DecodeLoopGolden : public ::testing::TestWithParam<std::string> {
     return r;
   }
 
+  // The "prefill worker" on the test thread: main model and MTP layer over the prompt in its own
+  // cache, each layer put into the descriptor's blocks, then the completion record.
+  void shipKv(kvtransfer::Transport& prefill_tx, const kvtransfer::KvDescriptor& desc) {
+    const ModelConfig& cfg = decode_engine_->config();
+    ASSERT_TRUE(prefill_tx.beginTransfer(desc, kvtransfer::Clock::now() + kWait, [](std::uint64_t, Status) {}).ok());
+    const auto n = static_cast<std::int64_t>(prompt_.size());
+    PutSink sink(prefill_tx, desc.request_id, cfg.kvLayers(), n, cfg.latentDim());
+    auto local = model::PagedLatentCache::create(cfg, 1, n, DType::F32);
+    ASSERT_TRUE(local.ok());
+    const std::vector<std::int32_t> table{0};
+    model::ForwardOptions fo;
+    fo.hidden = model::OutputRows::All;
+    fo.sink = &sink;
+    const model::SequenceChunk chunk{prompt_, 0, table};
+    auto out = prefill_engine_->forward(std::span<const model::SequenceChunk>(&chunk, 1), local->view(), fo);
+    ASSERT_TRUE(out.ok());
+    const auto d = static_cast<std::size_t>(cfg.hidden_size);
+    const model::SequenceChunk mtp{std::span<const std::int32_t>(prompt_).subspan(1), 0, table,
+                                   std::span<const float>(out->hidden.data(), static_cast<std::size_t>(n - 1) * d)};
+    model::ForwardOptions mo;
+    mo.logits = model::OutputRows::None;
+    mo.sink = &sink;
+    ASSERT_TRUE(prefill_engine_->forwardMtp(std::span<const model::SequenceChunk>(&mtp, 1), local->view(), mo).ok());
+    kvtransfer::CompletionRecord rec;
+    rec.request_id = desc.request_id;
+    rec.num_tokens = static_cast<std::uint32_t>(n);
+    rec.first_token = model::argmax(out->logits);
+    rec.hidden_state.assign(out->hidden.end() - static_cast<std::ptrdiff_t>(d), out->hidden.end());
+    ASSERT_TRUE(prefill_tx.finish(std::move(rec)).ok());
+  }
+
+  // A prefill attempt that gives up: its transport sends the failure record.
+  static void failAttempt(kvtransfer::Transport& prefill_tx, const kvtransfer::KvDescriptor& desc, ErrorCode code) {
+    const Status begun = prefill_tx.beginTransfer(desc, kvtransfer::Clock::now() + kWait, [](std::uint64_t, Status) {});
+    ASSERT_TRUE(begun.ok()) << begun.error().toString();
+    ASSERT_TRUE(prefill_tx.abort(desc.request_id, code, "injected prefill failure").ok());
+  }
+
   std::unique_ptr<model::Engine> decode_engine_;
   std::unique_ptr<model::Engine> prefill_engine_;  // the "prefill worker" runs on the test thread
   std::unique_ptr<KvPool> pool_;
@@ -303,6 +341,115 @@ TEST_P(DecodeLoopGolden, DeadlineAbortAndShutdownEndEveryStreamAndFreeEveryBlock
   EXPECT_EQ(at_shutdown.finish(), FinishReason::Aborted);
   for (Stream* s : {&expires, &aborted, &at_shutdown}) EXPECT_EQ(s->finishEvents(), 1);
   // Shutdown released request 3's blocks too: ~DecodeEngine aborts it through a PD_CHECKed release.
+}
+
+// Prefill retries (docs/internal-api.md): a failure record while attempts remain keeps the
+// blocks and re-arms the same transfer id; the next attempt on the same descriptor decodes.
+TEST_P(DecodeLoopGolden, AFailureRecordWhileAttemptsRemainKeepsTheBlocksForTheNextAttempt) {
+  auto fabric = std::make_shared<LoopbackFabric>();
+  const kvtransfer::CompatInfo compat = pool_->compat(0x5eed, 1);
+  LoopbackTransport decode_tx(fabric, compat);
+  LoopbackTransport prefill_a(fabric, compat);
+  LoopbackTransport prefill_b(fabric, compat);
+  auto region = decode_tx.registerRegion(pool_->memory());
+  ASSERT_TRUE(region.ok());
+  const kvtransfer::RegionLayout layout = pool_->regionLayout(*region);
+  auto target = decode_tx.exportTarget(0, std::span<const kvtransfer::RegionLayout>(&layout, 1));
+  ASSERT_TRUE(target.ok());
+  Stream stream;
+  {
+    DecodeLoop loop(*decode_engine_, *pool_, DecodeEngineOptions{1, 8, nullptr});
+    DecodeRequest r = request(5, static_cast<std::int64_t>(greedy_.size()), stream);
+    r.kv_deadline = Clock::now() + kWait;
+    r.prefill_attempts = 3;
+    auto opened = loop.openStream(std::move(r), decode_tx, compat, {*target}, 60000);
+    ASSERT_TRUE(opened.ok()) << opened.error().toString();
+    std::vector<std::int32_t> held;
+    const auto snapshot = [&] {
+      std::int64_t retries = 0;
+      loop.runOnLoop([&](DecodeEngine& e) {
+        const auto table = e.blocks().blockTable(5);
+        held.assign(table.begin(), table.end());
+        retries = e.stats().prefill_retries;
+      });
+      return retries;
+    };
+    snapshot();
+    const std::vector<std::int32_t> admitted = held;
+    // Two attempts fail (different codes), each absorbed: same blocks, stream still open.
+    failAttempt(prefill_a, *opened, ErrorCode::PeerFailed);
+    failAttempt(prefill_a, *opened, ErrorCode::Cancelled);
+    EXPECT_EQ(snapshot(), 2);
+    EXPECT_EQ(held, admitted);
+    EXPECT_EQ(stream.finishEvents(), 0);
+    EXPECT_TRUE(stream.tokens().empty());
+    // The third attempt, from another prefill worker, completes on the same descriptor.
+    shipKv(prefill_b, *opened);
+    ASSERT_TRUE(stream.waitFinished());
+    EXPECT_EQ(stream.tokens(), greedy_);
+    EXPECT_EQ(stream.finish(), FinishReason::Length);
+    bool free = false;
+    loop.runOnLoop([&](DecodeEngine& e) { free = e.blocks().isFullyFree(); });
+    EXPECT_TRUE(free);
+  }
+  EXPECT_FALSE(decode_tx.cancelExpect(5)) << "an expectation outlived the request";
+  EXPECT_TRUE(decode_tx.deregisterRegion(*region).ok());
+}
+
+TEST_P(DecodeLoopGolden, TheLastAttemptsFailureAndTheDeadlineEndTheRequest) {
+  auto fabric = std::make_shared<LoopbackFabric>();
+  const kvtransfer::CompatInfo compat = pool_->compat(0x5eed, 1);
+  LoopbackTransport decode_tx(fabric, compat);
+  LoopbackTransport prefill_tx(fabric, compat);
+  auto region = decode_tx.registerRegion(pool_->memory());
+  ASSERT_TRUE(region.ok());
+  const kvtransfer::RegionLayout layout = pool_->regionLayout(*region);
+  auto target = decode_tx.exportTarget(0, std::span<const kvtransfer::RegionLayout>(&layout, 1));
+  ASSERT_TRUE(target.ok());
+  const std::vector<kvtransfer::KvTarget> targets{*target};
+  Stream out_of_attempts;
+  Stream deadline;
+  Stream aborted;
+  {
+    DecodeLoop loop(*decode_engine_, *pool_, DecodeEngineOptions{0, 8, nullptr});
+    // Two attempts: the second failure ends the stream with that failure's code.
+    DecodeRequest a = request(1, 4, out_of_attempts);
+    a.kv_deadline = Clock::now() + kWait;
+    a.prefill_attempts = 2;
+    auto da = loop.openStream(std::move(a), decode_tx, compat, targets, 60000);
+    ASSERT_TRUE(da.ok());
+    failAttempt(prefill_tx, *da, ErrorCode::Internal);
+    EXPECT_EQ(out_of_attempts.finishEvents(), 0);
+    failAttempt(prefill_tx, *da, ErrorCode::PeerFailed);
+    ASSERT_TRUE(out_of_attempts.waitFinished());
+    EXPECT_EQ(out_of_attempts.finish(), FinishReason::Error);
+    EXPECT_EQ(out_of_attempts.error()->code, ErrorCode::PeerFailed);
+    // The deadline covers every attempt: after an absorbed failure the original deadline holds.
+    DecodeRequest b = request(2, 4, deadline);
+    b.kv_deadline = Clock::now() + std::chrono::milliseconds(200);
+    b.prefill_attempts = 5;
+    auto db = loop.openStream(std::move(b), decode_tx, compat, targets, 200);
+    ASSERT_TRUE(db.ok());
+    failAttempt(prefill_tx, *db, ErrorCode::Internal);
+    ASSERT_TRUE(deadline.waitFinished());
+    EXPECT_EQ(deadline.error()->code, ErrorCode::Timeout);
+    // Aborted while attempts remain: the expectation is cancelled, not re-armed.
+    DecodeRequest c = request(3, 4, aborted);
+    c.kv_deadline = Clock::now() + kWait;
+    c.prefill_attempts = 5;
+    auto dc = loop.openStream(std::move(c), decode_tx, compat, targets, 60000);
+    ASSERT_TRUE(dc.ok());
+    loop.postAbort(3);
+    ASSERT_TRUE(aborted.waitFinished());
+    EXPECT_EQ(aborted.finish(), FinishReason::Aborted);
+    EXPECT_FALSE(decode_tx.cancelExpect(3)) << "the aborted request is still expected";
+    EXPECT_FALSE(decode_tx.cancelExpect(2)) << "the expired request is still expected";
+    bool free = false;
+    loop.runOnLoop([&](DecodeEngine& e) { free = e.blocks().isFullyFree(); });
+    EXPECT_TRUE(free);
+  }
+  for (Stream* s : {&out_of_attempts, &deadline, &aborted}) EXPECT_EQ(s->finishEvents(), 1);
+  EXPECT_TRUE(decode_tx.deregisterRegion(*region).ok());
 }
 
 INSTANTIATE_TEST_SUITE_P(Golden, DecodeLoopGolden, ::testing::Values("tiny-bf16", "tiny-fp8"));

@@ -24,48 +24,16 @@
 #include "pd/common/safetensors.h"
 #include "pd/prefill/prefill_engine.h"
 #include "pd/prefill/transport_kv_sink.h"
+#include "unit/prefill/prefill_golden.h"
 
 namespace pd::prefill {
 namespace {
 
-namespace fs = std::filesystem;
 namespace kvt = pd::kvtransfer;
 
-fs::path goldenDir() {
-  return fs::path(PD_TEST_DATA_DIR) / "golden";
-}
-constexpr double kStateTol = 2e-4;  // golden README §6
-
-class Golden {
- public:
-  explicit Golden(const fs::path& path) : file_(open(path)) {}
-  std::vector<float> f32(const std::string& name) const {
-    const TensorView* t = file_.find(name);
-    PD_CHECK_MSG(t != nullptr && t->dtype == DType::F32, "golden tensor missing or not F32");
-    std::vector<float> v(static_cast<std::size_t>(t->numel()));
-    std::memcpy(v.data(), t->data.data(), t->data.size());
-    return v;
-  }
-  std::vector<std::int32_t> ids(const std::string& name) const {
-    const TensorView* t = file_.find(name);
-    PD_CHECK_MSG(t != nullptr && t->dtype == DType::I64, "golden ids missing or not I64");
-    std::vector<std::int32_t> v(static_cast<std::size_t>(t->numel()));
-    for (std::size_t i = 0; i < v.size(); ++i) {
-      std::int64_t x;
-      std::memcpy(&x, t->data.data() + i * 8, 8);
-      v[i] = static_cast<std::int32_t>(x);
-    }
-    return v;
-  }
-
- private:
-  static SafetensorsFile open(const fs::path& path) {
-    auto r = SafetensorsFile::open(path);
-    PD_CHECK_MSG(r.ok(), "cannot open golden file");
-    return std::move(r).value();
-  }
-  SafetensorsFile file_;
-};
+using testsupport::expectClose;
+using testsupport::Golden;
+using testsupport::goldenDir;
 
 // What an in-memory destination saw: every layer's rows by position, and the outcome.
 struct Shipped {
@@ -74,12 +42,16 @@ struct Shipped {
   std::optional<Error> failure;
   int puts = 0;
   int endings = 0;
+  int admitted = 0;
+  int puts_before_admitted = 0;
 };
 
 class MemorySink final : public KvSink {
  public:
   MemorySink(Shipped& out, std::int64_t latent_dim) : out_(out), dim_(latent_dim) {}
+  void admitted() override { ++out_.admitted; }
   Status putLayer(std::uint32_t layer, std::int64_t first_pos, std::span<const float> rows) override {
+    if (out_.admitted == 0) ++out_.puts_before_admitted;
     ++out_.puts;
     for (std::size_t i = 0; i * static_cast<std::size_t>(dim_) < rows.size(); ++i) {
       const auto* row = rows.data() + i * static_cast<std::size_t>(dim_);
@@ -110,21 +82,6 @@ std::vector<float> part(const Shipped& s, std::uint32_t layer, std::int64_t n, s
     out.insert(out.end(), row.begin() + begin, row.begin() + end);
   }
   return out;
-}
-
-double maxAbsDiff(const std::vector<float>& a, const std::vector<float>& b) {
-  EXPECT_EQ(a.size(), b.size());
-  double m = 0.0;
-  for (std::size_t i = 0; i < std::min(a.size(), b.size()); ++i) {
-    m = std::max(m, std::abs(static_cast<double>(a[i]) - b[i]));
-  }
-  return m;
-}
-
-void expectClose(const std::string& what, const std::vector<float>& got, const std::vector<float>& want) {
-  const double d = maxAbsDiff(got, want);
-  std::printf("  [prefill] %-44s max|diff| = %.3g (tolerance %.0e)\n", what.c_str(), d, kStateTol);
-  EXPECT_LE(d, kStateTol) << what;
 }
 
 std::vector<float> prefixRows(const std::vector<float>& v, std::int64_t rows, std::int64_t width) {
@@ -204,6 +161,8 @@ TEST_P(PrefillGolden, WholePromptShipsTheGoldenKvAndFirstToken) {
   drain(*p);
   expectGolden("whole", s);
   EXPECT_EQ(s.endings, 1);
+  EXPECT_EQ(s.admitted, 1);
+  EXPECT_EQ(s.puts_before_admitted, 0);
   ASSERT_TRUE(s.record->first_logprob.has_value());
   EXPECT_EQ(s.record->first_logprob->token, greedy_[0]);
   ASSERT_EQ(s.record->top_logprobs.size(), 3U);
@@ -317,12 +276,15 @@ TEST_P(PrefillGolden, DeadlinesEndRunningAndQueuedRequests) {
   ASSERT_TRUE(p->submit(std::move(b)).ok());
   ASSERT_TRUE(p->step());
   EXPECT_EQ(p->stats().queued_requests, 1);
+  EXPECT_EQ(running.admitted, 1);
+  EXPECT_EQ(queued.admitted, 0);
   now += std::chrono::seconds(3);
   (void)p->step();
   ASSERT_TRUE(running.failure.has_value());
   EXPECT_EQ(running.failure->code, ErrorCode::Timeout);
   ASSERT_TRUE(queued.failure.has_value());
   EXPECT_EQ(queued.failure->code, ErrorCode::Timeout);
+  EXPECT_EQ(queued.admitted, 0) << "a request that ends while queued is never admitted";
   EXPECT_FALSE(p->step());
   const PrefillEngineStats st = p->stats();
   EXPECT_EQ(st.queued_requests + st.running_requests, 0);
@@ -429,7 +391,7 @@ TEST_P(PrefillGolden, LoopbackTransportFillsTheDecodePool) {
   const kvt::KvDescriptor d = lp.descriptor(9, n, {7, 2, 11, 0, 5});  // out of order: exercises paging
   auto p = makePrefill({.chunk_size = 16, .block_size = 8});
   PrefillRequest r;
-  r.id = 9;
+  r.id = 1009;  // the engine's numbering differs from the decode worker's (the descriptor's 9)
   r.tokens = prompt_;
   r.sink = lp.open(d);
   ASSERT_TRUE(p->submit(std::move(r)).ok());

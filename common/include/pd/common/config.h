@@ -25,7 +25,7 @@
 
 namespace pd::config {
 
-enum class OptionType { Bool, Int, Double, String, Path };
+enum class OptionType { Bool, Int, Double, String, Path, StringList };
 
 struct OptionInfo {
   std::string name;
@@ -45,10 +45,15 @@ class OptionSet {
   OptionSet& add(const std::string& name, double* field, std::string help, double min, double max);
   OptionSet& add(const std::string& name, std::string* field, std::string help, std::vector<std::string> choices = {});
   OptionSet& add(const std::string& name, std::filesystem::path* field, std::string help);
+  /// A list of strings: a YAML sequence of scalars, or (YAML scalar, env, flag) comma-separated
+  /// text; items are trimmed and empty items dropped.
+  OptionSet& add(const std::string& name, std::vector<std::string>* field, std::string help);
 
   [[nodiscard]] const std::string& section() const { return section_; }
   [[nodiscard]] const std::vector<OptionInfo>& options() const { return infos_; }
   [[nodiscard]] bool has(std::string_view name) const;
+  /// The option's type; nullopt for an unknown name.
+  [[nodiscard]] std::optional<OptionType> typeOf(std::string_view name) const;
   /// Parses `text` into the option's field. `source` (file:key, flag, env var) goes in errors.
   Status set(std::string_view name, std::string_view text, std::string_view source);
   /// The help table: name, type, default, constraint, help.

@@ -3,12 +3,12 @@
 /// whole request/response, and streamed responses read line by line or as server-sent events.
 /// Every call has a deadline covering connect, send and the whole response.
 ///
-/// Errors (Result): PeerFailed (cannot connect, connection reset or closed early), Timeout (the
+/// Errors (Result): Cancelled (after cancel()), PeerFailed (cannot connect, connection reset or closed early), Timeout (the
 /// deadline passed), Corrupt (not a valid HTTP response, or one over the size limit),
 /// InvalidArgument (a host that does not resolve). An HTTP error status is not an error: it comes
 /// back as a response with that status.
 ///
-/// Thread rules: not thread-safe; use one Client per thread (they are cheap). Calls block the
+/// Thread rules: not thread-safe (except cancel()); use one Client per thread (they are cheap). Calls block the
 /// calling thread, which runs the client's own io_context.
 
 #include <chrono>
@@ -78,6 +78,11 @@ class Client {
                                                     const EventCallback& on_event);
   /// Closes the connection now (the next call reconnects).
   void disconnect();
+  /// Thread-safe, non-blocking (the one call that may come from another thread while a call
+  /// runs): the call in progress fails with Cancelled as soon as its current read, write or
+  /// connect is interrupted, and every later call fails with Cancelled at once. The client must
+  /// stay alive until this returns.
+  void cancel();
 
  private:
   class Impl;

@@ -16,7 +16,16 @@ struct DecodeConfig {
   std::int64_t max_running_requests = 64;
   std::int64_t num_speculative_tokens = 1;
   std::int64_t tensor_parallel = 1;
+  /// The longest a request waits for its KV: a DecodeOpen's kv_timeout_ms is clamped to it.
   std::int64_t kv_wait_timeout_ms = 60000;
+  /// Element type of the latent-KV pool: "bf16" or "f32".
+  std::string kv_dtype = "bf16";
+  /// Compute threads of the model engine (0: every hardware thread).
+  std::int64_t threads = 0;
+  /// HTTP io threads of the internal API.
+  std::int64_t http_threads = 2;
+  /// On SIGTERM, how long in-flight requests may finish before the rest are aborted.
+  std::int64_t drain_timeout_ms = 30000;
 };
 
 void registerOptions(config::OptionSet& set, DecodeConfig& cfg);

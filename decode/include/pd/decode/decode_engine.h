@@ -45,6 +45,7 @@
 #include "pd/common/model/sampling.h"
 #include "pd/common/result.h"
 #include "pd/decode/decode_config.h"
+#include "pd/decode/decode_metrics.h"
 #include "pd/decode/kv_block_manager.h"
 #include "pd/decode/kv_pool.h"
 #include "pd/kvtransfer/wire.h"
@@ -83,12 +84,22 @@ struct DecodeRequest {
   std::vector<std::int32_t> stop_token_ids;
   bool ignore_eos = false;
   Clock::time_point kv_deadline = Clock::time_point::max();
+  /// Prefill attempts to wait for (>= 1): DecodeLoop::openStream absorbs attempts - 1 failure
+  /// records, keeping the blocks, before a failure ends the request. Within kv_deadline.
+  std::int64_t prefill_attempts = 1;
   TokenSink sink;
+  /// Called once on the engine thread when the request ends while its KV is still awaited
+  /// (abort, deadline, a bad record, shutdown), before its blocks are freed: stops the transport's
+  /// expectation so that late bytes are dropped instead of landing in reused blocks. Optional.
+  std::function<void()> stop_kv_wait;
 };
 
 struct DecodeEngineOptions {
   std::int64_t num_speculative_tokens = 0;  ///< MTP drafts per step (0 = off)
   std::int64_t max_running_requests = 64;   ///< sequences in one step; the rest wait their turn
+  /// Where to publish pool, sequence, request and step series (may be null); must outlive the
+  /// engine.
+  DecodeMetrics* metrics = nullptr;
 };
 
 /// The engine options a worker's typed config implies.
@@ -100,6 +111,7 @@ struct DecodeStats {
   std::int64_t tokens_generated = 0;  ///< by decode steps (first tokens from prefill excluded)
   std::int64_t drafts_proposed = 0;
   std::int64_t drafts_accepted = 0;
+  std::int64_t prefill_retries = 0;  ///< prefill failures absorbed (noteKvRetry)
 };
 
 class DecodeEngine {
@@ -125,6 +137,11 @@ class DecodeEngine {
   /// id is waiting for KV (unknown, aborted, or already running).
   [[nodiscard]] Status onKvReady(std::uint64_t request_id, Result<kvtransfer::CompletionRecord> record);
 
+  /// A prefill attempt of a request waiting for KV failed and the transport has been re-armed
+  /// for the next one (DecodeLoop::openStream): the request keeps its blocks. Counts it; nothing
+  /// else changes. Unknown ids are ignored.
+  void noteKvRetry(std::uint64_t request_id, const Error& failure);
+
   /// Ends a request in any state with finish Aborted and frees its blocks. False if unknown.
   bool abort(std::uint64_t request_id);
 
@@ -148,8 +165,10 @@ class DecodeEngine {
   void startRunning(Sequence& seq, kvtransfer::CompletionRecord record);
   // Streams `tokens` and, if a stop condition holds, ends the request. True if it ended.
   bool emit(Sequence& seq, std::vector<model::SampledToken> tokens);
-  void finish(std::uint64_t request_id, FinishReason reason, std::optional<Error> error);
+  void finish(std::uint64_t request_id, FinishReason reason, std::optional<Error> error, RequestOutcome outcome);
   void runBatch(std::span<Sequence* const> batch);
+  // Pool and sequence gauges (options_.metrics).
+  void publishGauges() const;
 
   model::Engine& engine_;
   KvPool& pool_;

@@ -49,11 +49,24 @@ class DecodeLoop {
   /// `timeout_ms`). Admission errors as admit(); the transport's expect() errors as they are.
   /// On any error nothing is held: no blocks, no pending expectation, and the sink is not called.
   /// Request ids must not be reused: a cancelled expectation's answer may reach the loop late.
-  /// Blocks like admit().
+  ///
+  /// Prefill retries (docs/internal-api.md): while request.prefill_attempts - 1 failures remain
+  /// to absorb, a failure outcome of the expectation other than Timeout (a prefill worker's
+  /// failure record, a record that does not match the compatibility hash) re-arms the same id
+  /// with the same deadline at once, on the transport's thread — before the router can start the
+  /// next attempt — and the request keeps its blocks (DecodeEngine::noteKvRetry counts it).
+  /// When the request ends while waiting (abort, deadline), the expectation is cancelled and no
+  /// longer re-armed. `transport` must outlive this loop. Blocks like admit().
   [[nodiscard]] Result<kvtransfer::KvDescriptor> openStream(DecodeRequest request, kvtransfer::Transport& transport,
                                                             const kvtransfer::CompatInfo& compat,
                                                             const std::vector<kvtransfer::KvTarget>& targets,
                                                             std::uint32_t timeout_ms);
+  /// openStream() without blocking the caller: `done` gets the outcome on the loop thread, before
+  /// any sink call of the request (so it may write the descriptor ahead of the tokens), or on the
+  /// calling thread when the transport refuses the expectation. `done` must not block.
+  using OpenDone = std::function<void(Result<kvtransfer::KvDescriptor>)>;
+  void openStreamAsync(DecodeRequest request, kvtransfer::Transport& transport, const kvtransfer::CompatInfo& compat,
+                       const std::vector<kvtransfer::KvTarget>& targets, std::uint32_t timeout_ms, OpenDone done);
   /// DecodeEngine::onKvReady on the loop thread (an unknown id is ignored: it was aborted).
   void postKvReady(std::uint64_t request_id, Result<kvtransfer::CompletionRecord> record);
   /// DecodeEngine::abort on the loop thread (the client went away, the router cancelled).
@@ -76,6 +89,11 @@ class DecodeLoop {
     // False (and the command dropped) once the loop has stopped.
     bool post(Command command);
   };
+  // The transport expectation of one opened stream (openStream): shared by the ArrivalFns handed
+  // to the transport and the request's stop_kv_wait.
+  struct KvWait;
+  static kvtransfer::ArrivalFn waitArrival(std::shared_ptr<KvWait> wait);
+
   void post(Command command) { inbox_->post(std::move(command)); }
   void run();
 

@@ -3,7 +3,8 @@
 /// between the prefill engine loop and the KV data plane. The transport-backed implementation is
 /// TransportKvSink (transport_kv_sink.h); tests use an in-memory one.
 ///
-/// Call order, per request: any number of putLayer() calls (each layer of each chunk as soon as
+/// Call order, per request: admitted() when it leaves the queue (not for a request that ends
+/// while queued), any number of putLayer() calls (each layer of each chunk as soon as
 /// it is computed, main layers 0..L-1, then the MTP layer L over the whole prompt), then exactly
 /// one of complete() or fail(). After complete()/fail() the engine never calls the sink again
 /// and destroys it.
@@ -28,6 +29,9 @@ class KvSink {
   KvSink(KvSink&&) = delete;
   KvSink& operator=(KvSink&&) = delete;
 
+  /// The engine admitted the request into its running set: its first forward comes next (the end
+  /// of its queueing time). Called once, before any putLayer(); the default does nothing.
+  virtual void admitted() {}
   /// Latent KV of KV layer `layer` (main layers, then MTP) for prompt positions
   /// [first_pos, first_pos + n): `rows` is [n, latent_dim] float32 (normalized c_kv ‖ roped
   /// k_pe), valid only during the call — copy what must outlive it. An error fails the request

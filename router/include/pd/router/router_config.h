@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <string>
+#include <vector>
 
 #include "pd/common/config.h"
 
@@ -19,6 +20,30 @@ struct RouterConfig {
   std::filesystem::path api_keys_file;
   std::string served_model_name = "pdserve-default";
   std::int64_t retry_after_s = 1;
+  std::int64_t drain_timeout_ms = 30000;
+
+  // Workers (worker_registry.h): static "host:port" lists and/or DNS names ("name:port") whose
+  // every address is a worker (Kubernetes headless services).
+  std::vector<std::string> prefill_workers;
+  std::vector<std::string> decode_workers;
+  std::string prefill_service;
+  std::string decode_service;
+  std::int64_t discovery_interval_ms = 5000;
+  std::int64_t health_interval_ms = 1000;
+  std::int64_t health_timeout_ms = 1000;
+  std::int64_t health_failures = 3;
+  std::string model_hash;  ///< expected worker model_hash; empty: the first one a ready worker reports
+
+  // Orchestration (pd_backend.h).
+  std::string prefill_policy = "least_queued_tokens";
+  std::int64_t prefill_retries = 1;
+  std::int64_t decode_retries = 1;
+  std::int64_t decode_open_timeout_ms = 10000;
+  std::int64_t kv_timeout_ms = 60000;
+  std::int64_t prefill_timeout_ms = 60000;
+  std::int64_t stream_stall_timeout_ms = 30000;
+  std::int64_t abort_timeout_ms = 2000;
+  std::int64_t max_generations = 4096;
 };
 
 void registerOptions(config::OptionSet& set, RouterConfig& cfg);

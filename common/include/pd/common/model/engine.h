@@ -38,6 +38,10 @@
 #include "pd/common/model_config.h"
 #include "pd/common/result.h"
 
+namespace pd::comm {
+class Communicator;
+}  // namespace pd::comm
+
 namespace pd::model {
 
 /// New tokens of one sequence.
@@ -137,6 +141,11 @@ struct CpuEngineOptions {
   /// Touch every page of the memory-mapped checkpoint at creation, so that the first requests
   /// do not pay the page faults (and a decode step's time is its bandwidth, not the disk's).
   bool prefault_weights = true;
+  /// Tensor parallelism (docs/tensor-parallel.md): this engine is rank tp->rank() of tp->size()
+  /// and every rank of the group must make the same forward calls in the same order. The
+  /// weights are that rank's shard; outputs (logits, hidden) are whole on every rank. Null or
+  /// size 1: no tensor parallelism. Not owned; must outlive the engine.
+  comm::Communicator* tp = nullptr;
 };
 
 /// The CPU backend over the checkpoint in `model_dir` (config.json + safetensors).

@@ -5,6 +5,7 @@
 ///
 /// Thread rules: immutable after load(); every method is thread-safe.
 
+#include <cstddef>
 #include <cstdint>
 #include <filesystem>
 #include <memory>
@@ -60,20 +61,45 @@ struct MtpWeights {
   WeightMatrix embed;            ///< the layer's embed_tokens copy [vocab, hidden]
 };
 
+/// Which tensor-parallel shard of the weights to bind (docs/tensor-parallel.md). Rank r of
+/// size s keeps attention heads [H r/s, H (r+1)/s) (rows of q_b / q and kv_b, columns of o),
+/// the range [w r/s, w (r+1)/s) of every MLP's intermediate width w (rows of gate and up,
+/// columns of down: dense, routed and shared experts), and vocab rows [V r/s, V (r+1)/s) of
+/// the embeddings and LM heads. Everything else (q_a, kv_a, norms, router, eh_proj) is whole.
+/// Row slices stay in the mapped file; column slices and FP8 scales that no longer line up with
+/// their blocks are copied out (the rest of the file is never touched, so never resident).
+/// size 1 binds exactly the unsharded weights.
+struct TpShard {
+  int rank = 0;
+  int size = 1;
+};
+
+/// [begin, end) of rank `rank`'s part of n items split over `size` ranks (sizes differ by <= 1).
+struct ShardRange {
+  std::int64_t begin = 0;
+  std::int64_t end = 0;
+};
+[[nodiscard]] ShardRange shardRange(std::int64_t n, int rank, int size);
+
 class ModelWeights {
  public:
   /// Reads `dir`/config.json and the checkpoint in `dir`, validates every tensor against the
   /// config (missing, unexpected, wrong shape or dtype, FP8 weight without its scale) and binds
-  /// them. InvalidArgument / NotFound / Corrupt / Unsupported with a message naming the tensor.
-  static Result<std::unique_ptr<ModelWeights>> load(const std::filesystem::path& dir);
+  /// them (`shard`'s part only). InvalidArgument / NotFound / Corrupt / Unsupported with a
+  /// message naming the tensor; InvalidArgument for a shard the model cannot be split into.
+  static Result<std::unique_ptr<ModelWeights>> load(const std::filesystem::path& dir, TpShard shard = {});
   /// Binds an already-open checkpoint to `config` (same checks).
-  static Result<std::unique_ptr<ModelWeights>> fromCheckpoint(ModelConfig config, Checkpoint checkpoint);
+  static Result<std::unique_ptr<ModelWeights>> fromCheckpoint(ModelConfig config, Checkpoint checkpoint,
+                                                              TpShard shard = {});
 
   ModelWeights(const ModelWeights&) = delete;
   ModelWeights& operator=(const ModelWeights&) = delete;
   ~ModelWeights();
 
   [[nodiscard]] const ModelConfig& config() const { return config_; }
+  /// The shard bound; the matrices below have the shard's shapes (e.g. embedTokens() has the
+  /// shard's vocab rows, starting at token shardRange(vocab_size, rank, size).begin).
+  [[nodiscard]] const TpShard& shard() const { return shard_; }
   [[nodiscard]] const WeightMatrix& embedTokens() const { return embed_; }
   [[nodiscard]] const std::vector<LayerWeights>& layers() const { return layers_; }
   [[nodiscard]] const std::vector<float>& finalNorm() const { return final_norm_; }
@@ -90,8 +116,9 @@ class ModelWeights {
   [[nodiscard]] Result<WeightMatrix> matrix(const std::string& name) const;
 
  private:
-  ModelWeights(ModelConfig config, Checkpoint checkpoint);
+  ModelWeights(ModelConfig config, Checkpoint checkpoint, TpShard shard);
   Status bind();
+  Status applyShard();
 
   ModelConfig config_;
   Checkpoint checkpoint_;
@@ -101,6 +128,8 @@ class ModelWeights {
   std::vector<float> final_norm_;
   WeightMatrix lm_head_;
   std::optional<MtpWeights> mtp_;
+  TpShard shard_;
+  std::vector<std::unique_ptr<std::byte[]>> owned_;  // copied-out slices (sharded weights only)
 };
 
 }  // namespace pd::model

@@ -1,0 +1,81 @@
+#pragma once
+/// The decode worker's Prometheus series (docs/configuration.md, "Decode worker metrics"): KV pool
+/// occupancy, sequences by state, requests by outcome, refusals, tokens, steps, MTP drafts and the
+/// step time. The KV transport publishes its own `pdserve_kv_*` families into the same registry
+/// (kvtransfer/metrics.h).
+///
+/// Thread rules: thread-safe (the children are lock-free; they are looked up once here). The
+/// engine thread updates most series; HTTP threads count refusals and read the gauges back for
+/// /v1/internal/status.
+
+#include <array>
+#include <cstdint>
+
+#include "pd/common/metrics.h"
+#include "pd/common/result.h"
+
+namespace pd::decode {
+
+/// How a request that was admitted ended (label `outcome` of pdserve_decode_requests_total).
+enum class RequestOutcome {
+  Stop,      ///< EOS or a stop token id
+  Length,    ///< max_tokens
+  Aborted,   ///< the client went away or the router cancelled
+  Timeout,   ///< the KV did not arrive before the deadline
+  KvFailed,  ///< the prefill side failed (every attempt) or its record did not match
+  Error,     ///< the decode step failed
+};
+inline constexpr std::size_t kRequestOutcomeCount = 6;
+
+/// "stop", "length", "aborted", "timeout", "kv_failed", "error".
+[[nodiscard]] const char* requestOutcomeName(RequestOutcome outcome);
+
+class DecodeMetrics {
+ public:
+  /// Registers the families in `registry`, which must outlive this object.
+  explicit DecodeMetrics(metrics::Registry& registry);
+
+  void requestEnded(RequestOutcome outcome);
+  /// An open refused before admission or by it (label `code`: the ErrorCode name).
+  void refused(ErrorCode code);
+  /// One decode step: its wall time, the tokens it emitted, the drafts it proposed and accepted.
+  void stepDone(double seconds, std::int64_t tokens, std::int64_t drafts_proposed, std::int64_t drafts_accepted);
+  /// A prefill failure absorbed because attempts remained.
+  void prefillRetried();
+
+  void setBlocks(std::int64_t free, std::int64_t available, std::int64_t total);
+  /// Requests waiting for their KV (and their prompt tokens), ready ones waiting for a batch
+  /// slot, and running ones.
+  void setSequences(std::int64_t waiting_kv, std::int64_t waiting_kv_tokens, std::int64_t queued, std::int64_t running);
+
+  /// The gauges as last set (what /v1/internal/status reports).
+  struct Snapshot {
+    std::int64_t free_blocks = 0;
+    std::int64_t total_blocks = 0;
+    std::int64_t waiting_kv = 0;
+    std::int64_t waiting_kv_tokens = 0;
+    std::int64_t queued = 0;
+    std::int64_t running = 0;
+  };
+  [[nodiscard]] Snapshot snapshot() const;
+
+ private:
+  metrics::Registry& registry_;
+  std::array<metrics::Counter*, kRequestOutcomeCount> requests_{};
+  metrics::Family<metrics::Counter>* refused_ = nullptr;
+  metrics::Counter* tokens_ = nullptr;
+  metrics::Counter* steps_ = nullptr;
+  metrics::Counter* drafts_proposed_ = nullptr;
+  metrics::Counter* drafts_accepted_ = nullptr;
+  metrics::Counter* retries_ = nullptr;
+  metrics::Histogram* step_seconds_ = nullptr;
+  metrics::Gauge* blocks_free_ = nullptr;
+  metrics::Gauge* blocks_available_ = nullptr;
+  metrics::Gauge* blocks_total_ = nullptr;
+  metrics::Gauge* waiting_kv_ = nullptr;
+  metrics::Gauge* waiting_kv_tokens_ = nullptr;
+  metrics::Gauge* queued_ = nullptr;
+  metrics::Gauge* running_ = nullptr;
+};
+
+}  // namespace pd::decode

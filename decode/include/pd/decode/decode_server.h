@@ -1,0 +1,128 @@
+#pragma once
+/// The decode worker process's core (issue 6, docs/internal-api.md): the model engine, the latent
+/// KV pool registered with a UCX transport, the engine loop, and the internal HTTP API:
+///
+///   POST /v1/internal/decode        DecodeOpen -> 200 chunked NDJSON DecodeEvent lines
+///                                   (descriptor, tokens..., finish | error), or an error status
+///   POST /v1/internal/decode/abort  {"request_id"} -> {"found": bool}
+///   GET  /health, /ready, /metrics, /v1/internal/status
+///
+/// A stream's lifetime is its request's: a client that goes away aborts the request (its blocks
+/// are freed), and the request's end ends the stream. The router's string id maps to a fresh
+/// transfer id (the descriptor's request_id), never reused within the process.
+///
+/// Deadlines: a request waits for its KV min(kv_timeout_ms, decode.kv_wait_timeout_ms), plus
+/// kvtransfer.receive_grace_ms when this worker's data path resolves to rma (docs/kv-transfer.md:
+/// a late sender must have stopped writing before the blocks are reused; with am the transport
+/// drops late bytes itself). The descriptor carries the un-graced budget as timeout_ms.
+///
+/// Thread rules: start(), stop() and the destructor from one controlling thread (not an HTTP io
+/// thread, not the loop thread); the accessors are thread-safe. HTTP handlers never wait for the
+/// engine loop: opens are answered from the loop thread when admission is decided.
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "pd/common/http_server.h"
+#include "pd/common/metrics.h"
+#include "pd/common/model/engine.h"
+#include "pd/common/result.h"
+#include "pd/common/worker_api.h"
+#include "pd/decode/decode_config.h"
+#include "pd/decode/decode_loop.h"
+#include "pd/decode/decode_metrics.h"
+#include "pd/decode/kv_pool.h"
+#include "pd/kvtransfer/kvtransfer_config.h"
+#include "pd/kvtransfer/transport.h"
+
+namespace pd::decode {
+
+struct DecodeServerOptions {
+  DecodeConfig decode;
+  kvtransfer::KvTransferConfig kvtransfer;
+  /// Identifies the checkpoint; prefill and decode of one deployment must agree (CompatInfo).
+  std::uint64_t model_hash = 0;
+};
+
+class DecodeServer {
+ public:
+  /// Builds the pool for `engine`'s model, the UCX transport (pool registered, target exported),
+  /// the loop and the HTTP server, which listens on decode.host:decode.port when this returns.
+  /// Errors: Unsupported (tensor_parallel > 1, speculation on a checkpoint without MTP),
+  /// ResourceExhausted (the pool does not fit in memory), the transport's and the server's.
+  [[nodiscard]] static Result<std::unique_ptr<DecodeServer>> start(std::unique_ptr<model::Engine> engine,
+                                                                   DecodeServerOptions options);
+  /// stop(0) if stop() was not called.
+  ~DecodeServer();
+  DecodeServer(const DecodeServer&) = delete;
+  DecodeServer& operator=(const DecodeServer&) = delete;
+  DecodeServer(DecodeServer&&) = delete;
+  DecodeServer& operator=(DecodeServer&&) = delete;
+
+  [[nodiscard]] std::uint16_t port() const;
+  /// "http://host:port".
+  [[nodiscard]] std::string url() const;
+
+  /// From now on /ready answers 503 and opens are refused with 503 Overloaded ("draining");
+  /// streams already open go on. Idempotent.
+  void beginDrain();
+  [[nodiscard]] bool draining() const { return draining_.load(); }
+  /// Streams open now (admitted or being admitted, not yet ended).
+  [[nodiscard]] std::size_t openStreams() const;
+  /// Waits until no stream is open; false when `timeout` passed first.
+  bool waitIdle(std::chrono::milliseconds timeout) const;
+  /// Graceful stop: beginDrain(), lets open streams finish for up to `drain`, aborts the rest
+  /// (each ends with an error line, its blocks freed, its KV expectation cancelled), then stops
+  /// the HTTP server, the loop and the transport. Idempotent; blocks.
+  void stop(std::chrono::milliseconds drain);
+
+  /// What GET /v1/internal/status answers.
+  [[nodiscard]] worker_api::WorkerStatus status() const;
+  /// The registry /metrics renders (decode and transport series).
+  [[nodiscard]] metrics::Registry& registry() { return registry_; }
+  /// The transport's counters (tests read pending receives from it).
+  [[nodiscard]] kvtransfer::TransportStats transportStats() const;
+
+ private:
+  struct Stream;
+  DecodeServer(std::unique_ptr<model::Engine> engine, DecodeServerOptions options);
+  [[nodiscard]] Status startParts();
+
+  void handleOpen(http::Request request, http::Exchange exchange);
+  void handleAbort(const http::Request& request, http::Exchange exchange);
+  // Answers `error` with its status and counts the refusal.
+  void refuse(http::Exchange& exchange, const Error& error);
+  // Called on the loop thread with the request's final event: forgets the stream.
+  void streamEnded(const std::string& request_id);
+
+  DecodeServerOptions options_;
+  metrics::Registry registry_;  // first: everything below publishes into it
+  DecodeMetrics metrics_;
+  std::unique_ptr<model::Engine> engine_;
+  std::unique_ptr<KvPool> pool_;
+  std::unique_ptr<kvtransfer::Transport> transport_;
+  kvtransfer::RegionId region_ = 0;
+  bool region_registered_ = false;
+  kvtransfer::CompatInfo compat_;
+  std::vector<kvtransfer::KvTarget> targets_;
+  std::chrono::milliseconds receive_grace_{0};
+  std::unique_ptr<DecodeLoop> loop_;  // after the transport and pool: destroyed before them
+
+  mutable std::mutex mutex_;
+  mutable std::condition_variable idle_;
+  std::map<std::string, std::shared_ptr<Stream>> streams_;  // guarded by mutex_: by router id
+  std::atomic<bool> draining_{false};
+  std::atomic<std::uint64_t> next_transfer_id_{1};
+  bool stopped_ = false;  // controlling thread only
+
+  std::unique_ptr<http::Server> http_;  // last: its handlers use everything above
+};
+
+}  // namespace pd::decode

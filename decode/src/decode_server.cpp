@@ -1,0 +1,322 @@
+#include "pd/decode/decode_server.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <utility>
+
+#include "pd/common/log.h"
+#include "pd/kvtransfer/ucx_transport.h"
+
+namespace pd::decode {
+namespace {
+
+constexpr std::string_view kJson = "application/json";
+constexpr std::string_view kNdjson = "application/x-ndjson";
+
+http::Response jsonResponse(int status, std::string body) {
+  return http::Response::withBody(status, std::string(kJson), std::move(body));
+}
+
+http::Response errorResponse(const Error& error) {
+  return jsonResponse(worker_api::httpStatusFor(error.code), worker_api::errorJson(error));
+}
+
+// Errors the HTTP server answers itself (404, 405, 413, ...) in the internal API's error shape.
+http::Response serverError(int status, std::string_view message) {
+  ErrorCode code = ErrorCode::Internal;
+  if (status == 404) {
+    code = ErrorCode::NotFound;
+  } else if (status >= 400 && status < 500) {
+    code = ErrorCode::InvalidArgument;
+  } else if (status == 503) {
+    code = ErrorCode::Overloaded;
+  }
+  return jsonResponse(status, worker_api::errorJson(makeError(code, std::string(message))));
+}
+
+worker_api::DecodeEvent tokensEvent(const TokenEvent& e, bool logprobs) {
+  worker_api::DecodeEvent ev;
+  ev.type = worker_api::DecodeEventType::Tokens;
+  for (const model::SampledToken& t : e.tokens) {
+    ev.token_ids.push_back(t.token);
+    if (logprobs) ev.logprobs.push_back(worker_api::TokenLogprobs{t.token, t.logprob, t.top});
+  }
+  return ev;
+}
+
+worker_api::DecodeEvent lastEvent(const TokenEvent& e) {
+  worker_api::DecodeEvent ev;
+  if (*e.finish == FinishReason::Stop || *e.finish == FinishReason::Length) {
+    ev.type = worker_api::DecodeEventType::Finish;
+    ev.finish_reason = finishReasonName(*e.finish);
+    ev.prompt_tokens = e.prompt_tokens;
+    ev.completion_tokens = e.completion_tokens;
+    return ev;
+  }
+  ev.type = worker_api::DecodeEventType::Error;
+  if (e.error) {
+    ev.code = e.error->code;
+    ev.message = e.error->message;
+  } else {
+    ev.code = *e.finish == FinishReason::Aborted ? ErrorCode::Cancelled : ErrorCode::Internal;
+    ev.message = fmt::format("request ended: {}", finishReasonName(*e.finish));
+  }
+  return ev;
+}
+
+}  // namespace
+
+// One open decode stream: its reply channel and what its events need.
+struct DecodeServer::Stream {
+  std::string request_id;
+  std::uint64_t transfer_id = 0;
+  http::Exchange exchange;
+  bool logprobs = false;
+};
+
+DecodeServer::DecodeServer(std::unique_ptr<model::Engine> engine, DecodeServerOptions options)
+    : options_(std::move(options)), metrics_(registry_), engine_(std::move(engine)) {}
+
+Result<std::unique_ptr<DecodeServer>> DecodeServer::start(std::unique_ptr<model::Engine> engine,
+                                                          DecodeServerOptions options) {
+  PD_CHECK(engine != nullptr);
+  std::unique_ptr<DecodeServer> server(new DecodeServer(std::move(engine), std::move(options)));
+  PD_TRY(server->startParts());
+  return server;
+}
+
+Status DecodeServer::startParts() {
+  const DecodeConfig& cfg = options_.decode;
+  if (cfg.tensor_parallel != 1) {
+    return makeError(
+        ErrorCode::Unsupported,
+        fmt::format("decode.tensor_parallel {}: this build serves tensor_parallel 1 only", cfg.tensor_parallel));
+  }
+  if (cfg.num_speculative_tokens > 0 && !engine_->capabilities().mtp) {
+    return makeError(ErrorCode::Unsupported,
+                     fmt::format("decode.num_speculative_tokens {} needs a checkpoint with an MTP layer; set it to 0",
+                                 cfg.num_speculative_tokens));
+  }
+  const DType dtype = cfg.kv_dtype == "f32" ? DType::F32 : DType::BF16;
+  PD_ASSIGN_OR_RETURN(KvPool pool, KvPool::create(engine_->config(), cfg.num_blocks, cfg.block_size, dtype));
+  pool_ = std::make_unique<KvPool>(std::move(pool));
+  compat_ = pool_->compat(options_.model_hash, 1);
+
+  kvtransfer::UcxTransportOptions tx = kvtransfer::ucxOptionsFromConfig(options_.kvtransfer, compat_);
+  tx.metrics = &registry_;
+  tx.name = "decode-kv";
+  if (kvtransfer::resolveKvDataPath(tx.data_path, tx.ucx_tls) == kvtransfer::KvDataPath::Rma) {
+    receive_grace_ = std::chrono::milliseconds(options_.kvtransfer.receive_grace_ms);
+  }
+  PD_ASSIGN_OR_RETURN(transport_, kvtransfer::createUcxTransport(tx));
+  PD_ASSIGN_OR_RETURN(region_, transport_->registerRegion(pool_->memory()));
+  region_registered_ = true;
+  const kvtransfer::RegionLayout layout = pool_->regionLayout(region_);
+  PD_ASSIGN_OR_RETURN(kvtransfer::KvTarget target,
+                      transport_->exportTarget(0, std::span<const kvtransfer::RegionLayout>(&layout, 1)));
+  targets_.push_back(std::move(target));
+
+  DecodeEngineOptions engine_options = engineOptions(cfg);
+  engine_options.metrics = &metrics_;
+  loop_ = std::make_unique<DecodeLoop>(*engine_, *pool_, engine_options);
+
+  http::ServerOptions http_options;
+  http_options.host = cfg.host;
+  http_options.port = static_cast<std::uint16_t>(cfg.port);
+  http_options.io_threads = static_cast<int>(cfg.http_threads);
+  http_options.max_body_bytes = 1 << 20;
+  http_options.server_name = "pdserve-decode";
+  http_options.error_responder = serverError;
+  std::vector<http::Route> routes;
+  routes.push_back({"GET", "/health", [](http::Request, http::Exchange ex) {
+                      ex.respond(http::Response::withBody(200, "text/plain", "ok\n"));
+                    }});
+  routes.push_back({"GET", "/ready", [this](http::Request, http::Exchange ex) {
+                      ex.respond(draining_.load() ? http::Response::withBody(503, "text/plain", "draining\n")
+                                                  : http::Response::withBody(200, "text/plain", "ready\n"));
+                    }});
+  routes.push_back(
+      {"GET", "/metrics", [this](http::Request, http::Exchange ex) {
+         ex.respond(http::Response::withBody(200, std::string(metrics::kExpositionContentType), registry_.render()));
+       }});
+  routes.push_back({"GET", std::string(worker_api::kStatusPath), [this](http::Request, http::Exchange ex) {
+                      ex.respond(jsonResponse(200, worker_api::toJson(status())));
+                    }});
+  routes.push_back({"POST", std::string(worker_api::kDecodeOpenPath),
+                    [this](http::Request req, http::Exchange ex) { handleOpen(std::move(req), std::move(ex)); }});
+  routes.push_back({"POST", std::string(worker_api::kDecodeAbortPath),
+                    [this](http::Request req, http::Exchange ex) { handleAbort(req, std::move(ex)); }});
+  PD_ASSIGN_OR_RETURN(http_, http::Server::start(std::move(http_options), std::move(routes)));
+  log::info("decode", "serving on {} ({} KV blocks of {} tokens, {}, MTP k={}, transport {})", url(), cfg.num_blocks,
+            cfg.block_size, cfg.kv_dtype, cfg.num_speculative_tokens, transport_->capabilities().name);
+  return okStatus();
+}
+
+DecodeServer::~DecodeServer() {
+  stop(std::chrono::milliseconds(0));
+}
+
+std::uint16_t DecodeServer::port() const {
+  return http_ ? http_->port() : 0;
+}
+
+std::string DecodeServer::url() const {
+  return fmt::format("http://{}:{}", options_.decode.host, port());
+}
+
+void DecodeServer::refuse(http::Exchange& exchange, const Error& error) {
+  metrics_.refused(error.code);
+  exchange.respond(errorResponse(error));
+}
+
+void DecodeServer::handleOpen(http::Request request, http::Exchange exchange) {
+  if (draining_.load()) {
+    refuse(exchange, makeError(ErrorCode::Overloaded, "the decode worker is draining"));
+    return;
+  }
+  Result<worker_api::DecodeOpen> parsed = worker_api::parseDecodeOpen(request.body);
+  if (!parsed.ok()) {
+    refuse(exchange, parsed.error());
+    return;
+  }
+  worker_api::DecodeOpen& open = *parsed;
+  auto stream =
+      std::make_shared<Stream>(Stream{open.request_id, next_transfer_id_.fetch_add(1), exchange, open.logprobs});
+  {
+    std::lock_guard lock(mutex_);
+    if (streams_.contains(open.request_id)) {
+      refuse(exchange,
+             makeError(ErrorCode::InvalidArgument, fmt::format("request {} is already open here", open.request_id)));
+      return;
+    }
+    streams_.emplace(open.request_id, stream);
+  }
+
+  const std::int64_t kv_timeout_ms = std::min(open.kv_timeout_ms, options_.decode.kv_wait_timeout_ms);
+  DecodeRequest r;
+  r.id = stream->transfer_id;
+  r.prompt_tokens = open.prompt_tokens;
+  r.max_tokens = open.max_tokens;
+  r.sampling = open.sampling;
+  r.stop_token_ids = std::move(open.stop_token_ids);
+  r.ignore_eos = open.ignore_eos;
+  r.kv_deadline = Clock::now() + std::chrono::milliseconds(kv_timeout_ms) + receive_grace_;
+  r.prefill_attempts = open.prefill_attempts;
+  // Runs on the loop thread; Exchange::write only queues, so it never blocks the loop.
+  r.sink = [this, stream](const TokenEvent& e) {
+    if (!e.tokens.empty()) stream->exchange.write(worker_api::toJson(tokensEvent(e, stream->logprobs)) + "\n");
+    if (!e.finish) return;
+    stream->exchange.write(worker_api::toJson(lastEvent(e)) + "\n");
+    stream->exchange.end();
+    streamEnded(stream->request_id);
+  };
+
+  DecodeLoop* loop = loop_.get();
+  loop_->openStreamAsync(
+      std::move(r), *transport_, compat_, targets_, static_cast<std::uint32_t>(kv_timeout_ms),
+      [this, stream, loop](Result<kvtransfer::KvDescriptor> descriptor) {
+        if (!descriptor.ok()) {
+          refuse(stream->exchange, descriptor.error());
+          streamEnded(stream->request_id);
+          return;
+        }
+        worker_api::DecodeEvent first;
+        first.type = worker_api::DecodeEventType::Descriptor;
+        const std::vector<std::uint8_t> bytes = kvtransfer::encode(*descriptor);
+        first.kv_descriptor.assign(bytes.begin(), bytes.end());
+        first.blocks = static_cast<std::int64_t>(descriptor->block_ids.size());
+        stream->exchange.beginStream(200, {{"Content-Type", std::string(kNdjson)}, {"Cache-Control", "no-store"}});
+        stream->exchange.write(worker_api::toJson(first) + "\n");
+        // Set only now that the request is admitted; runs at once if the client is already gone.
+        const std::uint64_t id = stream->transfer_id;
+        stream->exchange.onClientGone([loop, id] { loop->postAbort(id); });
+      });
+}
+
+void DecodeServer::handleAbort(const http::Request& request, http::Exchange exchange) {
+  Result<worker_api::AbortRequest> parsed = worker_api::parseAbortRequest(request.body);
+  if (!parsed.ok()) {
+    exchange.respond(errorResponse(parsed.error()));
+    return;
+  }
+  std::optional<std::uint64_t> id;
+  {
+    std::lock_guard lock(mutex_);
+    const auto it = streams_.find(parsed->request_id);
+    if (it != streams_.end()) id = it->second->transfer_id;
+  }
+  // The stream ends with a Cancelled error line; the blocks are free before it does.
+  if (id) loop_->postAbort(*id);
+  exchange.respond(jsonResponse(200, id ? R"({"found":true})" : R"({"found":false})"));
+}
+
+void DecodeServer::streamEnded(const std::string& request_id) {
+  std::lock_guard lock(mutex_);
+  streams_.erase(request_id);
+  if (streams_.empty()) idle_.notify_all();
+}
+
+void DecodeServer::beginDrain() {
+  if (!draining_.exchange(true)) log::info("decode", "draining: refusing new requests");
+}
+
+std::size_t DecodeServer::openStreams() const {
+  std::lock_guard lock(mutex_);
+  return streams_.size();
+}
+
+bool DecodeServer::waitIdle(std::chrono::milliseconds timeout) const {
+  std::unique_lock lock(mutex_);
+  return idle_.wait_for(lock, timeout, [this] { return streams_.empty(); });
+}
+
+void DecodeServer::stop(std::chrono::milliseconds drain) {
+  if (stopped_) return;
+  stopped_ = true;
+  beginDrain();
+  if (loop_) {
+    if (!waitIdle(drain)) {
+      std::vector<std::uint64_t> ids;
+      {
+        std::lock_guard lock(mutex_);
+        for (const auto& [name, s] : streams_) ids.push_back(s->transfer_id);
+      }
+      log::warn("decode", "drain time over: aborting {} open request(s)", ids.size());
+      for (const std::uint64_t id : ids) loop_->postAbort(id);
+      // Each abort ends its stream on the loop thread; give the error lines a moment to be queued.
+      (void)waitIdle(std::chrono::milliseconds(5000));
+    }
+  }
+  // Lets the last lines reach their clients; handlers stop here, so nothing opens afterwards.
+  if (http_) http_->stop(std::chrono::milliseconds(1000));
+  loop_.reset();  // ends anything still held (each sink hears it) and cancels its KV expectation
+  if (region_registered_) {
+    const Status s = transport_->deregisterRegion(region_);
+    if (!s.ok()) log::warn("decode", "deregistering the KV pool: {}", s.error().toString());
+    region_registered_ = false;
+  }
+  transport_.reset();
+}
+
+worker_api::WorkerStatus DecodeServer::status() const {
+  const DecodeMetrics::Snapshot m = metrics_.snapshot();
+  worker_api::WorkerStatus s;
+  s.role = "decode";
+  s.draining = draining_.load();
+  s.ready = !s.draining;
+  s.model_hash = fmt::format("{:016x}", options_.model_hash);
+  s.queued_requests = m.waiting_kv;
+  s.queued_tokens = m.waiting_kv_tokens;
+  s.running_requests = m.running + m.queued;
+  s.free_blocks = m.free_blocks;
+  s.total_blocks = m.total_blocks;
+  s.block_size = options_.decode.block_size;
+  return s;
+}
+
+kvtransfer::TransportStats DecodeServer::transportStats() const {
+  return transport_ ? transport_->stats() : kvtransfer::TransportStats{};
+}
+
+}  // namespace pd::decode

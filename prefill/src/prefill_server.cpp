@@ -1,0 +1,584 @@
+#include "pd/prefill/prefill_server.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <map>
+#include <mutex>
+#include <optional>
+#include <shared_mutex>
+#include <utility>
+#include <vector>
+
+#include "pd/common/http_server.h"
+#include "pd/common/log.h"
+#include "pd/common/worker_api.h"
+#include "pd/kvtransfer/ucx_transport.h"
+#include "pd/kvtransfer/wire.h"
+#include "pd/prefill/model_hash.h"
+#include "pd/prefill/prefill_engine.h"
+#include "pd/prefill/transport_kv_sink.h"
+
+namespace pd::prefill {
+namespace {
+
+namespace kvt = pd::kvtransfer;
+constexpr std::string_view kJson = "application/json";
+constexpr std::string_view kText = "text/plain; charset=utf-8";
+
+double msBetween(Clock::time_point a, Clock::time_point b) {
+  return std::chrono::duration<double, std::milli>(b - a).count();
+}
+
+// One submission, from the request to its answer. Shared by the registry (cancel lookups), the
+// transport's done callback and the engine's sink; the exchange's gone-callback holds it weakly.
+struct Call {
+  std::string router_id;
+  std::uint64_t engine_id = 0;
+  std::uint64_t transfer_id = 0;  // the descriptor's request id (the decode worker's numbering)
+  kvt::Transport* transport = nullptr;
+  http::Exchange exchange;
+  std::int64_t prompt_tokens = 0;
+  std::uint64_t kv_bytes = 0;
+  Clock::time_point received;
+
+  std::mutex mutex;
+  std::optional<Error> failure;  // guarded: the first reason the request failed
+  std::optional<Clock::time_point> admitted;
+  std::optional<Clock::time_point> computed;
+  std::int32_t first_token = 0;
+  bool submitted = false;  // the engine took (or refused) the request
+  bool answered = false;
+  std::unique_ptr<TransportKvSink> parked;  // a sink dropped by a refused submit, ended after it
+
+  explicit Call(http::Exchange ex) : exchange(std::move(ex)) {}
+
+  void noteFailure(const Error& e) {
+    std::lock_guard lock(mutex);
+    if (!failure) failure = e;
+  }
+};
+
+// The engine's KvSink for one call: forwards to the transport sink and records the call's timeline
+// (admitted, computed) and the engine's failure reason, which the answer reports in preference to
+// the transport's Cancelled that follows it.
+class CallSink final : public KvSink {
+ public:
+  CallSink(std::shared_ptr<Call> call, std::unique_ptr<TransportKvSink> inner)
+      : call_(std::move(call)), inner_(std::move(inner)) {}
+  ~CallSink() override {
+    if (ended_) return;
+    // Dropped unended: by a refused submit (the handler then records why and ends the transfer),
+    // or by anyone later (ended here, with Cancelled).
+    std::unique_ptr<TransportKvSink> drop;
+    {
+      std::lock_guard lock(call_->mutex);
+      if (call_->submitted) {
+        drop = std::move(inner_);
+      } else {
+        call_->parked = std::move(inner_);
+      }
+    }
+  }
+  CallSink(const CallSink&) = delete;
+  CallSink& operator=(const CallSink&) = delete;
+  CallSink(CallSink&&) = delete;
+  CallSink& operator=(CallSink&&) = delete;
+
+  void admitted() override {
+    std::lock_guard lock(call_->mutex);
+    call_->admitted = Clock::now();
+  }
+  Status putLayer(std::uint32_t layer, std::int64_t first_pos, std::span<const float> rows) override {
+    return inner_->putLayer(layer, first_pos, rows);
+  }
+  void complete(kvt::CompletionRecord record) override {
+    ended_ = true;
+    {
+      std::lock_guard lock(call_->mutex);
+      call_->computed = Clock::now();
+      call_->first_token = record.first_token;
+    }
+    inner_->complete(std::move(record));
+  }
+  void fail(const Error& reason) override {
+    ended_ = true;
+    call_->noteFailure(reason);
+    inner_->fail(reason);
+  }
+
+ private:
+  std::shared_ptr<Call> call_;
+  std::unique_ptr<TransportKvSink> inner_;
+  bool ended_ = false;
+};
+
+http::Response errorResponse(const Error& e) {
+  return http::Response::withBody(worker_api::httpStatusFor(e.code), std::string(kJson), worker_api::errorJson(e));
+}
+
+std::string outcomeLabel(const std::optional<Error>& e) {
+  return e ? std::string(errorCodeName(e->code)) : std::string("ok");
+}
+
+}  // namespace
+
+class PrefillServer::Impl {
+ public:
+  Impl(std::unique_ptr<model::Engine> engine, PrefillServerOptions options)
+      : options_(std::move(options)), model_(std::move(engine)) {
+    registerMetrics();
+  }
+
+  Status start() {
+    PD_ASSIGN_OR_RETURN(prefill_, PrefillEngine::create(*model_, engineOptions(options_.prefill)));
+    prefill_->start();
+    http::ServerOptions so;
+    so.host = options_.prefill.host;
+    so.port = static_cast<std::uint16_t>(options_.prefill.port);
+    so.io_threads = static_cast<int>(options_.prefill.io_threads);
+    so.server_name = "pdserve-prefill";
+    // The server's own errors (404, 413, malformed HTTP) in the contract's error body too.
+    so.error_responder = [](int status, std::string_view message) {
+      const ErrorCode code = status == 404   ? ErrorCode::NotFound
+                             : status >= 500 ? ErrorCode::Internal
+                                             : ErrorCode::InvalidArgument;
+      return http::Response::withBody(status, std::string(kJson),
+                                      worker_api::errorJson(makeError(code, std::string(message))));
+    };
+    std::vector<http::Route> routes;
+    routes.push_back({"POST", std::string(worker_api::kPrefillPath),
+                      [this](http::Request r, http::Exchange ex) { onSubmit(std::move(r), std::move(ex)); }});
+    routes.push_back({"POST", std::string(worker_api::kPrefillCancelPath),
+                      [this](http::Request r, http::Exchange ex) { onCancel(r, ex); }});
+    routes.push_back({"GET", "/health", [](const http::Request&, http::Exchange ex) {
+                        ex.respond(http::Response::withBody(200, std::string(kText), "ok"));
+                      }});
+    routes.push_back({"GET", "/ready", [this](const http::Request&, http::Exchange ex) {
+                        const bool ready = !draining_.load();
+                        ex.respond(http::Response::withBody(ready ? 200 : 503, std::string(kText),
+                                                            ready ? "ready" : "draining"));
+                      }});
+    routes.push_back({"GET", "/metrics", [this](const http::Request&, http::Exchange ex) {
+                        refreshGauges();
+                        ex.respond(http::Response::withBody(200, std::string(metrics::kExpositionContentType),
+                                                            registry_.render()));
+                      }});
+    routes.push_back({"GET", std::string(worker_api::kStatusPath), [this](const http::Request&, http::Exchange ex) {
+                        ex.respond(http::Response::withBody(200, std::string(kJson), worker_api::toJson(status())));
+                      }});
+    PD_ASSIGN_OR_RETURN(http_, http::Server::start(std::move(so), std::move(routes)));
+    log::info("prefill", "serving on {}:{} (model hash {}, chunk {}, token budget {}, local cache {}x{})",
+              options_.prefill.host, http_->port(), modelHashHex(options_.model_hash), options_.prefill.chunk_size,
+              options_.prefill.token_budget, options_.prefill.cache_blocks, options_.prefill.cache_block_size);
+    return okStatus();
+  }
+
+  ~Impl() { stop(); }
+  Impl(const Impl&) = delete;
+  Impl& operator=(const Impl&) = delete;
+  Impl(Impl&&) = delete;
+  Impl& operator=(Impl&&) = delete;
+
+  std::uint16_t port() const { return http_->port(); }
+  std::string url() const { return fmt::format("http://{}:{}", options_.prefill.host, http_->port()); }
+
+  void beginDrain() {
+    if (!draining_.exchange(true)) log::info("prefill", "draining: new prefills are refused");
+    m_.draining->set(1);
+  }
+
+  bool waitIdle(std::chrono::milliseconds timeout) {
+    std::unique_lock lock(mutex_);
+    return idle_.wait_for(lock, timeout, [&] { return calls_.empty(); });
+  }
+
+  void stop() {
+    if (stopped_) return;
+    stopped_ = true;
+    beginDrain();
+    std::vector<std::shared_ptr<Call>> left;
+    {
+      std::lock_guard lock(mutex_);
+      for (auto& [id, call] : calls_) left.push_back(call);
+    }
+    if (!left.empty()) log::info("prefill", "aborting {} prefills still in flight", left.size());
+    for (auto& call : left) cancelCall(call, "the prefill worker is shutting down");
+    // Every transfer ends by its deadline at the latest; this bound only guards against a bug.
+    if (!waitIdle(std::chrono::milliseconds(options_.prefill.request_timeout_ms) + std::chrono::seconds(5))) {
+      log::error("prefill", "prefills still held at shutdown");
+    }
+    if (http_) http_->stop(std::chrono::milliseconds(1000));  // lets the last answers go out
+    std::unique_ptr<PrefillEngine> prefill;
+    {
+      std::unique_lock lock(engine_guard_);
+      prefill = std::move(prefill_);
+    }
+    prefill.reset();  // stops the engine thread; fails whatever it still holds (transfers ended)
+    std::lock_guard lock(transports_mutex_);
+    transports_.clear();
+  }
+
+  PrefillServerStats stats() const {
+    PrefillServerStats s;
+    {
+      std::lock_guard lock(mutex_);
+      s.submissions = static_cast<std::int64_t>(calls_.size());
+    }
+    {
+      std::shared_lock lock(engine_guard_);
+      if (prefill_) {
+        const PrefillEngineStats e = prefill_->stats();
+        s.queued_requests = e.queued_requests;
+        s.queued_tokens = e.queued_tokens;
+        s.running_requests = e.running_requests;  // still computing, possibly after its answer
+      }
+    }
+    s.running_requests = std::max(s.running_requests, s.submissions - s.queued_requests);
+    std::lock_guard lock(transports_mutex_);
+    for (const auto& [compat, t] : transports_) {
+      const kvt::TransportStats ts = t->stats();
+      s.transfers_in_flight += ts.in_flight;
+      s.registered_regions += ts.registered_regions;
+    }
+    s.kv_layouts = static_cast<std::int64_t>(transports_.size());
+    return s;
+  }
+
+  metrics::Registry& registry() { return registry_; }
+
+ private:
+  struct Metrics {
+    metrics::Gauge* queue_requests = nullptr;
+    metrics::Gauge* queue_tokens = nullptr;
+    metrics::Gauge* running = nullptr;
+    metrics::Gauge* free_blocks = nullptr;
+    metrics::Gauge* draining = nullptr;
+    metrics::Gauge* tokens_per_second = nullptr;
+    metrics::Counter* prompt_tokens = nullptr;
+    metrics::Counter* forward_seconds = nullptr;
+    metrics::Counter* kv_bytes = nullptr;
+    metrics::Family<metrics::Counter>* requests = nullptr;
+    metrics::Histogram* queue_s = nullptr;
+    metrics::Histogram* compute_s = nullptr;
+    metrics::Histogram* transfer_s = nullptr;
+    metrics::Histogram* total_s = nullptr;
+  };
+
+  void registerMetrics() {
+    auto& r = registry_;
+    m_.queue_requests = &r.gauge("pdserve_prefill_queue_requests", "Prefill requests waiting for the engine.").get();
+    m_.queue_tokens = &r.gauge("pdserve_prefill_queue_tokens", "Prompt tokens of the queued requests.").get();
+    m_.running = &r.gauge("pdserve_prefill_running_requests",
+                          "Prefill requests computing or finishing their KV transfer.")
+                      .get();
+    m_.free_blocks = &r.gauge("pdserve_prefill_cache_free_blocks", "Free blocks of the local latent cache.").get();
+    m_.draining = &r.gauge("pdserve_prefill_draining", "1 while the worker drains before exiting.").get();
+    m_.tokens_per_second = &r.gauge("pdserve_prefill_tokens_per_second",
+                                    "Prompt tokens per second of forward time, since start.")
+                                .get();
+    m_.prompt_tokens =
+        &r.counter("pdserve_prefill_prompt_tokens_total", "Prompt tokens run through the main model.").get();
+    m_.forward_seconds =
+        &r.counter("pdserve_prefill_forward_seconds_total", "Wall time spent in forward passes (main and MTP).").get();
+    m_.kv_bytes = &r.counter("pdserve_prefill_kv_bytes_total",
+                             "Latent KV bytes delivered to decode workers (completed requests, per target).")
+                       .get();
+    m_.requests = &r.counter("pdserve_prefill_requests_total", "Prefill submissions answered, by outcome.", {"outcome"});
+    const std::vector<double> b = metrics::latencyBuckets();
+    m_.queue_s = &r.histogram("pdserve_prefill_queue_seconds", "TTFT component: submit to first forward.", b).get();
+    m_.compute_s =
+        &r.histogram("pdserve_prefill_compute_seconds", "TTFT component: first forward to last layer computed.", b)
+             .get();
+    m_.transfer_s = &r.histogram("pdserve_prefill_transfer_seconds",
+                                 "TTFT component: last layer computed to completion record delivered.", b)
+                         .get();
+    m_.total_s =
+        &r.histogram("pdserve_prefill_request_seconds", "Submit to answer of successful prefills.", b).get();
+  }
+
+  // Gauges and the counters mirrored from the engine's totals; refreshed when read.
+  void refreshGauges() {
+    const PrefillServerStats s = stats();
+    m_.queue_requests->set(static_cast<double>(s.queued_requests));
+    m_.queue_tokens->set(static_cast<double>(s.queued_tokens));
+    m_.running->set(static_cast<double>(s.running_requests));
+    std::shared_lock guard(engine_guard_);
+    if (!prefill_) return;
+    const PrefillEngineStats e = prefill_->stats();
+    m_.free_blocks->set(static_cast<double>(e.free_blocks));
+    std::lock_guard lock(mirror_mutex_);
+    if (e.prompt_tokens > mirrored_tokens_) m_.prompt_tokens->inc(static_cast<double>(e.prompt_tokens - mirrored_tokens_));
+    if (e.compute_seconds > mirrored_seconds_) m_.forward_seconds->inc(e.compute_seconds - mirrored_seconds_);
+    mirrored_tokens_ = std::max(mirrored_tokens_, e.prompt_tokens);
+    mirrored_seconds_ = std::max(mirrored_seconds_, e.compute_seconds);
+    if (e.compute_seconds > 0) m_.tokens_per_second->set(static_cast<double>(e.prompt_tokens) / e.compute_seconds);
+  }
+
+  worker_api::WorkerStatus status() {
+    refreshGauges();
+    const PrefillServerStats s = stats();
+    worker_api::WorkerStatus w;
+    w.role = "prefill";
+    w.draining = draining_.load();
+    w.ready = !w.draining;
+    w.model_hash = modelHashHex(options_.model_hash);
+    w.queued_requests = s.queued_requests;
+    w.queued_tokens = s.queued_tokens;
+    w.running_requests = s.running_requests;
+    w.free_blocks = static_cast<std::int64_t>(m_.free_blocks->value());
+    w.total_blocks = options_.prefill.cache_blocks;
+    w.block_size = options_.prefill.cache_block_size;
+    return w;
+  }
+
+  void reject(http::Exchange& ex, const Error& e) {
+    m_.requests->labels({outcomeLabel(e)}).inc();
+    ex.respond(errorResponse(e));
+  }
+
+  // What must agree with the descriptor's layout: protocol, model, KV layers and latent width.
+  // The rest (dtype, block size, TP) is the decode worker's choice.
+  Status checkLayout(const kvt::CompatInfo& theirs) const {
+    kvt::CompatInfo ours = theirs;
+    ours.protocol_version = kvt::kProtocolVersion;
+    ours.model_hash = options_.model_hash;
+    ours.num_layers = static_cast<std::uint32_t>(model_->config().kvLayers());
+    ours.kv_dim = static_cast<std::uint32_t>(model_->config().latentDim());
+    return kvt::checkCompatible(ours, theirs);
+  }
+
+  Result<kvt::Transport*> transportFor(const kvt::CompatInfo& compat) {
+    std::lock_guard lock(transports_mutex_);
+    for (auto& [c, t] : transports_) {
+      if (c == compat) return t.get();
+    }
+    if (transports_.size() >= kMaxKvLayouts) {
+      return makeError(ErrorCode::Unsupported,
+                       fmt::format("this prefill worker already serves {} KV layouts (dtype, block size, TP)",
+                                   kMaxKvLayouts));
+    }
+    kvt::UcxTransportOptions o = kvt::ucxOptionsFromConfig(options_.kvtransfer, compat);
+    o.name = fmt::format("prefill-kv{}", transports_.size());
+    o.metrics = &registry_;
+    PD_ASSIGN_OR_RETURN(std::unique_ptr<kvt::Transport> t, kvt::createUcxTransport(o));
+    log::info("prefill", "KV layout {}: {} blocks of {} tokens, {} layers, TP {}", transports_.size(),
+              dtypeName(compat.kv_dtype), compat.block_size, compat.num_layers, compat.tp_size);
+    transports_.emplace_back(compat, std::move(t));
+    return transports_.back().second.get();
+  }
+
+  void onSubmit(http::Request request, http::Exchange ex) {
+    const Clock::time_point received = Clock::now();
+    if (draining_.load()) return reject(ex, makeError(ErrorCode::Overloaded, "prefill worker is draining"));
+    Result<worker_api::PrefillSubmit> parsed = worker_api::parsePrefillSubmit(request.body);
+    if (!parsed.ok()) return reject(ex, parsed.error());
+    worker_api::PrefillSubmit& sub = *parsed;
+    const auto& raw = sub.kv_descriptor;
+    Result<kvt::KvDescriptor> desc = kvt::decodeKvDescriptor(
+        std::span(reinterpret_cast<const std::uint8_t*>(raw.data()), raw.size()));
+    if (!desc.ok()) {
+      const ErrorCode code = desc.error().code == ErrorCode::Unsupported ? ErrorCode::Unsupported
+                                                                          : ErrorCode::InvalidArgument;
+      return reject(ex, makeError(code, "kv_descriptor: " + desc.error().message));
+    }
+    if (desc->num_tokens != sub.token_ids.size()) {
+      return reject(ex, makeError(ErrorCode::InvalidArgument,
+                                  fmt::format("kv_descriptor is for {} tokens, the prompt has {}", desc->num_tokens,
+                                              sub.token_ids.size())));
+    }
+    if (sub.timeout_ms <= 0) return reject(ex, makeError(ErrorCode::InvalidArgument, "timeout_ms must be positive"));
+    if (Status s = checkLayout(desc->compat); !s.ok()) return reject(ex, s.error());
+    Result<kvt::Transport*> transport = transportFor(desc->compat);
+    if (!transport.ok()) return reject(ex, transport.error());
+
+    auto call = std::make_shared<Call>(ex);
+    call->router_id = sub.request_id;
+    call->transfer_id = desc->request_id;
+    call->transport = *transport;
+    call->prompt_tokens = static_cast<std::int64_t>(sub.token_ids.size());
+    call->kv_bytes = std::uint64_t{desc->num_tokens} * desc->compat.num_layers * desc->compat.tokenBytes() *
+                     desc->targets.size();
+    call->received = received;
+    {
+      std::lock_guard lock(mutex_);
+      if (calls_.contains(sub.request_id)) {
+        return reject(ex, makeError(ErrorCode::InvalidArgument,
+                                    fmt::format("request {} is already held by this prefill worker", sub.request_id)));
+      }
+      call->engine_id = next_engine_id_++;
+      calls_.emplace(sub.request_id, call);
+    }
+    const auto timeout = std::chrono::milliseconds(std::min(sub.timeout_ms, options_.prefill.request_timeout_ms));
+    const Clock::time_point deadline = received + timeout;
+    Result<std::unique_ptr<TransportKvSink>> sink = TransportKvSink::create(
+        **transport, *desc, deadline, [this, call](std::uint64_t, Status s) { onTransferDone(call, std::move(s)); });
+    if (!sink.ok()) {
+      {
+        std::lock_guard lock(mutex_);
+        calls_.erase(sub.request_id);
+      }
+      idle_.notify_all();
+      return reject(ex, sink.error());
+    }
+    PrefillRequest pr;
+    pr.id = call->engine_id;
+    pr.tokens = std::move(sub.token_ids);
+    pr.sampling = sub.sampling;
+    pr.logprobs = sub.logprobs;
+    pr.deadline = deadline;
+    pr.sink = std::make_unique<CallSink>(call, std::move(sink).value());
+    Status submitted = makeError(ErrorCode::Cancelled, "the prefill worker is shutting down");
+    {
+      std::shared_lock guard(engine_guard_);
+      if (prefill_) submitted = prefill_->submit(std::move(pr));
+    }
+    if (!submitted.ok()) call->noteFailure(submitted.error());
+    std::unique_ptr<TransportKvSink> parked;
+    {
+      std::lock_guard lock(call->mutex);
+      call->submitted = true;
+      parked = std::move(call->parked);
+    }
+    parked.reset();  // a refused request's transfer ends (Cancelled); its answer carries the reason above
+    if (submitted.ok()) {
+      ex.onClientGone([this, weak = std::weak_ptr<Call>(call)] {
+        if (auto c = weak.lock()) cancelCall(c, "the router closed the submission");
+      });
+    }
+  }
+
+  void onCancel(const http::Request& request, http::Exchange& ex) {
+    Result<worker_api::AbortRequest> parsed = worker_api::parseAbortRequest(request.body);
+    if (!parsed.ok()) return (void)ex.respond(errorResponse(parsed.error()));
+    std::shared_ptr<Call> call;
+    {
+      std::lock_guard lock(mutex_);
+      if (auto it = calls_.find(parsed->request_id); it != calls_.end()) call = it->second;
+    }
+    if (call) cancelCall(call, "cancelled by the router");
+    ex.respond(http::Response::withBody(200, std::string(kJson), call ? R"({"found":true})" : R"({"found":false})"));
+  }
+
+  // Ends a call early: the engine stops it before its next layer (and fails its sink, which
+  // aborts the transfer); a call past its compute has its transfer aborted directly.
+  void cancelCall(const std::shared_ptr<Call>& call, const std::string& reason) {
+    call->noteFailure(makeError(ErrorCode::Cancelled, fmt::format("request {}: {}", call->router_id, reason)));
+    {
+      std::shared_lock guard(engine_guard_);
+      if (prefill_ && prefill_->cancel(call->engine_id)) return;
+    }
+    {
+      std::lock_guard lock(call->mutex);
+      if (call->answered || !call->submitted) return;
+    }
+    Status s = call->transport->abort(call->transfer_id, ErrorCode::Cancelled, reason);
+    if (!s.ok() && s.error().code != ErrorCode::NotFound) {
+      log::warn("prefill", "request {}: abort failed: {}", call->router_id, s.error().toString());
+    }
+  }
+
+  // The transport ended the call's transfer (progress thread): answer the router.
+  void onTransferDone(const std::shared_ptr<Call>& call, Status status) {
+    const Clock::time_point now = Clock::now();
+    std::optional<Error> failure;
+    worker_api::PrefillOutcome outcome;
+    {
+      std::lock_guard lock(call->mutex);
+      call->answered = true;
+      if (!status.ok()) failure = call->failure ? *call->failure : status.error();
+      outcome.first_token = call->first_token;
+      outcome.prompt_tokens = call->prompt_tokens;
+      const Clock::time_point admitted = call->admitted.value_or(now);
+      const Clock::time_point computed = call->computed.value_or(now);
+      outcome.queue_ms = msBetween(call->received, admitted);
+      outcome.compute_ms = msBetween(admitted, computed);
+      outcome.transfer_ms = msBetween(computed, now);
+    }
+    if (failure) {
+      // The engine may still hold it (the transport gave up first): stop its compute too.
+      std::shared_lock guard(engine_guard_);
+      if (prefill_) (void)prefill_->cancel(call->engine_id);
+    }
+    m_.requests->labels({outcomeLabel(failure)}).inc();
+    if (failure) {
+      log::info("prefill", "request {} failed: {}", call->router_id, failure->toString());
+      call->exchange.respond(errorResponse(*failure));
+    } else {
+      m_.queue_s->observe(outcome.queue_ms / 1000.0);
+      m_.compute_s->observe(outcome.compute_ms / 1000.0);
+      m_.transfer_s->observe(outcome.transfer_ms / 1000.0);
+      m_.total_s->observe(msBetween(call->received, now) / 1000.0);
+      m_.kv_bytes->inc(static_cast<double>(call->kv_bytes));
+      call->exchange.respond(
+          http::Response::withBody(200, std::string(kJson), worker_api::toJson(outcome)));
+    }
+    {
+      std::lock_guard lock(mutex_);
+      if (auto it = calls_.find(call->router_id); it != calls_.end() && it->second == call) calls_.erase(it);
+    }
+    idle_.notify_all();
+  }
+
+  const PrefillServerOptions options_;
+  metrics::Registry registry_;  // first: transports publish to it until they go
+  Metrics m_;
+  std::unique_ptr<model::Engine> model_;
+
+  mutable std::mutex transports_mutex_;
+  std::vector<std::pair<kvt::CompatInfo, std::unique_ptr<kvt::Transport>>> transports_;  // guarded
+
+  mutable std::mutex mutex_;
+  std::condition_variable idle_;
+  std::map<std::string, std::shared_ptr<Call>> calls_;  // guarded by mutex_: router id -> call
+  std::uint64_t next_engine_id_ = 1;                    // guarded by mutex_
+
+  std::mutex mirror_mutex_;
+  std::int64_t mirrored_tokens_ = 0;  // guarded by mirror_mutex_
+  double mirrored_seconds_ = 0.0;     // guarded by mirror_mutex_
+
+  std::atomic<bool> draining_{false};
+  bool stopped_ = false;  // control thread only
+
+  // Callbacks reach the engine under a shared lock; stop() takes it away under the unique lock.
+  mutable std::shared_mutex engine_guard_;
+  std::unique_ptr<PrefillEngine> prefill_;
+  std::unique_ptr<http::Server> http_;
+};
+
+Result<std::unique_ptr<PrefillServer>> PrefillServer::start(std::unique_ptr<model::Engine> engine,
+                                                            PrefillServerOptions options) {
+  PD_CHECK(engine != nullptr);
+  auto impl = std::make_unique<Impl>(std::move(engine), std::move(options));
+  PD_TRY(impl->start());
+  return std::unique_ptr<PrefillServer>(new PrefillServer(std::move(impl)));
+}
+
+PrefillServer::PrefillServer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+PrefillServer::~PrefillServer() = default;
+
+std::uint16_t PrefillServer::port() const {
+  return impl_->port();
+}
+std::string PrefillServer::url() const {
+  return impl_->url();
+}
+void PrefillServer::beginDrain() {
+  impl_->beginDrain();
+}
+bool PrefillServer::waitIdle(std::chrono::milliseconds timeout) {
+  return impl_->waitIdle(timeout);
+}
+void PrefillServer::stop() {
+  impl_->stop();
+}
+PrefillServerStats PrefillServer::stats() const {
+  return impl_->stats();
+}
+metrics::Registry& PrefillServer::metrics() {
+  return impl_->registry();
+}
+
+}  // namespace pd::prefill

@@ -1,0 +1,95 @@
+#pragma once
+/// The P/D orchestrator: the CompletionBackend that serves a generation with one decode worker
+/// and one prefill worker (DESIGN §3, docs/internal-api.md).
+///
+/// Per generation, on its own thread: pick D (most free KV blocks), open its decode stream
+/// (NDJSON) and read the KV descriptor; on a second thread pick P (least queued tokens, or round
+/// robin) and submit the prefill with that descriptor; relay D's tokens to the sink, detokenized
+/// incrementally and cut at stop strings (the stream is then closed, which aborts it at D).
+/// The router always sends a seed (a random one when the client gave none) and the same
+/// sampling to both legs.
+///
+/// Failures:
+///   - a prefill attempt fails (Overloaded, PeerFailed, Timeout, Io, Corrupt, Cancelled by the
+///     worker, Internal): retried on another P, up to `prefill_retries`, with the same descriptor
+///     (DecodeOpen.prefill_attempts = retries + 1 so D keeps the blocks meanwhile); when no
+///     attempt is left the request is aborted at D and fails with the prefill's error;
+///   - D refuses (503 Overloaded, or any error other than a request that can never fit) or the
+///     decode leg fails before a token reached the client: the whole request is retried on
+///     another D, up to `decode_retries` (the retry's worker request id gets a "-retry<n>" suffix);
+///   - the decode leg fails after a token reached the client: onError.
+/// Retries are counted on pdserve_router_retries_total{leg="prefill"|"decode"}.
+///
+/// Deadlines: the request's deadline caps every wait; D's descriptor must come within
+/// `decode_open_timeout`, the first token within `kv_timeout` + `stream_stall_timeout`, and
+/// later tokens at most `stream_stall_timeout` apart; one prefill attempt may take
+/// `prefill_timeout`. A wait that runs out cancels the leg (Timeout).
+///
+/// abort() (the client went away, or the front end's deadline): both legs' connections are
+/// cut at once, then POST /v1/internal/decode/abort and /v1/internal/prefill/cancel tell the
+/// workers, and the sink gets onError(Cancelled).
+///
+/// Thread rules: thread-safe. start() never blocks; each generation runs on its own thread (two
+/// while its prefill is in flight). The registry, tokenizer and metrics registry must outlive
+/// the backend; the destructor aborts what still runs and joins every thread.
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "pd/common/metrics.h"
+#include "pd/common/result.h"
+#include "pd/common/tokenizer.h"
+#include "pd/router/completion_backend.h"
+#include "pd/router/router_config.h"
+#include "pd/router/worker_registry.h"
+
+namespace pd::router {
+
+struct PdBackendOptions {
+  std::string prefill_policy = "least_queued_tokens";  ///< or "round_robin"
+  std::int64_t prefill_retries = 1;
+  std::int64_t decode_retries = 1;
+  std::chrono::milliseconds decode_open_timeout{10000};
+  std::chrono::milliseconds kv_timeout{60000};  ///< DecodeOpen.kv_timeout_ms (every prefill attempt)
+  std::chrono::milliseconds prefill_timeout{60000};
+  std::chrono::milliseconds stream_stall_timeout{30000};
+  std::chrono::milliseconds abort_timeout{2000};  ///< the abort/cancel calls
+  std::int64_t max_generations = 4096;            ///< more at once: Overloaded
+};
+
+[[nodiscard]] PdBackendOptions pdBackendOptionsFromConfig(const RouterConfig& config);
+
+class PdBackend final : public CompletionBackend {
+ public:
+  /// InvalidArgument for an unknown policy name or out-of-range options.
+  [[nodiscard]] static Result<std::unique_ptr<PdBackend>> create(PdBackendOptions options, WorkerRegistry& registry,
+                                                                 const tokenizer::Tokenizer& tokenizer,
+                                                                 metrics::Registry& metrics);
+  PdBackend(const PdBackend&) = delete;
+  PdBackend& operator=(const PdBackend&) = delete;
+  PdBackend(PdBackend&&) = delete;
+  PdBackend& operator=(PdBackend&&) = delete;
+  ~PdBackend() override;
+
+  /// Overloaded when no prefill or no decode worker is in rotation, max_generations run, or the
+  /// backend is draining.
+  [[nodiscard]] Result<std::unique_ptr<GenerationControl>> start(GenerationRequest request,
+                                                                 std::shared_ptr<TokenSink> sink) override;
+  /// At least one prefill and one decode worker in rotation, and not draining.
+  [[nodiscard]] bool ready() const override;
+  /// Generations whose threads have not ended yet.
+  [[nodiscard]] std::int64_t running() const;
+  /// From now on ready() is false and start() refuses (Overloaded "draining"); running
+  /// generations go on. Idempotent.
+  void beginDrain();
+
+  class Impl;
+
+ private:
+  explicit PdBackend(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace pd::router

@@ -1,0 +1,136 @@
+// `pdserve router` as a process (tools/pdserve/cmd_router.cpp) in front of fake prefill and
+// decode workers served by this test (tests/fakes/fake_workers.h): --check-config, the
+// PDSERVE_READY line, /ready following the workers, a completion through real HTTP and the real
+// DeepSeek-V3 tokenizer, and a SIGTERM drain with a request in flight: /ready turns 503 at once,
+// the in-flight request still finishes, and the process exits 0.
+#include <gtest/gtest.h>
+#include <signal.h>
+
+#include <boost/json.hpp>
+#include <chrono>
+#include <future>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "fakes/fake_workers.h"
+#include "pd/common/http_client.h"
+#include "pd/common/subprocess.h"
+
+namespace pd {
+namespace {
+
+using namespace std::chrono_literals;
+using Clock = std::chrono::steady_clock;
+
+const std::string kModel = std::string(PD_TEST_DATA_DIR) + "/golden/tiny-bf16";
+
+std::unique_ptr<proc::Subprocess> spawnRouter(std::vector<std::string> extra, bool capture_stderr) {
+  proc::SpawnOptions o;
+  o.argv = {PD_PDSERVE_BIN, "router", "--model.path", kModel, "--model.tokenizer", PD_TOKENIZER_DIR};
+  o.argv.insert(o.argv.end(), extra.begin(), extra.end());
+  o.capture_stderr = capture_stderr;
+  auto p = proc::Subprocess::spawn(o);
+  PD_CHECK_MSG(p.ok(), "cannot spawn pdserve");
+  return std::move(p).value();
+}
+
+std::optional<int> status(std::uint16_t port, const std::string& target) {
+  http::Client client("127.0.0.1", port);
+  auto r = client.send({"GET", target, {}, {}}, 5s);
+  if (!r.ok()) return std::nullopt;
+  return r.value().status;
+}
+
+template <class Pred>
+bool waitFor(Pred pred, std::chrono::milliseconds timeout) {
+  const auto until = Clock::now() + timeout;
+  while (Clock::now() < until) {
+    if (pred()) return true;
+    std::this_thread::sleep_for(10ms);
+  }
+  return pred();
+}
+
+TEST(RouterProcess, CheckConfigValidatesWithoutServing) {
+  auto ok = spawnRouter({"--check-config", "--router.decode-workers", "127.0.0.1:9,127.0.0.1:10",
+                         "--router.prefill-service", "prefill.pd.svc:8200"},
+                        true);
+  proc::LineReader out(ok->stdoutFd());
+  EXPECT_EQ(ok->wait(30s), std::optional<int>(0));
+  EXPECT_EQ(out.next(1s), std::nullopt) << "--check-config printed something";
+
+  auto none = spawnRouter({"--check-config"}, true);
+  proc::LineReader err(none->stderrFd());
+  EXPECT_EQ(none->wait(30s), std::optional<int>(2));
+  const auto line = err.next(5s);
+  ASSERT_TRUE(line.has_value());
+  EXPECT_NE(line->find("no prefill workers"), std::string::npos) << *line;
+
+  auto bad = spawnRouter({"--check-config", "--router.decode-workers", "nohost", "--router.prefill-workers", "a:1"},
+                         false);
+  EXPECT_EQ(bad->wait(30s), std::optional<int>(2));
+}
+
+TEST(RouterProcess, ServesThroughTheWorkersThenDrainsOnSigterm) {
+  fakes::FakeDecodeWorker d;
+  std::vector<fakes::FakeDecodeWorker*> decoders{&d};
+  fakes::FakePrefillWorker p(decoders);
+  fakes::DecodeScript script;
+  script.tokens = {{19923}, {14}, {2058}, {3}};  // "Hello, world!"
+  script.finish_reason = "stop";
+  d.setScript(script);
+  d.setStatusFails(true);  // not ready at first
+
+  auto router = spawnRouter({"--router.port", "0", "--router.decode-workers", d.address(), "--router.prefill-workers",
+                             p.address(), "--router.health-interval-ms", "20", "--router.drain-timeout-ms", "10000"},
+                            false);
+  proc::LineReader out(router->stdoutFd());
+  const auto ready_line = out.next(60s);
+  ASSERT_TRUE(ready_line.has_value()) << "no PDSERVE_READY line";
+  const std::string prefix = "PDSERVE_READY role=router url=http://127.0.0.1:";
+  ASSERT_EQ(ready_line->rfind(prefix, 0), 0U) << *ready_line;
+  const auto port = static_cast<std::uint16_t>(std::stoi(ready_line->substr(prefix.size())));
+
+  EXPECT_EQ(status(port, "/health"), std::optional<int>(200));
+  EXPECT_EQ(status(port, "/ready"), std::optional<int>(503));  // no decode worker in rotation
+  d.setStatusFails(false);
+  ASSERT_TRUE(waitFor([&] { return status(port, "/ready") == std::optional<int>(200); }, 10s));
+
+  http::Client client("127.0.0.1", port);
+  const http::ClientRequest completion{"POST",
+                                       "/v1/chat/completions",
+                                       {{"Content-Type", "application/json"}},
+                                       R"({"model":"pdserve-default","messages":[{"role":"user","content":"Hi"}],)"
+                                       R"("max_tokens":8})"};
+  auto r = client.send(completion, 10s);
+  ASSERT_TRUE(r.ok()) << r.error().toString();
+  ASSERT_EQ(r.value().status, 200) << r.value().body;
+  const auto body = boost::json::parse(r.value().body).as_object();
+  const auto& message = body.at("choices").as_array()[0].as_object().at("message").as_object();
+  EXPECT_EQ(message.at("content").as_string(), "Hello, world!");
+  // The chat went through the DeepSeek-V3 template: BOS, <｜User｜>, "Hi", <｜Assistant｜>.
+  ASSERT_EQ(p.submits().size(), 1U);
+  EXPECT_EQ(p.submits()[0].token_ids.front(), 0);
+  EXPECT_EQ(p.submits()[0].token_ids.back(), 128804);
+
+  // A slow request in flight when SIGTERM comes still finishes.
+  script.token_delay = 300ms;
+  d.setScript(script);
+  auto in_flight = std::async(std::launch::async, [&] {
+    http::Client c("127.0.0.1", port);
+    return c.send(completion, 20s);
+  });
+  ASSERT_TRUE(waitFor([&] { return d.opens().size() == 2; }, 10s));
+  ASSERT_TRUE(router->signal(SIGTERM));
+  EXPECT_TRUE(waitFor([&] { return status(port, "/ready") != std::optional<int>(200); }, 2s));
+  auto late = in_flight.get();
+  ASSERT_TRUE(late.ok()) << late.error().toString();
+  EXPECT_EQ(late.value().status, 200) << late.value().body;
+  EXPECT_EQ(router->wait(15s), std::optional<int>(0));
+  EXPECT_EQ(d.live(), 0U);
+}
+
+}  // namespace
+}  // namespace pd

@@ -1,0 +1,237 @@
+// Communicator collectives: the loopback group (threads) and the shared-memory communicator
+// across real processes (fork), including a peer that dies and one that never arrives.
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <cstring>
+#include <filesystem>
+#include <numeric>
+#include <thread>
+
+#include "pd/common/communicator.h"
+#include "pd/common/nccl_communicator.h"
+#include "pd/common/shm_communicator.h"
+
+namespace pd::comm {
+namespace {
+
+using namespace std::chrono_literals;
+
+// The collectives every implementation must get right, run by rank comm.rank(). Returns an
+// empty string or the first mismatch.
+std::string exercise(Communicator& comm, std::size_t big) {
+  const int r = comm.rank();
+  const int n = comm.size();
+  // allreduce: rank r contributes (r + 1) * (i + 1); big enough to need several shm slots.
+  std::vector<float> v(big);
+  for (std::size_t i = 0; i < big; ++i) v[i] = static_cast<float>((r + 1) * static_cast<int>(i % 1000 + 1));
+  if (Status s = comm.allReduceSum(v); !s.ok()) return "allReduceSum: " + s.error().toString();
+  const int tri = n * (n + 1) / 2;
+  for (std::size_t i = 0; i < big; ++i) {
+    if (v[i] != static_cast<float>(tri * static_cast<int>(i % 1000 + 1))) return "allReduceSum value at " + std::to_string(i);
+  }
+  // allgather
+  std::vector<float> mine(37, static_cast<float>(r) + 0.5F);
+  std::vector<float> all(37 * static_cast<std::size_t>(n));
+  if (Status s = allGatherFloats(comm, mine, all); !s.ok()) return "allGather: " + s.error().toString();
+  for (int q = 0; q < n; ++q) {
+    for (std::size_t i = 0; i < 37; ++i) {
+      if (all[static_cast<std::size_t>(q) * 37 + i] != static_cast<float>(q) + 0.5F) return "allGather value";
+    }
+  }
+  // broadcast from the last rank, and a variable-length message from rank 0
+  std::vector<std::byte> b(1000, std::byte{0});
+  if (r == n - 1) std::fill(b.begin(), b.end(), std::byte{0x5a});
+  if (Status s = comm.broadcast(b, n - 1); !s.ok()) return "broadcast: " + s.error().toString();
+  for (std::byte x : b) {
+    if (x != std::byte{0x5a}) return "broadcast value";
+  }
+  std::vector<std::byte> msg;
+  if (r == 0) msg.assign(big * 3 + 7, std::byte{0x11});
+  auto got = broadcastMessage(comm, msg, 0);
+  if (!got.ok()) return "broadcastMessage: " + got.error().toString();
+  if (got->size() != big * 3 + 7 || (*got)[big] != std::byte{0x11}) return "broadcastMessage value";
+  if (Status s = comm.barrier(); !s.ok()) return "barrier: " + s.error().toString();
+  // every rank ends with bitwise identical sums (reduction in rank order)
+  std::vector<float> odd(5);
+  for (std::size_t i = 0; i < odd.size(); ++i) odd[i] = 0.1F * static_cast<float>(r + 1) + 1e-7F * static_cast<float>(i);
+  if (Status s = comm.allReduceSum(odd); !s.ok()) return "allReduceSum: " + s.error().toString();
+  std::vector<float> gathered(odd.size() * static_cast<std::size_t>(n));
+  if (Status s = allGatherFloats(comm, odd, gathered); !s.ok()) return "allGather: " + s.error().toString();
+  for (int q = 0; q < n; ++q) {
+    if (std::memcmp(gathered.data() + static_cast<std::size_t>(q) * odd.size(), odd.data(), odd.size() * sizeof(float)) != 0) {
+      return "ranks disagree on a reduction";
+    }
+  }
+  return {};
+}
+
+TEST(LoopbackCommunicator, CollectivesAcrossThreads) {
+  for (int n : {1, 2, 3}) {
+    auto group = createLoopbackGroup(n);
+    std::vector<std::string> errors(static_cast<std::size_t>(n));
+    std::vector<std::thread> threads;
+    for (int r = 0; r < n; ++r) {
+      threads.emplace_back([&, r] { errors[static_cast<std::size_t>(r)] = exercise(*group[static_cast<std::size_t>(r)], 5000); });
+    }
+    for (auto& t : threads) t.join();
+    for (int r = 0; r < n; ++r) EXPECT_EQ(errors[static_cast<std::size_t>(r)], "") << "size " << n << " rank " << r;
+  }
+}
+
+TEST(LoopbackCommunicator, MissingPeerTimesOut) {
+  auto group = createLoopbackGroup(2, LoopbackOptions{100ms});
+  std::vector<float> v(4, 1.0F);
+  const auto t0 = std::chrono::steady_clock::now();
+  Status s = group[0]->allReduceSum(v);
+  ASSERT_FALSE(s.ok());
+  EXPECT_EQ(s.error().code, ErrorCode::Timeout);
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 2s);
+  // The group is broken: later calls fail at once.
+  EXPECT_FALSE(group[1]->barrier().ok());
+}
+
+// Forks `n - 1` children that run `child(rank)` and _exit with its result (0 = ok).
+template <class F>
+std::vector<pid_t> forkRanks(int n, F child) {
+  std::vector<pid_t> pids;
+  for (int r = 1; r < n; ++r) {
+    const pid_t pid = fork();
+    if (pid == 0) _exit(child(r));
+    pids.push_back(pid);
+  }
+  return pids;
+}
+
+int waitExit(pid_t pid) {
+  int status = 0;
+  if (waitpid(pid, &status, 0) != pid) return -1;
+  return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+}
+
+bool shmExists(const std::string& name) {
+  return std::filesystem::exists("/dev/shm/" + name);
+}
+
+TEST(ShmCommunicator, CollectivesAcrossProcesses) {
+  for (int n : {2, 3}) {
+    ShmOptions o;
+    o.name = uniqueShmName();
+    o.size = n;
+    o.slot_bytes = 8192;  // small, so that the big allreduce and message go in many pieces
+    o.timeout = 10s;
+    auto pids = forkRanks(n, [&](int rank) {
+      ShmOptions mine = o;
+      mine.rank = rank;
+      auto comm = createShmCommunicator(mine);
+      if (!comm.ok()) return 10;
+      return exercise(**comm, 10000).empty() ? 0 : 11;
+    });
+    o.rank = 0;
+    auto comm = createShmCommunicator(o);
+    ASSERT_TRUE(comm.ok()) << comm.error().toString();
+    EXPECT_EQ((*comm)->kind(), "shm");
+    EXPECT_FALSE(shmExists(o.name)) << "the name is unlinked once every rank joined";
+    EXPECT_EQ(exercise(**comm, 10000), "");
+    for (pid_t p : pids) EXPECT_EQ(waitExit(p), 0);
+  }
+}
+
+TEST(ShmCommunicator, DeadPeerIsAnErrorNotAHang) {
+  ShmOptions o;
+  o.name = uniqueShmName();
+  o.size = 2;
+  o.timeout = 20s;  // the death must be noticed long before this
+  auto pids = forkRanks(2, [&](int rank) {
+    ShmOptions mine = o;
+    mine.rank = rank;
+    auto comm = createShmCommunicator(mine);
+    return comm.ok() ? 0 : 10;  // joins, then dies without taking part in any collective
+  });
+  auto comm = createShmCommunicator(o);
+  ASSERT_TRUE(comm.ok()) << comm.error().toString();
+  std::vector<float> v(16, 1.0F);
+  const auto t0 = std::chrono::steady_clock::now();
+  Status s = (*comm)->allReduceSum(v);
+  ASSERT_FALSE(s.ok());
+  EXPECT_EQ(s.error().code, ErrorCode::PeerFailed) << s.error().toString();
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 5s);
+  EXPECT_FALSE((*comm)->barrier().ok()) << "the group stays broken";
+  EXPECT_EQ(waitExit(pids[0]), 0);
+}
+
+TEST(ShmCommunicator, SilentPeerTimesOutWithinTheDeadline) {
+  ShmOptions o;
+  o.name = uniqueShmName();
+  o.size = 2;
+  o.timeout = 300ms;
+  int pipefd[2];
+  ASSERT_EQ(pipe(pipefd), 0);
+  auto pids = forkRanks(2, [&](int rank) {
+    close(pipefd[1]);
+    ShmOptions mine = o;
+    mine.rank = rank;
+    auto comm = createShmCommunicator(mine);
+    char c;
+    (void)read(pipefd[0], &c, 1);  // alive but silent until the parent is done
+    return comm.ok() ? 0 : 10;
+  });
+  close(pipefd[0]);
+  auto comm = createShmCommunicator(o);
+  ASSERT_TRUE(comm.ok()) << comm.error().toString();
+  const auto t0 = std::chrono::steady_clock::now();
+  Status s = (*comm)->barrier();
+  const auto took = std::chrono::steady_clock::now() - t0;
+  ASSERT_FALSE(s.ok());
+  EXPECT_EQ(s.error().code, ErrorCode::Timeout) << s.error().toString();
+  EXPECT_GE(took, 300ms);
+  EXPECT_LT(took, 3s);
+  close(pipefd[1]);
+  EXPECT_EQ(waitExit(pids[0]), 0);
+}
+
+TEST(ShmCommunicator, RanksThatNeverJoinGiveATimeout) {
+  ShmOptions o;
+  o.name = uniqueShmName();
+  o.size = 2;
+  o.join_timeout = 200ms;
+  auto comm = createShmCommunicator(o);
+  ASSERT_FALSE(comm.ok());
+  EXPECT_EQ(comm.error().code, ErrorCode::Timeout);
+  EXPECT_FALSE(shmExists(o.name)) << "no segment left behind";
+  o.rank = 1;
+  auto follower = createShmCommunicator(o);
+  ASSERT_FALSE(follower.ok());
+  EXPECT_EQ(follower.error().code, ErrorCode::Timeout);
+}
+
+TEST(ShmCommunicator, BadOptionsAreRejected) {
+  ShmOptions o;
+  o.name = "has/slash";
+  EXPECT_EQ(createShmCommunicator(o).error().code, ErrorCode::InvalidArgument);
+  o.name = uniqueShmName();
+  o.rank = 2;
+  o.size = 2;
+  EXPECT_EQ(createShmCommunicator(o).error().code, ErrorCode::InvalidArgument);
+  o.rank = 0;
+  o.slot_bytes = 100;
+  EXPECT_EQ(createShmCommunicator(o).error().code, ErrorCode::InvalidArgument);
+}
+
+TEST(NcclCommunicator, UnsupportedWithoutAGpuOrNccl) {
+  auto group = createLoopbackGroup(1);
+  auto nccl = createNcclCommunicator(*group[0], 0);
+  if (nccl.ok()) {
+    // A GPU machine: a one-rank NCCL group works like any other.
+    EXPECT_EQ((*nccl)->kind(), "nccl");
+    EXPECT_EQ(exercise(**nccl, 5000), "");
+  } else {
+    EXPECT_EQ(nccl.error().code, ErrorCode::Unsupported) << nccl.error().toString();
+  }
+}
+
+}  // namespace
+}  // namespace pd::comm

@@ -1,0 +1,450 @@
+// The decode worker's internal API in one process over real HTTP (pd::http::Client) and real UCX:
+// a DecodeServer on a golden model, and on the test's side a prefill worker made of the real
+// parts (PrefillEngine + TransportKvSink on its own UcxTransport) fed by the descriptor the
+// decode stream's first line carries. Checks the streamed greedy tokens against the golden ones
+// (MTP off and on), every refusal, disconnect / abort / KV timeout freeing every block, and a
+// failed prefill attempt absorbed while the request keeps its blocks.
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <future>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+#include <tuple>
+#include <vector>
+
+#include "pd/common/http_client.h"
+#include "pd/common/model/engine.h"
+#include "pd/common/worker_api.h"
+#include "pd/decode/decode_server.h"
+#include "pd/kvtransfer/ucx_transport.h"
+#include "pd/kvtransfer/wire.h"
+#include "pd/prefill/prefill_engine.h"
+#include "pd/prefill/transport_kv_sink.h"
+#include "unit/decode/golden_support.h"
+
+namespace pd::decode {
+namespace {
+
+namespace api = worker_api;
+namespace kvt = kvtransfer;
+using namespace std::chrono_literals;
+using test_support::goldenDir;
+using test_support::goldenIds;
+
+constexpr auto kWait = 60s;
+constexpr std::uint64_t kModelHash = 0x0123456789abcdefULL;
+constexpr std::int64_t kBlocks = 16;
+constexpr std::int64_t kBlockSize = 8;  // 16 x 8 = 128 tokens: two golden requests (40 + 24 - 1 each)
+
+std::unique_ptr<model::Engine> makeEngine(const std::string& model) {
+  auto e = model::createCpuEngine(goldenDir() / model, model::CpuEngineOptions{1, std::nullopt, false});
+  PD_CHECK_MSG(e.ok(), "cannot create the engine on the golden model");
+  return std::move(e).value();
+}
+
+// The lines of one decode stream, read on a thread of its own (the test goes on meanwhile).
+class StreamReader {
+ public:
+  // Stops reading (closing the connection) after `max_lines` lines; 0: read to the end.
+  StreamReader(std::uint16_t port, std::string body, std::size_t max_lines = 0)
+      : thread_([this, port, body = std::move(body), max_lines] {
+          http::Client client("127.0.0.1", port);
+          http::ClientRequest req;
+          req.method = "POST";
+          req.target = std::string(api::kDecodeOpenPath);
+          req.body = body;
+          std::size_t seen = 0;
+          auto r = client.streamLines(req, kWait, [&](std::string_view line) {
+            std::lock_guard lock(mutex_);
+            lines_.emplace_back(line);
+            cv_.notify_all();
+            return max_lines == 0 || ++seen < max_lines;
+          });
+          std::lock_guard lock(mutex_);
+          result_.emplace(std::move(r));
+          cv_.notify_all();
+        }) {}
+  ~StreamReader() { thread_.join(); }
+  StreamReader(const StreamReader&) = delete;
+  StreamReader& operator=(const StreamReader&) = delete;
+  StreamReader(StreamReader&&) = delete;
+  StreamReader& operator=(StreamReader&&) = delete;
+
+  // Line i as a DecodeEvent; nullopt when the stream ended (or timed out) before it.
+  std::optional<api::DecodeEvent> event(std::size_t i) {
+    std::unique_lock lock(mutex_);
+    cv_.wait_for(lock, kWait, [&] { return lines_.size() > i || result_.has_value(); });
+    if (lines_.size() <= i) return std::nullopt;
+    auto e = api::parseDecodeEvent(lines_[i]);
+    EXPECT_TRUE(e.ok()) << lines_[i];
+    if (!e.ok()) return std::nullopt;
+    return std::move(e).value();
+  }
+  // Waits for the end of the response.
+  Result<http::ClientResponse> result() {
+    std::unique_lock lock(mutex_);
+    cv_.wait_for(lock, kWait, [&] { return result_.has_value(); });
+    if (!result_) return makeError(ErrorCode::Timeout, "the stream did not end");
+    return *result_;
+  }
+  std::vector<api::DecodeEvent> all() {
+    (void)result();
+    std::vector<api::DecodeEvent> out;
+    std::lock_guard lock(mutex_);
+    for (const auto& l : lines_) {
+      auto e = api::parseDecodeEvent(l);
+      EXPECT_TRUE(e.ok()) << l;
+      if (e.ok()) out.push_back(std::move(e).value());
+    }
+    return out;
+  }
+
+ private:
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  std::vector<std::string> lines_;
+  std::optional<Result<http::ClientResponse>> result_;
+  std::thread thread_;  // last: started once the members above exist
+};
+
+// Tokens of a stream and its last event, checked to be exactly one finish/error at the end.
+struct Outcome {
+  std::vector<std::int32_t> tokens;
+  api::DecodeEvent last;
+};
+
+Outcome collect(const std::vector<api::DecodeEvent>& events) {
+  Outcome o;
+  EXPECT_GE(events.size(), 2U);
+  if (events.empty()) return o;
+  EXPECT_EQ(events.front().type, api::DecodeEventType::Descriptor);
+  for (std::size_t i = 1; i < events.size(); ++i) {
+    const auto& e = events[i];
+    if (i + 1 < events.size()) {
+      EXPECT_EQ(e.type, api::DecodeEventType::Tokens) << "line " << i;
+      o.tokens.insert(o.tokens.end(), e.token_ids.begin(), e.token_ids.end());
+    }
+  }
+  o.last = events.back();
+  EXPECT_TRUE(o.last.type == api::DecodeEventType::Finish || o.last.type == api::DecodeEventType::Error);
+  return o;
+}
+
+class DecodeServerTest : public ::testing::TestWithParam<std::tuple<std::string, int>> {
+ protected:
+  void SetUp() override {
+    const std::string model = std::get<0>(GetParam());
+    const auto file = goldenDir() / model / "golden.safetensors";
+    prompt_ = goldenIds(file, "p0.tokens");
+    greedy_ = goldenIds(file, "p0.greedy");
+
+    DecodeServerOptions o;
+    o.decode.port = 0;
+    o.decode.block_size = kBlockSize;
+    o.decode.num_blocks = kBlocks;
+    o.decode.kv_dtype = "f32";  // exact KV: the golden greedy margins are as small as 0.01
+    o.decode.num_speculative_tokens = std::get<1>(GetParam());
+    o.decode.threads = 1;
+    o.model_hash = kModelHash;
+    auto s = DecodeServer::start(makeEngine(model), o);
+    ASSERT_TRUE(s.ok()) << s.error().toString();
+    server_ = std::move(s).value();
+
+    prefill_model_ = makeEngine(model);
+    const ModelConfig& cfg = prefill_model_->config();
+    kvt::CompatInfo compat;
+    compat.model_hash = kModelHash;
+    compat.kv_dtype = DType::F32;
+    compat.block_size = kBlockSize;
+    compat.num_layers = static_cast<std::uint32_t>(cfg.kvLayers());
+    compat.kv_dim = static_cast<std::uint32_t>(cfg.latentDim());
+    kvt::UcxTransportOptions tx;
+    tx.compat = compat;
+    tx.name = "test-prefill-kv";
+    auto t = kvt::createUcxTransport(tx);
+    ASSERT_TRUE(t.ok()) << t.error().toString();
+    prefill_tx_ = std::move(t).value();
+    auto p = prefill::PrefillEngine::create(*prefill_model_, {.chunk_size = 16, .cache_blocks = 16, .block_size = 8});
+    ASSERT_TRUE(p.ok()) << p.error().toString();
+    prefill_ = std::move(p).value();
+    prefill_->start();
+  }
+
+  void TearDown() override {
+    // Every test ends with the pool whole and nothing left expected by the transport.
+    if (server_) {
+      EXPECT_TRUE(server_->waitIdle(10s));
+      const api::WorkerStatus s = status();
+      EXPECT_EQ(s.free_blocks, kBlocks);
+      EXPECT_EQ(s.running_requests, 0);
+      EXPECT_EQ(s.queued_requests, 0);
+      EXPECT_EQ(server_->transportStats().pending_receives, 0);
+    }
+    prefill_.reset();
+    prefill_tx_.reset();
+    server_.reset();
+  }
+
+  std::string openBody(const std::string& id, std::int64_t max_tokens, std::int64_t attempts = 1,
+                       std::int64_t kv_timeout_ms = 60000) const {
+    api::DecodeOpen open;
+    open.request_id = id;
+    open.prompt_tokens = static_cast<std::int64_t>(prompt_.size());
+    open.max_tokens = max_tokens;
+    open.ignore_eos = true;
+    open.kv_timeout_ms = kv_timeout_ms;
+    open.prefill_attempts = attempts;
+    return api::toJson(open);
+  }
+
+  http::ClientResponse post(std::string_view path, std::string body) const {
+    http::Client client("127.0.0.1", server_->port());
+    http::ClientRequest req;
+    req.method = "POST";
+    req.target = std::string(path);
+    req.body = std::move(body);
+    auto r = client.send(req, kWait);
+    EXPECT_TRUE(r.ok()) << r.error().toString();
+    return r.ok() ? std::move(r).value() : http::ClientResponse{};
+  }
+
+  http::ClientResponse get(std::string_view path) const {
+    http::Client client("127.0.0.1", server_->port());
+    http::ClientRequest req;
+    req.target = std::string(path);
+    auto r = client.send(req, kWait);
+    EXPECT_TRUE(r.ok()) << r.error().toString();
+    return r.ok() ? std::move(r).value() : http::ClientResponse{};
+  }
+
+  api::WorkerStatus status() const {
+    const http::ClientResponse r = get(api::kStatusPath);
+    EXPECT_EQ(r.status, 200);
+    auto s = api::parseWorkerStatus(r.body);
+    EXPECT_TRUE(s.ok()) << r.body;
+    return s.ok() ? *s : api::WorkerStatus{};
+  }
+
+  static kvt::KvDescriptor descriptorOf(const api::DecodeEvent& first) {
+    EXPECT_EQ(first.type, api::DecodeEventType::Descriptor);
+    const auto* bytes = reinterpret_cast<const std::uint8_t*>(first.kv_descriptor.data());
+    auto d = kvt::decodeKvDescriptor(std::span<const std::uint8_t>(bytes, first.kv_descriptor.size()));
+    PD_CHECK_MSG(d.ok(), "the descriptor line does not decode");
+    return std::move(d).value();
+  }
+
+  // One prefill attempt into the descriptor's blocks through the real engine and transport;
+  // the future gets the transport's verdict on the transfer.
+  std::future<Status> prefillInto(const kvt::KvDescriptor& d) {
+    auto done = std::make_shared<std::promise<Status>>();
+    auto future = done->get_future();
+    auto sink = prefill::TransportKvSink::create(*prefill_tx_, d, kvt::Clock::now() + kWait,
+                                                 [done](std::uint64_t, Status s) { done->set_value(std::move(s)); });
+    EXPECT_TRUE(sink.ok()) << sink.error().toString();
+    if (!sink.ok()) {
+      done->set_value(sink.error());
+      return future;
+    }
+    prefill::PrefillRequest r;
+    r.id = d.request_id;
+    r.tokens = prompt_;
+    r.sink = std::move(sink).value();
+    const Status s = prefill_->submit(std::move(r));
+    EXPECT_TRUE(s.ok()) << s.error().toString();
+    return future;
+  }
+
+  // A prefill attempt that fails: the prefill side sends a failure record for the descriptor.
+  void failedPrefill(const kvt::KvDescriptor& d) {
+    std::promise<Status> done;
+    auto future = done.get_future();
+    auto sink = prefill::TransportKvSink::create(*prefill_tx_, d, kvt::Clock::now() + kWait,
+                                                 [&done](std::uint64_t, Status s) { done.set_value(std::move(s)); });
+    ASSERT_TRUE(sink.ok()) << sink.error().toString();
+    (*sink)->fail(makeError(ErrorCode::Internal, "injected prefill failure"));
+    ASSERT_EQ(future.wait_for(kWait), std::future_status::ready);
+    EXPECT_EQ(future.get().error().code, ErrorCode::Cancelled);  // the transport's answer to an abort
+  }
+
+  std::vector<std::int32_t> prompt_;
+  std::vector<std::int32_t> greedy_;
+  std::unique_ptr<DecodeServer> server_;
+  std::unique_ptr<model::Engine> prefill_model_;
+  std::unique_ptr<kvt::Transport> prefill_tx_;
+  std::unique_ptr<prefill::PrefillEngine> prefill_;
+};
+
+TEST_P(DecodeServerTest, StreamsTheGoldenGreedyTokens) {
+  StreamReader stream(server_->port(), openBody("cmpl-golden", static_cast<std::int64_t>(greedy_.size())));
+  auto first = stream.event(0);
+  ASSERT_TRUE(first.has_value());
+  const kvt::KvDescriptor d = descriptorOf(*first);
+  EXPECT_EQ(first->blocks, static_cast<std::int64_t>(d.block_ids.size()));
+  EXPECT_EQ(d.num_tokens, prompt_.size());
+  EXPECT_TRUE(kvt::validateDescriptor(d).ok());
+  auto sent = prefillInto(d);
+  ASSERT_EQ(sent.wait_for(kWait), std::future_status::ready);
+  const Status s = sent.get();
+  EXPECT_TRUE(s.ok()) << s.error().toString();
+
+  auto response = stream.result();
+  ASSERT_TRUE(response.ok()) << response.error().toString();
+  EXPECT_EQ(response->status, 200);
+  EXPECT_EQ(response->header("Content-Type"), "application/x-ndjson");
+  const Outcome o = collect(stream.all());
+  EXPECT_EQ(o.tokens, greedy_);
+  EXPECT_EQ(o.last.type, api::DecodeEventType::Finish);
+  EXPECT_EQ(o.last.finish_reason, "length");
+  EXPECT_EQ(o.last.prompt_tokens, static_cast<std::int64_t>(prompt_.size()));
+  EXPECT_EQ(o.last.completion_tokens, static_cast<std::int64_t>(greedy_.size()));
+
+  const std::string metrics = get("/metrics").body;
+  EXPECT_NE(metrics.find("pdserve_decode_requests_total{outcome=\"length\"} 1"), std::string::npos) << metrics;
+  EXPECT_NE(metrics.find("pdserve_kv_blocks_total 16"), std::string::npos);
+  EXPECT_NE(metrics.find("pdserve_decode_generated_tokens_total 23"), std::string::npos);
+  EXPECT_NE(metrics.find("pdserve_kv_transfers_succeeded_total{side=\"receive\"} 1"), std::string::npos);
+  if (std::get<1>(GetParam()) > 0) {
+    EXPECT_EQ(metrics.find("pdserve_decode_mtp_drafts_proposed_total 0\n"), std::string::npos) << "MTP never drafted";
+  }
+}
+
+TEST_P(DecodeServerTest, RefusalsComeAsErrorStatusesWithTheirCodes) {
+  // Malformed JSON and a bad field.
+  http::ClientResponse r = post(api::kDecodeOpenPath, "{not json");
+  EXPECT_EQ(r.status, 400);
+  EXPECT_EQ(api::parseErrorJson(r.status, r.body).code, ErrorCode::InvalidArgument) << r.body;
+  r = post(api::kDecodeOpenPath, R"({"request_id":"x","prompt_tokens":0,"max_tokens":4})");
+  EXPECT_EQ(r.status, 400);
+  // Can never fit: 40 + 200 - 1 tokens need 30 blocks of a 16-block pool.
+  r = post(api::kDecodeOpenPath, openBody("cmpl-huge", 200));
+  EXPECT_EQ(r.status, 400);
+  EXPECT_EQ(api::parseErrorJson(r.status, r.body).code, ErrorCode::ResourceExhausted) << r.body;
+
+  // Two requests fill the pool (8 blocks each); a third is Overloaded (retryable), and an id
+  // already held is refused.
+  StreamReader a(server_->port(), openBody("cmpl-a", 24));
+  StreamReader b(server_->port(), openBody("cmpl-b", 24));
+  ASSERT_TRUE(a.event(0).has_value());
+  ASSERT_TRUE(b.event(0).has_value());
+  EXPECT_EQ(status().free_blocks, kBlocks - 2 * 5);  // 40-token prompts: 5 blocks allocated each
+  EXPECT_EQ(status().queued_requests, 2);
+  r = post(api::kDecodeOpenPath, openBody("cmpl-c", 24));
+  EXPECT_EQ(r.status, 503);
+  EXPECT_EQ(api::parseErrorJson(r.status, r.body).code, ErrorCode::Overloaded) << r.body;
+  r = post(api::kDecodeOpenPath, openBody("cmpl-a", 1));
+  EXPECT_EQ(r.status, 400);
+  EXPECT_EQ(api::parseErrorJson(r.status, r.body).code, ErrorCode::InvalidArgument) << r.body;
+
+  // Draining refuses new streams with 503 and /ready says so; open streams go on.
+  server_->beginDrain();
+  EXPECT_EQ(get("/ready").status, 503);
+  EXPECT_EQ(get("/health").status, 200);
+  r = post(api::kDecodeOpenPath, openBody("cmpl-d", 1));
+  EXPECT_EQ(r.status, 503);
+  EXPECT_EQ(api::parseErrorJson(r.status, r.body).code, ErrorCode::Overloaded);
+  EXPECT_TRUE(status().draining);
+
+  for (const char* id : {"cmpl-a", "cmpl-b"}) {
+    r = post(api::kDecodeAbortPath, std::string(R"({"request_id":")") + id + "\"}");
+    EXPECT_EQ(r.status, 200);
+    EXPECT_EQ(r.body, R"({"found":true})");
+  }
+  for (StreamReader* s : {&a, &b}) {
+    const Outcome o = collect(s->all());
+    EXPECT_EQ(o.last.type, api::DecodeEventType::Error);
+    EXPECT_EQ(o.last.code, ErrorCode::Cancelled);
+  }
+  r = post(api::kDecodeAbortPath, R"({"request_id":"cmpl-a"})");
+  EXPECT_EQ(r.body, R"({"found":false})");
+  const std::string metrics = get("/metrics").body;
+  EXPECT_NE(metrics.find("pdserve_decode_refused_total{code=\"Overloaded\"} 2"), std::string::npos) << metrics;
+  EXPECT_NE(metrics.find("pdserve_decode_refused_total{code=\"ResourceExhausted\"} 1"), std::string::npos);
+  EXPECT_NE(metrics.find("pdserve_decode_requests_total{outcome=\"aborted\"} 2"), std::string::npos);
+}
+
+TEST_P(DecodeServerTest, ClientDisconnectFreesTheBlocks) {
+  // While waiting for KV: the stream's connection closes after the descriptor line.
+  {
+    StreamReader s(server_->port(), openBody("cmpl-gone", 24), /*max_lines=*/1);
+    ASSERT_TRUE(s.event(0).has_value());
+    ASSERT_TRUE(s.result().ok());
+  }
+  ASSERT_TRUE(server_->waitIdle(10s));
+  EXPECT_EQ(status().free_blocks, kBlocks);
+  EXPECT_EQ(server_->transportStats().pending_receives, 0) << "the KV expectation outlived its request";
+  EXPECT_NE(get("/metrics").body.find("pdserve_decode_requests_total{outcome=\"aborted\"} 1"), std::string::npos);
+
+  // Mid-stream: tokens are flowing when the client goes away.
+  {
+    StreamReader s(server_->port(), openBody("cmpl-gone-later", 60), /*max_lines=*/2);
+    auto first = s.event(0);
+    ASSERT_TRUE(first.has_value());
+    auto sent = prefillInto(descriptorOf(*first));
+    ASSERT_TRUE(s.event(1).has_value());
+    ASSERT_TRUE(s.result().ok());
+    ASSERT_EQ(sent.wait_for(kWait), std::future_status::ready);
+  }
+  ASSERT_TRUE(server_->waitIdle(10s));
+  EXPECT_EQ(status().free_blocks, kBlocks);
+}
+
+TEST_P(DecodeServerTest, KvTimeoutEndsTheStreamWithAnErrorAndFreesTheBlocks) {
+  StreamReader s(server_->port(), openBody("cmpl-late", 24, 1, /*kv_timeout_ms=*/300));
+  ASSERT_TRUE(s.event(0).has_value());
+  const Outcome o = collect(s.all());
+  EXPECT_TRUE(o.tokens.empty());
+  EXPECT_EQ(o.last.type, api::DecodeEventType::Error);
+  EXPECT_EQ(o.last.code, ErrorCode::Timeout) << o.last.message;
+  EXPECT_EQ(status().free_blocks, kBlocks);
+  EXPECT_NE(get("/metrics").body.find("pdserve_decode_requests_total{outcome=\"timeout\"} 1"), std::string::npos);
+}
+
+TEST_P(DecodeServerTest, AFailedPrefillAttemptIsAbsorbedAndTheNextOneDecodes) {
+  StreamReader s(server_->port(), openBody("cmpl-retry", static_cast<std::int64_t>(greedy_.size()), /*attempts=*/2));
+  auto first = s.event(0);
+  ASSERT_TRUE(first.has_value());
+  const kvt::KvDescriptor d = descriptorOf(*first);
+  failedPrefill(d);
+  // The request kept its blocks and waits for the next attempt on the same descriptor.
+  const api::WorkerStatus mid = status();
+  EXPECT_EQ(mid.queued_requests, 1);
+  EXPECT_EQ(mid.free_blocks, kBlocks - static_cast<std::int64_t>(d.block_ids.size()));
+  auto sent = prefillInto(d);
+  ASSERT_EQ(sent.wait_for(kWait), std::future_status::ready);
+  EXPECT_TRUE(sent.get().ok());
+  const Outcome o = collect(s.all());
+  EXPECT_EQ(o.tokens, greedy_);
+  EXPECT_EQ(o.last.type, api::DecodeEventType::Finish);
+  EXPECT_NE(get("/metrics").body.find("pdserve_decode_prefill_retries_total 1"), std::string::npos);
+}
+
+TEST_P(DecodeServerTest, TheLastPrefillAttemptsFailureEndsTheStream) {
+  StreamReader s(server_->port(), openBody("cmpl-fail", 24, /*attempts=*/1));
+  auto first = s.event(0);
+  ASSERT_TRUE(first.has_value());
+  failedPrefill(descriptorOf(*first));
+  const Outcome o = collect(s.all());
+  EXPECT_EQ(o.last.type, api::DecodeEventType::Error);
+  EXPECT_EQ(o.last.code, ErrorCode::Internal);  // the prefill side's code, passed through
+  EXPECT_NE(o.last.message.find("injected prefill failure"), std::string::npos) << o.last.message;
+  EXPECT_NE(get("/metrics").body.find("pdserve_decode_requests_total{outcome=\"kv_failed\"} 1"), std::string::npos);
+}
+
+INSTANTIATE_TEST_SUITE_P(Golden, DecodeServerTest,
+                         ::testing::Combine(::testing::Values("tiny-bf16", "tiny-fp8"), ::testing::Values(0, 1)),
+                         [](const auto& param_info) {
+                           std::string name =
+                               std::get<0>(param_info.param) + "_mtp" + std::to_string(std::get<1>(param_info.param));
+                           for (char& c : name) {
+                             if (c == '-') c = '_';
+                           }
+                           return name;
+                         });
+
+}  // namespace
+}  // namespace pd::decode

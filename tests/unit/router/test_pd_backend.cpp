@@ -1,0 +1,551 @@
+// PdBackend against fake prefill and decode workers (real HTTP servers in this process):
+// the whole request flow, stop strings, retries of each leg, aborts and deadlines, and the
+// OpenAI front end on top of it.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <boost/json.hpp>
+#include <chrono>
+#include <condition_variable>
+#include <mutex>
+#include <thread>
+
+#include "fakes/fake_workers.h"
+#include "pd/common/http_client.h"
+#include "pd/router/api_server.h"
+#include "pd/router/pd_backend.h"
+#include "pd/router/tokenizer_prompt_renderer.h"
+#include "pd/router/worker_registry.h"
+
+namespace pd::router {
+namespace {
+
+using namespace std::chrono_literals;
+using fakes::DecodeScript;
+using fakes::FakeDecodeWorker;
+using fakes::FakePrefillWorker;
+using fakes::PrefillBehaviour;
+
+// DeepSeek-V3 ids: "Hello" "," " world" "!".
+constexpr std::int32_t kHello = 19923;
+constexpr std::int32_t kComma = 14;
+constexpr std::int32_t kWorld = 2058;
+constexpr std::int32_t kBang = 3;
+
+const TokenizerPromptRenderer& renderer() {
+  static const auto r = [] {
+    auto loaded = TokenizerPromptRenderer::load(PD_TOKENIZER_DIR);
+    PD_CHECK_MSG(loaded.ok(), "the DeepSeek-V3 tokenizer is missing: run scripts/fetch-tokenizer.sh");
+    return std::move(loaded).value();
+  }();
+  return *r;
+}
+
+template <class Pred>
+bool waitFor(Pred pred, std::chrono::milliseconds timeout = 5000ms) {
+  const auto until = std::chrono::steady_clock::now() + timeout;
+  while (std::chrono::steady_clock::now() < until) {
+    if (pred()) return true;
+    std::this_thread::sleep_for(5ms);
+  }
+  return pred();
+}
+
+bool contains(const std::vector<std::string>& v, const std::string& s) {
+  return std::find(v.begin(), v.end(), s) != v.end();
+}
+
+class RecordingSink final : public TokenSink {
+ public:
+  void onTokens(TokenDelta delta) override {
+    std::lock_guard lock(mu_);
+    EXPECT_FALSE(ended_) << "tokens after the terminal event";
+    for (auto id : delta.token_ids) ids_.push_back(id);
+    text_ += delta.text;
+    logprobs_ += delta.logprobs.size();
+    ++deltas_;
+  }
+  void onFinish(GenerationEnd end) override {
+    std::lock_guard lock(mu_);
+    EXPECT_FALSE(ended_) << "two terminal events";
+    ended_ = true;
+    text_ += end.text;
+    reason_ = end.reason;
+    cv_.notify_all();
+  }
+  void onError(Error error) override {
+    std::lock_guard lock(mu_);
+    EXPECT_FALSE(ended_) << "two terminal events";
+    ended_ = true;
+    error_ = std::move(error);
+    cv_.notify_all();
+  }
+  /// Waits for the terminal event.
+  bool waitEnd(std::chrono::milliseconds timeout = 10000ms) {
+    std::unique_lock lock(mu_);
+    return cv_.wait_for(lock, timeout, [&] { return ended_; });
+  }
+  std::string text() {
+    std::lock_guard lock(mu_);
+    return text_;
+  }
+  std::vector<TokenId> ids() {
+    std::lock_guard lock(mu_);
+    return ids_;
+  }
+  std::optional<Error> error() {
+    std::lock_guard lock(mu_);
+    return error_;
+  }
+  std::optional<FinishReason> reason() {
+    std::lock_guard lock(mu_);
+    return ended_ && !error_ ? std::optional<FinishReason>(reason_) : std::nullopt;
+  }
+  std::size_t logprobs() {
+    std::lock_guard lock(mu_);
+    return logprobs_;
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::vector<TokenId> ids_;
+  std::string text_;
+  std::size_t logprobs_ = 0;
+  int deltas_ = 0;
+  bool ended_ = false;
+  FinishReason reason_ = FinishReason::Stop;
+  std::optional<Error> error_;
+};
+
+/// Two decode and two prefill fakes, a registry polling them, and the backend.
+class PdBackendTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    // Make the policies' first choices predictable: d1 and p1 look least loaded.
+    auto s = d2.status();
+    s.free_blocks = 50;
+    d2.setStatus(s);
+    auto ps = p2.status();
+    ps.queued_tokens = 1000;
+    p2.setStatus(ps);
+  }
+
+  void startBackend(PdBackendOptions options = {}) {
+    RegistryOptions ro;
+    for (auto* d : decoders) ro.decode_workers.push_back(parseWorkerAddress(d->address(), "test").value());
+    ro.prefill_workers.push_back(parseWorkerAddress(p1.address(), "test").value());
+    ro.prefill_workers.push_back(parseWorkerAddress(p2.address(), "test").value());
+    ro.health_interval = 20ms;
+    ro.health_timeout = 500ms;
+    ro.health_failures = 2;
+    registry = WorkerRegistry::start(ro).value();
+    ASSERT_TRUE(waitFor([&] {
+      return registry->ready(WorkerRole::Decode).size() == 2 && registry->ready(WorkerRole::Prefill).size() == 2;
+    }));
+    if (options.abort_timeout == PdBackendOptions{}.abort_timeout) options.abort_timeout = 1000ms;
+    auto b = PdBackend::create(options, *registry, renderer().tokenizer(), metrics);
+    ASSERT_TRUE(b.ok()) << b.error().toString();
+    backend = std::move(b).value();
+  }
+
+  GenerationRequest request(std::string id = "cmpl-t1") {
+    GenerationRequest g;
+    g.request_id = std::move(id);
+    g.prompt_token_ids = {0, static_cast<TokenId>(kHello)};
+    g.max_tokens = 16;
+    g.sampling.temperature = 0.0;
+    g.deadline = std::chrono::steady_clock::now() + 20s;
+    return g;
+  }
+
+  double retries(const std::string& leg) {
+    return metrics.counter("pdserve_router_retries_total", "", {"leg"}).labels({leg}).value();
+  }
+
+  void TearDown() override {
+    backend.reset();
+    if (backend_was_idle_check_) {
+      EXPECT_EQ(d1.live(), 0U);
+      EXPECT_EQ(d2.live(), 0U);
+    }
+  }
+
+  FakeDecodeWorker d1;
+  FakeDecodeWorker d2;
+  std::vector<FakeDecodeWorker*> decoders{&d1, &d2};
+  FakePrefillWorker p1{decoders};
+  FakePrefillWorker p2{decoders};
+  metrics::Registry metrics;
+  std::unique_ptr<WorkerRegistry> registry;
+  std::unique_ptr<PdBackend> backend;
+  bool backend_was_idle_check_ = true;
+};
+
+TEST_F(PdBackendTest, CompletionFlowsDetokenizedWithTheSameSamplingOnBothLegs) {
+  DecodeScript script;
+  script.tokens = {{kHello}, {kComma}, {kWorld, kBang}};
+  script.finish_reason = "stop";
+  d1.setScript(script);
+  startBackend();
+  auto sink = std::make_shared<RecordingSink>();
+  auto req = request();
+  req.top_logprobs = 1;
+  req.stop_token_ids = {7};
+  auto control = backend->start(req, sink);
+  ASSERT_TRUE(control.ok()) << control.error().toString();
+  ASSERT_TRUE(sink->waitEnd());
+  ASSERT_FALSE(sink->error()) << sink->error()->toString();
+  EXPECT_EQ(sink->text(), "Hello, world!");
+  EXPECT_EQ(sink->ids(), (std::vector<TokenId>{19923, 14, 2058, 3}));
+  EXPECT_EQ(sink->reason(), FinishReason::Stop);
+  EXPECT_EQ(sink->logprobs(), 4U);
+
+  const auto opens = d1.opens();
+  ASSERT_EQ(opens.size(), 1U);
+  EXPECT_TRUE(d2.opens().empty());
+  EXPECT_EQ(opens[0].request_id, "cmpl-t1");
+  EXPECT_EQ(opens[0].prompt_tokens, 2);
+  EXPECT_EQ(opens[0].max_tokens, 16);
+  EXPECT_EQ(opens[0].prefill_attempts, 2);  // default prefill_retries = 1
+  EXPECT_TRUE(opens[0].logprobs);
+  EXPECT_EQ(opens[0].sampling.top_logprobs, 1);
+  EXPECT_EQ(opens[0].stop_token_ids, (std::vector<std::int32_t>{7}));
+  const auto submits = p1.submits();
+  ASSERT_EQ(submits.size(), 1U);
+  EXPECT_TRUE(p2.submits().empty());
+  EXPECT_EQ(submits[0].request_id, "cmpl-t1");
+  EXPECT_EQ(submits[0].token_ids, (std::vector<std::int32_t>{0, kHello}));
+  EXPECT_EQ(submits[0].kv_descriptor, "fake-kv:" + std::to_string(d1.port()) + ":cmpl-t1");
+  // No client seed: the router chose one, the same for both legs.
+  EXPECT_EQ(submits[0].sampling.seed, opens[0].sampling.seed);
+  EXPECT_EQ(retries("prefill"), 0.0);
+  EXPECT_EQ(retries("decode"), 0.0);
+}
+
+TEST_F(PdBackendTest, ClientSeedReachesBothLegsAndLengthFinishes) {
+  startBackend();
+  auto sink = std::make_shared<RecordingSink>();
+  auto req = request();
+  req.sampling.seed = 42;
+  req.sampling.temperature = 0.7;
+  ASSERT_TRUE(backend->start(req, sink).ok());
+  ASSERT_TRUE(sink->waitEnd());
+  EXPECT_EQ(sink->reason(), FinishReason::Length);
+  ASSERT_EQ(d1.opens().size(), 1U);
+  ASSERT_EQ(p1.submits().size(), 1U);
+  EXPECT_EQ(d1.opens()[0].sampling.seed, 42U);
+  EXPECT_EQ(p1.submits()[0].sampling.seed, 42U);
+  EXPECT_DOUBLE_EQ(p1.submits()[0].sampling.temperature, 0.7);
+}
+
+TEST_F(PdBackendTest, StopStringCutsTheTextExactlyAndAbortsTheDecodeStream) {
+  DecodeScript script;
+  script.tokens = {{kHello}, {kComma}, {kWorld}, {kBang}, {kHello}, {kHello}};
+  script.token_delay = 20ms;
+  d1.setScript(script);
+  startBackend();
+  auto sink = std::make_shared<RecordingSink>();
+  auto req = request();
+  req.stop = {", wor"};
+  ASSERT_TRUE(backend->start(req, sink).ok());
+  ASSERT_TRUE(sink->waitEnd());
+  ASSERT_FALSE(sink->error());
+  EXPECT_EQ(sink->text(), "Hello");
+  EXPECT_EQ(sink->ids(), (std::vector<TokenId>{19923, 14, 2058}));
+  EXPECT_EQ(sink->reason(), FinishReason::Stop);
+  // The stream was closed before its end: D saw the client go (or the abort) and freed the request.
+  EXPECT_TRUE(waitFor([&] { return contains(d1.gone(), "cmpl-t1") || contains(d1.aborts(), "cmpl-t1"); }));
+  EXPECT_TRUE(waitFor([&] { return d1.live() == 0; }));
+}
+
+TEST_F(PdBackendTest, StopStringAcrossTheLastTokenAndTextHeldBackIsReleasedAtTheEnd) {
+  DecodeScript script;
+  script.tokens = {{kHello}, {kComma}};
+  script.finish_reason = "length";
+  d1.setScript(script);
+  startBackend();
+  auto sink = std::make_shared<RecordingSink>();
+  auto req = request();
+  req.stop = {", world"};  // "," is held back as a possible start, then released at the end
+  ASSERT_TRUE(backend->start(req, sink).ok());
+  ASSERT_TRUE(sink->waitEnd());
+  EXPECT_EQ(sink->text(), "Hello,");
+  EXPECT_EQ(sink->reason(), FinishReason::Length);
+}
+
+TEST_F(PdBackendTest, PrefillFailureIsRetriedOnTheOtherPrefillWorkerWhileDecodeKeepsItsBlocks) {
+  p1.setBehaviour(PrefillBehaviour::Fail);
+  DecodeScript script;
+  script.tokens = {{kHello}, {kBang}};
+  d1.setScript(script);
+  startBackend();
+  auto sink = std::make_shared<RecordingSink>();
+  ASSERT_TRUE(backend->start(request(), sink).ok());
+  ASSERT_TRUE(sink->waitEnd());
+  ASSERT_FALSE(sink->error()) << sink->error()->toString();
+  EXPECT_EQ(sink->text(), "Hello!");
+  ASSERT_EQ(p1.submits().size(), 1U);
+  ASSERT_EQ(p2.submits().size(), 1U);
+  EXPECT_EQ(p1.submits()[0].kv_descriptor, p2.submits()[0].kv_descriptor);  // the same blocks
+  EXPECT_EQ(d1.opens().size(), 1U);
+  EXPECT_EQ(d1.opens()[0].prefill_attempts, 2);
+  EXPECT_TRUE(d2.opens().empty());
+  EXPECT_EQ(retries("prefill"), 1.0);
+  EXPECT_EQ(retries("decode"), 0.0);
+}
+
+TEST_F(PdBackendTest, OverloadedPrefillIsRetriedAndExhaustedRetriesFailTheRequestAndFreeDecode) {
+  p1.setBehaviour(PrefillBehaviour::Overloaded);
+  p2.setBehaviour(PrefillBehaviour::Overloaded);
+  PdBackendOptions o;
+  o.prefill_retries = 1;
+  o.decode_retries = 0;
+  startBackend(o);
+  auto sink = std::make_shared<RecordingSink>();
+  ASSERT_TRUE(backend->start(request(), sink).ok());
+  ASSERT_TRUE(sink->waitEnd());
+  ASSERT_TRUE(sink->error());
+  EXPECT_EQ(sink->error()->code, ErrorCode::Overloaded) << sink->error()->toString();
+  EXPECT_EQ(p1.submits().size() + p2.submits().size(), 2U);
+  EXPECT_EQ(retries("prefill"), 1.0);
+  // D was told: it would otherwise wait for a second attempt.
+  EXPECT_TRUE(waitFor([&] { return d1.live() == 0; }));
+  EXPECT_TRUE(contains(d1.aborts(), "cmpl-t1") || contains(d1.gone(), "cmpl-t1"));
+}
+
+TEST_F(PdBackendTest, DecodeRefusalIsRetriedOnAnotherDecodeWorker) {
+  DecodeScript refuse;
+  refuse.refuse = ErrorCode::Overloaded;
+  d1.setScript(refuse);
+  DecodeScript ok;
+  ok.tokens = {{kHello}};
+  d2.setScript(ok);
+  startBackend();
+  auto sink = std::make_shared<RecordingSink>();
+  ASSERT_TRUE(backend->start(request(), sink).ok());
+  ASSERT_TRUE(sink->waitEnd());
+  ASSERT_FALSE(sink->error()) << sink->error()->toString();
+  EXPECT_EQ(sink->text(), "Hello");
+  ASSERT_EQ(d1.opens().size(), 1U);
+  ASSERT_EQ(d2.opens().size(), 1U);
+  EXPECT_EQ(d2.opens()[0].request_id, "cmpl-t1-retry1");
+  EXPECT_EQ(retries("decode"), 1.0);
+}
+
+TEST_F(PdBackendTest, RequestThatCanNeverFitIsNotRetried) {
+  DecodeScript refuse;
+  refuse.refuse = ErrorCode::ResourceExhausted;
+  d1.setScript(refuse);
+  startBackend();
+  auto sink = std::make_shared<RecordingSink>();
+  ASSERT_TRUE(backend->start(request(), sink).ok());
+  ASSERT_TRUE(sink->waitEnd());
+  ASSERT_TRUE(sink->error());
+  EXPECT_EQ(sink->error()->code, ErrorCode::ResourceExhausted);
+  EXPECT_TRUE(d2.opens().empty());
+  EXPECT_EQ(retries("decode"), 0.0);
+}
+
+TEST_F(PdBackendTest, DecodeCutBeforeAnyTokenIsRetriedElsewhere) {
+  DecodeScript cut;
+  cut.cut_after = 0;
+  d1.setScript(cut);
+  DecodeScript ok;
+  ok.tokens = {{kWorld}};
+  d2.setScript(ok);
+  startBackend();
+  auto sink = std::make_shared<RecordingSink>();
+  ASSERT_TRUE(backend->start(request(), sink).ok());
+  ASSERT_TRUE(sink->waitEnd());
+  ASSERT_FALSE(sink->error()) << sink->error()->toString();
+  EXPECT_EQ(sink->text(), " world");
+  EXPECT_EQ(d2.opens().size(), 1U);
+  EXPECT_EQ(retries("decode"), 1.0);
+}
+
+TEST_F(PdBackendTest, DecodeCutAfterATokenEndsWithAnError) {
+  DecodeScript cut;
+  cut.tokens = {{kHello}, {kComma}, {kWorld}};
+  cut.cut_after = 1;
+  d1.setScript(cut);
+  startBackend();
+  auto sink = std::make_shared<RecordingSink>();
+  ASSERT_TRUE(backend->start(request(), sink).ok());
+  ASSERT_TRUE(sink->waitEnd());
+  EXPECT_EQ(sink->text(), "Hello");
+  ASSERT_TRUE(sink->error());
+  EXPECT_EQ(sink->error()->code, ErrorCode::PeerFailed) << sink->error()->toString();
+  EXPECT_TRUE(d2.opens().empty());  // a token reached the client: no retry
+  EXPECT_EQ(retries("decode"), 0.0);
+}
+
+TEST_F(PdBackendTest, AbortReachesBothWorkersAndEndsWithCancelled) {
+  p1.setBehaviour(PrefillBehaviour::Hang);
+  p2.setBehaviour(PrefillBehaviour::Hang);
+  startBackend();
+  auto sink = std::make_shared<RecordingSink>();
+  auto control = backend->start(request(), sink);
+  ASSERT_TRUE(control.ok());
+  ASSERT_TRUE(waitFor([&] { return p1.submits().size() == 1; }));
+  const auto t0 = std::chrono::steady_clock::now();
+  control.value()->abort();
+  control.value()->abort();  // idempotent
+  ASSERT_TRUE(sink->waitEnd());
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 2s);
+  ASSERT_TRUE(sink->error());
+  EXPECT_EQ(sink->error()->code, ErrorCode::Cancelled);
+  // Both legs were told (by the explicit calls; the closed connections say it too).
+  EXPECT_TRUE(contains(p1.cancels(), "cmpl-t1")) << "prefill cancel missing";
+  EXPECT_TRUE(contains(d1.aborts(), "cmpl-t1")) << "decode abort missing";
+  EXPECT_TRUE(waitFor([&] { return d1.live() == 0; }));
+  EXPECT_TRUE(p2.submits().empty());  // an abort is not a failure to retry
+  EXPECT_TRUE(waitFor([&] { return backend->running() == 0; }));
+}
+
+TEST_F(PdBackendTest, AbortWhileTokensStreamReachesDecode) {
+  DecodeScript slow;
+  slow.tokens = {{kHello}, {kComma}};
+  slow.hang_after = 1;
+  d1.setScript(slow);
+  startBackend();
+  auto sink = std::make_shared<RecordingSink>();
+  auto control = backend->start(request(), sink);
+  ASSERT_TRUE(control.ok());
+  ASSERT_TRUE(waitFor([&] { return sink->ids().size() == 1; }));
+  control.value()->abort();
+  ASSERT_TRUE(sink->waitEnd());
+  ASSERT_TRUE(sink->error());
+  EXPECT_EQ(sink->error()->code, ErrorCode::Cancelled);
+  EXPECT_TRUE(waitFor([&] { return d1.live() == 0; }));
+  EXPECT_TRUE(contains(d1.aborts(), "cmpl-t1") || contains(d1.gone(), "cmpl-t1"));
+}
+
+TEST_F(PdBackendTest, StalledDecodeStreamTimesOut) {
+  DecodeScript stall;
+  stall.tokens = {{kHello}, {kComma}};
+  stall.hang_after = 1;
+  d1.setScript(stall);
+  PdBackendOptions o;
+  o.stream_stall_timeout = 200ms;
+  startBackend(o);
+  auto sink = std::make_shared<RecordingSink>();
+  const auto t0 = std::chrono::steady_clock::now();
+  ASSERT_TRUE(backend->start(request(), sink).ok());
+  ASSERT_TRUE(sink->waitEnd());
+  const auto took = std::chrono::steady_clock::now() - t0;
+  EXPECT_GE(took, 200ms);
+  EXPECT_LT(took, 3s);
+  EXPECT_EQ(sink->text(), "Hello");
+  ASSERT_TRUE(sink->error());
+  EXPECT_EQ(sink->error()->code, ErrorCode::Timeout) << sink->error()->toString();
+  EXPECT_TRUE(waitFor([&] { return d1.live() == 0; }));
+}
+
+TEST_F(PdBackendTest, RequestDeadlineFiresWhilePrefillHangs) {
+  p1.setBehaviour(PrefillBehaviour::Hang);
+  p2.setBehaviour(PrefillBehaviour::Hang);
+  PdBackendOptions o;
+  o.decode_retries = 0;
+  startBackend(o);
+  auto sink = std::make_shared<RecordingSink>();
+  auto req = request();
+  req.deadline = std::chrono::steady_clock::now() + 300ms;
+  const auto t0 = std::chrono::steady_clock::now();
+  ASSERT_TRUE(backend->start(req, sink).ok());
+  ASSERT_TRUE(sink->waitEnd());
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 3s);
+  ASSERT_TRUE(sink->error());
+  EXPECT_EQ(sink->error()->code, ErrorCode::Timeout) << sink->error()->toString();
+  // Both legs were ended at the workers.
+  EXPECT_TRUE(waitFor([&] { return d1.live() == 0; }));
+  EXPECT_TRUE(contains(p1.cancels(), "cmpl-t1") || contains(p1.gone(), "cmpl-t1"));
+}
+
+TEST_F(PdBackendTest, NoReadyWorkersIsOverloadedAndStartsNothing) {
+  auto s = d1.status();
+  s.draining = true;
+  d1.setStatus(s);
+  d2.setStatus(s);
+  RegistryOptions ro;
+  ro.decode_workers = {parseWorkerAddress(d1.address(), "t").value(), parseWorkerAddress(d2.address(), "t").value()};
+  ro.prefill_workers = {parseWorkerAddress(p1.address(), "t").value()};
+  ro.health_interval = 20ms;
+  registry = WorkerRegistry::start(ro).value();
+  ASSERT_TRUE(waitFor([&] { return registry->hasReady(WorkerRole::Prefill); }));
+  backend = PdBackend::create({}, *registry, renderer().tokenizer(), metrics).value();
+  EXPECT_FALSE(backend->ready());
+  auto sink = std::make_shared<RecordingSink>();
+  auto started = backend->start(request(), sink);
+  ASSERT_FALSE(started.ok());
+  EXPECT_EQ(started.error().code, ErrorCode::Overloaded);
+  EXPECT_TRUE(d1.opens().empty());
+  EXPECT_TRUE(d2.opens().empty());
+}
+
+TEST_F(PdBackendTest, BurstSpreadsOverDecodeWorkersBeforeTheNextPoll) {
+  // Both decode workers look alike; without counting what it sent, every request of a burst
+  // would go to the first one until the next poll.
+  d2.setStatus(d1.status());
+  DecodeScript script;
+  script.tokens = {{kHello}};
+  d1.setScript(script);
+  d2.setScript(script);
+  RegistryOptions ro;
+  ro.decode_workers = {parseWorkerAddress(d1.address(), "t").value(), parseWorkerAddress(d2.address(), "t").value()};
+  ro.prefill_workers = {parseWorkerAddress(p1.address(), "t").value()};
+  ro.health_interval = 60000ms;  // one poll only: the counts of sent requests decide
+  registry = WorkerRegistry::start(ro).value();
+  ASSERT_TRUE(waitFor([&] { return registry->ready(WorkerRole::Decode).size() == 2; }));
+  backend = PdBackend::create({}, *registry, renderer().tokenizer(), metrics).value();
+  std::vector<std::shared_ptr<RecordingSink>> sinks;
+  for (int i = 0; i < 6; ++i) {
+    sinks.push_back(std::make_shared<RecordingSink>());
+    auto req = request("cmpl-b" + std::to_string(i));
+    req.max_tokens = 64;
+    ASSERT_TRUE(backend->start(req, sinks.back()).ok());
+    ASSERT_TRUE(sinks.back()->waitEnd());  // one after the other: the choice is deterministic
+  }
+  EXPECT_EQ(d1.opens().size(), 3U);
+  EXPECT_EQ(d2.opens().size(), 3U);
+}
+
+TEST_F(PdBackendTest, ServesTheOpenAiApiEndToEnd) {
+  DecodeScript script;
+  script.tokens = {{kHello}, {kComma}, {kWorld}, {kBang}};
+  script.finish_reason = "stop";
+  d1.setScript(script);
+  startBackend();
+  ApiServerOptions ao;
+  ao.served_model_name = "test-model";
+  auto api = ApiServer::start(ao, *backend, renderer(), metrics);
+  ASSERT_TRUE(api.ok()) << api.error().toString();
+  http::Client client("127.0.0.1", api.value()->port());
+  auto r = client.send({"POST", "/v1/completions", {{"Content-Type", "application/json"}},
+                        R"({"model":"test-model","prompt":"Say hi","max_tokens":8,"return_token_ids":true})"},
+                       10s);
+  ASSERT_TRUE(r.ok()) << r.error().toString();
+  ASSERT_EQ(r.value().status, 200) << r.value().body;
+  const auto body = boost::json::parse(r.value().body).as_object();
+  EXPECT_EQ(body.at("choices").as_array()[0].as_object().at("text").as_string(), "Hello, world!");
+  EXPECT_EQ(body.at("usage").as_object().at("completion_tokens").as_int64(), 4);
+  // The prompt went through the real tokenizer with its BOS.
+  const auto ids = renderer().tokenize("Say hi").value();
+  ASSERT_EQ(p1.submits().size(), 1U);
+  EXPECT_EQ(p1.submits()[0].token_ids, std::vector<std::int32_t>(ids.begin(), ids.end()));
+  EXPECT_EQ(d1.opens()[0].max_tokens, 8);
+
+  // With every decode worker gone from rotation, the API answers 503.
+  d1.setStatusFails(true);
+  d2.setStatusFails(true);
+  ASSERT_TRUE(waitFor([&] { return !backend->ready(); }));
+  auto refused = client.send({"POST", "/v1/completions", {{"Content-Type", "application/json"}},
+                              R"({"model":"test-model","prompt":"Say hi"})"},
+                             10s);
+  ASSERT_TRUE(refused.ok());
+  EXPECT_EQ(refused.value().status, 503);
+  api.value()->stop();
+}
+
+}  // namespace
+}  // namespace pd::router
