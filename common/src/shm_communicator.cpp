@@ -85,12 +85,13 @@ bool reached(std::uint32_t seq, std::uint32_t target) {
 class ShmCommunicator final : public Communicator {
  public:
   ShmCommunicator(std::string name, int rank, int size, std::size_t slot_bytes, std::chrono::milliseconds timeout,
-                  void* base, std::size_t bytes, bool unlink_pending)
+                  std::chrono::microseconds spin, void* base, std::size_t bytes, bool unlink_pending)
       : name_(std::move(name)),
         rank_(rank),
         size_(size),
         slot_bytes_(slot_bytes),
         timeout_(timeout),
+        spin_(spin),
         base_(base),
         bytes_(bytes),
         unlink_pending_(unlink_pending) {}
@@ -108,7 +109,7 @@ class ShmCommunicator final : public Communicator {
   [[nodiscard]] std::string kind() const override { return "shm"; }
 
   // Joins: registers this rank and waits until every rank did.
-  Status join(std::chrono::milliseconds join_timeout) {
+  Status join(std::chrono::milliseconds join_timeout, const std::function<Status()>& while_joining) {
     RankControl& me = header()->ranks[rank_];
     std::int32_t expected = 0;
     const auto pid = static_cast<std::int32_t>(getpid());
@@ -127,6 +128,12 @@ class ShmCommunicator final : public Communicator {
         fail();
         return makeError(ErrorCode::Timeout, fmt::format("shm group '{}': only {} of {} ranks joined within {} ms", name_,
                                                          header()->joined.load(), size_, join_timeout.count()));
+      }
+      if (while_joining) {
+        if (Status s = while_joining(); !s.ok()) {
+          fail();
+          return s;
+        }
       }
       std::this_thread::sleep_for(std::chrono::microseconds(200));
     }
@@ -236,11 +243,13 @@ class ShmCommunicator final : public Communicator {
           return makeError(ErrorCode::PeerFailed,
                            fmt::format("shm group '{}': rank {} failed", name_, h->abort_rank.load()));
         }
-        if (++spins < 4000) {
+        // Spin (a peer in lockstep arrives within microseconds), then sleep on the futex.
+        if ((++spins & 255) != 0) {
           cpuRelax();
           continue;
         }
         const auto now = std::chrono::steady_clock::now();
+        if (now - start < spin_) continue;
         if (bounded && now - start > timeout_) {
           fail();
           return makeError(ErrorCode::Timeout, fmt::format("shm group '{}': rank {} did not arrive within {} ms", name_,
@@ -268,6 +277,7 @@ class ShmCommunicator final : public Communicator {
   int size_;
   std::size_t slot_bytes_;
   std::chrono::milliseconds timeout_;
+  std::chrono::microseconds spin_;
   void* base_;
   std::size_t bytes_;
   bool unlink_pending_;
@@ -326,8 +336,8 @@ Result<std::unique_ptr<Communicator>> createShmCommunicator(const ShmOptions& o)
     h->slot_bytes = o.slot_bytes;
     h->abort_rank.store(-1);
     h->magic.store(kMagic, std::memory_order_release);
-    auto comm = std::make_unique<ShmCommunicator>(o.name, 0, o.size, o.slot_bytes, o.timeout, base, bytes, true);
-    PD_TRY(comm->join(o.join_timeout));
+    auto comm = std::make_unique<ShmCommunicator>(o.name, 0, o.size, o.slot_bytes, o.timeout, o.spin, base, bytes, true);
+    PD_TRY(comm->join(o.join_timeout, o.while_joining));
     return std::unique_ptr<Communicator>(std::move(comm));
   }
 
@@ -366,8 +376,9 @@ Result<std::unique_ptr<Communicator>> createShmCommunicator(const ShmOptions& o)
     return unmap_error(makeError(ErrorCode::InvalidArgument,
                                  fmt::format("shm group '{}' has size {}, this rank expects {}", o.name, h->size, o.size)));
   }
-  auto comm = std::make_unique<ShmCommunicator>(o.name, o.rank, o.size, h->slot_bytes, o.timeout, base, bytes, false);
-  PD_TRY(comm->join(o.join_timeout));
+  auto comm = std::make_unique<ShmCommunicator>(o.name, o.rank, o.size, h->slot_bytes, o.timeout, o.spin, base, bytes,
+                                                  false);
+  PD_TRY(comm->join(o.join_timeout, o.while_joining));
   return std::unique_ptr<Communicator>(std::move(comm));
 }
 

@@ -409,7 +409,8 @@ std::string toJson(const WorkerStatus& v) {
                            {"running_requests", v.running_requests},
                            {"free_blocks", v.free_blocks},
                            {"total_blocks", v.total_blocks},
-                           {"block_size", v.block_size}});
+                           {"block_size", v.block_size},
+                           {"quarantined_blocks", v.quarantined_blocks}});
 }
 
 Result<WorkerStatus> parseWorkerStatus(std::string_view text) {
@@ -428,6 +429,7 @@ Result<WorkerStatus> parseWorkerStatus(std::string_view text) {
   r.integer("free_blocks", v.free_blocks, false, 0);
   r.integer("total_blocks", v.total_blocks, false, 0);
   r.integer("block_size", v.block_size, false, 0);
+  r.integer("quarantined_blocks", v.quarantined_blocks, false, 0);
   if (!r.ok()) return r.status().error();
   return v;
 }

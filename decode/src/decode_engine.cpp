@@ -26,7 +26,10 @@ const char* finishReasonName(FinishReason reason) {
 }
 
 DecodeEngineOptions engineOptions(const DecodeConfig& config) {
-  return DecodeEngineOptions{config.num_speculative_tokens, config.max_running_requests, nullptr};
+  DecodeEngineOptions options;
+  options.num_speculative_tokens = config.num_speculative_tokens;
+  options.max_running_requests = config.max_running_requests;
+  return options;
 }
 
 struct DecodeEngine::Sequence {
@@ -59,6 +62,11 @@ DecodeEngine::~DecodeEngine() {
   ids.reserve(requests_.size());
   for (const auto& [id, seq] : requests_) ids.push_back(id);
   for (const std::uint64_t id : ids) abort(id);
+  // The pool outlives the engine but its accounting does not: quarantines end here, and their
+  // expectations are cancelled (a worker deregisters the pool before freeing it).
+  ids.clear();
+  for (const auto& [id, q] : quarantine_) ids.push_back(id);
+  for (const std::uint64_t id : ids) endQuarantine(id, true);
 }
 
 Result<std::vector<std::int32_t>> DecodeEngine::admit(DecodeRequest request) {
@@ -97,6 +105,12 @@ Result<std::vector<std::int32_t>> DecodeEngine::admit(DecodeRequest request) {
 }
 
 Status DecodeEngine::onKvReady(std::uint64_t request_id, Result<kvtransfer::CompletionRecord> record) {
+  if (quarantine_.contains(request_id)) {
+    // The transfer is over (completed, failed, or timed out at the sender's side): no byte of it
+    // can land any more.
+    endQuarantine(request_id, false);
+    return okStatus();
+  }
   const auto it = requests_.find(request_id);
   if (it == requests_.end() || it->second->state != Sequence::State::WaitingKv) {
     return makeError(ErrorCode::NotFound, fmt::format("request {} is not waiting for its KV", request_id));
@@ -197,9 +211,20 @@ void DecodeEngine::finish(std::uint64_t request_id, FinishReason reason, std::op
   requests_.erase(it);
   std::erase(running_, request_id);
   std::erase(ready_, request_id);
-  // Stop the transport's expectation before the blocks can be handed to another request.
-  if (seq->state == Sequence::State::WaitingKv && seq->req.stop_kv_wait) seq->req.stop_kv_wait();
-  PD_CHECK(blocks_.release(request_id));
+  const bool awaited = seq->state == Sequence::State::WaitingKv;
+  if (awaited && options_.quarantine_late_writes && reason == FinishReason::Aborted &&
+      seq->req.kv_deadline > Clock::now()) {
+    // rma: a prefill may be writing these blocks right now. Hold them until the transfer's
+    // outcome arrives or its deadline passes (header comment, "Late writes").
+    PD_CHECK(blocks_.quarantine(request_id) > 0);
+    if (seq->req.end_kv_attempts) seq->req.end_kv_attempts();
+    quarantine_.emplace(request_id, Quarantined{seq->req.kv_deadline, std::move(seq->req.stop_kv_wait)});
+    ++stats_.quarantined;
+  } else {
+    // Stop the transport's expectation before the blocks can be handed to another request.
+    if (awaited && seq->req.stop_kv_wait) seq->req.stop_kv_wait();
+    PD_CHECK(blocks_.release(request_id));
+  }
   if (options_.metrics != nullptr) options_.metrics->requestEnded(outcome);
   publishGauges();             // before the sink: whoever sees the end of the stream sees the blocks free
   if (!seq->req.sink) return;  // emit() delivers the final event itself
@@ -210,6 +235,18 @@ void DecodeEngine::finish(std::uint64_t request_id, FinishReason reason, std::op
   event.prompt_tokens = seq->req.prompt_tokens;
   event.completion_tokens = static_cast<std::int64_t>(seq->generated.size());
   seq->req.sink(event);
+}
+
+void DecodeEngine::endQuarantine(std::uint64_t request_id, bool cancel_wait) {
+  const auto it = quarantine_.find(request_id);
+  PD_CHECK(it != quarantine_.end());
+  std::function<void()> stop = std::move(it->second.stop_kv_wait);
+  quarantine_.erase(it);
+  // Cancelling may answer the expectation at once (a Cancelled arrival for an id that is no
+  // longer known here: ignored), so the entry is gone first.
+  if (cancel_wait && stop) stop();
+  PD_CHECK(blocks_.release(request_id));
+  publishGauges();
 }
 
 void DecodeEngine::noteKvRetry(std::uint64_t request_id, const Error& failure) {
@@ -237,7 +274,8 @@ void DecodeEngine::publishGauges() const {
     ++waiting;
     waiting_tokens += seq->req.prompt_tokens;
   }
-  options_.metrics->setBlocks(blocks_.freeBlocks(), blocks_.availableBlocks(), blocks_.numBlocks());
+  options_.metrics->setBlocks(blocks_.freeBlocks(), blocks_.availableBlocks(), blocks_.numBlocks(),
+                              blocks_.quarantinedBlocks());
   options_.metrics->setSequences(waiting, waiting_tokens, static_cast<std::int64_t>(ready_.size()),
                                  static_cast<std::int64_t>(running_.size()));
 }
@@ -247,6 +285,9 @@ std::optional<Clock::time_point> DecodeEngine::nextKvDeadline() const {
   for (const auto& [id, seq] : requests_) {
     if (seq->state == Sequence::State::WaitingKv && (!next || seq->req.kv_deadline < *next))
       next = seq->req.kv_deadline;
+  }
+  for (const auto& [id, q] : quarantine_) {
+    if (!next || q.until < *next) next = q.until;
   }
   return next;
 }
@@ -261,6 +302,11 @@ void DecodeEngine::step(Clock::time_point now) {
            makeError(ErrorCode::Timeout, fmt::format("request {}: its KV did not arrive before the deadline", id)),
            RequestOutcome::Timeout);
   }
+  std::vector<std::uint64_t> released;
+  for (const auto& [id, q] : quarantine_) {
+    if (q.until <= now) released.push_back(id);
+  }
+  for (const std::uint64_t id : released) endQuarantine(id, true);
   while (!ready_.empty() && static_cast<std::int64_t>(running_.size()) < options_.max_running_requests) {
     const std::uint64_t id = ready_.front();
     ready_.pop_front();
@@ -340,6 +386,11 @@ void DecodeEngine::runBatch(std::span<Sequence* const> all) {
     for (std::size_t r = 0; r < who.size(); ++r) {
       Sequence& s = *batch[who[r]];
       drafts[who[r]].push_back(model::argmax(std::span<const float>(m->logits.data() + r * vocab, vocab)));
+      if (options_.bench_draft_override) {
+        drafts[who[r]].back() = options_.bench_draft_override(
+            s.req.id, static_cast<std::int64_t>(s.generated.size()), drafts[who[r]].back());
+        PD_CHECK(drafts[who[r]].back() >= 0 && static_cast<std::size_t>(drafts[who[r]].back()) < vocab);
+      }
       mtp_hidden[who[r]].assign(m->hidden.begin() + static_cast<std::ptrdiff_t>(r * d),
                                 m->hidden.begin() + static_cast<std::ptrdiff_t>((r + 1) * d));
       s.mtp_done = s.len() - 1;
@@ -360,6 +411,12 @@ void DecodeEngine::runBatch(std::span<Sequence* const> all) {
       for (std::size_t r = 0; r < who.size(); ++r) {
         const std::size_t i = who[r];
         drafts[i].push_back(model::argmax(std::span<const float>(c->logits.data() + r * vocab, vocab)));
+        if (options_.bench_draft_override) {
+          const Sequence& s = *batch[i];
+          drafts[i].back() = options_.bench_draft_override(
+              s.req.id, static_cast<std::int64_t>(s.generated.size()) + j, drafts[i].back());
+          PD_CHECK(drafts[i].back() >= 0 && static_cast<std::size_t>(drafts[i].back()) < vocab);
+        }
         mtp_hidden[i].assign(c->hidden.begin() + static_cast<std::ptrdiff_t>(r * d),
                              c->hidden.begin() + static_cast<std::ptrdiff_t>((r + 1) * d));
       }

@@ -58,6 +58,12 @@ struct DecodeLoop::KvWait {
     }
     transport->cancelExpect(id);
   }
+  // The request ended while waiting and its blocks are quarantined (rma): the pending
+  // expectation stays armed so that its outcome ends the quarantine, but it is not re-armed.
+  void endAttempts() {
+    std::lock_guard lock(mutex);
+    stopped = true;
+  }
 };
 
 kvtransfer::ArrivalFn DecodeLoop::waitArrival(std::shared_ptr<KvWait> wait) {
@@ -93,6 +99,7 @@ void DecodeLoop::openStreamAsync(DecodeRequest request, kvtransfer::Transport& t
   wait->deadline = request.kv_deadline;
   wait->failures_to_absorb = std::max<std::int64_t>(0, request.prefill_attempts - 1);
   request.stop_kv_wait = [wait] { wait->stop(); };
+  request.end_kv_attempts = [wait] { wait->endAttempts(); };
 
   auto descriptor = std::make_shared<kvtransfer::KvDescriptor>();
   descriptor->request_id = request.id;

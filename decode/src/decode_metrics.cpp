@@ -62,6 +62,11 @@ DecodeMetrics::DecodeMetrics(metrics::Registry& registry) : registry_(registry) 
                                   "KV pool blocks a new admission may take (free minus reserved growth).")
                            .get();
   blocks_total_ = &registry_.gauge("pdserve_kv_blocks_total", "KV pool blocks.").get();
+  blocks_quarantined_ = &registry_
+                             .gauge("pdserve_kv_blocks_quarantined",
+                                    "KV pool blocks held back after their request ended while a prefill could still "
+                                    "write them (data path rma); neither free nor available.")
+                             .get();
   waiting_kv_ =
       &registry_.gauge("pdserve_decode_waiting_sequences", "Admitted requests waiting for their KV from prefill.")
            .get();
@@ -94,8 +99,10 @@ void DecodeMetrics::prefillRetried() {
   retries_->inc();
 }
 
-void DecodeMetrics::setBlocks(std::int64_t free, std::int64_t available, std::int64_t total) {
+void DecodeMetrics::setBlocks(std::int64_t free, std::int64_t available, std::int64_t total,
+                              std::int64_t quarantined) {
   blocks_free_->set(static_cast<double>(free));
+  blocks_quarantined_->set(static_cast<double>(quarantined));
   blocks_available_->set(static_cast<double>(available));
   blocks_total_->set(static_cast<double>(total));
 }
@@ -112,6 +119,7 @@ DecodeMetrics::Snapshot DecodeMetrics::snapshot() const {
   Snapshot s;
   s.free_blocks = static_cast<std::int64_t>(blocks_free_->value());
   s.total_blocks = static_cast<std::int64_t>(blocks_total_->value());
+  s.quarantined_blocks = static_cast<std::int64_t>(blocks_quarantined_->value());
   s.waiting_kv = static_cast<std::int64_t>(waiting_kv_->value());
   s.waiting_kv_tokens = static_cast<std::int64_t>(waiting_kv_tokens_->value());
   s.queued = static_cast<std::int64_t>(queued_->value());

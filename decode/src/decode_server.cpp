@@ -106,9 +106,8 @@ Status DecodeServer::startParts() {
   kvtransfer::UcxTransportOptions tx = kvtransfer::ucxOptionsFromConfig(options_.kvtransfer, compat_);
   tx.metrics = &registry_;
   tx.name = "decode-kv";
-  if (kvtransfer::resolveKvDataPath(tx.data_path, tx.ucx_tls) == kvtransfer::KvDataPath::Rma) {
-    receive_grace_ = std::chrono::milliseconds(options_.kvtransfer.receive_grace_ms);
-  }
+  const bool rma = kvtransfer::resolveKvDataPath(tx.data_path, tx.ucx_tls) == kvtransfer::KvDataPath::Rma;
+  if (rma) receive_grace_ = std::chrono::milliseconds(options_.kvtransfer.receive_grace_ms);
   PD_ASSIGN_OR_RETURN(transport_, kvtransfer::createUcxTransport(tx));
   PD_ASSIGN_OR_RETURN(region_, transport_->registerRegion(pool_->memory()));
   region_registered_ = true;
@@ -119,6 +118,7 @@ Status DecodeServer::startParts() {
 
   DecodeEngineOptions engine_options = engineOptions(cfg);
   engine_options.metrics = &metrics_;
+  engine_options.quarantine_late_writes = rma;  // am drops late bytes in the transport
   loop_ = std::make_unique<DecodeLoop>(*engine_, *pool_, engine_options);
 
   http::ServerOptions http_options;
@@ -310,6 +310,7 @@ worker_api::WorkerStatus DecodeServer::status() const {
   s.queued_tokens = m.waiting_kv_tokens;
   s.running_requests = m.running + m.queued;
   s.free_blocks = m.free_blocks;
+  s.quarantined_blocks = m.quarantined_blocks;
   s.total_blocks = m.total_blocks;
   s.block_size = options_.decode.block_size;
   return s;

@@ -56,6 +56,9 @@ Status KvBlockManager::grow(std::uint64_t request_id, std::int64_t tokens) {
   if (it == requests_.end())
     return makeError(ErrorCode::NotFound, fmt::format("request {} holds no KV blocks", request_id));
   Entry& e = it->second;
+  if (e.quarantined) {
+    return makeError(ErrorCode::InvalidArgument, fmt::format("request {}: its blocks are quarantined", request_id));
+  }
   const std::int64_t need = blocksFor(tokens);
   if (need > e.reserved_blocks) {
     return makeError(ErrorCode::InvalidArgument,
@@ -83,15 +86,34 @@ bool KvBlockManager::release(std::uint64_t request_id) {
   if (it == requests_.end()) return false;
   Entry& e = it->second;
   pending_reservation_ -= e.reserved_blocks - static_cast<std::int64_t>(e.blocks.size());
+  if (e.quarantined) quarantined_blocks_ -= static_cast<std::int64_t>(e.blocks.size());
   // Returned in reverse so the next admission gets them back in the same order.
   for (auto b = e.blocks.rbegin(); b != e.blocks.rend(); ++b) free_.push_back(*b);
   requests_.erase(it);
-  PD_CHECK(pending_reservation_ >= 0);
+  PD_CHECK(pending_reservation_ >= 0 && quarantined_blocks_ >= 0);
   return true;
 }
 
+std::int64_t KvBlockManager::quarantine(std::uint64_t request_id) {
+  const auto it = requests_.find(request_id);
+  if (it == requests_.end() || it->second.quarantined) return 0;
+  Entry& e = it->second;
+  const auto held = static_cast<std::int64_t>(e.blocks.size());
+  pending_reservation_ -= e.reserved_blocks - held;
+  e.reserved_blocks = held;
+  e.quarantined = true;
+  quarantined_blocks_ += held;
+  PD_CHECK(pending_reservation_ >= 0);
+  return held;
+}
+
+bool KvBlockManager::isQuarantined(std::uint64_t request_id) const {
+  const auto it = requests_.find(request_id);
+  return it != requests_.end() && it->second.quarantined;
+}
+
 bool KvBlockManager::isFullyFree() const {
-  if (!requests_.empty() || pending_reservation_ != 0) return false;
+  if (!requests_.empty() || pending_reservation_ != 0 || quarantined_blocks_ != 0) return false;
   if (static_cast<std::int64_t>(free_.size()) != num_blocks_) return false;
   std::vector<bool> seen(static_cast<std::size_t>(num_blocks_), false);
   for (const std::int32_t b : free_) {

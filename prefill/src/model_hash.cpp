@@ -89,7 +89,8 @@ Result<std::uint64_t> modelHash(const fs::path& model_dir) {
     if (it->is_regular_file(ec) && it->path().extension() == ".safetensors") shards.push_back(it->path());
   }
   if (ec) return makeError(ErrorCode::Io, fmt::format("{}: {}", model_dir.string(), ec.message()));
-  if (shards.empty()) return makeError(ErrorCode::NotFound, fmt::format("{}: no .safetensors files", model_dir.string()));
+  if (shards.empty())
+    return makeError(ErrorCode::NotFound, fmt::format("{}: no .safetensors files", model_dir.string()));
   std::sort(shards.begin(), shards.end());
   for (const fs::path& shard : shards) PD_TRY(feedSafetensors(sha, shard));
   const std::array<std::uint8_t, 32> digest = sha.finish();

@@ -156,16 +156,16 @@ class PrefillServer::Impl {
     routes.push_back({"GET", "/health", [](const http::Request&, http::Exchange ex) {
                         ex.respond(http::Response::withBody(200, std::string(kText), "ok"));
                       }});
-    routes.push_back({"GET", "/ready", [this](const http::Request&, http::Exchange ex) {
-                        const bool ready = !draining_.load();
-                        ex.respond(http::Response::withBody(ready ? 200 : 503, std::string(kText),
-                                                            ready ? "ready" : "draining"));
-                      }});
-    routes.push_back({"GET", "/metrics", [this](const http::Request&, http::Exchange ex) {
-                        refreshGauges();
-                        ex.respond(http::Response::withBody(200, std::string(metrics::kExpositionContentType),
-                                                            registry_.render()));
-                      }});
+    routes.push_back(
+        {"GET", "/ready", [this](const http::Request&, http::Exchange ex) {
+           const bool ready = !draining_.load();
+           ex.respond(http::Response::withBody(ready ? 200 : 503, std::string(kText), ready ? "ready" : "draining"));
+         }});
+    routes.push_back(
+        {"GET", "/metrics", [this](const http::Request&, http::Exchange ex) {
+           refreshGauges();
+           ex.respond(http::Response::withBody(200, std::string(metrics::kExpositionContentType), registry_.render()));
+         }});
     routes.push_back({"GET", std::string(worker_api::kStatusPath), [this](const http::Request&, http::Exchange ex) {
                         ex.respond(http::Response::withBody(200, std::string(kJson), worker_api::toJson(status())));
                       }});
@@ -271,14 +271,13 @@ class PrefillServer::Impl {
     auto& r = registry_;
     m_.queue_requests = &r.gauge("pdserve_prefill_queue_requests", "Prefill requests waiting for the engine.").get();
     m_.queue_tokens = &r.gauge("pdserve_prefill_queue_tokens", "Prompt tokens of the queued requests.").get();
-    m_.running = &r.gauge("pdserve_prefill_running_requests",
-                          "Prefill requests computing or finishing their KV transfer.")
-                      .get();
+    m_.running =
+        &r.gauge("pdserve_prefill_running_requests", "Prefill requests computing or finishing their KV transfer.")
+             .get();
     m_.free_blocks = &r.gauge("pdserve_prefill_cache_free_blocks", "Free blocks of the local latent cache.").get();
     m_.draining = &r.gauge("pdserve_prefill_draining", "1 while the worker drains before exiting.").get();
-    m_.tokens_per_second = &r.gauge("pdserve_prefill_tokens_per_second",
-                                    "Prompt tokens per second of forward time, since start.")
-                                .get();
+    m_.tokens_per_second =
+        &r.gauge("pdserve_prefill_tokens_per_second", "Prompt tokens per second of forward time, since start.").get();
     m_.prompt_tokens =
         &r.counter("pdserve_prefill_prompt_tokens_total", "Prompt tokens run through the main model.").get();
     m_.forward_seconds =
@@ -286,7 +285,8 @@ class PrefillServer::Impl {
     m_.kv_bytes = &r.counter("pdserve_prefill_kv_bytes_total",
                              "Latent KV bytes delivered to decode workers (completed requests, per target).")
                        .get();
-    m_.requests = &r.counter("pdserve_prefill_requests_total", "Prefill submissions answered, by outcome.", {"outcome"});
+    m_.requests =
+        &r.counter("pdserve_prefill_requests_total", "Prefill submissions answered, by outcome.", {"outcome"});
     const std::vector<double> b = metrics::latencyBuckets();
     m_.queue_s = &r.histogram("pdserve_prefill_queue_seconds", "TTFT component: submit to first forward.", b).get();
     m_.compute_s =
@@ -295,8 +295,7 @@ class PrefillServer::Impl {
     m_.transfer_s = &r.histogram("pdserve_prefill_transfer_seconds",
                                  "TTFT component: last layer computed to completion record delivered.", b)
                          .get();
-    m_.total_s =
-        &r.histogram("pdserve_prefill_request_seconds", "Submit to answer of successful prefills.", b).get();
+    m_.total_s = &r.histogram("pdserve_prefill_request_seconds", "Submit to answer of successful prefills.", b).get();
   }
 
   // Gauges and the counters mirrored from the engine's totals; refreshed when read.
@@ -310,7 +309,8 @@ class PrefillServer::Impl {
     const PrefillEngineStats e = prefill_->stats();
     m_.free_blocks->set(static_cast<double>(e.free_blocks));
     std::lock_guard lock(mirror_mutex_);
-    if (e.prompt_tokens > mirrored_tokens_) m_.prompt_tokens->inc(static_cast<double>(e.prompt_tokens - mirrored_tokens_));
+    if (e.prompt_tokens > mirrored_tokens_)
+      m_.prompt_tokens->inc(static_cast<double>(e.prompt_tokens - mirrored_tokens_));
     if (e.compute_seconds > mirrored_seconds_) m_.forward_seconds->inc(e.compute_seconds - mirrored_seconds_);
     mirrored_tokens_ = std::max(mirrored_tokens_, e.prompt_tokens);
     mirrored_seconds_ = std::max(mirrored_seconds_, e.compute_seconds);
@@ -356,9 +356,9 @@ class PrefillServer::Impl {
       if (c == compat) return t.get();
     }
     if (transports_.size() >= kMaxKvLayouts) {
-      return makeError(ErrorCode::Unsupported,
-                       fmt::format("this prefill worker already serves {} KV layouts (dtype, block size, TP)",
-                                   kMaxKvLayouts));
+      return makeError(
+          ErrorCode::Unsupported,
+          fmt::format("this prefill worker already serves {} KV layouts (dtype, block size, TP)", kMaxKvLayouts));
     }
     kvt::UcxTransportOptions o = kvt::ucxOptionsFromConfig(options_.kvtransfer, compat);
     o.name = fmt::format("prefill-kv{}", transports_.size());
@@ -377,17 +377,17 @@ class PrefillServer::Impl {
     if (!parsed.ok()) return reject(ex, parsed.error());
     worker_api::PrefillSubmit& sub = *parsed;
     const auto& raw = sub.kv_descriptor;
-    Result<kvt::KvDescriptor> desc = kvt::decodeKvDescriptor(
-        std::span(reinterpret_cast<const std::uint8_t*>(raw.data()), raw.size()));
+    Result<kvt::KvDescriptor> desc =
+        kvt::decodeKvDescriptor(std::span(reinterpret_cast<const std::uint8_t*>(raw.data()), raw.size()));
     if (!desc.ok()) {
-      const ErrorCode code = desc.error().code == ErrorCode::Unsupported ? ErrorCode::Unsupported
-                                                                          : ErrorCode::InvalidArgument;
+      const ErrorCode code =
+          desc.error().code == ErrorCode::Unsupported ? ErrorCode::Unsupported : ErrorCode::InvalidArgument;
       return reject(ex, makeError(code, "kv_descriptor: " + desc.error().message));
     }
     if (desc->num_tokens != sub.token_ids.size()) {
-      return reject(ex, makeError(ErrorCode::InvalidArgument,
-                                  fmt::format("kv_descriptor is for {} tokens, the prompt has {}", desc->num_tokens,
-                                              sub.token_ids.size())));
+      return reject(
+          ex, makeError(ErrorCode::InvalidArgument, fmt::format("kv_descriptor is for {} tokens, the prompt has {}",
+                                                                desc->num_tokens, sub.token_ids.size())));
     }
     if (sub.timeout_ms <= 0) return reject(ex, makeError(ErrorCode::InvalidArgument, "timeout_ms must be positive"));
     if (Status s = checkLayout(desc->compat); !s.ok()) return reject(ex, s.error());
@@ -399,8 +399,8 @@ class PrefillServer::Impl {
     call->transfer_id = desc->request_id;
     call->transport = *transport;
     call->prompt_tokens = static_cast<std::int64_t>(sub.token_ids.size());
-    call->kv_bytes = std::uint64_t{desc->num_tokens} * desc->compat.num_layers * desc->compat.tokenBytes() *
-                     desc->targets.size();
+    call->kv_bytes =
+        std::uint64_t{desc->num_tokens} * desc->compat.num_layers * desc->compat.tokenBytes() * desc->targets.size();
     call->received = received;
     {
       std::lock_guard lock(mutex_);
@@ -512,8 +512,7 @@ class PrefillServer::Impl {
       m_.transfer_s->observe(outcome.transfer_ms / 1000.0);
       m_.total_s->observe(msBetween(call->received, now) / 1000.0);
       m_.kv_bytes->inc(static_cast<double>(call->kv_bytes));
-      call->exchange.respond(
-          http::Response::withBody(200, std::string(kJson), worker_api::toJson(outcome)));
+      call->exchange.respond(http::Response::withBody(200, std::string(kJson), worker_api::toJson(outcome)));
     }
     {
       std::lock_guard lock(mutex_);

@@ -61,13 +61,25 @@ bool prefillRetryable(ErrorCode code) {
 /// Failures of the decode leg (before any token) that another decode worker may not repeat:
 /// everything but a request that can never be served.
 bool decodeRetryable(ErrorCode code) {
-  return code != ErrorCode::InvalidArgument && code != ErrorCode::ResourceExhausted &&
-         code != ErrorCode::Unsupported && code != ErrorCode::NotFound;
+  return code != ErrorCode::InvalidArgument && code != ErrorCode::ResourceExhausted && code != ErrorCode::Unsupported &&
+         code != ErrorCode::NotFound;
 }
 
 /// A failure that says the worker itself is unreachable or stuck (health counts it).
 bool workerUnreachable(ErrorCode code) {
   return code == ErrorCode::PeerFailed || code == ErrorCode::Timeout;
+}
+
+/// Names the worker in an error's message, except for errors the client sees verbatim (400s),
+/// which must not reveal internal addresses.
+Error fromWorker(Error error, std::string_view role, const WorkerAddress& worker) {
+  log::debug(kLog, "{} worker {}: {}", role, worker.key(), error.toString());
+  if (error.code == ErrorCode::InvalidArgument || error.code == ErrorCode::ResourceExhausted ||
+      error.code == ErrorCode::Unsupported) {
+    return error;
+  }
+  error.message = fmt::format("{} worker {}: {}", role, worker.key(), error.message);
+  return error;
 }
 
 std::uint64_t randomSeed() {
@@ -119,8 +131,8 @@ struct Shared {
   /// Best-effort abort/cancel call to a worker (its answer only matters for the log).
   void tellAbort(const WorkerAddress& worker, std::string_view path, const std::string& request_id) const {
     http::Client client(worker.host, worker.port);
-    auto r = client.send(postJson(path, worker_api::toJson(worker_api::AbortRequest{request_id})),
-                         options.abort_timeout);
+    auto r =
+        client.send(postJson(path, worker_api::toJson(worker_api::AbortRequest{request_id})), options.abort_timeout);
     if (!r.ok() || r.value().status != 200) {
       log::debug(kLog, "{}: {} at {} failed: {}", request_id, path, worker.key(),
                  r.ok() ? fmt::format("status {}", r.value().status) : r.error().toString());
@@ -182,9 +194,9 @@ class Generation : public std::enable_shared_from_this<Generation> {
   /// The prefill leg of one decode attempt.
   struct PrefillLeg {
     std::thread thread;
-    bool stop = false;        // guarded by mu_
-    bool failed = false;      // guarded by mu_
-    Error error;              // guarded by mu_
+    bool stop = false;    // guarded by mu_
+    bool failed = false;  // guarded by mu_
+    Error error;          // guarded by mu_
   };
 
   void run() {
@@ -243,9 +255,8 @@ class Generation : public std::enable_shared_from_this<Generation> {
       return Outcome::Fail;
     }
     s_.registry.noteSent(WorkerRole::Decode, d.key(), prompt_tokens + req_.max_tokens);
-    setWatch(s_.options.decode_open_timeout,
-             fmt::format("decode worker {} sent no KV descriptor within {} ms", d.key(),
-                         s_.options.decode_open_timeout.count()));
+    setWatch(s_.options.decode_open_timeout, fmt::format("decode worker {} sent no KV descriptor within {} ms", d.key(),
+                                                         s_.options.decode_open_timeout.count()));
 
     bool got_descriptor = false;
     bool stop_hit = false;
@@ -264,13 +275,13 @@ class Generation : public std::enable_shared_from_this<Generation> {
       auto& ev = parsed.value();
       if (finish || stream_error) return true;  // nothing may follow the last event
       if (ev.type == worker_api::DecodeEventType::Error) {
-        stream_error = Error{ev.code, fmt::format("decode worker {}: {}", d.key(), ev.message)};
+        stream_error = fromWorker(Error{ev.code, ev.message}, "decode", d);
         return true;
       }
       if (!got_descriptor) {
         if (ev.type != worker_api::DecodeEventType::Descriptor) {
-          protocol_error = makeError(ErrorCode::Corrupt,
-                                     fmt::format("decode worker {} did not start with a descriptor", d.key()));
+          protocol_error =
+              makeError(ErrorCode::Corrupt, fmt::format("decode worker {} did not start with a descriptor", d.key()));
           return false;
         }
         got_descriptor = true;
@@ -282,15 +293,16 @@ class Generation : public std::enable_shared_from_this<Generation> {
       }
       switch (ev.type) {
         case worker_api::DecodeEventType::Tokens:
-          setWatch(s_.options.stream_stall_timeout,
-                   fmt::format("decode worker {} went silent for {} ms", d.key(), s_.options.stream_stall_timeout.count()));
+          setWatch(s_.options.stream_stall_timeout, fmt::format("decode worker {} went silent for {} ms", d.key(),
+                                                                s_.options.stream_stall_timeout.count()));
           stop_hit = relayTokens(ev);
           return !stop_hit;
         case worker_api::DecodeEventType::Finish:
           finish = std::move(ev);
           return true;
         default:
-          protocol_error = makeError(ErrorCode::Corrupt, fmt::format("decode worker {} sent a second descriptor", d.key()));
+          protocol_error =
+              makeError(ErrorCode::Corrupt, fmt::format("decode worker {} sent a second descriptor", d.key()));
           return false;
       }
     };
@@ -341,8 +353,7 @@ class Generation : public std::enable_shared_from_this<Generation> {
       error = response.error();
       if (workerUnreachable(error.code)) s_.registry.reportFailure(WorkerRole::Decode, d.key(), error.message);
     } else if (response.value().status != 200) {
-      error = worker_api::parseErrorJson(response.value().status, response.value().body);
-      error.message = fmt::format("decode worker {}: {}", d.key(), error.message);
+      error = fromWorker(worker_api::parseErrorJson(response.value().status, response.value().body), "decode", d);
     } else if (protocol_error) {
       error = *protocol_error;
     } else if (stream_error) {
@@ -439,15 +450,14 @@ class Generation : public std::enable_shared_from_this<Generation> {
       if (response.ok() && response.value().status == 200) {
         auto outcome = worker_api::parsePrefillOutcome(response.value().body);
         if (outcome.ok()) {
-          log::debug(kLog, "{}: prefilled on {}: queue {:.1f} ms, compute {:.1f} ms, transfer {:.1f} ms", id,
-                     p->key(), outcome.value().queue_ms, outcome.value().compute_ms, outcome.value().transfer_ms);
+          log::debug(kLog, "{}: prefilled on {}: queue {:.1f} ms, compute {:.1f} ms, transfer {:.1f} ms", id, p->key(),
+                     outcome.value().queue_ms, outcome.value().compute_ms, outcome.value().transfer_ms);
           return;
         }
         last = makeError(ErrorCode::Corrupt,
                          fmt::format("prefill worker {} answered malformed: {}", p->key(), outcome.error().message));
       } else {
-        last = responseError(response);
-        last.message = fmt::format("prefill worker {}: {}", p->key(), last.message);
+        last = fromWorker(responseError(response), "prefill", *p);
         if (!response.ok() && workerUnreachable(last.code)) {
           s_.registry.reportFailure(WorkerRole::Prefill, p->key(), last.message);
           s_.tellAbort(*p, worker_api::kPrefillCancelPath, id);
@@ -525,9 +535,9 @@ class Generation : public std::enable_shared_from_this<Generation> {
   std::atomic<bool> finished_{false};
 
   std::mutex mu_;
-  bool aborted_ = false;                    // guarded by mu_
-  http::Client* decode_client_ = nullptr;   // guarded by mu_
-  http::Client* prefill_client_ = nullptr;  // guarded by mu_
+  bool aborted_ = false;                             // guarded by mu_
+  http::Client* decode_client_ = nullptr;            // guarded by mu_
+  http::Client* prefill_client_ = nullptr;           // guarded by mu_
   std::optional<Clock::time_point> watch_deadline_;  // guarded by mu_
   std::string watch_reason_;                         // guarded by mu_
   std::optional<std::string> timed_out_;             // guarded by mu_
@@ -584,7 +594,8 @@ class PdBackend::Impl {
   void beginDrain() { draining_.store(true); }
 
   bool ready() const {
-    return !draining_.load() && shared_.registry.hasReady(WorkerRole::Prefill) && shared_.registry.hasReady(WorkerRole::Decode);
+    return !draining_.load() && shared_.registry.hasReady(WorkerRole::Prefill) &&
+           shared_.registry.hasReady(WorkerRole::Decode);
   }
 
   std::int64_t running() const {
@@ -639,14 +650,18 @@ Result<std::unique_ptr<PdBackend>> PdBackend::create(PdBackendOptions options, W
   }
   auto& retries = metrics.counter("pdserve_router_retries_total",
                                   "Generation legs retried on another worker, by leg (prefill or decode).", {"leg"});
-  Shared shared{std::move(options),        registry,
-                tokenizer,                 std::move(prefill_policy),
-                makeMostFreeBlocksPolicy(), retries.labels({"prefill"}),
+  Shared shared{std::move(options),
+                registry,
+                tokenizer,
+                std::move(prefill_policy),
+                makeMostFreeBlocksPolicy(),
+                retries.labels({"prefill"}),
                 retries.labels({"decode"})};
   return std::unique_ptr<PdBackend>(new PdBackend(std::make_unique<Impl>(std::move(shared))));
 }
 
-Result<std::unique_ptr<GenerationControl>> PdBackend::start(GenerationRequest request, std::shared_ptr<TokenSink> sink) {
+Result<std::unique_ptr<GenerationControl>> PdBackend::start(GenerationRequest request,
+                                                            std::shared_ptr<TokenSink> sink) {
   return impl_->start(std::move(request), std::move(sink));
 }
 bool PdBackend::ready() const {

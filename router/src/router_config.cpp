@@ -21,8 +21,7 @@ void registerOptions(config::OptionSet& set, RouterConfig& cfg) {
            3600000)
       .add("health_interval_ms", &cfg.health_interval_ms, "how often each worker's status is polled", 10, 600000)
       .add("health_timeout_ms", &cfg.health_timeout_ms, "deadline of one status poll", 10, 600000)
-      .add("health_failures", &cfg.health_failures, "failed polls in a row that take a worker out of rotation", 1,
-           1000)
+      .add("health_failures", &cfg.health_failures, "failed polls in a row that take a worker out of rotation", 1, 1000)
       .add("model_hash", &cfg.model_hash,
            "model_hash every worker must report (empty: the first one a ready worker reports)")
       .add("prefill_policy", &cfg.prefill_policy, "how a prefill worker is chosen",
@@ -38,8 +37,7 @@ void registerOptions(config::OptionSet& set, RouterConfig& cfg) {
       .add("stream_stall_timeout_ms", &cfg.stream_stall_timeout_ms,
            "longest silence of a decode stream once its tokens flow", 10, 3600000)
       .add("abort_timeout_ms", &cfg.abort_timeout_ms, "deadline of the abort/cancel calls to workers", 10, 60000)
-      .add("max_generations", &cfg.max_generations, "generations running at once; more are refused (503)", 1,
-           1 << 20);
+      .add("max_generations", &cfg.max_generations, "generations running at once; more are refused (503)", 1, 1 << 20);
 }
 
 }  // namespace pd::router

@@ -24,11 +24,12 @@ Result<std::vector<TokenId>> TokenizerPromptRenderer::renderChat(const ChatConve
   request.extra_context_json = conversation.template_kwargs_json;
   auto text = template_.render(request);
   if (!text.ok()) {
-    return makeError(ErrorCode::InvalidArgument, "the messages do not fit the model's chat template: " +
-                                                     text.error().message);
+    return makeError(ErrorCode::InvalidArgument,
+                     "the messages do not fit the model's chat template: " + text.error().message);
   }
   auto ids = tokenizer_.encode(text.value(), /*add_special_tokens=*/false);
-  if (!ids.ok()) return makeError(ErrorCode::InvalidArgument, "the rendered chat cannot be tokenized: " + ids.error().message);
+  if (!ids.ok())
+    return makeError(ErrorCode::InvalidArgument, "the rendered chat cannot be tokenized: " + ids.error().message);
   return ids;
 }
 

@@ -34,8 +34,7 @@ using namespace std::chrono_literals;
 class DecodeSide {
  public:
   static Result<std::unique_ptr<DecodeSide>> create(const std::filesystem::path& model_dir, std::int64_t num_blocks,
-                                                    std::int64_t block_size, DType dtype,
-                                                    std::string ucx_tls = "tcp") {
+                                                    std::int64_t block_size, DType dtype, std::string ucx_tls = "tcp") {
     PD_ASSIGN_OR_RETURN(ModelConfig cfg, ModelConfig::load(model_dir));
     PD_ASSIGN_OR_RETURN(std::uint64_t hash, modelHash(model_dir));
     PD_ASSIGN_OR_RETURN(decode::KvPool pool, decode::KvPool::create(cfg, num_blocks, block_size, dtype));

@@ -13,7 +13,9 @@
 #include <signal.h>
 
 #include <algorithm>
+#include <boost/json.hpp>
 #include <chrono>
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -184,8 +186,9 @@ TEST(PrefillWorkerChunked, ChunkedBatchedPromptsMatchTheUnchunkedGolden) {
       const auto n = static_cast<std::uint32_t>(lengths[i]);
       const std::size_t need = (n + 7) / 8;
       const std::uint64_t id = 100 * static_cast<std::uint64_t>(chunk) + i;
-      descs.push_back((*side)->expect(id, n, {blocks.begin() + static_cast<std::ptrdiff_t>(next_block),
-                                              blocks.begin() + static_cast<std::ptrdiff_t>(next_block + need)},
+      descs.push_back((*side)->expect(id, n,
+                                      {blocks.begin() + static_cast<std::ptrdiff_t>(next_block),
+                                       blocks.begin() + static_cast<std::ptrdiff_t>(next_block + need)},
                                       20s));
       next_block += need;
     }
@@ -300,8 +303,9 @@ class PrefillWorkerFaults : public ::testing::Test {
     return t;
   }
   static std::vector<std::string> workerFlags(std::vector<std::string> more = {}) {
-    std::vector<std::string> f{"--model.path",           model().string(), "--prefill.threads",
-                               "1",                      "--prefill.chunk_size", "256",
+    std::vector<std::string> f{"--model.path",           model().string(),
+                               "--prefill.threads",      "1",
+                               "--prefill.chunk_size",   "256",
                                "--prefill.cache_blocks", "128"};
     f.insert(f.end(), more.begin(), more.end());
     return f;
@@ -544,6 +548,28 @@ TEST(PrefillWorkerProcess, CheckConfigValidatesWithoutLoadingTheModel) {
   CliRun typo = runPdserve({"prefill", "--check-config", "--config", yaml.string()});
   EXPECT_EQ(typo.status, 2) << "a typo in another role's section is caught too";
   EXPECT_NE(typo.err.find("blok_size"), std::string::npos) << typo.err;
+}
+
+// `pdserve bench prefill --json` runs the three modes and prints one JSON object whose fields the
+// benchmark table is built from (the numbers themselves are not asserted: this machine is noisy).
+TEST(PrefillWorkerProcess, BenchPrefillPrintsTheTtftBreakdown) {
+  CliRun run = runPdserve({"bench", "prefill", "--model", (goldenDir() / "tiny-bf16").string(), "--lengths", "16,48",
+                           "--runs", "1", "--threads", "1", "--json", "--log.level", "warn"});
+  ASSERT_EQ(run.status, 0) << run.err;
+  boost::system::error_code ec;
+  const boost::json::value v = boost::json::parse(run.out, ec);
+  ASSERT_FALSE(ec) << run.out;
+  const boost::json::object& o = v.as_object();
+  EXPECT_EQ(o.at("headline_tokens").as_int64(), 48) << "the length nearest 2048";
+  EXPECT_TRUE(std::isfinite(o.at("streaming_overhead").as_double()));
+  EXPECT_TRUE(std::isfinite(o.at("send_after_overhead").as_double()));
+  const boost::json::array& cases = o.at("cases").as_array();
+  ASSERT_EQ(cases.size(), 2U);
+  for (const auto& c : cases) {
+    for (const char* key : {"compute_ttft_s", "streaming_ttft_s", "send_after_ttft_s"}) {
+      EXPECT_GT(c.at(key).as_double(), 0.0) << key;
+    }
+  }
 }
 
 }  // namespace

@@ -68,8 +68,8 @@ TEST(RouterProcess, CheckConfigValidatesWithoutServing) {
   ASSERT_TRUE(line.has_value());
   EXPECT_NE(line->find("no prefill workers"), std::string::npos) << *line;
 
-  auto bad = spawnRouter({"--check-config", "--router.decode-workers", "nohost", "--router.prefill-workers", "a:1"},
-                         false);
+  auto bad =
+      spawnRouter({"--check-config", "--router.decode-workers", "nohost", "--router.prefill-workers", "a:1"}, false);
   EXPECT_EQ(bad->wait(30s), std::optional<int>(2));
 }
 

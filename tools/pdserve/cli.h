@@ -74,11 +74,16 @@ int runLogits(const std::vector<std::string>& args);
 int runGenerate(const std::vector<std::string>& args);
 /// pdserve bench engine: decode MBU and prefill FLOP utilization (cmd_bench_engine.cpp).
 int runBenchEngine(const std::vector<std::string>& args);
+/// pdserve bench prefill: TTFT of compute alone, streaming and send-after (cmd_bench_prefill.cpp).
+int runBenchPrefill(const std::vector<std::string>& args);
 /// pdserve plan: the capacity planner of tools/plan (cmd_plan.cpp).
 int runPlan(const std::vector<std::string>& args);
 /// pdserve bench router: the router's added latency, p50/p99 (cmd_bench_router.cpp).
 int runBenchRouter(const std::vector<std::string>& args);
 /// pdserve bench comm: tensor-parallel allreduce latency vs ucx_perftest (cmd_bench_comm.cpp).
 int runBenchComm(const std::vector<std::string>& args);
+/// pdserve bench decode: DecodeEngine step time, MBU per batch size, MTP speedup vs ideal
+/// (cmd_bench_decode.cpp).
+int runBenchDecode(const std::vector<std::string>& args);
 
 }  // namespace pd::cli

@@ -32,7 +32,8 @@ using Clock = std::chrono::steady_clock;
 using namespace std::chrono_literals;
 
 constexpr const char* kUsage =
-    "usage: pdserve bench comm [--floats 7168,256] [--iterations 5000] [--json] [--perftest ucx_perftest]\n"
+    "usage: pdserve bench comm [--floats 7168,256] [--iterations 5000] [--spin-us 1000] [--json]\n"
+    "                         [--perftest ucx_perftest]\n"
     "Measures the shared-memory communicator's allreduce of N floats between two processes (median\n"
     "per call) and ucx_perftest ucp_am_lat (one-way latency, median) for 4N bytes over UCX_TLS=sm\n"
     "and UCX_TLS=tcp; prints both and ours / perftest. 7168 = DeepSeek-V3's hidden size.";
@@ -42,6 +43,7 @@ struct Config {
   std::int64_t iterations = 5000;
   bool json = false;
   std::string perftest = "ucx_perftest";
+  std::int64_t spin_us = 1000;  ///< ShmOptions::spin
 };
 
 double median(std::vector<double> v) {
@@ -57,8 +59,9 @@ struct OursResult {
 };
 
 // Rank 1 runs in a forked child (forked before any thread exists); rank 0 times each call.
-Result<OursResult> measureOurs(std::int64_t floats, std::int64_t iterations) {
+Result<OursResult> measureOurs(std::int64_t floats, std::int64_t iterations, std::int64_t spin_us) {
   comm::ShmOptions o;
+  o.spin = std::chrono::microseconds(spin_us);
   o.name = comm::uniqueShmName();
   o.size = 2;
   o.timeout = 30s;
@@ -210,6 +213,10 @@ Result<Config> parse(const std::vector<std::string>& args) {
       PD_ASSIGN_OR_RETURN(std::string v, value());
       c.iterations = std::atoll(v.c_str());
       if (c.iterations < 10) return makeError(ErrorCode::InvalidArgument, "--iterations must be >= 10");
+    } else if (a == "--spin-us") {
+      PD_ASSIGN_OR_RETURN(std::string v, value());
+      c.spin_us = std::atoll(v.c_str());
+      if (c.spin_us < 0 || c.spin_us > 10'000'000) return makeError(ErrorCode::InvalidArgument, "--spin-us: 0..1e7");
     } else if (a == "--perftest") {
       PD_ASSIGN_OR_RETURN(c.perftest, value());
     } else {
@@ -237,7 +244,7 @@ int runBenchComm(const std::vector<std::string>& args) {
                 "perftest sm", "perftest tcp", "ratio sm", "ratio tcp");
   }
   for (const std::int64_t n : cfg->floats) {
-    auto ours = measureOurs(n, cfg->iterations);
+    auto ours = measureOurs(n, cfg->iterations, cfg->spin_us);
     if (!ours.ok()) {
       std::fprintf(stderr, "pdserve bench comm: %s\n", ours.error().toString().c_str());
       return 1;
@@ -278,6 +285,7 @@ int runBenchComm(const std::vector<std::string>& args) {
     out["bench"] = "comm";
     out["ranks"] = 2;
     out["iterations"] = cfg->iterations;
+    out["spin_us"] = cfg->spin_us;
     out["cases"] = std::move(cases);
     std::printf("%s\n", boost::json::serialize(out).c_str());
   } else {

@@ -5,10 +5,8 @@
 //    over the read bandwidth of a streaming pass over a buffer far larger than the caches;
 //  - prefill: FLOPs the engine performed / time, over the FMA throughput of a register-only loop.
 #include <fmt/format.h>
-#include <time.h>
 
 #include <algorithm>
-#include <charconv>
 #include <chrono>
 #include <cstdio>
 #include <memory>
@@ -17,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "bench_util.h"
 #include "cli.h"
 #include "pd/common/model/engine.h"
 #include "pd/common/model/kernels.h"
@@ -25,41 +24,7 @@
 namespace pd::cli {
 namespace {
 
-using Clock = std::chrono::steady_clock;
-
-double secondsSince(Clock::time_point t) {
-  return std::chrono::duration<double>(Clock::now() - t).count();
-}
-
-// CPU seconds this process has used (all threads).
-double processCpuSeconds() {
-  timespec ts{};
-  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
-  return static_cast<double>(ts.tv_sec) + static_cast<double>(ts.tv_nsec) * 1e-9;
-}
-
-// Best-of-5 read bandwidth of a streaming pass over `bytes`, in bytes/s.
-double measureReadBandwidth(model::ThreadPool& pool, const model::KernelTable& k, std::size_t bytes) {
-  const std::size_t n = bytes / sizeof(float);
-  std::unique_ptr<float[]> buf(new float[n]);
-  pool.parallelFor(static_cast<std::int64_t>(n), 1 << 20, [&](std::int64_t b, std::int64_t e) {
-    std::fill(buf.get() + b, buf.get() + e, 1.0F);  // first touch by the threads that read it
-  });
-  const std::int64_t chunk = 1 << 16;  // 256 KiB per task
-  const auto tasks = static_cast<std::int64_t>((n + chunk - 1) / chunk);
-  std::vector<float> sink(static_cast<std::size_t>(tasks));
-  double best = 0.0;
-  for (int rep = 0; rep < 5; ++rep) {
-    const auto t0 = Clock::now();
-    pool.run(tasks, [&](std::int64_t t) {
-      const std::int64_t b = t * chunk;
-      const std::int64_t len = std::min<std::int64_t>(chunk, static_cast<std::int64_t>(n) - b);
-      sink[static_cast<std::size_t>(t)] = k.dot(buf.get() + b, buf.get() + b, len);  // one read of each line
-    });
-    best = std::max(best, static_cast<double>(n * sizeof(float)) / secondsSince(t0));
-  }
-  return best;
-}
+using Clock = BenchClock;
 
 // Best-of-3 FMA throughput of all threads, in FLOP/s.
 double measurePeakFlops(model::ThreadPool& pool, const model::KernelTable& k) {
@@ -75,23 +40,6 @@ double measurePeakFlops(model::ThreadPool& pool, const model::KernelTable& k) {
     best = std::max(best, flops / secondsSince(t0));
   }
   return best;
-}
-
-Result<std::vector<std::int64_t>> parseList(const std::string& text) {
-  std::vector<std::int64_t> out;
-  std::size_t pos = 0;
-  while (pos <= text.size()) {
-    std::size_t end = text.find(',', pos);
-    if (end == std::string::npos) end = text.size();
-    std::int64_t v = 0;
-    const auto res = std::from_chars(text.data() + pos, text.data() + end, v);
-    if (res.ec != std::errc() || res.ptr != text.data() + end || v < 1) {
-      return makeError(ErrorCode::InvalidArgument, fmt::format("--batches: bad list '{}'", text));
-    }
-    out.push_back(v);
-    pos = end + 1;
-  }
-  return out;
 }
 
 struct DecodeResult {
@@ -189,7 +137,7 @@ int runBenchEngine(const std::vector<std::string>& args) {
       {&set, &common_sets.log, &common_sets.model}, args, &common);
   if (!loaded.ok()) return reportFailure(loaded.error());
   if (loaded->help_requested) return 0;
-  auto batches = parseList(batches_text);
+  auto batches = parsePositiveList(batches_text, "--batches");
   if (!batches.ok()) return reportFailure(batches.error());
   if (model_dir.empty()) {
     auto dir = resolveModelDir(common);

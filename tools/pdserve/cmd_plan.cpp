@@ -1,5 +1,6 @@
 // pdserve plan: the analytical capacity model of tools/plan (docs/planner.md) from flags, as text
 // or one JSON object; --calibrate BENCH.json fits its efficiency constants to measurements.
+// Thread rules: main thread only.
 #include <fmt/format.h>
 
 #include <boost/json.hpp>
@@ -67,28 +68,31 @@ struct PlanFlags {
 
 void registerPlanOptions(config::OptionSet& s, PlanFlags& f) {
   constexpr double kBig = 1e12;
-  s.add("model", &f.model, "model: a preset (deepseek-v3, deepseek-v3-bf16, tiny, small, bench, default, "
-                           "deepseek-v3-layers=N) or a checkpoint folder with config.json; empty: deepseek-v3")
+  s.add("model", &f.model,
+        "model: a preset (deepseek-v3, deepseek-v3-bf16, tiny, small, bench, default, "
+        "deepseek-v3-layers=N) or a checkpoint folder with config.json; empty: deepseek-v3")
       .add("hardware", &f.hardware, "hardware profile: h200, h800, h100, h20, rtx4090; empty: h200")
       .add("hbm_bandwidth_gbs", &f.hbm_bandwidth_gbs, "memory bandwidth per GPU, GB/s (-1: the profile's)", -1, kBig)
       .add("hbm_capacity_gb", &f.hbm_capacity_gb, "memory per GPU, GB (-1: the profile's)", -1, kBig)
       .add("bf16_tflops", &f.bf16_tflops, "dense BF16 TFLOP/s per GPU (-1: the profile's)", -1, kBig)
       .add("fp8_tflops", &f.fp8_tflops, "dense FP8 TFLOP/s per GPU (-1: the profile's)", -1, kBig)
       .add("gpus_per_node", &f.gpus_per_node, "GPUs per node (0: the profile's)", 0, 1 << 20)
-      .add("nvlink_bandwidth_gbs", &f.nvlink_bandwidth_gbs, "intra-node bandwidth per GPU per direction, GB/s (-1: "
-                                                            "the profile's)",
+      .add("nvlink_bandwidth_gbs", &f.nvlink_bandwidth_gbs,
+           "intra-node bandwidth per GPU per direction, GB/s (-1: "
+           "the profile's)",
            -1, kBig)
       .add("nvlink_latency_us", &f.nvlink_latency_us, "one small intra-node collective, us (-1: the profile's)", -1,
            kBig)
-      .add("net_bandwidth_gbs", &f.net_bandwidth_gbs, "network bandwidth per GPU between nodes, GB/s (-1: the "
-                                                      "profile's)",
+      .add("net_bandwidth_gbs", &f.net_bandwidth_gbs,
+           "network bandwidth per GPU between nodes, GB/s (-1: the "
+           "profile's)",
            -1, kBig)
       .add("net_latency_ms", &f.net_latency_ms, "one-way network latency between nodes, ms (-1: the profile's)", -1,
            kBig)
       .add("memory_efficiency", &f.memory_efficiency, "fraction of HBM bandwidth reached (-1: the profile's, 1)", -1,
            10)
-      .add("compute_efficiency", &f.compute_efficiency, "fraction of dense FLOP/s reached (-1: the profile's, 0.6)",
-           -1, 10)
+      .add("compute_efficiency", &f.compute_efficiency, "fraction of dense FLOP/s reached (-1: the profile's, 0.6)", -1,
+           10)
       .add("net_collective_overhead_us", &f.net_collective_overhead_us,
            "fitted: cost of each cross-node collective besides latency, us (-1: the profile's)", -1, kBig)
       .add("net_latency_hops", &f.net_latency_hops,
@@ -106,7 +110,7 @@ void registerPlanOptions(config::OptionSet& s, PlanFlags& f) {
            0, 1 << 20)
       .add("input_len", &f.input_len, "prompt tokens per request", 1, 1 << 30)
       .add("output_len", &f.output_len, "output tokens per request", 1, 1 << 30)
-      .add("concurrency", &f.concurrency, "users with a request in flight (closed loop)", 1, 1 << 30)
+      .add("concurrency", &f.concurrency, "users with a request in flight (closed loop)", 1, 1000000)
       .add("request_rate", &f.request_rate, "open-loop Poisson arrivals into prefill, requests/s (0: closed loop)", 0,
            kBig)
       .add("mtp_k", &f.mtp_k, "MTP draft tokens per step (0: off)", 0, 16)
@@ -168,8 +172,8 @@ Result<BenchFile> readBenchFile(const std::filesystem::path& path) {
   if (const auto* h = o.if_contains("hardware"); h != nullptr && h->is_string()) {
     b.hardware = std::string(h->as_string());
   }
-  for (const auto& [key, field] : {std::pair{"read_bandwidth_gbs", &b.read_bandwidth_gbs},
-                                   std::pair{"peak_gflops", &b.peak_gflops}}) {
+  for (const auto& [key, field] :
+       {std::pair{"read_bandwidth_gbs", &b.read_bandwidth_gbs}, std::pair{"peak_gflops", &b.peak_gflops}}) {
     if (!o.contains(key)) continue;
     auto v = numberAt(o, key, where);
     if (!v.ok()) return v.error();
@@ -254,7 +258,8 @@ Result<ModelShape> resolveModel(const std::string& model) {
 /// The fewest GPUs, a power of two, whose usable memory holds the weights.
 std::int64_t autoTp(const ModelShape& m, const HardwareProfile& hw) {
   std::int64_t tp = 1;
-  while (tp < (1 << 20) && m.total_weight_bytes / static_cast<double>(tp) > plan::kHbmUsableFraction * hw.hbm_capacity) {
+  while (tp < (1 << 20) &&
+         m.total_weight_bytes / static_cast<double>(tp) > plan::kHbmUsableFraction * hw.hbm_capacity) {
     tp *= 2;
   }
   return tp;
@@ -279,7 +284,7 @@ Result<PlanInput> buildInput(const PlanFlags& f, const BenchFile* bench) {
   auto& h = in.hardware;
   if (bench != nullptr && bench->read_bandwidth_gbs > 0) {
     h.hbm_bandwidth = bench->read_bandwidth_gbs * 1e9;
-    h.name += " (measured bandwidth)";
+    h.name = fmt::format("measured ({} profile for the rest)", h.name);
   }
   if (bench != nullptr && bench->peak_gflops > 0) {
     h.bf16_flops = bench->peak_gflops * 1e9;
@@ -360,8 +365,11 @@ JsonObject hardwareJson(const HardwareProfile& h) {
 
 JsonObject layoutJson(const plan::ParallelLayout& l, const HardwareProfile& hw) {
   JsonObject o;
-  o.integer("tp", l.tp).integer("ep", l.ep).integer("dp", l.dp).integer("nodes", nodesOf(l, hw)).integer("gpus",
-                                                                                                          l.gpus());
+  o.integer("tp", l.tp)
+      .integer("ep", l.ep)
+      .integer("dp", l.dp)
+      .integer("nodes", nodesOf(l, hw))
+      .integer("gpus", l.gpus());
   return o;
 }
 
@@ -469,8 +477,8 @@ void printHeader(const PlanInput& in) {
       "hardware: %s: HBM %.0f GB/s, %.0f GB; FP8 %.1f / BF16 %.1f TFLOP/s; %lld GPUs/node; NVLink %.0f GB/s, "
       "%.1f us; network %.1f GB/s, %.3f ms\n",
       h.name.c_str(), h.hbm_bandwidth / 1e9, h.hbm_capacity / 1e9, h.fp8_flops / 1e12, h.bf16_flops / 1e12,
-      static_cast<long long>(h.gpus_per_node), h.nvlink_bandwidth / 1e9, h.nvlink_latency * 1e6,
-      h.net_bandwidth / 1e9, h.net_latency * 1e3);
+      static_cast<long long>(h.gpus_per_node), h.nvlink_bandwidth / 1e9, h.nvlink_latency * 1e6, h.net_bandwidth / 1e9,
+      h.net_latency * 1e3);
   std::printf(
       "constants: memory efficiency %.3g, compute efficiency %.3g, cross-node collective overhead %.1f us, "
       "latency hops %.3g\n",
@@ -481,12 +489,13 @@ void printText(const PlanInput& in, const Prediction& p) {
   printHeader(in);
   const auto& h = in.hardware;
   const auto& w = in.workload;
-  std::printf("layout: decode tp %lld (ep %lld) over %lld node(s) x dp %lld; prefill tp %lld (ep %lld) over %lld "
-              "node(s) x dp %lld\n",
-              static_cast<long long>(in.decode.tp), static_cast<long long>(in.decode.ep),
-              static_cast<long long>(nodesOf(in.decode, h)), static_cast<long long>(in.decode.dp),
-              static_cast<long long>(in.prefill.tp), static_cast<long long>(in.prefill.ep),
-              static_cast<long long>(nodesOf(in.prefill, h)), static_cast<long long>(in.prefill.dp));
+  std::printf(
+      "layout: decode tp %lld (ep %lld) over %lld node(s) x dp %lld; prefill tp %lld (ep %lld) over %lld "
+      "node(s) x dp %lld\n",
+      static_cast<long long>(in.decode.tp), static_cast<long long>(in.decode.ep),
+      static_cast<long long>(nodesOf(in.decode, h)), static_cast<long long>(in.decode.dp),
+      static_cast<long long>(in.prefill.tp), static_cast<long long>(in.prefill.ep),
+      static_cast<long long>(nodesOf(in.prefill, h)), static_cast<long long>(in.prefill.dp));
   std::printf("workload: input %lld, output %lld, concurrency %lld%s; MTP %s\n", static_cast<long long>(w.input_len),
               static_cast<long long>(w.output_len), static_cast<long long>(w.concurrency),
               w.request_rate > 0 ? fmt::format(", {:.3g} requests/s", w.request_rate).c_str() : "",
@@ -501,10 +510,11 @@ void printText(const PlanInput& in, const Prediction& p) {
   std::printf("  step %s = max(weight reads %s + KV reads %s, compute %s) + collectives %s + MTP draft %s\n",
               ms(s.total).c_str(), ms(s.weight_reads).c_str(), ms(s.kv_reads).c_str(), ms(s.compute).c_str(),
               ms(s.collectives).c_str(), ms(s.mtp_draft).c_str());
-  std::printf("  %s-bound; %lld collectives per step; %.1f routed experts read per MoE layer; %s weights + %s KV "
-              "read per GPU\n",
-              s.compute_bound ? "compute" : "memory", static_cast<long long>(s.collectives_per_step),
-              s.experts_read_per_layer, gb(s.weight_bytes_per_gpu).c_str(), gb(s.kv_bytes_per_gpu).c_str());
+  std::printf(
+      "  %s-bound; %lld collectives per step; %.1f routed experts read per MoE layer; %s weights + %s KV "
+      "read per GPU\n",
+      s.compute_bound ? "compute" : "memory", static_cast<long long>(s.collectives_per_step), s.experts_read_per_layer,
+      gb(s.weight_bytes_per_gpu).c_str(), gb(s.kv_bytes_per_gpu).c_str());
   std::printf("  single-stream ceiling of one GPU (bandwidth / activated bytes): %.2f tokens/s\n",
               p.single_stream_ceiling_tokens_per_s);
   std::printf("\nttft: %s = queueing %s + prefill compute %s + KV transfer %s\n", ms(p.ttft.total).c_str(),
@@ -518,16 +528,17 @@ void printText(const PlanInput& in, const Prediction& p) {
               gb(p.memory.weight_bytes_per_gpu).c_str(), gb(p.memory.kv_bytes_per_gpu).c_str(),
               gb(p.memory.usable_bytes_per_gpu).c_str(), p.memory.fits ? "fits" : "DOES NOT FIT",
               static_cast<long long>(p.memory.max_batch_per_replica));
-  std::printf("\nprefill:decode pools for TTFT <= %.0f ms and TPOT <= %.1f ms at concurrency %lld:\n", in.slo.ttft * 1e3,
-              in.slo.tpot * 1e3, static_cast<long long>(w.concurrency));
+  std::printf("\nprefill:decode pools for TTFT <= %.0f ms and TPOT <= %.1f ms at concurrency %lld:\n",
+              in.slo.ttft * 1e3, in.slo.tpot * 1e3, static_cast<long long>(w.concurrency));
   if (p.pools.feasible) {
-    std::printf("  %lld prefill x tp %lld (%lld GPUs) : %lld decode x tp %lld (%lld GPUs) = prefill:decode %.3g, "
-                "%lld GPUs; TTFT %s, TPOT %s\n",
-                static_cast<long long>(p.pools.prefill_replicas), static_cast<long long>(in.prefill.tp),
-                static_cast<long long>(p.pools.prefill_gpus), static_cast<long long>(p.pools.decode_replicas),
-                static_cast<long long>(in.decode.tp), static_cast<long long>(p.pools.decode_gpus), p.pools.ratio,
-                static_cast<long long>(p.pools.prefill_gpus + p.pools.decode_gpus), ms(p.pools.ttft).c_str(),
-                ms(p.pools.tpot).c_str());
+    std::printf(
+        "  %lld prefill x tp %lld (%lld GPUs) : %lld decode x tp %lld (%lld GPUs) = prefill:decode %.3g, "
+        "%lld GPUs; TTFT %s, TPOT %s\n",
+        static_cast<long long>(p.pools.prefill_replicas), static_cast<long long>(in.prefill.tp),
+        static_cast<long long>(p.pools.prefill_gpus), static_cast<long long>(p.pools.decode_replicas),
+        static_cast<long long>(in.decode.tp), static_cast<long long>(p.pools.decode_gpus), p.pools.ratio,
+        static_cast<long long>(p.pools.prefill_gpus + p.pools.decode_gpus), ms(p.pools.ttft).c_str(),
+        ms(p.pools.tpot).c_str());
   } else {
     std::printf("  infeasible: %s\n", p.pools.reason.c_str());
   }
@@ -575,9 +586,10 @@ int runCalibrate(const PlanFlags& flags) {
                 fit->predicted_tokens_per_s_total[i] / points[i].tokens_per_s_total);
   }
   std::printf("\nrms relative error %.2f %%\n", fit->rms_relative_error * 100);
-  std::printf("reuse: --memory-efficiency %.4g --compute-efficiency %.4g --net-collective-overhead-us %.4g "
-              "--net-latency-hops %.4g\n",
-              h.memory_efficiency, h.compute_efficiency, h.net_collective_overhead * 1e6, h.net_latency_hops);
+  std::printf(
+      "reuse: --memory-efficiency %.4g --compute-efficiency %.4g --net-collective-overhead-us %.4g "
+      "--net-latency-hops %.4g\n",
+      h.memory_efficiency, h.compute_efficiency, h.net_collective_overhead * 1e6, h.net_latency_hops);
   return 0;
 }
 
@@ -598,9 +610,9 @@ int runPlan(const std::vector<std::string>& args) {
   if (!loaded.ok()) return reportFailure(loaded.error());
   if (loaded->help_requested) return 0;
   if (!loaded->positionals.empty()) {
-    return reportFailure(makeError(ErrorCode::InvalidArgument,
-                                   fmt::format("plan takes no positional arguments (got '{}'; see --help)",
-                                               loaded->positionals[0])));
+    return reportFailure(
+        makeError(ErrorCode::InvalidArgument,
+                  fmt::format("plan takes no positional arguments (got '{}'; see --help)", loaded->positionals[0])));
   }
   if (!flags.calibrate.empty()) return runCalibrate(flags);
   auto input = buildInput(flags, nullptr);

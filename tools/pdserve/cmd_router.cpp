@@ -122,8 +122,8 @@ int runRouter(const std::vector<std::string>& raw_args) {
   metrics::Registry metrics;
   auto registry = router::WorkerRegistry::start(std::move(registry_options).value());
   if (!registry.ok()) return reportFailure(registry.error());
-  auto backend = router::PdBackend::create(router::pdBackendOptionsFromConfig(cfg), **registry,
-                                           (*renderer)->tokenizer(), metrics);
+  auto backend =
+      router::PdBackend::create(router::pdBackendOptionsFromConfig(cfg), **registry, (*renderer)->tokenizer(), metrics);
   if (!backend.ok()) return reportFailure(backend.error());
   auto api = router::ApiServer::start(std::move(api_options).value(), **backend, **renderer, metrics);
   if (!api.ok()) return reportFailure(api.error());

@@ -1,6 +1,6 @@
 // The capacity model of docs/planner.md: decode step time, TTFT, KV sizes, memory fit, the
 // cheapest prefill:decode pools under SLOs, and calibration of the efficiency constants.
-// Pure functions; every quantity in SI units.
+// Pure functions over values (callable from any thread); every quantity in SI units.
 #include "planner.h"
 
 #include <fmt/format.h>
@@ -103,8 +103,7 @@ void addCollectives(PassCost& cost, const PlanInput& in, const ParallelLayout& l
   count += layers;
   if (layout.ep > 1) {
     const double per_gpu_tokens = tokens / asDouble(layout.tp);
-    const double dispatch =
-        per_gpu_tokens * asDouble(m.experts_per_token * m.hidden) * (m.fp8_weights ? 1.0 : 2.0);
+    const double dispatch = per_gpu_tokens * asDouble(m.experts_per_token * m.hidden) * (m.fp8_weights ? 1.0 : 2.0);
     const double combine = per_gpu_tokens * asDouble(m.experts_per_token * m.hidden) * 2.0;
     t += asDouble(moe_layers) *
          (collectiveTime(hw, layout.tp, nodes, dispatch, false) + collectiveTime(hw, layout.tp, nodes, combine, false));
@@ -115,7 +114,7 @@ void addCollectives(PassCost& cost, const PlanInput& in, const ParallelLayout& l
     t += asDouble(layers) * allreduce;
     count += layers;
   }
-  t += allreduce;  // vocab-parallel embedding
+  t += allreduce;                                                                      // vocab-parallel embedding
   t += collectiveTime(hw, layout.tp, nodes, tokens * asDouble(m.vocab) * 2.0, false);  // logits
   count += 2;
   cost.collectives += t;
@@ -152,8 +151,7 @@ PassCost mtpPass(const PlanInput& in, double batch, double context) {
   c.weights = m.mtp_fixed_bytes / tp + asDouble(m.mtp_moe_layers) * er.bytes;
   c.kv = batch * context * asDouble(m.kv_lora_rank + m.qk_rope_head_dim) * m.kv_dtype_bytes * asDouble(m.mtp_layers);
   c.gemm_flops =
-      2.0 * batch *
-      (m.mtp_fixed_params + asDouble(m.mtp_moe_layers * m.experts_per_token) * m.expert_params) / tp;
+      2.0 * batch * (m.mtp_fixed_params + asDouble(m.mtp_moe_layers * m.experts_per_token) * m.expert_params) / tp;
   c.attn_flops = 2.0 * asDouble(m.heads) * asDouble(2 * m.kv_lora_rank + m.qk_rope_head_dim) * context * batch *
                  asDouble(m.mtp_layers) / tp;
   addCollectives(c, in, layout, m.mtp_layers, m.mtp_moe_layers, batch);
@@ -220,8 +218,9 @@ Status checkLayout(const ParallelLayout& l, const HardwareProfile& hw, std::stri
                                  pool, l.tp, l.ep, l.dp, l.nodes));
   }
   if (l.tp % l.ep != 0) {
-    return makeError(ErrorCode::InvalidArgument,
-                     fmt::format("{} layout: ep {} must divide tp {} (experts are split tp/ep ways)", pool, l.ep, l.tp));
+    return makeError(
+        ErrorCode::InvalidArgument,
+        fmt::format("{} layout: ep {} must divide tp {} (experts are split tp/ep ways)", pool, l.ep, l.tp));
   }
   const std::int64_t nodes = replicaNodes(l, hw);
   if (l.tp % nodes != 0) {
@@ -387,7 +386,7 @@ Result<HardwareProfile> builtinHardware(std::string_view name) {
     h.fp8_flops = 330.3e12;
     h.nvlink_bandwidth = 25e9;  // no NVLink: PCIe 4.0 x16
     h.nvlink_latency = 30e-6;
-    h.net_bandwidth = 12.5e9;   // 100 GbE
+    h.net_bandwidth = 12.5e9;  // 100 GbE
   } else {
     std::string names;
     for (const auto& n : hardwareNames()) names += (names.empty() ? "" : ", ") + n;
@@ -610,9 +609,11 @@ PoolRatio cheapestPools(const PlanInput& in) {
     if (d.tpot > in.slo.tpot) continue;
     if (!memoryFit(in, d.batch_per_replica).fits) continue;
     // The fewest prefill replicas meeting the TTFT SLO: more never hurts, so bisect.
-    const std::int64_t max_np = std::max<std::int64_t>(1, users);
+    // Open loop: enough replicas to keep utilization at one half is always enough to try.
+    const auto open_np = static_cast<std::int64_t>(std::ceil(2.0 * w.request_rate * alone)) + 1;
+    const std::int64_t max_np = std::min<std::int64_t>(std::max<std::int64_t>(users, open_np), 1 << 20);
     if (predictTtft(in, max_np, d.tpot).total > in.slo.ttft) {
-      last_reason = "the TTFT SLO is not met even with one prefill replica per user";
+      last_reason = fmt::format("the TTFT SLO is not met even with {} prefill replicas", max_np);
       continue;
     }
     std::int64_t lo = 1;

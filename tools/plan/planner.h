@@ -44,9 +44,9 @@ struct ModelShape {
   double main_fixed_params = 0;  ///< matrix-product parameters of the same (FLOPs/token = 2x)
   double lm_head_bytes = 0;
   double lm_head_params = 0;
-  double expert_bytes = 0;   ///< one routed expert: gate, up, down (+ FP8 scales)
-  double expert_params = 0;  ///< one routed expert's parameters
-  double mtp_fixed_bytes = 0;   ///< per MTP pass: MTP block non-routed weights, eh_proj, norms, shared_head
+  double expert_bytes = 0;     ///< one routed expert: gate, up, down (+ FP8 scales)
+  double expert_params = 0;    ///< one routed expert's parameters
+  double mtp_fixed_bytes = 0;  ///< per MTP pass: MTP block non-routed weights, eh_proj, norms, shared_head
   double mtp_fixed_params = 0;
   double total_weight_bytes = 0;  ///< everything stored (memory footprint), MTP included
   double total_params = 0;
@@ -74,15 +74,15 @@ Result<ModelShape> presetShape(std::string_view name);
 /// One accelerator type and the network around it, plus the model's efficiency constants.
 struct HardwareProfile {
   std::string name;
-  double hbm_bandwidth = 0;      ///< bytes/s per GPU (datasheet)
-  double hbm_capacity = 0;       ///< bytes per GPU
-  double bf16_flops = 0;         ///< dense FLOP/s per GPU
-  double fp8_flops = 0;          ///< dense FLOP/s per GPU
+  double hbm_bandwidth = 0;  ///< bytes/s per GPU (datasheet)
+  double hbm_capacity = 0;   ///< bytes per GPU
+  double bf16_flops = 0;     ///< dense FLOP/s per GPU
+  double fp8_flops = 0;      ///< dense FLOP/s per GPU
   std::int64_t gpus_per_node = 8;
-  double nvlink_bandwidth = 0;   ///< bytes/s per GPU, one direction (PCIe for cards without NVLink)
-  double nvlink_latency = 0;     ///< seconds per small-message collective inside a node
-  double net_bandwidth = 0;      ///< bytes/s per GPU between nodes (its NIC)
-  double net_latency = 0;        ///< seconds, one-way small-message latency between nodes
+  double nvlink_bandwidth = 0;  ///< bytes/s per GPU, one direction (PCIe for cards without NVLink)
+  double nvlink_latency = 0;    ///< seconds per small-message collective inside a node
+  double net_bandwidth = 0;     ///< bytes/s per GPU between nodes (its NIC)
+  double net_latency = 0;       ///< seconds, one-way small-message latency between nodes
 
   /// Fraction of hbm_bandwidth that weight and KV reads reach (1 = the datasheet ceiling).
   double memory_efficiency = 1.0;
@@ -150,11 +150,11 @@ struct StepBreakdown {
   double collectives = 0;
   double mtp_draft = 0;
   bool compute_bound = false;
-  double tokens_per_step = 1;           ///< expected tokens each sequence gains per step
-  double experts_read_per_layer = 0;    ///< expected distinct routed experts read per MoE layer (busiest GPU)
+  double tokens_per_step = 1;         ///< expected tokens each sequence gains per step
+  double experts_read_per_layer = 0;  ///< expected distinct routed experts read per MoE layer (busiest GPU)
   std::int64_t collectives_per_step = 0;
-  double weight_bytes_per_gpu = 0;      ///< read per step, main model
-  double kv_bytes_per_gpu = 0;          ///< read per step, main model
+  double weight_bytes_per_gpu = 0;  ///< read per step, main model
+  double kv_bytes_per_gpu = 0;      ///< read per step, main model
 };
 
 struct DecodePrediction {
@@ -205,8 +205,8 @@ struct Prediction {
   PoolRatio pools;
   double single_stream_ceiling_tokens_per_s = 0;  ///< one GPU's bandwidth / activated bytes
   double mtp_tokens_per_step = 1;
-  double kv_bytes_per_token = 0;           ///< main layers (+ MTP layers when MTP is on)
-  double kv_bytes_per_request = 0;         ///< (input_len + output_len) x kv_bytes_per_token
+  double kv_bytes_per_token = 0;             ///< main layers (+ MTP layers when MTP is on)
+  double kv_bytes_per_request = 0;           ///< (input_len + output_len) x kv_bytes_per_token
   double kv_transfer_bytes_per_request = 0;  ///< input_len x kv_bytes_per_token, prefill -> decode
 };
 
@@ -250,8 +250,8 @@ struct CalibrationPoint {
 };
 
 struct CalibrationResult {
-  HardwareProfile hardware;  ///< the input profile with the fitted constants
-  std::string fitted;        ///< which constants were fitted, in words
+  HardwareProfile hardware;                          ///< the input profile with the fitted constants
+  std::string fitted;                                ///< which constants were fitted, in words
   std::vector<double> predicted_tokens_per_s_total;  ///< per point, with the fitted constants
   double rms_relative_error = 0;
 };

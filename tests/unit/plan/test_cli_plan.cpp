@@ -58,10 +58,9 @@ double number(const boost::json::object& o, std::string_view key) {
   return v->is_double() ? v->as_double() : -1;
 }
 
-const std::vector<std::string> kExample = {"plan",          "--model",   "deepseek-v3", "--hardware",
-                                           "h20",           "--nodes",   "2",           "--decode-tp",
-                                           "16",            "--net-latency-ms", "0.193", "--concurrency",
-                                           "1",             "--json"};
+const std::vector<std::string> kExample = {
+    "plan",        "--model", "deepseek-v3",      "--hardware", "h20",           "--nodes", "2",
+    "--decode-tp", "16",      "--net-latency-ms", "0.193",      "--concurrency", "1",       "--json"};
 
 TEST(CliPlan, DocumentedExamplePrintsOneJsonObjectWithThePublishedSpeed) {
   const CommandResult r = pdserve(kExample);

@@ -74,7 +74,7 @@ TEST(PlannerPublished, SingleStreamCeilingIs53TokensPerSecondAt1979GBs) {
   EXPECT_NEAR(p->single_stream_ceiling_tokens_per_s, 53.5, 53.5 * 0.03);
   EXPECT_NEAR(p->decode.tokens_per_s_per_user, 53.5, 53.5 * 0.03);
   EXPECT_FALSE(p->decode.step.compute_bound);
-  EXPECT_DOUBLE_EQ(p->decode.step.collectives, 0.0);  // one GPU
+  EXPECT_DOUBLE_EQ(p->decode.step.collectives, 0.0);              // one GPU
   EXPECT_NEAR(p->decode.step.experts_read_per_layer, 8.0, 1e-9);  // batch 1 reads its top-8
 }
 
@@ -257,8 +257,7 @@ TEST(PlannerTtft, SplitsIntoQueueingPrefillAndTransfer) {
   in.kv_streaming = false;
   auto unstreamed = predict(in);
   ASSERT_TRUE(unstreamed.ok());
-  EXPECT_NEAR(unstreamed->ttft.kv_transfer, 4096 * 70272.0 / in.hardware.net_bandwidth + in.hardware.net_latency,
-              1e-9);
+  EXPECT_NEAR(unstreamed->ttft.kv_transfer, 4096 * 70272.0 / in.hardware.net_bandwidth + in.hardware.net_latency, 1e-9);
   EXPECT_LT(alone->ttft.kv_transfer, unstreamed->ttft.kv_transfer);
 
   // Many users queue at one prefill replica; more replicas queue less.
@@ -317,6 +316,24 @@ TEST(PlannerPools, CheapestPoolsMeetBothSlos) {
   ASSERT_TRUE(impossible.ok());
   EXPECT_FALSE(impossible->pools.feasible);
   EXPECT_NE(impossible->pools.reason.find("TPOT"), std::string::npos);
+}
+
+TEST(PlannerPools, OpenLoopRateSizesThePrefillPool) {
+  PlanInput in;
+  in.model = v3();
+  in.hardware = hardware("h200");
+  in.prefill.tp = 8;
+  in.decode.tp = 8;
+  in.workload.input_len = 4096;
+  in.workload.concurrency = 64;
+  const double service = prefillTime(in, 4096);
+  in.workload.request_rate = 3.0 / service;  // three replicas' worth of prompts
+  auto p = predict(in);
+  ASSERT_TRUE(p.ok());
+  ASSERT_TRUE(p->pools.feasible) << p->pools.reason;
+  EXPECT_GE(p->pools.prefill_replicas, 4);  // utilization must stay below 1
+  EXPECT_LE(p->pools.ttft, in.slo.ttft);
+  EXPECT_GT(predictTtft(in, p->pools.prefill_replicas - 1, p->pools.tpot).total, in.slo.ttft);
 }
 
 TEST(PlannerMemory, DeepSeekV3DoesNotFitOneH20NodeButFitsTwo) {

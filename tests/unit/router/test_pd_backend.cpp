@@ -343,6 +343,8 @@ TEST_F(PdBackendTest, RequestThatCanNeverFitIsNotRetried) {
   ASSERT_TRUE(sink->waitEnd());
   ASSERT_TRUE(sink->error());
   EXPECT_EQ(sink->error()->code, ErrorCode::ResourceExhausted);
+  // Clients see this message (400): it must not name internal addresses.
+  EXPECT_EQ(sink->error()->message.find("127.0.0.1"), std::string::npos) << sink->error()->message;
   EXPECT_TRUE(d2.opens().empty());
   EXPECT_EQ(retries("decode"), 0.0);
 }
@@ -521,7 +523,9 @@ TEST_F(PdBackendTest, ServesTheOpenAiApiEndToEnd) {
   auto api = ApiServer::start(ao, *backend, renderer(), metrics);
   ASSERT_TRUE(api.ok()) << api.error().toString();
   http::Client client("127.0.0.1", api.value()->port());
-  auto r = client.send({"POST", "/v1/completions", {{"Content-Type", "application/json"}},
+  auto r = client.send({"POST",
+                        "/v1/completions",
+                        {{"Content-Type", "application/json"}},
                         R"({"model":"test-model","prompt":"Say hi","max_tokens":8,"return_token_ids":true})"},
                        10s);
   ASSERT_TRUE(r.ok()) << r.error().toString();
@@ -539,7 +543,9 @@ TEST_F(PdBackendTest, ServesTheOpenAiApiEndToEnd) {
   d1.setStatusFails(true);
   d2.setStatusFails(true);
   ASSERT_TRUE(waitFor([&] { return !backend->ready(); }));
-  auto refused = client.send({"POST", "/v1/completions", {{"Content-Type", "application/json"}},
+  auto refused = client.send({"POST",
+                              "/v1/completions",
+                              {{"Content-Type", "application/json"}},
                               R"({"model":"test-model","prompt":"Say hi"})"},
                              10s);
   ASSERT_TRUE(refused.ok());

@@ -3,13 +3,13 @@
 /// whole request/response, and streamed responses read line by line or as server-sent events.
 /// Every call has a deadline covering connect, send and the whole response.
 ///
-/// Errors (Result): Cancelled (after cancel()), PeerFailed (cannot connect, connection reset or closed early), Timeout (the
+/// Errors (Result): PeerFailed (cannot connect, connection reset or closed early), Timeout (the
 /// deadline passed), Corrupt (not a valid HTTP response, or one over the size limit),
-/// InvalidArgument (a host that does not resolve). An HTTP error status is not an error: it comes
-/// back as a response with that status.
+/// InvalidArgument (a host that does not resolve), Cancelled (after cancel()). An HTTP error
+/// status is not an error: it comes back as a response with that status.
 ///
-/// Thread rules: not thread-safe (except cancel()); use one Client per thread (they are cheap). Calls block the
-/// calling thread, which runs the client's own io_context.
+/// Thread rules: not thread-safe, except cancel(); use one Client per thread (they are cheap).
+/// Calls block the calling thread, which runs the client's own io_context.
 
 #include <chrono>
 #include <cstdint>

@@ -2,8 +2,8 @@
 /// The host Communicator for ranks that are processes on one machine: one POSIX shared-memory
 /// segment (/dev/shm/<name>) holding, per rank, two data slots (used alternately by successive
 /// collectives) and an arrival counter. A collective copies this rank's data into its slot,
-/// publishes the next sequence number and waits (spin, then futex) until every rank published
-/// it; then each rank reads the slots it needs, summing in rank order. Because a rank reaches
+/// publishes the next sequence number and waits (busy-poll for `spin`, then futex) until every
+/// rank published it; then each rank reads the slots it needs, summing in rank order. Because a rank reaches
 /// collective k+1 only after every rank arrived at k (and so finished reading k-1), the two slot
 /// sets never race. Data longer than a slot goes in slot-sized pieces.
 ///
@@ -20,6 +20,7 @@
 
 #include <chrono>
 #include <cstddef>
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -34,7 +35,13 @@ struct ShmOptions {
   int size = 1;                                   ///< 1..64
   std::size_t slot_bytes = std::size_t{4} << 20;  ///< per rank and slot; rank 0's value wins
   std::chrono::milliseconds timeout{30000};       ///< deadline of one collective
+  /// How long a wait busy-polls before sleeping on a futex (1 ms sleeps): longer is lower latency
+  /// on dedicated cores, shorter frees the CPU sooner on a shared machine.
+  std::chrono::microseconds spin{1000};
   std::chrono::milliseconds join_timeout{30000};  ///< deadline for every rank to join
+  /// Optional, called every few ms while waiting for the other ranks to join: an error (e.g.
+  /// "rank 2's process exited") ends the wait at once with that error.
+  std::function<Status()> while_joining;
 };
 
 /// Creates (rank 0) or joins (others) the group. InvalidArgument for bad options or a size

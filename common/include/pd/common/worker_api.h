@@ -111,6 +111,9 @@ struct WorkerStatus {
   std::int64_t free_blocks = 0;
   std::int64_t total_blocks = 0;
   std::int64_t block_size = 0;
+  /// Decode, data path rma: blocks of ended requests held until their transfer is over (not in
+  /// free_blocks). Optional in the JSON (0 when absent).
+  std::int64_t quarantined_blocks = 0;
 };
 
 [[nodiscard]] std::string toJson(const DecodeOpen& value);

@@ -22,6 +22,22 @@
 ///     or deadline, or an engine error; the sink gets exactly one event with `finish` set, and
 ///     every block of the request is released before that event is delivered.
 ///
+/// Late writes (docs/kv-transfer.md, "Data paths"): with the `am` data path the transport drops
+/// bytes of a request it no longer expects, so an ended request's blocks are reused at once. With
+/// `rma` a prefill worker puts straight into the pool, so a request aborted while its KV is still
+/// awaited (abort(): router cancel, client gone, shutdown) may still be written into. With
+/// DecodeEngineOptions::quarantine_late_writes (the worker sets it when its data path resolves to
+/// rma) such a request's blocks are quarantined instead of freed (KvBlockManager::quarantine):
+/// the stream ends at once, but the blocks return to the free list only when the transfer's
+/// outcome arrives (onKvReady with the completion or failure record, or the transport's Timeout:
+/// the sender has stopped writing) or at the request's kv_deadline (the transfer's deadline plus
+/// kvtransfer.receive_grace_ms), whichever comes first. The transport's expectation stays armed
+/// meanwhile (end_kv_attempts stops re-arming it for further prefill attempts); stop_kv_wait
+/// cancels it when the deadline releases the blocks. Requests that end on their transfer's own
+/// outcome (a failure record, a bad record, the deadline) have nothing in flight: freed at once.
+/// Residual assumption: after an abort, no prefill attempt starts that began after the record
+/// which ends the quarantine (the router does not retry a generation it has ended).
+///
 /// The MTP layer's latent KV (kv layer num_hidden_layers) for prompt positions [0, n-1) must be
 /// written by the prefill side like any other layer. Position n-1 pairs the prompt's last hidden
 /// state with the first token; this engine computes it from the record on the first draft step
@@ -90,8 +106,13 @@ struct DecodeRequest {
   TokenSink sink;
   /// Called once on the engine thread when the request ends while its KV is still awaited
   /// (abort, deadline, a bad record, shutdown), before its blocks are freed: stops the transport's
-  /// expectation so that late bytes are dropped instead of landing in reused blocks. Optional.
+  /// expectation so that late bytes are dropped instead of landing in reused blocks; with
+  /// quarantine_late_writes, when the quarantine ends at the deadline instead. Optional.
   std::function<void()> stop_kv_wait;
+  /// With quarantine_late_writes: called once on the engine thread when the request ends while
+  /// its KV is awaited and its blocks are quarantined — the expectation stays armed (its outcome
+  /// ends the quarantine) but must not be re-armed for further prefill attempts. Optional.
+  std::function<void()> end_kv_attempts;
 };
 
 struct DecodeEngineOptions {
@@ -100,6 +121,18 @@ struct DecodeEngineOptions {
   /// Where to publish pool, sequence, request and step series (may be null); must outlive the
   /// engine.
   DecodeMetrics* metrics = nullptr;
+  /// Hold the blocks of a request aborted while its KV is awaited until its transfer is over
+  /// (header comment, "Late writes"). For the rma data path; off keeps the am behaviour.
+  bool quarantine_late_writes = false;
+  /// BENCH/TEST HOOK — never set from configuration: engineOptions() leaves it empty and no
+  /// YAML key, flag or environment variable reaches it. When set, it replaces every MTP draft:
+  /// called on the engine thread with the request id, the index in the request's output of the
+  /// token the draft stands for (the first token, from prefill, is index 0) and the MTP layer's
+  /// own draft; it returns the token to propose. `pdserve bench decode` uses it to propose a
+  /// known greedy continuation with a chosen probability (random weights accept almost nothing).
+  using DraftOverride =
+      std::function<std::int32_t(std::uint64_t request_id, std::int64_t output_index, std::int32_t mtp_draft)>;
+  DraftOverride bench_draft_override;
 };
 
 /// The engine options a worker's typed config implies.
@@ -112,6 +145,7 @@ struct DecodeStats {
   std::int64_t drafts_proposed = 0;
   std::int64_t drafts_accepted = 0;
   std::int64_t prefill_retries = 0;  ///< prefill failures absorbed (noteKvRetry)
+  std::int64_t quarantined = 0;      ///< requests whose blocks were quarantined (late-write guard)
 };
 
 class DecodeEngine {
@@ -133,8 +167,9 @@ class DecodeEngine {
 
   /// The request's KV has arrived (the record) or will not (the error: the prefill failure, a
   /// transport Timeout, ...). On an error, or a record that does not match the request, the
-  /// request ends with finish Error and its blocks are freed. NotFound when no request with this
-  /// id is waiting for KV (unknown, aborted, or already running).
+  /// request ends with finish Error and its blocks are freed. For a request whose blocks are
+  /// quarantined, any outcome frees them (ok). NotFound when no request with this id is waiting
+  /// for KV (unknown, aborted and freed, or already running).
   [[nodiscard]] Status onKvReady(std::uint64_t request_id, Result<kvtransfer::CompletionRecord> record);
 
   /// A prefill attempt of a request waiting for KV failed and the transport has been re-armed
@@ -145,22 +180,30 @@ class DecodeEngine {
   /// Ends a request in any state with finish Aborted and frees its blocks. False if unknown.
   bool abort(std::uint64_t request_id);
 
-  /// Expires KV waits whose deadline is before `now`, then runs one decode step over the
+  /// Expires KV waits whose deadline is before `now`, frees quarantined blocks whose deadline
+  /// is not after `now`, then runs one decode step over the
   /// running batch (nothing when it is empty). Errors are per request (they end those requests);
   /// the step itself does not fail.
   void step(Clock::time_point now);
 
-  /// The earliest kv_deadline of the requests still waiting for KV (the loop sleeps until then).
+  /// The earliest kv_deadline of the requests still waiting for KV or quarantined (the loop
+  /// sleeps until then).
   [[nodiscard]] std::optional<Clock::time_point> nextKvDeadline() const;
   /// True when a step() would do work (a sequence is running or ready to run).
   [[nodiscard]] bool hasWork() const { return !running_.empty() || !ready_.empty(); }
   [[nodiscard]] std::size_t numRequests() const { return requests_.size(); }
   [[nodiscard]] std::size_t numRunning() const { return running_.size(); }
+  /// Ended requests whose blocks are still quarantined.
+  [[nodiscard]] std::size_t numQuarantined() const { return quarantine_.size(); }
   [[nodiscard]] const KvBlockManager& blocks() const { return blocks_; }
   [[nodiscard]] const DecodeStats& stats() const { return stats_; }
 
  private:
   struct Sequence;
+  struct Quarantined {
+    Clock::time_point until;
+    std::function<void()> stop_kv_wait;
+  };
 
   void startRunning(Sequence& seq, kvtransfer::CompletionRecord record);
   // Streams `tokens` and, if a stop condition holds, ends the request. True if it ended.
@@ -169,6 +212,8 @@ class DecodeEngine {
   void runBatch(std::span<Sequence* const> batch);
   // Pool and sequence gauges (options_.metrics).
   void publishGauges() const;
+  // Frees a quarantined request's blocks; `cancel_wait` stops its transport expectation first.
+  void endQuarantine(std::uint64_t request_id, bool cancel_wait);
 
   model::Engine& engine_;
   KvPool& pool_;
@@ -177,6 +222,7 @@ class DecodeEngine {
   std::unordered_map<std::uint64_t, std::unique_ptr<Sequence>> requests_;
   std::deque<std::uint64_t> ready_;     // KV arrived, waiting for a batch slot (FIFO)
   std::vector<std::uint64_t> running_;  // in the batch, in join order
+  std::unordered_map<std::uint64_t, Quarantined> quarantine_;  // ended, blocks held (late writes)
   DecodeStats stats_;
 };
 

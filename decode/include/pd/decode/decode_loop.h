@@ -56,7 +56,9 @@ class DecodeLoop {
   /// with the same deadline at once, on the transport's thread — before the router can start the
   /// next attempt — and the request keeps its blocks (DecodeEngine::noteKvRetry counts it).
   /// When the request ends while waiting (abort, deadline), the expectation is cancelled and no
-  /// longer re-armed. `transport` must outlive this loop. Blocks like admit().
+  /// longer re-armed — except for an abort with DecodeEngineOptions::quarantine_late_writes: the
+  /// expectation then stays armed (not re-armed) until its outcome or the deadline ends the
+  /// blocks' quarantine (decode_engine.h, "Late writes"). `transport` must outlive this loop. Blocks like admit().
   [[nodiscard]] Result<kvtransfer::KvDescriptor> openStream(DecodeRequest request, kvtransfer::Transport& transport,
                                                             const kvtransfer::CompatInfo& compat,
                                                             const std::vector<kvtransfer::KvTarget>& targets,

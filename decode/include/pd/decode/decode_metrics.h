@@ -43,7 +43,10 @@ class DecodeMetrics {
   /// A prefill failure absorbed because attempts remained.
   void prefillRetried();
 
-  void setBlocks(std::int64_t free, std::int64_t available, std::int64_t total);
+  /// Pool blocks: free (on the free list), available to a new admission, total, and
+  /// quarantined (held after an rma request ended while its KV could still be written;
+  /// neither free nor available).
+  void setBlocks(std::int64_t free, std::int64_t available, std::int64_t total, std::int64_t quarantined = 0);
   /// Requests waiting for their KV (and their prompt tokens), ready ones waiting for a batch
   /// slot, and running ones.
   void setSequences(std::int64_t waiting_kv, std::int64_t waiting_kv_tokens, std::int64_t queued, std::int64_t running);
@@ -52,6 +55,7 @@ class DecodeMetrics {
   struct Snapshot {
     std::int64_t free_blocks = 0;
     std::int64_t total_blocks = 0;
+    std::int64_t quarantined_blocks = 0;
     std::int64_t waiting_kv = 0;
     std::int64_t waiting_kv_tokens = 0;
     std::int64_t queued = 0;
@@ -72,6 +76,7 @@ class DecodeMetrics {
   metrics::Gauge* blocks_free_ = nullptr;
   metrics::Gauge* blocks_available_ = nullptr;
   metrics::Gauge* blocks_total_ = nullptr;
+  metrics::Gauge* blocks_quarantined_ = nullptr;
   metrics::Gauge* waiting_kv_ = nullptr;
   metrics::Gauge* waiting_kv_tokens_ = nullptr;
   metrics::Gauge* queued_ = nullptr;

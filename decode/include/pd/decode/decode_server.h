@@ -14,7 +14,10 @@
 /// Deadlines: a request waits for its KV min(kv_timeout_ms, decode.kv_wait_timeout_ms), plus
 /// kvtransfer.receive_grace_ms when this worker's data path resolves to rma (docs/kv-transfer.md:
 /// a late sender must have stopped writing before the blocks are reused; with am the transport
-/// drops late bytes itself). The descriptor carries the un-graced budget as timeout_ms.
+/// drops late bytes itself). The descriptor carries the un-graced budget as timeout_ms. On rma the
+/// blocks of a request aborted while its KV is awaited are quarantined until that deadline or the
+/// transfer's record (decode_engine.h, "Late writes"); /v1/internal/status reports them as
+/// `quarantined_blocks`, not in `free_blocks`.
 ///
 /// Thread rules: start(), stop() and the destructor from one controlling thread (not an HTTP io
 /// thread, not the loop thread); the accessors are thread-safe. HTTP handlers never wait for the

@@ -1,0 +1,161 @@
+// Tensor-parallel KV path in one process over real UCX: a leader (rank 0) and a TpFollowerWorker
+// (rank 1, a thread; loopback communicator) each register their own KV pool; the descriptor lists
+// both ranks' targets; a real prefill worker (PrefillEngine + TransportKvSink) writes the prompt's
+// KV into both pools; then the TP = 2 group decodes the golden greedy tokens from those pools.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstring>
+#include <future>
+#include <thread>
+
+#include "pd/decode/kv_pool.h"
+#include "pd/decode/tp_worker.h"
+#include "pd/kvtransfer/ucx_transport.h"
+#include "pd/prefill/prefill_engine.h"
+#include "pd/prefill/transport_kv_sink.h"
+#include "tp_test_support.h"
+
+namespace pd::decode {
+namespace {
+
+namespace kvt = kvtransfer;
+using namespace std::chrono_literals;
+using test_support::goldenDir;
+using test_support::goldenIds;
+using test_support::makeRankEngine;
+
+constexpr std::uint64_t kModelHash = 0x7470'7470'7470'7470ULL;
+constexpr std::int64_t kBlocks = 16;
+constexpr std::int64_t kBlockSize = 8;
+
+class TpKv : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(TpKv, PrefillWritesEveryRanksPoolAndTheGroupDecodesTheGoldenTokens) {
+  const std::filesystem::path dir = goldenDir() / GetParam();
+  const std::vector<std::int32_t> prompt = goldenIds(dir / "golden.safetensors", "p0.tokens");
+  const std::vector<std::int32_t> greedy = goldenIds(dir / "golden.safetensors", "p0.greedy");
+  auto group = comm::createLoopbackGroup(2, comm::LoopbackOptions{60s});
+
+  // Rank 1: its own pool, transport and serving loop.
+  std::promise<TpFollowerWorker*> follower_ready;
+  Status follower_status = okStatus();
+  std::thread follower([&] {
+    TpFollowerOptions o;
+    o.decode.num_blocks = kBlocks;
+    o.decode.block_size = kBlockSize;
+    o.decode.kv_dtype = "f32";
+    o.model_hash = kModelHash;
+    auto w = TpFollowerWorker::start(makeRankEngine(dir, group[1].get()), *group[1], o);
+    if (!w.ok()) {
+      follower_status = w.error();
+      follower_ready.set_value(nullptr);
+      return;
+    }
+    follower_ready.set_value(w->get());
+    follower_status = (*w)->run();
+  });
+
+  // Rank 0, the leader: the same start-up steps by hand (DecodeServer does them in the worker).
+  const auto lead = [&] {
+    TpLeaderEngine leader(makeRankEngine(dir, group[0].get()), *group[0]);
+    auto pool = KvPool::create(leader.config(), kBlocks, kBlockSize, DType::F32);
+    ASSERT_TRUE(pool.ok());
+    const kvt::CompatInfo compat = pool->compat(kModelHash, 2);
+    kvt::UcxTransportOptions tx;
+    tx.compat = compat;
+    tx.name = "test-tp-leader-kv";
+    auto transport = kvt::createUcxTransport(tx);
+    ASSERT_TRUE(transport.ok()) << transport.error().toString();
+    auto region = (*transport)->registerRegion(pool->memory());
+    ASSERT_TRUE(region.ok());
+    const kvt::RegionLayout layout = pool->regionLayout(*region);
+    auto mine = (*transport)->exportTarget(0, std::span(&layout, 1));
+    ASSERT_TRUE(mine.ok());
+    auto targets = exchangeKvTargets(*group[0], *mine);
+    ASSERT_TRUE(targets.ok()) << targets.error().toString();
+    ASSERT_EQ(targets->size(), 2U);
+    EXPECT_EQ((*targets)[1].tp_rank, 1U);
+    TpFollowerWorker* worker = follower_ready.get_future().get();
+    ASSERT_NE(worker, nullptr) << follower_status.error().toString();
+
+    // The descriptor: every rank's target, the same block ids everywhere.
+    kvt::KvDescriptor d;
+    d.request_id = 42;
+    d.compat = compat;
+    d.num_tokens = static_cast<std::uint32_t>(prompt.size());
+    d.timeout_ms = 60000;
+    const auto prompt_blocks = (static_cast<std::int64_t>(prompt.size()) + kBlockSize - 1) / kBlockSize;
+    std::vector<std::int32_t> table;
+    for (std::int64_t b = 0; b < 8; ++b) table.push_back(static_cast<std::int32_t>(b));
+    for (std::int64_t b = 0; b < prompt_blocks; ++b) d.block_ids.push_back(static_cast<std::uint32_t>(b));
+    d.targets = *targets;
+    ASSERT_TRUE(leader.expectKv(d.request_id, d.timeout_ms).ok());
+    std::promise<Result<kvt::CompletionRecord>> arrived;
+    ASSERT_TRUE((*transport)
+                    ->expect(d.request_id, kvt::Clock::now() + 60s,
+                             [&](std::uint64_t, Result<kvt::CompletionRecord> r) { arrived.set_value(std::move(r)); })
+                    .ok());
+
+    // The prefill worker: unsharded engine, its own transport, the real sink.
+    auto prefill_model = makeRankEngine(dir, nullptr);
+    kvt::UcxTransportOptions ptx;
+    ptx.compat = compat;
+    ptx.name = "test-tp-prefill-kv";
+    auto prefill_tx = kvt::createUcxTransport(ptx);
+    ASSERT_TRUE(prefill_tx.ok());
+    auto prefill =
+        prefill::PrefillEngine::create(*prefill_model, {.chunk_size = 16, .cache_blocks = 16, .block_size = 8});
+    ASSERT_TRUE(prefill.ok());
+    (*prefill)->start();
+    std::promise<Status> sent;
+    auto sink = prefill::TransportKvSink::create(**prefill_tx, d, kvt::Clock::now() + 60s,
+                                                 [&](std::uint64_t, Status s) { sent.set_value(std::move(s)); });
+    ASSERT_TRUE(sink.ok()) << sink.error().toString();
+    prefill::PrefillRequest r;
+    r.id = d.request_id;
+    r.tokens = prompt;
+    r.sink = std::move(sink).value();
+    ASSERT_TRUE((*prefill)->submit(std::move(r)).ok());
+    auto record = arrived.get_future().get();
+    ASSERT_TRUE(record.ok()) << record.error().toString();
+    EXPECT_TRUE(sent.get_future().get().ok());
+    EXPECT_EQ(record->first_token, greedy[0]);
+
+    // Both ranks' pools hold the prompt's KV, identically, in every layer.
+    const model::LatentCacheView& a = pool->view();
+    const model::LatentCacheView& b = worker->pool().view();
+    for (std::size_t l = 0; l < a.layers.size(); ++l) {
+      for (std::int64_t p = 0; p < static_cast<std::int64_t>(prompt.size()) - 1; ++p) {
+        std::vector<float> x(static_cast<std::size_t>(a.latent_dim)), y(x.size());
+        model::readLatent(a, static_cast<std::int64_t>(l), table, p, x.data());
+        model::readLatent(b, static_cast<std::int64_t>(l), table, p, y.data());
+        ASSERT_EQ(x, y) << "layer " << l << " position " << p;
+        ASSERT_TRUE(std::any_of(x.begin(), x.end(), [](float v) { return v != 0.0F; })) << "layer " << l;
+      }
+    }
+
+    // Greedy decoding by the TP group over the two pools.
+    std::vector<std::int32_t> tokens{record->first_token};
+    for (std::size_t i = 1; i < greedy.size(); ++i) {
+      const std::vector<std::int32_t> in{tokens.back()};
+      const model::SequenceChunk chunk{in, static_cast<std::int64_t>(prompt.size() + i - 1), table, {}, 0};
+      auto out = leader.forward(std::span(&chunk, 1), a, {});
+      ASSERT_TRUE(out.ok()) << out.error().toString();
+      tokens.push_back(static_cast<std::int32_t>(std::max_element(out->logits.begin(), out->logits.end()) -
+                                                 out->logits.begin()));
+    }
+    EXPECT_EQ(tokens, greedy);
+    ASSERT_TRUE(leader.stop().ok());
+    (*prefill)->stop();
+    EXPECT_TRUE((*transport)->deregisterRegion(*region).ok());
+  };
+  lead();
+  follower.join();
+  EXPECT_TRUE(follower_status.ok()) << follower_status.error().toString();
+}
+
+INSTANTIATE_TEST_SUITE_P(Golden, TpKv, ::testing::Values("tiny-bf16", "tiny-fp8"));
+
+}  // namespace
+}  // namespace pd::decode

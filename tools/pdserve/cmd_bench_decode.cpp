@@ -1,0 +1,480 @@
+// pdserve bench decode: the decode worker's engine (DecodeEngine: its scheduler, the paged latent
+// KV pool, sampling) on the CPU engine, as ratios to ceilings measured in the same run (DESIGN §7):
+//  - step time and tokens/s per batch size, as memory-bandwidth utilization: bytes a step must
+//    read (non-expert weights + the routed experts actually selected in that step + LM head +
+//    latent KV, as the engine counts them) / step time / read bandwidth of a streaming probe;
+//  - MTP speculation: measured speedup over plain decoding / ideal speedup for the measured
+//    acceptance, ideal = (1 + accepted per step) / (1 + relative cost of draft and verify), with
+//    the relative cost = (draft forward time + verify forward time) / plain forward time - 1 per
+//    step. Random weights accept almost no drafts, so drafts come from a BENCH-ONLY override
+//    (DecodeEngineOptions::bench_draft_override, unreachable from configuration) that proposes
+//    the known greedy continuation with probability p, a wrong token otherwise.
+#include <fmt/format.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <limits>
+#include <memory>
+#include <numeric>
+#include <random>
+#include <string>
+#include <system_error>
+#include <utility>
+#include <vector>
+
+#include "bench_util.h"
+#include "cli.h"
+#include "pd/common/model/engine.h"
+#include "pd/common/model/kernels.h"
+#include "pd/common/model/thread_pool.h"
+#include "pd/common/model_config.h"
+#include "pd/common/model_factory.h"
+#include "pd/decode/decode_engine.h"
+#include "pd/decode/kv_pool.h"
+
+namespace pd::cli {
+namespace {
+
+namespace fs = std::filesystem;
+using decode::DecodeEngine;
+using decode::DecodeEngineOptions;
+using decode::DecodeRequest;
+using decode::KvPool;
+
+// The CPU engine with its forward calls timed and their read bytes summed (main model and MTP
+// layer separately), so that a DecodeEngine step can be split into draft, verify and the rest.
+class MeteredEngine : public model::Engine {
+ public:
+  struct Totals {
+    double forward_seconds = 0.0;
+    double mtp_seconds = 0.0;
+    std::uint64_t bytes = 0;  // weights + KV read, main and MTP
+    std::int64_t experts = 0;
+  };
+  explicit MeteredEngine(model::Engine& inner) : inner_(inner) {}
+  const ModelConfig& config() const override { return inner_.config(); }
+  model::EngineCapabilities capabilities() const override { return inner_.capabilities(); }
+  Result<model::ForwardOutput> forward(std::span<const model::SequenceChunk> batch, const model::LatentCacheView& cache,
+                                       const model::ForwardOptions& options) override {
+    const auto t0 = BenchClock::now();
+    auto out = inner_.forward(batch, cache, options);
+    totals_.forward_seconds += secondsSince(t0);
+    if (out.ok()) count(out->stats);
+    return out;
+  }
+  Result<model::ForwardOutput> forwardMtp(std::span<const model::SequenceChunk> batch,
+                                          const model::LatentCacheView& cache,
+                                          const model::ForwardOptions& options) override {
+    const auto t0 = BenchClock::now();
+    auto out = inner_.forwardMtp(batch, cache, options);
+    totals_.mtp_seconds += secondsSince(t0);
+    if (out.ok()) count(out->stats);
+    return out;
+  }
+  [[nodiscard]] Totals take() { return std::exchange(totals_, Totals{}); }
+
+ private:
+  void count(const model::ForwardStats& s) {
+    totals_.bytes += s.weight_bytes + s.kv_bytes;
+    totals_.experts += s.experts_used;
+  }
+  model::Engine& inner_;
+  Totals totals_;
+};
+
+// What one run of B requests through a DecodeEngine measured (warm-up steps excluded).
+struct RunResult {
+  std::int64_t batch = 0;
+  std::int64_t steps = 0;
+  std::int64_t tokens = 0;  // emitted by the timed steps
+  std::vector<double> step_seconds;
+  double wall_seconds = 0.0;     // sum of the timed steps
+  double forward_seconds = 0.0;  // main-model forward calls of the timed steps
+  double mtp_seconds = 0.0;      // MTP forward calls of the timed steps
+  double bytes = 0.0;
+  double experts = 0.0;
+  double cpu_share = 0.0;
+  std::int64_t drafts_proposed = 0;
+  std::int64_t drafts_accepted = 0;
+  std::vector<std::vector<std::int32_t>> outputs;  // per request: every token, the first included
+
+  [[nodiscard]] double medianStep() const {
+    std::vector<double> t = step_seconds;
+    std::sort(t.begin(), t.end());
+    return t.empty() ? 0.0 : t[t.size() / 2];
+  }
+};
+
+struct RunSpec {
+  std::int64_t batch = 1;
+  std::int64_t context = 256;
+  std::int64_t max_tokens = 16;  // per request, the first token included
+  std::int64_t warmup_steps = 2;
+  std::int64_t drafts = 0;
+  DType kv_dtype = DType::BF16;
+  decode::DecodeEngineOptions::DraftOverride draft_override;
+};
+
+// Admits `batch` requests whose prompt KV is random latents (a step's cost does not depend on
+// their values) and whose first token and hidden state are random, then steps the engine until
+// every request has produced max_tokens tokens (greedy, EOS ignored).
+Result<RunResult> runDecode(MeteredEngine& engine, const RunSpec& spec, int threads, std::uint64_t seed) {
+  const ModelConfig& cfg = engine.config();
+  constexpr std::int64_t kBlock = 64;
+  const std::int64_t per_seq = (spec.context + spec.max_tokens + spec.drafts + kBlock - 1) / kBlock + 1;
+  PD_ASSIGN_OR_RETURN(KvPool pool, KvPool::create(cfg, spec.batch * per_seq, kBlock, spec.kv_dtype));
+  DecodeEngineOptions o;
+  o.num_speculative_tokens = spec.drafts;
+  o.max_running_requests = spec.batch;
+  o.bench_draft_override = spec.draft_override;
+  DecodeEngine dec(engine, pool, o);
+
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> normal(0.0F, 1.0F);
+  std::uniform_int_distribution<std::int32_t> token(2, static_cast<std::int32_t>(cfg.vocab_size - 1));
+  RunResult r;
+  r.batch = spec.batch;
+  r.outputs.resize(static_cast<std::size_t>(spec.batch));
+  std::vector<float> latent(static_cast<std::size_t>(cfg.latentDim()));
+  for (std::int64_t i = 0; i < spec.batch; ++i) {
+    DecodeRequest req;
+    req.id = static_cast<std::uint64_t>(i + 1);
+    req.prompt_tokens = spec.context;
+    req.max_tokens = spec.max_tokens;
+    req.ignore_eos = true;
+    std::vector<std::int32_t>* out = &r.outputs[static_cast<std::size_t>(i)];
+    req.sink = [out](const decode::TokenEvent& e) {
+      for (const auto& t : e.tokens) out->push_back(t.token);
+    };
+    PD_ASSIGN_OR_RETURN(std::vector<std::int32_t> blocks, dec.admit(std::move(req)));
+    for (std::int64_t l = 0; l < cfg.kvLayers(); ++l) {
+      for (std::int64_t p = 0; p < spec.context; ++p) {
+        for (float& v : latent) v = normal(rng);
+        model::writeLatent(pool.view(), l, blocks, p, latent.data());
+      }
+    }
+    kvtransfer::CompletionRecord rec;
+    rec.num_tokens = static_cast<std::uint32_t>(spec.context);
+    rec.first_token = token(rng);
+    rec.hidden_state.resize(static_cast<std::size_t>(cfg.hidden_size));
+    for (float& v : rec.hidden_state) v = normal(rng);
+    PD_TRY(dec.onKvReady(static_cast<std::uint64_t>(i + 1), std::move(rec)));
+  }
+  (void)engine.take();
+  std::int64_t emitted_before = 0;
+  for (std::int64_t step = 0; dec.hasWork(); ++step) {
+    const decode::DecodeStats before = dec.stats();
+    const auto t0 = BenchClock::now();
+    const double c0 = processCpuSeconds();
+    dec.step(decode::Clock::now());
+    const double dt = secondsSince(t0);
+    const double cpu = processCpuSeconds() - c0;
+    const MeteredEngine::Totals m = engine.take();
+    const decode::DecodeStats& after = dec.stats();
+    if (after.steps == before.steps) {
+      return makeError(ErrorCode::Internal, "a decode step produced nothing (did a request fail?)");
+    }
+    if (step < spec.warmup_steps) {  // page faults, workspace growth
+      emitted_before = after.tokens_generated;
+      continue;
+    }
+    r.step_seconds.push_back(dt);
+    r.wall_seconds += dt;
+    r.forward_seconds += m.forward_seconds;
+    r.mtp_seconds += m.mtp_seconds;
+    r.bytes += static_cast<double>(m.bytes);
+    r.experts += static_cast<double>(m.experts);
+    r.cpu_share += cpu / (dt * threads);
+    r.drafts_proposed += after.drafts_proposed - before.drafts_proposed;
+    r.drafts_accepted += after.drafts_accepted - before.drafts_accepted;
+    ++r.steps;
+  }
+  r.tokens = dec.stats().tokens_generated - emitted_before;
+  if (r.steps < 1) {
+    return makeError(ErrorCode::InvalidArgument, "no timed step: raise --steps (or lower the warm-up)");
+  }
+  r.cpu_share /= static_cast<double>(r.steps);
+  for (const auto& out : r.outputs) {
+    if (static_cast<std::int64_t>(out.size()) != spec.max_tokens) {
+      return makeError(ErrorCode::Internal, "a request ended early");
+    }
+  }
+  return r;
+}
+
+// The last-level cache of cpu0 in bytes (sysfs), 0 when unknown.
+std::uint64_t lastLevelCacheBytes() {
+  std::uint64_t best = 0;
+  for (int index = 0; index < 8; ++index) {
+    std::ifstream f(fmt::format("/sys/devices/system/cpu/cpu0/cache/index{}/size", index));
+    std::string text;
+    if (!(f >> text) || text.empty()) continue;
+    std::uint64_t v = 0;
+    std::size_t i = 0;
+    while (i < text.size() && text[i] >= '0' && text[i] <= '9') v = v * 10 + static_cast<std::uint64_t>(text[i++] - '0');
+    if (i < text.size() && (text[i] == 'K' || text[i] == 'k')) v <<= 10;
+    if (i < text.size() && text[i] == 'M') v <<= 20;
+    best = std::max(best, v);
+  }
+  return best;
+}
+
+// Bytes of the checkpoint's safetensors files.
+std::uint64_t weightFileBytes(const fs::path& dir) {
+  std::uint64_t total = 0;
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator(dir, ec)) {
+    if (e.path().extension() == ".safetensors") total += e.file_size(ec);
+  }
+  return total;
+}
+
+// A temporary folder removed on scope exit (the generated model).
+struct TempDir {
+  fs::path path;
+  ~TempDir() {
+    std::error_code ec;
+    if (!path.empty()) fs::remove_all(path, ec);
+  }
+};
+
+struct MtpRow {
+  double p = 0.0;
+  std::int64_t k = 0;
+  RunResult run;
+  double accepted_per_step = 0.0;
+  double relative_cost = 0.0;
+  double measured_speedup = 0.0;
+  double ideal_speedup = 0.0;
+  double over_ideal = 0.0;
+};
+
+}  // namespace
+
+int runBenchDecode(const std::vector<std::string>& args) {
+  CommonConfig common;
+  CommonOptions common_sets(common);
+  fs::path model_dir;
+  std::string preset = "bench";
+  std::int64_t threads = 0;
+  std::string batches_text = "1,4,16,64";
+  std::int64_t context = 256;
+  std::int64_t steps = 8;
+  std::string kv_dtype = "bf16";
+  std::string ks_text = "1";
+  std::int64_t mtp_tokens = 40;
+  std::int64_t bandwidth_mb = 2048;
+  bool json = false;
+  config::OptionSet set("bench_decode");
+  set.add("model", &model_dir, "model folder; empty: a make-model checkpoint of --preset generated into a temp folder")
+      .add("preset", &preset, "make-model preset of the generated model (weights should be >= 8x the L3 cache)")
+      .add("threads", &threads, "compute threads (0: every hardware thread)", 0, 1024)
+      .add("batches", &batches_text, "decode batch sizes, comma-separated")
+      .add("context", &context, "cached prompt tokens per sequence", 1, 1 << 20)
+      .add("steps", &steps, "timed decode steps per batch size (after 2 warm-up steps)", 1, 10000)
+      .add("kv_dtype", &kv_dtype, "latent KV pool element type", {"bf16", "f32"})
+      .add("mtp_k", &ks_text, "MTP draft counts to measure, comma-separated (batch 1)")
+      .add("mtp_tokens", &mtp_tokens, "tokens per MTP run at batch 1 (the first 2 steps are warm-up)", 8, 100000)
+      .add("bandwidth_mb", &bandwidth_mb, "buffer size of the read-bandwidth probe in MiB", 64, 1 << 20)
+      .add("json", &json, "print one JSON object instead of text");
+  auto loaded = loadCommandOptions(
+      "usage: pdserve bench decode [--model DIR | --preset bench] [--batches 1,4,16,64] [--mtp-k 1] [--json]\n"
+      "Decode step time, tokens/s and memory-bandwidth utilization (MBU) per batch size through the decode\n"
+      "worker's engine (scheduler + paged KV), and MTP speedup over the ideal for the measured acceptance, with a\n"
+      "bench-only draft override proposing the greedy continuation with probability p.",
+      {&set, &common_sets.log}, args, &common);
+  if (!loaded.ok()) return reportFailure(loaded.error());
+  if (loaded->help_requested) return 0;
+  auto batches = parsePositiveList(batches_text, "--batches");
+  if (!batches.ok()) return reportFailure(batches.error());
+  auto ks = parsePositiveList(ks_text, "--mtp-k");
+  if (!ks.ok()) return reportFailure(ks.error());
+
+  TempDir temp;
+  if (model_dir.empty()) {
+    auto cfg = presetConfig(preset);
+    if (!cfg.ok()) return reportFailure(cfg.error());
+    temp.path = fs::temp_directory_path() / fmt::format("pdserve-bench-decode-{}", ::getpid());
+    model_dir = temp.path;
+    if (!json) std::printf("generating a '%s' model in %s ...\n", preset.c_str(), model_dir.string().c_str());
+    std::fflush(stdout);
+    MakeModelOptions mo;
+    mo.overwrite = true;
+    auto made = makeModel(*cfg, model_dir, mo);
+    if (!made.ok()) return reportFailure(made.error());
+  }
+  model::CpuEngineOptions eo;
+  eo.threads = static_cast<int>(threads);
+  auto engine = model::createCpuEngine(model_dir, eo);
+  if (!engine.ok()) return reportFailure(engine.error());
+  const model::EngineCapabilities caps = (*engine)->capabilities();
+  const bool has_mtp = caps.mtp;
+  const DType pool_dtype = kv_dtype == "f32" ? DType::F32 : DType::BF16;
+  MeteredEngine metered(**engine);
+
+  const std::uint64_t l3 = lastLevelCacheBytes();
+  const std::uint64_t weights = weightFileBytes(model_dir);
+  const double over_l3 = l3 > 0 ? static_cast<double>(weights) / static_cast<double>(l3) : 0.0;
+  double bandwidth = 0.0;
+  {
+    model::ThreadPool pool(caps.threads);
+    bandwidth = measureReadBandwidth(pool, model::kernelTable(model::detectCpuIsa()),
+                                     static_cast<std::size_t>(bandwidth_mb) << 20);
+  }
+  if (!json) {
+    std::printf("model %s (%s weights, %.0f MB = %.1fx the %.0f MiB last-level cache), %s, %d threads\n",
+                model_dir.string().c_str(), std::string(dtypeName(caps.weight_dtype)).c_str(),
+                static_cast<double>(weights) / 1e6, over_l3, static_cast<double>(l3) / (1 << 20), caps.backend.c_str(),
+                caps.threads);
+    if (over_l3 > 0 && over_l3 < 8) std::printf("warning: the weights are less than 8x the last-level cache\n");
+    std::printf("ceiling: read bandwidth %.2f GB/s; KV pool %s, context %lld\n", bandwidth / 1e9, kv_dtype.c_str(),
+                static_cast<long long>(context));
+  }
+
+  // Batch sweep, MTP off.
+  std::vector<RunResult> sweep;
+  for (const std::int64_t b : *batches) {
+    RunSpec spec;
+    spec.batch = b;
+    spec.context = context;
+    spec.max_tokens = 1 + 2 + steps;  // the first token comes with the KV
+    spec.kv_dtype = pool_dtype;
+    auto r = runDecode(metered, spec, caps.threads, 1000 + static_cast<std::uint64_t>(b));
+    if (!r.ok()) return reportFailure(r.error());
+    sweep.push_back(std::move(*r));
+    const RunResult& x = sweep.back();
+    const double step = x.medianStep();
+    const double bytes = x.bytes / static_cast<double>(x.steps);
+    if (!json) {
+      std::printf(
+          "decode batch %3lld: %8.2f ms/step  %9.2f tok/s  %8.1f MB/step  %6.2f GB/s  MBU %.3f  (%.0f experts/step, "
+          "forward %.0f%% of the step, cpu share %.2f)\n",
+          static_cast<long long>(b), step * 1e3, static_cast<double>(b) / step, bytes / 1e6, bytes / step / 1e9,
+          bytes / step / bandwidth, x.experts / static_cast<double>(x.steps), 100.0 * x.forward_seconds / x.wall_seconds,
+          x.cpu_share);
+    }
+  }
+
+  // MTP at batch 1: the plain greedy run gives the baseline and the continuation to propose.
+  std::vector<MtpRow> mtp;
+  double plain_tps = 0.0;
+  double plain_forward_per_step = 0.0;
+  if (has_mtp) {
+    RunSpec base;
+    base.batch = 1;
+    base.context = context;
+    base.max_tokens = mtp_tokens;
+    base.kv_dtype = pool_dtype;
+    const std::uint64_t seed = 7;
+    auto plain = runDecode(metered, base, caps.threads, seed);
+    if (!plain.ok()) return reportFailure(plain.error());
+    plain_tps = static_cast<double>(plain->tokens) / plain->wall_seconds;
+    plain_forward_per_step = plain->forward_seconds / static_cast<double>(plain->steps);
+    const std::vector<std::int32_t> greedy = plain->outputs[0];
+    if (!json) {
+      std::printf("MTP at batch 1, %lld tokens: plain %.2f tok/s (%.2f ms/step, forward %.2f ms)\n",
+                  static_cast<long long>(mtp_tokens), plain_tps, plain->wall_seconds / plain->steps * 1e3,
+                  plain_forward_per_step * 1e3);
+    }
+    const auto vocab = static_cast<std::int32_t>((*engine)->config().vocab_size);
+    for (const std::int64_t k : *ks) {
+      for (const double p : {0.0, 0.5, 0.7, 0.85, 0.9, 1.0}) {
+        // BENCH-ONLY draft override: the known greedy token with probability p, else a wrong one.
+        auto draws = std::make_shared<std::mt19937_64>(99);
+        RunSpec spec = base;
+        spec.drafts = k;
+        spec.draft_override = [greedy, p, draws, vocab](std::uint64_t, std::int64_t index, std::int32_t) {
+          if (index < 0 || index >= static_cast<std::int64_t>(greedy.size())) return std::int32_t{0};
+          const std::int32_t right = greedy[static_cast<std::size_t>(index)];
+          const bool hit = std::uniform_real_distribution<double>(0.0, 1.0)(*draws) < p;
+          return hit ? right : static_cast<std::int32_t>((right + 1) % vocab);
+        };
+        auto run = runDecode(metered, spec, caps.threads, seed);
+        if (!run.ok()) return reportFailure(run.error());
+        if (run->outputs[0] != greedy) {
+          return reportFailure(makeError(ErrorCode::Internal, "MTP changed the greedy tokens"));
+        }
+        MtpRow row;
+        row.p = p;
+        row.k = k;
+        row.accepted_per_step = static_cast<double>(run->drafts_accepted) / static_cast<double>(run->steps);
+        const double spec_forward = (run->forward_seconds + run->mtp_seconds) / static_cast<double>(run->steps);
+        row.relative_cost = spec_forward / plain_forward_per_step - 1.0;
+        row.measured_speedup = (static_cast<double>(run->tokens) / run->wall_seconds) / plain_tps;
+        row.ideal_speedup = (1.0 + row.accepted_per_step) / (1.0 + row.relative_cost);
+        row.over_ideal = row.measured_speedup / row.ideal_speedup;
+        row.run = std::move(*run);
+        if (!json) {
+          std::printf(
+              "MTP k=%lld p=%.2f: acceptance %.3f, %.2f accepted/step, %.2f tok/s, speedup %.2fx, relative cost %.2f, "
+              "ideal %.2fx, measured/ideal %.3f\n",
+              static_cast<long long>(k), p,
+              row.run.drafts_proposed > 0
+                  ? static_cast<double>(row.run.drafts_accepted) / static_cast<double>(row.run.drafts_proposed)
+                  : 0.0,
+              row.accepted_per_step, static_cast<double>(row.run.tokens) / row.run.wall_seconds, row.measured_speedup,
+              row.relative_cost, row.ideal_speedup, row.over_ideal);
+        }
+        mtp.push_back(std::move(row));
+      }
+    }
+  } else if (!json) {
+    std::printf("MTP: skipped (the checkpoint has no MTP layer)\n");
+  }
+
+  if (json) {
+    std::string d = "[";
+    double mbu1 = 0.0;
+    for (std::size_t i = 0; i < sweep.size(); ++i) {
+      const RunResult& x = sweep[i];
+      const double step = x.medianStep();
+      const double bytes = x.bytes / static_cast<double>(x.steps);
+      const double mbu = bytes / step / bandwidth;
+      if (x.batch == 1) mbu1 = mbu;
+      d += fmt::format(
+          "{}{{\"batch\": {}, \"step_ms\": {:.4f}, \"tokens_per_s\": {:.3f}, \"bytes_per_step\": {:.0f}, \"gbs\": {:.3f}, "
+          "\"mbu\": {:.4f}, \"experts_per_step\": {:.1f}, \"forward_share\": {:.4f}, \"cpu_share\": {:.3f}}}",
+          i ? ", " : "", x.batch, step * 1e3, static_cast<double>(x.batch) / step, bytes, bytes / step / 1e9, mbu,
+          x.experts / static_cast<double>(x.steps), x.forward_seconds / x.wall_seconds, x.cpu_share);
+    }
+    d += "]";
+    std::string m = "[";
+    double over_ideal_085 = 0.0;
+    double speedup_085 = 0.0;
+    for (std::size_t i = 0; i < mtp.size(); ++i) {
+      const MtpRow& r = mtp[i];
+      if (r.k == 1 && r.p == 0.85) {
+        over_ideal_085 = r.over_ideal;
+        speedup_085 = r.measured_speedup;
+      }
+      m += fmt::format(
+          "{}{{\"k\": {}, \"p\": {:.2f}, \"steps\": {}, \"tokens\": {}, \"acceptance_rate\": {:.4f}, "
+          "\"accepted_per_step\": {:.4f}, \"tokens_per_s\": {:.3f}, \"relative_cost\": {:.4f}, "
+          "\"measured_speedup\": {:.4f}, \"ideal_speedup\": {:.4f}, \"speedup_over_ideal\": {:.4f}, \"cpu_share\": "
+          "{:.3f}}}",
+          i ? ", " : "", r.k, r.p, r.run.steps, r.run.tokens,
+          r.run.drafts_proposed > 0
+              ? static_cast<double>(r.run.drafts_accepted) / static_cast<double>(r.run.drafts_proposed)
+              : 0.0,
+          r.accepted_per_step, static_cast<double>(r.run.tokens) / r.run.wall_seconds, r.relative_cost,
+          r.measured_speedup, r.ideal_speedup, r.over_ideal, r.run.cpu_share);
+    }
+    m += "]";
+    const std::string line =
+        fmt::format(
+            "{{\"model\": \"{}\", \"weight_dtype\": \"{}\", \"backend\": \"{}\", \"threads\": {}, \"weight_bytes\": {}, "
+            "\"l3_bytes\": {}, \"weights_over_l3\": {:.2f}, \"read_bandwidth_gbs\": {:.3f}, \"kv_dtype\": \"{}\", "
+            "\"context\": {}, \"decode\": {}, \"mbu_batch1\": {:.4f}, \"mtp_plain_tokens_per_s\": {:.3f}, \"mtp\": {}, "
+            "\"mtp_speedup_at_p085\": {:.4f}, \"mtp_speedup_over_ideal\": {:.4f}, "
+            "\"draft_override\": \"bench-only: proposes the greedy continuation with probability p\"}}",
+            model_dir.string(), dtypeName(caps.weight_dtype), caps.backend, caps.threads, weights, l3, over_l3,
+            bandwidth / 1e9, kv_dtype, context, d, mbu1, plain_tps, m, speedup_085, over_ideal_085);
+    std::printf("%s\n", line.c_str());
+  }
+  return 0;
+}
+
+}  // namespace pd::cli
