@@ -153,7 +153,7 @@ TEST_P(PrefillWorkerGolden, DecodePoolHoldsTheGoldenKvAndFirstToken) {
   EXPECT_EQ(w.metric("pdserve_prefill_transfer_seconds_count").value_or(0), 1);
   EXPECT_GT(w.metric("pdserve_prefill_forward_seconds_total").value_or(0), 0.0);
   EXPECT_GT(w.metric("pdserve_prefill_tokens_per_second").value_or(0), 0.0);
-  const double kv_bytes = double{n} * static_cast<double>(d.compat.num_layers * d.compat.tokenBytes());
+  const auto kv_bytes = static_cast<double>(std::uint64_t{n} * d.compat.num_layers * d.compat.tokenBytes());
   EXPECT_EQ(w.metric("pdserve_prefill_kv_bytes_total").value_or(0), kv_bytes);
   EXPECT_EQ(w.metric("pdserve_kv_put_bytes_total").value_or(0), kv_bytes);
 }

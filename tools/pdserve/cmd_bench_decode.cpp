@@ -6,9 +6,11 @@
 //  - MTP speculation: measured speedup over plain decoding / ideal speedup for the measured
 //    acceptance, ideal = (1 + accepted per step) / (1 + relative cost of draft and verify), with
 //    the relative cost = (draft forward time + verify forward time) / plain forward time - 1 per
-//    step. Random weights accept almost no drafts, so drafts come from a BENCH-ONLY override
+//    step, both against a plain (MTP off) run of the same requests made right before. Random
+//    weights accept almost no drafts, so drafts come from a BENCH-ONLY override
 //    (DecodeEngineOptions::bench_draft_override, unreachable from configuration) that proposes
 //    the known greedy continuation with probability p, a wrong token otherwise.
+// Thread rules: main thread only (the engine's own pool does the compute).
 #include <fmt/format.h>
 #include <unistd.h>
 
@@ -392,6 +394,11 @@ int runBenchDecode(const std::vector<std::string>& args) {
           const bool hit = std::uniform_real_distribution<double>(0.0, 1.0)(*draws) < p;
           return hit ? right : static_cast<std::int32_t>((right + 1) % vocab);
         };
+        // A plain run right before, as the baseline: the machine's speed drifts between runs.
+        auto again = runDecode(metered, base, caps.threads, seed);
+        if (!again.ok()) return reportFailure(again.error());
+        const double base_tps = static_cast<double>(again->tokens) / again->wall_seconds;
+        const double base_forward = again->forward_seconds / static_cast<double>(again->steps);
         auto run = runDecode(metered, spec, caps.threads, seed);
         if (!run.ok()) return reportFailure(run.error());
         if (run->outputs[0] != greedy) {
@@ -402,8 +409,8 @@ int runBenchDecode(const std::vector<std::string>& args) {
         row.k = k;
         row.accepted_per_step = static_cast<double>(run->drafts_accepted) / static_cast<double>(run->steps);
         const double spec_forward = (run->forward_seconds + run->mtp_seconds) / static_cast<double>(run->steps);
-        row.relative_cost = spec_forward / plain_forward_per_step - 1.0;
-        row.measured_speedup = (static_cast<double>(run->tokens) / run->wall_seconds) / plain_tps;
+        row.relative_cost = spec_forward / base_forward - 1.0;
+        row.measured_speedup = (static_cast<double>(run->tokens) / run->wall_seconds) / base_tps;
         row.ideal_speedup = (1.0 + row.accepted_per_step) / (1.0 + row.relative_cost);
         row.over_ideal = row.measured_speedup / row.ideal_speedup;
         row.run = std::move(*run);
