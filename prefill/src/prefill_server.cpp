@@ -8,6 +8,7 @@
 #include <map>
 #include <mutex>
 #include <optional>
+#include <set>
 #include <shared_mutex>
 #include <utility>
 #include <vector>
@@ -409,7 +410,14 @@ class PrefillServer::Impl {
                                     fmt::format("request {} is already held by this prefill worker", sub.request_id)));
       }
       call->engine_id = next_engine_id_++;
+      // Transfers are numbered by each decode worker; two of them may use the same number.
+      if (transfers_.contains({call->transport, call->transfer_id})) {
+        return reject(ex, makeError(ErrorCode::Overloaded,
+                                    fmt::format("another decode worker's transfer {} is in flight here; retry",
+                                                call->transfer_id)));
+      }
       calls_.emplace(sub.request_id, call);
+      transfers_.emplace(call->transport, call->transfer_id);
     }
     const auto timeout = std::chrono::milliseconds(std::min(sub.timeout_ms, options_.prefill.request_timeout_ms));
     const Clock::time_point deadline = received + timeout;
@@ -419,6 +427,7 @@ class PrefillServer::Impl {
       {
         std::lock_guard lock(mutex_);
         calls_.erase(sub.request_id);
+        transfers_.erase({call->transport, call->transfer_id});
       }
       idle_.notify_all();
       return reject(ex, sink.error());
@@ -517,6 +526,7 @@ class PrefillServer::Impl {
     {
       std::lock_guard lock(mutex_);
       if (auto it = calls_.find(call->router_id); it != calls_.end() && it->second == call) calls_.erase(it);
+      transfers_.erase({call->transport, call->transfer_id});
     }
     idle_.notify_all();
   }
@@ -531,8 +541,9 @@ class PrefillServer::Impl {
 
   mutable std::mutex mutex_;
   std::condition_variable idle_;
-  std::map<std::string, std::shared_ptr<Call>> calls_;  // guarded by mutex_: router id -> call
-  std::uint64_t next_engine_id_ = 1;                    // guarded by mutex_
+  std::map<std::string, std::shared_ptr<Call>> calls_;             // guarded by mutex_: router id -> call
+  std::set<std::pair<kvt::Transport*, std::uint64_t>> transfers_;  // guarded by mutex_: in flight
+  std::uint64_t next_engine_id_ = 1;                               // guarded by mutex_
 
   std::mutex mirror_mutex_;
   std::int64_t mirrored_tokens_ = 0;  // guarded by mirror_mutex_

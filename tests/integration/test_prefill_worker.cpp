@@ -356,6 +356,33 @@ TEST_F(PrefillWorkerFaults, CancelMidPrefillAnswersCancelledAndFreesBothSides) {
   EXPECT_EQ(w.metric(R"(pdserve_prefill_requests_total{outcome="Cancelled"})").value_or(0), 1);
 }
 
+// Two decode workers number their transfers independently: a second transfer with a number in
+// flight here is refused as retryable (503 Overloaded), not mixed up with the first.
+TEST_F(PrefillWorkerFaults, TransferNumberOfAnotherDecodeWorkerInFlightIsRetryable) {
+  auto a = DecodeSide::create(model(), 256, 16, DType::F32);
+  auto b = DecodeSide::create(model(), 256, 16, DType::F32);
+  ASSERT_TRUE(a.ok() && b.ok());
+  WorkerProcess w(workerFlags());
+  ASSERT_TRUE(w.ok());
+  const auto n = static_cast<std::uint32_t>(kLongPrompt);
+  const kvt::KvDescriptor da = (*a)->expect(7, n, kvt::testutil::shuffledBlocks(256, (n + 15) / 16, 7), 30s);
+  const kvt::KvDescriptor db = (*b)->expect(7, 3, {0}, 30s);
+  std::optional<Result<http::ClientResponse>> answer;
+  std::thread submit(
+      [&] { answer = w.send("POST", worker_api::kPrefillPath, submitJson("cmpl-a", longPrompt(), da, 30000)); });
+  ASSERT_TRUE(waitStreaming(w));
+  auto second = w.send("POST", worker_api::kPrefillPath, submitJson("cmpl-b", {1, 2, 3}, db, 30000));
+  ASSERT_TRUE(second.ok());
+  EXPECT_EQ(second->status, 503) << second->body;
+  EXPECT_EQ(errorOf(*second).code, ErrorCode::Overloaded);
+  ASSERT_TRUE(w.send("POST", worker_api::kPrefillCancelPath, R"({"request_id":"cmpl-a"})").ok());
+  submit.join();
+  ASSERT_TRUE(answer.has_value() && answer->ok());
+  EXPECT_EQ((*answer)->status, 409);
+  EXPECT_TRUE((*b)->transport().cancelExpect(7));
+  expectNothingHeld(w);
+}
+
 TEST_F(PrefillWorkerFaults, RouterClosingTheSubmissionCancelsIt) {
   auto side = DecodeSide::create(model(), 256, 16, DType::F32);
   ASSERT_TRUE(side.ok()) << side.error().toString();

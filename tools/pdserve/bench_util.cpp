@@ -1,3 +1,4 @@
+// Shared helpers of the `pdserve bench` subcommands (bench_util.h).
 #include "bench_util.h"
 
 #include <fmt/format.h>

@@ -11,13 +11,14 @@
 // (`pdserve bench prefill --receiver --lengths <every transfer's length, in order>`), which expects
 // every planned transfer up front and reports arrivals on stdout.
 #include <fmt/format.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <boost/json.hpp>
 #include <charconv>
 #include <chrono>
 #include <cmath>
-#include <condition_variable>
+#include <csignal>
 #include <cstdio>
 #include <future>
 #include <memory>
@@ -77,9 +78,15 @@ Result<std::vector<std::int64_t>> parseLengths(const std::string& text) {
 // ---- the decode process ---------------------------------------------------------------------------
 
 // Expects request i + 1 with lengths[i] tokens for every i, prints "DESCRIPTOR <id> <base64>" for
-// each, then "ARRIVED <id> ok|<error>" as records (or failures) arrive; exits after the last one.
+// each, then "ARRIVED <id> ok|<error>" as records (or failures) arrive, until it is terminated.
 // The descriptors share blocks: the pool's contents are not checked, only delivery.
 int runReceiver(const BenchPrefillConfig& cfg, const kvt::KvTransferConfig& kv, const std::vector<std::int64_t>& plan) {
+  // Before the transport: its callbacks use them until it is gone.
+  std::mutex mutex;
+  const auto say = [&](const std::string& line) {
+    std::printf("%s\n", line.c_str());
+    std::fflush(stdout);
+  };
   auto mcfg = ModelConfig::load(cfg.model);
   if (!mcfg.ok()) return reportFailure(mcfg.error());
   auto hash = prefill::modelHash(cfg.model);
@@ -97,13 +104,6 @@ int runReceiver(const BenchPrefillConfig& cfg, const kvt::KvTransferConfig& kv, 
   const kvt::RegionLayout layout = pool->regionLayout(*region);
   auto target = t.exportTarget(0, std::span(&layout, 1));
   if (!target.ok()) return reportFailure(target.error());
-  std::mutex mutex;
-  std::condition_variable all_arrived;
-  std::size_t arrived = 0;
-  const auto say = [&](const std::string& line) {
-    std::printf("%s\n", line.c_str());
-    std::fflush(stdout);
-  };
   for (std::size_t i = 0; i < plan.size(); ++i) {
     kvt::KvDescriptor d;
     d.request_id = i + 1;
@@ -118,8 +118,6 @@ int runReceiver(const BenchPrefillConfig& cfg, const kvt::KvTransferConfig& kv, 
         t.expect(d.request_id, Clock::now() + 3600s, [&](std::uint64_t id, Result<kvt::CompletionRecord> r) {
           std::lock_guard lock(mutex);
           say(fmt::format("ARRIVED {} {}", id, r.ok() ? std::string("ok") : r.error().toString()));
-          ++arrived;
-          all_arrived.notify_all();
         });
     if (!s.ok()) return reportFailure(s.error());
     const std::vector<std::uint8_t> bytes = kvt::encode(d);
@@ -128,12 +126,9 @@ int runReceiver(const BenchPrefillConfig& cfg, const kvt::KvTransferConfig& kv, 
         "DESCRIPTOR {} {}", d.request_id,
         worker_api::base64Encode(std::string_view(reinterpret_cast<const char*>(bytes.data()), bytes.size()))));
   }
-  {
-    std::unique_lock lock(mutex);
-    all_arrived.wait(lock, [&] { return arrived == plan.size(); });
-  }
-  (void)t.deregisterRegion(*region);
-  return 0;
+  // Stays up until the bench ends it (SIGTERM): the sender's last flush follows its record, and a
+  // receiver gone by then would fail that transfer.
+  for (;;) ::pause();
 }
 
 // ---- the prefill side -----------------------------------------------------------------------------
@@ -377,7 +372,8 @@ int runBenchPrefill(const std::vector<std::string>& args) {
     Row& row = rows.back();
     (mode == Mode::Compute ? row.compute : mode == Mode::Streaming ? row.streaming : row.send_after).push_back(*t);
   }
-  (void)(*receiver)->wait(30s);
+  (*receiver)->signal(SIGTERM);
+  (void)(*receiver)->wait(10s);
 
   // The headline length: 2048, or the nearest one measured.
   const Row* headline = &rows.front();

@@ -15,12 +15,12 @@
 
 #include "cli.h"
 #include "pd/common/log.h"
+#include "pd/common/model_hash.h"
 #include "pd/common/model/engine.h"
 #include "pd/decode/decode_config.h"
 #include "pd/decode/decode_server.h"
 #include "pd/kvtransfer/kvtransfer_config.h"
 #include "pd/kvtransfer/ucx_transport.h"
-#include "pd/prefill/model_hash.h"
 
 namespace pd::cli {
 namespace {
@@ -110,14 +110,14 @@ int runDecode(const std::vector<std::string>& raw_args) {
   auto model_dir = resolveModelDir(common);
   if (!model_dir.ok()) return reportFailure(model_dir.error());
   // The same hash the prefill workers compute (their descriptors and records must match ours).
-  auto hash = prefill::modelHash(*model_dir);
+  auto hash = modelHash(*model_dir);
   if (!hash.ok()) return reportFailure(hash.error());
   model::CpuEngineOptions engine_options;
   engine_options.threads = static_cast<int>(decode_cfg.threads);
   auto engine = model::createCpuEngine(*model_dir, engine_options);
   if (!engine.ok()) return reportFailure(engine.error());
   log::info("decode", "model {} loaded ({}), hash {}", model_dir->string(), (*engine)->capabilities().backend,
-            prefill::modelHashHex(*hash));
+            modelHashHex(*hash));
 
   decode::DecodeServerOptions options;
   options.decode = decode_cfg;

@@ -24,6 +24,7 @@ int runBench(const std::vector<std::string>& args) {
   if (!args.empty() && args[0] == "router") return pd::cli::runBenchRouter({args.begin() + 1, args.end()});
   if (!args.empty() && args[0] == "comm") return pd::cli::runBenchComm({args.begin() + 1, args.end()});
   if (!args.empty() && args[0] == "decode") return pd::cli::runBenchDecode({args.begin() + 1, args.end()});
+  if (!args.empty() && args[0] == "serve") return pd::cli::runBenchServe({args.begin() + 1, args.end()});
   std::fprintf(stderr, "pdserve bench %s: not built yet (issue 10); built: pdserve bench kv, pdserve bench engine\n",
                args.empty() ? "" : args[0].c_str());
   return 3;

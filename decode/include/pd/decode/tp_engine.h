@@ -69,6 +69,8 @@ class TpLeaderEngine final : public model::Engine {
   Status expectKv(std::uint64_t request_id, std::uint32_t timeout_ms);
   /// Tells every follower to stop expecting `request_id` (abort, deadline, failure).
   Status cancelKv(std::uint64_t request_id);
+  /// The group (rank 0): for exchangeKvTargets() at start-up, before any forward call.
+  [[nodiscard]] comm::Communicator& comm() { return comm_; }
 
  private:
   Result<model::ForwardOutput> call(bool mtp, std::span<const model::SequenceChunk> batch,

@@ -1,4 +1,4 @@
-#include "pd/prefill/model_hash.h"
+#include "pd/common/model_hash.h"
 
 #include <fmt/format.h>
 
@@ -12,7 +12,7 @@
 
 #include "pd/common/sha256.h"
 
-namespace pd::prefill {
+namespace pd {
 namespace {
 
 namespace fs = std::filesystem;
@@ -103,4 +103,4 @@ std::string modelHashHex(std::uint64_t hash) {
   return fmt::format("{:016x}", hash);
 }
 
-}  // namespace pd::prefill
+}  // namespace pd

@@ -1,0 +1,72 @@
+// Prometheus text scraping for `pdserve bench serve` (server_metrics.h).
+#include "bench_serve/server_metrics.h"
+
+#include <charconv>
+#include <cmath>
+#include <cstdlib>
+
+#include "bench_serve/runner.h"
+#include "pd/common/http_client.h"
+
+namespace pd::bench {
+
+std::map<std::string, double> parsePrometheusText(std::string_view text) {
+  std::map<std::string, double> sums;
+  std::size_t pos = 0;
+  while (pos < text.size()) {
+    auto eol = text.find('\n', pos);
+    if (eol == std::string_view::npos) eol = text.size();
+    std::string_view line = text.substr(pos, eol - pos);
+    pos = eol + 1;
+    if (!line.empty() && line.back() == '\r') line.remove_suffix(1);
+    if (line.empty() || line.front() == '#') continue;
+    const auto name_end = line.find_first_of("{ \t");
+    if (name_end == std::string_view::npos || name_end == 0) continue;
+    const std::string name(line.substr(0, name_end));
+    std::string_view rest = line.substr(name_end);
+    if (rest.front() == '{') {
+      // Label values may contain '}' inside quotes; find the closing brace outside them.
+      bool quoted = false;
+      std::size_t i = 1;
+      for (; i < rest.size(); ++i) {
+        if (rest[i] == '\\' && quoted) {
+          ++i;
+        } else if (rest[i] == '"') {
+          quoted = !quoted;
+        } else if (rest[i] == '}' && !quoted) {
+          break;
+        }
+      }
+      if (i >= rest.size()) continue;
+      rest = rest.substr(i + 1);
+    }
+    const auto value_begin = rest.find_first_not_of(" \t");
+    if (value_begin == std::string_view::npos) continue;
+    rest = rest.substr(value_begin);
+    const std::string value_text(rest.substr(0, rest.find_first_of(" \t")));
+    char* end = nullptr;
+    const double value = std::strtod(value_text.c_str(), &end);
+    if (end == value_text.c_str() || *end != '\0' || !std::isfinite(value)) continue;
+    sums[name] += value;
+  }
+  return sums;
+}
+
+Result<std::map<std::string, double>> scrapeCounters(const std::vector<std::string>& urls,
+                                                     std::chrono::milliseconds timeout) {
+  std::map<std::string, double> total;
+  for (const auto& url : urls) {
+    PD_ASSIGN_OR_RETURN(auto target, parseUrl(url));
+    http::Client client(target.host, target.port);
+    http::ClientRequest req;
+    req.target = target.prefix.empty() ? "/metrics" : target.prefix;
+    PD_ASSIGN_OR_RETURN(auto response, client.send(req, timeout));
+    if (response.status != 200) {
+      return makeError(ErrorCode::PeerFailed, url + ": /metrics answered HTTP " + std::to_string(response.status));
+    }
+    for (const auto& [name, value] : parsePrometheusText(response.body)) total[name] += value;
+  }
+  return total;
+}
+
+}  // namespace pd::bench

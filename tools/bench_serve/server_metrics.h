@@ -1,0 +1,35 @@
+#pragma once
+/// Reads counters from servers' Prometheus /metrics pages, for the server-side numbers of
+/// `pdserve bench serve` (MTP acceptance from pdserve's decode workers:
+/// pdserve_decode_mtp_drafts_{proposed,accepted}_total, pdserve_decode_generated_tokens_total,
+/// pdserve_decode_steps_total; docs/configuration.md).
+///
+/// Thread rules: pure functions, except scrapeCounters(), which blocks on HTTP.
+
+#include <chrono>
+#include <map>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "pd/common/result.h"
+
+namespace pd::bench {
+
+/// Sums of the samples of each metric family in `text` (Prometheus text format), over all
+/// label sets, keyed by sample name. Comments and malformed lines are skipped.
+std::map<std::string, double> parsePrometheusText(std::string_view text);
+
+/// GETs every URL ("http://host:port" means its /metrics) and adds up the sums of
+/// parsePrometheusText (several decode workers count together). Errors: the first URL that cannot
+/// be read (InvalidArgument for a bad URL, PeerFailed/Timeout, or an HTTP status).
+Result<std::map<std::string, double>> scrapeCounters(const std::vector<std::string>& urls,
+                                                     std::chrono::milliseconds timeout);
+
+/// The counters the MTP statistics use.
+inline constexpr std::string_view kMtpProposed = "pdserve_decode_mtp_drafts_proposed_total";
+inline constexpr std::string_view kMtpAccepted = "pdserve_decode_mtp_drafts_accepted_total";
+inline constexpr std::string_view kDecodeTokens = "pdserve_decode_generated_tokens_total";
+inline constexpr std::string_view kDecodeSteps = "pdserve_decode_steps_total";
+
+}  // namespace pd::bench
