@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <random>
 #include <utility>
 
 #include "pd/common/log.h"
@@ -74,6 +75,14 @@ struct DecodeServer::Stream {
   http::Exchange exchange;
   bool logprobs = false;
 };
+
+std::uint64_t DecodeServer::randomTransferIdBase() {
+  std::random_device device;
+  const std::uint64_t high = device();
+  const std::uint64_t low = device();
+  // Leave headroom below 2^64 so the counter never wraps; never 0.
+  return (((high << 32) | low) >> 1) | 1;
+}
 
 DecodeServer::DecodeServer(std::unique_ptr<model::Engine> engine, DecodeServerOptions options)
     : options_(std::move(options)), metrics_(registry_), engine_(std::move(engine)) {}

@@ -46,7 +46,12 @@ Result<std::unique_ptr<TpLeaderGroup>> TpLeaderGroup::start(int size, std::vecto
     }
     return okStatus();
   };
-  PD_ASSIGN_OR_RETURN(group->comm_, comm::createShmCommunicator(so));
+  auto joined = comm::createShmCommunicator(so);
+  if (!joined.ok()) {
+    for (auto& f : group->followers_) f->signal(SIGKILL);  // a group that never formed is of no use
+    return std::move(joined).error();
+  }
+  group->comm_ = std::move(joined).value();
   return group;
 }
 

@@ -2,6 +2,7 @@
 #include "bench_serve/report.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <algorithm>
 #include <boost/json.hpp>
@@ -69,8 +70,8 @@ std::string fmtMs(const Distribution& d) {
 
 std::string describeRun(const RunInfo& i) {
   std::string prompts = i.prompts == "random"
-                            ? fmt::format("random prompts of {} tokens, {} output tokens", i.input_tokens,
-                                          i.output_tokens)
+                            ? fmt::format("random prompts of {} {}, {} output tokens", i.input_tokens,
+                                          i.endpoint == "chat" ? "words" : "token ids", i.output_tokens)
                             : fmt::format("prompts from {}, max_tokens {} unless set per line", i.prompts,
                                           i.output_tokens);
   std::string text = fmt::format("`{}` at {}, /v1/{}, {}{}, seed {}", i.model, i.url,
@@ -127,7 +128,7 @@ std::string panel(double x0, double y0, double w, double h, const std::string& t
   const double pw = w - kLeft - kRight;
   const double ph = h - kTop - kBottom;
   std::string s;
-  s += fmt::format(R"(<g class="panel"><text x="{:.1f}" y="{:.1f}" text-anchor="middle" font-size="15" font-weight="bold">{}</text>)",
+  s += fmt::format(R"svg(<g class="panel"><text x="{:.1f}" y="{:.1f}" text-anchor="middle" font-size="15" font-weight="bold">{}</text>)svg",
                    x0 + w / 2, y0 + 20, xmlEscape(title));
   s += '\n';
   const auto tx = [&](double v) { return log2_x ? std::log2(std::max(v, 1e-12)) : v; };
@@ -141,17 +142,17 @@ std::string panel(double x0, double y0, double w, double h, const std::string& t
       ys.push_back(p.y);
     }
   }
-  s += fmt::format(R"(<rect x="{:.1f}" y="{:.1f}" width="{:.1f}" height="{:.1f}" fill="none" stroke="#444"/>)", px, py,
+  s += fmt::format(R"svg(<rect x="{:.1f}" y="{:.1f}" width="{:.1f}" height="{:.1f}" fill="none" stroke="#444"/>)svg", px, py,
                    pw, ph);
   s += '\n';
-  s += fmt::format(R"(<text x="{:.1f}" y="{:.1f}" text-anchor="middle" font-size="12">{}</text>)", px + pw / 2,
+  s += fmt::format(R"svg(<text x="{:.1f}" y="{:.1f}" text-anchor="middle" font-size="12">{}</text>)svg", px + pw / 2,
                    y0 + h - 10, xmlEscape(x_label));
   s += '\n';
-  s += fmt::format(R"(<text x="{:.1f}" y="{:.1f}" text-anchor="middle" font-size="12" transform="rotate(-90 {:.1f} {:.1f})">{}</text>)",
+  s += fmt::format(R"svg(<text x="{:.1f}" y="{:.1f}" text-anchor="middle" font-size="12" transform="rotate(-90 {:.1f} {:.1f})">{}</text>)svg",
                    x0 + 16, py + ph / 2, x0 + 16, py + ph / 2, xmlEscape(y_label));
   s += '\n';
   if (xs.empty()) {
-    s += fmt::format(R"(<text x="{:.1f}" y="{:.1f}" text-anchor="middle" font-size="13" fill="#888">no data</text>)",
+    s += fmt::format(R"svg(<text x="{:.1f}" y="{:.1f}" text-anchor="middle" font-size="13" fill="#888">no data</text>)svg",
                      px + pw / 2, py + ph / 2);
     return s + "</g>\n";
   }
@@ -183,16 +184,16 @@ std::string panel(double x0, double y0, double w, double h, const std::string& t
   for (const double t : xticks) {
     const double x = mx(t);
     if (x < px - 0.5 || x > px + pw + 0.5) continue;
-    s += fmt::format(R"(<line x1="{0:.1f}" y1="{1:.1f}" x2="{0:.1f}" y2="{2:.1f}" stroke="#ddd"/>)", x, py, py + ph);
-    s += fmt::format(R"(<text x="{:.1f}" y="{:.1f}" text-anchor="middle" font-size="11">{}</text>)", x, py + ph + 16,
+    s += fmt::format(R"svg(<line x1="{0:.1f}" y1="{1:.1f}" x2="{0:.1f}" y2="{2:.1f}" stroke="#ddd"/>)svg", x, py, py + ph);
+    s += fmt::format(R"svg(<text x="{:.1f}" y="{:.1f}" text-anchor="middle" font-size="11">{}</text>)svg", x, py + ph + 16,
                      tickText(t));
     s += '\n';
   }
   for (const double t : niceTicks(ylo, yhi, 5)) {
     const double y = my(t);
     if (y < py - 0.5 || y > py + ph + 0.5) continue;
-    s += fmt::format(R"(<line x1="{0:.1f}" y1="{1:.1f}" x2="{2:.1f}" y2="{1:.1f}" stroke="#ddd"/>)", px, y, px + pw);
-    s += fmt::format(R"(<text x="{:.1f}" y="{:.1f}" text-anchor="end" font-size="11">{}</text>)", px - 6, y + 4,
+    s += fmt::format(R"svg(<line x1="{0:.1f}" y1="{1:.1f}" x2="{2:.1f}" y2="{1:.1f}" stroke="#ddd"/>)svg", px, y, px + pw);
+    s += fmt::format(R"svg(<text x="{:.1f}" y="{:.1f}" text-anchor="end" font-size="11">{}</text>)svg", px - 6, y + 4,
                      tickText(t));
     s += '\n';
   }
@@ -203,15 +204,15 @@ std::string panel(double x0, double y0, double w, double h, const std::string& t
       path += fmt::format("{}{:.1f},{:.1f}", path.empty() ? "" : " ", mx(p.x), my(p.y));
     }
     if (!path.empty()) {
-      s += fmt::format(R"(<polyline points="{}" fill="none" stroke="{}" stroke-width="2"/>)", path, se.color);
+      s += fmt::format(R"svg(<polyline points="{}" fill="none" stroke="{}" stroke-width="2"/>)svg", path, se.color);
       s += '\n';
     }
     for (const auto& p : se.points) {
       if (!std::isfinite(p.x) || !std::isfinite(p.y) || (log2_x && !(p.x > 0))) continue;
-      s += fmt::format(R"(<circle cx="{:.1f}" cy="{:.1f}" r="3.5" fill="{}"><title>{}</title></circle>)", mx(p.x),
+      s += fmt::format(R"svg(<circle cx="{:.1f}" cy="{:.1f}" r="3.5" fill="{}"><title>{}</title></circle>)svg", mx(p.x),
                        my(p.y), se.color, xmlEscape(fmt::format("{}: {} ({:.1f}, {:.1f})", se.name, p.label, p.x, p.y)));
       if (!p.label.empty()) {
-        s += fmt::format(R"(<text x="{:.1f}" y="{:.1f}" font-size="10" fill="#555">{}</text>)", mx(p.x) + 5,
+        s += fmt::format(R"svg(<text x="{:.1f}" y="{:.1f}" font-size="10" fill="#555">{}</text>)svg", mx(p.x) + 5,
                          my(p.y) - 5, xmlEscape(p.label));
       }
       s += '\n';
@@ -220,9 +221,9 @@ std::string panel(double x0, double y0, double w, double h, const std::string& t
   // Legend, top left inside the plot.
   double ly = py + 14;
   for (const auto& se : series) {
-    s += fmt::format(R"(<line x1="{:.1f}" y1="{:.1f}" x2="{:.1f}" y2="{:.1f}" stroke="{}" stroke-width="2"/>)", px + 10,
+    s += fmt::format(R"svg(<line x1="{:.1f}" y1="{:.1f}" x2="{:.1f}" y2="{:.1f}" stroke="{}" stroke-width="2"/>)svg", px + 10,
                      ly - 4, px + 30, ly - 4, se.color);
-    s += fmt::format(R"(<text x="{:.1f}" y="{:.1f}" font-size="11">{}</text>)", px + 36, ly, xmlEscape(se.name));
+    s += fmt::format(R"svg(<text x="{:.1f}" y="{:.1f}" font-size="11">{}</text>)svg", px + 36, ly, xmlEscape(se.name));
     s += '\n';
     ly += 16;
   }
@@ -273,7 +274,8 @@ std::string toJson(const BenchReport& report) {
   boost::json::object o;
   o["tool"] = "pdserve bench serve";
   o["url"] = i.url;
-  o["model"] = i.model;
+  // vLLM's key; "model" would be read by `pdserve plan --calibrate` as a preset or checkpoint.
+  o["model_id"] = i.model;
   o["endpoint"] = i.endpoint;
   o["prompts"] = i.prompts;
   if (i.prompts == "random") o["input_tokens"] = i.input_tokens;
@@ -321,11 +323,11 @@ std::string toMarkdown(const BenchReport& report) {
   }
   md += "\nTPOT, ITL and E2E columns are mean / p50 / p90 / p99 like TTFT. Tok/s per user = 1000 / mean TPOT.\n";
   if (goodput) {
-    std::string slos;
-    if (report.info.slo.ttft_ms) slos += fmt::format(" TTFT ≤ {:g} ms", *report.info.slo.ttft_ms);
-    if (report.info.slo.tpot_ms) slos += fmt::format(" TPOT ≤ {:g} ms", *report.info.slo.tpot_ms);
-    if (report.info.slo.e2e_ms) slos += fmt::format(" E2E ≤ {:g} ms", *report.info.slo.e2e_ms);
-    md += "Goodput counts requests meeting" + slos + ".\n";
+    std::vector<std::string> slos;
+    if (report.info.slo.ttft_ms) slos.push_back(fmt::format("TTFT ≤ {:g} ms", *report.info.slo.ttft_ms));
+    if (report.info.slo.tpot_ms) slos.push_back(fmt::format("TPOT ≤ {:g} ms", *report.info.slo.tpot_ms));
+    if (report.info.slo.e2e_ms) slos.push_back(fmt::format("E2E ≤ {:g} ms", *report.info.slo.e2e_ms));
+    md += fmt::format("Goodput counts requests meeting {}.\n", fmt::join(slos, ", "));
   }
   for (const auto& l : report.levels) {
     for (const auto& e : l.errors) {
@@ -354,13 +356,13 @@ std::string toSvg(const BenchReport& report) {
     total.points.push_back({x, l.total_token_throughput, ""});
   }
   std::string s = fmt::format(
-      R"(<?xml version="1.0" encoding="UTF-8"?>
+      R"svg(<?xml version="1.0" encoding="UTF-8"?>
 <svg xmlns="http://www.w3.org/2000/svg" width="{0:.0f}" height="{1:.0f}" viewBox="0 0 {0:.0f} {1:.0f}" font-family="sans-serif">
 <title>{2}</title>
 <rect width="100%" height="100%" fill="white"/>
-)",
+)svg",
       kWidth, kHeight, xmlEscape("pdserve bench serve: " + describeRun(report.info)));
-  s += fmt::format(R"(<text x="{:.1f}" y="18" text-anchor="middle" font-size="12" fill="#333">{}</text>)", kWidth / 2,
+  s += fmt::format(R"svg(<text x="{:.1f}" y="18" text-anchor="middle" font-size="12" fill="#333">{}</text>)svg", kWidth / 2,
                    xmlEscape(report.info.model + " at " + report.info.url));
   s += '\n';
   s += panel(0, 20, kWidth / 2, kHeight - 20, "TTFT vs output throughput", "output tokens/s (all requests)",

@@ -76,7 +76,7 @@ TEST(BenchServeRunner, MeasuresTheScriptedTimetable) {
     // One ITL entry per token after the first chunk; together they span the streaming part.
     ASSERT_EQ(static_cast<std::int64_t>(r.itl_s.size()), later_tokens);
     const double itl_sum = std::accumulate(r.itl_s.begin(), r.itl_s.end(), 0.0);
-    EXPECT_GE(itl_sum, stream * 0.95);
+    EXPECT_GE(itl_sum, stream * 0.8);
     EXPECT_LT(itl_sum, stream + kSlackS);
     // The 2-token chunk's gap is split evenly: its two entries are equal.
     EXPECT_DOUBLE_EQ(r.itl_s[0], r.itl_s[1]);
@@ -89,9 +89,9 @@ TEST(BenchServeRunner, MeasuresTheScriptedTimetable) {
   EXPECT_EQ(s.failed, 0);
   // TPOT = (e2e - TTFT) / 7 ≈ 45 ms / 7; ITL mean = 45 ms / 7 as well.
   const double tpot_ms = stream * 1e3 / 7;
-  EXPECT_GE(s.tpot_ms.p50, tpot_ms * 0.95);
+  EXPECT_GE(s.tpot_ms.p50, tpot_ms * 0.8);
   EXPECT_LT(s.tpot_ms.p50, tpot_ms + kSlackS * 1e3 / 7);
-  EXPECT_GE(s.itl_ms.mean, tpot_ms * 0.95);
+  EXPECT_GE(s.itl_ms.mean, tpot_ms * 0.8);
   EXPECT_LT(s.itl_ms.mean, tpot_ms + kSlackS * 1e3 / 7);
   // Three rounds of two concurrent requests, each about TTFT + stream long.
   const double round = ttft + stream;

@@ -277,6 +277,22 @@ TEST(BenchServeUrl, ParsesHostPortAndPrefix) {
   EXPECT_FALSE(parseUrl("http://:80").ok());
 }
 
+TEST(BenchServeReport, ProgressAndSummaryLines) {
+  EXPECT_EQ(progressLine("c=1", 5, 10, 1, 12.3, false, 10), "c=1              [#####.....] 5/10 req  1 failed  12 tok/s");
+  EXPECT_EQ(progressLine("c=1", 0, 10, 0, 0, true, 10), "c=1              warming up");
+  LevelStats l;
+  l.concurrency = 4;
+  l.completed = 3;
+  l.failed = 1;
+  l.errors = {{"HTTP 503: busy", 1}};
+  const auto line = levelSummaryLine(l);
+  EXPECT_EQ(line.rfind("concurrency 4: 3 ok, 1 failed", 0), 0u) << line;
+  EXPECT_NE(line.find("(first error: HTTP 503: busy)"), std::string::npos) << line;
+  l.concurrency = 0;
+  l.request_rate = 2.5;
+  EXPECT_EQ(levelLabel(l), "rate 2.5/s");
+}
+
 TEST(BenchServeReport, XmlEscape) {
   EXPECT_EQ(xmlEscape("a<b>&\"c'\x01"), "a&lt;b&gt;&amp;&quot;c&apos; ");
 }

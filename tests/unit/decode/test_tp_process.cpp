@@ -9,6 +9,7 @@
 #include <chrono>
 
 #include "pd/common/shm_communicator.h"
+#include "pd/decode/tp_worker.h"
 #include "tp_test_support.h"
 
 namespace pd::decode {
@@ -98,6 +99,24 @@ TEST_P(TpProcess, ADeadFollowerFailsTheLeadersCall) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Golden, TpProcess, ::testing::Values("tiny-bf16", "tiny-fp8"));
+
+// TpLeaderGroup spawns real processes; a follower that exits before joining fails start() at
+// once (not after the join timeout), and one that never joins gives a Timeout.
+TEST(TpLeaderGroup, AFollowerThatExitsFailsStartAtOnce) {
+  const auto t0 = std::chrono::steady_clock::now();
+  auto g = TpLeaderGroup::start(2, {"/bin/sh", "-c", "exit 3"}, 30s);
+  ASSERT_FALSE(g.ok());
+  EXPECT_EQ(g.error().code, ErrorCode::PeerFailed) << g.error().toString();
+  EXPECT_NE(g.error().message.find("status 3"), std::string::npos) << g.error().message;
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 10s);
+}
+
+TEST(TpLeaderGroup, AFollowerThatNeverJoinsTimesOut) {
+  auto g = TpLeaderGroup::start(2, {"/bin/sh", "-c", "exec sleep 20"}, 300ms);
+  ASSERT_FALSE(g.ok());
+  EXPECT_EQ(g.error().code, ErrorCode::Timeout) << g.error().toString();
+  EXPECT_FALSE(TpLeaderGroup::start(1, {"/bin/true"}, 1s).ok()) << "a group needs two ranks";
+}
 
 }  // namespace
 }  // namespace pd::decode

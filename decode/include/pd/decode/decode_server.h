@@ -122,7 +122,10 @@ class DecodeServer {
   mutable std::condition_variable idle_;
   std::map<std::string, std::shared_ptr<Stream>> streams_;  // guarded by mutex_: by router id
   std::atomic<bool> draining_{false};
-  std::atomic<std::uint64_t> next_transfer_id_{1};
+  // Transfer ids start at a random 64-bit value: a prefill worker keys its transfers by id, and
+  // several decode workers share it (they must not all count from 1).
+  std::atomic<std::uint64_t> next_transfer_id_{randomTransferIdBase()};
+  static std::uint64_t randomTransferIdBase();
   bool stopped_ = false;  // controlling thread only
 
   std::unique_ptr<http::Server> http_;  // last: its handlers use everything above
