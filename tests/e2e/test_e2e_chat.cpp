@@ -246,7 +246,7 @@ TEST_F(E2eChat, BadRequestsGetTheirStatusAndJsonBody) {
               400);
   expectError(postJson(*cluster_, "/v1/chat/completions",
                        R"({"model":"secret-model-xyz","messages":[{"role":"user","content":"hi"}]})"),
-              400, "secret-model-xyz");
+              404, "secret-model-xyz");  // as OpenAI and vLLM answer: model_not_found
   expectError(postJson(*cluster_, "/v1/chat/completions",
                        R"({"model":"pdserve-default","messages":[{"role":"user","content":"hi"}],"n":2})"),
               400);
