@@ -42,6 +42,13 @@ struct RequestResult {
   double seconds = 0.0;
 };
 
+// A few hundred tokens, so a prefill takes long enough to be caught in flight.
+std::string longPrompt(int index) {
+  std::string text = "Request " + std::to_string(index) + ":";
+  for (int i = 0; i < 80; ++i) text += " the river " + std::to_string(i * 7 + index) + " runs to the sea;";
+  return text;
+}
+
 class Faults : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
@@ -93,7 +100,7 @@ class Faults : public ::testing::Test {
     req.target = "/v1/completions";
     req.headers = {{"Content-Type", "application/json"}};
     req.body = json::serialize(json::object{{"model", "pdserve-default"},
-                                            {"prompt", "Request " + std::to_string(index) + " tells a long tale of"},
+                                            {"prompt", longPrompt(index)},
                                             {"max_tokens", kMaxTokens},
                                             {"ignore_eos", true},
                                             {"temperature", 0},
@@ -156,7 +163,11 @@ class Faults : public ::testing::Test {
     std::vector<RequestResult> results(kRequests);
     std::vector<std::thread> threads;
     for (int i = 0; i < kRequests; ++i) {
-      threads.emplace_back([&, i] { results[i] = streamOne(i, disconnect_after); });
+      // Staggered starts, so prefills and decodes are in flight before, at and after the fault.
+      threads.emplace_back([&, i] {
+        std::this_thread::sleep_for(i * 200ms);
+        results[i] = streamOne(i, disconnect_after);
+      });
     }
     std::this_thread::sleep_for(1500ms);
     if (fault) fault();
