@@ -1,11 +1,12 @@
 // CUDA + NCCL build of pd/common/nccl_communicator.h: the Communicator over nccl_ops.h.
+#include "pd/common/nccl_communicator.h"
+
 #include <fmt/format.h>
 
 #include <array>
 
 #include "nccl_ops.h"
 #include "pd/common/log.h"
-#include "pd/common/nccl_communicator.h"
 
 namespace pd::comm {
 namespace {
@@ -72,8 +73,8 @@ Result<std::unique_ptr<Communicator>> createNcclCommunicator(Communicator& boots
     return makeError(ErrorCode::PeerFailed, "nccl communicator: rank 0 could not make an NCCL id");
   }
   nccl::NcclRank* handle = nullptr;
-  if (std::string err = nccl::initRank(id.data(), bootstrap.size(), bootstrap.rank(), device, std::size_t{1} << 20,
-                                       &handle);
+  if (std::string err =
+          nccl::initRank(id.data(), bootstrap.size(), bootstrap.rank(), device, std::size_t{1} << 20, &handle);
       !err.empty()) {
     return makeError(ErrorCode::PeerFailed, "nccl communicator: " + err);
   }

@@ -32,7 +32,8 @@ namespace {
 // rank's slot, wait until all deposited (phase 1), read, wait until all read (phase 2), so a
 // slot is never overwritten while someone still reads it.
 struct LoopbackState {
-  explicit LoopbackState(int n, std::chrono::milliseconds t) : size(n), timeout(t), slots(static_cast<std::size_t>(n)) {}
+  explicit LoopbackState(int n, std::chrono::milliseconds t)
+      : size(n), timeout(t), slots(static_cast<std::size_t>(n)) {}
 
   const int size;
   const std::chrono::milliseconds timeout;

@@ -85,7 +85,8 @@ bool reached(std::uint32_t seq, std::uint32_t target) {
 class ShmCommunicator final : public Communicator {
  public:
   ShmCommunicator(std::string name, int rank, int size, std::size_t slot_bytes, std::chrono::milliseconds timeout,
-                  std::chrono::microseconds spin, void* base, std::size_t bytes, bool unlink_pending)
+                  std::chrono::microseconds spin, void* base, std::size_t bytes, bool unlink_pending,
+                  std::chrono::microseconds inject_latency)
       : name_(std::move(name)),
         rank_(rank),
         size_(size),
@@ -94,7 +95,8 @@ class ShmCommunicator final : public Communicator {
         spin_(spin),
         base_(base),
         bytes_(bytes),
-        unlink_pending_(unlink_pending) {}
+        unlink_pending_(unlink_pending),
+        inject_latency_(inject_latency) {}
 
   ShmCommunicator(const ShmCommunicator&) = delete;
   ShmCommunicator& operator=(const ShmCommunicator&) = delete;
@@ -221,9 +223,20 @@ class ShmCommunicator final : public Communicator {
     broken_ = true;
   }
 
+  // TEST-ONLY latency injection (ShmOptions::inject_latency): holds this rank's message back
+  // before it is published. Sleeps for most of it (frees the CPU), spins the last 100 µs (timer
+  // slack would otherwise add ~50-100 µs to every message).
+  void injectLatency() const {
+    const auto until = std::chrono::steady_clock::now() + inject_latency_;
+    const auto slack = std::chrono::microseconds(100);
+    if (inject_latency_ > slack) std::this_thread::sleep_for(inject_latency_ - slack);
+    while (std::chrono::steady_clock::now() < until) cpuRelax();
+  }
+
   // Publishes arrival at collective op_ and waits until every rank arrived there.
   Status step(bool bounded) {
     if (broken_) return makeError(ErrorCode::PeerFailed, "shm group is broken by an earlier failure");
+    if (inject_latency_.count() > 0) injectLatency();
     Header* h = header();
     const std::uint32_t target = op_ + 1;
     RankControl& me = h->ranks[rank_];
@@ -281,6 +294,7 @@ class ShmCommunicator final : public Communicator {
   void* base_;
   std::size_t bytes_;
   bool unlink_pending_;
+  std::chrono::microseconds inject_latency_;
   std::uint32_t op_ = 0;  // collectives completed
   bool broken_ = false;
 };
@@ -307,6 +321,9 @@ Result<std::unique_ptr<Communicator>> createShmCommunicator(const ShmOptions& o)
   }
   if (o.name.empty() || o.name.find('/') != std::string::npos || o.name.size() > 200) {
     return makeError(ErrorCode::InvalidArgument, fmt::format("shm communicator: bad segment name '{}'", o.name));
+  }
+  if (o.inject_latency.count() < 0 || o.inject_latency > std::chrono::seconds(1)) {
+    return makeError(ErrorCode::InvalidArgument, "shm communicator: inject_latency must be 0..1 s");
   }
   if (o.slot_bytes < 4096 || o.slot_bytes % kLine != 0) {
     return makeError(ErrorCode::InvalidArgument, "shm communicator: slot_bytes must be a multiple of 64, >= 4096");
@@ -336,7 +353,8 @@ Result<std::unique_ptr<Communicator>> createShmCommunicator(const ShmOptions& o)
     h->slot_bytes = o.slot_bytes;
     h->abort_rank.store(-1);
     h->magic.store(kMagic, std::memory_order_release);
-    auto comm = std::make_unique<ShmCommunicator>(o.name, 0, o.size, o.slot_bytes, o.timeout, o.spin, base, bytes, true);
+    auto comm = std::make_unique<ShmCommunicator>(o.name, 0, o.size, o.slot_bytes, o.timeout, o.spin, base, bytes, true,
+                                                   o.inject_latency);
     PD_TRY(comm->join(o.join_timeout, o.while_joining));
     return std::unique_ptr<Communicator>(std::move(comm));
   }
@@ -377,7 +395,7 @@ Result<std::unique_ptr<Communicator>> createShmCommunicator(const ShmOptions& o)
                                  fmt::format("shm group '{}' has size {}, this rank expects {}", o.name, h->size, o.size)));
   }
   auto comm = std::make_unique<ShmCommunicator>(o.name, o.rank, o.size, h->slot_bytes, o.timeout, o.spin, base, bytes,
-                                                  false);
+                                                  false, o.inject_latency);
   PD_TRY(comm->join(o.join_timeout, o.while_joining));
   return std::unique_ptr<Communicator>(std::move(comm));
 }

@@ -1,7 +1,8 @@
 // The whole system against DeepSeek's reference: /v1/completions on the golden prompt ids with
 // temperature 0 returns exactly the golden greedy tokens, through router -> decode (descriptor)
 // -> prefill (KV over UCX) -> decode (tokens), for the BF16 and FP8 golden models, with MTP off
-// and on; afterwards every decode worker's KV pool is fully free again.
+// and on, and with a tensor-parallel decode worker (decode.tensor_parallel 2: `pdserve up --tp 2`);
+// afterwards every decode worker's KV pool is fully free again.
 #include <gtest/gtest.h>
 
 #include <boost/json.hpp>
@@ -54,15 +55,17 @@ worker_api::WorkerStatus workerStatus(const std::string& host_port) {
   return st.ok() ? *st : worker_api::WorkerStatus{};
 }
 
-class E2eGolden : public ::testing::TestWithParam<std::tuple<std::string, int>> {};
+// (model, MTP draft tokens, decode tensor-parallel ranks)
+class E2eGolden : public ::testing::TestWithParam<std::tuple<std::string, int, int>> {};
 
 TEST_P(E2eGolden, CompletionsReturnTheGoldenGreedyTokens) {
-  const auto& [model, mtp] = GetParam();
+  const auto& [model, mtp, tp] = GetParam();
   const GoldenPrompt golden = goldenPrompt(model);
   TempDir cache;
   LocalCluster cluster({"--model.path=" + (goldenDir() / model).string(), "--model.tokenizer=" PD_TOKENIZER_DIR,
                         "--model.cache_dir=" + cache.path().string(), "--router.port=0",
-                        "--decode.num_speculative_tokens=" + std::to_string(mtp), "--log.level=warn"});
+                        "--decode.num_speculative_tokens=" + std::to_string(mtp), "--tp=" + std::to_string(tp),
+                        "--log.level=warn"});
   ASSERT_FALSE(cluster.url().empty());
 
   json::array prompt;
@@ -95,14 +98,22 @@ TEST_P(E2eGolden, CompletionsReturnTheGoldenGreedyTokens) {
   EXPECT_EQ(cluster.stop(std::chrono::seconds{60}), 0);
 }
 
+std::string goldenCaseName(const ::testing::TestParamInfo<std::tuple<std::string, int, int>>& info) {
+  std::string name = std::get<0>(info.param) + "_mtp" + std::to_string(std::get<1>(info.param));
+  if (std::get<2>(info.param) != 1) name += "_tp" + std::to_string(std::get<2>(info.param));
+  for (auto& ch : name) ch = (ch == '-') ? '_' : ch;
+  return name;
+}
+
 INSTANTIATE_TEST_SUITE_P(Models, E2eGolden,
-                         ::testing::Combine(::testing::Values("tiny-bf16", "tiny-fp8"), ::testing::Values(0, 1, 2)),
-                         [](const auto& param_info) {
-                           std::string name =
-                               std::get<0>(param_info.param) + "_mtp" + std::to_string(std::get<1>(param_info.param));
-                           for (auto& ch : name) ch = (ch == '-') ? '_' : ch;
-                           return name;
-                         });
+                         ::testing::Combine(::testing::Values("tiny-bf16", "tiny-fp8"), ::testing::Values(0, 1, 2),
+                                            ::testing::Values(1)),
+                         goldenCaseName);
+// Decode tensor parallelism: `pdserve up --tp 2`, MTP off and on.
+INSTANTIATE_TEST_SUITE_P(TensorParallel, E2eGolden,
+                         ::testing::Combine(::testing::Values("tiny-bf16", "tiny-fp8"), ::testing::Values(0, 1),
+                                            ::testing::Values(2)),
+                         goldenCaseName);
 
 }  // namespace
 }  // namespace pd::test

@@ -69,11 +69,11 @@ std::string fmtMs(const Distribution& d) {
 }
 
 std::string describeRun(const RunInfo& i) {
-  std::string prompts = i.prompts == "random"
-                            ? fmt::format("random prompts of {} {}, {} output tokens", i.input_tokens,
-                                          i.endpoint == "chat" ? "words" : "token ids", i.output_tokens)
-                            : fmt::format("prompts from {}, max_tokens {} unless set per line", i.prompts,
-                                          i.output_tokens);
+  std::string prompts =
+      i.prompts == "random"
+          ? fmt::format("random prompts of {} {}, {} output tokens", i.input_tokens,
+                        i.endpoint == "chat" ? "words" : "token ids", i.output_tokens)
+          : fmt::format("prompts from {}, max_tokens {} unless set per line", i.prompts, i.output_tokens);
   std::string text = fmt::format("`{}` at {}, /v1/{}, {}{}, seed {}", i.model, i.url,
                                  i.endpoint == "chat" ? "chat/completions" : "completions", prompts,
                                  i.ignore_eos ? ", ignore_eos" : "", i.seed);
@@ -128,8 +128,9 @@ std::string panel(double x0, double y0, double w, double h, const std::string& t
   const double pw = w - kLeft - kRight;
   const double ph = h - kTop - kBottom;
   std::string s;
-  s += fmt::format(R"svg(<g class="panel"><text x="{:.1f}" y="{:.1f}" text-anchor="middle" font-size="15" font-weight="bold">{}</text>)svg",
-                   x0 + w / 2, y0 + 20, xmlEscape(title));
+  s += fmt::format(
+      R"svg(<g class="panel"><text x="{:.1f}" y="{:.1f}" text-anchor="middle" font-size="15" font-weight="bold">{}</text>)svg",
+      x0 + w / 2, y0 + 20, xmlEscape(title));
   s += '\n';
   const auto tx = [&](double v) { return log2_x ? std::log2(std::max(v, 1e-12)) : v; };
   std::vector<double> xs;
@@ -142,18 +143,20 @@ std::string panel(double x0, double y0, double w, double h, const std::string& t
       ys.push_back(p.y);
     }
   }
-  s += fmt::format(R"svg(<rect x="{:.1f}" y="{:.1f}" width="{:.1f}" height="{:.1f}" fill="none" stroke="#444"/>)svg", px, py,
-                   pw, ph);
+  s += fmt::format(R"svg(<rect x="{:.1f}" y="{:.1f}" width="{:.1f}" height="{:.1f}" fill="none" stroke="#444"/>)svg",
+                   px, py, pw, ph);
   s += '\n';
   s += fmt::format(R"svg(<text x="{:.1f}" y="{:.1f}" text-anchor="middle" font-size="12">{}</text>)svg", px + pw / 2,
                    y0 + h - 10, xmlEscape(x_label));
   s += '\n';
-  s += fmt::format(R"svg(<text x="{:.1f}" y="{:.1f}" text-anchor="middle" font-size="12" transform="rotate(-90 {:.1f} {:.1f})">{}</text>)svg",
-                   x0 + 16, py + ph / 2, x0 + 16, py + ph / 2, xmlEscape(y_label));
+  s += fmt::format(
+      R"svg(<text x="{:.1f}" y="{:.1f}" text-anchor="middle" font-size="12" transform="rotate(-90 {:.1f} {:.1f})">{}</text>)svg",
+      x0 + 16, py + ph / 2, x0 + 16, py + ph / 2, xmlEscape(y_label));
   s += '\n';
   if (xs.empty()) {
-    s += fmt::format(R"svg(<text x="{:.1f}" y="{:.1f}" text-anchor="middle" font-size="13" fill="#888">no data</text>)svg",
-                     px + pw / 2, py + ph / 2);
+    s += fmt::format(
+        R"svg(<text x="{:.1f}" y="{:.1f}" text-anchor="middle" font-size="13" fill="#888">no data</text>)svg",
+        px + pw / 2, py + ph / 2);
     return s + "</g>\n";
   }
   double xlo = tx(*std::min_element(xs.begin(), xs.end()));
@@ -184,15 +187,17 @@ std::string panel(double x0, double y0, double w, double h, const std::string& t
   for (const double t : xticks) {
     const double x = mx(t);
     if (x < px - 0.5 || x > px + pw + 0.5) continue;
-    s += fmt::format(R"svg(<line x1="{0:.1f}" y1="{1:.1f}" x2="{0:.1f}" y2="{2:.1f}" stroke="#ddd"/>)svg", x, py, py + ph);
-    s += fmt::format(R"svg(<text x="{:.1f}" y="{:.1f}" text-anchor="middle" font-size="11">{}</text>)svg", x, py + ph + 16,
-                     tickText(t));
+    s += fmt::format(R"svg(<line x1="{0:.1f}" y1="{1:.1f}" x2="{0:.1f}" y2="{2:.1f}" stroke="#ddd"/>)svg", x, py,
+                     py + ph);
+    s += fmt::format(R"svg(<text x="{:.1f}" y="{:.1f}" text-anchor="middle" font-size="11">{}</text>)svg", x,
+                     py + ph + 16, tickText(t));
     s += '\n';
   }
   for (const double t : niceTicks(ylo, yhi, 5)) {
     const double y = my(t);
     if (y < py - 0.5 || y > py + ph + 0.5) continue;
-    s += fmt::format(R"svg(<line x1="{0:.1f}" y1="{1:.1f}" x2="{2:.1f}" y2="{1:.1f}" stroke="#ddd"/>)svg", px, y, px + pw);
+    s += fmt::format(R"svg(<line x1="{0:.1f}" y1="{1:.1f}" x2="{2:.1f}" y2="{1:.1f}" stroke="#ddd"/>)svg", px, y,
+                     px + pw);
     s += fmt::format(R"svg(<text x="{:.1f}" y="{:.1f}" text-anchor="end" font-size="11">{}</text>)svg", px - 6, y + 4,
                      tickText(t));
     s += '\n';
@@ -209,8 +214,9 @@ std::string panel(double x0, double y0, double w, double h, const std::string& t
     }
     for (const auto& p : se.points) {
       if (!std::isfinite(p.x) || !std::isfinite(p.y) || (log2_x && !(p.x > 0))) continue;
-      s += fmt::format(R"svg(<circle cx="{:.1f}" cy="{:.1f}" r="3.5" fill="{}"><title>{}</title></circle>)svg", mx(p.x),
-                       my(p.y), se.color, xmlEscape(fmt::format("{}: {} ({:.1f}, {:.1f})", se.name, p.label, p.x, p.y)));
+      s +=
+          fmt::format(R"svg(<circle cx="{:.1f}" cy="{:.1f}" r="3.5" fill="{}"><title>{}</title></circle>)svg", mx(p.x),
+                      my(p.y), se.color, xmlEscape(fmt::format("{}: {} ({:.1f}, {:.1f})", se.name, p.label, p.x, p.y)));
       if (!p.label.empty()) {
         s += fmt::format(R"svg(<text x="{:.1f}" y="{:.1f}" font-size="10" fill="#555">{}</text>)svg", mx(p.x) + 5,
                          my(p.y) - 5, xmlEscape(p.label));
@@ -221,8 +227,8 @@ std::string panel(double x0, double y0, double w, double h, const std::string& t
   // Legend, top left inside the plot.
   double ly = py + 14;
   for (const auto& se : series) {
-    s += fmt::format(R"svg(<line x1="{:.1f}" y1="{:.1f}" x2="{:.1f}" y2="{:.1f}" stroke="{}" stroke-width="2"/>)svg", px + 10,
-                     ly - 4, px + 30, ly - 4, se.color);
+    s += fmt::format(R"svg(<line x1="{:.1f}" y1="{:.1f}" x2="{:.1f}" y2="{:.1f}" stroke="{}" stroke-width="2"/>)svg",
+                     px + 10, ly - 4, px + 30, ly - 4, se.color);
     s += fmt::format(R"svg(<text x="{:.1f}" y="{:.1f}" font-size="11">{}</text>)svg", px + 36, ly, xmlEscape(se.name));
     s += '\n';
     ly += 16;
@@ -302,10 +308,10 @@ std::string toMarkdown(const BenchReport& report) {
   const bool goodput = report.info.slo.any();
   bool mtp = false;
   for (const auto& l : report.levels) mtp = mtp || (l.mtp && l.mtp->accepted_tokens_per_step);
-  md += fmt::format("| {} | ok | failed | req/s | output tok/s | total tok/s | tok/s per user | TTFT ms mean / p50 / p90 / p99 "
-                    "| TPOT ms | ITL ms | E2E ms |{}{}\n",
-                    rate ? "rate (req/s)" : "concurrency", goodput ? " goodput (req/s) |" : "",
-                    mtp ? " MTP accepted / step |" : "");
+  md += fmt::format(
+      "| {} | ok | failed | req/s | output tok/s | total tok/s | tok/s per user | TTFT ms mean / p50 / p90 / p99 "
+      "| TPOT ms | ITL ms | E2E ms |{}{}\n",
+      rate ? "rate (req/s)" : "concurrency", goodput ? " goodput (req/s) |" : "", mtp ? " MTP accepted / step |" : "");
   md += fmt::format("|---|---|---|---|---|---|---|---|---|---|---|{}{}\n", goodput ? "---|" : "", mtp ? "---|" : "");
   for (const auto& l : report.levels) {
     const auto user = perUserTokensPerS(l);
@@ -317,7 +323,7 @@ std::string toMarkdown(const BenchReport& report) {
     if (goodput) md += fmt::format(" {:.2f} |", l.request_goodput.value_or(0));
     if (mtp) {
       md += (l.mtp && l.mtp->accepted_tokens_per_step) ? fmt::format(" {:.2f} |", *l.mtp->accepted_tokens_per_step)
-                                                        : std::string(" – |");
+                                                       : std::string(" – |");
     }
     md += '\n';
   }
@@ -362,14 +368,14 @@ std::string toSvg(const BenchReport& report) {
 <rect width="100%" height="100%" fill="white"/>
 )svg",
       kWidth, kHeight, xmlEscape("pdserve bench serve: " + describeRun(report.info)));
-  s += fmt::format(R"svg(<text x="{:.1f}" y="18" text-anchor="middle" font-size="12" fill="#333">{}</text>)svg", kWidth / 2,
-                   xmlEscape(report.info.model + " at " + report.info.url));
+  s += fmt::format(R"svg(<text x="{:.1f}" y="18" text-anchor="middle" font-size="12" fill="#333">{}</text>)svg",
+                   kWidth / 2, xmlEscape(report.info.model + " at " + report.info.url));
   s += '\n';
   s += panel(0, 20, kWidth / 2, kHeight - 20, "TTFT vs output throughput", "output tokens/s (all requests)",
              "time to first token (ms)", {p50, p99}, false);
-  s += panel(kWidth / 2, 20, kWidth / 2, kHeight - 20,
-             rate ? "Throughput vs request rate" : "Throughput vs concurrency",
-             rate ? "request rate (req/s)" : "concurrent requests (log scale)", "tokens/s", {out, total}, !rate);
+  s +=
+      panel(kWidth / 2, 20, kWidth / 2, kHeight - 20, rate ? "Throughput vs request rate" : "Throughput vs concurrency",
+            rate ? "request rate (req/s)" : "concurrent requests (log scale)", "tokens/s", {out, total}, !rate);
   s += "</svg>\n";
   return s;
 }

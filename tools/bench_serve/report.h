@@ -19,8 +19,8 @@ namespace pd::bench {
 struct RunInfo {
   std::string url;
   std::string model;
-  std::string endpoint;     ///< "completions" or "chat"
-  std::string prompts;      ///< "random" or the JSONL path
+  std::string endpoint;            ///< "completions" or "chat"
+  std::string prompts;             ///< "random" or the JSONL path
   std::int64_t input_tokens = 0;   ///< random prompts only
   std::int64_t output_tokens = 0;  ///< max_tokens asked
   bool ignore_eos = true;

@@ -237,8 +237,8 @@ LevelRun runLevel(const Target& target, Endpoint endpoint, const LevelPlan& plan
       finished[w] = t0;
       for (auto i = next.fetch_add(1); i < plan.requests.size(); i = next.fetch_add(1)) {
         if (!due.empty()) {
-          std::this_thread::sleep_until(t0 + std::chrono::duration_cast<Clock::duration>(
-                                                 std::chrono::duration<double>(due[i])));
+          std::this_thread::sleep_until(
+              t0 + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(due[i])));
         }
         auto result = sendStreaming(clients[w], target, endpoint, plan.requests[i], plan.timeout);
         finished[w] = Clock::now();

@@ -45,9 +45,9 @@ RequestResult sendStreaming(http::Client& client, const Target& target, Endpoint
                             std::chrono::milliseconds timeout);
 
 struct LevelPlan {
-  std::int64_t workers = 1;       ///< sending threads: the concurrency, or the cap in rate mode
-  double request_rate = 0;        ///< requests/s of a Poisson process; 0: closed loop
-  std::uint64_t seed = 0;         ///< for the arrival times
+  std::int64_t workers = 1;  ///< sending threads: the concurrency, or the cap in rate mode
+  double request_rate = 0;   ///< requests/s of a Poisson process; 0: closed loop
+  std::uint64_t seed = 0;    ///< for the arrival times
   std::vector<RequestSpec> warmup;
   std::vector<RequestSpec> requests;
   std::chrono::milliseconds timeout{600000};  ///< per request

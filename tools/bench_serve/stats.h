@@ -81,7 +81,7 @@ struct LevelStats {
   double request_throughput = 0;  ///< completed / duration
   double output_throughput = 0;   ///< output tokens / s
   double total_token_throughput = 0;
-  double mean_concurrency = 0;  ///< Σ e2e / duration (Little's law: requests in flight on average)
+  double mean_concurrency = 0;            ///< Σ e2e / duration (Little's law: requests in flight on average)
   std::optional<double> request_goodput;  ///< set when an SLO was given
   Distribution ttft_ms;
   Distribution tpot_ms;

@@ -3,14 +3,13 @@
 // compared with ucx_perftest's one-way message latency (ucp_am_lat) for the same bytes over
 // UCX shared memory and TCP, measured in the same run. ratio = ours / ucx_perftest (lower is
 // better; ~1 means the collective costs one one-way message).
+#include <fmt/format.h>
 #include <spawn.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include <boost/json.hpp>
-#include <fmt/format.h>
-
 #include <algorithm>
+#include <boost/json.hpp>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -289,8 +288,9 @@ int runBenchComm(const std::vector<std::string>& args) {
     out["cases"] = std::move(cases);
     std::printf("%s\n", boost::json::serialize(out).c_str());
   } else {
-    std::printf("(2 processes; ours = ShmCommunicator::allReduceSum per call; perftest = ucp_am_lat one-way latency,\n"
-                " median; ratio = ours / perftest)\n");
+    std::printf(
+        "(2 processes; ours = ShmCommunicator::allReduceSum per call; perftest = ucp_am_lat one-way latency,\n"
+        " median; ratio = ours / perftest)\n");
   }
   std::fflush(stdout);
   return 0;

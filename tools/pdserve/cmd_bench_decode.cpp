@@ -216,7 +216,8 @@ std::uint64_t lastLevelCacheBytes() {
     if (!(f >> text) || text.empty()) continue;
     std::uint64_t v = 0;
     std::size_t i = 0;
-    while (i < text.size() && text[i] >= '0' && text[i] <= '9') v = v * 10 + static_cast<std::uint64_t>(text[i++] - '0');
+    while (i < text.size() && text[i] >= '0' && text[i] <= '9')
+      v = v * 10 + static_cast<std::uint64_t>(text[i++] - '0');
     if (i < text.size() && (text[i] == 'K' || text[i] == 'k')) v <<= 10;
     if (i < text.size() && text[i] == 'M') v <<= 20;
     best = std::max(best, v);
@@ -355,8 +356,8 @@ int runBenchDecode(const std::vector<std::string>& args) {
           "decode batch %3lld: %8.2f ms/step  %9.2f tok/s  %8.1f MB/step  %6.2f GB/s  MBU %.3f  (%.0f experts/step, "
           "forward %.0f%% of the step, cpu share %.2f)\n",
           static_cast<long long>(b), step * 1e3, static_cast<double>(b) / step, bytes / 1e6, bytes / step / 1e9,
-          bytes / step / bandwidth, x.experts / static_cast<double>(x.steps), 100.0 * x.forward_seconds / x.wall_seconds,
-          x.cpu_share);
+          bytes / step / bandwidth, x.experts / static_cast<double>(x.steps),
+          100.0 * x.forward_seconds / x.wall_seconds, x.cpu_share);
     }
   }
 
@@ -442,7 +443,8 @@ int runBenchDecode(const std::vector<std::string>& args) {
       const double mbu = bytes / step / bandwidth;
       if (x.batch == 1) mbu1 = mbu;
       d += fmt::format(
-          "{}{{\"batch\": {}, \"step_ms\": {:.4f}, \"tokens_per_s\": {:.3f}, \"bytes_per_step\": {:.0f}, \"gbs\": {:.3f}, "
+          "{}{{\"batch\": {}, \"step_ms\": {:.4f}, \"tokens_per_s\": {:.3f}, \"bytes_per_step\": {:.0f}, \"gbs\": "
+          "{:.3f}, "
           "\"mbu\": {:.4f}, \"experts_per_step\": {:.1f}, \"forward_share\": {:.4f}, \"cpu_share\": {:.3f}}}",
           i ? ", " : "", x.batch, step * 1e3, static_cast<double>(x.batch) / step, bytes, bytes / step / 1e9, mbu,
           x.experts / static_cast<double>(x.steps), x.forward_seconds / x.wall_seconds, x.cpu_share);
@@ -470,15 +472,14 @@ int runBenchDecode(const std::vector<std::string>& args) {
           r.measured_speedup, r.ideal_speedup, r.over_ideal, r.run.cpu_share);
     }
     m += "]";
-    const std::string line =
-        fmt::format(
-            "{{\"model\": \"{}\", \"weight_dtype\": \"{}\", \"backend\": \"{}\", \"threads\": {}, \"weight_bytes\": {}, "
-            "\"l3_bytes\": {}, \"weights_over_l3\": {:.2f}, \"read_bandwidth_gbs\": {:.3f}, \"kv_dtype\": \"{}\", "
-            "\"context\": {}, \"decode\": {}, \"mbu_batch1\": {:.4f}, \"mtp_plain_tokens_per_s\": {:.3f}, \"mtp\": {}, "
-            "\"mtp_speedup_at_p085\": {:.4f}, \"mtp_speedup_over_ideal\": {:.4f}, "
-            "\"draft_override\": \"bench-only: proposes the greedy continuation with probability p\"}}",
-            model_dir.string(), dtypeName(caps.weight_dtype), caps.backend, caps.threads, weights, l3, over_l3,
-            bandwidth / 1e9, kv_dtype, context, d, mbu1, plain_tps, m, speedup_085, over_ideal_085);
+    const std::string line = fmt::format(
+        "{{\"model\": \"{}\", \"weight_dtype\": \"{}\", \"backend\": \"{}\", \"threads\": {}, \"weight_bytes\": {}, "
+        "\"l3_bytes\": {}, \"weights_over_l3\": {:.2f}, \"read_bandwidth_gbs\": {:.3f}, \"kv_dtype\": \"{}\", "
+        "\"context\": {}, \"decode\": {}, \"mbu_batch1\": {:.4f}, \"mtp_plain_tokens_per_s\": {:.3f}, \"mtp\": {}, "
+        "\"mtp_speedup_at_p085\": {:.4f}, \"mtp_speedup_over_ideal\": {:.4f}, "
+        "\"draft_override\": \"bench-only: proposes the greedy continuation with probability p\"}}",
+        model_dir.string(), dtypeName(caps.weight_dtype), caps.backend, caps.threads, weights, l3, over_l3,
+        bandwidth / 1e9, kv_dtype, context, d, mbu1, plain_tps, m, speedup_085, over_ideal_085);
     std::printf("%s\n", line.c_str());
   }
   return 0;

@@ -73,8 +73,9 @@ Result<std::vector<double>> parseNumbers(const std::string& text, const std::str
     char* end = nullptr;
     const double v = std::strtod(item.c_str(), &end);
     if (item.empty() || end != item.c_str() + item.size() || !std::isfinite(v) || !(v > 0)) {
-      return makeError(ErrorCode::InvalidArgument,
-                       fmt::format("--{}: '{}' is not a positive number (expected a comma-separated list)", flag, item));
+      return makeError(
+          ErrorCode::InvalidArgument,
+          fmt::format("--{}: '{}' is not a positive number (expected a comma-separated list)", flag, item));
     }
     out.push_back(v);
     pos = comma + 1;
@@ -182,10 +183,9 @@ class ProgressDisplay {
       if (was_warming && !warming) start_ = std::chrono::steady_clock::now();
       was_warming = warming;
       const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
-      const auto line = bench::progressLine(label_, progress_.done.load(), progress_.total.load(),
-                                            progress_.failed.load(),
-                                            elapsed > 0 ? static_cast<double>(progress_.output_tokens.load()) / elapsed : 0,
-                                            warming);
+      const auto line =
+          bench::progressLine(label_, progress_.done.load(), progress_.total.load(), progress_.failed.load(),
+                              elapsed > 0 ? static_cast<double>(progress_.output_tokens.load()) / elapsed : 0, warming);
       std::fprintf(stderr, "\r%s\x1b[K", line.c_str());
       std::fflush(stderr);
       cv_.wait_for(lock, 200ms, [this] { return stop_; });
@@ -214,20 +214,20 @@ int runBenchServe(const std::vector<std::string>& args) {
       .add("api_key", &cfg.api_key, "sent as Authorization: Bearer KEY (env PDSERVE_BENCH_SERVE_API_KEY)")
       .add("input_tokens", &cfg.input_tokens, "random prompts: tokens (completions) or words (chat) per prompt", 1,
            1 << 20)
-      .add("output_tokens", &cfg.output_tokens, "max_tokens of each request (random prompts, and JSONL lines without one)",
-           1, 1 << 20)
-      .add("prompts", &cfg.prompts, "JSONL file of {\"prompt\": ...} or {\"messages\": [...]} lines instead of random ones")
+      .add("output_tokens", &cfg.output_tokens,
+           "max_tokens of each request (random prompts, and JSONL lines without one)", 1, 1 << 20)
+      .add("prompts", &cfg.prompts,
+           "JSONL file of {\"prompt\": ...} or {\"messages\": [...]} lines instead of random ones")
       .add("concurrency", &cfg.concurrency, "closed-loop levels: comma-separated concurrent requests")
-      .add("request_rate", &cfg.request_rate,
-           "open-loop levels instead: comma-separated Poisson request rates (req/s)")
+      .add("request_rate", &cfg.request_rate, "open-loop levels instead: comma-separated Poisson request rates (req/s)")
       .add("max_concurrency", &cfg.max_concurrency, "request-rate mode: most requests in flight", 1, 4096)
       .add("num_prompts", &cfg.num_prompts,
-           "timed requests per level; 0: max(16, 4 x concurrency), or max(16, 20 s of arrivals) for rates", 0,
-           10000000)
+           "timed requests per level; 0: max(16, 4 x concurrency), or max(16, 20 s of arrivals) for rates", 0, 10000000)
       .add("warmup", &cfg.warmup, "untimed requests before each level; -1: one per concurrent request (rates: 4)", -1,
            1000000)
       .add("seed", &cfg.seed, "seed of the prompts and arrival times", 0, INT64_MAX)
-      .add("ignore_eos", &cfg.ignore_eos, "ask the server to generate all max_tokens (servers without it may stop early)")
+      .add("ignore_eos", &cfg.ignore_eos,
+           "ask the server to generate all max_tokens (servers without it may stop early)")
       .add("return_token_ids", &cfg.return_token_ids,
            "ask for token ids per chunk, to count multi-token (MTP) chunks per token")
       .add("temperature", &cfg.temperature, "sampling temperature", 0, 2)
@@ -241,7 +241,8 @@ int runBenchServe(const std::vector<std::string>& args) {
            "Prometheus pages with pdserve_decode_* counters (decode workers); empty: try --url's /metrics")
       .add("timeout_s", &cfg.timeout_s, "deadline of each request", 1, 86400)
       .add("json", &cfg.json, "write the JSON report to FILE; bare --json or '-': stdout")
-      .add("markdown", &cfg.markdown, "write the markdown table to FILE ('-': stdout; default: stdout unless --json is)")
+      .add("markdown", &cfg.markdown,
+           "write the markdown table to FILE ('-': stdout; default: stdout unless --json is)")
       .add("svg", &cfg.svg, "write an SVG chart (TTFT vs throughput, tokens/s vs concurrency)")
       .add("net_latency_ms", &cfg.net_latency_ms, "recorded in the JSON for pdserve plan --calibrate (-1: not given)",
            -1, 1e6)
@@ -326,8 +327,8 @@ int runBenchServe(const std::vector<std::string>& args) {
   if (metrics_urls.empty()) {
     const std::string own = fmt::format("http://{}:{}/metrics", target->host, target->port);
     auto probe = bench::scrapeCounters({own}, 5s);
-    if (probe.ok() && (probe->contains(std::string(bench::kDecodeTokens)) ||
-                       probe->contains(std::string(bench::kMtpProposed)))) {
+    if (probe.ok() &&
+        (probe->contains(std::string(bench::kDecodeTokens)) || probe->contains(std::string(bench::kMtpProposed)))) {
       metrics_urls.push_back(own);
     }
   } else {
@@ -403,10 +404,9 @@ int runBenchServe(const std::vector<std::string>& args) {
     if (have_before) {
       auto after = bench::scrapeCounters(metrics_urls, 10s);
       if (after.ok()) {
-        stats.mtp = bench::mtpFromDeltas(delta(before, *after, bench::kMtpProposed),
-                                         delta(before, *after, bench::kMtpAccepted),
-                                         delta(before, *after, bench::kDecodeTokens),
-                                         delta(before, *after, bench::kDecodeSteps));
+        stats.mtp = bench::mtpFromDeltas(
+            delta(before, *after, bench::kMtpProposed), delta(before, *after, bench::kMtpAccepted),
+            delta(before, *after, bench::kDecodeTokens), delta(before, *after, bench::kDecodeSteps));
       }
     }
     if (stats.completed == 0) any_empty_level = true;

@@ -362,8 +362,8 @@ class CpuEngine final : public Engine {
 
   // Multi-head latent attention on ws_.xn; returns [tokens, hidden].
   float* attention(const AttentionWeights& a, i64 kv_layer, std::span<const SequenceChunk> batch,
-                         const LatentCacheView& cache, const BatchPlan& plan, const ForwardOptions& options,
-                         ForwardStats& stats) {
+                   const LatentCacheView& cache, const BatchPlan& plan, const ForwardOptions& options,
+                   ForwardStats& stats) {
     const i64 d = cfg_.hidden_size;
     const i64 n = plan.tokens;
     const i64 heads = heads_;
@@ -780,7 +780,8 @@ class CpuEngine final : public Engine {
 
   // Final norm, then the rows of logits and hidden states the options ask for.
   Status finish(const std::vector<float>& norm, const WeightMatrix& head, std::span<const SequenceChunk> batch,
-                const BatchPlan& plan, const ForwardOptions& options, ForwardOutput& out, bool normalize_hidden = true) {
+                const BatchPlan& plan, const ForwardOptions& options, ForwardOutput& out,
+                bool normalize_hidden = true) {
     const i64 d = cfg_.hidden_size;
     const auto rows_of = [&](OutputRows which) {
       std::vector<i64> rows;

@@ -185,8 +185,8 @@ class Slicer {
     std::byte* data = allocate<std::byte>(w.rows * out.cols * static_cast<std::int64_t>(es));
     const auto* src = static_cast<const std::byte*>(w.data);
     for (std::int64_t r = 0; r < w.rows; ++r) {
-      std::memcpy(data + static_cast<std::size_t>(r * out.cols) * es, src + static_cast<std::size_t>(r * w.cols + c0) * es,
-                  static_cast<std::size_t>(out.cols) * es);
+      std::memcpy(data + static_cast<std::size_t>(r * out.cols) * es,
+                  src + static_cast<std::size_t>(r * w.cols + c0) * es, static_cast<std::size_t>(out.cols) * es);
     }
     out.data = data;
     if (w.dtype != DType::F8E4M3) return out;
@@ -263,7 +263,8 @@ Result<std::unique_ptr<ModelWeights>> ModelWeights::fromCheckpoint(ModelConfig c
   if (shard.size > 1) {
     const std::int64_t shared_width = config.moe_intermediate_size * std::max<std::int64_t>(1, config.n_shared_experts);
     if (config.num_attention_heads % shard.size != 0 || config.vocab_size < shard.size ||
-        config.intermediate_size < shard.size || config.moe_intermediate_size < shard.size || shared_width < shard.size) {
+        config.intermediate_size < shard.size || config.moe_intermediate_size < shard.size ||
+        shared_width < shard.size) {
       return makeError(ErrorCode::InvalidArgument,
                        fmt::format("tensor parallel size {} does not divide the model: {} attention heads (must be a "
                                    "multiple), intermediate sizes {} / {}, vocab {}",

@@ -52,25 +52,26 @@ class ScriptedOpenAiServer {
                           });
                         }});
     }
-    routes.push_back({"GET", "/v1/models", [](http::Request, http::Exchange ex) {
-                        ex.respond(http::Response::withBody(
-                            200, "application/json", R"({"object":"list","data":[{"id":"scripted-model","object":"model"}]})"));
-                      }});
-    routes.push_back({"GET", "/metrics", [this](http::Request, http::Exchange ex) {
-                        const auto n = static_cast<long long>(answered_.load());
-                        std::string text;
-                        text += "# HELP pdserve_decode_mtp_drafts_proposed_total MTP draft tokens proposed.\n";
-                        text += "# TYPE pdserve_decode_mtp_drafts_proposed_total counter\n";
-                        text += "pdserve_decode_mtp_drafts_proposed_total " + std::to_string(n * script_.mtp_proposed) + "\n";
-                        text += "pdserve_decode_mtp_drafts_accepted_total " + std::to_string(n * script_.mtp_accepted) + "\n";
-                        text += "pdserve_decode_steps_total " + std::to_string(n * script_.decode_steps) + "\n";
-                        // Split over two label sets: the reader must add them up.
-                        const long long tokens = n * totalTokens();
-                        text += "pdserve_decode_generated_tokens_total{worker=\"a\"} " + std::to_string(tokens / 2) + "\n";
-                        text += "pdserve_decode_generated_tokens_total{worker=\"b\"} " +
-                                std::to_string(tokens - tokens / 2) + "\n";
-                        ex.respond(http::Response::withBody(200, "text/plain; version=0.0.4", text));
-                      }});
+    routes.push_back(
+        {"GET", "/v1/models", [](http::Request, http::Exchange ex) {
+           ex.respond(http::Response::withBody(
+               200, "application/json", R"({"object":"list","data":[{"id":"scripted-model","object":"model"}]})"));
+         }});
+    routes.push_back(
+        {"GET", "/metrics", [this](http::Request, http::Exchange ex) {
+           const auto n = static_cast<long long>(answered_.load());
+           std::string text;
+           text += "# HELP pdserve_decode_mtp_drafts_proposed_total MTP draft tokens proposed.\n";
+           text += "# TYPE pdserve_decode_mtp_drafts_proposed_total counter\n";
+           text += "pdserve_decode_mtp_drafts_proposed_total " + std::to_string(n * script_.mtp_proposed) + "\n";
+           text += "pdserve_decode_mtp_drafts_accepted_total " + std::to_string(n * script_.mtp_accepted) + "\n";
+           text += "pdserve_decode_steps_total " + std::to_string(n * script_.decode_steps) + "\n";
+           // Split over two label sets: the reader must add them up.
+           const long long tokens = n * totalTokens();
+           text += "pdserve_decode_generated_tokens_total{worker=\"a\"} " + std::to_string(tokens / 2) + "\n";
+           text += "pdserve_decode_generated_tokens_total{worker=\"b\"} " + std::to_string(tokens - tokens / 2) + "\n";
+           ex.respond(http::Response::withBody(200, "text/plain; version=0.0.4", text));
+         }});
     http::ServerOptions options;
     options.io_threads = 2;
     auto server = http::Server::start(options, std::move(routes));
@@ -164,12 +165,11 @@ class ScriptedOpenAiServer {
     }
     if (behaviour != "no-usage") {
       const int n = totalTokens();
-      ex.write(sse(boost::json::object{
-          {"id", "cmpl-1"},
-          {"choices", boost::json::array{}},
-          {"usage", boost::json::object{{"prompt_tokens", script_.prompt_tokens},
-                                        {"completion_tokens", n},
-                                        {"total_tokens", script_.prompt_tokens + n}}}}));
+      ex.write(sse(boost::json::object{{"id", "cmpl-1"},
+                                       {"choices", boost::json::array{}},
+                                       {"usage", boost::json::object{{"prompt_tokens", script_.prompt_tokens},
+                                                                     {"completion_tokens", n},
+                                                                     {"total_tokens", script_.prompt_tokens + n}}}}));
     }
     if (behaviour != "no-done") ex.write("data: [DONE]\n\n");
     answered_.fetch_add(1);

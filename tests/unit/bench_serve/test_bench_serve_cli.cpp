@@ -55,9 +55,12 @@ TEST(BenchServeCli, SweepWritesJsonMarkdownAndSvg) {
   const auto json = (dir.path() / "bench.json").string();
   const auto md = (dir.path() / "bench.md").string();
   const auto svg = (dir.path() / "bench.svg").string();
-  const auto r = pdserve({"bench", "serve", "--url", server.url(), "--concurrency", "1,2", "--num-prompts", "4",
-                          "--input-tokens", "8", "--output-tokens", "8", "--json", json, "--markdown", md, "--svg",
-                          svg, "--metrics-url", server.url() + "/metrics", "--slo-ttft-ms", "5000"});
+  const auto r = pdserve({"bench",          "serve", "--url",           server.url(),
+                          "--concurrency",  "1,2",   "--num-prompts",   "4",
+                          "--input-tokens", "8",     "--output-tokens", "8",
+                          "--json",         json,    "--markdown",      md,
+                          "--svg",          svg,     "--metrics-url",   server.url() + "/metrics",
+                          "--slo-ttft-ms",  "5000"});
   ASSERT_EQ(r.exit_code, 0) << r.err;
   EXPECT_NE(r.err.find("concurrency 1: 4 ok, 0 failed"), std::string::npos) << r.err;
   EXPECT_NE(r.err.find("concurrency 2: 4 ok, 0 failed"), std::string::npos) << r.err;
@@ -111,8 +114,8 @@ TEST(BenchServeCli, BareJsonGoesToStdoutAndPlannerReadsIt) {
 
 TEST(BenchServeCli, RequestRateMode) {
   pd::test::ScriptedOpenAiServer server(quickScript());
-  const auto r = pdserve({"bench", "serve", "--url", server.url(), "--request-rate", "50", "--num-prompts", "10",
-                          "--json", "--quiet"});
+  const auto r = pdserve(
+      {"bench", "serve", "--url", server.url(), "--request-rate", "50", "--num-prompts", "10", "--json", "--quiet"});
   ASSERT_EQ(r.exit_code, 0) << r.err;
   const auto doc = boost::json::parse(r.out);
   const auto& l = doc.as_object().at("levels").as_array()[0].as_object();
@@ -127,14 +130,14 @@ TEST(BenchServeCli, BadInputGetsAClearError) {
     std::string needle;
     int exit_code;  // 2: invalid input; 1: a file that cannot be read
   };
-  for (const auto& [args, needle, code] : std::vector<Case>{
-           {{"--concurrency", "1,x"}, "--concurrency", 2},
-           {{"--concurrency", "0"}, "--concurrency", 2},
-           {{"--request-rate", "-1"}, "--request-rate", 2},
-           {{"--url", "https://example.com"}, "https", 2},
-           {{"--endpoint", "embeddings"}, "endpoint", 2},
-           {{"--prompts", "/nonexistent.jsonl", "--model", "m"}, "/nonexistent.jsonl", 1},
-           {{"--bogus"}, "unknown flag", 2}}) {
+  for (const auto& [args, needle, code] :
+       std::vector<Case>{{{"--concurrency", "1,x"}, "--concurrency", 2},
+                         {{"--concurrency", "0"}, "--concurrency", 2},
+                         {{"--request-rate", "-1"}, "--request-rate", 2},
+                         {{"--url", "https://example.com"}, "https", 2},
+                         {{"--endpoint", "embeddings"}, "endpoint", 2},
+                         {{"--prompts", "/nonexistent.jsonl", "--model", "m"}, "/nonexistent.jsonl", 1},
+                         {{"--bogus"}, "unknown flag", 2}}) {
     std::vector<std::string> full{"bench", "serve"};
     full.insert(full.end(), args.begin(), args.end());
     const auto r = pdserve(full);

@@ -37,10 +37,11 @@ RequestSpec textRequest(const std::string& prompt) {
 }
 
 RequestSpec chatRequest(const std::string& content) {
-  boost::json::object body{{"model", "scripted-model"},
-                           {"messages", boost::json::array{boost::json::object{{"role", "user"}, {"content", content}}}},
-                           {"max_tokens", 8},
-                           {"stream", true}};
+  boost::json::object body{
+      {"model", "scripted-model"},
+      {"messages", boost::json::array{boost::json::object{{"role", "user"}, {"content", content}}}},
+      {"max_tokens", 8},
+      {"stream", true}};
   return {boost::json::serialize(body), 0, 8};
 }
 
@@ -68,7 +69,7 @@ TEST(BenchServeRunner, MeasuresTheScriptedTimetable) {
   ASSERT_EQ(run.results.size(), 6u);
   for (const auto& r : run.results) {
     ASSERT_TRUE(r.ok) << r.error;
-    EXPECT_EQ(r.output_tokens, 8);                // from usage
+    EXPECT_EQ(r.output_tokens, 8);  // from usage
     EXPECT_EQ(r.prompt_tokens, script.prompt_tokens);
     EXPECT_EQ(r.chunks, 5);
     EXPECT_GE(r.ttft_s, ttft * 0.95);
@@ -294,9 +295,8 @@ TEST(BenchServeReport, JsonMarkdownAndSvgFromARealRun) {
   EXPECT_EQ(l2.at("errors").as_array()[0].as_object().at("message").as_string(), "HTTP 500: scripted failure");
   EXPECT_GT(l2.at("output_tokens_per_s").as_double(), 0);
   EXPECT_DOUBLE_EQ(l2.at("output_tokens_per_s").as_double(), l2.at("output_throughput").as_double());
-  for (const char* key : {"mean_ttft_ms", "median_ttft_ms", "p90_ttft_ms", "p99_ttft_ms", "mean_tpot_ms",
-                          "p99_itl_ms", "mean_e2el_ms", "request_throughput", "total_token_throughput",
-                          "request_goodput"}) {
+  for (const char* key : {"mean_ttft_ms", "median_ttft_ms", "p90_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "p99_itl_ms",
+                          "mean_e2el_ms", "request_throughput", "total_token_throughput", "request_goodput"}) {
     EXPECT_TRUE(l2.contains(key)) << key;
   }
   EXPECT_DOUBLE_EQ(l2.at("mtp").as_object().at("accepted_tokens_per_step").as_double(), 0.1875);
@@ -325,8 +325,8 @@ TEST(BenchServeReport, JsonMarkdownAndSvgFromARealRun) {
     test::TempDir dir;
     const auto file = dir.path() / "chart.svg";
     std::ofstream(file) << svg;
-    const std::string cmd = "python3 -c 'import sys, xml.dom.minidom; xml.dom.minidom.parse(sys.argv[1])' '" +
-                            file.string() + "'";
+    const std::string cmd =
+        "python3 -c 'import sys, xml.dom.minidom; xml.dom.minidom.parse(sys.argv[1])' '" + file.string() + "'";
     EXPECT_EQ(std::system(cmd.c_str()), 0) << "python3 could not parse the SVG";
   }
   // No data at all: still a well-formed document.

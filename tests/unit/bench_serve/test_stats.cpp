@@ -230,7 +230,10 @@ TEST(BenchServeWorkload, PromptFileLinesAndErrors) {
   EXPECT_FALSE(loadPromptFile("/nonexistent/prompts.jsonl", o).ok());
 
   o.endpoint = Endpoint::Chat;
-  auto chat = parsePromptLines(R"({"prompt": "hi"})" "\n" R"({"messages": [{"role": "user", "content": "x"}]})", "f", o);
+  auto chat = parsePromptLines(R"({"prompt": "hi"})"
+                               "\n"
+                               R"({"messages": [{"role": "user", "content": "x"}]})",
+                               "f", o);
   ASSERT_TRUE(chat.ok()) << chat.error().toString();
   EXPECT_EQ(boost::json::parse((*chat)[0].body).as_object().at("messages").as_array().size(), 1u);
 }
@@ -278,7 +281,8 @@ TEST(BenchServeUrl, ParsesHostPortAndPrefix) {
 }
 
 TEST(BenchServeReport, ProgressAndSummaryLines) {
-  EXPECT_EQ(progressLine("c=1", 5, 10, 1, 12.3, false, 10), "c=1              [#####.....] 5/10 req  1 failed  12 tok/s");
+  EXPECT_EQ(progressLine("c=1", 5, 10, 1, 12.3, false, 10),
+            "c=1              [#####.....] 5/10 req  1 failed  12 tok/s");
   EXPECT_EQ(progressLine("c=1", 0, 10, 0, 0, true, 10), "c=1              warming up");
   LevelStats l;
   l.concurrency = 4;

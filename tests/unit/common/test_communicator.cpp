@@ -1,9 +1,8 @@
 // Communicator collectives: the loopback group (threads) and the shared-memory communicator
 // across real processes (fork), including a peer that dies and one that never arrives.
+#include <gtest/gtest.h>
 #include <sys/wait.h>
 #include <unistd.h>
-
-#include <gtest/gtest.h>
 
 #include <chrono>
 #include <cstring>
@@ -31,7 +30,8 @@ std::string exercise(Communicator& comm, std::size_t big) {
   if (Status s = comm.allReduceSum(v); !s.ok()) return "allReduceSum: " + s.error().toString();
   const int tri = n * (n + 1) / 2;
   for (std::size_t i = 0; i < big; ++i) {
-    if (v[i] != static_cast<float>(tri * static_cast<int>(i % 1000 + 1))) return "allReduceSum value at " + std::to_string(i);
+    if (v[i] != static_cast<float>(tri * static_cast<int>(i % 1000 + 1)))
+      return "allReduceSum value at " + std::to_string(i);
   }
   // allgather
   std::vector<float> mine(37, static_cast<float>(r) + 0.5F);
@@ -57,12 +57,14 @@ std::string exercise(Communicator& comm, std::size_t big) {
   if (Status s = comm.barrier(); !s.ok()) return "barrier: " + s.error().toString();
   // every rank ends with bitwise identical sums (reduction in rank order)
   std::vector<float> odd(5);
-  for (std::size_t i = 0; i < odd.size(); ++i) odd[i] = 0.1F * static_cast<float>(r + 1) + 1e-7F * static_cast<float>(i);
+  for (std::size_t i = 0; i < odd.size(); ++i)
+    odd[i] = 0.1F * static_cast<float>(r + 1) + 1e-7F * static_cast<float>(i);
   if (Status s = comm.allReduceSum(odd); !s.ok()) return "allReduceSum: " + s.error().toString();
   std::vector<float> gathered(odd.size() * static_cast<std::size_t>(n));
   if (Status s = allGatherFloats(comm, odd, gathered); !s.ok()) return "allGather: " + s.error().toString();
   for (int q = 0; q < n; ++q) {
-    if (std::memcmp(gathered.data() + static_cast<std::size_t>(q) * odd.size(), odd.data(), odd.size() * sizeof(float)) != 0) {
+    if (std::memcmp(gathered.data() + static_cast<std::size_t>(q) * odd.size(), odd.data(),
+                    odd.size() * sizeof(float)) != 0) {
       return "ranks disagree on a reduction";
     }
   }
@@ -75,7 +77,8 @@ TEST(LoopbackCommunicator, CollectivesAcrossThreads) {
     std::vector<std::string> errors(static_cast<std::size_t>(n));
     std::vector<std::thread> threads;
     for (int r = 0; r < n; ++r) {
-      threads.emplace_back([&, r] { errors[static_cast<std::size_t>(r)] = exercise(*group[static_cast<std::size_t>(r)], 5000); });
+      threads.emplace_back(
+          [&, r] { errors[static_cast<std::size_t>(r)] = exercise(*group[static_cast<std::size_t>(r)], 5000); });
     }
     for (auto& t : threads) t.join();
     for (int r = 0; r < n; ++r) EXPECT_EQ(errors[static_cast<std::size_t>(r)], "") << "size " << n << " rank " << r;

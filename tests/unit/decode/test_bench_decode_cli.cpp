@@ -7,8 +7,8 @@
 #include <sys/wait.h>
 
 #include <array>
-#include <cstdio>
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <string>
 

@@ -330,7 +330,8 @@ class QuarantineLoop : public ::testing::Test {
     const std::uint64_t block_stride = pool_->blockStride() / sizeof(float);
     for (std::int64_t l = 0; l < layers_; ++l) {
       for (const std::int32_t b : blocks) {
-        const float* p = base + static_cast<std::uint64_t>(l) * layer_stride + static_cast<std::uint64_t>(b) * block_stride;
+        const float* p =
+            base + static_cast<std::uint64_t>(l) * layer_stride + static_cast<std::uint64_t>(b) * block_stride;
         const auto n = static_cast<std::size_t>(v.block_size * v.latent_dim);
         if (std::any_of(p, p + n, [](float x) { return x != 0.0F; })) return true;
       }
@@ -351,7 +352,9 @@ class QuarantineLoop : public ::testing::Test {
     }
     return true;
   }
-  static std::vector<std::int32_t> ids(const kvtransfer::KvDescriptor& d) { return {d.block_ids.begin(), d.block_ids.end()}; }
+  static std::vector<std::int32_t> ids(const kvtransfer::KvDescriptor& d) {
+    return {d.block_ids.begin(), d.block_ids.end()};
+  }
 
   static constexpr std::int64_t kPrompt = 20;  // 3 blocks of 8
   std::unique_ptr<model::Engine> engine_;
@@ -375,7 +378,8 @@ TEST_F(QuarantineLoop, LatePutsOfAnAbortedRequestLandOnlyInItsQuarantinedBlocks)
   Stream next;
   {
     DecodeLoop loop(*engine_, *pool_, options());
-    auto d1 = loop.openStream(request(1, kPrompt, 4, aborted, Clock::now() + kWait), *decode_tx_, compat_, targets_, 30000);
+    auto d1 =
+        loop.openStream(request(1, kPrompt, 4, aborted, Clock::now() + kWait), *decode_tx_, compat_, targets_, 30000);
     ASSERT_TRUE(d1.ok()) << d1.error().toString();
     ASSERT_TRUE(prefill_tx_->beginTransfer(*d1, kvtransfer::Clock::now() + kWait, [](std::uint64_t, Status) {}).ok());
     ASSERT_TRUE(putLayer(1, 0).ok());
@@ -387,7 +391,8 @@ TEST_F(QuarantineLoop, LatePutsOfAnAbortedRequestLandOnlyInItsQuarantinedBlocks)
     EXPECT_EQ(metrics_.snapshot().quarantined_blocks, static_cast<std::int64_t>(d1->block_ids.size()));
 
     // The next request gets other blocks; the late puts of request 1 do not touch them.
-    auto d2 = loop.openStream(request(2, kPrompt, 4, next, Clock::now() + kWait), *decode_tx_, compat_, targets_, 30000);
+    auto d2 =
+        loop.openStream(request(2, kPrompt, 4, next, Clock::now() + kWait), *decode_tx_, compat_, targets_, 30000);
     ASSERT_TRUE(d2.ok()) << d2.error().toString();
     for (const std::uint32_t b : d2->block_ids) {
       EXPECT_EQ(std::count(d1->block_ids.begin(), d1->block_ids.end(), b), 0) << "block " << b << " reused";
@@ -414,7 +419,8 @@ TEST_F(QuarantineLoop, ACompletionRecordOrTheDeadlineEndsTheQuarantine) {
   {
     DecodeLoop loop(*engine_, *pool_, options());
     // 1: the transfer completes after the abort.
-    auto d1 = loop.openStream(request(1, kPrompt, 4, s[0], Clock::now() + kWait), *decode_tx_, compat_, targets_, 30000);
+    auto d1 =
+        loop.openStream(request(1, kPrompt, 4, s[0], Clock::now() + kWait), *decode_tx_, compat_, targets_, 30000);
     ASSERT_TRUE(d1.ok());
     ASSERT_TRUE(prefill_tx_->beginTransfer(*d1, kvtransfer::Clock::now() + kWait, [](std::uint64_t, Status) {}).ok());
     loop.postAbort(1);

@@ -36,10 +36,10 @@ namespace {
 using test_support::goldenDir;
 using test_support::goldenIds;
 
-constexpr std::int64_t kSamples = 3000;   // per configuration
-constexpr std::int64_t kBatch = 64;       // requests decoded together
-constexpr double kAlpha = 1e-4;           // per chi-square test
-constexpr double kZAlpha = 3.7190;        // standard normal upper quantile of kAlpha
+constexpr std::int64_t kSamples = 3000;  // per configuration
+constexpr std::int64_t kBatch = 64;      // requests decoded together
+constexpr double kAlpha = 1e-4;          // per chi-square test
+constexpr double kZAlpha = 3.7190;       // standard normal upper quantile of kAlpha
 constexpr std::int64_t kPromptLen = 12;
 
 // Upper kAlpha quantile of chi-square with `df` degrees of freedom (Wilson-Hilferty; accurate
@@ -246,7 +246,8 @@ class SpeculativeSampling : public ::testing::Test {
     for (std::size_t x = 0; x < vocab; ++x) {
       if (p1_[x] == 0.0) continue;
       const std::vector<float> l = rows(static_cast<std::int32_t>(x));
-      p2_[static_cast<std::int32_t>(x)] = samplingDistribution(std::span<const float>(l.data() + vocab, vocab), sampling_);
+      p2_[static_cast<std::int32_t>(x)] =
+          samplingDistribution(std::span<const float>(l.data() + vocab, vocab), sampling_);
     }
     // The oracle proposes the most likely token at t1 and, after each possible t1, at t2.
     const std::int64_t t1_pos = kPromptLen + 1;
@@ -324,10 +325,11 @@ class SpeculativeSampling : public ::testing::Test {
     const auto n = static_cast<std::int64_t>(samples.size());
     const FitResult f = chiSquareFit(first, firstLaw(), n);
     const FitResult j = chiSquareFit(joint, jointLaw(), n);
-    std::printf("  [spec-sampling] %-22s t1: chi2 %6.2f / %6.2f (df %2lld) TV %.4f | (t1,t2): chi2 %6.2f / %6.2f "
-                "(df %2lld) TV %.4f\n",
-                what.c_str(), f.chi2, f.critical, static_cast<long long>(f.df), f.tv, j.chi2, j.critical,
-                static_cast<long long>(j.df), j.tv);
+    std::printf(
+        "  [spec-sampling] %-22s t1: chi2 %6.2f / %6.2f (df %2lld) TV %.4f | (t1,t2): chi2 %6.2f / %6.2f "
+        "(df %2lld) TV %.4f\n",
+        what.c_str(), f.chi2, f.critical, static_cast<long long>(f.df), f.tv, j.chi2, j.critical,
+        static_cast<long long>(j.df), j.tv);
     EXPECT_TRUE(f.ok) << what << ", t1: " << f.message;
     EXPECT_TRUE(j.ok) << what << ", (t1, t2): " << j.message;
   }

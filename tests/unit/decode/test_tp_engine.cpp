@@ -59,10 +59,10 @@ TEST_P(TpGolden, ShardsAreSlicesOfTheWholeWeights) {
       const std::int64_t kvw = c.qk_nope_head_dim + c.v_head_dim;
       EXPECT_EQ(denseMatrix(p.attn.kv_b),
                 rows(denseMatrix(w.attn.kv_b), c.kv_lora_rank, heads.begin * kvw, heads.end * kvw));
-      EXPECT_EQ(denseMatrix(p.attn.q_b), rows(denseMatrix(w.attn.q_b), c.q_lora_rank, heads.begin * c.qkHeadDim(),
-                                              heads.end * c.qkHeadDim()));
-      EXPECT_EQ(denseMatrix(p.attn.o), columns(denseMatrix(w.attn.o), w.attn.o.cols, heads.begin * c.v_head_dim,
-                                               heads.end * c.v_head_dim));
+      EXPECT_EQ(denseMatrix(p.attn.q_b),
+                rows(denseMatrix(w.attn.q_b), c.q_lora_rank, heads.begin * c.qkHeadDim(), heads.end * c.qkHeadDim()));
+      EXPECT_EQ(denseMatrix(p.attn.o),
+                columns(denseMatrix(w.attn.o), w.attn.o.cols, heads.begin * c.v_head_dim, heads.end * c.v_head_dim));
       EXPECT_EQ(denseMatrix(p.attn.kv_a), denseMatrix(w.attn.kv_a)) << "the latent projection is replicated";
       const model::MlpWeights& wm = w.moe ? w.experts[3] : w.dense;
       const model::MlpWeights& pm = p.moe ? p.experts[3] : p.dense;

@@ -142,8 +142,8 @@ TEST_P(TpKv, PrefillWritesEveryRanksPoolAndTheGroupDecodesTheGoldenTokens) {
       const model::SequenceChunk chunk{in, static_cast<std::int64_t>(prompt.size() + i - 1), table, {}, 0};
       auto out = leader.forward(std::span(&chunk, 1), a, {});
       ASSERT_TRUE(out.ok()) << out.error().toString();
-      tokens.push_back(static_cast<std::int32_t>(std::max_element(out->logits.begin(), out->logits.end()) -
-                                                 out->logits.begin()));
+      tokens.push_back(
+          static_cast<std::int32_t>(std::max_element(out->logits.begin(), out->logits.end()) - out->logits.begin()));
     }
     EXPECT_EQ(tokens, greedy);
     ASSERT_TRUE(leader.stop().ok());

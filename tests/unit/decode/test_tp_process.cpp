@@ -1,10 +1,9 @@
 // Tensor parallelism across processes: rank 1 is a forked process joined over the shared-memory
 // communicator; TP = 2 gives the golden greedy tokens (= TP = 1), and a follower that dies makes
 // the leader's next call fail instead of hanging.
+#include <gtest/gtest.h>
 #include <sys/wait.h>
 #include <unistd.h>
-
-#include <gtest/gtest.h>
 
 #include <chrono>
 

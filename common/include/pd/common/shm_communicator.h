@@ -15,6 +15,8 @@
 /// every 20 ms whether each peer process still runs (/proc/<pid>/stat, zombies count as dead).
 /// The first failing rank sets the abort flag, so peers fail within milliseconds.
 ///
+/// Test-only latency injection: ShmOptions::inject_latency delays every message (see there).
+///
 /// Thread rules: one thread at a time per object (see communicator.h). Move-free; destroy to
 /// leave the group (a peer still waiting then sees this process as gone only once it exits).
 
@@ -42,6 +44,11 @@ struct ShmOptions {
   /// Optional, called every few ms while waiting for the other ranks to join: an error (e.g.
   /// "rank 2's process exited") ends the wait at once with that error.
   std::function<Status()> while_joining;
+  /// TEST-ONLY (latency experiments, tools/bench/netlat_experiment.sh): every collective step
+  /// waits this long before publishing this rank's data, so each message between ranks arrives
+  /// `inject_latency` later, as over a network with that one-way latency. 0 (the default) = off;
+  /// never set in production.
+  std::chrono::microseconds inject_latency{0};
 };
 
 /// Creates (rank 0) or joins (others) the group. InvalidArgument for bad options or a size
