@@ -3,13 +3,12 @@
 #include "pd/common/shm_communicator.h"
 
 #include <fcntl.h>
+#include <fmt/format.h>
 #include <linux/futex.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
 #include <unistd.h>
-
-#include <fmt/format.h>
 
 #include <algorithm>
 #include <atomic>
@@ -103,7 +102,8 @@ class ShmCommunicator final : public Communicator {
 
   ~ShmCommunicator() override {
     if (unlink_pending_) shm_unlink(("/" + name_).c_str());
-    if (munmap(base_, bytes_) != 0) log::warn("comm", "munmap of shm segment {} failed: {}", name_, std::strerror(errno));
+    if (munmap(base_, bytes_) != 0)
+      log::warn("comm", "munmap of shm segment {} failed: {}", name_, std::strerror(errno));
   }
 
   [[nodiscard]] int rank() const override { return rank_; }
@@ -128,8 +128,8 @@ class ShmCommunicator final : public Communicator {
       if (header()->abort.load() != 0) return makeError(ErrorCode::PeerFailed, "shm group aborted while joining");
       if (std::chrono::steady_clock::now() > deadline) {
         fail();
-        return makeError(ErrorCode::Timeout, fmt::format("shm group '{}': only {} of {} ranks joined within {} ms", name_,
-                                                         header()->joined.load(), size_, join_timeout.count()));
+        return makeError(ErrorCode::Timeout, fmt::format("shm group '{}': only {} of {} ranks joined within {} ms",
+                                                         name_, header()->joined.load(), size_, join_timeout.count()));
       }
       if (while_joining) {
         if (Status s = while_joining(); !s.ok()) {
@@ -316,8 +316,8 @@ std::string uniqueShmName() {
 
 Result<std::unique_ptr<Communicator>> createShmCommunicator(const ShmOptions& o) {
   if (o.size < 1 || o.size > kMaxRanks || o.rank < 0 || o.rank >= o.size) {
-    return makeError(ErrorCode::InvalidArgument, fmt::format("shm communicator: rank {} of size {} (size 1..{})",
-                                                             o.rank, o.size, kMaxRanks));
+    return makeError(ErrorCode::InvalidArgument,
+                     fmt::format("shm communicator: rank {} of size {} (size 1..{})", o.rank, o.size, kMaxRanks));
   }
   if (o.name.empty() || o.name.find('/') != std::string::npos || o.name.size() > 200) {
     return makeError(ErrorCode::InvalidArgument, fmt::format("shm communicator: bad segment name '{}'", o.name));
@@ -354,7 +354,7 @@ Result<std::unique_ptr<Communicator>> createShmCommunicator(const ShmOptions& o)
     h->abort_rank.store(-1);
     h->magic.store(kMagic, std::memory_order_release);
     auto comm = std::make_unique<ShmCommunicator>(o.name, 0, o.size, o.slot_bytes, o.timeout, o.spin, base, bytes, true,
-                                                   o.inject_latency);
+                                                  o.inject_latency);
     PD_TRY(comm->join(o.join_timeout, o.while_joining));
     return std::unique_ptr<Communicator>(std::move(comm));
   }
@@ -365,15 +365,16 @@ Result<std::unique_ptr<Communicator>> createShmCommunicator(const ShmOptions& o)
   while ((fd = shm_open(path.c_str(), O_RDWR, 0)) < 0) {
     if (errno != ENOENT) return makeError(ErrorCode::Io, fmt::format("shm_open('{}'): {}", path, std::strerror(errno)));
     if (expired()) {
-      return makeError(ErrorCode::Timeout, fmt::format("shm group '{}' did not appear within {} ms", o.name,
-                                                       o.join_timeout.count()));
+      return makeError(ErrorCode::Timeout,
+                       fmt::format("shm group '{}' did not appear within {} ms", o.name, o.join_timeout.count()));
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
   }
   FdCloser closer{fd};
   struct stat st {};
   while (true) {
-    if (fstat(fd, &st) != 0) return makeError(ErrorCode::Io, fmt::format("fstat('{}'): {}", path, std::strerror(errno)));
+    if (fstat(fd, &st) != 0)
+      return makeError(ErrorCode::Io, fmt::format("fstat('{}'): {}", path, std::strerror(errno)));
     if (static_cast<std::size_t>(st.st_size) >= sizeof(Header)) break;
     if (expired()) return makeError(ErrorCode::Timeout, fmt::format("shm group '{}' was never sized", o.name));
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
@@ -387,15 +388,17 @@ Result<std::unique_ptr<Communicator>> createShmCommunicator(const ShmOptions& o)
     return e;
   };
   while (h->magic.load(std::memory_order_acquire) != kMagic) {
-    if (expired()) return unmap_error(makeError(ErrorCode::Timeout, fmt::format("shm group '{}' never initialized", o.name)));
+    if (expired())
+      return unmap_error(makeError(ErrorCode::Timeout, fmt::format("shm group '{}' never initialized", o.name)));
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
   }
   if (h->size != o.size || segmentBytes(h->size, h->slot_bytes) != bytes) {
-    return unmap_error(makeError(ErrorCode::InvalidArgument,
-                                 fmt::format("shm group '{}' has size {}, this rank expects {}", o.name, h->size, o.size)));
+    return unmap_error(
+        makeError(ErrorCode::InvalidArgument,
+                  fmt::format("shm group '{}' has size {}, this rank expects {}", o.name, h->size, o.size)));
   }
   auto comm = std::make_unique<ShmCommunicator>(o.name, o.rank, o.size, h->slot_bytes, o.timeout, o.spin, base, bytes,
-                                                  false, o.inject_latency);
+                                                false, o.inject_latency);
   PD_TRY(comm->join(o.join_timeout, o.while_joining));
   return std::unique_ptr<Communicator>(std::move(comm));
 }

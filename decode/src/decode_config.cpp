@@ -10,6 +10,10 @@ void registerOptions(config::OptionSet& set, DecodeConfig& cfg) {
       .add("max_running_requests", &cfg.max_running_requests, "sequences in one decode batch", 1, 1 << 16)
       .add("num_speculative_tokens", &cfg.num_speculative_tokens, "MTP draft tokens per step (0 = off)", 0, 8)
       .add("tensor_parallel", &cfg.tensor_parallel, "tensor-parallel ranks", 1, 64)
+      .add("tp_rank", &cfg.tp_rank, "tensor-parallel rank of this process (set by the leader for its followers)", 0, 63)
+      .add("tp_group", &cfg.tp_group, "shared-memory name of the tensor-parallel group (set by the leader)")
+      .add("tp_inject_latency_us", &cfg.tp_inject_latency_us,
+           "TEST-ONLY: latency added to every tensor-parallel message (emulates a network; 0 = off)", 0, 1000000)
       .add("kv_wait_timeout_ms", &cfg.kv_wait_timeout_ms,
            "longest an admitted request waits for its KV (a request's kv_timeout_ms is clamped to it)", 100, 86400000)
       .add("kv_dtype", &cfg.kv_dtype, "element type of the latent-KV pool", {"bf16", "f32"})

@@ -352,9 +352,12 @@ void DecodeEngine::runBatch(std::span<Sequence* const> all) {
   const std::size_t n = batch.size();
   if (n == 0) return;
   const auto fail_all = [&](const Error& e) {
+    // A tensor-parallel group's communication failure keeps its code (PeerFailed / Timeout: a
+    // rank died or stalled); anything else is this worker's internal failure.
+    const ErrorCode code =
+        e.code == ErrorCode::PeerFailed || e.code == ErrorCode::Timeout ? e.code : ErrorCode::Internal;
     for (Sequence* seq : batch) {
-      finish(seq->req.id, FinishReason::Error,
-             makeError(ErrorCode::Internal, fmt::format("decode step failed: {}", e.toString())),
+      finish(seq->req.id, FinishReason::Error, makeError(code, fmt::format("decode step failed: {}", e.toString())),
              RequestOutcome::Error);
     }
   };
@@ -387,8 +390,8 @@ void DecodeEngine::runBatch(std::span<Sequence* const> all) {
       Sequence& s = *batch[who[r]];
       drafts[who[r]].push_back(model::argmax(std::span<const float>(m->logits.data() + r * vocab, vocab)));
       if (options_.bench_draft_override) {
-        drafts[who[r]].back() = options_.bench_draft_override(
-            s.req.id, static_cast<std::int64_t>(s.generated.size()), drafts[who[r]].back());
+        drafts[who[r]].back() = options_.bench_draft_override(s.req.id, static_cast<std::int64_t>(s.generated.size()),
+                                                              drafts[who[r]].back());
         PD_CHECK(drafts[who[r]].back() >= 0 && static_cast<std::size_t>(drafts[who[r]].back()) < vocab);
       }
       mtp_hidden[who[r]].assign(m->hidden.begin() + static_cast<std::ptrdiff_t>(r * d),
@@ -413,8 +416,8 @@ void DecodeEngine::runBatch(std::span<Sequence* const> all) {
         drafts[i].push_back(model::argmax(std::span<const float>(c->logits.data() + r * vocab, vocab)));
         if (options_.bench_draft_override) {
           const Sequence& s = *batch[i];
-          drafts[i].back() = options_.bench_draft_override(
-              s.req.id, static_cast<std::int64_t>(s.generated.size()) + j, drafts[i].back());
+          drafts[i].back() = options_.bench_draft_override(s.req.id, static_cast<std::int64_t>(s.generated.size()) + j,
+                                                           drafts[i].back());
           PD_CHECK(drafts[i].back() >= 0 && static_cast<std::size_t>(drafts[i].back()) < vocab);
         }
         mtp_hidden[i].assign(c->hidden.begin() + static_cast<std::ptrdiff_t>(r * d),

@@ -1,16 +1,19 @@
 #include "pd/decode/decode_loop.h"
 
 #include <algorithm>
+#include <chrono>
+#include <cstdint>
 #include <future>
 #include <memory>
 #include <utility>
 
 #include "pd/common/log.h"
+#include "pd/decode/tp_engine.h"
 
 namespace pd::decode {
 
-DecodeLoop::DecodeLoop(model::Engine& engine, KvPool& pool, DecodeEngineOptions options)
-    : engine_(engine, pool, options), thread_([this] { run(); }) {}
+DecodeLoop::DecodeLoop(model::Engine& engine, KvPool& pool, DecodeEngineOptions options, TpLeaderEngine* tp_leader)
+    : tp_leader_(tp_leader), engine_(engine, pool, options), thread_([this] { run(); }) {}
 
 DecodeLoop::~DecodeLoop() {
   {
@@ -43,6 +46,7 @@ Result<std::vector<std::int32_t>> DecodeLoop::admit(DecodeRequest request) {
 struct DecodeLoop::KvWait {
   std::shared_ptr<Inbox> inbox;
   kvtransfer::Transport* transport = nullptr;
+  TpLeaderEngine* tp_leader = nullptr;  // set once the followers expect the KV too
   std::uint64_t id = 0;
   Clock::time_point deadline;
   std::mutex mutex;
@@ -52,11 +56,15 @@ struct DecodeLoop::KvWait {
   // The request ended while waiting: no more re-arming, and the pending expectation (if any)
   // is cancelled so that the transport drops its late bytes.
   void stop() {
+    TpLeaderEngine* followers = nullptr;
     {
       std::lock_guard lock(mutex);
       stopped = true;
+      followers = std::exchange(tp_leader, nullptr);
     }
     transport->cancelExpect(id);
+    // Best effort: a broken group has nothing to cancel (its followers are gone or failing).
+    if (followers != nullptr) (void)followers->cancelKv(id);
   }
   // The request ended while waiting and its blocks are quarantined (rma): the pending
   // expectation stays armed so that its outcome ends the quarantine, but it is not re-armed.
@@ -117,7 +125,22 @@ void DecodeLoop::openStreamAsync(DecodeRequest request, kvtransfer::Transport& t
   }
   auto req = std::make_shared<DecodeRequest>(std::move(request));
   auto answer = std::make_shared<OpenDone>(std::move(done));
-  const bool posted = inbox_->post([req, wait, descriptor, answer](DecodeEngine& e) {
+  TpLeaderEngine* tp = tp_leader_;
+  const bool posted = inbox_->post([req, wait, descriptor, answer, tp](DecodeEngine& e) {
+    if (tp != nullptr) {
+      // The followers' transports must expect the KV before the descriptor (listing their
+      // targets) goes out, until the same deadline as ours. On the loop thread: no step runs
+      // now, so this never waits for one.
+      const auto left = std::chrono::ceil<std::chrono::milliseconds>(wait->deadline - Clock::now()).count();
+      const auto follower_ms = static_cast<std::uint32_t>(std::clamp<std::int64_t>(left, 1, UINT32_MAX));
+      if (Status s = tp->expectKv(wait->id, follower_ms); !s.ok()) {
+        wait->stop();
+        (*answer)(s.error());
+        return;
+      }
+      std::lock_guard lock(wait->mutex);
+      if (!wait->stopped) wait->tp_leader = tp;
+    }
     Result<std::vector<std::int32_t>> blocks = e.admit(std::move(*req));
     if (!blocks.ok()) {
       wait->stop();

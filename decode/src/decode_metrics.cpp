@@ -99,8 +99,7 @@ void DecodeMetrics::prefillRetried() {
   retries_->inc();
 }
 
-void DecodeMetrics::setBlocks(std::int64_t free, std::int64_t available, std::int64_t total,
-                              std::int64_t quarantined) {
+void DecodeMetrics::setBlocks(std::int64_t free, std::int64_t available, std::int64_t total, std::int64_t quarantined) {
   blocks_free_->set(static_cast<double>(free));
   blocks_quarantined_->set(static_cast<double>(quarantined));
   blocks_available_->set(static_cast<double>(available));

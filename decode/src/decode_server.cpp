@@ -97,10 +97,12 @@ Result<std::unique_ptr<DecodeServer>> DecodeServer::start(std::unique_ptr<model:
 
 Status DecodeServer::startParts() {
   const DecodeConfig& cfg = options_.decode;
-  if (cfg.tensor_parallel != 1) {
+  TpLeaderEngine* const tp = options_.tp_leader;
+  const std::int64_t group_size = tp != nullptr ? tp->comm().size() : 1;
+  if (cfg.tensor_parallel != group_size) {
     return makeError(
-        ErrorCode::Unsupported,
-        fmt::format("decode.tensor_parallel {}: this build serves tensor_parallel 1 only", cfg.tensor_parallel));
+        ErrorCode::InvalidArgument,
+        fmt::format("decode.tensor_parallel {} but the engine runs on {} rank(s)", cfg.tensor_parallel, group_size));
   }
   if (cfg.num_speculative_tokens > 0 && !engine_->capabilities().mtp) {
     return makeError(ErrorCode::Unsupported,
@@ -110,7 +112,7 @@ Status DecodeServer::startParts() {
   const DType dtype = cfg.kv_dtype == "f32" ? DType::F32 : DType::BF16;
   PD_ASSIGN_OR_RETURN(KvPool pool, KvPool::create(engine_->config(), cfg.num_blocks, cfg.block_size, dtype));
   pool_ = std::make_unique<KvPool>(std::move(pool));
-  compat_ = pool_->compat(options_.model_hash, 1);
+  compat_ = pool_->compat(options_.model_hash, static_cast<std::uint32_t>(group_size));
 
   kvtransfer::UcxTransportOptions tx = kvtransfer::ucxOptionsFromConfig(options_.kvtransfer, compat_);
   tx.metrics = &registry_;
@@ -123,12 +125,17 @@ Status DecodeServer::startParts() {
   const kvtransfer::RegionLayout layout = pool_->regionLayout(region_);
   PD_ASSIGN_OR_RETURN(kvtransfer::KvTarget target,
                       transport_->exportTarget(0, std::span<const kvtransfer::RegionLayout>(&layout, 1)));
-  targets_.push_back(std::move(target));
+  if (tp != nullptr) {
+    // Every rank's target, in rank order (the followers are in TpFollowerWorker::start).
+    PD_ASSIGN_OR_RETURN(targets_, exchangeKvTargets(tp->comm(), std::move(target)));
+  } else {
+    targets_.push_back(std::move(target));
+  }
 
   DecodeEngineOptions engine_options = engineOptions(cfg);
   engine_options.metrics = &metrics_;
   engine_options.quarantine_late_writes = rma;  // am drops late bytes in the transport
-  loop_ = std::make_unique<DecodeLoop>(*engine_, *pool_, engine_options);
+  loop_ = std::make_unique<DecodeLoop>(*engine_, *pool_, engine_options, tp);
 
   http::ServerOptions http_options;
   http_options.host = cfg.host;
@@ -142,8 +149,13 @@ Status DecodeServer::startParts() {
                       ex.respond(http::Response::withBody(200, "text/plain", "ok\n"));
                     }});
   routes.push_back({"GET", "/ready", [this](http::Request, http::Exchange ex) {
-                      ex.respond(draining_.load() ? http::Response::withBody(503, "text/plain", "draining\n")
-                                                  : http::Response::withBody(200, "text/plain", "ready\n"));
+                      if (draining_.load()) {
+                        ex.respond(http::Response::withBody(503, "text/plain", "draining\n"));
+                      } else if (tpBroken()) {
+                        ex.respond(http::Response::withBody(503, "text/plain", "tensor-parallel group failed\n"));
+                      } else {
+                        ex.respond(http::Response::withBody(200, "text/plain", "ready\n"));
+                      }
                     }});
   routes.push_back(
       {"GET", "/metrics", [this](http::Request, http::Exchange ex) {
@@ -157,8 +169,9 @@ Status DecodeServer::startParts() {
   routes.push_back({"POST", std::string(worker_api::kDecodeAbortPath),
                     [this](http::Request req, http::Exchange ex) { handleAbort(req, std::move(ex)); }});
   PD_ASSIGN_OR_RETURN(http_, http::Server::start(std::move(http_options), std::move(routes)));
-  log::info("decode", "serving on {} ({} KV blocks of {} tokens, {}, MTP k={}, transport {})", url(), cfg.num_blocks,
-            cfg.block_size, cfg.kv_dtype, cfg.num_speculative_tokens, transport_->capabilities().name);
+  log::info("decode", "serving on {} ({} KV blocks of {} tokens, {}, MTP k={}, TP {}, transport {})", url(),
+            cfg.num_blocks, cfg.block_size, cfg.kv_dtype, cfg.num_speculative_tokens, group_size,
+            transport_->capabilities().name);
   return okStatus();
 }
 
@@ -313,7 +326,7 @@ worker_api::WorkerStatus DecodeServer::status() const {
   worker_api::WorkerStatus s;
   s.role = "decode";
   s.draining = draining_.load();
-  s.ready = !s.draining;
+  s.ready = !s.draining && !tpBroken();
   s.model_hash = fmt::format("{:016x}", options_.model_hash);
   s.queued_requests = m.waiting_kv;
   s.queued_tokens = m.waiting_kv_tokens;

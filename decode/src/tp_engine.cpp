@@ -194,9 +194,17 @@ Status TpLeaderEngine::send(std::vector<std::byte> message) {
   auto sent = comm::broadcastMessage(comm_, std::move(message), 0);
   if (!sent.ok()) {
     broken_ = std::move(sent).error();
+    failed_.store(true);
     return *broken_;
   }
   return okStatus();
+}
+
+void TpLeaderEngine::markBroken(Error why) {
+  std::lock_guard lock(mu_);
+  if (broken_ || stopped_) return;
+  broken_ = std::move(why);
+  failed_.store(true);
 }
 
 Status TpLeaderEngine::expectKv(std::uint64_t request_id, std::uint32_t timeout_ms) {
@@ -227,7 +235,10 @@ Result<model::ForwardOutput> TpLeaderEngine::call(bool mtp, std::span<const mode
   std::lock_guard lock(mu_);
   PD_TRY(send(encodeCall(mtp ? CallKind::ForwardMtp : CallKind::Forward, batch, cache, options)));
   auto out = mtp ? local_->forwardMtp(batch, cache, options) : local_->forward(batch, cache, options);
-  if (!out.ok() && isCommunicationError(out.error())) broken_ = out.error();
+  if (!out.ok() && isCommunicationError(out.error())) {
+    broken_ = out.error();
+    failed_.store(true);
+  }
   return out;
 }
 

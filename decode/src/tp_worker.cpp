@@ -14,7 +14,8 @@
 namespace pd::decode {
 
 Result<std::unique_ptr<TpLeaderGroup>> TpLeaderGroup::start(int size, std::vector<std::string> follower_argv,
-                                                            std::chrono::milliseconds join_timeout) {
+                                                            std::chrono::milliseconds join_timeout,
+                                                            std::chrono::microseconds inject_latency) {
   if (size < 2) return makeError(ErrorCode::InvalidArgument, "a tensor-parallel group needs 2 or more ranks");
   if (follower_argv.empty()) return makeError(ErrorCode::InvalidArgument, "no follower command line");
   std::unique_ptr<TpLeaderGroup> group(new TpLeaderGroup());
@@ -34,6 +35,7 @@ Result<std::unique_ptr<TpLeaderGroup>> TpLeaderGroup::start(int size, std::vecto
   so.rank = 0;
   so.size = size;
   so.join_timeout = join_timeout;
+  so.inject_latency = inject_latency;
   TpLeaderGroup* g = group.get();
   so.while_joining = [g]() -> Status {
     const std::vector<std::optional<int>> exits = g->pollFollowers();
@@ -64,7 +66,8 @@ std::vector<std::optional<int>> TpLeaderGroup::pollFollowers() {
 TpLeaderGroup::~TpLeaderGroup() {
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
   for (std::size_t i = 0; i < followers_.size(); ++i) {
-    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+    const auto left =
+        std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
     const std::optional<int> status = followers_[i]->wait(std::max(left, std::chrono::milliseconds(0)));
     if (!status) {
       log::warn("tp", "tensor-parallel rank {} did not exit; killing it", i + 1);
@@ -76,8 +79,7 @@ TpLeaderGroup::~TpLeaderGroup() {
 }
 
 Result<std::unique_ptr<TpFollowerWorker>> TpFollowerWorker::start(std::unique_ptr<model::Engine> engine,
-                                                                  comm::Communicator& comm,
-                                                                  TpFollowerOptions options) {
+                                                                  comm::Communicator& comm, TpFollowerOptions options) {
   PD_CHECK(engine != nullptr);
   if (comm.rank() == 0) return makeError(ErrorCode::InvalidArgument, "rank 0 is the leader, not a follower");
   std::unique_ptr<TpFollowerWorker> w(new TpFollowerWorker(std::move(engine), comm, std::move(options)));
@@ -124,13 +126,13 @@ void TpFollowerWorker::expectUntil(std::uint64_t id, kvtransfer::Deadline deadli
   // expectation (on the transport's thread, as the leader does), so that the next attempt's
   // bytes land; it ends at the deadline or when the leader cancels it.
   const int rank = comm_.rank();
-  const Status s = transport_->expect(id, deadline, [this, rank, deadline](std::uint64_t rid,
-                                                                           Result<kvtransfer::CompletionRecord> r) {
-    if (r.ok()) return;
-    const ErrorCode code = r.error().code;
-    log::debug("tp", "rank {}: KV of request {} did not arrive: {}", rank, rid, r.error().toString());
-    if (code != ErrorCode::Timeout && code != ErrorCode::Cancelled) expectUntil(rid, deadline);
-  });
+  const Status s = transport_->expect(
+      id, deadline, [this, rank, deadline](std::uint64_t rid, Result<kvtransfer::CompletionRecord> r) {
+        if (r.ok()) return;
+        const ErrorCode code = r.error().code;
+        log::debug("tp", "rank {}: KV of request {} did not arrive: {}", rank, rid, r.error().toString());
+        if (code != ErrorCode::Timeout && code != ErrorCode::Cancelled) expectUntil(rid, deadline);
+      });
   if (!s.ok()) log::warn("tp", "rank {}: cannot expect KV of request {}: {}", rank, id, s.error().toString());
 }
 

@@ -3,10 +3,16 @@
 // -> prefill (KV over UCX) -> decode (tokens), for the BF16 and FP8 golden models, with MTP off
 // and on, and with a tensor-parallel decode worker (decode.tensor_parallel 2: `pdserve up --tp 2`);
 // afterwards every decode worker's KV pool is fully free again.
+#include <fcntl.h>
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <boost/json.hpp>
+#include <cstdlib>
+#include <filesystem>
+#include <map>
 #include <string>
+#include <thread>
 #include <tuple>
 #include <vector>
 
@@ -45,6 +51,42 @@ std::vector<std::string> childUrls(const LocalCluster& cluster, const std::strin
   return out;
 }
 
+// Command lines of this test process's live descendants (read from /proc).
+std::vector<std::string> descendantCommandLines() {
+  const auto slurp = [](const std::string& path) {
+    std::string out;
+    const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return out;
+    char buf[4096];
+    ssize_t n = 0;
+    while ((n = ::read(fd, buf, sizeof(buf))) > 0) out.append(buf, static_cast<std::size_t>(n));
+    ::close(fd);
+    return out;
+  };
+  std::multimap<int, int> children;  // ppid -> pid
+  for (const auto& entry : std::filesystem::directory_iterator("/proc")) {
+    const std::string name = entry.path().filename().string();
+    if (name.empty() || name.find_first_not_of("0123456789") != std::string::npos) continue;
+    const std::string stat = slurp("/proc/" + name + "/stat");
+    const auto close = stat.rfind(')');  // "pid (comm) state ppid ..."
+    if (close == std::string::npos || close + 4 >= stat.size() || stat[close + 2] == 'Z') continue;
+    children.emplace(std::atoi(stat.c_str() + close + 4), std::stoi(name));
+  }
+  std::vector<std::string> out;
+  std::vector<int> todo{static_cast<int>(::getpid())};
+  while (!todo.empty()) {
+    const int parent = todo.back();
+    todo.pop_back();
+    for (auto [it, end] = children.equal_range(parent); it != end; ++it) {
+      std::string cmd = slurp("/proc/" + std::to_string(it->second) + "/cmdline");
+      for (char& c : cmd) c = c == '\0' ? ' ' : c;
+      out.push_back(std::move(cmd));
+      todo.push_back(it->second);
+    }
+  }
+  return out;
+}
+
 worker_api::WorkerStatus workerStatus(const std::string& host_port) {
   const auto colon = host_port.rfind(':');
   auto r = getPath(host_port.substr(0, colon), static_cast<std::uint16_t>(std::stoi(host_port.substr(colon + 1))),
@@ -67,6 +109,11 @@ TEST_P(E2eGolden, CompletionsReturnTheGoldenGreedyTokens) {
                         "--decode.num_speculative_tokens=" + std::to_string(mtp), "--tp=" + std::to_string(tp),
                         "--log.level=warn"});
   ASSERT_FALSE(cluster.url().empty());
+  // up prints READY once the router listens; the router routes once its first polls put the
+  // workers in rotation (its /ready), which may come a moment later on a loaded machine.
+  for (int i = 0; i < 600 && getPath(cluster.host(), cluster.port(), "/ready").status != 200; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
 
   json::array prompt;
   for (auto t : golden.tokens) prompt.push_back(t);
@@ -89,6 +136,11 @@ TEST_P(E2eGolden, CompletionsReturnTheGoldenGreedyTokens) {
     EXPECT_EQ(usage.at("completion_tokens").to_number<std::int64_t>(), static_cast<std::int64_t>(golden.greedy.size()));
   }
 
+  if (tp > 1) {  // the decode worker really runs tensor-parallel: its followers exist
+    int followers = 0;
+    for (const auto& cmd : descendantCommandLines()) followers += cmd.find("--decode.tp_rank") != std::string::npos;
+    EXPECT_EQ(followers, tp - 1) << "tensor-parallel follower processes under pdserve up";
+  }
   const auto decoders = childUrls(cluster, "decode");
   ASSERT_EQ(decoders.size(), 1U);
   const auto st = workerStatus(decoders[0]);

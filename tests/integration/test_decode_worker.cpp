@@ -62,7 +62,10 @@ TEST(DecodeWorkerProcess, CheckConfigValidatesWithoutServing) {
   EXPECT_EQ(ok->wait(30s), std::optional<int>(0));
   EXPECT_EQ(out.next(1s), std::nullopt) << "--check-config printed something";
 
-  auto bad = spawnDecode({"--check-config", "--decode.tensor_parallel", "2"}, true);
+  // Tensor parallelism is served (docs/tensor-parallel.md); a rank outside the group is not.
+  auto tp = spawnDecode({"--check-config", "--decode.tensor_parallel", "2"}, false);
+  EXPECT_EQ(tp->wait(30s), std::optional<int>(0));
+  auto bad = spawnDecode({"--check-config", "--decode.tensor_parallel", "2", "--decode.tp_rank", "2"}, true);
   proc::LineReader err(bad->stderrFd());
   EXPECT_EQ(bad->wait(30s), std::optional<int>(2));
   const auto line = err.next(5s);

@@ -227,6 +227,27 @@ Status smokeRequest(const std::string& router_url, const std::string& model_name
   return okStatus();
 }
 
+// Polls the router's /ready (forwarding the children's output meanwhile) until it answers 200.
+Status waitRouterReady(Supervisor& sup, const std::string& router_url, std::chrono::milliseconds timeout) {
+  const std::string hp = hostPort(router_url);
+  const auto colon = hp.rfind(':');
+  const auto deadline = Clock::now() + timeout;
+  http::Client client(hp.substr(0, colon), static_cast<std::uint16_t>(std::stoi(hp.substr(colon + 1))));
+  while (true) {
+    http::ClientRequest req;
+    req.target = "/ready";
+    auto r = client.send(req, 2s);
+    if (r.ok() && r->status == 200) return okStatus();
+    if (!r.ok()) client.disconnect();
+    if (g_signals.load() > 0) return makeError(ErrorCode::Cancelled, "interrupted while starting");
+    if (auto died = sup.pump(100ms)) return makeError(ErrorCode::PeerFailed, *died + " while starting");
+    if (Clock::now() >= deadline) {
+      return makeError(ErrorCode::Timeout, "the router did not report ready within " + std::to_string(timeout.count()) +
+                                               " ms (are the workers healthy?)");
+    }
+  }
+}
+
 std::string joined(const std::vector<std::string>& items) {
   std::string out;
   for (const auto& i : items) out += (out.empty() ? "" : ",") + hostPort(i);
@@ -408,6 +429,9 @@ int runUp(const std::vector<std::string>& raw_args) {
     if (auto s = sup.start("router", router_args); !s.ok()) return fail(s.error());
     if (auto s = sup.waitReady({"router"}, ready_timeout); !s.ok()) return fail(s.error());
     const std::string url = sup.urls("router").front();
+    // The router listens before its first health polls have put the workers in rotation; the
+    // cluster is ready once the router's /ready says so.
+    if (auto s = waitRouterReady(sup, url, ready_timeout); !s.ok()) return fail(s.error());
     std::printf("PDSERVE_READY role=up url=%s\n", url.c_str());
     std::fflush(stdout);
 

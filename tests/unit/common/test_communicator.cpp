@@ -211,6 +211,42 @@ TEST(ShmCommunicator, RanksThatNeverJoinGiveATimeout) {
   EXPECT_EQ(follower.error().code, ErrorCode::Timeout);
 }
 
+// TEST-ONLY latency injection (netlat experiment): every collective waits the injected latency
+// (the ranks' delays overlap, so k collectives take about k latencies), and the sums stay exact.
+TEST(ShmCommunicator, InjectedLatencyDelaysEveryCollective) {
+  constexpr int kCollectives = 20;
+  constexpr auto kLatency = std::chrono::microseconds(2000);
+  ShmOptions o;
+  o.name = uniqueShmName();
+  o.size = 2;
+  o.timeout = 10s;
+  o.inject_latency = kLatency;
+  const auto run = [](Communicator& comm) {
+    for (int i = 0; i < kCollectives; ++i) {
+      std::vector<float> v(16, static_cast<float>(comm.rank() + i));
+      if (!comm.allReduceSum(v).ok()) return 20;
+      for (float x : v) {
+        if (x != static_cast<float>(2 * i + 1)) return 21;
+      }
+    }
+    return 0;
+  };
+  auto pids = forkRanks(2, [&](int rank) {
+    ShmOptions mine = o;
+    mine.rank = rank;
+    auto comm = createShmCommunicator(mine);
+    return comm.ok() ? run(**comm) : 10;
+  });
+  auto comm = createShmCommunicator(o);
+  ASSERT_TRUE(comm.ok()) << comm.error().toString();
+  const auto t0 = std::chrono::steady_clock::now();
+  EXPECT_EQ(run(**comm), 0);
+  const auto took = std::chrono::steady_clock::now() - t0;
+  EXPECT_GE(took, kCollectives * kLatency);
+  EXPECT_LT(took, 5s);
+  EXPECT_EQ(waitExit(pids[0]), 0);
+}
+
 TEST(ShmCommunicator, BadOptionsAreRejected) {
   ShmOptions o;
   o.name = "has/slash";
@@ -221,6 +257,9 @@ TEST(ShmCommunicator, BadOptionsAreRejected) {
   EXPECT_EQ(createShmCommunicator(o).error().code, ErrorCode::InvalidArgument);
   o.rank = 0;
   o.slot_bytes = 100;
+  EXPECT_EQ(createShmCommunicator(o).error().code, ErrorCode::InvalidArgument);
+  o.slot_bytes = 8192;
+  o.inject_latency = std::chrono::seconds(2);
   EXPECT_EQ(createShmCommunicator(o).error().code, ErrorCode::InvalidArgument);
 }
 

@@ -16,6 +16,14 @@ struct DecodeConfig {
   std::int64_t max_running_requests = 64;
   std::int64_t num_speculative_tokens = 1;
   std::int64_t tensor_parallel = 1;
+  /// This process's rank in the tensor-parallel group. 0 is the worker itself (the leader); ranks
+  /// 1.. are the followers the leader spawns (docs/tensor-parallel.md), never set by hand.
+  std::int64_t tp_rank = 0;
+  /// The group's shared-memory name (followers only; the leader picks it).
+  std::string tp_group;
+  /// TEST-ONLY: per-message latency (µs) the shm communicator adds to every collective, to emulate
+  /// a network between the ranks (tools/bench/netlat_experiment.sh). 0 = off; never in production.
+  std::int64_t tp_inject_latency_us = 0;
   /// The longest a request waits for its KV: a DecodeOpen's kv_timeout_ms is clamped to it.
   std::int64_t kv_wait_timeout_ms = 60000;
   /// Element type of the latent-KV pool: "bf16" or "f32".

@@ -220,8 +220,8 @@ class DecodeEngine {
   DecodeEngineOptions options_;
   KvBlockManager blocks_;
   std::unordered_map<std::uint64_t, std::unique_ptr<Sequence>> requests_;
-  std::deque<std::uint64_t> ready_;     // KV arrived, waiting for a batch slot (FIFO)
-  std::vector<std::uint64_t> running_;  // in the batch, in join order
+  std::deque<std::uint64_t> ready_;                            // KV arrived, waiting for a batch slot (FIFO)
+  std::vector<std::uint64_t> running_;                         // in the batch, in join order
   std::unordered_map<std::uint64_t, Quarantined> quarantine_;  // ended, blocks held (late writes)
   DecodeStats stats_;
 };

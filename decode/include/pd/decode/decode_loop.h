@@ -30,10 +30,15 @@
 
 namespace pd::decode {
 
+class TpLeaderEngine;
+
 class DecodeLoop {
  public:
-  /// Starts the loop thread.
-  DecodeLoop(model::Engine& engine, KvPool& pool, DecodeEngineOptions options);
+  /// Starts the loop thread. `tp_leader` (may be null): the tensor-parallel leader engine
+  /// (`engine` itself, seen as such); when set, every opened stream's KV expectation is relayed
+  /// to the followers (TpLeaderEngine::expectKv / cancelKv) on the loop thread, and an open
+  /// whose relay fails (a broken group: PeerFailed) fails with that error, nothing held.
+  DecodeLoop(model::Engine& engine, KvPool& pool, DecodeEngineOptions options, TpLeaderEngine* tp_leader = nullptr);
   ~DecodeLoop();
   DecodeLoop(const DecodeLoop&) = delete;
   DecodeLoop& operator=(const DecodeLoop&) = delete;
@@ -99,6 +104,7 @@ class DecodeLoop {
   void post(Command command) { inbox_->post(std::move(command)); }
   void run();
 
+  TpLeaderEngine* tp_leader_ = nullptr;
   DecodeEngine engine_;  // loop thread only once the thread runs
   std::shared_ptr<Inbox> inbox_ = std::make_shared<Inbox>();
   std::thread thread_;  // last: started after everything it uses exists

@@ -42,6 +42,7 @@
 #include "pd/decode/decode_loop.h"
 #include "pd/decode/decode_metrics.h"
 #include "pd/decode/kv_pool.h"
+#include "pd/decode/tp_engine.h"
 #include "pd/kvtransfer/kvtransfer_config.h"
 #include "pd/kvtransfer/transport.h"
 
@@ -52,13 +53,20 @@ struct DecodeServerOptions {
   kvtransfer::KvTransferConfig kvtransfer;
   /// Identifies the checkpoint; prefill and decode of one deployment must agree (CompatInfo).
   std::uint64_t model_hash = 0;
+  /// Tensor parallelism (docs/tensor-parallel.md): the engine passed to start(), seen as the
+  /// group's leader, or null for tensor_parallel 1. When set, decode.tensor_parallel must equal
+  /// its group size; start() exchanges KV targets with the followers (a collective: they must be
+  /// in TpFollowerWorker::start), descriptors list every rank's target, every open relays its KV
+  /// expectation to the followers, and /ready answers 503 once the group is broken.
+  TpLeaderEngine* tp_leader = nullptr;
 };
 
 class DecodeServer {
  public:
   /// Builds the pool for `engine`'s model, the UCX transport (pool registered, target exported),
   /// the loop and the HTTP server, which listens on decode.host:decode.port when this returns.
-  /// Errors: Unsupported (tensor_parallel > 1, speculation on a checkpoint without MTP),
+  /// Errors: InvalidArgument (tensor_parallel does not match options.tp_leader), Unsupported
+  /// (speculation on a checkpoint without MTP), the KV target exchange's (PeerFailed, Timeout),
   /// ResourceExhausted (the pool does not fit in memory), the transport's and the server's.
   [[nodiscard]] static Result<std::unique_ptr<DecodeServer>> start(std::unique_ptr<model::Engine> engine,
                                                                    DecodeServerOptions options);
@@ -104,6 +112,8 @@ class DecodeServer {
   void refuse(http::Exchange& exchange, const Error& error);
   // Called on the loop thread with the request's final event: forgets the stream.
   void streamEnded(const std::string& request_id);
+  // The tensor-parallel group is broken (never for tensor_parallel 1).
+  [[nodiscard]] bool tpBroken() const { return options_.tp_leader != nullptr && options_.tp_leader->broken(); }
 
   DecodeServerOptions options_;
   metrics::Registry registry_;  // first: everything below publishes into it

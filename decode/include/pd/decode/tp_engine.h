@@ -18,6 +18,7 @@
 /// forwardMtp); expectKv / cancelKv may come from any thread (they wait for a running step).
 /// runTpFollower() blocks its calling thread until the leader stops the group or a rank fails.
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -71,6 +72,12 @@ class TpLeaderEngine final : public model::Engine {
   Status cancelKv(std::uint64_t request_id);
   /// The group (rank 0): for exchangeKvTargets() at start-up, before any forward call.
   [[nodiscard]] comm::Communicator& comm() { return comm_; }
+  /// Whether the group is broken (a communication failure, or markBroken()); never blocks, so a
+  /// readiness probe may ask it from any thread.
+  [[nodiscard]] bool broken() const { return failed_.load(); }
+  /// Breaks the group from outside (e.g. the process saw a follower exit while idle): every later
+  /// call fails with `why` (no-op if already broken or stopped). Waits for a running step.
+  void markBroken(Error why);
 
  private:
   Result<model::ForwardOutput> call(bool mtp, std::span<const model::SequenceChunk> batch,
@@ -80,8 +87,9 @@ class TpLeaderEngine final : public model::Engine {
 
   std::unique_ptr<model::Engine> local_;
   comm::Communicator& comm_;
-  std::mutex mu_;  // one collective sequence at a time (forward vs expectKv from other threads)
-  std::optional<Error> broken_;
+  std::mutex mu_;                    // one collective sequence at a time (forward vs expectKv from other threads)
+  std::optional<Error> broken_;      // guarded by mu_
+  std::atomic<bool> failed_{false};  // broken_ is set (readable without mu_)
   bool stopped_ = false;
 };
 

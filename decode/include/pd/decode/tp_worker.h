@@ -38,9 +38,11 @@ class TpLeaderGroup {
   /// Spawns size - 1 followers running `follower_argv` (argv[0] = the pdserve executable) plus
   /// `--decode.tp_rank r --decode.tp_group <name>`, and waits up to `join_timeout` (model load
   /// included) until all joined. A follower that exits before joining fails start() at once
-  /// with PeerFailed. The children get SIGKILL if this process dies.
+  /// with PeerFailed. The children get SIGKILL if this process dies. `inject_latency` is the
+  /// TEST-ONLY ShmOptions::inject_latency of the leader's communicator (0 = off).
   static Result<std::unique_ptr<TpLeaderGroup>> start(int size, std::vector<std::string> follower_argv,
-                                                      std::chrono::milliseconds join_timeout);
+                                                      std::chrono::milliseconds join_timeout,
+                                                      std::chrono::microseconds inject_latency = {});
   /// Waits up to 10 s for the followers to exit (stop the TpLeaderEngine first), then kills them.
   ~TpLeaderGroup();
   TpLeaderGroup(const TpLeaderGroup&) = delete;
