@@ -6,6 +6,7 @@
 #include <atomic>
 #include <condition_variable>
 #include <list>
+#include <map>
 #include <mutex>
 #include <optional>
 #include <random>
@@ -105,6 +106,44 @@ PdBackendOptions pdBackendOptionsFromConfig(const RouterConfig& config) {
   return o;
 }
 
+/// Idle keep-alive connections to workers, reused by later generations: a leg then costs no TCP
+/// connect. A client goes back only after an exchange that ended normally and was never
+/// cancelled; one idle for more than kMaxIdle is dropped (workers close idle connections after
+/// their own idle timeout, 60 s by default; a reused connection the worker did close is retried
+/// once on a fresh one by http::Client).
+class ClientPool {
+ public:
+  std::unique_ptr<http::Client> acquire(const WorkerAddress& worker) {
+    {
+      std::lock_guard lock(mu_);
+      auto it = idle_.find(worker.key());
+      const auto now = Clock::now();
+      while (it != idle_.end() && !it->second.empty()) {
+        Entry e = std::move(it->second.back());
+        it->second.pop_back();
+        if (now - e.since < kMaxIdle) return std::move(e.client);
+      }
+    }
+    return std::make_unique<http::Client>(worker.host, worker.port);
+  }
+  void release(const WorkerAddress& worker, std::unique_ptr<http::Client> client) {
+    if (!client || client->cancelled()) return;
+    std::lock_guard lock(mu_);
+    auto& idle = idle_[worker.key()];
+    if (idle.size() < kMaxIdlePerWorker) idle.push_back(Entry{std::move(client), Clock::now()});
+  }
+
+ private:
+  static constexpr std::chrono::seconds kMaxIdle{5};
+  static constexpr std::size_t kMaxIdlePerWorker = 256;
+  struct Entry {
+    std::unique_ptr<http::Client> client;
+    Clock::time_point since;
+  };
+  std::mutex mu_;
+  std::map<std::string, std::vector<Entry>> idle_;  // guarded by mu_: by worker key
+};
+
 /// What every generation shares: options, the registry, policies, metrics.
 struct Shared {
   PdBackendOptions options;
@@ -114,6 +153,7 @@ struct Shared {
   std::unique_ptr<WorkerPolicy> decode_policy;
   metrics::Counter& prefill_retries;
   metrics::Counter& decode_retries;
+  std::shared_ptr<ClientPool> clients = std::make_shared<ClientPool>();
 
   /// A worker of `role` by policy, preferring those not in `tried`; nullopt when none is ready.
   std::optional<WorkerAddress> pick(WorkerRole role, const std::set<std::string>& tried) const {
@@ -249,7 +289,8 @@ class Generation : public std::enable_shared_from_this<Generation> {
     open.kv_timeout_ms = std::min(s_.options.kv_timeout, remainingUntil(req_.deadline)).count();
     open.prefill_attempts = s_.options.prefill_retries + 1;
 
-    http::Client client(d.host, d.port);
+    auto client_owner = s_.clients->acquire(d);
+    http::Client& client = *client_owner;
     if (!setDecodeClient(&client)) {
       error = makeError(ErrorCode::Cancelled, "aborted");
       return Outcome::Fail;
@@ -314,6 +355,8 @@ class Generation : public std::enable_shared_from_this<Generation> {
 
     // The normal ends: the decode worker finished, or a stop string matched.
     if (stop_hit || (finish && response.ok() && !isAborted())) {
+      // A finished, uncut stream leaves the connection reusable (a stop string cut it).
+      if (!stop_hit && !timed_out && response.value().complete) s_.clients->release(d, std::move(client_owner));
       GenerationEnd end;
       end.reason = FinishReason::Stop;
       if (!stop_hit) {
@@ -435,13 +478,15 @@ class Generation : public std::enable_shared_from_this<Generation> {
       tried.insert(p->key());
       const milliseconds budget = std::min(s_.options.prefill_timeout, remainingUntil(req_.deadline));
       submit.timeout_ms = budget.count();
-      http::Client client(p->host, p->port);
+      auto client_owner = s_.clients->acquire(*p);
+      http::Client& client = *client_owner;
       if (!setPrefillClient(leg, &client)) return;
       s_.registry.noteSent(WorkerRole::Prefill, p->key(), prompt_tokens);
       // The worker answers by its own deadline; the margin lets its answer arrive.
       auto response = client.send(postJson(worker_api::kPrefillPath, worker_api::toJson(submit)),
                                   budget + s_.options.abort_timeout);
       const bool stopped = !setPrefillClient(leg, nullptr);
+      if (!stopped && response.ok()) s_.clients->release(*p, std::move(client_owner));
       if (stopped) {
         // Cut by us: closing the connection cancels at P; say it explicitly too.
         if (!response.ok()) s_.tellAbort(*p, worker_api::kPrefillCancelPath, id);

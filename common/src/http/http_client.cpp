@@ -182,6 +182,8 @@ class Client::Impl {
     buffer_.clear();
   }
 
+  [[nodiscard]] bool cancelled() const { return cancelled_.load(); }
+
   void cancel() {
     cancelled_.store(true);
     // Runs on the calling thread inside the io_context (posting is thread-safe).
@@ -332,6 +334,10 @@ void Client::disconnect() {
 
 void Client::cancel() {
   impl_->cancel();
+}
+
+bool Client::cancelled() const {
+  return impl_->cancelled();
 }
 
 }  // namespace pd::http

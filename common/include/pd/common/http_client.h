@@ -83,6 +83,8 @@ class Client {
   /// connect is interrupted, and every later call fails with Cancelled at once. The client must
   /// stay alive until this returns.
   void cancel();
+  /// True once cancel() was called (such a client must not be reused, e.g. from a pool).
+  [[nodiscard]] bool cancelled() const;
 
  private:
   class Impl;
