@@ -1,6 +1,9 @@
 #include "cli.h"
 
+#include <signal.h>
+
 #include <cstdio>
+#include <ctime>
 
 #include "pd/common/log.h"
 #include "pd/common/model_factory.h"
@@ -49,6 +52,30 @@ CommonOptions::CommonOptions(CommonConfig& cfg) {
       .add("tokenizer", &cfg.tokenizer_path,
            "tokenizer folder; empty: the model folder, or the fetched DeepSeek-V3 tokenizer")
       .add("cache_dir", &cfg.cache_dir, "folder for the embedded default model and fetched tokenizer files");
+}
+
+bool takeCheckConfigFlag(std::vector<std::string>& args) {
+  const auto is_flag = [](const std::string& a) { return a == "--check-config" || a == "--check_config"; };
+  const auto before = args.size();
+  std::erase_if(args, is_flag);
+  return args.size() != before;
+}
+
+DrainEnd waitForDrain(const std::function<bool()>& idle, const sigset_t& signals, std::chrono::milliseconds timeout,
+                      std::string_view component, const std::function<std::string()>& what_is_left) {
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  while (!idle()) {
+    if (std::chrono::steady_clock::now() >= deadline) {
+      log::warn(component, "drain timeout ({} ms) passed: aborting {}", timeout.count(), what_is_left());
+      return DrainEnd::Timeout;
+    }
+    const timespec zero{0, 0};
+    if (::sigtimedwait(&signals, nullptr, &zero) > 0) {
+      log::warn(component, "second signal: aborting {}", what_is_left());
+      return DrainEnd::SecondSignal;
+    }
+  }
+  return DrainEnd::Idle;
 }
 
 int reportFailure(const Error& error) {

@@ -3,9 +3,14 @@
 /// (log, model), and the YAML/env/flag loading around them.
 /// Thread rules: main thread only.
 
+#include <signal.h>
+
+#include <chrono>
 #include <cstdint>
 #include <filesystem>
+#include <functional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "pd/common/config.h"
@@ -41,6 +46,19 @@ struct UpConfig {
   bool smoke = false;
 };
 void registerUpOptions(config::OptionSet& set, UpConfig& cfg);
+
+/// Removes `--check-config` (or `--check_config`) from `args`; true when it was there. The role
+/// commands then validate their configuration and exit without loading the model.
+bool takeCheckConfigFlag(std::vector<std::string>& args);
+
+/// How a role's drain ended.
+enum class DrainEnd { Idle, Timeout, SecondSignal };
+
+/// The drain wait of the role commands: calls `idle` (which may block briefly, up to ~50 ms, and
+/// returns true once nothing is in flight) until it is true, `timeout` passes, or one of
+/// `signals` arrives again (a second Ctrl-C). Logs the two early ends with `what_is_left()`.
+DrainEnd waitForDrain(const std::function<bool()>& idle, const sigset_t& signals, std::chrono::milliseconds timeout,
+                      std::string_view component, const std::function<std::string()>& what_is_left);
 
 /// Prints "pdserve: error: ..." to stderr; returns 2 for bad input, 1 otherwise.
 int reportFailure(const Error& error);

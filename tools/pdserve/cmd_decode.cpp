@@ -125,33 +125,15 @@ int waitForSignal(const sigset_t& signals, decode::TpLeaderGroup* group, decode:
 // Drains after the first signal; a second one (or the drain timeout) ends the wait.
 void drain(decode::DecodeServer& server, const sigset_t& signals, std::chrono::milliseconds timeout) {
   server.beginDrain();
-  const auto deadline = std::chrono::steady_clock::now() + timeout;
-  while (!server.waitIdle(std::chrono::milliseconds(50))) {
-    if (std::chrono::steady_clock::now() >= deadline) {
-      log::warn("decode", "drain timeout ({} ms) passed: aborting {} open stream(s)", timeout.count(),
-                server.openStreams());
-      return;
-    }
-    const timespec zero{0, 0};
-    if (::sigtimedwait(&signals, nullptr, &zero) > 0) {
-      log::warn("decode", "second signal: aborting {} open stream(s)", server.openStreams());
-      return;
-    }
-  }
+  waitForDrain([&] { return server.waitIdle(std::chrono::milliseconds(50)); }, signals, timeout, "decode",
+               [&] { return fmt::format("{} open stream(s)", server.openStreams()); });
 }
 
 }  // namespace
 
 int runDecode(const std::vector<std::string>& raw_args) {
-  std::vector<std::string> args;
-  bool check_only = false;
-  for (const std::string& a : raw_args) {
-    if (a == "--check-config" || a == "--check_config") {
-      check_only = true;
-    } else {
-      args.push_back(a);
-    }
-  }
+  std::vector<std::string> args = raw_args;
+  const bool check_only = takeCheckConfigFlag(args);
   CommonConfig common;
   CommonOptions common_sets(common);
   decode::DecodeConfig decode_cfg;

@@ -43,32 +43,15 @@ Status validate(const kvtransfer::KvTransferConfig& kv) {
 // Drains after the first signal; a second one (or the drain timeout) ends the wait.
 void drain(prefill::PrefillServer& server, const sigset_t& signals, std::chrono::milliseconds timeout) {
   server.beginDrain();
-  const auto deadline = std::chrono::steady_clock::now() + timeout;
-  while (!server.waitIdle(std::chrono::milliseconds(50))) {
-    if (std::chrono::steady_clock::now() >= deadline) {
-      log::warn("prefill", "drain timeout ({} ms) passed: aborting what is left", timeout.count());
-      return;
-    }
-    const timespec zero{0, 0};
-    if (::sigtimedwait(&signals, nullptr, &zero) > 0) {
-      log::warn("prefill", "second signal: aborting what is left");
-      return;
-    }
-  }
+  waitForDrain([&] { return server.waitIdle(std::chrono::milliseconds(50)); }, signals, timeout, "prefill",
+               [] { return std::string("what is left"); });
 }
 
 }  // namespace
 
 int runPrefill(const std::vector<std::string>& raw_args) {
-  std::vector<std::string> args;
-  bool check_only = false;
-  for (const std::string& a : raw_args) {
-    if (a == "--check-config" || a == "--check_config") {
-      check_only = true;
-    } else {
-      args.push_back(a);
-    }
-  }
+  std::vector<std::string> args = raw_args;
+  const bool check_only = takeCheckConfigFlag(args);
   CommonConfig common;
   CommonOptions common_sets(common);
   prefill::PrefillConfig prefill_cfg;

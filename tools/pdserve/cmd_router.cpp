@@ -14,6 +14,7 @@
 #include <cstdio>
 #include <ctime>
 #include <string_view>
+#include <thread>
 
 #include "cli.h"
 #include "pd/common/log.h"
@@ -56,32 +57,19 @@ Result<router::RegistryOptions> validate(const router::RouterConfig& cfg) {
 
 // Waits until the requests in flight are done, the drain timeout passes, or a second signal.
 void drain(const router::ApiServer& api, const sigset_t& signals, std::chrono::milliseconds timeout) {
-  const auto deadline = std::chrono::steady_clock::now() + timeout;
-  while (api.inFlight() > 0) {
-    if (std::chrono::steady_clock::now() >= deadline) {
-      log::warn(kLog, "drain timeout ({} ms) passed: aborting {} request(s)", timeout.count(), api.inFlight());
-      return;
-    }
-    const timespec wait{0, 50 * 1000 * 1000};
-    if (::sigtimedwait(&signals, nullptr, &wait) > 0) {
-      log::warn(kLog, "second signal: aborting {} request(s)", api.inFlight());
-      return;
-    }
-  }
+  const auto idle = [&] {
+    if (api.inFlight() == 0) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    return api.inFlight() == 0;
+  };
+  waitForDrain(idle, signals, timeout, kLog, [&] { return fmt::format("{} request(s)", api.inFlight()); });
 }
 
 }  // namespace
 
 int runRouter(const std::vector<std::string>& raw_args) {
-  std::vector<std::string> args;
-  bool check_only = false;
-  for (const std::string& a : raw_args) {
-    if (a == "--check-config" || a == "--check_config") {
-      check_only = true;
-    } else {
-      args.push_back(a);
-    }
-  }
+  std::vector<std::string> args = raw_args;
+  const bool check_only = takeCheckConfigFlag(args);
   CommonConfig common;
   CommonOptions common_sets(common);
   router::RouterConfig cfg;
