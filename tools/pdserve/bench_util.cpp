@@ -2,11 +2,19 @@
 #include "bench_util.h"
 
 #include <fmt/format.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/wait.h>
 #include <time.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <charconv>
+#include <cstring>
 #include <memory>
+#include <thread>
+
+extern char** environ;  // NOLINT(readability-redundant-declaration)
 
 namespace pd::cli {
 
@@ -57,6 +65,50 @@ Result<std::vector<std::int64_t>> parsePositiveList(const std::string& text, con
     pos = end + 1;
   }
   return out;
+}
+
+std::optional<pid_t> spawnWithUcxEnv(const std::vector<std::string>& argv, const UcxEnv& ucx, int stdout_fd) {
+  std::vector<std::string> env_storage;
+  for (char** e = environ; *e != nullptr; ++e) {
+    const bool overridden = std::any_of(ucx.begin(), ucx.end(), [&](const auto& kv) {
+      const std::string prefix = fmt::format("UCX_{}=", kv.first);
+      return std::strncmp(*e, prefix.c_str(), prefix.size()) == 0;
+    });
+    if (!overridden) env_storage.emplace_back(*e);
+  }
+  for (const auto& [name, value] : ucx) env_storage.push_back(fmt::format("UCX_{}={}", name, value));
+  std::vector<char*> envp;
+  envp.reserve(env_storage.size() + 1);
+  for (auto& e : env_storage) envp.push_back(e.data());
+  envp.push_back(nullptr);
+  std::vector<std::string> args = argv;
+  std::vector<char*> argp;
+  argp.reserve(args.size() + 1);
+  for (auto& a : args) argp.push_back(a.data());
+  argp.push_back(nullptr);
+  posix_spawn_file_actions_t actions;
+  posix_spawn_file_actions_init(&actions);
+  posix_spawn_file_actions_adddup2(&actions, stdout_fd, STDOUT_FILENO);
+  posix_spawn_file_actions_adddup2(&actions, stdout_fd, STDERR_FILENO);
+  pid_t pid = -1;
+  const int rc = posix_spawnp(&pid, argp[0], &actions, nullptr, argp.data(), envp.data());
+  posix_spawn_file_actions_destroy(&actions);
+  if (rc != 0) return std::nullopt;
+  return pid;
+}
+
+bool reapWithin(pid_t pid, std::chrono::milliseconds timeout) {
+  const auto deadline = BenchClock::now() + timeout;
+  int status = 0;
+  while (::waitpid(pid, &status, WNOHANG) == 0) {
+    if (BenchClock::now() > deadline) {
+      ::kill(pid, SIGKILL);
+      ::waitpid(pid, &status, 0);
+      return false;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
+  return WIFEXITED(status) && WEXITSTATUS(status) == 0;
 }
 
 }  // namespace pd::cli

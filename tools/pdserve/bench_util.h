@@ -1,13 +1,18 @@
 #pragma once
 /// Helpers shared by the `pdserve bench` subcommands that measure the CPU engine against
 /// ceilings measured in the same run (cmd_bench_engine.cpp, cmd_bench_decode.cpp): timing, CPU
-/// time, the read-bandwidth probe, and list options.
+/// time, the read-bandwidth probe, and list options; and the child-process helpers of the
+/// benches that run ucx_perftest (cmd_bench_kv.cpp, cmd_bench_comm.cpp).
 /// Thread rules: main thread only (the probe runs on the given thread pool).
+
+#include <sys/types.h>
 
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "pd/common/model/kernels.h"
@@ -30,5 +35,16 @@ using BenchClock = std::chrono::steady_clock;
 
 /// "1,4,16" -> {1, 4, 16}; every entry >= 1. InvalidArgument naming `option` otherwise.
 [[nodiscard]] Result<std::vector<std::int64_t>> parsePositiveList(const std::string& text, const std::string& option);
+
+/// Environment entries for a child, as UCX_<name>=<value> (e.g. {"TLS", "tcp,sm"}).
+using UcxEnv = std::vector<std::pair<std::string, std::string>>;
+
+/// Starts `argv` (PATH search) with stdout and stderr to `stdout_fd` and the environment plus
+/// `ucx` (replacing UCX_<name> variables already set); nullopt when it cannot start.
+[[nodiscard]] std::optional<pid_t> spawnWithUcxEnv(const std::vector<std::string>& argv, const UcxEnv& ucx,
+                                                   int stdout_fd);
+
+/// Waits for `pid` up to `timeout`; kills it after that. True when it exited with status 0.
+bool reapWithin(pid_t pid, std::chrono::milliseconds timeout);
 
 }  // namespace pd::cli

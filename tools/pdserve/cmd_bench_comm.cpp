@@ -19,6 +19,7 @@
 #include <thread>
 #include <vector>
 
+#include "bench_util.h"
 #include "cli.h"
 #include "pd/common/shm_communicator.h"
 
@@ -109,44 +110,6 @@ Result<OursResult> measureOurs(std::int64_t floats, std::int64_t iterations, std
   return r;
 }
 
-std::optional<pid_t> spawnWithTls(const std::vector<std::string>& argv, const std::string& tls, int out_fd) {
-  std::vector<std::string> env;
-  for (char** e = environ; *e != nullptr; ++e) {
-    if (std::strncmp(*e, "UCX_TLS=", 8) != 0) env.emplace_back(*e);
-  }
-  env.push_back("UCX_TLS=" + tls);
-  std::vector<char*> envp;
-  for (auto& e : env) envp.push_back(e.data());
-  envp.push_back(nullptr);
-  std::vector<std::string> args = argv;
-  std::vector<char*> argp;
-  for (auto& a : args) argp.push_back(a.data());
-  argp.push_back(nullptr);
-  posix_spawn_file_actions_t actions;
-  posix_spawn_file_actions_init(&actions);
-  posix_spawn_file_actions_adddup2(&actions, out_fd, STDOUT_FILENO);
-  posix_spawn_file_actions_adddup2(&actions, out_fd, STDERR_FILENO);
-  pid_t pid = -1;
-  const int rc = posix_spawnp(&pid, argp[0], &actions, nullptr, argp.data(), envp.data());
-  posix_spawn_file_actions_destroy(&actions);
-  if (rc != 0) return std::nullopt;
-  return pid;
-}
-
-bool reapWithin(pid_t pid, std::chrono::milliseconds timeout) {
-  const auto deadline = Clock::now() + timeout;
-  int status = 0;
-  while (::waitpid(pid, &status, WNOHANG) == 0) {
-    if (Clock::now() > deadline) {
-      ::kill(pid, SIGKILL);
-      ::waitpid(pid, &status, 0);
-      return false;
-    }
-    std::this_thread::sleep_for(2ms);
-  }
-  return WIFEXITED(status) && WEXITSTATUS(status) == 0;
-}
-
 // ucx_perftest ucp_am_lat between two local processes: the median one-way latency in us.
 Result<double> perftestLatency(const std::string& perftest, const std::string& tls, std::int64_t bytes,
                                std::int64_t iterations) {
@@ -155,16 +118,16 @@ Result<double> perftestLatency(const std::string& perftest, const std::string& t
     FILE* server_out = std::tmpfile();
     FILE* client_out = std::tmpfile();
     if (server_out == nullptr || client_out == nullptr) return makeError(ErrorCode::Io, "tmpfile");
-    const auto server = spawnWithTls({perftest, "-p", port}, tls, fileno(server_out));
+    const auto server = spawnWithUcxEnv({perftest, "-p", port}, {{"TLS", tls}}, fileno(server_out));
     if (!server) {
       std::fclose(server_out);
       std::fclose(client_out);
       return makeError(ErrorCode::NotFound, fmt::format("cannot run '{}' (ucx-utils)", perftest));
     }
     std::this_thread::sleep_for(200ms);
-    const auto client = spawnWithTls({perftest, "127.0.0.1", "-p", port, "-t", "ucp_am_lat", "-s",
-                                      std::to_string(bytes), "-n", std::to_string(iterations), "-w", "500", "-v"},
-                                     tls, fileno(client_out));
+    const auto client = spawnWithUcxEnv({perftest, "127.0.0.1", "-p", port, "-t", "ucp_am_lat", "-s",
+                                         std::to_string(bytes), "-n", std::to_string(iterations), "-w", "500", "-v"},
+                                        {{"TLS", tls}}, fileno(client_out));
     const bool ok = client && reapWithin(*client, 120s);
     (void)reapWithin(*server, ok ? 10s : 1s);
     std::string text;

@@ -34,6 +34,7 @@
 #include <utility>
 #include <vector>
 
+#include "bench_util.h"
 #include "cli.h"
 #include "pd/common/log.h"
 #include "pd/kvtransfer/kvtransfer_config.h"
@@ -247,54 +248,6 @@ int runReceiver(int control, const kvtransfer::UcxTransportOptions& options, std
 
 // ---- ucx_perftest, the ceiling --------------------------------------------------------------
 
-using UcxEnv = std::vector<std::pair<std::string, std::string>>;
-
-/// `argv` with stdout and stderr to `stdout_fd`, the environment plus `ucx` as UCX_<name>=<value>.
-std::optional<pid_t> spawn(const std::vector<std::string>& argv, const UcxEnv& ucx, int stdout_fd) {
-  std::vector<std::string> env_storage;
-  for (char** e = environ; *e != nullptr; ++e) {
-    const bool overridden = std::any_of(ucx.begin(), ucx.end(), [&](const auto& kv) {
-      const std::string prefix = fmt::format("UCX_{}=", kv.first);
-      return std::strncmp(*e, prefix.c_str(), prefix.size()) == 0;
-    });
-    if (!overridden) env_storage.emplace_back(*e);
-  }
-  for (const auto& [name, value] : ucx) env_storage.push_back(fmt::format("UCX_{}={}", name, value));
-  std::vector<char*> envp;
-  envp.reserve(env_storage.size() + 1);
-  for (auto& e : env_storage) envp.push_back(e.data());
-  envp.push_back(nullptr);
-  std::vector<std::string> args = argv;
-  std::vector<char*> argp;
-  argp.reserve(args.size() + 1);
-  for (auto& a : args) argp.push_back(a.data());
-  argp.push_back(nullptr);
-  posix_spawn_file_actions_t actions;
-  posix_spawn_file_actions_init(&actions);
-  posix_spawn_file_actions_adddup2(&actions, stdout_fd, STDOUT_FILENO);
-  posix_spawn_file_actions_adddup2(&actions, stdout_fd, STDERR_FILENO);
-  pid_t pid = -1;
-  const int rc = posix_spawnp(&pid, argp[0], &actions, nullptr, argp.data(), envp.data());
-  posix_spawn_file_actions_destroy(&actions);
-  if (rc != 0) return std::nullopt;
-  return pid;
-}
-
-/// Waits for `pid` up to `timeout`; kills it after that. True when it exited with status 0.
-bool reap(pid_t pid, std::chrono::milliseconds timeout) {
-  const auto deadline = Clock::now() + timeout;
-  int status = 0;
-  while (::waitpid(pid, &status, WNOHANG) == 0) {
-    if (Clock::now() > deadline) {
-      ::kill(pid, SIGKILL);
-      ::waitpid(pid, &status, 0);
-      return false;
-    }
-    std::this_thread::sleep_for(2ms);
-  }
-  return WIFEXITED(status) && WEXITSTATUS(status) == 0;
-}
-
 int freePort() {
   const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
   sockaddr_in addr{};
@@ -320,16 +273,16 @@ Result<double> perftestBandwidth(const std::string& perftest, const std::string&
     FILE* server_out = std::tmpfile();
     FILE* client_out = std::tmpfile();
     if (server_out == nullptr || client_out == nullptr) return makeError(ErrorCode::Io, "tmpfile");
-    const auto server = spawn({perftest, "-p", port}, ucx, fileno(server_out));
+    const auto server = spawnWithUcxEnv({perftest, "-p", port}, ucx, fileno(server_out));
     if (!server) return makeError(ErrorCode::NotFound, fmt::format("cannot run '{}' (ucx-utils)", perftest));
     std::this_thread::sleep_for(150ms);  // let the server listen
     std::vector<std::string> argv = {
         perftest, "127.0.0.1", "-p", port, "-t", test, "-s", std::to_string(size), "-n", std::to_string(iterations),
         "-w",     "20",        "-e", "-z", "-v"};
     if (sleep) argv.insert(argv.end(), {"-I", "-E", "sleep"});
-    const auto client = spawn(argv, ucx, fileno(client_out));
-    const bool client_ok = client && reap(*client, 120s);
-    (void)reap(*server, client_ok ? 10s : 1s);
+    const auto client = spawnWithUcxEnv(argv, ucx, fileno(client_out));
+    const bool client_ok = client && reapWithin(*client, 120s);
+    (void)reapWithin(*server, client_ok ? 10s : 1s);
     std::string text;
     std::rewind(client_out);
     char buf[4096];
@@ -474,7 +427,7 @@ int runSender(int control, pid_t receiver, const kvtransfer::UcxTransportOptions
   const auto& c = options.compat;
   const auto fail = [&](const Error& e) {
     (void)writeFrame(control, "quit");
-    (void)reap(receiver, 5s);
+    (void)reapWithin(receiver, 5s);
     return reportFailure(e);
   };
   auto transport = kvtransfer::createUcxTransport(options);
@@ -542,7 +495,7 @@ int runSender(int control, pid_t receiver, const kvtransfer::UcxTransportOptions
   (void)t.deregisterRegion(region.value());
   transport.value().reset();  // before the receiver exits, so that no endpoint sees it vanish
   (void)writeFrame(control, "quit");
-  (void)reap(receiver, 10s);
+  (void)reapWithin(receiver, 10s);
   std::vector<double> ratios;
   ratios.reserve(cases.size());
   for (const auto& r : cases) ratios.push_back(r.ratio());
