@@ -15,8 +15,7 @@ struct Command {
   std::string_view issue;  ///< set while the command is not built yet
 };
 
-/// `pdserve bench kv` (issue 5) and `pdserve bench engine` (issue 4) are built; the load
-/// generator is not yet.
+/// `pdserve bench <what>`: engine, kv, decode, prefill, router, comm, serve.
 int runBench(const std::vector<std::string>& args) {
   if (!args.empty() && args[0] == "kv") return pd::cli::runBenchKv({args.begin() + 1, args.end()});
   if (!args.empty() && args[0] == "engine") return pd::cli::runBenchEngine({args.begin() + 1, args.end()});
@@ -25,9 +24,10 @@ int runBench(const std::vector<std::string>& args) {
   if (!args.empty() && args[0] == "comm") return pd::cli::runBenchComm({args.begin() + 1, args.end()});
   if (!args.empty() && args[0] == "decode") return pd::cli::runBenchDecode({args.begin() + 1, args.end()});
   if (!args.empty() && args[0] == "serve") return pd::cli::runBenchServe({args.begin() + 1, args.end()});
-  std::fprintf(stderr, "pdserve bench %s: not built yet (issue 10); built: pdserve bench kv, pdserve bench engine\n",
+  std::fprintf(stderr,
+               "pdserve bench: unknown benchmark '%s'; one of: engine, kv, decode, prefill, router, comm, serve\n",
                args.empty() ? "" : args[0].c_str());
-  return 3;
+  return 2;
 }
 
 constexpr Command kCommands[] = {
@@ -45,8 +45,9 @@ constexpr Command kCommands[] = {
     {"logits", "run a prompt through the model; write logits, latent KV, hidden states (safetensors)",
      pd::cli::runLogits, ""},
     {"generate", "greedy/sampled generation in one process (prefill + decode, optional MTP)", pd::cli::runGenerate, ""},
-    {"bench", "benchmarks: `bench kv` (KV transfer vs ucx_perftest), `bench engine` (CPU engine MBU/FLOPs)", runBench,
-     ""},
+    {"bench",
+     "benchmarks vs ceilings measured in the same run: engine, kv, decode, prefill, router, comm; serve (load)",
+     runBench, ""},
     {"plan", "capacity planner: decode tokens/s, TTFT, KV bytes, prefill:decode pools (docs/planner.md)",
      pd::cli::runPlan, ""},
 };
