@@ -1,5 +1,9 @@
 #include "pd/kvtransfer/kvtransfer_config.h"
 
+#include <fmt/format.h>
+
+#include "pd/kvtransfer/ucx_transport.h"
+
 namespace pd::kvtransfer {
 
 void registerOptions(config::OptionSet& set, KvTransferConfig& cfg) {
@@ -14,6 +18,15 @@ void registerOptions(config::OptionSet& set, KvTransferConfig& cfg) {
       .add("data_path", &cfg.data_path,
            "how KV bytes move: rma (one-sided puts), am (checked active messages), auto (am on tcp/shared memory)",
            {"auto", "rma", "am"});
+}
+
+Status validate(const KvTransferConfig& cfg) {
+  PD_TRY(parseKvDataPath(cfg.data_path));
+  if (cfg.ucx_tls.find("tcp") == std::string::npos) {
+    return makeError(ErrorCode::InvalidArgument,
+                     fmt::format("kvtransfer.ucx_tls '{}' must include tcp (peer failure detection)", cfg.ucx_tls));
+  }
+  return okStatus();
 }
 
 }  // namespace pd::kvtransfer

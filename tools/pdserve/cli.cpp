@@ -61,6 +61,15 @@ bool takeCheckConfigFlag(std::vector<std::string>& args) {
   return args.size() != before;
 }
 
+sigset_t blockStopSignals() {
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGTERM);
+  sigaddset(&signals, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+  return signals;
+}
+
 DrainEnd waitForDrain(const std::function<bool()>& idle, const sigset_t& signals, std::chrono::milliseconds timeout,
                       std::string_view component, const std::function<std::string()>& what_is_left) {
   const auto deadline = std::chrono::steady_clock::now() + timeout;

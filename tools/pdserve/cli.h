@@ -51,6 +51,11 @@ void registerUpOptions(config::OptionSet& set, UpConfig& cfg);
 /// commands then validate their configuration and exit without loading the model.
 bool takeCheckConfigFlag(std::vector<std::string>& args);
 
+/// Blocks SIGTERM and SIGINT in the calling thread (and every thread it starts later), so the
+/// role commands take them with sigwait/sigtimedwait; returns that set. Call before any other
+/// thread exists.
+sigset_t blockStopSignals();
+
 /// How a role's drain ended.
 enum class DrainEnd { Idle, Timeout, SecondSignal };
 

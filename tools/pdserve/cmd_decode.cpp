@@ -51,11 +51,7 @@ constexpr std::string_view kUsage =
 // Checks what the option tables alone cannot: values that must agree with each other or with
 // what this build can do.
 Status validate(const decode::DecodeConfig& dec, const kvtransfer::KvTransferConfig& kv) {
-  PD_TRY(kvtransfer::parseKvDataPath(kv.data_path));
-  if (kv.ucx_tls.find("tcp") == std::string::npos) {
-    return makeError(ErrorCode::InvalidArgument,
-                     fmt::format("kvtransfer.ucx_tls '{}' must include tcp (peer failure detection)", kv.ucx_tls));
-  }
+  PD_TRY(kvtransfer::validate(kv));
   if (dec.tp_rank >= dec.tensor_parallel) {
     return makeError(
         ErrorCode::InvalidArgument,
@@ -158,11 +154,7 @@ int runDecode(const std::vector<std::string>& raw_args) {
   // Signals are taken by sigwait on this thread: block them before any other thread exists. A
   // follower never takes them (a terminal's SIGINT reaches the whole process group): the leader
   // stops it, or it dies with the leader.
-  sigset_t signals;
-  sigemptyset(&signals);
-  sigaddset(&signals, SIGTERM);
-  sigaddset(&signals, SIGINT);
-  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+  const sigset_t signals = blockStopSignals();
 
   for (const auto* set : {&decode_set, &kv_set}) {
     for (const std::string& v : set->describeValues()) log::info("decode", "{}.{}", set->section(), v);

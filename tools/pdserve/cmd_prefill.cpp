@@ -30,16 +30,6 @@ constexpr std::string_view kUsage =
     "Prints 'PDSERVE_READY role=prefill url=http://HOST:PORT' on stdout once serving. SIGTERM/SIGINT drains\n"
     "(prefill.drain_timeout_ms) and exits 0. --check-config validates the configuration and exits.";
 
-// Checks what the option table alone cannot: values that must agree with each other.
-Status validate(const kvtransfer::KvTransferConfig& kv) {
-  PD_TRY(kvtransfer::parseKvDataPath(kv.data_path));
-  if (kv.ucx_tls.find("tcp") == std::string::npos) {
-    return makeError(ErrorCode::InvalidArgument,
-                     fmt::format("kvtransfer.ucx_tls '{}' must include tcp (peer failure detection)", kv.ucx_tls));
-  }
-  return okStatus();
-}
-
 // Drains after the first signal; a second one (or the drain timeout) ends the wait.
 void drain(prefill::PrefillServer& server, const sigset_t& signals, std::chrono::milliseconds timeout) {
   server.beginDrain();
@@ -68,15 +58,11 @@ int runPrefill(const std::vector<std::string>& raw_args) {
     return reportFailure(
         makeError(ErrorCode::InvalidArgument, fmt::format("unexpected argument '{}'", loaded->positionals.front())));
   }
-  if (Status s = validate(kv_cfg); !s.ok()) return reportFailure(s.error());
+  if (Status s = kvtransfer::validate(kv_cfg); !s.ok()) return reportFailure(s.error());
   if (check_only) return 0;
 
   // Signals are taken by sigwait on this thread: block them before any other thread exists.
-  sigset_t signals;
-  sigemptyset(&signals);
-  sigaddset(&signals, SIGTERM);
-  sigaddset(&signals, SIGINT);
-  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+  const sigset_t signals = blockStopSignals();
 
   for (const auto* set : {&prefill_set, &kv_set}) {
     for (const std::string& v : set->describeValues()) log::info("prefill", "{}.{}", set->section(), v);

@@ -88,11 +88,7 @@ int runRouter(const std::vector<std::string>& raw_args) {
   if (check_only) return 0;
 
   // Signals are taken by sigwait on this thread: block them before any other thread exists.
-  sigset_t signals;
-  sigemptyset(&signals);
-  sigaddset(&signals, SIGTERM);
-  sigaddset(&signals, SIGINT);
-  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+  const sigset_t signals = blockStopSignals();
 
   for (const std::string& v : router_set.describeValues()) log::info(kLog, "router.{}", v);
   auto model_dir = resolveModelDir(common);

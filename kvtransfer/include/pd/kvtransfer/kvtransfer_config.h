@@ -6,6 +6,7 @@
 #include <string>
 
 #include "pd/common/config.h"
+#include "pd/common/result.h"
 
 namespace pd::kvtransfer {
 
@@ -28,5 +29,9 @@ struct KvTransferConfig {
 };
 
 void registerOptions(config::OptionSet& set, KvTransferConfig& cfg);
+
+/// What the option table alone cannot check: a known data_path, and tcp among ucx_tls (peer
+/// failure detection). InvalidArgument naming the option.
+[[nodiscard]] Status validate(const KvTransferConfig& cfg);
 
 }  // namespace pd::kvtransfer
