@@ -10,7 +10,11 @@ void registerOptions(config::OptionSet& set, DecodeConfig& cfg) {
       .add("max_running_requests", &cfg.max_running_requests, "sequences in one decode batch", 1, 1 << 16)
       .add("num_speculative_tokens", &cfg.num_speculative_tokens, "MTP draft tokens per step (0 = off)", 0, 8)
       .add("tensor_parallel", &cfg.tensor_parallel, "tensor-parallel ranks", 1, 64)
-      .add("tp_rank", &cfg.tp_rank, "tensor-parallel rank of this process (set by the leader for its followers)", 0, 63)
+      .add("nnodes", &cfg.nnodes, "machines the tensor-parallel group spans (> 1 needs dist_init_address)", 1, 64)
+      .add("node_rank", &cfg.node_rank, "this machine's index in the tensor-parallel group (0 serves the API)", 0, 63)
+      .add("dist_init_address", &cfg.dist_init_address,
+           "host:port of node 0's tensor-parallel rendezvous (TCP); empty: one machine, shared memory")
+      .add("tp_rank", &cfg.tp_rank, "tensor-parallel rank of a spawned process (set by its parent)", 0, 63)
       .add("tp_group", &cfg.tp_group, "shared-memory name of the tensor-parallel group (set by the leader)")
       .add("tp_inject_latency_us", &cfg.tp_inject_latency_us,
            "TEST-ONLY: latency added to every tensor-parallel message (emulates a network; 0 = off)", 0, 1000000)

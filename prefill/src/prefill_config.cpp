@@ -15,7 +15,10 @@ void registerOptions(config::OptionSet& set, PrefillConfig& cfg) {
       .add("drain_timeout_ms", &cfg.drain_timeout_ms,
            "on SIGTERM/SIGINT, how long in-flight prefills may finish before they are aborted", 0, 86400000)
       .add("threads", &cfg.threads, "compute threads of the model engine (0: every hardware thread)", 0, 1024)
-      .add("io_threads", &cfg.io_threads, "HTTP server threads of the internal API", 1, 64);
+      .add("io_threads", &cfg.io_threads, "HTTP server threads of the internal API", 1, 64)
+      .add("tensor_parallel", &cfg.tensor_parallel, "tensor-parallel ranks (processes on this machine)", 1, 64)
+      .add("tp_rank", &cfg.tp_rank, "tensor-parallel rank of a spawned process (set by rank 0)", 0, 63)
+      .add("tp_group", &cfg.tp_group, "shared-memory name of the tensor-parallel group (set by rank 0)");
 }
 
 }  // namespace pd::prefill

@@ -157,11 +157,13 @@ class PrefillServer::Impl {
     routes.push_back({"GET", "/health", [](const http::Request&, http::Exchange ex) {
                         ex.respond(http::Response::withBody(200, std::string(kText), "ok"));
                       }});
-    routes.push_back(
-        {"GET", "/ready", [this](const http::Request&, http::Exchange ex) {
-           const bool ready = !draining_.load();
-           ex.respond(http::Response::withBody(ready ? 200 : 503, std::string(kText), ready ? "ready" : "draining"));
-         }});
+    routes.push_back({"GET", "/ready", [this](const http::Request&, http::Exchange ex) {
+                        const bool draining = draining_.load();
+                        const bool ready = !draining && !broken();
+                        ex.respond(http::Response::withBody(
+                            ready ? 200 : 503, std::string(kText),
+                            ready ? "ready" : (draining ? "draining" : "tensor-parallel group broken")));
+                      }});
     routes.push_back(
         {"GET", "/metrics", [this](const http::Request&, http::Exchange ex) {
            refreshGauges();
@@ -193,7 +195,7 @@ class PrefillServer::Impl {
 
   bool waitIdle(std::chrono::milliseconds timeout) {
     std::unique_lock lock(mutex_);
-    return idle_.wait_for(lock, timeout, [&] { return calls_.empty(); });
+    return idle_.wait_for(lock, timeout, [&] { return calls_.empty() && answering_ == 0; });
   }
 
   void stop() {
@@ -318,13 +320,15 @@ class PrefillServer::Impl {
     if (e.compute_seconds > 0) m_.tokens_per_second->set(static_cast<double>(e.prompt_tokens) / e.compute_seconds);
   }
 
+  [[nodiscard]] bool broken() const { return options_.broken && options_.broken(); }
+
   worker_api::WorkerStatus status() {
     refreshGauges();
     const PrefillServerStats s = stats();
     worker_api::WorkerStatus w;
     w.role = "prefill";
     w.draining = draining_.load();
-    w.ready = !w.draining;
+    w.ready = !w.draining && !broken();
     w.model_hash = modelHashHex(options_.model_hash);
     w.queued_requests = s.queued_requests;
     w.queued_tokens = s.queued_tokens;
@@ -511,6 +515,14 @@ class PrefillServer::Impl {
       std::shared_lock guard(engine_guard_);
       if (prefill_) (void)prefill_->cancel(call->engine_id);
     }
+    // Released before the answer goes out: the router may retry this request here at once. Still
+    // counted (answering_) until answered, so a drain waits for the answer.
+    {
+      std::lock_guard lock(mutex_);
+      if (auto it = calls_.find(call->router_id); it != calls_.end() && it->second == call) calls_.erase(it);
+      transfers_.erase({call->transport, call->transfer_id});
+      ++answering_;
+    }
     m_.requests->labels({outcomeLabel(failure)}).inc();
     if (failure) {
       log::info("prefill", "request {} failed: {}", call->router_id, failure->toString());
@@ -525,8 +537,7 @@ class PrefillServer::Impl {
     }
     {
       std::lock_guard lock(mutex_);
-      if (auto it = calls_.find(call->router_id); it != calls_.end() && it->second == call) calls_.erase(it);
-      transfers_.erase({call->transport, call->transfer_id});
+      --answering_;
     }
     idle_.notify_all();
   }
@@ -541,7 +552,8 @@ class PrefillServer::Impl {
 
   mutable std::mutex mutex_;
   std::condition_variable idle_;
-  std::map<std::string, std::shared_ptr<Call>> calls_;             // guarded by mutex_: router id -> call
+  int answering_ = 0;                                   // guarded by mutex_: released calls whose answer is being sent
+  std::map<std::string, std::shared_ptr<Call>> calls_;  // guarded by mutex_: router id -> call
   std::set<std::pair<kvt::Transport*, std::uint64_t>> transfers_;  // guarded by mutex_: in flight
   std::uint64_t next_engine_id_ = 1;                               // guarded by mutex_
 

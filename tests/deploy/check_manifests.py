@@ -523,6 +523,20 @@ class Checker:
                     self.error(where, f"{cw}: decode.tensor_parallel {tp} != {gpus} GPUs x {t['group_size']} pod(s) per group")
                 if not gpus and tp != 1:
                     self.error(where, f"{cw}: decode.tensor_parallel {tp} without GPUs")
+                nnodes = int(self.option(cfg, flags, env, "decode", "nnodes") or 1)
+                if nnodes != t["group_size"]:
+                    self.error(where, f"{cw}: decode.nnodes {nnodes} != {t['group_size']} pod(s) per group")
+                if t["group_size"] > 1:
+                    addr = str(self.option(cfg, flags, env, "decode", "dist_init_address") or "")
+                    port = addr.rsplit(":", 1)[-1] if ":" in addr else ""
+                    ports = [str(p.get("containerPort")) for p in c.get("ports") or []]
+                    if not port or port not in ports:
+                        self.error(where, f"{cw}: decode.dist_init_address '{addr}' does not name a port the "
+                                          f"container declares ({', '.join(ports)})")
+            if role == "prefill":
+                ptp = int(self.option(cfg, flags, env, "prefill", "tensor_parallel") or 1)
+                if ptp != (gpus or 1):
+                    self.error(where, f"{cw}: prefill.tensor_parallel {ptp} != {gpus or 0} GPUs of the pod")
             if t["workload"]["kind"] == "LeaderWorkerSet":
                 policy = ((t["workload"]["spec"].get("leaderWorkerTemplate") or {}).get("restartPolicy"))
                 if policy != "RecreateGroupOnPodRestart":

@@ -10,11 +10,20 @@
 //    and exits 0; a request streaming when the follower dies ends at once with an error, its
 //    blocks freed (decode slowed by the test-only decode.tp_inject_latency_us so that it is
 //    surely mid-stream).
+//  - Across nodes: decode TP 2 and 4 over two decode processes joined over TCP (node 1 spawns its
+//    second rank for TP 4): golden tokens, node 1's probes, node 1 ignoring SIGTERM until the
+//    leader's drain stops the group (both exit 0); node 1 killed → the leader's /ready 503 and
+//    PeerFailed at once; the leader killed → node 1 (and its spawned rank) exit 1, no hang.
+//  - Prefill TP 2: golden tokens through a two-rank prefill worker; its rank 1 killed → /ready
+//    503, requests fail cleanly, the worker still drains and exits 0.
 // The processes are found through /proc (the leader is this test's child, the follower the
 // leader's).
+#include <arpa/inet.h>
 #include <fcntl.h>
 #include <gtest/gtest.h>
+#include <netinet/in.h>
 #include <signal.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include <boost/json.hpp>
@@ -132,9 +141,35 @@ worker_api::WorkerStatus workerStatus(const RoleProcess& w) {
   return st.ok() ? *st : worker_api::WorkerStatus{};
 }
 
+// Free TCP port on the loopback interface (for a rendezvous address the test must know first).
+int freePort() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(addr);
+  int port = -1;
+  if (fd >= 0 && ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0 &&
+      ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0) {
+    port = ntohs(addr.sin_port);
+  }
+  if (fd >= 0) ::close(fd);
+  return port;
+}
+
+// Where the ranks run: decode_tp ranks over `nnodes` decode processes started by the test (> 1: a
+// multi-node group joined over TCP at a loopback rendezvous, each node spawning decode_tp/nnodes-1
+// ranks), and a prefill worker of prefill_tp ranks.
+struct TpLayout {
+  int decode_tp = 2;
+  int nnodes = 1;
+  int prefill_tp = 1;
+};
+
 class TpCluster {
  public:
-  TpCluster(const std::string& model, int mtp, const std::vector<std::string>& extra_decode_flags = {})
+  TpCluster(const std::string& model, int mtp, const std::vector<std::string>& extra_decode_flags = {},
+            TpLayout layout = {})
       : model_dir_(goldenDir() / model) {
     const std::vector<std::string> common = {"--model.path=" + model_dir_.string(),
                                              "--model.tokenizer=" PD_TOKENIZER_DIR,
@@ -143,13 +178,34 @@ class TpCluster {
       flags.insert(flags.begin(), common.begin(), common.end());
       return flags;
     };
-    std::vector<std::string> decode_flags = {"--decode.port=0", "--decode.tensor_parallel=2", "--decode.threads=1",
-                                             "--decode.num_blocks=128",
-                                             "--decode.num_speculative_tokens=" + std::to_string(mtp)};
+    std::vector<std::string> decode_flags = {
+        "--decode.port=0", "--decode.tensor_parallel=" + std::to_string(layout.decode_tp), "--decode.threads=1",
+        "--decode.num_blocks=128", "--decode.num_speculative_tokens=" + std::to_string(mtp)};
     decode_flags.insert(decode_flags.end(), extra_decode_flags.begin(), extra_decode_flags.end());
-    decode_ = std::make_unique<RoleProcess>("decode", with(std::move(decode_flags)));
-    prefill_ = std::make_unique<RoleProcess>("prefill", with({"--prefill.port=0", "--prefill.threads=1"}));
-    if (!decode_->ready() || !prefill_->ready()) return;
+    if (layout.nnodes > 1) {
+      decode_flags.push_back("--decode.nnodes=" + std::to_string(layout.nnodes));
+      decode_flags.push_back("--decode.dist_init_address=127.0.0.1:" + std::to_string(freePort()));
+    }
+    // Nodes 1.. first (they wait at the rendezvous for node 0), then node 0, the leader.
+    other_nodes_.resize(static_cast<std::size_t>(layout.nnodes - 1));
+    for (int n = layout.nnodes - 1; n >= 0; --n) {
+      std::vector<std::string> flags = decode_flags;
+      if (layout.nnodes > 1) flags.push_back("--decode.node_rank=" + std::to_string(n));
+      auto p = std::make_unique<RoleProcess>("decode", with(std::move(flags)), std::chrono::seconds{0});
+      if (n == 0) {
+        decode_ = std::move(p);
+      } else {
+        other_nodes_[static_cast<std::size_t>(n - 1)] = std::move(p);
+      }
+    }
+    prefill_ = std::make_unique<RoleProcess>("prefill",
+                                             with({"--prefill.port=0", "--prefill.threads=1",
+                                                   "--prefill.tensor_parallel=" + std::to_string(layout.prefill_tp)}));
+    if (!decode_->waitReady()) return;
+    for (auto& node : other_nodes_) {
+      if (!node->waitReady()) return;
+    }
+    if (!prefill_->ready()) return;
     router_ = std::make_unique<RoleProcess>(
         "router", with({"--router.port=0", "--router.prefill_workers=" + prefill_->hostPort(),
                         "--router.decode_workers=" + decode_->hostPort(), "--router.request_timeout_ms=60000"}));
@@ -161,28 +217,28 @@ class TpCluster {
     }
   }
 
-  // Router first: stopped before the workers it talks to.
+  // Router first: stopped before the workers it talks to; the leader before the other nodes (they
+  // ignore SIGTERM and exit once the leader stops the group).
   ~TpCluster() {
     router_.reset();
     prefill_.reset();
     decode_.reset();
+    other_nodes_.clear();
   }
   TpCluster(const TpCluster&) = delete;
   TpCluster& operator=(const TpCluster&) = delete;
 
   [[nodiscard]] bool ready() const { return router_ && router_->ready(); }
   RoleProcess& decode() { return *decode_; }
+  RoleProcess& prefill() { return *prefill_; }
+  RoleProcess& node(int n) { return *other_nodes_.at(static_cast<std::size_t>(n - 1)); }
   RoleProcess& router() { return *router_; }
 
-  // The leader's pid (our child running `decode`) and its follower's.
-  [[nodiscard]] int leaderPid() const {
-    const auto pids = childrenOf(static_cast<int>(getpid()), " decode ");
-    EXPECT_EQ(pids.size(), 1U) << "decode leader processes";
-    return pids.empty() ? -1 : pids.front();
-  }
-  [[nodiscard]] static int followerPid(int leader) {
-    const auto pids = childrenOf(leader, "--decode.tp_rank 1");
-    EXPECT_EQ(pids.size(), 1U) << "tensor-parallel followers of " << leader;
+  // The leader's pid (our child running `decode` as node 0) and its follower's.
+  [[nodiscard]] int leaderPid() const { return decode_->pid(); }
+  [[nodiscard]] static int followerPid(int leader, const std::string& flag = "--decode.tp_rank 1") {
+    const auto pids = childrenOf(leader, flag);
+    EXPECT_EQ(pids.size(), 1U) << "tensor-parallel ranks '" << flag << "' of " << leader;
     return pids.empty() ? -1 : pids.front();
   }
 
@@ -222,6 +278,7 @@ class TpCluster {
   std::filesystem::path model_dir_;
   TempDir cache_;
   std::unique_ptr<RoleProcess> decode_;
+  std::vector<std::unique_ptr<RoleProcess>> other_nodes_;  // decode nodes 1..
   std::unique_ptr<RoleProcess> prefill_;
   std::unique_ptr<RoleProcess> router_;
 };
@@ -385,6 +442,150 @@ TEST(E2eTpFaults, ARequestStreamingWhenTheFollowerDiesEndsWithAnErrorAtOnce) {
   EXPECT_EQ(getStatus(cluster.decode(), "/ready"), 503);
   ASSERT_TRUE(cluster.decode().signal(SIGTERM));
   const auto status = cluster.decode().wait(60s);
+  ASSERT_TRUE(status.has_value());
+  EXPECT_EQ(*status, 0);
+}
+
+// Multi-node tensor parallelism (decode.nnodes, docs/tensor-parallel.md "Across nodes"): the test
+// starts one decode process per "node" on this machine, joined over TCP at a loopback rendezvous
+// (the same code path as pods of a LeaderWorkerSet; only the addresses differ).
+class E2eTpMultiNode : public ::testing::TestWithParam<int> {};
+
+TEST_P(E2eTpMultiNode, GoldenTokensAcrossTwoNodesThenACleanDrain) {
+  const int tp = GetParam();
+  const GoldenPrompt golden = goldenPrompt("tiny-bf16");
+  TpCluster cluster("tiny-bf16", 1, {}, TpLayout{tp, 2, 1});
+  ASSERT_TRUE(cluster.ready());
+  const int node1 = cluster.node(1).pid();
+  int node1_spawned = -1;
+  if (tp == 4) {
+    node1_spawned = TpCluster::followerPid(node1, "--decode.tp_rank 3");
+    ASSERT_GT(node1_spawned, 0) << "node 1 runs ranks 2 and 3";
+    ASSERT_GT(TpCluster::followerPid(cluster.leaderPid(), "--decode.tp_rank 1"), 0) << "node 0 runs ranks 0 and 1";
+  }
+  for (int round = 0; round < 2; ++round) {
+    const auto ids = cluster.complete(golden);
+    ASSERT_TRUE(ids.has_value());
+    EXPECT_EQ(*ids, golden.greedy) << "round " << round;
+  }
+  const auto st = workerStatus(cluster.decode());
+  EXPECT_EQ(st.free_blocks, st.total_blocks) << "KV blocks leaked";
+  // Node 1 answers the orchestrator's probes on its own port.
+  EXPECT_EQ(getStatus(cluster.node(1), "/health"), 200);
+  EXPECT_EQ(getStatus(cluster.node(1), "/ready"), 200);
+  EXPECT_EQ(getStatus(cluster.node(1), "/metrics"), 200);
+
+  // Node 1 ignores SIGTERM (the pod's is delivered to every pod of the group): it keeps serving
+  // until the leader's drain is over and the leader stops the group.
+  ASSERT_TRUE(cluster.node(1).signal(SIGTERM));
+  std::this_thread::sleep_for(300ms);
+  EXPECT_TRUE(alive(node1)) << "a node follower must outlive the leader's drain";
+  const auto start = Clock::now();
+  ASSERT_TRUE(cluster.decode().signal(SIGTERM));
+  const auto status = cluster.decode().wait(60s);
+  ASSERT_TRUE(status.has_value()) << "the TP leader did not exit";
+  EXPECT_EQ(*status, 0);
+  const auto node_status = cluster.node(1).wait(20s);
+  ASSERT_TRUE(node_status.has_value()) << "node 1 did not exit after the leader stopped the group";
+  EXPECT_EQ(*node_status, 0);
+  EXPECT_LT(Clock::now() - start, 15s);
+  if (node1_spawned > 0) {
+    EXPECT_FALSE(alive(node1_spawned)) << "node 1's spawned rank outlived it";
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Ranks, E2eTpMultiNode, ::testing::Values(2, 4),
+                         [](const auto& param_info) { return "tp" + std::to_string(param_info.param) + "_2nodes"; });
+
+TEST(E2eTpMultiNodeFaults, ANodeThatDiesBreaksTheGroupAtOnce) {
+  const GoldenPrompt golden = goldenPrompt("tiny-bf16");
+  TpCluster cluster("tiny-bf16", 0, {}, TpLayout{2, 2, 1});
+  ASSERT_TRUE(cluster.ready());
+  ASSERT_TRUE(cluster.complete(golden).has_value());
+  ASSERT_TRUE(cluster.node(1).signal(SIGKILL));
+  // /ready turns 503 without traffic: the leader sees the connection drop while idle.
+  const auto deadline = Clock::now() + 5s;
+  int ready = 0;
+  while (Clock::now() < deadline && (ready = getStatus(cluster.decode(), "/ready")) != 503) {
+    std::this_thread::sleep_for(50ms);
+  }
+  EXPECT_EQ(ready, 503) << "/ready after node 1 died";
+  worker_api::DecodeOpen open;
+  open.request_id = "after-node-death";
+  open.prompt_tokens = static_cast<std::int64_t>(golden.tokens.size());
+  open.max_tokens = 4;
+  http::Client client(cluster.decode().host(), cluster.decode().port());
+  http::ClientRequest req;
+  req.method = "POST";
+  req.target = std::string(worker_api::kDecodeOpenPath);
+  req.headers.push_back({"Content-Type", "application/json"});
+  req.body = worker_api::toJson(open);
+  const auto start = Clock::now();
+  auto r = client.send(req, 30s);
+  ASSERT_TRUE(r.ok()) << r.error().toString();
+  EXPECT_LT(Clock::now() - start, 5s);
+  EXPECT_NE(r->status, 200) << r->body;
+  EXPECT_NE(r->body.find("PeerFailed"), std::string::npos) << r->body;
+  const auto st = workerStatus(cluster.decode());
+  EXPECT_EQ(st.free_blocks, st.total_blocks);
+  ASSERT_TRUE(cluster.decode().signal(SIGTERM));
+  const auto status = cluster.decode().wait(60s);
+  ASSERT_TRUE(status.has_value());
+  EXPECT_EQ(*status, 0);
+}
+
+TEST(E2eTpMultiNodeFaults, TheLeaderDyingEndsTheOtherNodes) {
+  TpCluster cluster("tiny-bf16", 0, {}, TpLayout{4, 2, 1});
+  ASSERT_TRUE(cluster.ready());
+  const int node1_spawned = TpCluster::followerPid(cluster.node(1).pid(), "--decode.tp_rank 3");
+  ASSERT_GT(node1_spawned, 0);
+  const auto start = Clock::now();
+  ASSERT_TRUE(cluster.decode().signal(SIGKILL));
+  const auto status = cluster.node(1).wait(20s);
+  ASSERT_TRUE(status.has_value()) << "node 1 hangs after the leader died";
+  EXPECT_EQ(*status, 1) << "a group that failed exits 1";
+  EXPECT_LT(Clock::now() - start, 10s);
+  const auto gone = Clock::now() + 5s;
+  while (alive(node1_spawned) && Clock::now() < gone) std::this_thread::sleep_for(50ms);
+  EXPECT_FALSE(alive(node1_spawned)) << "node 1's spawned rank outlived the group";
+}
+
+// Prefill tensor parallelism (prefill.tensor_parallel): rank 0 streams the KV of a forward that
+// runs sharded over two processes; the decode side (TP 1) must get the golden cache and tokens.
+TEST(E2eTpPrefill, GoldenTokensThroughATwoRankPrefillWorkerAndItsFaults) {
+  const GoldenPrompt golden = goldenPrompt("tiny-bf16");
+  TpCluster cluster("tiny-bf16", 1, {}, TpLayout{1, 1, 2});
+  ASSERT_TRUE(cluster.ready());
+  const int rank1 = TpCluster::followerPid(cluster.prefill().pid(), "--prefill.tp_rank 1");
+  ASSERT_GT(rank1, 0);
+  for (int round = 0; round < 2; ++round) {
+    const auto ids = cluster.complete(golden);
+    ASSERT_TRUE(ids.has_value());
+    EXPECT_EQ(*ids, golden.greedy) << "round " << round;
+  }
+  EXPECT_EQ(getStatus(cluster.prefill(), "/ready"), 200);
+  ASSERT_EQ(::kill(rank1, SIGKILL), 0);
+  const auto deadline = Clock::now() + 5s;
+  int ready = 0;
+  while (Clock::now() < deadline && (ready = getStatus(cluster.prefill(), "/ready")) != 503) {
+    std::this_thread::sleep_for(50ms);
+  }
+  EXPECT_EQ(ready, 503) << "/ready after the prefill's rank 1 died";
+  // The router takes it out of rotation: a request now fails cleanly (no prefill worker left),
+  // it does not hang.
+  const auto start = Clock::now();
+  http::Client client(cluster.router().host(), cluster.router().port());
+  http::ClientRequest req;
+  req.method = "POST";
+  req.target = "/v1/completions";
+  req.headers.push_back({"Content-Type", "application/json"});
+  req.body = R"({"model":"pdserve-default","prompt":[11,12,13],"max_tokens":2})";
+  auto r = client.send(req, 60s);
+  ASSERT_TRUE(r.ok()) << r.error().toString();
+  EXPECT_GE(r->status, 500) << r->body;
+  EXPECT_LT(Clock::now() - start, 30s);
+  ASSERT_TRUE(cluster.prefill().signal(SIGTERM));
+  const auto status = cluster.prefill().wait(60s);
   ASSERT_TRUE(status.has_value());
   EXPECT_EQ(*status, 0);
 }

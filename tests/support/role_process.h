@@ -25,6 +25,9 @@ namespace pd::test {
 
 class RoleProcess {
  public:
+  /// Starts the process and waits up to `timeout` for its READY line (a test failure if it does
+  /// not come); timeout 0 returns at once (call waitReady() later: processes that only become
+  /// ready together, like the nodes of one tensor-parallel group).
   RoleProcess(const std::string& role, std::vector<std::string> flags,
               std::chrono::seconds timeout = std::chrono::seconds{120})
       : role_(role) {
@@ -37,10 +40,16 @@ class RoleProcess {
     }
     process_ = std::move(*child);
     reader_ = std::thread([this] { readStdout(); });
+    if (timeout.count() > 0) waitReady(timeout);
+  }
+  /// Waits for the READY line; false (and a test failure) if it did not come within `timeout`.
+  bool waitReady(std::chrono::seconds timeout = std::chrono::seconds{120}) {
     std::unique_lock lock(mutex_);
     if (!ready_.wait_for(lock, timeout, [this] { return !url_.empty() || closed_; }) || url_.empty()) {
-      ADD_FAILURE() << "pdserve " << role << " did not become ready within " << timeout.count() << " s";
+      ADD_FAILURE() << "pdserve " << role_ << " did not become ready within " << timeout.count() << " s";
+      return false;
     }
+    return true;
   }
   ~RoleProcess() {
     if (process_ && !process_->poll()) {
@@ -72,6 +81,7 @@ class RoleProcess {
     const auto colon = hp.rfind(':');
     return colon == std::string::npos ? 0 : static_cast<std::uint16_t>(std::stoi(hp.substr(colon + 1)));
   }
+  [[nodiscard]] int pid() const { return process_ ? static_cast<int>(process_->pid()) : -1; }
   bool signal(int sig) { return process_ && process_->signal(sig); }
   std::optional<int> wait(std::chrono::milliseconds timeout) {
     return process_ ? process_->wait(timeout) : std::nullopt;

@@ -8,18 +8,24 @@
 //
 // Tensor parallelism (docs/tensor-parallel.md): with decode.tensor_parallel N > 1 this process is
 // rank 0, the leader: it spawns ranks 1..N-1 (its own command line plus --decode.tp_rank r
-// --decode.tp_group NAME), serves the API and stops the followers when it stops. A follower
-// (tp_rank > 0) prints no READY line, ignores SIGTERM / SIGINT (the leader's drain stops it; it
-// dies with the leader) and exits 0 once the leader stopped the group, 1 when the group failed.
-// While serving, the leader watches its followers: one that exits breaks the group (requests fail
-// with PeerFailed, /ready answers 503).
+// --decode.tp_group NAME), serves the API and stops the followers when it stops. Across machines
+// (decode.nnodes M > 1, decode.dist_init_address = node 0's host:port) node n's process is rank
+// n*N/M, spawns the next N/M-1 ranks (its command line plus --decode.tp_rank r), joins the TCP group
+// at the rendezvous and, on nodes > 0, serves only /health, /ready and /metrics on decode.port (its
+// READY line says role=decode-rank). Every process but the leader prints no role=decode READY
+// line, ignores SIGTERM / SIGINT (the leader's drain stops it; it dies with its parent) and exits 0
+// once the leader stopped the group, 1 when the group failed. While serving, the leader watches
+// the group: a rank that exits or whose connection drops breaks it (requests fail with
+// PeerFailed, /ready answers 503).
 #include <fmt/format.h>
 
+#include <atomic>
 #include <chrono>
 #include <csignal>
 #include <cstdio>
 #include <ctime>
 #include <filesystem>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -27,10 +33,13 @@
 #include <vector>
 
 #include "cli.h"
+#include "pd/common/http_server.h"
 #include "pd/common/log.h"
 #include "pd/common/model/engine.h"
 #include "pd/common/model_hash.h"
 #include "pd/common/shm_communicator.h"
+#include "pd/common/subprocess.h"
+#include "pd/common/tcp_communicator.h"
 #include "pd/decode/decode_config.h"
 #include "pd/decode/decode_server.h"
 #include "pd/decode/tp_engine.h"
@@ -52,69 +61,174 @@ constexpr std::string_view kUsage =
 // what this build can do.
 Status validate(const decode::DecodeConfig& dec, const kvtransfer::KvTransferConfig& kv) {
   PD_TRY(kvtransfer::validate(kv));
+  const auto bad = [](std::string message) { return makeError(ErrorCode::InvalidArgument, std::move(message)); };
   if (dec.tp_rank >= dec.tensor_parallel) {
-    return makeError(
-        ErrorCode::InvalidArgument,
+    return bad(
         fmt::format("decode.tp_rank {} must be below decode.tensor_parallel {}", dec.tp_rank, dec.tensor_parallel));
   }
-  if (dec.tp_rank > 0 && dec.tp_group.empty()) {
-    return makeError(ErrorCode::InvalidArgument,
-                     "decode.tp_rank > 0 (a tensor-parallel follower) needs decode.tp_group; followers are started by "
-                     "their leader (decode.tensor_parallel > 1), not by hand");
+  if (dec.tensor_parallel % dec.nnodes != 0) {
+    return bad(
+        fmt::format("decode.tensor_parallel {} must be a multiple of decode.nnodes {} (the same ranks on "
+                    "every node)",
+                    dec.tensor_parallel, dec.nnodes));
+  }
+  if (dec.node_rank >= dec.nnodes) {
+    return bad(fmt::format("decode.node_rank {} must be below decode.nnodes {}", dec.node_rank, dec.nnodes));
+  }
+  if (dec.nnodes > 1 && dec.dist_init_address.empty()) {
+    return bad("decode.nnodes > 1 needs decode.dist_init_address (node 0's host:port)");
+  }
+  if (!dec.dist_init_address.empty()) {
+    auto where = comm::parseHostPort(dec.dist_init_address);
+    if (!where.ok()) return std::move(where).error();
+    if (where->port == 0) return bad("decode.dist_init_address needs a port (the other nodes must know it)");
+  }
+  if (dec.tp_rank > 0 && dec.tp_group.empty() && dec.dist_init_address.empty()) {
+    return bad(
+        "decode.tp_rank > 0 (a spawned tensor-parallel rank) needs decode.tp_group or "
+        "decode.dist_init_address; such ranks are started by their node's process "
+        "(decode.tensor_parallel > 1), not by hand");
   }
   return okStatus();
 }
 
 constexpr auto kTpJoinTimeout = std::chrono::minutes(10);  // model loading included
 
-// The body of a follower process (tp_rank > 0): joins the leader's group, loads its shard, serves
-// the leader's calls until it stops the group.
-int runTpFollower(const decode::DecodeConfig& dec, const kvtransfer::KvTransferConfig& kv,
-                  const std::filesystem::path& model_dir, std::uint64_t hash) {
-  comm::ShmOptions so;
-  so.name = dec.tp_group;
-  so.rank = static_cast<int>(dec.tp_rank);
-  so.size = static_cast<int>(dec.tensor_parallel);
-  so.join_timeout = kTpJoinTimeout;
-  so.inject_latency = std::chrono::microseconds(dec.tp_inject_latency_us);
-  auto comm = comm::createShmCommunicator(so);
-  if (!comm.ok()) return reportFailure(comm.error());
+int ranksPerNode(const decode::DecodeConfig& dec) {
+  return static_cast<int>(dec.tensor_parallel / dec.nnodes);
+}
+
+// Loads this rank's shard and serves the leader's calls until it stops the group (exit 0) or the
+// group fails (exit 1). `serving` (may be null) is told once the rank serves and when it stops.
+int serveAsFollower(comm::Communicator& comm, const decode::DecodeConfig& dec, const kvtransfer::KvTransferConfig& kv,
+                    const std::filesystem::path& model_dir, std::uint64_t hash,
+                    const std::function<void(bool)>& serving = {}) {
   model::CpuEngineOptions engine_options;
   engine_options.threads = static_cast<int>(dec.threads);
-  engine_options.tp = comm->get();
+  engine_options.tp = &comm;
   auto engine = model::createCpuEngine(model_dir, engine_options);
   if (!engine.ok()) return reportFailure(engine.error());
-  auto worker = decode::TpFollowerWorker::start(std::move(engine).value(), **comm, {dec, kv, hash});
+  auto worker = decode::TpFollowerWorker::start(std::move(engine).value(), comm, {dec, kv, hash});
   if (!worker.ok()) return reportFailure(worker.error());
-  log::info("decode", "tensor-parallel rank {} of {} serving", dec.tp_rank, dec.tensor_parallel);
+  log::info("decode", "tensor-parallel rank {} of {} serving ({})", comm.rank(), comm.size(), comm.kind());
+  if (serving) serving(true);
   const Status s = (*worker)->run();
+  if (serving) serving(false);
   if (!s.ok()) {
-    log::error("decode", "tensor-parallel rank {}: {}", dec.tp_rank, s.error().toString());
+    log::error("decode", "tensor-parallel rank {}: {}", comm.rank(), s.error().toString());
     return 1;
   }
-  log::info("decode", "tensor-parallel rank {} stopped", dec.tp_rank);
+  log::info("decode", "tensor-parallel rank {} stopped", comm.rank());
   return 0;
 }
 
-// Waits for a signal; meanwhile (tensor-parallel leader) watches the followers: one that exits
-// breaks the group, so requests fail at once and /ready answers 503 (the process stays up to say
-// so; the supervisor decides).
-int waitForSignal(const sigset_t& signals, decode::TpLeaderGroup* group, decode::TpLeaderEngine* leader) {
+// The body of a spawned rank (tp_rank > 0): joins its node's group (shm) or the TCP group.
+int runSpawnedRank(const decode::DecodeConfig& dec, const kvtransfer::KvTransferConfig& kv,
+                   const std::filesystem::path& model_dir, std::uint64_t hash) {
+  Result<std::unique_ptr<comm::Communicator>> comm = makeError(ErrorCode::Internal, "no communicator");
+  if (dec.dist_init_address.empty()) {
+    comm::ShmOptions so;
+    so.name = dec.tp_group;
+    so.rank = static_cast<int>(dec.tp_rank);
+    so.size = static_cast<int>(dec.tensor_parallel);
+    so.join_timeout = kTpJoinTimeout;
+    so.inject_latency = std::chrono::microseconds(dec.tp_inject_latency_us);
+    comm = comm::createShmCommunicator(so);
+  } else {
+    comm::TcpOptions to;
+    to.address = dec.dist_init_address;
+    to.rank = static_cast<int>(dec.tp_rank);
+    to.size = static_cast<int>(dec.tensor_parallel);
+    to.group_key = hash;
+    to.join_timeout = kTpJoinTimeout;
+    comm = comm::createTcpCommunicator(to);
+  }
+  if (!comm.ok()) return reportFailure(comm.error());
+  return serveAsFollower(**comm, dec, kv, model_dir, hash);
+}
+
+// Spawns this node's other ranks and joins the whole group (the leader, or node n's process).
+Result<std::unique_ptr<decode::TpProcessGroup>> startGroup(const decode::DecodeConfig& dec,
+                                                           const std::vector<std::string>& args, std::uint64_t hash) {
+  PD_ASSIGN_OR_RETURN(std::string self, proc::selfExecutable());
+  std::vector<std::string> argv{std::move(self), "decode"};
+  argv.insert(argv.end(), args.begin(), args.end());  // --check-config already removed
+  decode::TpGroupOptions o;
+  o.size = static_cast<int>(dec.tensor_parallel);
+  o.rank = static_cast<int>(dec.node_rank) * ranksPerNode(dec);
+  o.local_ranks = ranksPerNode(dec);
+  o.child_argv = std::move(argv);
+  o.section = "decode";
+  o.dist_init_address = dec.dist_init_address;
+  o.group_key = hash;
+  o.join_timeout = kTpJoinTimeout;
+  o.inject_latency = std::chrono::microseconds(dec.tp_inject_latency_us);
+  PD_ASSIGN_OR_RETURN(auto group, decode::TpProcessGroup::start(std::move(o)));
+  log::info("decode", "tensor-parallel group of {} ranks joined ({})", dec.tensor_parallel, group->describe());
+  return group;
+}
+
+// Node n > 0 of a multi-node group: its ranks serve the leader; this process also answers the
+// orchestrator's probes (/health; /ready while its rank serves) and /metrics on decode.port.
+int runNodeFollower(const decode::DecodeConfig& dec, const kvtransfer::KvTransferConfig& kv,
+                    const std::vector<std::string>& args, const std::filesystem::path& model_dir, std::uint64_t hash) {
+  auto group = startGroup(dec, args, hash);
+  if (!group.ok()) return reportFailure(group.error());
+  auto serving = std::make_shared<std::atomic<bool>>(false);
+  decode::TpProcessGroup* g = group->get();
+  std::vector<http::Route> routes;
+  routes.push_back({"GET", "/health", [](http::Request, http::Exchange ex) {
+                      ex.respond(http::Response::withBody(200, "text/plain", "ok"));
+                    }});
+  routes.push_back({"GET", "/ready", [serving, g](http::Request, http::Exchange ex) {
+                      const Status peers = g->comm().checkPeers();
+                      const bool ready = serving->load() && peers.ok();
+                      ex.respond(http::Response::withBody(ready ? 200 : 503, "text/plain",
+                                                          ready ? "ready" : "tensor-parallel group not serving"));
+                    }});
+  routes.push_back({"GET", "/metrics", [serving, dec](http::Request, http::Exchange ex) {
+                      ex.respond(http::Response::withBody(
+                          200, "text/plain; version=0.0.4",
+                          fmt::format("# HELP pdserve_decode_tp_rank_serving 1 while this node's ranks serve their "
+                                      "tensor-parallel group\n# TYPE pdserve_decode_tp_rank_serving gauge\n"
+                                      "pdserve_decode_tp_rank_serving{{node_rank=\"{}\"}} {}\n",
+                                      dec.node_rank, serving->load() ? 1 : 0)));
+                    }});
+  http::ServerOptions so;
+  so.host = dec.host;
+  so.port = static_cast<std::uint16_t>(dec.port);
+  so.io_threads = 1;
+  auto server = http::Server::start(so, std::move(routes));
+  if (!server.ok()) return reportFailure(server.error());
+  const int rc = serveAsFollower((*group)->comm(), dec, kv, model_dir, hash, [&](bool on) {
+    serving->store(on);
+    if (on) {
+      std::printf("PDSERVE_READY role=decode-rank url=http://%s:%u node_rank=%lld\n", dec.host.c_str(),
+                  static_cast<unsigned>((*server)->port()), static_cast<long long>(dec.node_rank));
+      std::fflush(stdout);
+    }
+  });
+  (*server)->stop();
+  group->reset();
+  return rc;
+}
+
+// Waits for a signal; meanwhile (tensor-parallel leader) watches the group: a rank that exits or
+// whose connection drops breaks it, so requests fail at once and /ready answers 503 (the process
+// stays up to say so; the supervisor decides).
+int waitForSignal(const sigset_t& signals, decode::TpProcessGroup* group, decode::TpLeaderEngine* leader) {
   bool reported = false;
   for (;;) {
     const timespec tick{0, 200'000'000};
     const int sig = ::sigtimedwait(&signals, nullptr, group != nullptr ? &tick : nullptr);
     if (sig > 0) return sig;
     if (group == nullptr || reported) continue;
-    const std::vector<std::optional<int>> exits = group->pollFollowers();
-    for (std::size_t i = 0; i < exits.size(); ++i) {
-      if (!exits[i]) continue;
-      const std::string why = fmt::format("tensor-parallel rank {} exited with status {}", i + 1, *exits[i]);
-      log::error("decode", "{}: the group is broken; requests fail and /ready answers 503", why);
-      leader->markBroken(makeError(ErrorCode::PeerFailed, why));
-      reported = true;
-      break;
-    }
+    Status s = group->checkLocalRanks();
+    if (s.ok()) s = group->comm().checkPeers();
+    if (s.ok()) continue;
+    log::error("decode", "{}: the group is broken; requests fail and /ready answers 503", s.error().toString());
+    leader->markBroken(s.error());
+    reported = true;
   }
 }
 
@@ -148,12 +262,13 @@ int runDecode(const std::vector<std::string>& raw_args) {
   }
   if (Status s = validate(decode_cfg, kv_cfg); !s.ok()) return reportFailure(s.error());
   if (check_only) return 0;
-  const bool follower = decode_cfg.tp_rank > 0;
-  const bool leader = decode_cfg.tensor_parallel > 1 && !follower;
+  const bool spawned = decode_cfg.tp_rank > 0;
+  const bool leader = decode_cfg.tensor_parallel > 1 && !spawned && decode_cfg.node_rank == 0;
+  const bool node_follower = !spawned && decode_cfg.node_rank > 0;
 
   // Signals are taken by sigwait on this thread: block them before any other thread exists. A
-  // follower never takes them (a terminal's SIGINT reaches the whole process group): the leader
-  // stops it, or it dies with the leader.
+  // rank other than the leader never takes them (a terminal's SIGINT reaches the whole process
+  // group): the leader stops it, or it dies with its parent.
   const sigset_t signals = blockStopSignals();
 
   for (const auto* set : {&decode_set, &kv_set}) {
@@ -164,22 +279,15 @@ int runDecode(const std::vector<std::string>& raw_args) {
   // The same hash the prefill workers compute (their descriptors and records must match ours).
   auto hash = modelHash(*model_dir);
   if (!hash.ok()) return reportFailure(hash.error());
-  if (follower) return runTpFollower(decode_cfg, kv_cfg, *model_dir, *hash);
+  if (spawned) return runSpawnedRank(decode_cfg, kv_cfg, *model_dir, *hash);
+  if (node_follower) return runNodeFollower(decode_cfg, kv_cfg, args, *model_dir, *hash);
 
-  // Leader: spawn and join the followers first (they load their shards meanwhile).
-  std::unique_ptr<decode::TpLeaderGroup> group;
+  // Leader: spawn and join the other ranks first (they load their shards meanwhile).
+  std::unique_ptr<decode::TpProcessGroup> group;
   if (leader) {
-    std::error_code ec;
-    const std::filesystem::path self = std::filesystem::read_symlink("/proc/self/exe", ec);
-    if (ec) return reportFailure(makeError(ErrorCode::Io, fmt::format("/proc/self/exe: {}", ec.message())));
-    std::vector<std::string> argv{self.string(), "decode"};
-    argv.insert(argv.end(), args.begin(), args.end());  // --check-config already removed
-    auto started =
-        decode::TpLeaderGroup::start(static_cast<int>(decode_cfg.tensor_parallel), std::move(argv), kTpJoinTimeout,
-                                     std::chrono::microseconds(decode_cfg.tp_inject_latency_us));
+    auto started = startGroup(decode_cfg, args, *hash);
     if (!started.ok()) return reportFailure(started.error());
     group = std::move(started).value();
-    log::info("decode", "tensor-parallel group {} of {} ranks joined", group->groupName(), decode_cfg.tensor_parallel);
   }
   model::CpuEngineOptions engine_options;
   engine_options.threads = static_cast<int>(decode_cfg.threads);
@@ -212,7 +320,7 @@ int runDecode(const std::vector<std::string>& raw_args) {
   drain(**server, signals, std::chrono::milliseconds(decode_cfg.drain_timeout_ms));
   (*server)->stop(std::chrono::milliseconds(0));
   if (tp_leader != nullptr) {
-    // Tells the followers to return (they exit 0); ~TpLeaderGroup then reaps them.
+    // Tells the followers to return (they exit 0); ~TpProcessGroup then reaps them.
     if (Status s = tp_leader->stop(); !s.ok()) log::warn("decode", "stopping the followers: {}", s.error().toString());
   }
   (*server).reset();

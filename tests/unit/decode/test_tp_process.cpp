@@ -99,22 +99,52 @@ TEST_P(TpProcess, ADeadFollowerFailsTheLeadersCall) {
 
 INSTANTIATE_TEST_SUITE_P(Golden, TpProcess, ::testing::Values("tiny-bf16", "tiny-fp8"));
 
-// TpLeaderGroup spawns real processes; a follower that exits before joining fails start() at
-// once (not after the join timeout), and one that never joins gives a Timeout.
-TEST(TpLeaderGroup, AFollowerThatExitsFailsStartAtOnce) {
-  const auto t0 = std::chrono::steady_clock::now();
-  auto g = TpLeaderGroup::start(2, {"/bin/sh", "-c", "exit 3"}, 30s);
-  ASSERT_FALSE(g.ok());
-  EXPECT_EQ(g.error().code, ErrorCode::PeerFailed) << g.error().toString();
-  EXPECT_NE(g.error().message.find("status 3"), std::string::npos) << g.error().message;
-  EXPECT_LT(std::chrono::steady_clock::now() - t0, 10s);
+// TpProcessGroup spawns real processes; a rank that exits before joining fails start() at once
+// (not after the join timeout), and one that never joins gives a Timeout.
+TpGroupOptions spawning(std::vector<std::string> argv, std::chrono::milliseconds join_timeout) {
+  TpGroupOptions o;
+  o.size = 2;
+  o.child_argv = std::move(argv);
+  o.join_timeout = join_timeout;
+  return o;
 }
 
-TEST(TpLeaderGroup, AFollowerThatNeverJoinsTimesOut) {
-  auto g = TpLeaderGroup::start(2, {"/bin/sh", "-c", "exec sleep 20"}, 300ms);
-  ASSERT_FALSE(g.ok());
-  EXPECT_EQ(g.error().code, ErrorCode::Timeout) << g.error().toString();
-  EXPECT_FALSE(TpLeaderGroup::start(1, {"/bin/true"}, 1s).ok()) << "a group needs two ranks";
+TEST(TpProcessGroup, ARankThatExitsFailsStartAtOnce) {
+  for (const std::string address : {"", "127.0.0.1:0"}) {
+    const auto t0 = std::chrono::steady_clock::now();
+    TpGroupOptions o = spawning({"/bin/sh", "-c", "exit 3"}, 30s);
+    o.dist_init_address = address;
+    auto g = TpProcessGroup::start(o);
+    ASSERT_FALSE(g.ok()) << address;
+    EXPECT_EQ(g.error().code, ErrorCode::PeerFailed) << g.error().toString();
+    EXPECT_NE(g.error().message.find("rank 1 exited with status 3"), std::string::npos) << g.error().message;
+    EXPECT_LT(std::chrono::steady_clock::now() - t0, 10s);
+  }
+}
+
+TEST(TpProcessGroup, ARankThatNeverJoinsTimesOut) {
+  for (const std::string address : {"", "127.0.0.1:0"}) {
+    TpGroupOptions o = spawning({"/bin/sh", "-c", "exec sleep 20"}, 300ms);
+    o.dist_init_address = address;
+    auto g = TpProcessGroup::start(o);
+    ASSERT_FALSE(g.ok()) << address;
+    EXPECT_EQ(g.error().code, ErrorCode::Timeout) << g.error().toString();
+  }
+}
+
+TEST(TpProcessGroup, BadShapesAreRejected) {
+  TpGroupOptions one = spawning({"/bin/true"}, 1s);
+  one.size = 1;
+  EXPECT_EQ(TpProcessGroup::start(one).error().code, ErrorCode::InvalidArgument) << "a group needs two ranks";
+  TpGroupOptions remote = spawning({"/bin/true"}, 1s);
+  remote.size = 4;
+  remote.rank = 2;
+  remote.local_ranks = 2;
+  EXPECT_EQ(TpProcessGroup::start(remote).error().code, ErrorCode::InvalidArgument)
+      << "ranks on another machine need a rendezvous address";
+  remote.rank = 3;
+  remote.dist_init_address = "127.0.0.1:1";
+  EXPECT_EQ(TpProcessGroup::start(remote).error().code, ErrorCode::InvalidArgument) << "ranks 3..4 of 4";
 }
 
 }  // namespace

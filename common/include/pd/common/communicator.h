@@ -44,6 +44,12 @@ class Communicator {
   /// Like broadcast(), but a non-root rank waits without the collective deadline (still failing
   /// at once when a peer dies): for followers idling until the leader's next step.
   virtual Status broadcastUnbounded(std::span<std::byte> data, int root) { return broadcast(data, root); }
+  /// Whether the peers still seem reachable, without taking part in a collective: a watchdog for
+  /// an idle group (e.g. the leader between steps). Unlike the collectives it may be called from
+  /// any thread, also while another thread runs a collective. OK when nothing is known to be
+  /// wrong (the default: no cheap check); PeerFailed when a peer is gone, or the error that
+  /// broke the group.
+  virtual Status checkPeers() { return okStatus(); }
 };
 
 /// Float convenience over Communicator::allGather.

@@ -16,10 +16,19 @@ struct DecodeConfig {
   std::int64_t max_running_requests = 64;
   std::int64_t num_speculative_tokens = 1;
   std::int64_t tensor_parallel = 1;
-  /// This process's rank in the tensor-parallel group. 0 is the worker itself (the leader); ranks
-  /// 1.. are the followers the leader spawns (docs/tensor-parallel.md), never set by hand.
+  /// Machines (pods) the group spans: each runs tensor_parallel / nnodes ranks (docs/tensor-parallel.md,
+  /// "Across nodes"). > 1 needs dist_init_address.
+  std::int64_t nnodes = 1;
+  /// This machine's index in the group: 0 serves the worker's API (the leader, rank 0); node n runs
+  /// ranks n * tensor_parallel / nnodes onwards and serves only /health, /ready and /metrics.
+  std::int64_t node_rank = 0;
+  /// host:port where rank 0 (node 0) listens for the other ranks (TCP communicator). Empty: the
+  /// group is on this machine and uses shared memory.
+  std::string dist_init_address;
+  /// The rank of a process spawned by a node's process (ranks of its node after its own); 0 for the
+  /// processes started by hand (docs/tensor-parallel.md), never set by hand.
   std::int64_t tp_rank = 0;
-  /// The group's shared-memory name (followers only; the leader picks it).
+  /// The group's shared-memory name (spawned ranks of a one-machine group; the leader picks it).
   std::string tp_group;
   /// TEST-ONLY: per-message latency (µs) the shm communicator adds to every collective, to emulate
   /// a network between the ranks (tools/bench/netlat_experiment.sh). 0 = off; never in production.

@@ -1,22 +1,30 @@
 #pragma once
-/// The process side of a tensor-parallel decode worker (docs/tensor-parallel.md):
-///  - TpLeaderGroup: rank 0 spawns ranks 1..N-1 as child processes (`pdserve decode ...
-///    --decode.tp_rank r --decode.tp_group NAME`, i.e. its own command line plus those two
-///    flags) and joins them in a shared-memory communicator (shm_communicator.h);
-///  - TpFollowerWorker: the body of such a child: its own KV pool (same geometry and block ids as
-///    the leader's), its own kvtransfer transport with the pool registered, its KV target sent to
-///    the leader (exchangeKvTargets), then runTpFollower() until the leader stops the group.
+/// The process side of a tensor-parallel worker (docs/tensor-parallel.md):
+///  - TpProcessGroup: this process's rank of a group plus the ranks it spawns on this machine
+///    (`pdserve <role> ... --<role>.tp_rank r`, i.e. its own command line plus that flag, and
+///    `--<role>.tp_group NAME` on one machine), joined in a communicator: shared memory
+///    (shm_communicator.h) when the whole group is on this machine, TCP around rank 0
+///    (tcp_communicator.h) when a rendezvous address is given (several nodes). Rank 0 is the
+///    leader; across nodes, node n's process is rank n * local_ranks and spawns the next
+///    local_ranks - 1 ranks;
+///  - TpFollowerWorker: the body of a decode follower rank: its own KV pool (same geometry and
+///    block ids as the leader's), its own kvtransfer transport with the pool registered, its KV
+///    target sent to the leader (exchangeKvTargets), then runTpFollower() until the leader stops
+///    the group.
 ///
 /// Start-up order (every step after the communicator is a collective, so both sides follow it):
-///   leader:   TpLeaderGroup::start → createCpuEngine(tp = &group.comm()) → TpLeaderEngine →
+///   leader:   TpProcessGroup::start → createCpuEngine(tp = &group.comm()) → TpLeaderEngine →
 ///             KvPool + transport + exportTarget(0) → exchangeKvTargets → serve
-///   follower: createShmCommunicator(rank r) → createCpuEngine(tp) → TpFollowerWorker::start
-///             (pool, transport, exportTarget(r), exchangeKvTargets) → run()
+///   follower: join (TpProcessGroup::start, or createShm/TcpCommunicator for a spawned rank) →
+///             createCpuEngine(tp) → TpFollowerWorker::start (pool, transport, exportTarget(r),
+///             exchangeKvTargets) → run()
 ///
-/// Thread rules: both classes are driven by one thread (the process's main / engine thread).
+/// Thread rules: both classes are driven by one thread (the process's main / engine thread);
+/// TpProcessGroup::checkLocalRanks() may be called from another thread.
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -33,30 +41,52 @@
 
 namespace pd::decode {
 
-class TpLeaderGroup {
+struct TpGroupOptions {
+  int size = 2;  ///< ranks in the whole group
+  /// This process's rank: 0 (the leader) or, across nodes, the first rank of its node.
+  int rank = 0;
+  /// Ranks on this machine, this process included (it spawns rank+1 .. rank+local_ranks-1);
+  /// 0 = size (the whole group here).
+  int local_ranks = 0;
+  /// The spawned ranks' command line (argv[0] = the pdserve executable); each gets
+  /// `--<section>.tp_rank r` appended, plus `--<section>.tp_group NAME` for a shm group.
+  std::vector<std::string> child_argv;
+  std::string section = "decode";
+  /// Empty: shm group (the whole group on this machine). Otherwise rank 0's host:port: a TCP group
+  /// (TcpOptions::address); the spawned ranks find it in their own command line.
+  std::string dist_init_address;
+  std::uint64_t group_key = 0;                     ///< TcpOptions::group_key (e.g. the model hash)
+  std::chrono::milliseconds join_timeout{600000};  ///< model loading included
+  /// TEST-ONLY ShmOptions::inject_latency of this process's communicator (0 = off; shm only).
+  std::chrono::microseconds inject_latency{0};
+  /// TCP, rank 0: called with the port it listens on (tests pass port 0).
+  std::function<void(int port)> on_listening;
+};
+
+class TpProcessGroup {
  public:
-  /// Spawns size - 1 followers running `follower_argv` (argv[0] = the pdserve executable) plus
-  /// `--decode.tp_rank r --decode.tp_group <name>`, and waits up to `join_timeout` (model load
-  /// included) until all joined. A follower that exits before joining fails start() at once
-  /// with PeerFailed. The children get SIGKILL if this process dies. `inject_latency` is the
-  /// TEST-ONLY ShmOptions::inject_latency of the leader's communicator (0 = off).
-  static Result<std::unique_ptr<TpLeaderGroup>> start(int size, std::vector<std::string> follower_argv,
-                                                      std::chrono::milliseconds join_timeout,
-                                                      std::chrono::microseconds inject_latency = {});
-  /// Waits up to 10 s for the followers to exit (stop the TpLeaderEngine first), then kills them.
-  ~TpLeaderGroup();
-  TpLeaderGroup(const TpLeaderGroup&) = delete;
-  TpLeaderGroup& operator=(const TpLeaderGroup&) = delete;
+  /// Spawns the local ranks and waits up to `join_timeout` until the whole group joined. A spawned
+  /// rank that exits before joining fails start() at once with PeerFailed. The children get
+  /// SIGKILL if this process dies.
+  static Result<std::unique_ptr<TpProcessGroup>> start(TpGroupOptions options);
+  /// Waits up to 10 s for the spawned ranks to exit (stop the group first), then kills them.
+  ~TpProcessGroup();
+  TpProcessGroup(const TpProcessGroup&) = delete;
+  TpProcessGroup& operator=(const TpProcessGroup&) = delete;
 
   [[nodiscard]] comm::Communicator& comm() { return *comm_; }
-  [[nodiscard]] const std::string& groupName() const { return name_; }
-  /// Follower exit statuses so far (nullopt: still running), rank 1 first.
-  std::vector<std::optional<int>> pollFollowers();
+  /// "shm NAME" or "tcp HOST:PORT".
+  [[nodiscard]] const std::string& describe() const { return description_; }
+  /// Spawned ranks' exit statuses so far (nullopt: still running), in rank order.
+  std::vector<std::optional<int>> pollLocalRanks();
+  /// PeerFailed naming the first spawned rank that exited, else OK.
+  Status checkLocalRanks();
 
  private:
-  TpLeaderGroup() = default;
-  std::string name_;
-  std::vector<std::unique_ptr<proc::Subprocess>> followers_;
+  TpProcessGroup() = default;
+  std::string description_;
+  int first_child_rank_ = 1;
+  std::vector<std::unique_ptr<proc::Subprocess>> children_;
   std::unique_ptr<comm::Communicator> comm_;
 };
 

@@ -20,6 +20,12 @@ struct PrefillConfig {
   std::int64_t drain_timeout_ms = 30000;  ///< SIGTERM: how long in-flight requests may finish
   std::int64_t threads = 0;               ///< compute threads of the model engine (0: every hardware thread)
   std::int64_t io_threads = 2;            ///< HTTP server threads
+  /// Tensor-parallel ranks on this machine (docs/tensor-parallel.md): this process is rank 0 and
+  /// spawns ranks 1.. (its own command line plus tp_rank / tp_group); every rank computes its
+  /// shard of each forward, rank 0 streams the (replicated) latent KV.
+  std::int64_t tensor_parallel = 1;
+  std::int64_t tp_rank = 0;  ///< a spawned rank's rank (set by rank 0, never by hand)
+  std::string tp_group;      ///< the group's shared-memory name (set by rank 0)
 };
 
 void registerOptions(config::OptionSet& set, PrefillConfig& cfg);

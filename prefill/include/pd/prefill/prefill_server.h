@@ -24,6 +24,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -42,6 +43,9 @@ struct PrefillServerOptions {
   PrefillConfig prefill;  ///< host, port, engine sizes, request_timeout_ms, io_threads
   kvtransfer::KvTransferConfig kvtransfer;
   std::uint64_t model_hash = 0;  ///< modelHash() of the checkpoint the engine runs
+  /// Optional: true once the engine can no longer serve (a tensor-parallel group lost a rank):
+  /// /ready answers 503 and the status says not ready. Called from io threads; must not block.
+  std::function<bool()> broken;
 };
 
 /// What the server holds right now (tests and the status endpoint).
