@@ -141,6 +141,39 @@ worker_api::WorkerStatus workerStatus(const RoleProcess& w) {
   return st.ok() ? *st : worker_api::WorkerStatus{};
 }
 
+// /ready of `w` polled for up to 5 s until it answers 503; the last answer.
+int readyWithin5s(const RoleProcess& w) {
+  const auto deadline = Clock::now() + 5s;
+  int ready = getStatus(w, "/ready");
+  while (ready != 503 && Clock::now() < deadline) {
+    std::this_thread::sleep_for(50ms);
+    ready = getStatus(w, "/ready");
+  }
+  return ready;
+}
+
+// A decode open on a worker whose group is broken fails at once with PeerFailed, holding no block.
+void expectOpenFailsAtOnce(const RoleProcess& decode, const GoldenPrompt& golden, const std::string& id) {
+  worker_api::DecodeOpen open;
+  open.request_id = id;
+  open.prompt_tokens = static_cast<std::int64_t>(golden.tokens.size());
+  open.max_tokens = 4;
+  http::Client client(decode.host(), decode.port());
+  http::ClientRequest req;
+  req.method = "POST";
+  req.target = std::string(worker_api::kDecodeOpenPath);
+  req.headers.push_back({"Content-Type", "application/json"});
+  req.body = worker_api::toJson(open);
+  const auto start = Clock::now();
+  auto r = client.send(req, 30s);
+  ASSERT_TRUE(r.ok()) << r.error().toString();
+  EXPECT_LT(Clock::now() - start, 5s);
+  EXPECT_NE(r->status, 200) << r->body;
+  EXPECT_NE(r->body.find("PeerFailed"), std::string::npos) << r->body;
+  const auto st = workerStatus(decode);
+  EXPECT_EQ(st.free_blocks, st.total_blocks);
+}
+
 // Free TCP port on the loopback interface (for a rendezvous address the test must know first).
 int freePort() {
   const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
@@ -338,33 +371,11 @@ TEST(E2eTpFaults, AFollowerThatDiesFailsTheLeadersRequestsCleanlyAndItsReadiness
 
   ASSERT_EQ(::kill(follower, SIGKILL), 0);
   // /ready turns 503 without any traffic (the leader watches its followers).
-  const auto deadline = Clock::now() + 5s;
-  int ready = 0;
-  while (Clock::now() < deadline && (ready = getStatus(cluster.decode(), "/ready")) != 503) {
-    std::this_thread::sleep_for(50ms);
-  }
-  EXPECT_EQ(ready, 503) << "/ready after the follower died";
+  EXPECT_EQ(readyWithin5s(cluster.decode()), 503) << "/ready after the follower died";
   EXPECT_FALSE(workerStatus(cluster.decode()).ready);
 
   // A decode open fails at once with PeerFailed: nothing hangs, nothing is held.
-  worker_api::DecodeOpen open;
-  open.request_id = "after-follower-death";
-  open.prompt_tokens = static_cast<std::int64_t>(golden.tokens.size());
-  open.max_tokens = 4;
-  http::Client client(cluster.decode().host(), cluster.decode().port());
-  http::ClientRequest req;
-  req.method = "POST";
-  req.target = std::string(worker_api::kDecodeOpenPath);
-  req.headers.push_back({"Content-Type", "application/json"});
-  req.body = worker_api::toJson(open);
-  const auto start = Clock::now();
-  auto r = client.send(req, 30s);
-  ASSERT_TRUE(r.ok()) << r.error().toString();
-  EXPECT_LT(Clock::now() - start, 5s);
-  EXPECT_NE(r->status, 200) << r->body;
-  EXPECT_NE(r->body.find("PeerFailed"), std::string::npos) << r->body;
-  const auto st = workerStatus(cluster.decode());
-  EXPECT_EQ(st.free_blocks, st.total_blocks);
+  expectOpenFailsAtOnce(cluster.decode(), golden, "after-follower-death");
 
   // The leader still drains and exits 0.
   ASSERT_TRUE(cluster.decode().signal(SIGTERM));
@@ -504,30 +515,8 @@ TEST(E2eTpMultiNodeFaults, ANodeThatDiesBreaksTheGroupAtOnce) {
   ASSERT_TRUE(cluster.complete(golden).has_value());
   ASSERT_TRUE(cluster.node(1).signal(SIGKILL));
   // /ready turns 503 without traffic: the leader sees the connection drop while idle.
-  const auto deadline = Clock::now() + 5s;
-  int ready = 0;
-  while (Clock::now() < deadline && (ready = getStatus(cluster.decode(), "/ready")) != 503) {
-    std::this_thread::sleep_for(50ms);
-  }
-  EXPECT_EQ(ready, 503) << "/ready after node 1 died";
-  worker_api::DecodeOpen open;
-  open.request_id = "after-node-death";
-  open.prompt_tokens = static_cast<std::int64_t>(golden.tokens.size());
-  open.max_tokens = 4;
-  http::Client client(cluster.decode().host(), cluster.decode().port());
-  http::ClientRequest req;
-  req.method = "POST";
-  req.target = std::string(worker_api::kDecodeOpenPath);
-  req.headers.push_back({"Content-Type", "application/json"});
-  req.body = worker_api::toJson(open);
-  const auto start = Clock::now();
-  auto r = client.send(req, 30s);
-  ASSERT_TRUE(r.ok()) << r.error().toString();
-  EXPECT_LT(Clock::now() - start, 5s);
-  EXPECT_NE(r->status, 200) << r->body;
-  EXPECT_NE(r->body.find("PeerFailed"), std::string::npos) << r->body;
-  const auto st = workerStatus(cluster.decode());
-  EXPECT_EQ(st.free_blocks, st.total_blocks);
+  EXPECT_EQ(readyWithin5s(cluster.decode()), 503) << "/ready after node 1 died";
+  expectOpenFailsAtOnce(cluster.decode(), golden, "after-node-death");
   ASSERT_TRUE(cluster.decode().signal(SIGTERM));
   const auto status = cluster.decode().wait(60s);
   ASSERT_TRUE(status.has_value());
@@ -565,12 +554,7 @@ TEST(E2eTpPrefill, GoldenTokensThroughATwoRankPrefillWorkerAndItsFaults) {
   }
   EXPECT_EQ(getStatus(cluster.prefill(), "/ready"), 200);
   ASSERT_EQ(::kill(rank1, SIGKILL), 0);
-  const auto deadline = Clock::now() + 5s;
-  int ready = 0;
-  while (Clock::now() < deadline && (ready = getStatus(cluster.prefill(), "/ready")) != 503) {
-    std::this_thread::sleep_for(50ms);
-  }
-  EXPECT_EQ(ready, 503) << "/ready after the prefill's rank 1 died";
+  EXPECT_EQ(readyWithin5s(cluster.prefill()), 503) << "/ready after the prefill's rank 1 died";
   // The router takes it out of rotation: a request now fails cleanly (no prefill worker left),
   // it does not hang.
   const auto start = Clock::now();

@@ -70,6 +70,21 @@ sigset_t blockStopSignals() {
   return signals;
 }
 
+int waitForSignalWatching(const sigset_t& signals, const std::function<Status()>& check,
+                          const std::function<void(const Error&)>& on_failure) {
+  bool watching = static_cast<bool>(check);
+  for (;;) {
+    const timespec tick{0, 200'000'000};
+    const int sig = ::sigtimedwait(&signals, nullptr, watching ? &tick : nullptr);
+    if (sig > 0) return sig;
+    if (!watching) continue;
+    if (Status s = check(); !s.ok()) {
+      on_failure(s.error());
+      watching = false;
+    }
+  }
+}
+
 DrainEnd waitForDrain(const std::function<bool()>& idle, const sigset_t& signals, std::chrono::milliseconds timeout,
                       std::string_view component, const std::function<std::string()>& what_is_left) {
   const auto deadline = std::chrono::steady_clock::now() + timeout;

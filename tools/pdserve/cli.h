@@ -56,6 +56,12 @@ bool takeCheckConfigFlag(std::vector<std::string>& args);
 /// thread exists.
 sigset_t blockStopSignals();
 
+/// Waits for one of `signals` and returns it. Meanwhile, when `check` is set, calls it every
+/// 200 ms and, the first time it fails, `on_failure` with its error (then stops checking): the
+/// tensor-parallel watchdog of the role commands (a rank that exited, a dropped connection).
+int waitForSignalWatching(const sigset_t& signals, const std::function<Status()>& check,
+                          const std::function<void(const Error&)>& on_failure);
+
 /// How a role's drain ended.
 enum class DrainEnd { Idle, Timeout, SecondSignal };
 

@@ -213,25 +213,6 @@ int runNodeFollower(const decode::DecodeConfig& dec, const kvtransfer::KvTransfe
   return rc;
 }
 
-// Waits for a signal; meanwhile (tensor-parallel leader) watches the group: a rank that exits or
-// whose connection drops breaks it, so requests fail at once and /ready answers 503 (the process
-// stays up to say so; the supervisor decides).
-int waitForSignal(const sigset_t& signals, decode::TpProcessGroup* group, decode::TpLeaderEngine* leader) {
-  bool reported = false;
-  for (;;) {
-    const timespec tick{0, 200'000'000};
-    const int sig = ::sigtimedwait(&signals, nullptr, group != nullptr ? &tick : nullptr);
-    if (sig > 0) return sig;
-    if (group == nullptr || reported) continue;
-    Status s = group->checkLocalRanks();
-    if (s.ok()) s = group->comm().checkPeers();
-    if (s.ok()) continue;
-    log::error("decode", "{}: the group is broken; requests fail and /ready answers 503", s.error().toString());
-    leader->markBroken(s.error());
-    reported = true;
-  }
-}
-
 // Drains after the first signal; a second one (or the drain timeout) ends the wait.
 void drain(decode::DecodeServer& server, const sigset_t& signals, std::chrono::milliseconds timeout) {
   server.beginDrain();
@@ -315,7 +296,17 @@ int runDecode(const std::vector<std::string>& raw_args) {
   std::printf("PDSERVE_READY role=decode url=%s\n", (*server)->url().c_str());
   std::fflush(stdout);
 
-  const int sig = waitForSignal(signals, group.get(), tp_leader);
+  std::function<Status()> watch;
+  if (group) {
+    watch = [&group]() -> Status {
+      PD_TRY(group->checkLocalRanks());
+      return group->comm().checkPeers();
+    };
+  }
+  const int sig = waitForSignalWatching(signals, watch, [tp_leader](const Error& e) {
+    log::error("decode", "{}: the group is broken; requests fail and /ready answers 503", e.toString());
+    tp_leader->markBroken(e);
+  });
   log::info("decode", "signal {}: draining", sig);
   drain(**server, signals, std::chrono::milliseconds(decode_cfg.drain_timeout_ms));
   (*server)->stop(std::chrono::milliseconds(0));

@@ -19,6 +19,7 @@
 #include <cstdio>
 #include <ctime>
 #include <filesystem>
+#include <functional>
 #include <memory>
 #include <string_view>
 
@@ -85,23 +86,6 @@ int runSpawnedRank(const prefill::PrefillConfig& pre, const std::filesystem::pat
   }
   log::info("prefill", "tensor-parallel rank {} stopped", pre.tp_rank);
   return 0;
-}
-
-// Waits for a signal; meanwhile (tensor-parallel rank 0) watches the spawned ranks: one that
-// exits breaks the group (prefills fail at once, /ready answers 503).
-int waitForSignal(const sigset_t& signals, decode::TpProcessGroup* group, decode::TpLeaderEngine* leader) {
-  bool reported = false;
-  for (;;) {
-    const timespec tick{0, 200'000'000};
-    const int sig = ::sigtimedwait(&signals, nullptr, group != nullptr ? &tick : nullptr);
-    if (sig > 0) return sig;
-    if (group == nullptr || reported) continue;
-    if (Status s = group->checkLocalRanks(); !s.ok()) {
-      log::error("prefill", "{}: the group is broken; prefills fail and /ready answers 503", s.error().toString());
-      leader->markBroken(s.error());
-      reported = true;
-    }
-  }
 }
 
 // Drains after the first signal; a second one (or the drain timeout) ends the wait.
@@ -189,7 +173,12 @@ int runPrefill(const std::vector<std::string>& raw_args) {
   std::printf("PDSERVE_READY role=prefill url=%s\n", (*server)->url().c_str());
   std::fflush(stdout);
 
-  const int sig = waitForSignal(signals, group.get(), tp_leader);
+  std::function<Status()> watch;
+  if (group) watch = [&group] { return group->checkLocalRanks(); };
+  const int sig = waitForSignalWatching(signals, watch, [tp_leader](const Error& e) {
+    log::error("prefill", "{}: the group is broken; prefills fail and /ready answers 503", e.toString());
+    tp_leader->markBroken(e);
+  });
   log::info("prefill", "signal {}: draining", sig);
   drain(**server, signals, std::chrono::milliseconds(prefill_cfg.drain_timeout_ms));
   (*server)->stop();

@@ -10,6 +10,7 @@
 #include <numeric>
 #include <thread>
 
+#include "communicator_test_support.h"
 #include "pd/common/communicator.h"
 #include "pd/common/nccl_communicator.h"
 #include "pd/common/shm_communicator.h"
@@ -18,58 +19,9 @@ namespace pd::comm {
 namespace {
 
 using namespace std::chrono_literals;
-
-// The collectives every implementation must get right, run by rank comm.rank(). Returns an
-// empty string or the first mismatch.
-std::string exercise(Communicator& comm, std::size_t big) {
-  const int r = comm.rank();
-  const int n = comm.size();
-  // allreduce: rank r contributes (r + 1) * (i + 1); big enough to need several shm slots.
-  std::vector<float> v(big);
-  for (std::size_t i = 0; i < big; ++i) v[i] = static_cast<float>((r + 1) * static_cast<int>(i % 1000 + 1));
-  if (Status s = comm.allReduceSum(v); !s.ok()) return "allReduceSum: " + s.error().toString();
-  const int tri = n * (n + 1) / 2;
-  for (std::size_t i = 0; i < big; ++i) {
-    if (v[i] != static_cast<float>(tri * static_cast<int>(i % 1000 + 1)))
-      return "allReduceSum value at " + std::to_string(i);
-  }
-  // allgather
-  std::vector<float> mine(37, static_cast<float>(r) + 0.5F);
-  std::vector<float> all(37 * static_cast<std::size_t>(n));
-  if (Status s = allGatherFloats(comm, mine, all); !s.ok()) return "allGather: " + s.error().toString();
-  for (int q = 0; q < n; ++q) {
-    for (std::size_t i = 0; i < 37; ++i) {
-      if (all[static_cast<std::size_t>(q) * 37 + i] != static_cast<float>(q) + 0.5F) return "allGather value";
-    }
-  }
-  // broadcast from the last rank, and a variable-length message from rank 0
-  std::vector<std::byte> b(1000, std::byte{0});
-  if (r == n - 1) std::fill(b.begin(), b.end(), std::byte{0x5a});
-  if (Status s = comm.broadcast(b, n - 1); !s.ok()) return "broadcast: " + s.error().toString();
-  for (std::byte x : b) {
-    if (x != std::byte{0x5a}) return "broadcast value";
-  }
-  std::vector<std::byte> msg;
-  if (r == 0) msg.assign(big * 3 + 7, std::byte{0x11});
-  auto got = broadcastMessage(comm, msg, 0);
-  if (!got.ok()) return "broadcastMessage: " + got.error().toString();
-  if (got->size() != big * 3 + 7 || (*got)[big] != std::byte{0x11}) return "broadcastMessage value";
-  if (Status s = comm.barrier(); !s.ok()) return "barrier: " + s.error().toString();
-  // every rank ends with bitwise identical sums (reduction in rank order)
-  std::vector<float> odd(5);
-  for (std::size_t i = 0; i < odd.size(); ++i)
-    odd[i] = 0.1F * static_cast<float>(r + 1) + 1e-7F * static_cast<float>(i);
-  if (Status s = comm.allReduceSum(odd); !s.ok()) return "allReduceSum: " + s.error().toString();
-  std::vector<float> gathered(odd.size() * static_cast<std::size_t>(n));
-  if (Status s = allGatherFloats(comm, odd, gathered); !s.ok()) return "allGather: " + s.error().toString();
-  for (int q = 0; q < n; ++q) {
-    if (std::memcmp(gathered.data() + static_cast<std::size_t>(q) * odd.size(), odd.data(),
-                    odd.size() * sizeof(float)) != 0) {
-      return "ranks disagree on a reduction";
-    }
-  }
-  return {};
-}
+using test::exercise;
+using test::forkRanks;
+using test::waitExit;
 
 TEST(LoopbackCommunicator, CollectivesAcrossThreads) {
   for (int n : {1, 2, 3}) {
@@ -95,24 +47,6 @@ TEST(LoopbackCommunicator, MissingPeerTimesOut) {
   EXPECT_LT(std::chrono::steady_clock::now() - t0, 2s);
   // The group is broken: later calls fail at once.
   EXPECT_FALSE(group[1]->barrier().ok());
-}
-
-// Forks `n - 1` children that run `child(rank)` and _exit with its result (0 = ok).
-template <class F>
-std::vector<pid_t> forkRanks(int n, F child) {
-  std::vector<pid_t> pids;
-  for (int r = 1; r < n; ++r) {
-    const pid_t pid = fork();
-    if (pid == 0) _exit(child(r));
-    pids.push_back(pid);
-  }
-  return pids;
-}
-
-int waitExit(pid_t pid) {
-  int status = 0;
-  if (waitpid(pid, &status, 0) != pid) return -1;
-  return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
 }
 
 bool shmExists(const std::string& name) {
