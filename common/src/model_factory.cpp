@@ -10,13 +10,16 @@
 #include <charconv>
 #include <chrono>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <fstream>
 #include <map>
 #include <numbers>
 #include <system_error>
 #include <thread>
+#include <vector>
 
+#include "pd/common/default_model.h"
 #include "pd/common/dtype.h"
 #include "pd/common/safetensors.h"
 
@@ -603,37 +606,41 @@ Result<MakeModelSummary> makeModel(const ModelConfig& config, const std::filesys
   return summary;
 }
 
-Result<std::filesystem::path> ensureDefaultModel(const std::filesystem::path& cache_dir,
-                                                 const std::filesystem::path& tokenizer_dir) {
+Result<std::filesystem::path> ensureDefaultModel(const std::filesystem::path& cache_dir) {
   const std::filesystem::path models = cache_dir / "models";
-  const std::filesystem::path dir = models / "default";
+  const std::filesystem::path dir = models / ("default-" + std::string(defaultModelSha256().substr(0, 12)));
   std::error_code ec;
-  auto add_tokenizer_if_missing = [&]() -> Result<std::filesystem::path> {
-    if (!tokenizer_dir.empty() && !std::filesystem::is_regular_file(dir / "tokenizer.json", ec)) {
-      PD_TRY(copyTokenizer(tokenizer_dir, dir));
-    }
-    return dir;
-  };
-  if (std::filesystem::is_regular_file(dir / "config.json", ec)) return add_tokenizer_if_missing();
+  if (std::filesystem::is_regular_file(dir / "config.json", ec)) return dir;
 
   std::filesystem::create_directories(models, ec);
   if (ec) return makeError(ErrorCode::Io, fmt::format("{}: cannot create: {}", models.string(), ec.message()));
   const auto nonce = static_cast<std::uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count());
   const std::filesystem::path tmp = models / fmt::format(".default.tmp-{}-{:x}", ::getpid(), nonce);
-  PD_ASSIGN_OR_RETURN(const ModelConfig config, presetConfig("default"));
-  MakeModelOptions options;
-  options.tokenizer_dir = tokenizer_dir;
-  auto made = makeModel(config, tmp, options);
-  if (!made.ok()) {
+  auto write_all = [&]() -> Status {
+    std::filesystem::create_directories(tmp, ec);
+    if (ec) return makeError(ErrorCode::Io, fmt::format("{}: cannot create: {}", tmp.string(), ec.message()));
+    // config.json last: its presence marks a complete folder.
+    std::vector<EmbeddedFile> files(defaultModelFiles().begin(), defaultModelFiles().end());
+    std::stable_partition(files.begin(), files.end(), [](const EmbeddedFile& f) { return f.name != "config.json"; });
+    for (const EmbeddedFile& f : files) {
+      const std::filesystem::path path = tmp / f.name;
+      std::FILE* out = std::fopen(path.c_str(), "wb");
+      if (out == nullptr) return makeError(ErrorCode::Io, fmt::format("{}: cannot create", path.string()));
+      const bool ok = std::fwrite(f.bytes.data(), 1, f.bytes.size(), out) == f.bytes.size();
+      if (std::fclose(out) != 0 || !ok) return makeError(ErrorCode::Io, fmt::format("{}: write failed", path.string()));
+    }
+    return okStatus();
+  };
+  if (Status s = write_all(); !s.ok()) {
     std::filesystem::remove_all(tmp, ec);
-    return std::move(made).error();
+    return s.error();
   }
   std::filesystem::rename(tmp, dir, ec);
   if (ec) {
     std::error_code ignored;
     std::filesystem::remove_all(tmp, ignored);
     // Another process may have finished first: its copy is as good as ours.
-    if (std::filesystem::is_regular_file(dir / "config.json", ignored)) return add_tokenizer_if_missing();
+    if (std::filesystem::is_regular_file(dir / "config.json", ignored)) return dir;
     return makeError(ErrorCode::Io, fmt::format("{}: cannot create the default model: {}", dir.string(), ec.message()));
   }
   return dir;

@@ -49,9 +49,8 @@ CommonOptions::CommonOptions(CommonConfig& cfg) {
   log.add("level", &cfg.log_level, "log verbosity", {"debug", "info", "warn", "error", "off"});
   model
       .add("path", &cfg.model_path, "model folder (Hugging Face DeepSeek-V3 layout); empty: the embedded default model")
-      .add("tokenizer", &cfg.tokenizer_path,
-           "tokenizer folder; empty: the model folder, or the fetched DeepSeek-V3 tokenizer")
-      .add("cache_dir", &cfg.cache_dir, "folder for the embedded default model and fetched tokenizer files");
+      .add("tokenizer", &cfg.tokenizer_path, "tokenizer folder; empty: the model folder")
+      .add("cache_dir", &cfg.cache_dir, "folder the embedded default model is written to on first use");
 }
 
 bool takeCheckConfigFlag(std::vector<std::string>& args) {
@@ -134,13 +133,7 @@ Result<config::LoadOutput> loadCommandOptions(const std::string& usage, const st
 
 Result<std::filesystem::path> resolveModelDir(const CommonConfig& cfg) {
   if (!cfg.model_path.empty()) return cfg.model_path;
-  const std::filesystem::path tokenizer =
-      cfg.tokenizer_path.empty() ? cfg.cache_dir / "tokenizers" / "deepseek-v3" : cfg.tokenizer_path;
-  if (!std::filesystem::exists(tokenizer / "tokenizer.json")) {
-    return makeError(ErrorCode::NotFound, "the default model needs the DeepSeek-V3 tokenizer in " + tokenizer.string() +
-                                              ": run scripts/fetch-tokenizer.sh (or pass --model.tokenizer DIR)");
-  }
-  return ensureDefaultModel(cfg.cache_dir, tokenizer);
+  return ensureDefaultModel(cfg.cache_dir);
 }
 
 }  // namespace pd::cli

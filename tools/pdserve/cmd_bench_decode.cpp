@@ -10,11 +10,16 @@
 //    weights accept almost no drafts, so drafts come from a BENCH-ONLY override
 //    (DecodeEngineOptions::bench_draft_override, unreachable from configuration) that proposes
 //    the known greedy continuation with probability p, a wrong token otherwise.
+//  - MTP with the model's own drafts (no override) on 8 chat questions rendered with the model's
+//    chat template (when it has one: the trained default model, `--model default`), each prompt's
+//    KV computed by the engine as a prefill worker does: the real acceptance and speedup beside
+//    the ideal for that acceptance.
 // Thread rules: main thread only (the engine's own pool does the compute).
 #include <fmt/format.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -29,11 +34,13 @@
 
 #include "bench_util.h"
 #include "cli.h"
+#include "pd/common/chat_template.h"
 #include "pd/common/model/engine.h"
 #include "pd/common/model/kernels.h"
 #include "pd/common/model/thread_pool.h"
 #include "pd/common/model_config.h"
 #include "pd/common/model_factory.h"
+#include "pd/common/tokenizer.h"
 #include "pd/decode/decode_engine.h"
 #include "pd/decode/kv_pool.h"
 
@@ -120,6 +127,51 @@ struct RunSpec {
   decode::DecodeEngineOptions::DraftOverride draft_override;
 };
 
+// Steps `dec` until every request has produced spec.max_tokens tokens, timing the steps after
+// spec.warmup_steps (`r` holds the requests' outputs, filled by their sinks).
+Result<RunResult> timeSteps(DecodeEngine& dec, MeteredEngine& engine, const RunSpec& spec, int threads, RunResult r) {
+  (void)engine.take();
+  std::int64_t emitted_before = 0;
+  for (std::int64_t step = 0; dec.hasWork(); ++step) {
+    const decode::DecodeStats before = dec.stats();
+    const auto t0 = BenchClock::now();
+    const double c0 = processCpuSeconds();
+    dec.step(decode::Clock::now());
+    const double dt = secondsSince(t0);
+    const double cpu = processCpuSeconds() - c0;
+    const MeteredEngine::Totals m = engine.take();
+    const decode::DecodeStats& after = dec.stats();
+    if (after.steps == before.steps) {
+      return makeError(ErrorCode::Internal, "a decode step produced nothing (did a request fail?)");
+    }
+    if (step < spec.warmup_steps) {  // page faults, workspace growth
+      emitted_before = after.tokens_generated;
+      continue;
+    }
+    r.step_seconds.push_back(dt);
+    r.wall_seconds += dt;
+    r.forward_seconds += m.forward_seconds;
+    r.mtp_seconds += m.mtp_seconds;
+    r.bytes += static_cast<double>(m.bytes);
+    r.experts += static_cast<double>(m.experts);
+    r.cpu_share += cpu / (dt * threads);
+    r.drafts_proposed += after.drafts_proposed - before.drafts_proposed;
+    r.drafts_accepted += after.drafts_accepted - before.drafts_accepted;
+    ++r.steps;
+  }
+  r.tokens = dec.stats().tokens_generated - emitted_before;
+  if (r.steps < 1) {
+    return makeError(ErrorCode::InvalidArgument, "no timed step: raise --steps (or lower the warm-up)");
+  }
+  r.cpu_share /= static_cast<double>(r.steps);
+  for (const auto& out : r.outputs) {
+    if (static_cast<std::int64_t>(out.size()) != spec.max_tokens) {
+      return makeError(ErrorCode::Internal, "a request ended early");
+    }
+  }
+  return r;
+}
+
 // Admits `batch` requests whose prompt KV is random latents (a step's cost does not depend on
 // their values) and whose first token and hidden state are random, then steps the engine until
 // every request has produced max_tokens tokens (greedy, EOS ignored).
@@ -165,46 +217,116 @@ Result<RunResult> runDecode(MeteredEngine& engine, const RunSpec& spec, int thre
     for (float& v : rec.hidden_state) v = normal(rng);
     PD_TRY(dec.onKvReady(static_cast<std::uint64_t>(i + 1), std::move(rec)));
   }
-  (void)engine.take();
-  std::int64_t emitted_before = 0;
-  for (std::int64_t step = 0; dec.hasWork(); ++step) {
-    const decode::DecodeStats before = dec.stats();
-    const auto t0 = BenchClock::now();
-    const double c0 = processCpuSeconds();
-    dec.step(decode::Clock::now());
-    const double dt = secondsSince(t0);
-    const double cpu = processCpuSeconds() - c0;
-    const MeteredEngine::Totals m = engine.take();
-    const decode::DecodeStats& after = dec.stats();
-    if (after.steps == before.steps) {
-      return makeError(ErrorCode::Internal, "a decode step produced nothing (did a request fail?)");
-    }
-    if (step < spec.warmup_steps) {  // page faults, workspace growth
-      emitted_before = after.tokens_generated;
-      continue;
-    }
-    r.step_seconds.push_back(dt);
-    r.wall_seconds += dt;
-    r.forward_seconds += m.forward_seconds;
-    r.mtp_seconds += m.mtp_seconds;
-    r.bytes += static_cast<double>(m.bytes);
-    r.experts += static_cast<double>(m.experts);
-    r.cpu_share += cpu / (dt * threads);
-    r.drafts_proposed += after.drafts_proposed - before.drafts_proposed;
-    r.drafts_accepted += after.drafts_accepted - before.drafts_accepted;
-    ++r.steps;
+  return timeSteps(dec, engine, spec, threads, std::move(r));
+}
+
+// One batch-1 request per prompt, one after the other, results summed: the prompt's KV (main
+// layers, then the MTP layer over the prompt shifted by one) is computed by the engine as a
+// prefill worker computes it, then the request decodes with spec.drafts MTP drafts proposed by
+// the model itself (no override).
+Result<RunResult> runPrompts(MeteredEngine& engine, const std::vector<std::vector<std::int32_t>>& prompts,
+                             const RunSpec& spec, int threads) {
+  const ModelConfig& cfg = engine.config();
+  constexpr std::int64_t kBlock = 64;
+  RunResult total;
+  total.batch = 1;
+  double cpu_weighted = 0.0;
+  for (const std::vector<std::int32_t>& prompt : prompts) {
+    const auto n = static_cast<std::int64_t>(prompt.size());
+    const std::int64_t per_seq = (n + spec.max_tokens + spec.drafts + kBlock - 1) / kBlock + 1;
+    PD_ASSIGN_OR_RETURN(KvPool pool, KvPool::create(cfg, per_seq, kBlock, spec.kv_dtype));
+    DecodeEngineOptions o;
+    o.num_speculative_tokens = spec.drafts;
+    o.max_running_requests = 1;
+    DecodeEngine dec(engine, pool, o);
+    RunResult r;
+    r.batch = 1;
+    r.outputs.resize(1);
+    DecodeRequest req;
+    req.id = 1;
+    req.prompt_tokens = n;
+    req.max_tokens = spec.max_tokens;
+    req.ignore_eos = true;
+    std::vector<std::int32_t>* out = &r.outputs[0];
+    req.sink = [out](const decode::TokenEvent& e) {
+      for (const auto& t : e.tokens) out->push_back(t.token);
+    };
+    PD_ASSIGN_OR_RETURN(std::vector<std::int32_t> blocks, dec.admit(std::move(req)));
+    model::SequenceChunk chunk{prompt, 0, blocks};
+    model::ForwardOptions fo;
+    fo.logits = model::OutputRows::Last;
+    fo.hidden = model::OutputRows::All;
+    PD_ASSIGN_OR_RETURN(model::ForwardOutput pre, engine.forward(std::span(&chunk, 1), pool.view(), fo));
+    const auto first =
+        static_cast<std::int32_t>(std::max_element(pre.logits.begin(), pre.logits.end()) - pre.logits.begin());
+    std::vector<std::int32_t> shifted(prompt.begin() + 1, prompt.end());
+    shifted.push_back(first);
+    model::SequenceChunk mtp_chunk{shifted, 0, blocks};
+    mtp_chunk.prev_hidden = pre.hidden;
+    model::ForwardOptions mo;
+    mo.logits = model::OutputRows::None;
+    PD_TRY(engine.forwardMtp(std::span(&mtp_chunk, 1), pool.view(), mo));
+    kvtransfer::CompletionRecord rec;
+    rec.num_tokens = static_cast<std::uint32_t>(n);
+    rec.first_token = first;
+    rec.hidden_state.assign(pre.hidden.end() - cfg.hidden_size, pre.hidden.end());
+    PD_TRY(dec.onKvReady(1, std::move(rec)));
+    PD_ASSIGN_OR_RETURN(RunResult one, timeSteps(dec, engine, spec, threads, std::move(r)));
+    total.steps += one.steps;
+    total.tokens += one.tokens;
+    total.step_seconds.insert(total.step_seconds.end(), one.step_seconds.begin(), one.step_seconds.end());
+    total.wall_seconds += one.wall_seconds;
+    total.forward_seconds += one.forward_seconds;
+    total.mtp_seconds += one.mtp_seconds;
+    total.bytes += one.bytes;
+    total.experts += one.experts;
+    cpu_weighted += one.cpu_share * static_cast<double>(one.steps);
+    total.drafts_proposed += one.drafts_proposed;
+    total.drafts_accepted += one.drafts_accepted;
+    total.outputs.push_back(std::move(one.outputs[0]));
   }
-  r.tokens = dec.stats().tokens_generated - emitted_before;
-  if (r.steps < 1) {
-    return makeError(ErrorCode::InvalidArgument, "no timed step: raise --steps (or lower the warm-up)");
-  }
-  r.cpu_share /= static_cast<double>(r.steps);
-  for (const auto& out : r.outputs) {
-    if (static_cast<std::int64_t>(out.size()) != spec.max_tokens) {
-      return makeError(ErrorCode::Internal, "a request ended early");
+  if (total.steps > 0) total.cpu_share = cpu_weighted / static_cast<double>(total.steps);
+  return total;
+}
+
+// `text` for a JSON string: quotes, backslashes and control bytes escaped.
+std::string jsonEscapeAscii(std::string_view text) {
+  std::string out;
+  for (const char c : text) {
+    if (c == '"' || c == '\\') {
+      out += '\\';
+      out += c;
+    } else if (static_cast<unsigned char>(c) < 0x20) {
+      out += fmt::format("\\u{:04x}", static_cast<int>(c));
+    } else {
+      out += c;
     }
   }
-  return r;
+  return out;
+}
+
+// Questions in the default model's domain (short definitions), rendered with the model's chat
+// template: the prompts of the real-drafts MTP measurement.
+constexpr std::array<std::string_view, 8> kMtpQuestions = {
+    "What is a river?",   "What is a mountain?", "What does the word harbor mean?",  "Tell me about music.",
+    "What is a teacher?", "What is bread?",      "What does the word journey mean?", "What is a garden?"};
+
+// kMtpQuestions as token ids through the model folder's tokenizer and chat template; NotFound
+// when the folder has no tokenizer or template.
+Result<std::vector<std::vector<std::int32_t>>> questionPrompts(const fs::path& model_dir) {
+  PD_ASSIGN_OR_RETURN(tokenizer::Tokenizer tok, tokenizer::Tokenizer::load(model_dir));
+  PD_ASSIGN_OR_RETURN(chat::ChatTemplate tmpl, chat::ChatTemplate::fromTokenizer(tok));
+  std::vector<std::vector<std::int32_t>> out;
+  for (const std::string_view q : kMtpQuestions) {
+    const std::string messages = fmt::format(R"([{{"role":"user","content":"{}"}}])", q);
+    chat::ChatRequest req;
+    req.messages_json = messages;
+    req.add_generation_prompt = true;
+    PD_ASSIGN_OR_RETURN(std::string text, tmpl.render(req));
+    PD_ASSIGN_OR_RETURN(std::vector<tokenizer::TokenId> ids, tok.encode(text));
+    out.emplace_back(ids.begin(), ids.end());
+  }
+  return out;
 }
 
 // The last-level cache of cpu0 in bytes (sysfs), 0 when unknown.
@@ -245,7 +367,7 @@ struct TempDir {
 };
 
 struct MtpRow {
-  double p = 0.0;
+  double p = 0.0;  // the override's probability; < 0: the model's own drafts
   std::int64_t k = 0;
   RunResult run;
   double accepted_per_step = 0.0;
@@ -253,7 +375,42 @@ struct MtpRow {
   double measured_speedup = 0.0;
   double ideal_speedup = 0.0;
   double over_ideal = 0.0;
+
+  [[nodiscard]] double acceptance() const {
+    return run.drafts_proposed > 0 ? static_cast<double>(run.drafts_accepted) / static_cast<double>(run.drafts_proposed)
+                                   : 0.0;
+  }
+  [[nodiscard]] double tokensPerSecond() const { return static_cast<double>(run.tokens) / run.wall_seconds; }
 };
+
+// A speculative run against the plain run of the same requests (module comment: relative cost,
+// measured and ideal speedup).
+MtpRow mtpRow(const RunResult& plain, RunResult run, std::int64_t k, double p) {
+  MtpRow row;
+  row.p = p;
+  row.k = k;
+  const double base_tps = static_cast<double>(plain.tokens) / plain.wall_seconds;
+  const double base_forward = plain.forward_seconds / static_cast<double>(plain.steps);
+  row.accepted_per_step = static_cast<double>(run.drafts_accepted) / static_cast<double>(run.steps);
+  const double spec_forward = (run.forward_seconds + run.mtp_seconds) / static_cast<double>(run.steps);
+  row.relative_cost = spec_forward / base_forward - 1.0;
+  row.measured_speedup = (static_cast<double>(run.tokens) / run.wall_seconds) / base_tps;
+  row.ideal_speedup = (1.0 + row.accepted_per_step) / (1.0 + row.relative_cost);
+  row.over_ideal = row.measured_speedup / row.ideal_speedup;
+  row.run = std::move(run);
+  return row;
+}
+
+// One MtpRow as a JSON object (the override's p only for override rows).
+std::string mtpRowJson(const MtpRow& r) {
+  return fmt::format(
+      "{{\"k\": {}, {}\"steps\": {}, \"tokens\": {}, \"acceptance_rate\": {:.4f}, \"accepted_per_step\": {:.4f}, "
+      "\"tokens_per_s\": {:.3f}, \"relative_cost\": {:.4f}, \"measured_speedup\": {:.4f}, \"ideal_speedup\": "
+      "{:.4f}, \"speedup_over_ideal\": {:.4f}, \"cpu_share\": {:.3f}}}",
+      r.k, r.p >= 0 ? fmt::format("\"p\": {:.2f}, ", r.p) : std::string(), r.run.steps, r.run.tokens, r.acceptance(),
+      r.accepted_per_step, r.tokensPerSecond(), r.relative_cost, r.measured_speedup, r.ideal_speedup, r.over_ideal,
+      r.run.cpu_share);
+}
 
 }  // namespace
 
@@ -272,7 +429,9 @@ int runBenchDecode(const std::vector<std::string>& args) {
   std::int64_t bandwidth_mb = 2048;
   bool json = false;
   config::OptionSet set("bench_decode");
-  set.add("model", &model_dir, "model folder; empty: a make-model checkpoint of --preset generated into a temp folder")
+  set.add("model", &model_dir,
+          "model folder; 'default': the embedded default model; empty: a make-model checkpoint of --preset "
+          "generated into a temp folder")
       .add("preset", &preset, "make-model preset of the generated model (weights should be >= 8x the L3 cache)")
       .add("threads", &threads, "compute threads (0: every hardware thread)", 0, 1024)
       .add("batches", &batches_text, "decode batch sizes, comma-separated")
@@ -297,6 +456,11 @@ int runBenchDecode(const std::vector<std::string>& args) {
   if (!ks.ok()) return reportFailure(ks.error());
 
   TempDir temp;
+  if (model_dir == "default") {
+    auto dir = ensureDefaultModel(common.cache_dir);
+    if (!dir.ok()) return reportFailure(dir.error());
+    model_dir = *dir;
+  }
   if (model_dir.empty()) {
     auto cfg = presetConfig(preset);
     if (!cfg.ok()) return reportFailure(cfg.error());
@@ -398,39 +562,63 @@ int runBenchDecode(const std::vector<std::string>& args) {
         // A plain run right before, as the baseline: the machine's speed drifts between runs.
         auto again = runDecode(metered, base, caps.threads, seed);
         if (!again.ok()) return reportFailure(again.error());
-        const double base_tps = static_cast<double>(again->tokens) / again->wall_seconds;
-        const double base_forward = again->forward_seconds / static_cast<double>(again->steps);
         auto run = runDecode(metered, spec, caps.threads, seed);
         if (!run.ok()) return reportFailure(run.error());
         if (run->outputs[0] != greedy) {
           return reportFailure(makeError(ErrorCode::Internal, "MTP changed the greedy tokens"));
         }
-        MtpRow row;
-        row.p = p;
-        row.k = k;
-        row.accepted_per_step = static_cast<double>(run->drafts_accepted) / static_cast<double>(run->steps);
-        const double spec_forward = (run->forward_seconds + run->mtp_seconds) / static_cast<double>(run->steps);
-        row.relative_cost = spec_forward / base_forward - 1.0;
-        row.measured_speedup = (static_cast<double>(run->tokens) / run->wall_seconds) / base_tps;
-        row.ideal_speedup = (1.0 + row.accepted_per_step) / (1.0 + row.relative_cost);
-        row.over_ideal = row.measured_speedup / row.ideal_speedup;
-        row.run = std::move(*run);
+        MtpRow row = mtpRow(*again, std::move(*run), k, p);
         if (!json) {
           std::printf(
               "MTP k=%lld p=%.2f: acceptance %.3f, %.2f accepted/step, %.2f tok/s, speedup %.2fx, relative cost %.2f, "
               "ideal %.2fx, measured/ideal %.3f\n",
-              static_cast<long long>(k), p,
-              row.run.drafts_proposed > 0
-                  ? static_cast<double>(row.run.drafts_accepted) / static_cast<double>(row.run.drafts_proposed)
-                  : 0.0,
-              row.accepted_per_step, static_cast<double>(row.run.tokens) / row.run.wall_seconds, row.measured_speedup,
-              row.relative_cost, row.ideal_speedup, row.over_ideal);
+              static_cast<long long>(k), p, row.acceptance(), row.accepted_per_step, row.tokensPerSecond(),
+              row.measured_speedup, row.relative_cost, row.ideal_speedup, row.over_ideal);
         }
         mtp.push_back(std::move(row));
       }
     }
   } else if (!json) {
     std::printf("MTP: skipped (the checkpoint has no MTP layer)\n");
+  }
+
+  // MTP with the model's own drafts (no override) on real prompts: the real acceptance and
+  // speedup of a trained model, beside the ideal for that acceptance.
+  std::vector<MtpRow> real;
+  std::string real_skipped;
+  auto prompts = has_mtp
+                     ? questionPrompts(model_dir)
+                     : Result<std::vector<std::vector<std::int32_t>>>(makeError(ErrorCode::NotFound, "no MTP layer"));
+  if (!prompts.ok()) {
+    real_skipped = prompts.error().toString();
+    if (!json) std::printf("MTP with the model's own drafts: skipped (%s)\n", real_skipped.c_str());
+  } else {
+    RunSpec base;
+    base.max_tokens = mtp_tokens;
+    base.kv_dtype = pool_dtype;
+    for (const std::int64_t k : *ks) {
+      auto plain = runPrompts(metered, *prompts, base, caps.threads);
+      if (!plain.ok()) return reportFailure(plain.error());
+      RunSpec spec = base;
+      spec.drafts = k;
+      auto run = runPrompts(metered, *prompts, spec, caps.threads);
+      if (!run.ok()) return reportFailure(run.error());
+      if (run->outputs != plain->outputs) {
+        return reportFailure(makeError(ErrorCode::Internal, "MTP changed the greedy tokens of a prompt"));
+      }
+      const double base_tps = static_cast<double>(plain->tokens) / plain->wall_seconds;
+      MtpRow row = mtpRow(*plain, std::move(*run), k, -1.0);  // p < 0: the model's own drafts
+      if (!json) {
+        std::printf(
+            "MTP k=%lld, the model's own drafts on %zu chat prompts x %lld tokens: acceptance %.3f, %.2f "
+            "accepted/step, "
+            "plain %.2f tok/s, MTP %.2f tok/s, speedup %.2fx, relative cost %.2f, ideal %.2fx, measured/ideal %.3f\n",
+            static_cast<long long>(k), prompts->size(), static_cast<long long>(mtp_tokens), row.acceptance(),
+            row.accepted_per_step, base_tps, row.tokensPerSecond(), row.measured_speedup, row.relative_cost,
+            row.ideal_speedup, row.over_ideal);
+      }
+      real.push_back(std::move(row));
+    }
   }
 
   if (json) {
@@ -459,27 +647,24 @@ int runBenchDecode(const std::vector<std::string>& args) {
         over_ideal_085 = r.over_ideal;
         speedup_085 = r.measured_speedup;
       }
-      m += fmt::format(
-          "{}{{\"k\": {}, \"p\": {:.2f}, \"steps\": {}, \"tokens\": {}, \"acceptance_rate\": {:.4f}, "
-          "\"accepted_per_step\": {:.4f}, \"tokens_per_s\": {:.3f}, \"relative_cost\": {:.4f}, "
-          "\"measured_speedup\": {:.4f}, \"ideal_speedup\": {:.4f}, \"speedup_over_ideal\": {:.4f}, \"cpu_share\": "
-          "{:.3f}}}",
-          i ? ", " : "", r.k, r.p, r.run.steps, r.run.tokens,
-          r.run.drafts_proposed > 0
-              ? static_cast<double>(r.run.drafts_accepted) / static_cast<double>(r.run.drafts_proposed)
-              : 0.0,
-          r.accepted_per_step, static_cast<double>(r.run.tokens) / r.run.wall_seconds, r.relative_cost,
-          r.measured_speedup, r.ideal_speedup, r.over_ideal, r.run.cpu_share);
+      m += (i ? ", " : "") + mtpRowJson(r);
     }
     m += "]";
+    std::string rm = "[";
+    for (std::size_t i = 0; i < real.size(); ++i) {
+      rm += (i ? ", " : "") + mtpRowJson(real[i]);
+    }
+    rm += "]";
     const std::string line = fmt::format(
         "{{\"model\": \"{}\", \"weight_dtype\": \"{}\", \"backend\": \"{}\", \"threads\": {}, \"weight_bytes\": {}, "
         "\"l3_bytes\": {}, \"weights_over_l3\": {:.2f}, \"read_bandwidth_gbs\": {:.3f}, \"kv_dtype\": \"{}\", "
         "\"context\": {}, \"decode\": {}, \"mbu_batch1\": {:.4f}, \"mtp_plain_tokens_per_s\": {:.3f}, \"mtp\": {}, "
         "\"mtp_speedup_at_p085\": {:.4f}, \"mtp_speedup_over_ideal\": {:.4f}, "
-        "\"draft_override\": \"bench-only: proposes the greedy continuation with probability p\"}}",
+        "\"draft_override\": \"bench-only: proposes the greedy continuation with probability p\", "
+        "\"mtp_real_prompts\": {}, \"mtp_real_tokens\": {}, \"mtp_real\": {}, \"mtp_real_skipped\": \"{}\"}}",
         model_dir.string(), dtypeName(caps.weight_dtype), caps.backend, caps.threads, weights, l3, over_l3,
-        bandwidth / 1e9, kv_dtype, context, d, mbu1, plain_tps, m, speedup_085, over_ideal_085);
+        bandwidth / 1e9, kv_dtype, context, d, mbu1, plain_tps, m, speedup_085, over_ideal_085, kMtpQuestions.size(),
+        mtp_tokens, rm, jsonEscapeAscii(real_skipped));
     std::printf("%s\n", line.c_str());
   }
   return 0;

@@ -217,7 +217,7 @@ Status smokeRequest(const std::string& router_url, const std::string& model_name
   req.target = "/v1/chat/completions";
   req.headers.push_back({"Content-Type", "application/json"});
   req.body = R"({"model":")" + model_name +
-             R"(","messages":[{"role":"user","content":"Hello! Who are you?"}],"max_tokens":16,"temperature":0})";
+             R"(","messages":[{"role":"user","content":"What is a river?"}],"max_tokens":32,"temperature":0})";
   PD_ASSIGN_OR_RETURN(auto response, client.send(req, 120s));
   std::printf("smoke: POST /v1/chat/completions -> HTTP %d\n%s\n", response.status, response.body.c_str());
   std::fflush(stdout);
@@ -443,7 +443,7 @@ int runUp(const std::vector<std::string>& raw_args) {
       std::printf(
           "\npdserve is serving %s on %s (OpenAI API; Ctrl-C stops it)\n\n"
           "  curl %s/v1/chat/completions -H 'Content-Type: application/json' \\\n"
-          "    -d '{\"model\": \"%s\", \"messages\": [{\"role\": \"user\", \"content\": \"Hello!\"}], "
+          "    -d '{\"model\": \"%s\", \"messages\": [{\"role\": \"user\", \"content\": \"What is a river?\"}], "
           "\"max_tokens\": 32}'\n\n",
           router_cfg.served_model_name.c_str(), url.c_str(), url.c_str(), router_cfg.served_model_name.c_str());
       std::fflush(stdout);

@@ -121,10 +121,29 @@ def batch(arr, rng, B, T):
     return torch.from_numpy(np.stack([arr[s:s + T + 1] for s in starts]).astype(np.int64))
 
 
-def losses(m, ids, mtp_weight=0.3):
+ASSISTANT_ID = 3  # <｜Assistant｜> in the trained tokenizer (tokenizer.py: special tokens 0-3)
+
+
+def answer_start_weights(y, weight, first=3):
+    """Per-target weights: `weight` for the first `first` targets of each chat answer (the tokens
+    right after <｜Assistant｜>, where an answer names its subject), 1 elsewhere."""
+    w = torch.ones(y.shape, dtype=torch.float32)
+    if weight == 1.0:
+        return w
+    rows, cols = (y == ASSISTANT_ID).nonzero(as_tuple=True)
+    for k in range(1, first + 1):
+        c = cols + k
+        keep = c < y.shape[1]
+        w[rows[keep], c[keep]] = weight
+    return w
+
+
+def losses(m, ids, mtp_weight=0.3, answer_weight=1.0):
     x, y = ids[:, :-1], ids[:, 1:]
     logits, h = m(x)
-    main = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+    w = answer_start_weights(y, answer_weight)
+    per = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), reduction="none")
+    main = (per * w.reshape(-1)).sum() / w.sum()
     ml = m.mtp(ids[:, 1:-1], h[:, :-1])
     mtp = F.cross_entropy(ml.reshape(-1, ml.shape[-1]), ids[:, 2:].reshape(-1))
     return main, mtp, main + mtp_weight * mtp
@@ -162,6 +181,8 @@ def main():
     ap.add_argument("--wd", type=float, default=0.1)
     ap.add_argument("--bias-rate", type=float, default=5e-3)
     ap.add_argument("--mtp-weight", type=float, default=0.3)
+    ap.add_argument("--answer-weight", type=float, default=1.0,
+                    help="loss weight of the first 3 tokens of each chat answer (1 = plain next-token loss)")
     ap.add_argument("--ckpt-every", type=int, default=25)
     ap.add_argument("--eval-every", type=int, default=100)
     ap.add_argument("--threads", type=int, default=2)
@@ -217,7 +238,7 @@ def main():
             g["lr"] = lr
         rng = np.random.default_rng([args.seed, step])
         ids = batch(train_arr, rng, args.batch, args.seq)
-        main_l, mtp_l, loss = losses(m, ids, args.mtp_weight)
+        main_l, mtp_l, loss = losses(m, ids, args.mtp_weight, args.answer_weight)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         gn = torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)

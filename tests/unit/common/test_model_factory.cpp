@@ -9,12 +9,15 @@
 #include <fstream>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
+#include "pd/common/default_model.h"
 #include "pd/common/dtype.h"
 #include "pd/common/model_config.h"
 #include "pd/common/model_factory.h"
 #include "pd/common/safetensors.h"
+#include "pd/common/sha256.h"
 #include "support/test_files.h"
 
 namespace {
@@ -400,33 +403,55 @@ TEST(ModelFactory, CopiesTokenizerAndRefusesNonEmptyFolder) {
   EXPECT_THAT(missing.error().message, HasSubstr("tokenizer.json"));
 }
 
-// Also the round trip of the `default` preset (270 MB, so made once here).
-TEST(ModelFactory, EnsureDefaultModelCreatesOnceAtomically) {
+// The embedded default model (models/tiny-dsv3): written once, atomically, into a folder named
+// by its hash, byte for byte the embedded files, and a valid checkpoint with its own tokenizer.
+TEST(ModelFactory, EnsureDefaultModelWritesTheEmbeddedModelOnceAtomically) {
   TempDir cache;
-  TempDir tok;
-  writeText(tok.path() / "tokenizer.json", "{}");
-  auto first = pd::ensureDefaultModel(cache.path(), tok.path());
+  auto first = pd::ensureDefaultModel(cache.path());
   ASSERT_TRUE(first.ok()) << first.error().toString();
-  EXPECT_EQ(first.value(), cache.path() / "models" / "default");
-  EXPECT_TRUE(fs::exists(first.value() / "tokenizer.json"));
+  EXPECT_EQ(first.value(),
+            cache.path() / "models" / ("default-" + std::string(pd::defaultModelSha256().substr(0, 12))));
+  ASSERT_EQ(pd::defaultModelFiles().size(), 5U);
+  for (const pd::EmbeddedFile& f : pd::defaultModelFiles()) {
+    const std::string text = readFile(first.value() / f.name);
+    ASSERT_EQ(text.size(), f.bytes.size()) << f.name;
+    EXPECT_EQ(std::memcmp(text.data(), f.bytes.data(), text.size()), 0) << f.name;
+  }
+  auto file_hash = pd::sha256File(first.value() / "model.safetensors");
+  ASSERT_TRUE(file_hash.ok());
+  EXPECT_EQ(*file_hash, pd::defaultModelSha256());
   auto cfg = pd::ModelConfig::load(first.value());
-  ASSERT_TRUE(cfg.ok());
-  EXPECT_EQ(cfg.value(), preset("default"));
+  ASSERT_TRUE(cfg.ok()) << cfg.error().toString();
   auto ck = pd::Checkpoint::open(first.value());
   ASSERT_TRUE(ck.ok());
   EXPECT_TRUE(pd::validateCheckpoint(cfg.value(), ck.value()).ok());
+  EXPECT_GT(cfg->num_nextn_predict_layers, 0) << "the default model has its MTP layer";
   // Only the finished folder remains: no temporary siblings.
   int entries = 0;
   for ([[maybe_unused]] const auto& e : fs::directory_iterator(cache.path() / "models")) ++entries;
   EXPECT_EQ(entries, 1);
 
   const auto stamp = fs::last_write_time(first.value() / "config.json");
-  fs::remove(first.value() / "tokenizer.json");
-  auto second = pd::ensureDefaultModel(cache.path(), tok.path());
+  auto second = pd::ensureDefaultModel(cache.path());
   ASSERT_TRUE(second.ok());
   EXPECT_EQ(second.value(), first.value());
-  EXPECT_EQ(fs::last_write_time(first.value() / "config.json"), stamp);  // not rebuilt
-  EXPECT_TRUE(fs::exists(first.value() / "tokenizer.json"));             // but completed
+  EXPECT_EQ(fs::last_write_time(first.value() / "config.json"), stamp);  // not rewritten
+
+  // Racing creators: every one gets the same complete folder.
+  TempDir race;
+  std::vector<std::thread> threads;
+  std::vector<pd::Result<fs::path>> got(4, pd::makeError(pd::ErrorCode::Internal, "not run"));
+  for (std::size_t i = 0; i < got.size(); ++i) {
+    threads.emplace_back([&, i] { got[i] = pd::ensureDefaultModel(race.path()); });
+  }
+  for (auto& t : threads) t.join();
+  for (const auto& g : got) {
+    ASSERT_TRUE(g.ok()) << g.error().toString();
+    EXPECT_TRUE(fs::is_regular_file(*g / "model.safetensors"));
+  }
+  entries = 0;
+  for ([[maybe_unused]] const auto& e : fs::directory_iterator(race.path() / "models")) ++entries;
+  EXPECT_EQ(entries, 1);
 }
 
 }  // namespace

@@ -74,12 +74,11 @@ struct MakeModelSummary {
 Result<MakeModelSummary> makeModel(const ModelConfig& config, const std::filesystem::path& out_dir,
                                    const MakeModelOptions& options);
 
-/// The embedded quick-start model: returns `cache_dir/models/default`, first creating it from the
-/// `default` preset (seed 0) when absent. Creation is atomic (built in a temporary sibling folder,
-/// then renamed), so a concurrent or interrupted run never leaves a half-written model; a racing
-/// creator's finished copy is kept. The tokenizer files of `tokenizer_dir` are copied in (also
-/// into an existing model that lacks them); an empty `tokenizer_dir` skips that.
-Result<std::filesystem::path> ensureDefaultModel(const std::filesystem::path& cache_dir,
-                                                 const std::filesystem::path& tokenizer_dir);
+/// The embedded quick-start model (default_model.h: models/tiny-dsv3, compiled in): returns
+/// `cache_dir/models/default-<first 12 hex of its sha256>`, first writing the embedded files there
+/// when absent (a new build with another model gets another folder). Creation is atomic (written
+/// in a temporary sibling folder, then renamed), so a concurrent or interrupted run never leaves
+/// a half-written model; a racing creator's finished copy is kept. Errors: Io.
+Result<std::filesystem::path> ensureDefaultModel(const std::filesystem::path& cache_dir);
 
 }  // namespace pd
