@@ -46,6 +46,7 @@
 #include "pd/decode/tp_worker.h"
 #include "pd/kvtransfer/kvtransfer_config.h"
 #include "pd/kvtransfer/ucx_transport.h"
+#include "serving_engine.h"
 
 namespace pd::cli {
 namespace {
@@ -270,18 +271,10 @@ int runDecode(const std::vector<std::string>& raw_args) {
     if (!started.ok()) return reportFailure(started.error());
     group = std::move(started).value();
   }
-  model::CpuEngineOptions engine_options;
-  engine_options.threads = static_cast<int>(decode_cfg.threads);
-  if (group) engine_options.tp = &group->comm();
-  auto engine = model::createCpuEngine(*model_dir, engine_options);
-  if (!engine.ok()) return reportFailure(engine.error());
-  std::unique_ptr<model::Engine> serving = std::move(engine).value();
-  decode::TpLeaderEngine* tp_leader = nullptr;
-  if (group) {
-    auto wrapped = std::make_unique<decode::TpLeaderEngine>(std::move(serving), group->comm());
-    tp_leader = wrapped.get();
-    serving = std::move(wrapped);
-  }
+  auto loaded_engine = loadServingEngine(*model_dir, static_cast<int>(decode_cfg.threads), group.get());
+  if (!loaded_engine.ok()) return reportFailure(loaded_engine.error());
+  std::unique_ptr<model::Engine> serving = std::move(loaded_engine->engine);
+  decode::TpLeaderEngine* const tp_leader = loaded_engine->tp_leader;
   log::info("decode", "model {} loaded ({}), hash {}", model_dir->string(), serving->capabilities().backend,
             modelHashHex(*hash));
 

@@ -35,6 +35,7 @@
 #include "pd/prefill/model_hash.h"
 #include "pd/prefill/prefill_config.h"
 #include "pd/prefill/prefill_server.h"
+#include "serving_engine.h"
 
 namespace pd::cli {
 namespace {
@@ -147,18 +148,10 @@ int runPrefill(const std::vector<std::string>& raw_args) {
     log::info("prefill", "tensor-parallel group of {} ranks joined ({})", prefill_cfg.tensor_parallel,
               group->describe());
   }
-  model::CpuEngineOptions engine_options;
-  engine_options.threads = static_cast<int>(prefill_cfg.threads);
-  if (group) engine_options.tp = &group->comm();
-  auto engine = model::createCpuEngine(*model_dir, engine_options);
-  if (!engine.ok()) return reportFailure(engine.error());
-  std::unique_ptr<model::Engine> serving = std::move(engine).value();
-  decode::TpLeaderEngine* tp_leader = nullptr;
-  if (group) {
-    auto wrapped = std::make_unique<decode::TpLeaderEngine>(std::move(serving), group->comm());
-    tp_leader = wrapped.get();
-    serving = std::move(wrapped);
-  }
+  auto loaded_engine = loadServingEngine(*model_dir, static_cast<int>(prefill_cfg.threads), group.get());
+  if (!loaded_engine.ok()) return reportFailure(loaded_engine.error());
+  std::unique_ptr<model::Engine> serving = std::move(loaded_engine->engine);
+  decode::TpLeaderEngine* const tp_leader = loaded_engine->tp_leader;
   log::info("prefill", "model {} loaded ({}), hash {}", model_dir->string(), serving->capabilities().backend,
             prefill::modelHashHex(*hash));
 

@@ -1,0 +1,24 @@
+// loadServingEngine (serving_engine.h).
+#include "serving_engine.h"
+
+#include <utility>
+
+namespace pd::cli {
+
+Result<ServingEngine> loadServingEngine(const std::filesystem::path& model_dir, int threads,
+                                        decode::TpProcessGroup* group) {
+  model::CpuEngineOptions options;
+  options.threads = threads;
+  if (group != nullptr) options.tp = &group->comm();
+  PD_ASSIGN_OR_RETURN(std::unique_ptr<model::Engine> engine, model::createCpuEngine(model_dir, options));
+  ServingEngine out;
+  out.engine = std::move(engine);
+  if (group != nullptr) {
+    auto wrapped = std::make_unique<decode::TpLeaderEngine>(std::move(out.engine), group->comm());
+    out.tp_leader = wrapped.get();
+    out.engine = std::move(wrapped);
+  }
+  return out;
+}
+
+}  // namespace pd::cli
