@@ -250,7 +250,10 @@ Status waitRouterReady(Supervisor& sup, const std::string& router_url, std::chro
 
 std::string joined(const std::vector<std::string>& items) {
   std::string out;
-  for (const auto& i : items) out += (out.empty() ? "" : ",") + hostPort(i);
+  for (const auto& i : items) {
+    if (!out.empty()) out += ',';
+    out += hostPort(i);
+  }
   return out;
 }
 
