@@ -32,6 +32,23 @@ using Clock = std::chrono::steady_clock;
 
 constexpr std::uint64_t kGroupKey = 0x5eed'cafe'f00d'0001ULL;
 
+// A TCP socket bound to a free loopback port (not listening: connections to it are refused);
+// the port in *port. -1 on failure.
+int boundLoopbackSocket(int* port) {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(addr);
+  if (fd < 0 || bind(fd, reinterpret_cast<const sockaddr*>(&addr), sizeof(addr)) != 0 ||
+      getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
+    if (fd >= 0) close(fd);
+    return -1;
+  }
+  *port = ntohs(addr.sin_port);
+  return fd;
+}
+
 // Hands rank 0's port to the other ranks, across fork: rank 0 publishes it once per reader
 // (-1 when it could not listen), each reader takes one. Readers close their write end first, so a
 // publisher that died makes them read end-of-file instead of waiting forever.
@@ -412,14 +429,10 @@ TEST(TcpCommunicator, RanksThatNeverJoinGiveATimeout) {
   EXPECT_GE(calls, 5) << "while_joining is called every few ms";
 
   // A follower whose rank 0 never listens: a bound port that refuses connections.
-  const int blocker = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ASSERT_EQ(bind(blocker, reinterpret_cast<const sockaddr*>(&addr), sizeof(addr)), 0);
-  socklen_t len = sizeof(addr);
-  ASSERT_EQ(getsockname(blocker, reinterpret_cast<sockaddr*>(&addr), &len), 0);
-  o = rankOptions(1, 2, ntohs(addr.sin_port));
+  int blocked_port = 0;
+  const int blocker = boundLoopbackSocket(&blocked_port);
+  ASSERT_GE(blocker, 0);
+  o = rankOptions(1, 2, blocked_port);
   o.join_timeout = 300ms;
   t0 = Clock::now();
   auto follower = createTcpCommunicator(o);
@@ -452,15 +465,10 @@ TEST(TcpCommunicator, WhileJoiningErrorEndsTheWait) {
 
 TEST(TcpCommunicator, FollowerStartingBeforeRankZeroRetries) {
   // A free port: bind port 0, note it, release it.
-  const int probe = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ASSERT_EQ(bind(probe, reinterpret_cast<const sockaddr*>(&addr), sizeof(addr)), 0);
-  socklen_t len = sizeof(addr);
-  ASSERT_EQ(getsockname(probe, reinterpret_cast<sockaddr*>(&addr), &len), 0);
+  int port = 0;
+  const int probe = boundLoopbackSocket(&port);
+  ASSERT_GE(probe, 0);
   close(probe);
-  const int port = ntohs(addr.sin_port);
 
   auto follower = std::async(std::launch::async, [&] { return createTcpCommunicator(rankOptions(1, 2, port)); });
   std::this_thread::sleep_for(400ms);  // the follower's first attempts are refused
