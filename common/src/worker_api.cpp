@@ -132,7 +132,7 @@ Result<json::object> parseObject(std::string_view text, std::string_view what) {
   return std::move(*o);
 }
 
-json::object samplingJson(const model::SamplingParams& s) {
+json::object samplingJson(const pd::SamplingParams& s) {
   return json::object{{"temperature", s.temperature},
                       {"top_k", s.top_k},
                       {"top_p", s.top_p},
@@ -143,7 +143,7 @@ json::object samplingJson(const model::SamplingParams& s) {
                       {"top_logprobs", s.top_logprobs}};
 }
 
-void readSampling(Reader& parent, model::SamplingParams& out) {
+void readSampling(Reader& parent, pd::SamplingParams& out) {
   const json::object* o = parent.object("sampling", true);
   if (o == nullptr) return;
   Reader r(*o, "sampling");
@@ -160,7 +160,7 @@ void readSampling(Reader& parent, model::SamplingParams& out) {
     parent.fail("sampling", "is invalid: " + s.error().message);
     return;
   }
-  if (auto valid = model::validate(out); !valid.ok()) parent.fail("sampling", "is invalid: " + valid.error().message);
+  if (auto valid = pd::validate(out); !valid.ok()) parent.fail("sampling", "is invalid: " + valid.error().message);
 }
 
 std::string dump(const json::object& v) {
@@ -200,7 +200,7 @@ Status readLogprobs(const json::array& array, std::vector<TokenLogprobs>& out) {
       const auto* a = top->if_array();
       if (a == nullptr) return bad();
       for (const auto& t : *a) {
-        model::TokenLogprob alt;
+        pd::TokenLogprob alt;
         if (!readPair(t, alt.token, alt.logprob)) return bad();
         lp.top.push_back(alt);
       }

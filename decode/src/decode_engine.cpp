@@ -77,7 +77,7 @@ Result<std::vector<std::int32_t>> DecodeEngine::admit(DecodeRequest request) {
                      fmt::format("request {}: prompt_tokens ({}) and max_tokens ({}) must be >= 1", request.id,
                                  request.prompt_tokens, request.max_tokens));
   }
-  PD_TRY(model::validate(request.sampling));
+  PD_TRY(pd::validate(request.sampling));
   if (request.prefill_attempts < 1) {
     return makeError(ErrorCode::InvalidArgument, fmt::format("request {}: prefill_attempts ({}) must be >= 1",
                                                              request.id, request.prefill_attempts));
@@ -145,7 +145,7 @@ void DecodeEngine::startRunning(Sequence& seq, kvtransfer::CompletionRecord reco
   model::SampledToken first;
   first.token = record.first_token;
   if (record.first_logprob) first.logprob = record.first_logprob->logprob;
-  for (const auto& t : record.top_logprobs) first.top.push_back(model::TokenLogprob{t.token, t.logprob});
+  for (const auto& t : record.top_logprobs) first.top.push_back(pd::TokenLogprob{t.token, t.logprob});
   // Replay the prefill worker's draw: sampling a row where only the first token is possible
   // advances the RNG by the one draw the prefill side used (none when greedy) and counts the
   // token for penalties, so the rest of the stream is what single-process generation samples.

@@ -8,11 +8,12 @@
 #include <utility>
 
 #include "pd/common/log.h"
-#include "pd/decode/tp_engine.h"
+#include "pd/engine/tp_engine.h"
 
 namespace pd::decode {
 
-DecodeLoop::DecodeLoop(model::Engine& engine, KvPool& pool, DecodeEngineOptions options, TpLeaderEngine* tp_leader)
+DecodeLoop::DecodeLoop(model::Engine& engine, KvPool& pool, DecodeEngineOptions options,
+                       model::TpLeaderEngine* tp_leader)
     : tp_leader_(tp_leader), engine_(engine, pool, options), thread_([this] { run(); }) {}
 
 DecodeLoop::~DecodeLoop() {
@@ -46,7 +47,7 @@ Result<std::vector<std::int32_t>> DecodeLoop::admit(DecodeRequest request) {
 struct DecodeLoop::KvWait {
   std::shared_ptr<Inbox> inbox;
   kvtransfer::Transport* transport = nullptr;
-  TpLeaderEngine* tp_leader = nullptr;  // set once the followers expect the KV too
+  model::TpLeaderEngine* tp_leader = nullptr;  // set once the followers expect the KV too
   std::uint64_t id = 0;
   Clock::time_point deadline;
   std::mutex mutex;
@@ -56,7 +57,7 @@ struct DecodeLoop::KvWait {
   // The request ended while waiting: no more re-arming, and the pending expectation (if any)
   // is cancelled so that the transport drops its late bytes.
   void stop() {
-    TpLeaderEngine* followers = nullptr;
+    model::TpLeaderEngine* followers = nullptr;
     {
       std::lock_guard lock(mutex);
       stopped = true;
@@ -125,7 +126,7 @@ void DecodeLoop::openStreamAsync(DecodeRequest request, kvtransfer::Transport& t
   }
   auto req = std::make_shared<DecodeRequest>(std::move(request));
   auto answer = std::make_shared<OpenDone>(std::move(done));
-  TpLeaderEngine* tp = tp_leader_;
+  model::TpLeaderEngine* tp = tp_leader_;
   const bool posted = inbox_->post([req, wait, descriptor, answer, tp](DecodeEngine& e) {
     if (tp != nullptr) {
       // The followers' transports must expect the KV before the descriptor (listing their

@@ -7,6 +7,7 @@
 #include <utility>
 
 #include "pd/common/log.h"
+#include "pd/decode/tp_worker.h"
 #include "pd/kvtransfer/ucx_transport.h"
 
 namespace pd::decode {
@@ -97,7 +98,7 @@ Result<std::unique_ptr<DecodeServer>> DecodeServer::start(std::unique_ptr<model:
 
 Status DecodeServer::startParts() {
   const DecodeConfig& cfg = options_.decode;
-  TpLeaderEngine* const tp = options_.tp_leader;
+  model::TpLeaderEngine* const tp = options_.tp_leader;
   const std::int64_t group_size = tp != nullptr ? tp->comm().size() : 1;
   if (cfg.tensor_parallel != group_size) {
     return makeError(

@@ -6,107 +6,13 @@
 
 #include <csignal>
 
+#include "pd/comm/shm_communicator.h"
+#include "pd/comm/tcp_communicator.h"
 #include "pd/common/log.h"
-#include "pd/common/shm_communicator.h"
-#include "pd/common/tcp_communicator.h"
-#include "pd/decode/tp_engine.h"
+#include "pd/engine/tp_engine.h"
 #include "pd/kvtransfer/ucx_transport.h"
 
 namespace pd::decode {
-
-Result<std::unique_ptr<TpProcessGroup>> TpProcessGroup::start(TpGroupOptions options) {
-  if (options.size < 2) return makeError(ErrorCode::InvalidArgument, "a tensor-parallel group needs 2 or more ranks");
-  const int local = options.local_ranks == 0 ? options.size : options.local_ranks;
-  if (local < 1 || options.rank < 0 || options.rank + local > options.size) {
-    return makeError(ErrorCode::InvalidArgument, fmt::format("tensor-parallel ranks {}..{} do not fit a group of {}",
-                                                             options.rank, options.rank + local - 1, options.size));
-  }
-  const bool tcp = !options.dist_init_address.empty();
-  if (!tcp && (options.rank != 0 || local != options.size)) {
-    return makeError(ErrorCode::InvalidArgument, "a group spanning machines needs a rendezvous address");
-  }
-  if (local > 1 && options.child_argv.empty()) {
-    return makeError(ErrorCode::InvalidArgument, "no command line for the spawned ranks");
-  }
-  std::unique_ptr<TpProcessGroup> group(new TpProcessGroup());
-  group->first_child_rank_ = options.rank + 1;
-  const std::string shm_name = tcp ? std::string() : comm::uniqueShmName();
-  group->description_ = tcp ? "tcp " + options.dist_init_address : "shm " + shm_name;
-  const std::string rank_flag = fmt::format("--{}.tp_rank", options.section);
-  for (int r = options.rank + 1; r < options.rank + local; ++r) {
-    proc::SpawnOptions o;
-    o.argv = options.child_argv;
-    o.argv.insert(o.argv.end(), {rank_flag, std::to_string(r)});
-    if (!tcp) o.argv.insert(o.argv.end(), {fmt::format("--{}.tp_group", options.section), shm_name});
-    o.capture_stdout = false;  // a spawned rank prints no READY line; its logs share our stderr
-    o.capture_stderr = false;
-    PD_ASSIGN_OR_RETURN(std::unique_ptr<proc::Subprocess> child, proc::Subprocess::spawn(o));
-    log::info("tp", "started tensor-parallel rank {} (pid {})", r, child->pid());
-    group->children_.push_back(std::move(child));
-  }
-  TpProcessGroup* g = group.get();
-  auto while_joining = [g]() { return g->checkLocalRanks(); };
-  Result<std::unique_ptr<comm::Communicator>> joined = makeError(ErrorCode::Internal, "not joined");
-  if (tcp) {
-    comm::TcpOptions to;
-    to.address = options.dist_init_address;
-    to.rank = options.rank;
-    to.size = options.size;
-    to.group_key = options.group_key;
-    to.join_timeout = options.join_timeout;
-    to.while_joining = while_joining;
-    to.on_listening = options.on_listening;
-    joined = comm::createTcpCommunicator(to);
-  } else {
-    comm::ShmOptions so;
-    so.name = shm_name;
-    so.rank = 0;
-    so.size = options.size;
-    so.join_timeout = options.join_timeout;
-    so.inject_latency = options.inject_latency;
-    so.while_joining = while_joining;
-    joined = comm::createShmCommunicator(so);
-  }
-  if (!joined.ok()) {
-    for (auto& c : group->children_) c->signal(SIGKILL);  // a group that never formed is of no use
-    return std::move(joined).error();
-  }
-  group->comm_ = std::move(joined).value();
-  return group;
-}
-
-std::vector<std::optional<int>> TpProcessGroup::pollLocalRanks() {
-  std::vector<std::optional<int>> out;
-  for (auto& c : children_) out.push_back(c->poll());
-  return out;
-}
-
-Status TpProcessGroup::checkLocalRanks() {
-  const std::vector<std::optional<int>> exits = pollLocalRanks();
-  for (std::size_t i = 0; i < exits.size(); ++i) {
-    if (exits[i]) {
-      return makeError(ErrorCode::PeerFailed, fmt::format("tensor-parallel rank {} exited with status {}",
-                                                          first_child_rank_ + static_cast<int>(i), *exits[i]));
-    }
-  }
-  return okStatus();
-}
-
-TpProcessGroup::~TpProcessGroup() {
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
-  for (std::size_t i = 0; i < children_.size(); ++i) {
-    const int rank = first_child_rank_ + static_cast<int>(i);
-    const auto left =
-        std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
-    const std::optional<int> status = children_[i]->wait(std::max(left, std::chrono::milliseconds(0)));
-    if (!status) {
-      log::warn("tp", "tensor-parallel rank {} did not exit; killing it", rank);
-    } else if (*status != 0) {
-      log::warn("tp", "tensor-parallel rank {} exited with status {}", rank, *status);
-    }
-  }
-  children_.clear();  // ~Subprocess kills and reaps any still running
-}
 
 Result<std::unique_ptr<TpFollowerWorker>> TpFollowerWorker::start(std::unique_ptr<model::Engine> engine,
                                                                   comm::Communicator& comm, TpFollowerOptions options) {
@@ -142,12 +48,12 @@ TpFollowerWorker::~TpFollowerWorker() {
 }
 
 Status TpFollowerWorker::run() {
-  TpFollowerHooks hooks;
+  model::TpFollowerHooks hooks;
   hooks.expect_kv = [this](std::uint64_t id, std::uint32_t timeout_ms) {
     expectUntil(id, kvtransfer::Clock::now() + std::chrono::milliseconds(timeout_ms));
   };
   hooks.cancel_kv = [this](std::uint64_t id) { (void)transport_->cancelExpect(id); };
-  return runTpFollower(*engine_, comm_, fixedTpCache(pool_->view()), hooks);
+  return model::runTpFollower(*engine_, comm_, model::fixedTpCache(pool_->view()), hooks);
 }
 
 void TpFollowerWorker::expectUntil(std::uint64_t id, kvtransfer::Deadline deadline) {
@@ -164,6 +70,29 @@ void TpFollowerWorker::expectUntil(std::uint64_t id, kvtransfer::Deadline deadli
         if (code != ErrorCode::Timeout && code != ErrorCode::Cancelled) expectUntil(rid, deadline);
       });
   if (!s.ok()) log::warn("tp", "rank {}: cannot expect KV of request {}: {}", rank, id, s.error().toString());
+}
+
+Result<std::vector<kvtransfer::KvTarget>> exchangeKvTargets(comm::Communicator& comm, kvtransfer::KvTarget mine) {
+  // Each rank's target travels inside an otherwise empty descriptor (the kvtransfer codec).
+  std::vector<kvtransfer::KvTarget> all;
+  for (int r = 0; r < comm.size(); ++r) {
+    std::vector<std::byte> message;
+    if (r == comm.rank()) {
+      kvtransfer::KvDescriptor d;
+      d.targets.push_back(mine);
+      const std::vector<std::uint8_t> bytes = kvtransfer::encode(d);
+      message.resize(bytes.size());
+      std::memcpy(message.data(), bytes.data(), bytes.size());
+    }
+    PD_ASSIGN_OR_RETURN(std::vector<std::byte> got, comm::broadcastMessage(comm, std::move(message), r));
+    const std::span<const std::uint8_t> raw(reinterpret_cast<const std::uint8_t*>(got.data()), got.size());
+    PD_ASSIGN_OR_RETURN(kvtransfer::KvDescriptor d, kvtransfer::decodeKvDescriptor(raw));
+    if (d.targets.size() != 1 || d.targets[0].tp_rank != static_cast<std::uint32_t>(r)) {
+      return makeError(ErrorCode::Corrupt, fmt::format("rank {} sent a KV target that is not its own", r));
+    }
+    all.push_back(std::move(d.targets[0]));
+  }
+  return all;
 }
 
 }  // namespace pd::decode

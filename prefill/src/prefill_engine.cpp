@@ -112,7 +112,7 @@ Status PrefillEngine::submit(PrefillRequest request) {
       return makeError(ErrorCode::InvalidArgument, fmt::format("token id {} outside the vocabulary", t));
     }
   }
-  PD_TRY(model::validate(request.sampling));
+  PD_TRY(pd::validate(request.sampling));
   if (ceilDiv(n, options_.block_size) > options_.cache_blocks) {
     return makeError(ErrorCode::ResourceExhausted,
                      fmt::format("prompt of {} tokens exceeds the prefill cache ({} blocks of {})", n,
@@ -359,7 +359,7 @@ void PrefillEngine::finishPrompt(std::vector<Running*>& done) {
     record.hidden_state.assign(r.hidden.end() - static_cast<std::ptrdiff_t>(hidden_size), r.hidden.end());
     if (r.request.logprobs) {
       record.first_logprob = kvtransfer::TokenLogprob{first[i].token, first[i].logprob};
-      for (const model::TokenLogprob& t : first[i].top) record.top_logprobs.push_back({t.token, t.logprob});
+      for (const pd::TokenLogprob& t : first[i].top) record.top_logprobs.push_back({t.token, t.logprob});
     }
     r.request.sink->complete(std::move(record));
     release(r);

@@ -16,9 +16,9 @@
 #include "pd/common/http_server.h"
 #include "pd/common/log.h"
 #include "pd/common/worker_api.h"
+#include "pd/engine/model_hash.h"
 #include "pd/kvtransfer/ucx_transport.h"
 #include "pd/kvtransfer/wire.h"
-#include "pd/prefill/model_hash.h"
 #include "pd/prefill/prefill_engine.h"
 #include "pd/prefill/transport_kv_sink.h"
 

@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "pd/common/log.h"
-#include "pd/common/model/latent_cache.h"
+#include "pd/engine/latent_cache.h"
 
 namespace pd::prefill {
 

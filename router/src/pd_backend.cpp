@@ -14,12 +14,12 @@
 #include <thread>
 #include <utility>
 
-#include "pd/common/detokenizer.h"
 #include "pd/common/http_client.h"
 #include "pd/common/log.h"
 #include "pd/common/worker_api.h"
 #include "pd/router/stop_strings.h"
 #include "pd/router/worker_policy.h"
+#include "pd/tokenizer/detokenizer.h"
 
 namespace pd::router {
 namespace {
@@ -536,17 +536,22 @@ class Generation : public std::enable_shared_from_this<Generation> {
     return leg.failed;
   }
 
+  /// Registers the decode leg's client; false when the generation was aborted. A refused client
+  /// is not stored: its owner is about to destroy it, and abort() must never reach it.
   bool setDecodeClient(http::Client* client) {
     std::lock_guard lock(mu_);
-    decode_client_ = client;
-    return !aborted_;
+    const bool go = !aborted_;
+    decode_client_ = go ? client : nullptr;
+    return go;
   }
 
-  /// Registers the prefill leg's client; false when the leg must stop (stopped or aborted).
+  /// Registers the prefill leg's client; false when the leg must stop (stopped or aborted), and
+  /// then the client is not stored (as setDecodeClient).
   bool setPrefillClient(PrefillLeg& leg, http::Client* client) {
     std::lock_guard lock(mu_);
-    prefill_client_ = client;
-    return !aborted_ && !leg.stop;
+    const bool go = !aborted_ && !leg.stop;
+    prefill_client_ = go ? client : nullptr;
+    return go;
   }
 
   void setWatch(milliseconds after, std::string reason) {
@@ -570,7 +575,7 @@ class Generation : public std::enable_shared_from_this<Generation> {
   const Shared& s_;
   GenerationRequest req_;
   std::shared_ptr<TokenSink> sink_;
-  model::SamplingParams sampling_;
+  pd::SamplingParams sampling_;
   // The run() thread's own.
   tokenizer::IncrementalDetokenizer detok_;
   StopStringMatcher stops_;

@@ -16,7 +16,7 @@
 #include <span>
 
 #include "pd/common/check.h"
-#include "pd/common/safetensors.h"
+#include "pd/engine/safetensors.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
   const std::span<const std::byte> input = std::as_bytes(std::span(data, size));

@@ -17,12 +17,12 @@
 #include <vector>
 
 #include "pd/common/http_client.h"
-#include "pd/common/model_config.h"
 #include "pd/common/subprocess.h"
 #include "pd/common/worker_api.h"
 #include "pd/decode/kv_pool.h"
+#include "pd/engine/model_config.h"
+#include "pd/engine/model_hash.h"
 #include "pd/kvtransfer/ucx_transport.h"
-#include "pd/prefill/model_hash.h"
 #include "unit/kvtransfer/kv_test_util.h"
 
 namespace pd::prefill::testsupport {

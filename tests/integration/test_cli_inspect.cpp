@@ -14,7 +14,7 @@
 #include <string>
 #include <vector>
 
-#include "pd/common/model_config.h"
+#include "pd/engine/model_config.h"
 #include "support/test_files.h"
 
 namespace {

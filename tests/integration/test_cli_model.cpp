@@ -12,7 +12,7 @@
 #include <string>
 #include <vector>
 
-#include "pd/common/safetensors.h"
+#include "pd/engine/safetensors.h"
 
 namespace {
 

@@ -11,7 +11,7 @@
 #include <string>
 #include <vector>
 
-#include "unit/common/tokenizer_test_support.h"
+#include "unit/tokenizer/tokenizer_test_support.h"
 
 namespace {
 

@@ -25,8 +25,8 @@
 #include <vector>
 
 #include "integration/prefill_worker_util.h"
-#include "pd/common/model/sampling.h"
-#include "pd/common/model_factory.h"
+#include "pd/engine/model_factory.h"
+#include "pd/engine/sampling.h"
 #include "support/test_files.h"
 #include "unit/prefill/prefill_golden.h"
 
@@ -390,10 +390,24 @@ TEST_F(PrefillWorkerFaults, RouterClosingTheSubmissionCancelsIt) {
   ASSERT_TRUE(w.ok());
   const auto n = static_cast<std::uint32_t>(kLongPrompt);
   const kvt::KvDescriptor d = (*side)->expect(22, n, kvt::testutil::shuffledBlocks(256, (n + 15) / 16, 22), 30s);
-  // The client gives up after 1 s and closes the connection.
-  auto r = w.send("POST", worker_api::kPrefillPath, submitJson("cmpl-gone", longPrompt(), d, 30000), 1000ms);
-  ASSERT_FALSE(r.ok());
-  EXPECT_EQ(r.error().code, ErrorCode::Timeout);
+  // The client gives up once the prefill is streaming and closes the connection (ordered by the
+  // worker's own progress, not by a timeout racing the prefill's speed).
+  http::Client client(w.host(), w.port());
+  std::optional<Result<http::ClientResponse>> r;
+  std::thread submit([&] {
+    http::ClientRequest req;
+    req.method = "POST";
+    req.target = std::string(worker_api::kPrefillPath);
+    req.body = submitJson("cmpl-gone", longPrompt(), d, 30000);
+    req.headers.push_back({"Content-Type", "application/json"});
+    r = client.send(req, 30s);
+  });
+  ASSERT_TRUE(waitStreaming(w));
+  client.cancel();
+  submit.join();
+  ASSERT_TRUE(r.has_value());
+  ASSERT_FALSE(r->ok());
+  EXPECT_EQ(r->error().code, ErrorCode::Cancelled) << r->error().toString();
   const auto arrived = (*side)->outcomes().waitArrival(22, 5s);
   ASSERT_TRUE(arrived.has_value());
   ASSERT_FALSE(arrived->ok());

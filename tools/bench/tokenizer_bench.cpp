@@ -25,7 +25,7 @@
 #include <string>
 #include <vector>
 
-#include "pd/common/tokenizer.h"
+#include "pd/tokenizer/tokenizer.h"
 
 namespace {
 

@@ -15,9 +15,9 @@
 #include <utility>
 #include <vector>
 
-#include "pd/common/model/kernels.h"
-#include "pd/common/model/thread_pool.h"
 #include "pd/common/result.h"
+#include "pd/engine/kernels.h"
+#include "pd/engine/thread_pool.h"
 
 namespace pd::cli {
 

@@ -6,8 +6,8 @@
 #include <ctime>
 
 #include "pd/common/log.h"
-#include "pd/common/model_factory.h"
 #include "pd/decode/decode_config.h"
+#include "pd/engine/model_factory.h"
 #include "pd/kvtransfer/kvtransfer_config.h"
 #include "pd/prefill/prefill_config.h"
 #include "pd/router/router_config.h"

@@ -21,7 +21,7 @@
 
 #include "bench_util.h"
 #include "cli.h"
-#include "pd/common/shm_communicator.h"
+#include "pd/comm/shm_communicator.h"
 
 extern char** environ;
 

@@ -34,15 +34,15 @@
 
 #include "bench_util.h"
 #include "cli.h"
-#include "pd/common/chat_template.h"
-#include "pd/common/model/engine.h"
-#include "pd/common/model/kernels.h"
-#include "pd/common/model/thread_pool.h"
-#include "pd/common/model_config.h"
-#include "pd/common/model_factory.h"
-#include "pd/common/tokenizer.h"
 #include "pd/decode/decode_engine.h"
 #include "pd/decode/kv_pool.h"
+#include "pd/engine/engine.h"
+#include "pd/engine/kernels.h"
+#include "pd/engine/model_config.h"
+#include "pd/engine/model_factory.h"
+#include "pd/engine/thread_pool.h"
+#include "pd/tokenizer/chat_template.h"
+#include "pd/tokenizer/tokenizer.h"
 
 namespace pd::cli {
 namespace {

@@ -17,9 +17,9 @@
 
 #include "bench_util.h"
 #include "cli.h"
-#include "pd/common/model/engine.h"
-#include "pd/common/model/kernels.h"
-#include "pd/common/model/thread_pool.h"
+#include "pd/engine/engine.h"
+#include "pd/engine/kernels.h"
+#include "pd/engine/thread_pool.h"
 
 namespace pd::cli {
 namespace {

@@ -28,14 +28,14 @@
 #include <vector>
 
 #include "cli.h"
-#include "pd/common/model/engine.h"
-#include "pd/common/model_config.h"
 #include "pd/common/subprocess.h"
 #include "pd/common/worker_api.h"
 #include "pd/decode/kv_pool.h"
+#include "pd/engine/engine.h"
+#include "pd/engine/model_config.h"
+#include "pd/engine/model_hash.h"
 #include "pd/kvtransfer/kvtransfer_config.h"
 #include "pd/kvtransfer/ucx_transport.h"
-#include "pd/prefill/model_hash.h"
 #include "pd/prefill/prefill_engine.h"
 #include "pd/prefill/transport_kv_sink.h"
 
@@ -89,7 +89,7 @@ int runReceiver(const BenchPrefillConfig& cfg, const kvt::KvTransferConfig& kv, 
   };
   auto mcfg = ModelConfig::load(cfg.model);
   if (!mcfg.ok()) return reportFailure(mcfg.error());
-  auto hash = prefill::modelHash(cfg.model);
+  auto hash = pd::modelHash(cfg.model);
   if (!hash.ok()) return reportFailure(hash.error());
   const std::int64_t block_size = 64;
   const std::int64_t max_tokens = *std::max_element(plan.begin(), plan.end());

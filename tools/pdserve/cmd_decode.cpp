@@ -33,17 +33,18 @@
 #include <vector>
 
 #include "cli.h"
+#include "pd/comm/process_group.h"
+#include "pd/comm/shm_communicator.h"
+#include "pd/comm/tcp_communicator.h"
 #include "pd/common/http_server.h"
 #include "pd/common/log.h"
-#include "pd/common/model/engine.h"
-#include "pd/common/model_hash.h"
-#include "pd/common/shm_communicator.h"
 #include "pd/common/subprocess.h"
-#include "pd/common/tcp_communicator.h"
 #include "pd/decode/decode_config.h"
 #include "pd/decode/decode_server.h"
-#include "pd/decode/tp_engine.h"
 #include "pd/decode/tp_worker.h"
+#include "pd/engine/engine.h"
+#include "pd/engine/model_hash.h"
+#include "pd/engine/tp_engine.h"
 #include "pd/kvtransfer/kvtransfer_config.h"
 #include "pd/kvtransfer/ucx_transport.h"
 #include "serving_engine.h"
@@ -149,12 +150,12 @@ int runSpawnedRank(const decode::DecodeConfig& dec, const kvtransfer::KvTransfer
 }
 
 // Spawns this node's other ranks and joins the whole group (the leader, or node n's process).
-Result<std::unique_ptr<decode::TpProcessGroup>> startGroup(const decode::DecodeConfig& dec,
-                                                           const std::vector<std::string>& args, std::uint64_t hash) {
+Result<std::unique_ptr<comm::TpProcessGroup>> startGroup(const decode::DecodeConfig& dec,
+                                                         const std::vector<std::string>& args, std::uint64_t hash) {
   PD_ASSIGN_OR_RETURN(std::string self, proc::selfExecutable());
   std::vector<std::string> argv{std::move(self), "decode"};
   argv.insert(argv.end(), args.begin(), args.end());  // --check-config already removed
-  decode::TpGroupOptions o;
+  comm::TpGroupOptions o;
   o.size = static_cast<int>(dec.tensor_parallel);
   o.rank = static_cast<int>(dec.node_rank) * ranksPerNode(dec);
   o.local_ranks = ranksPerNode(dec);
@@ -164,7 +165,7 @@ Result<std::unique_ptr<decode::TpProcessGroup>> startGroup(const decode::DecodeC
   o.group_key = hash;
   o.join_timeout = kTpJoinTimeout;
   o.inject_latency = std::chrono::microseconds(dec.tp_inject_latency_us);
-  PD_ASSIGN_OR_RETURN(auto group, decode::TpProcessGroup::start(std::move(o)));
+  PD_ASSIGN_OR_RETURN(auto group, comm::TpProcessGroup::start(std::move(o)));
   log::info("decode", "tensor-parallel group of {} ranks joined ({})", dec.tensor_parallel, group->describe());
   return group;
 }
@@ -176,7 +177,7 @@ int runNodeFollower(const decode::DecodeConfig& dec, const kvtransfer::KvTransfe
   auto group = startGroup(dec, args, hash);
   if (!group.ok()) return reportFailure(group.error());
   auto serving = std::make_shared<std::atomic<bool>>(false);
-  decode::TpProcessGroup* g = group->get();
+  comm::TpProcessGroup* g = group->get();
   std::vector<http::Route> routes;
   routes.push_back({"GET", "/health", [](http::Request, http::Exchange ex) {
                       ex.respond(http::Response::withBody(200, "text/plain", "ok"));
@@ -265,7 +266,7 @@ int runDecode(const std::vector<std::string>& raw_args) {
   if (node_follower) return runNodeFollower(decode_cfg, kv_cfg, args, *model_dir, *hash);
 
   // Leader: spawn and join the other ranks first (they load their shards meanwhile).
-  std::unique_ptr<decode::TpProcessGroup> group;
+  std::unique_ptr<comm::TpProcessGroup> group;
   if (leader) {
     auto started = startGroup(decode_cfg, args, *hash);
     if (!started.ok()) return reportFailure(started.error());
@@ -274,7 +275,7 @@ int runDecode(const std::vector<std::string>& raw_args) {
   auto loaded_engine = loadServingEngine(*model_dir, static_cast<int>(decode_cfg.threads), group.get());
   if (!loaded_engine.ok()) return reportFailure(loaded_engine.error());
   std::unique_ptr<model::Engine> serving = std::move(loaded_engine->engine);
-  decode::TpLeaderEngine* const tp_leader = loaded_engine->tp_leader;
+  model::TpLeaderEngine* const tp_leader = loaded_engine->tp_leader;
   log::info("decode", "model {} loaded ({}), hash {}", model_dir->string(), serving->capabilities().backend,
             modelHashHex(*hash));
 
@@ -283,7 +284,7 @@ int runDecode(const std::vector<std::string>& raw_args) {
   options.kvtransfer = kv_cfg;
   options.model_hash = *hash;
   options.tp_leader = tp_leader;
-  // The server owns the engine (and so the TpLeaderEngine); `group` outlives it (declared first).
+  // The server owns the engine (and so the model::TpLeaderEngine); `group` outlives it (declared first).
   auto server = decode::DecodeServer::start(std::move(serving), options);
   if (!server.ok()) return reportFailure(server.error());
   std::printf("PDSERVE_READY role=decode url=%s\n", (*server)->url().c_str());

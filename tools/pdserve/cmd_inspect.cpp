@@ -9,8 +9,8 @@
 #include <string_view>
 
 #include "cli.h"
-#include "pd/common/model_config.h"
-#include "pd/common/safetensors.h"
+#include "pd/engine/model_config.h"
+#include "pd/engine/safetensors.h"
 
 namespace pd::cli {
 namespace {

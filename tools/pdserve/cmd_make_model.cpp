@@ -8,8 +8,8 @@
 #include <vector>
 
 #include "cli.h"
-#include "pd/common/model_config.h"
-#include "pd/common/model_factory.h"
+#include "pd/engine/model_config.h"
+#include "pd/engine/model_factory.h"
 
 namespace pd::cli {
 

@@ -17,12 +17,12 @@
 #include <vector>
 
 #include "cli.h"
-#include "pd/common/model/engine.h"
-#include "pd/common/model/generate.h"
-#include "pd/common/model/kernels.h"
-#include "pd/common/model/sampling.h"
-#include "pd/common/model/thread_pool.h"
-#include "pd/common/safetensors.h"
+#include "pd/engine/engine.h"
+#include "pd/engine/generate.h"
+#include "pd/engine/kernels.h"
+#include "pd/engine/safetensors.h"
+#include "pd/engine/sampling.h"
+#include "pd/engine/thread_pool.h"
 
 namespace pd::cli {
 namespace {

@@ -7,7 +7,7 @@
 //
 // Tensor parallelism (docs/tensor-parallel.md): with prefill.tensor_parallel N > 1 this process is
 // rank 0: it spawns ranks 1..N-1 (its own command line plus --prefill.tp_rank r --prefill.tp_group
-// NAME) joined over shared memory, wraps its shard in a TpLeaderEngine and serves; every forward
+// NAME) joined over shared memory, wraps its shard in a model::TpLeaderEngine and serves; every forward
 // runs sharded on all ranks, and rank 0's sink streams the latent KV (MLA's latent is replicated,
 // so rank 0 has all of it). A spawned rank prints no READY line, ignores SIGTERM / SIGINT and
 // exits 0 when rank 0 stops the group (1 when the group failed). A rank that exits breaks the
@@ -24,15 +24,16 @@
 #include <string_view>
 
 #include "cli.h"
+#include "pd/comm/process_group.h"
+#include "pd/comm/shm_communicator.h"
 #include "pd/common/log.h"
-#include "pd/common/model/engine.h"
-#include "pd/common/shm_communicator.h"
 #include "pd/common/subprocess.h"
-#include "pd/decode/tp_engine.h"
 #include "pd/decode/tp_worker.h"
+#include "pd/engine/engine.h"
+#include "pd/engine/model_hash.h"
+#include "pd/engine/tp_engine.h"
 #include "pd/kvtransfer/kvtransfer_config.h"
 #include "pd/kvtransfer/ucx_transport.h"
-#include "pd/prefill/model_hash.h"
 #include "pd/prefill/prefill_config.h"
 #include "pd/prefill/prefill_server.h"
 #include "serving_engine.h"
@@ -80,7 +81,7 @@ int runSpawnedRank(const prefill::PrefillConfig& pre, const std::filesystem::pat
   auto engine = model::createCpuEngine(model_dir, engine_options);
   if (!engine.ok()) return reportFailure(engine.error());
   log::info("prefill", "tensor-parallel rank {} of {} serving", pre.tp_rank, pre.tensor_parallel);
-  const Status s = decode::runTpFollower(**engine, **comm, decode::ownedTpCache());
+  const Status s = model::runTpFollower(**engine, **comm, model::ownedTpCache());
   if (!s.ok()) {
     log::error("prefill", "tensor-parallel rank {}: {}", pre.tp_rank, s.error().toString());
     return 1;
@@ -128,21 +129,21 @@ int runPrefill(const std::vector<std::string>& raw_args) {
   }
   auto model_dir = resolveModelDir(common);
   if (!model_dir.ok()) return reportFailure(model_dir.error());
-  auto hash = prefill::modelHash(*model_dir);
+  auto hash = pd::modelHash(*model_dir);
   if (!hash.ok()) return reportFailure(hash.error());
   if (prefill_cfg.tp_rank > 0) return runSpawnedRank(prefill_cfg, *model_dir);
 
-  std::unique_ptr<decode::TpProcessGroup> group;
+  std::unique_ptr<comm::TpProcessGroup> group;
   if (prefill_cfg.tensor_parallel > 1) {
     auto self = proc::selfExecutable();
     if (!self.ok()) return reportFailure(self.error());
-    decode::TpGroupOptions o;
+    comm::TpGroupOptions o;
     o.size = static_cast<int>(prefill_cfg.tensor_parallel);
     o.child_argv = {*self, "prefill"};
     o.child_argv.insert(o.child_argv.end(), args.begin(), args.end());  // --check-config already removed
     o.section = "prefill";
     o.join_timeout = kTpJoinTimeout;
-    auto started = decode::TpProcessGroup::start(std::move(o));
+    auto started = comm::TpProcessGroup::start(std::move(o));
     if (!started.ok()) return reportFailure(started.error());
     group = std::move(started).value();
     log::info("prefill", "tensor-parallel group of {} ranks joined ({})", prefill_cfg.tensor_parallel,
@@ -151,16 +152,16 @@ int runPrefill(const std::vector<std::string>& raw_args) {
   auto loaded_engine = loadServingEngine(*model_dir, static_cast<int>(prefill_cfg.threads), group.get());
   if (!loaded_engine.ok()) return reportFailure(loaded_engine.error());
   std::unique_ptr<model::Engine> serving = std::move(loaded_engine->engine);
-  decode::TpLeaderEngine* const tp_leader = loaded_engine->tp_leader;
+  model::TpLeaderEngine* const tp_leader = loaded_engine->tp_leader;
   log::info("prefill", "model {} loaded ({}), hash {}", model_dir->string(), serving->capabilities().backend,
-            prefill::modelHashHex(*hash));
+            pd::modelHashHex(*hash));
 
   prefill::PrefillServerOptions options;
   options.prefill = prefill_cfg;
   options.kvtransfer = kv_cfg;
   options.model_hash = *hash;
   if (tp_leader != nullptr) options.broken = [tp_leader] { return tp_leader->broken(); };
-  // The server owns the engine (and so the TpLeaderEngine); `group` outlives it (declared first).
+  // The server owns the engine (and so the model::TpLeaderEngine); `group` outlives it (declared first).
   auto server = prefill::PrefillServer::start(std::move(serving), options);
   if (!server.ok()) return reportFailure(server.error());
   std::printf("PDSERVE_READY role=prefill url=%s\n", (*server)->url().c_str());

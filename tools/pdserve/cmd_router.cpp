@@ -19,7 +19,7 @@
 #include "cli.h"
 #include "pd/common/log.h"
 #include "pd/common/metrics.h"
-#include "pd/common/model_config.h"
+#include "pd/engine/model_config.h"
 #include "pd/router/api_server.h"
 #include "pd/router/pd_backend.h"
 #include "pd/router/router_config.h"

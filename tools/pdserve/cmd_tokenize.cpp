@@ -12,8 +12,8 @@
 #include <vector>
 
 #include "cli.h"
-#include "pd/common/chat_template.h"
-#include "pd/common/tokenizer.h"
+#include "pd/tokenizer/chat_template.h"
+#include "pd/tokenizer/tokenizer.h"
 
 namespace pd::cli {
 namespace {

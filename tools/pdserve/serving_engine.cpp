@@ -6,7 +6,7 @@
 namespace pd::cli {
 
 Result<ServingEngine> loadServingEngine(const std::filesystem::path& model_dir, int threads,
-                                        decode::TpProcessGroup* group) {
+                                        comm::TpProcessGroup* group) {
   model::CpuEngineOptions options;
   options.threads = threads;
   if (group != nullptr) options.tp = &group->comm();
@@ -14,7 +14,7 @@ Result<ServingEngine> loadServingEngine(const std::filesystem::path& model_dir, 
   ServingEngine out;
   out.engine = std::move(engine);
   if (group != nullptr) {
-    auto wrapped = std::make_unique<decode::TpLeaderEngine>(std::move(out.engine), group->comm());
+    auto wrapped = std::make_unique<model::TpLeaderEngine>(std::move(out.engine), group->comm());
     out.tp_leader = wrapped.get();
     out.engine = std::move(wrapped);
   }

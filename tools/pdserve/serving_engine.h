@@ -1,26 +1,27 @@
 #pragma once
 // The engine a worker process serves with (the prefill and decode commands): the CPU engine of
-// this rank's shard, wrapped in a TpLeaderEngine when the process leads a tensor-parallel group.
+// this rank's shard, wrapped in a model::TpLeaderEngine when the process leads a tensor-parallel group.
 // Thread rules: main thread, at start-up.
 
 #include <filesystem>
 #include <memory>
 
-#include "pd/common/model/engine.h"
+#include "pd/comm/process_group.h"
 #include "pd/common/result.h"
-#include "pd/decode/tp_engine.h"
 #include "pd/decode/tp_worker.h"
+#include "pd/engine/engine.h"
+#include "pd/engine/tp_engine.h"
 
 namespace pd::cli {
 
 struct ServingEngine {
   std::unique_ptr<model::Engine> engine;
-  decode::TpLeaderEngine* tp_leader = nullptr;  ///< inside `engine` when `group` was given; else null
+  model::TpLeaderEngine* tp_leader = nullptr;  ///< inside `engine` when `group` was given; else null
 };
 
 /// Loads `model_dir` with `threads` compute threads; with `group` (may be null) the engine is rank
-/// 0's shard of the group's communicator, wrapped in a TpLeaderEngine.
+/// 0's shard of the group's communicator, wrapped in a model::TpLeaderEngine.
 Result<ServingEngine> loadServingEngine(const std::filesystem::path& model_dir, int threads,
-                                        decode::TpProcessGroup* group);
+                                        comm::TpProcessGroup* group);
 
 }  // namespace pd::cli

@@ -12,7 +12,7 @@
 #include <set>
 
 #include "pd/common/dtype.h"
-#include "pd/common/model_factory.h"
+#include "pd/engine/model_factory.h"
 
 namespace pd::plan {
 namespace {

@@ -14,8 +14,8 @@
 #include <string_view>
 #include <vector>
 
-#include "pd/common/model_config.h"
 #include "pd/common/result.h"
+#include "pd/engine/model_config.h"
 
 namespace pd::plan {
 

@@ -1,7 +1,7 @@
 """A byte-level BPE tokenizer in the Hugging Face tokenizer.json format, trained here.
 
 The pre-tokenizer is DeepSeek-V3's (the three Split regexes then ByteLevel, copied by value), so
-the project's tokenizer (common/src/tokenizer/) loads the file unchanged. Python side: `regex`
+the project's tokenizer (tokenizer/src/) loads the file unchanged. Python side: `regex`
 (Debian python3-regex) runs the same patterns; BPE applies merges by rank like Hugging Face.
 
   python3 tokenizer.py train --corpus /work/train-data/corpus/train.jsonl --vocab 4096 --out DIR

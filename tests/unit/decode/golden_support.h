@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "pd/common/check.h"
-#include "pd/common/safetensors.h"
+#include "pd/engine/safetensors.h"
 
 namespace pd::decode::test_support {
 

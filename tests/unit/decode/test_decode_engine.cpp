@@ -11,13 +11,13 @@
 #include <string>
 #include <vector>
 
-#include "pd/common/model/engine.h"
-#include "pd/common/model/generate.h"
-#include "pd/common/model/latent_cache.h"
-#include "pd/common/model/sampling.h"
-#include "pd/common/safetensors.h"
 #include "pd/decode/decode_engine.h"
 #include "pd/decode/kv_pool.h"
+#include "pd/engine/engine.h"
+#include "pd/engine/generate.h"
+#include "pd/engine/latent_cache.h"
+#include "pd/engine/safetensors.h"
+#include "pd/engine/sampling.h"
 #include "unit/decode/golden_support.h"
 
 namespace pd::decode {
@@ -49,7 +49,7 @@ class PoolWriter : public model::LatentKvSink {
 // What a prefill worker does for one request: the main model and the MTP layer over the prompt
 // in its own cache, each layer also written to the decode pool; the completion record.
 kvtransfer::CompletionRecord prefill(model::Engine& engine, std::span<const std::int32_t> prompt, const KvPool& pool,
-                                     std::vector<std::int32_t> block_ids, const model::SamplingParams& sampling = {}) {
+                                     std::vector<std::int32_t> block_ids, const pd::SamplingParams& sampling = {}) {
   const ModelConfig& cfg = engine.config();
   const auto n = static_cast<std::int64_t>(prompt.size());
   const std::int64_t bs = 16;
@@ -203,7 +203,7 @@ class DecodeGolden : public ::testing::TestWithParam<std::string> {
   std::vector<std::vector<std::int32_t>> decodeTogether(const std::vector<std::vector<std::int32_t>>& prompts,
                                                         std::int64_t max_tokens, std::int64_t drafts,
                                                         DecodeStats* stats = nullptr, std::int64_t max_running = 64,
-                                                        const model::SamplingParams& sampling = {},
+                                                        const pd::SamplingParams& sampling = {},
                                                         KvPool* pool = nullptr) {
     KvPool& kv = pool != nullptr ? *pool : *pool_;
     std::vector<Stream> streams(prompts.size());  // outlives the engine, whose destructor may call sinks
@@ -308,7 +308,7 @@ TEST_P(DecodeGolden, MoreRequestsThanBatchSlotsGiveTheSameTokens) {
 }
 
 TEST_P(DecodeGolden, SampledTokensDoNotDependOnSpeculation) {
-  model::SamplingParams sp;
+  pd::SamplingParams sp;
   sp.temperature = 0.8;
   sp.top_k = 50;
   sp.seed = 1234;

@@ -13,12 +13,12 @@
 #include <vector>
 
 #include "fakes/loopback_transport.h"
-#include "pd/common/model/engine.h"
-#include "pd/common/model/latent_cache.h"
-#include "pd/common/model/sampling.h"
-#include "pd/common/safetensors.h"
 #include "pd/decode/decode_loop.h"
 #include "pd/decode/kv_pool.h"
+#include "pd/engine/engine.h"
+#include "pd/engine/latent_cache.h"
+#include "pd/engine/safetensors.h"
+#include "pd/engine/sampling.h"
 #include "pd/kvtransfer/layout.h"
 #include "unit/decode/golden_support.h"
 

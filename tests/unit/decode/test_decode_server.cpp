@@ -18,9 +18,9 @@
 #include <vector>
 
 #include "pd/common/http_client.h"
-#include "pd/common/model/engine.h"
 #include "pd/common/worker_api.h"
 #include "pd/decode/decode_server.h"
+#include "pd/engine/engine.h"
 #include "pd/kvtransfer/ucx_transport.h"
 #include "pd/kvtransfer/wire.h"
 #include "pd/prefill/prefill_engine.h"

@@ -23,11 +23,11 @@
 #include <utility>
 #include <vector>
 
-#include "pd/common/model/engine.h"
-#include "pd/common/model/latent_cache.h"
-#include "pd/common/model/sampling.h"
 #include "pd/decode/decode_engine.h"
 #include "pd/decode/kv_pool.h"
+#include "pd/engine/engine.h"
+#include "pd/engine/latent_cache.h"
+#include "pd/engine/sampling.h"
 #include "unit/decode/golden_support.h"
 
 namespace pd::decode {
@@ -52,7 +52,7 @@ double chiSquareCritical(std::int64_t df) {
 
 // The sampler's distribution for `logits` (temperature, then top-k; no penalties): what
 // model::Sampler draws from, as a full-vocabulary vector.
-std::vector<double> samplingDistribution(std::span<const float> logits, const model::SamplingParams& sp) {
+std::vector<double> samplingDistribution(std::span<const float> logits, const pd::SamplingParams& sp) {
   std::vector<std::int32_t> order(logits.size());
   std::iota(order.begin(), order.end(), 0);
   std::sort(order.begin(), order.end(), [&](std::int32_t a, std::int32_t b) {
@@ -336,7 +336,7 @@ class SpeculativeSampling : public ::testing::Test {
 
   std::unique_ptr<model::Engine> engine_;
   std::vector<std::int32_t> prompt_;
-  model::SamplingParams sampling_;
+  pd::SamplingParams sampling_;
   std::unique_ptr<RecordingSink> sink_;
   kvtransfer::CompletionRecord record_;
   std::vector<double> p1_;
@@ -358,7 +358,7 @@ TEST_F(SpeculativeSampling, TheHarnessRejectsTheResampleFromPBug) {
   std::map<std::int32_t, std::int64_t> right;
   std::map<std::int32_t, std::int64_t> wrong;
   for (std::int64_t i = 0; i < kSamples; ++i) {
-    model::SamplingParams sp = sampling_;
+    pd::SamplingParams sp = sampling_;
     sp.seed = 7 + static_cast<std::uint64_t>(i) * 0x9E3779B97F4A7C15ULL;
     model::Sampler s(sp);
     const std::int32_t first = s.sample(logits).token;

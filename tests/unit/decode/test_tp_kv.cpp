@@ -58,7 +58,7 @@ TEST_P(TpKv, PrefillWritesEveryRanksPoolAndTheGroupDecodesTheGoldenTokens) {
 
   // Rank 0, the leader: the same start-up steps by hand (DecodeServer does them in the worker).
   const auto lead = [&] {
-    TpLeaderEngine leader(makeRankEngine(dir, group[0].get()), *group[0]);
+    model::TpLeaderEngine leader(makeRankEngine(dir, group[0].get()), *group[0]);
     auto pool = KvPool::create(leader.config(), kBlocks, kBlockSize, DType::F32);
     ASSERT_TRUE(pool.ok());
     const kvt::CompatInfo compat = pool->compat(kModelHash, 2);

@@ -7,7 +7,8 @@
 
 #include <chrono>
 
-#include "pd/common/shm_communicator.h"
+#include "pd/comm/process_group.h"
+#include "pd/comm/shm_communicator.h"
 #include "pd/decode/tp_worker.h"
 #include "tp_test_support.h"
 
@@ -15,6 +16,8 @@ namespace pd::decode {
 namespace {
 
 using namespace std::chrono_literals;
+using comm::TpGroupOptions;
+using comm::TpProcessGroup;
 using test_support::goldenDir;
 using test_support::goldenIds;
 using test_support::makeRankEngine;
@@ -54,13 +57,13 @@ TEST_P(TpProcess, TwoProcessesGiveTheGoldenGreedyTokens) {
   const comm::ShmOptions o = groupOptions();
   const pid_t child = forkFollower(o, [&](comm::Communicator& comm) {
     auto engine = makeRankEngine(dir, &comm);
-    return runTpFollower(*engine, comm, ownedTpCache()).ok() ? 0 : 11;
+    return model::runTpFollower(*engine, comm, model::ownedTpCache()).ok() ? 0 : 11;
   });
   ASSERT_GT(child, 0);
   auto comm = comm::createShmCommunicator(o);
   ASSERT_TRUE(comm.ok()) << comm.error().toString();
   const auto lead = [&] {
-    TpLeaderEngine leader(makeRankEngine(dir, comm->get()), **comm);
+    model::TpLeaderEngine leader(makeRankEngine(dir, comm->get()), **comm);
     for (std::int64_t drafts : {0, 1}) {
       model::GenerateOptions g;
       const std::vector<std::int32_t> want = goldenIds(dir / "golden.safetensors", "p0.greedy");
@@ -83,7 +86,7 @@ TEST_P(TpProcess, ADeadFollowerFailsTheLeadersCall) {
   ASSERT_GT(child, 0);
   auto comm = comm::createShmCommunicator(o);
   ASSERT_TRUE(comm.ok()) << comm.error().toString();
-  TpLeaderEngine leader(makeRankEngine(dir, comm->get()), **comm);
+  model::TpLeaderEngine leader(makeRankEngine(dir, comm->get()), **comm);
   const std::vector<std::int32_t> tokens{1, 2, 3};
   const std::vector<std::int32_t> table{0};
   const model::SequenceChunk chunk{tokens, 0, table, {}, 0};

@@ -9,10 +9,10 @@
 #include <vector>
 
 #include "golden_support.h"
-#include "pd/common/communicator.h"
-#include "pd/common/model/engine.h"
-#include "pd/common/model/generate.h"
-#include "pd/decode/tp_engine.h"
+#include "pd/comm/communicator.h"
+#include "pd/engine/engine.h"
+#include "pd/engine/generate.h"
+#include "pd/engine/tp_engine.h"
 
 namespace pd::decode::test_support {
 

@@ -20,8 +20,8 @@
 
 #include "fakes/loopback_transport.h"
 #include "pd/common/dtype.h"
-#include "pd/common/model/engine.h"
-#include "pd/common/safetensors.h"
+#include "pd/engine/engine.h"
+#include "pd/engine/safetensors.h"
 #include "pd/prefill/prefill_engine.h"
 #include "pd/prefill/transport_kv_sink.h"
 #include "unit/prefill/prefill_golden.h"

@@ -14,7 +14,7 @@
 #include <string_view>
 #include <vector>
 
-#include "pd/common/model/sampling.h"
+#include "pd/common/generation.h"
 #include "pd/common/result.h"
 
 namespace pd::worker_api {
@@ -37,7 +37,7 @@ struct DecodeOpen {
   std::int64_t prompt_tokens = 0;
   std::int64_t max_tokens = 16;  ///< the first token (sampled by prefill) counts
   /// Must equal what the prefill worker gets (same seed): decode replays the first draw.
-  model::SamplingParams sampling;
+  pd::SamplingParams sampling;
   bool logprobs = false;  ///< report each token's logprob (and sampling.top_logprobs alternatives)
   std::vector<std::int32_t> stop_token_ids;
   bool ignore_eos = false;
@@ -53,7 +53,7 @@ enum class DecodeEventType { Descriptor, Tokens, Finish, Error };
 struct TokenLogprobs {
   std::int32_t token = 0;
   float logprob = 0.0F;
-  std::vector<model::TokenLogprob> top;  ///< best first
+  std::vector<pd::TokenLogprob> top;  ///< best first
 };
 
 /// One line of the decode stream. The first is Descriptor; then Tokens events; the last is
@@ -85,7 +85,7 @@ struct AbortRequest {
 struct PrefillSubmit {
   std::string request_id;
   std::vector<std::int32_t> token_ids;
-  model::SamplingParams sampling;
+  pd::SamplingParams sampling;
   bool logprobs = false;
   std::string kv_descriptor;  ///< as the decode worker's Descriptor event gave it (raw bytes)
   std::int64_t timeout_ms = 60000;

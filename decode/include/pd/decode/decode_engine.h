@@ -57,13 +57,13 @@
 #include <unordered_map>
 #include <vector>
 
-#include "pd/common/model/engine.h"
-#include "pd/common/model/sampling.h"
 #include "pd/common/result.h"
 #include "pd/decode/decode_config.h"
 #include "pd/decode/decode_metrics.h"
 #include "pd/decode/kv_block_manager.h"
 #include "pd/decode/kv_pool.h"
+#include "pd/engine/engine.h"
+#include "pd/engine/sampling.h"
 #include "pd/kvtransfer/wire.h"
 
 namespace pd::decode {
@@ -96,7 +96,7 @@ struct DecodeRequest {
   std::uint64_t id = 0;
   std::int64_t prompt_tokens = 0;
   std::int64_t max_tokens = 16;  ///< the first token (from prefill) counts
-  model::SamplingParams sampling;
+  pd::SamplingParams sampling;
   std::vector<std::int32_t> stop_token_ids;
   bool ignore_eos = false;
   Clock::time_point kv_deadline = Clock::time_point::max();

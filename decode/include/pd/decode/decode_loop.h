@@ -22,23 +22,26 @@
 #include <thread>
 #include <vector>
 
-#include "pd/common/model/engine.h"
 #include "pd/common/result.h"
 #include "pd/decode/decode_engine.h"
 #include "pd/decode/kv_pool.h"
+#include "pd/engine/engine.h"
 #include "pd/kvtransfer/transport.h"
 
-namespace pd::decode {
-
+namespace pd::model {
 class TpLeaderEngine;
+}  // namespace pd::model
+
+namespace pd::decode {
 
 class DecodeLoop {
  public:
   /// Starts the loop thread. `tp_leader` (may be null): the tensor-parallel leader engine
   /// (`engine` itself, seen as such); when set, every opened stream's KV expectation is relayed
-  /// to the followers (TpLeaderEngine::expectKv / cancelKv) on the loop thread, and an open
+  /// to the followers (model::TpLeaderEngine::expectKv / cancelKv) on the loop thread, and an open
   /// whose relay fails (a broken group: PeerFailed) fails with that error, nothing held.
-  DecodeLoop(model::Engine& engine, KvPool& pool, DecodeEngineOptions options, TpLeaderEngine* tp_leader = nullptr);
+  DecodeLoop(model::Engine& engine, KvPool& pool, DecodeEngineOptions options,
+             model::TpLeaderEngine* tp_leader = nullptr);
   ~DecodeLoop();
   DecodeLoop(const DecodeLoop&) = delete;
   DecodeLoop& operator=(const DecodeLoop&) = delete;
@@ -104,7 +107,7 @@ class DecodeLoop {
   void post(Command command) { inbox_->post(std::move(command)); }
   void run();
 
-  TpLeaderEngine* tp_leader_ = nullptr;
+  model::TpLeaderEngine* tp_leader_ = nullptr;
   DecodeEngine engine_;  // loop thread only once the thread runs
   std::shared_ptr<Inbox> inbox_ = std::make_shared<Inbox>();
   std::thread thread_;  // last: started after everything it uses exists

@@ -35,14 +35,14 @@
 
 #include "pd/common/http_server.h"
 #include "pd/common/metrics.h"
-#include "pd/common/model/engine.h"
 #include "pd/common/result.h"
 #include "pd/common/worker_api.h"
 #include "pd/decode/decode_config.h"
 #include "pd/decode/decode_loop.h"
 #include "pd/decode/decode_metrics.h"
 #include "pd/decode/kv_pool.h"
-#include "pd/decode/tp_engine.h"
+#include "pd/engine/engine.h"
+#include "pd/engine/tp_engine.h"
 #include "pd/kvtransfer/kvtransfer_config.h"
 #include "pd/kvtransfer/transport.h"
 
@@ -58,7 +58,7 @@ struct DecodeServerOptions {
   /// its group size; start() exchanges KV targets with the followers (a collective: they must be
   /// in TpFollowerWorker::start), descriptors list every rank's target, every open relays its KV
   /// expectation to the followers, and /ready answers 503 once the group is broken.
-  TpLeaderEngine* tp_leader = nullptr;
+  model::TpLeaderEngine* tp_leader = nullptr;
 };
 
 class DecodeServer {

@@ -17,9 +17,9 @@
 #include <span>
 
 #include "pd/common/dtype.h"
-#include "pd/common/model/latent_cache.h"
-#include "pd/common/model_config.h"
 #include "pd/common/result.h"
+#include "pd/engine/latent_cache.h"
+#include "pd/engine/model_config.h"
 #include "pd/kvtransfer/transport.h"
 #include "pd/kvtransfer/wire.h"
 

@@ -1,26 +1,19 @@
 #pragma once
 /// The process side of a tensor-parallel worker (docs/tensor-parallel.md):
-///  - TpProcessGroup: this process's rank of a group plus the ranks it spawns on this machine
-///    (`pdserve <role> ... --<role>.tp_rank r`, i.e. its own command line plus that flag, and
-///    `--<role>.tp_group NAME` on one machine), joined in a communicator: shared memory
-///    (shm_communicator.h) when the whole group is on this machine, TCP around rank 0
-///    (tcp_communicator.h) when a rendezvous address is given (several nodes). Rank 0 is the
-///    leader; across nodes, node n's process is rank n * local_ranks and spawns the next
-///    local_ranks - 1 ranks;
+/// (the rank process group that starts the ranks is comm::TpProcessGroup, process_group.h)
 ///  - TpFollowerWorker: the body of a decode follower rank: its own KV pool (same geometry and
 ///    block ids as the leader's), its own kvtransfer transport with the pool registered, its KV
-///    target sent to the leader (exchangeKvTargets), then runTpFollower() until the leader stops
+///    target sent to the leader (exchangeKvTargets), then model::runTpFollower() until the leader stops
 ///    the group.
 ///
 /// Start-up order (every step after the communicator is a collective, so both sides follow it):
-///   leader:   TpProcessGroup::start → createCpuEngine(tp = &group.comm()) → TpLeaderEngine →
+///   leader:   comm::TpProcessGroup::start → createCpuEngine(tp = &group.comm()) → model::TpLeaderEngine →
 ///             KvPool + transport + exportTarget(0) → exchangeKvTargets → serve
-///   follower: join (TpProcessGroup::start, or createShm/TcpCommunicator for a spawned rank) →
+///   follower: join (comm::TpProcessGroup::start, or createShm/TcpCommunicator for a spawned rank) →
 ///             createCpuEngine(tp) → TpFollowerWorker::start (pool, transport, exportTarget(r),
 ///             exchangeKvTargets) → run()
 ///
-/// Thread rules: both classes are driven by one thread (the process's main / engine thread);
-/// TpProcessGroup::checkLocalRanks() may be called from another thread.
+/// Thread rules: driven by one thread (the process's main / engine thread).
 
 #include <chrono>
 #include <cstdint>
@@ -30,65 +23,15 @@
 #include <string>
 #include <vector>
 
-#include "pd/common/communicator.h"
-#include "pd/common/model/engine.h"
+#include "pd/comm/communicator.h"
 #include "pd/common/result.h"
-#include "pd/common/subprocess.h"
 #include "pd/decode/decode_config.h"
 #include "pd/decode/kv_pool.h"
+#include "pd/engine/engine.h"
 #include "pd/kvtransfer/kvtransfer_config.h"
 #include "pd/kvtransfer/transport.h"
 
 namespace pd::decode {
-
-struct TpGroupOptions {
-  int size = 2;  ///< ranks in the whole group
-  /// This process's rank: 0 (the leader) or, across nodes, the first rank of its node.
-  int rank = 0;
-  /// Ranks on this machine, this process included (it spawns rank+1 .. rank+local_ranks-1);
-  /// 0 = size (the whole group here).
-  int local_ranks = 0;
-  /// The spawned ranks' command line (argv[0] = the pdserve executable); each gets
-  /// `--<section>.tp_rank r` appended, plus `--<section>.tp_group NAME` for a shm group.
-  std::vector<std::string> child_argv;
-  std::string section = "decode";
-  /// Empty: shm group (the whole group on this machine). Otherwise rank 0's host:port: a TCP group
-  /// (TcpOptions::address); the spawned ranks find it in their own command line.
-  std::string dist_init_address;
-  std::uint64_t group_key = 0;                     ///< TcpOptions::group_key (e.g. the model hash)
-  std::chrono::milliseconds join_timeout{600000};  ///< model loading included
-  /// TEST-ONLY ShmOptions::inject_latency of this process's communicator (0 = off; shm only).
-  std::chrono::microseconds inject_latency{0};
-  /// TCP, rank 0: called with the port it listens on (tests pass port 0).
-  std::function<void(int port)> on_listening;
-};
-
-class TpProcessGroup {
- public:
-  /// Spawns the local ranks and waits up to `join_timeout` until the whole group joined. A spawned
-  /// rank that exits before joining fails start() at once with PeerFailed. The children get
-  /// SIGKILL if this process dies.
-  static Result<std::unique_ptr<TpProcessGroup>> start(TpGroupOptions options);
-  /// Waits up to 10 s for the spawned ranks to exit (stop the group first), then kills them.
-  ~TpProcessGroup();
-  TpProcessGroup(const TpProcessGroup&) = delete;
-  TpProcessGroup& operator=(const TpProcessGroup&) = delete;
-
-  [[nodiscard]] comm::Communicator& comm() { return *comm_; }
-  /// "shm NAME" or "tcp HOST:PORT".
-  [[nodiscard]] const std::string& describe() const { return description_; }
-  /// Spawned ranks' exit statuses so far (nullopt: still running), in rank order.
-  std::vector<std::optional<int>> pollLocalRanks();
-  /// PeerFailed naming the first spawned rank that exited, else OK.
-  Status checkLocalRanks();
-
- private:
-  TpProcessGroup() = default;
-  std::string description_;
-  int first_child_rank_ = 1;
-  std::vector<std::unique_ptr<proc::Subprocess>> children_;
-  std::unique_ptr<comm::Communicator> comm_;
-};
 
 struct TpFollowerOptions {
   DecodeConfig decode;  ///< num_blocks, block_size, kv_dtype as the leader's
@@ -124,5 +67,9 @@ class TpFollowerWorker {
   kvtransfer::RegionId region_{};
   bool region_registered_ = false;
 };
+
+/// Every rank passes its own KV target (tp_rank = its rank); every rank gets all of them in rank
+/// order (the leader puts them in each request's descriptor). A collective: all ranks call it.
+Result<std::vector<kvtransfer::KvTarget>> exchangeKvTargets(comm::Communicator& comm, kvtransfer::KvTarget mine);
 
 }  // namespace pd::decode

@@ -34,10 +34,10 @@
 #include <unordered_set>
 #include <vector>
 
-#include "pd/common/model/engine.h"
-#include "pd/common/model/latent_cache.h"
-#include "pd/common/model/sampling.h"
 #include "pd/common/result.h"
+#include "pd/engine/engine.h"
+#include "pd/engine/latent_cache.h"
+#include "pd/engine/sampling.h"
 #include "pd/prefill/kv_sink.h"
 #include "pd/prefill/prefill_config.h"
 
@@ -48,7 +48,7 @@ using Clock = std::chrono::steady_clock;
 struct PrefillRequest {
   std::uint64_t id = 0;
   std::vector<std::int32_t> tokens;  ///< the prompt; at least one token
-  model::SamplingParams sampling;
+  pd::SamplingParams sampling;
   bool logprobs = false;  ///< fill first_logprob (and top_logprobs per sampling)
   Clock::time_point deadline = Clock::time_point::max();
   std::unique_ptr<KvSink> sink;  ///< where the KV and the outcome go; required

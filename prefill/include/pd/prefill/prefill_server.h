@@ -29,8 +29,8 @@
 #include <string>
 
 #include "pd/common/metrics.h"
-#include "pd/common/model/engine.h"
 #include "pd/common/result.h"
+#include "pd/engine/engine.h"
 #include "pd/kvtransfer/kvtransfer_config.h"
 #include "pd/prefill/prefill_config.h"
 

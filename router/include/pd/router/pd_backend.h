@@ -40,10 +40,10 @@
 
 #include "pd/common/metrics.h"
 #include "pd/common/result.h"
-#include "pd/common/tokenizer.h"
 #include "pd/router/completion_backend.h"
 #include "pd/router/router_config.h"
 #include "pd/router/worker_registry.h"
+#include "pd/tokenizer/tokenizer.h"
 
 namespace pd::router {
 

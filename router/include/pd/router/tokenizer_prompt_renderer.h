@@ -13,9 +13,9 @@
 #include <filesystem>
 #include <memory>
 
-#include "pd/common/chat_template.h"
-#include "pd/common/tokenizer.h"
 #include "pd/router/prompt_renderer.h"
+#include "pd/tokenizer/chat_template.h"
+#include "pd/tokenizer/tokenizer.h"
 
 namespace pd::router {
 

@@ -1,0 +1,21 @@
+// Validation of the generation vocabulary (generation.h).
+#include "pd/common/generation.h"
+
+#include <cmath>
+#include <string>
+
+namespace pd {
+
+Status validate(const SamplingParams& p) {
+  const auto bad = [](std::string what) { return makeError(ErrorCode::InvalidArgument, std::move(what)); };
+  if (!(p.temperature >= 0.0) || !std::isfinite(p.temperature)) return bad("temperature must be >= 0");
+  if (p.top_k < 0) return bad("top_k must be >= 0");
+  if (!(p.top_p > 0.0 && p.top_p <= 1.0)) return bad("top_p must be in (0, 1]");
+  if (!(p.min_p >= 0.0 && p.min_p <= 1.0)) return bad("min_p must be in [0, 1]");
+  if (!(p.presence_penalty >= -2.0 && p.presence_penalty <= 2.0)) return bad("presence_penalty must be in [-2, 2]");
+  if (!(p.frequency_penalty >= -2.0 && p.frequency_penalty <= 2.0)) return bad("frequency_penalty must be in [-2, 2]");
+  if (p.top_logprobs < 0 || p.top_logprobs > 20) return bad("top_logprobs must be in [0, 20]");
+  return okStatus();
+}
+
+}  // namespace pd

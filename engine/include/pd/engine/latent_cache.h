@@ -1,0 +1,68 @@
+#pragma once
+/// The paged latent-KV cache the engine reads and writes: per KV layer (main layers, then the
+/// MTP layer) a region [num_blocks][block_size][latent_dim] of F32 or BF16 values, where a
+/// token's latent is (normalized c_kv [kv_lora_rank] ‖ RoPE'd k_pe [qk_rope_head_dim]).
+/// A sequence owns a list of block ids; position p lives in block_table[p / block_size] at
+/// offset p % block_size (DESIGN §4).
+///
+/// Thread rules: LatentCacheView is a plain value; whoever owns the memory decides who may
+/// write it (the engine writes only during forward calls, on the engine thread).
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <vector>
+
+#include "pd/common/dtype.h"
+#include "pd/common/result.h"
+#include "pd/engine/model_config.h"
+
+namespace pd::model {
+
+/// Non-owning description of cache memory (a PagedLatentCache, or a worker's registered pool).
+struct LatentCacheView {
+  DType dtype = DType::F32;     ///< F32 or BF16
+  std::int64_t latent_dim = 0;  ///< kv_lora_rank + qk_rope_head_dim
+  std::int64_t block_size = 0;  ///< tokens per block
+  std::int64_t num_blocks = 0;
+  std::vector<std::byte*> layers;  ///< base of each KV layer's region
+
+  /// Address of `layer`'s slot for token `offset` of `block`.
+  [[nodiscard]] std::byte* slot(std::int64_t layer, std::int64_t block, std::int64_t offset) const {
+    return layers[static_cast<std::size_t>(layer)] +
+           static_cast<std::size_t>((block * block_size + offset) * latent_dim) * dtypeSize(dtype);
+  }
+};
+
+/// Reads the latent of position `pos` of a sequence as float32 into out[0, latent_dim).
+void readLatent(const LatentCacheView& cache, std::int64_t layer, std::span<const std::int32_t> block_table,
+                std::int64_t pos, float* out);
+/// Writes float32 values into position `pos` (rounded to nearest even for BF16).
+void writeLatent(const LatentCacheView& cache, std::int64_t layer, std::span<const std::int32_t> block_table,
+                 std::int64_t pos, const float* values);
+
+/// Cache memory owned in this process (tests, the CLI, a prefill worker's local cache).
+/// Move-only; thread rules as for the view.
+class PagedLatentCache {
+ public:
+  /// `layers` regions of num_blocks x block_size tokens. InvalidArgument for a dtype other than
+  /// F32/BF16 or non-positive sizes; ResourceExhausted if the allocation fails.
+  static Result<PagedLatentCache> create(std::int64_t layers, std::int64_t latent_dim, std::int64_t num_blocks,
+                                         std::int64_t block_size, DType dtype);
+  /// One layer per KV layer of `config` (main layers + MTP layers).
+  static Result<PagedLatentCache> create(const ModelConfig& config, std::int64_t num_blocks, std::int64_t block_size,
+                                         DType dtype = DType::F32);
+
+  [[nodiscard]] const LatentCacheView& view() const { return view_; }
+  [[nodiscard]] std::size_t bytes() const { return bytes_; }
+
+ private:
+  PagedLatentCache(std::unique_ptr<std::byte[]> storage, std::size_t bytes, LatentCacheView view);
+
+  std::unique_ptr<std::byte[]> storage_;
+  std::size_t bytes_ = 0;
+  LatentCacheView view_;
+};
+
+}  // namespace pd::model

@@ -1,0 +1,61 @@
+#pragma once
+/// Token sampling from logits: greedy, temperature, top-k, top-p, min-p, presence/frequency
+/// penalties, a per-request seeded RNG (same seed and logits -> same tokens on any machine), and
+/// top-n logprobs.
+///
+/// Order of operations (as vLLM): penalties on the raw logits (from the tokens this sampler has
+/// produced so far), then temperature; greedy when temperature == 0 (argmax, lowest id on ties);
+/// otherwise top-k, then top-p over the remaining probability mass, then min-p relative to the
+/// most likely token, then one uniform draw from the RNG. Logprobs are those of the raw model
+/// distribution (log_softmax of the logits, before penalties and temperature).
+///
+/// Thread rules: a Sampler belongs to one request and is used by one thread at a time.
+
+#include <cstdint>
+#include <span>
+#include <unordered_map>
+#include <vector>
+
+#include "pd/common/generation.h"
+#include "pd/common/result.h"
+
+namespace pd::model {
+
+using pd::SamplingParams;
+using pd::TokenLogprob;
+
+struct SampledToken {
+  std::int32_t token = 0;
+  float logprob = 0.0F;           ///< of `token` under the raw model distribution
+  std::vector<TokenLogprob> top;  ///< top_logprobs most likely tokens, descending
+};
+
+class Sampler {
+ public:
+  /// The params must have passed validate() (PD_CHECKed).
+  explicit Sampler(SamplingParams params);
+
+  /// Picks the next token from one row of logits and records it for the penalties. Consumes
+  /// exactly one RNG draw when temperature > 0, none when greedy.
+  SampledToken sample(std::span<const float> logits);
+
+  /// Records a token produced elsewhere (e.g. the first token sampled by a prefill worker) for
+  /// the penalties, without sampling.
+  void observe(std::int32_t token);
+
+  [[nodiscard]] const SamplingParams& params() const { return params_; }
+
+ private:
+  double nextUniform();  // [0, 1), 53 random bits
+
+  SamplingParams params_;
+  std::uint64_t rng_state_;
+  std::unordered_map<std::int32_t, std::int64_t> counts_;
+  std::vector<float> work_;
+  std::vector<std::int32_t> order_;
+};
+
+/// Index of the largest logit, lowest index on ties.
+[[nodiscard]] std::int32_t argmax(std::span<const float> logits);
+
+}  // namespace pd::model

@@ -1,0 +1,116 @@
+#include "pd/engine/generate.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <numeric>
+
+namespace pd::model {
+
+Result<GenerateResult> generate(Engine& engine, std::span<const std::int32_t> prompt, const GenerateOptions& o) {
+  const ModelConfig& cfg = engine.config();
+  const auto n_prompt = static_cast<std::int64_t>(prompt.size());
+  if (n_prompt == 0) return makeError(ErrorCode::InvalidArgument, "generate: empty prompt");
+  if (o.max_tokens < 1) return makeError(ErrorCode::InvalidArgument, "generate: max_tokens must be >= 1");
+  if (o.mtp_drafts < 0 || o.block_size < 1 || o.prefill_chunk < 0) {
+    return makeError(ErrorCode::InvalidArgument, "generate: mtp_drafts, block_size and prefill_chunk must be >= 0");
+  }
+  PD_TRY(validate(o.sampling));
+  if (o.mtp_drafts > 0 && !engine.capabilities().mtp) {
+    return makeError(ErrorCode::Unsupported, "generate: the checkpoint has no MTP layer to draft with");
+  }
+  const std::int64_t max_pos =
+      cfg.max_position_embeddings > 0 ? cfg.max_position_embeddings : n_prompt + o.max_tokens + o.mtp_drafts + 1;
+  if (n_prompt + o.max_tokens - 1 > max_pos) {
+    return makeError(ErrorCode::InvalidArgument,
+                     fmt::format("generate: prompt ({}) + max_tokens ({}) exceeds max_position_embeddings ({})",
+                                 n_prompt, o.max_tokens, max_pos));
+  }
+  const std::int64_t capacity = n_prompt + o.max_tokens + o.mtp_drafts + 1;
+  const std::int64_t blocks = (capacity + o.block_size - 1) / o.block_size;
+  PD_ASSIGN_OR_RETURN(PagedLatentCache cache, PagedLatentCache::create(cfg, blocks, o.block_size, o.cache_dtype));
+  std::vector<std::int32_t> table(static_cast<std::size_t>(blocks));
+  std::iota(table.begin(), table.end(), 0);
+
+  const bool mtp = o.mtp_drafts > 0;
+  const std::int64_t d = cfg.hidden_size;
+  Sampler sampler(o.sampling);
+  std::vector<std::int32_t> seq(prompt.begin(), prompt.end());
+  std::vector<float> hidden;  // main-model final hidden state of positions [0, seq.size() - 1)
+  GenerateResult result;
+
+  const auto emit = [&](std::span<const float> logits) {
+    SampledToken t = sampler.sample(logits);
+    seq.push_back(t.token);
+    result.tokens.push_back(t.token);
+    result.samples.push_back(std::move(t));
+    const bool eos = o.stop_at_eos && result.tokens.back() == cfg.eos_token_id;
+    return eos || static_cast<std::int64_t>(result.tokens.size()) >= o.max_tokens;
+  };
+
+  // Prefill.
+  const std::int64_t chunk = o.prefill_chunk > 0 ? o.prefill_chunk : n_prompt;
+  ForwardOutput out;
+  for (std::int64_t c0 = 0; c0 < n_prompt; c0 += chunk) {
+    const std::int64_t c1 = std::min(n_prompt, c0 + chunk);
+    const SequenceChunk sc{std::span<const std::int32_t>(seq.data() + c0, static_cast<std::size_t>(c1 - c0)), c0,
+                           table};
+    ForwardOptions fo;
+    fo.logits = c1 == n_prompt ? OutputRows::Last : OutputRows::None;
+    fo.hidden = mtp ? OutputRows::All : OutputRows::None;
+    PD_ASSIGN_OR_RETURN(out, engine.forward(std::span<const SequenceChunk>(&sc, 1), cache.view(), fo));
+    hidden.insert(hidden.end(), out.hidden.begin(), out.hidden.end());
+  }
+  if (emit(out.logits)) return result;
+
+  std::int64_t mtp_done = 0;  // MTP positions computed from true (token, hidden) pairs
+  std::vector<std::int32_t> drafts;
+  for (;;) {
+    const auto len = static_cast<std::int64_t>(seq.size());
+    const std::int64_t start = len - 1;  // position of the last token, not yet fed
+    const std::int64_t remaining = o.max_tokens - static_cast<std::int64_t>(result.tokens.size());
+    const std::int64_t k = std::max<std::int64_t>(0, std::min({o.mtp_drafts, remaining - 1, max_pos - 1 - start}));
+    drafts.clear();
+    if (k > 0) {
+      // MTP over the positions whose inputs are now known; its last row drafts seq[len].
+      const SequenceChunk sc{
+          std::span<const std::int32_t>(seq.data() + mtp_done + 1, static_cast<std::size_t>(start - mtp_done)),
+          mtp_done, table,
+          std::span<const float>(hidden.data() + mtp_done * d, static_cast<std::size_t>((start - mtp_done) * d))};
+      ForwardOptions fo;
+      fo.logits = OutputRows::Last;
+      fo.hidden = OutputRows::Last;
+      PD_ASSIGN_OR_RETURN(ForwardOutput m, engine.forwardMtp(std::span<const SequenceChunk>(&sc, 1), cache.view(), fo));
+      mtp_done = start;
+      drafts.push_back(argmax(m.logits));
+      // Further drafts chain the MTP layer on its own output.
+      for (std::int64_t j = 1; j < k; ++j) {
+        const std::vector<float> prev = m.hidden;
+        const SequenceChunk chained{std::span<const std::int32_t>(&drafts.back(), 1), start + j - 1, table, prev};
+        PD_ASSIGN_OR_RETURN(m, engine.forwardMtp(std::span<const SequenceChunk>(&chained, 1), cache.view(), fo));
+        drafts.push_back(argmax(m.logits));
+      }
+      result.drafts_proposed += static_cast<std::int64_t>(drafts.size());
+    }
+    std::vector<std::int32_t> feed{seq.back()};
+    feed.insert(feed.end(), drafts.begin(), drafts.end());
+    const SequenceChunk sc{feed, start, table};
+    ForwardOptions fo;
+    fo.attention = AttentionPath::Absorbed;
+    fo.logits = OutputRows::All;
+    fo.hidden = mtp ? OutputRows::All : OutputRows::None;
+    PD_ASSIGN_OR_RETURN(out, engine.forward(std::span<const SequenceChunk>(&sc, 1), cache.view(), fo));
+    ++result.decode_steps;
+    const auto vocab = static_cast<std::size_t>(cfg.vocab_size);
+    for (std::size_t j = 0; j < feed.size(); ++j) {
+      if (mtp)
+        hidden.insert(hidden.end(), out.hidden.begin() + static_cast<std::ptrdiff_t>(j * static_cast<std::size_t>(d)),
+                      out.hidden.begin() + static_cast<std::ptrdiff_t>((j + 1) * static_cast<std::size_t>(d)));
+      if (emit(std::span<const float>(out.logits.data() + j * vocab, vocab))) return result;
+      if (j >= drafts.size() || seq.back() != drafts[j]) break;
+      ++result.drafts_accepted;
+    }
+  }
+}
+
+}  // namespace pd::model

@@ -1,0 +1,82 @@
+#include "pd/engine/latent_cache.h"
+
+#include <fmt/format.h>
+
+#include <cstring>
+#include <new>
+#include <utility>
+
+#include "pd/common/check.h"
+
+namespace pd::model {
+
+namespace {
+std::byte* slotOf(const LatentCacheView& cache, std::int64_t layer, std::span<const std::int32_t> block_table,
+                  std::int64_t pos) {
+  const auto block_index = static_cast<std::size_t>(pos / cache.block_size);
+  PD_CHECK(block_index < block_table.size());
+  const std::int32_t block = block_table[block_index];
+  PD_CHECK(block >= 0 && block < cache.num_blocks);
+  return cache.slot(layer, block, pos % cache.block_size);
+}
+}  // namespace
+
+void readLatent(const LatentCacheView& cache, std::int64_t layer, std::span<const std::int32_t> block_table,
+                std::int64_t pos, float* out) {
+  const std::byte* p = slotOf(cache, layer, block_table, pos);
+  if (cache.dtype == DType::F32) {
+    std::memcpy(out, p, static_cast<std::size_t>(cache.latent_dim) * sizeof(float));
+    return;
+  }
+  const auto* h = reinterpret_cast<const std::uint16_t*>(p);
+  for (std::int64_t i = 0; i < cache.latent_dim; ++i) out[i] = bf16ToFloat(h[i]);
+}
+
+void writeLatent(const LatentCacheView& cache, std::int64_t layer, std::span<const std::int32_t> block_table,
+                 std::int64_t pos, const float* values) {
+  std::byte* p = slotOf(cache, layer, block_table, pos);
+  if (cache.dtype == DType::F32) {
+    std::memcpy(p, values, static_cast<std::size_t>(cache.latent_dim) * sizeof(float));
+    return;
+  }
+  auto* h = reinterpret_cast<std::uint16_t*>(p);
+  for (std::int64_t i = 0; i < cache.latent_dim; ++i) h[i] = floatToBf16(values[i]);
+}
+
+PagedLatentCache::PagedLatentCache(std::unique_ptr<std::byte[]> storage, std::size_t bytes, LatentCacheView view)
+    : storage_(std::move(storage)), bytes_(bytes), view_(std::move(view)) {}
+
+Result<PagedLatentCache> PagedLatentCache::create(std::int64_t layers, std::int64_t latent_dim, std::int64_t num_blocks,
+                                                  std::int64_t block_size, DType dtype) {
+  if (dtype != DType::F32 && dtype != DType::BF16) {
+    return makeError(ErrorCode::InvalidArgument,
+                     fmt::format("latent cache dtype must be F32 or BF16, not {}", dtypeName(dtype)));
+  }
+  if (layers <= 0 || latent_dim <= 0 || num_blocks <= 0 || block_size <= 0) {
+    return makeError(ErrorCode::InvalidArgument,
+                     fmt::format("latent cache sizes must be positive (layers {}, latent_dim {}, blocks {}, "
+                                 "block_size {})",
+                                 layers, latent_dim, num_blocks, block_size));
+  }
+  const auto layer_bytes = static_cast<std::size_t>(num_blocks * block_size * latent_dim) * dtypeSize(dtype);
+  const std::size_t bytes = layer_bytes * static_cast<std::size_t>(layers);
+  std::unique_ptr<std::byte[]> storage(new (std::nothrow) std::byte[bytes]());
+  if (!storage) {
+    return makeError(ErrorCode::ResourceExhausted, fmt::format("cannot allocate a {}-byte latent cache", bytes));
+  }
+  LatentCacheView view;
+  view.dtype = dtype;
+  view.latent_dim = latent_dim;
+  view.block_size = block_size;
+  view.num_blocks = num_blocks;
+  for (std::int64_t l = 0; l < layers; ++l)
+    view.layers.push_back(storage.get() + layer_bytes * static_cast<std::size_t>(l));
+  return PagedLatentCache(std::move(storage), bytes, std::move(view));
+}
+
+Result<PagedLatentCache> PagedLatentCache::create(const ModelConfig& config, std::int64_t num_blocks,
+                                                  std::int64_t block_size, DType dtype) {
+  return create(config.kvLayers(), config.latentDim(), num_blocks, block_size, dtype);
+}
+
+}  // namespace pd::model

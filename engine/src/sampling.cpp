@@ -1,0 +1,148 @@
+#include "pd/engine/sampling.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <numeric>
+
+#include "pd/common/check.h"
+
+namespace pd::model {
+
+std::int32_t argmax(std::span<const float> logits) {
+  PD_CHECK(!logits.empty());
+  std::size_t best = 0;
+  for (std::size_t i = 1; i < logits.size(); ++i) {
+    if (logits[i] > logits[best]) best = i;
+  }
+  return static_cast<std::int32_t>(best);
+}
+
+Sampler::Sampler(SamplingParams params) : params_(params), rng_state_(params.seed) {
+  PD_CHECK_MSG(validate(params_).ok(), "Sampler: invalid SamplingParams");
+}
+
+double Sampler::nextUniform() {
+  // splitmix64: a fixed, portable sequence for a given seed.
+  rng_state_ += 0x9E3779B97F4A7C15ULL;
+  std::uint64_t z = rng_state_;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+  z ^= z >> 31;
+  return static_cast<double>(z >> 11) * 0x1.0p-53;
+}
+
+void Sampler::observe(std::int32_t token) {
+  ++counts_[token];
+}
+
+SampledToken Sampler::sample(std::span<const float> logits) {
+  PD_CHECK(!logits.empty());
+  const auto vocab = static_cast<std::int64_t>(logits.size());
+  work_.assign(logits.begin(), logits.end());
+  if (params_.presence_penalty != 0.0 || params_.frequency_penalty != 0.0) {
+    for (const auto& [token, count] : counts_) {
+      if (token < 0 || token >= vocab) continue;
+      work_[static_cast<std::size_t>(token)] -=
+          static_cast<float>(params_.presence_penalty + params_.frequency_penalty * static_cast<double>(count));
+    }
+  }
+  SampledToken out;
+  if (params_.temperature == 0.0) {
+    out.token = argmax(work_);
+  } else {
+    const double inv_t = 1.0 / params_.temperature;
+    const bool filtered = params_.top_k > 0 || params_.top_p < 1.0 || params_.min_p > 0.0;
+    const float mx = work_[static_cast<std::size_t>(argmax(work_))];
+    if (!filtered) {
+      // Full distribution, scanned in token order.
+      double total = 0.0;
+      for (const float v : work_) total += std::exp((static_cast<double>(v) - mx) * inv_t);
+      const double target = nextUniform() * total;
+      double acc = 0.0;
+      out.token = static_cast<std::int32_t>(vocab - 1);
+      for (std::int64_t i = 0; i < vocab; ++i) {
+        acc += std::exp((static_cast<double>(work_[static_cast<std::size_t>(i)]) - mx) * inv_t);
+        if (acc > target) {
+          out.token = static_cast<std::int32_t>(i);
+          break;
+        }
+      }
+    } else {
+      order_.resize(static_cast<std::size_t>(vocab));
+      std::iota(order_.begin(), order_.end(), 0);
+      const auto by_logit = [&](std::int32_t a, std::int32_t b) {
+        const float va = work_[static_cast<std::size_t>(a)];
+        const float vb = work_[static_cast<std::size_t>(b)];
+        return va > vb || (va == vb && a < b);
+      };
+      std::int64_t keep = vocab;
+      if (params_.top_k > 0 && params_.top_k < vocab) {
+        keep = params_.top_k;
+        std::partial_sort(order_.begin(), order_.begin() + keep, order_.end(), by_logit);
+      } else {
+        std::sort(order_.begin(), order_.end(), by_logit);
+      }
+      std::vector<double> prob(static_cast<std::size_t>(keep));
+      double total = 0.0;
+      for (std::int64_t i = 0; i < keep; ++i) {
+        prob[static_cast<std::size_t>(i)] = std::exp(
+            (static_cast<double>(work_[static_cast<std::size_t>(order_[static_cast<std::size_t>(i)])]) - mx) * inv_t);
+        total += prob[static_cast<std::size_t>(i)];
+      }
+      if (params_.top_p < 1.0) {
+        double acc = 0.0;
+        std::int64_t i = 0;
+        for (; i < keep; ++i) {
+          acc += prob[static_cast<std::size_t>(i)];
+          if (acc >= params_.top_p * total) break;
+        }
+        keep = std::min(keep, i + 1);
+      }
+      if (params_.min_p > 0.0) {
+        const double floor = params_.min_p * prob[0];
+        std::int64_t i = 1;
+        while (i < keep && prob[static_cast<std::size_t>(i)] >= floor) ++i;
+        keep = i;
+      }
+      total = 0.0;
+      for (std::int64_t i = 0; i < keep; ++i) total += prob[static_cast<std::size_t>(i)];
+      const double target = nextUniform() * total;
+      double acc = 0.0;
+      out.token = order_[static_cast<std::size_t>(keep - 1)];
+      for (std::int64_t i = 0; i < keep; ++i) {
+        acc += prob[static_cast<std::size_t>(i)];
+        if (acc > target) {
+          out.token = order_[static_cast<std::size_t>(i)];
+          break;
+        }
+      }
+    }
+  }
+  // Raw model logprobs.
+  const float raw_max = logits[static_cast<std::size_t>(argmax(logits))];
+  double sum = 0.0;
+  for (const float v : logits) sum += std::exp(static_cast<double>(v) - raw_max);
+  const double lse = static_cast<double>(raw_max) + std::log(sum);
+  out.logprob = static_cast<float>(static_cast<double>(logits[static_cast<std::size_t>(out.token)]) - lse);
+  if (params_.top_logprobs > 0) {
+    const std::int64_t n = std::min(params_.top_logprobs, vocab);
+    order_.resize(static_cast<std::size_t>(vocab));
+    std::iota(order_.begin(), order_.end(), 0);
+    std::partial_sort(order_.begin(), order_.begin() + n, order_.end(), [&](std::int32_t a, std::int32_t b) {
+      const float va = logits[static_cast<std::size_t>(a)];
+      const float vb = logits[static_cast<std::size_t>(b)];
+      return va > vb || (va == vb && a < b);
+    });
+    for (std::int64_t i = 0; i < n; ++i) {
+      const std::int32_t tok = order_[static_cast<std::size_t>(i)];
+      out.top.push_back({tok, static_cast<float>(static_cast<double>(logits[static_cast<std::size_t>(tok)]) - lse)});
+    }
+  }
+  observe(out.token);
+  return out;
+}
+
+}  // namespace pd::model
