@@ -7,7 +7,7 @@ packages=(
   build-essential cmake ninja-build pkg-config git ca-certificates curl
   libucx-dev ucx-utils
   libboost1.81-dev libboost-json1.81-dev
-  libyaml-cpp-dev libpcre2-dev libfmt-dev
+  libyaml-cpp-dev libpcre2-dev libfmt-dev libssl-dev
   libgtest-dev libgmock-dev libbenchmark-dev
   clang-format clang-tidy
   python3 python3-yaml

@@ -29,6 +29,8 @@ std::string_view errorCodeName(ErrorCode code) {
       return "ResourceExhausted";
     case ErrorCode::Internal:
       return "Internal";
+    case ErrorCode::Unauthenticated:
+      return "Unauthenticated";
   }
   return "Unknown";
 }

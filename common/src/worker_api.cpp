@@ -476,6 +476,8 @@ int httpStatusFor(ErrorCode code) {
       return 504;
     case ErrorCode::Internal:
       return 500;
+    case ErrorCode::Unauthenticated:
+      return 401;
   }
   return 500;
 }
@@ -484,7 +486,7 @@ std::optional<ErrorCode> parseErrorCode(std::string_view name) {
   constexpr std::array kAll = {ErrorCode::InvalidArgument,   ErrorCode::NotFound,    ErrorCode::Io,
                                ErrorCode::Corrupt,           ErrorCode::Unsupported, ErrorCode::Timeout,
                                ErrorCode::PeerFailed,        ErrorCode::Cancelled,   ErrorCode::Overloaded,
-                               ErrorCode::ResourceExhausted, ErrorCode::Internal};
+                               ErrorCode::ResourceExhausted, ErrorCode::Internal,    ErrorCode::Unauthenticated};
   for (auto code : kAll) {
     if (errorCodeName(code) == name) return code;
   }

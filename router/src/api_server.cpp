@@ -145,6 +145,7 @@ ApiError fromBackendError(const Error& e) {
       return serverError(503, "cancelled", "the request was cancelled by the server");
     case ErrorCode::NotFound:
     case ErrorCode::Internal:
+    case ErrorCode::Unauthenticated:  // the cluster secret is misconfigured: not the client's doing
       break;
   }
   return serverError(500, "internal_error", "internal error");

@@ -27,6 +27,7 @@ enum class ErrorCode {
   Overloaded,         ///< temporarily out of capacity; retrying later may succeed
   ResourceExhausted,  ///< can never fit (request larger than the whole pool)
   Internal,           ///< a bug surfaced as an error where aborting would lose more
+  Unauthenticated,    ///< an internal call or message without a valid signature (docs/security.md)
 };
 
 std::string_view errorCodeName(ErrorCode code);

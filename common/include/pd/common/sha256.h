@@ -1,5 +1,6 @@
 #pragma once
-/// SHA-256 (FIPS 180-4), used to fingerprint checkpoints and other artifacts.
+/// SHA-256 (FIPS 180-4, computed by OpenSSL's libcrypto), used to fingerprint checkpoints and
+/// other artifacts.
 /// Thread rules: the free functions are pure and thread-safe; one Sha256 object must not be
 /// used by two threads at once.
 
@@ -7,10 +8,14 @@
 #include <cstddef>
 #include <cstdint>
 #include <filesystem>
+#include <memory>
 #include <span>
 #include <string>
 
 #include "pd/common/result.h"
+
+// OpenSSL's EVP_MD_CTX, kept out of this header.
+struct evp_md_ctx_st;
 
 namespace pd {
 
@@ -27,12 +32,10 @@ class Sha256 {
   [[nodiscard]] std::string finishHex();
 
  private:
-  void compress(const std::uint8_t* block);
-
-  std::array<std::uint32_t, 8> state_;
-  std::array<std::uint8_t, 64> buffer_{};
-  std::size_t buffered_ = 0;
-  std::uint64_t total_bytes_ = 0;
+  struct CtxDeleter {
+    void operator()(evp_md_ctx_st* ctx) const noexcept;
+  };
+  std::unique_ptr<evp_md_ctx_st, CtxDeleter> ctx_;
   bool finished_ = false;
 };
 
