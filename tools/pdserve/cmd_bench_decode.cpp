@@ -8,7 +8,7 @@
 //    the relative cost = (draft forward time + verify forward time) / plain forward time - 1 per
 //    step, both against a plain (MTP off) run of the same requests made right before. Random
 //    weights accept almost no drafts, so drafts come from a BENCH-ONLY override
-//    (DecodeEngineOptions::bench_draft_override, unreachable from configuration) that proposes
+//    (ScriptedDrafter, a decode::Drafter only this benchmark constructs) that proposes
 //    the known greedy continuation with probability p, a wrong token otherwise.
 //  - MTP with the model's own drafts (no override) on 8 chat questions rendered with the model's
 //    chat template (when it has one: the trained default model, `--model default`), each prompt's
@@ -23,6 +23,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <limits>
 #include <memory>
 #include <numeric>
@@ -35,6 +36,7 @@
 #include "bench_util.h"
 #include "cli.h"
 #include "pd/decode/decode_engine.h"
+#include "pd/decode/drafter.h"
 #include "pd/decode/kv_pool.h"
 #include "pd/engine/engine.h"
 #include "pd/engine/kernels.h"
@@ -94,6 +96,22 @@ class MeteredEngine : public model::Engine {
   Totals totals_;
 };
 
+// BENCH-ONLY drafter: the MTP layer runs as in serving (its cost is measured), but what it
+// proposes is `choose`'s pick (random weights accept almost no drafts of their own).
+class ScriptedDrafter final : public decode::MtpDrafter {
+ public:
+  /// (request id, output index of the drafted token, the MTP layer's draft) -> token to propose.
+  using Choose = std::function<std::int32_t(std::uint64_t, std::int64_t, std::int32_t)>;
+  ScriptedDrafter(model::Engine& engine, KvPool& pool, Choose choose)
+      : MtpDrafter(engine, pool), choose_(std::move(choose)) {}
+
+ private:
+  std::int32_t choose(std::uint64_t request_id, std::int64_t output_index, std::int32_t mtp_draft) override {
+    return choose_(request_id, output_index, mtp_draft);
+  }
+  Choose choose_;
+};
+
 // What one run of B requests through a DecodeEngine measured (warm-up steps excluded).
 struct RunResult {
   std::int64_t batch = 0;
@@ -124,7 +142,7 @@ struct RunSpec {
   std::int64_t warmup_steps = 2;
   std::int64_t drafts = 0;
   DType kv_dtype = DType::BF16;
-  decode::DecodeEngineOptions::DraftOverride draft_override;
+  ScriptedDrafter::Choose draft_override;  // empty: the model's own drafts
 };
 
 // Steps `dec` until every request has produced spec.max_tokens tokens, timing the steps after
@@ -183,8 +201,9 @@ Result<RunResult> runDecode(MeteredEngine& engine, const RunSpec& spec, int thre
   DecodeEngineOptions o;
   o.num_speculative_tokens = spec.drafts;
   o.max_running_requests = spec.batch;
-  o.bench_draft_override = spec.draft_override;
-  DecodeEngine dec(engine, pool, o);
+  DecodeEngine dec(
+      engine, pool, o,
+      spec.draft_override ? std::make_unique<ScriptedDrafter>(engine, pool, spec.draft_override) : nullptr);
 
   std::mt19937_64 rng(seed);
   std::normal_distribution<float> normal(0.0F, 1.0F);
