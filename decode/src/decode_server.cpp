@@ -13,6 +13,7 @@
 
 #include "pd/common/http_server.h"
 #include "pd/common/log.h"
+#include "pd/common/probe_routes.h"
 #include "pd/decode/decode_loop.h"
 #include "pd/decode/decode_metrics.h"
 #include "pd/decode/kv_pool.h"
@@ -35,15 +36,8 @@ http::Response errorResponse(const Error& error) {
 
 // Errors the HTTP server answers itself (404, 405, 413, ...) in the internal API's error shape.
 http::Response serverError(int status, std::string_view message) {
-  ErrorCode code = ErrorCode::Internal;
-  if (status == 404) {
-    code = ErrorCode::NotFound;
-  } else if (status >= 400 && status < 500) {
-    code = ErrorCode::InvalidArgument;
-  } else if (status == 503) {
-    code = ErrorCode::Overloaded;
-  }
-  return jsonResponse(status, worker_api::errorJson(makeError(code, std::string(message))));
+  return jsonResponse(
+      status, worker_api::errorJson(makeError(worker_api::errorCodeForHttpStatus(status), std::string(message))));
 }
 
 worker_api::DecodeEvent tokensEvent(const TokenEvent& e, bool logprobs) {
@@ -213,25 +207,14 @@ Status DecodeServer::Impl::startParts() {
   http_options.server_name = "pdserve-decode";
   http_options.error_responder = serverError;
   std::vector<http::Route> routes;
-  routes.push_back({"GET", "/health", [](http::Request, http::Exchange ex) {
-                      ex.respond(http::Response::withBody(200, "text/plain", "ok\n"));
-                    }});
-  routes.push_back({"GET", "/ready", [this](http::Request, http::Exchange ex) {
-                      if (draining_.load()) {
-                        ex.respond(http::Response::withBody(503, "text/plain", "draining\n"));
-                      } else if (tpBroken()) {
-                        ex.respond(http::Response::withBody(503, "text/plain", "tensor-parallel group failed\n"));
-                      } else {
-                        ex.respond(http::Response::withBody(200, "text/plain", "ready\n"));
-                      }
-                    }});
-  routes.push_back(
-      {"GET", "/metrics", [this](http::Request, http::Exchange ex) {
-         ex.respond(http::Response::withBody(200, std::string(metrics::kExpositionContentType), registry_.render()));
-       }});
-  routes.push_back({"GET", std::string(worker_api::kStatusPath), [this](http::Request, http::Exchange ex) {
-                      ex.respond(jsonResponse(200, worker_api::toJson(status())));
-                    }});
+  http::Probes probes;
+  probes.not_ready = [this] {
+    if (draining_.load()) return std::string("draining");
+    return tpBroken() ? std::string("tensor-parallel group failed") : std::string();
+  };
+  probes.metrics = [this] { return registry_.render(); };
+  probes.status = [this] { return worker_api::toJson(status()); };
+  http::addProbeRoutes(routes, std::move(probes));
   routes.push_back({"POST", std::string(worker_api::kDecodeOpenPath),
                     [this](http::Request req, http::Exchange ex) { handleOpen(std::move(req), std::move(ex)); }});
   routes.push_back({"POST", std::string(worker_api::kDecodeAbortPath),

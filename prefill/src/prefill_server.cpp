@@ -15,6 +15,7 @@
 
 #include "pd/common/http_server.h"
 #include "pd/common/log.h"
+#include "pd/common/probe_routes.h"
 #include "pd/common/worker_api.h"
 #include "pd/engine/model_hash.h"
 #include "pd/kvtransfer/ucx_transport.h"
@@ -27,7 +28,6 @@ namespace {
 
 namespace kvt = pd::kvtransfer;
 constexpr std::string_view kJson = "application/json";
-constexpr std::string_view kText = "text/plain; charset=utf-8";
 
 double msBetween(Clock::time_point a, Clock::time_point b) {
   return std::chrono::duration<double, std::milli>(b - a).count();
@@ -84,35 +84,25 @@ class PrefillServer::Impl {
     so.server_name = "pdserve-prefill";
     // The server's own errors (404, 413, malformed HTTP) in the contract's error body too.
     so.error_responder = [](int status, std::string_view message) {
-      const ErrorCode code = status == 404   ? ErrorCode::NotFound
-                             : status >= 500 ? ErrorCode::Internal
-                                             : ErrorCode::InvalidArgument;
-      return http::Response::withBody(status, std::string(kJson),
-                                      worker_api::errorJson(makeError(code, std::string(message))));
+      const Error error = makeError(worker_api::errorCodeForHttpStatus(status), std::string(message));
+      return http::Response::withBody(status, std::string(kJson), worker_api::errorJson(error));
     };
     std::vector<http::Route> routes;
     routes.push_back({"POST", std::string(worker_api::kPrefillPath),
                       [this](http::Request r, http::Exchange ex) { onSubmit(std::move(r), std::move(ex)); }});
     routes.push_back({"POST", std::string(worker_api::kPrefillCancelPath),
                       [this](http::Request r, http::Exchange ex) { onCancel(r, ex); }});
-    routes.push_back({"GET", "/health", [](const http::Request&, http::Exchange ex) {
-                        ex.respond(http::Response::withBody(200, std::string(kText), "ok"));
-                      }});
-    routes.push_back({"GET", "/ready", [this](const http::Request&, http::Exchange ex) {
-                        const bool draining = draining_.load();
-                        const bool ready = !draining && !broken();
-                        ex.respond(http::Response::withBody(
-                            ready ? 200 : 503, std::string(kText),
-                            ready ? "ready" : (draining ? "draining" : "tensor-parallel group broken")));
-                      }});
-    routes.push_back(
-        {"GET", "/metrics", [this](const http::Request&, http::Exchange ex) {
-           refreshGauges();
-           ex.respond(http::Response::withBody(200, std::string(metrics::kExpositionContentType), registry_.render()));
-         }});
-    routes.push_back({"GET", std::string(worker_api::kStatusPath), [this](const http::Request&, http::Exchange ex) {
-                        ex.respond(http::Response::withBody(200, std::string(kJson), worker_api::toJson(status())));
-                      }});
+    http::Probes probes;
+    probes.not_ready = [this] {
+      if (draining_.load()) return std::string("draining");
+      return broken() ? std::string("tensor-parallel group broken") : std::string();
+    };
+    probes.metrics = [this] {
+      refreshGauges();
+      return registry_.render();
+    };
+    probes.status = [this] { return worker_api::toJson(status()); };
+    http::addProbeRoutes(routes, std::move(probes));
     PD_ASSIGN_OR_RETURN(http_, http::Server::start(std::move(so), std::move(routes)));
     log::info("prefill", "serving on {}:{} (model hash {}, chunk {}, token budget {}, local cache {}x{})",
               options_.prefill.host, http_->port(), modelHashHex(options_.model_hash), options_.prefill.chunk_size,

@@ -35,6 +35,7 @@
 
 #include "bench_util.h"
 #include "cli.h"
+#include "pd/common/json_text.h"
 #include "pd/decode/decode_engine.h"
 #include "pd/decode/drafter.h"
 #include "pd/decode/kv_pool.h"
@@ -306,22 +307,6 @@ Result<RunResult> runPrompts(MeteredEngine& engine, const std::vector<std::vecto
   }
   if (total.steps > 0) total.cpu_share = cpu_weighted / static_cast<double>(total.steps);
   return total;
-}
-
-// `text` for a JSON string: quotes, backslashes and control bytes escaped.
-std::string jsonEscapeAscii(std::string_view text) {
-  std::string out;
-  for (const char c : text) {
-    if (c == '"' || c == '\\') {
-      out += '\\';
-      out += c;
-    } else if (static_cast<unsigned char>(c) < 0x20) {
-      out += fmt::format("\\u{:04x}", static_cast<int>(c));
-    } else {
-      out += c;
-    }
-  }
-  return out;
 }
 
 // Questions in the default model's domain (short definitions), rendered with the model's chat
@@ -675,15 +660,15 @@ int runBenchDecode(const std::vector<std::string>& args) {
     }
     rm += "]";
     const std::string line = fmt::format(
-        "{{\"model\": \"{}\", \"weight_dtype\": \"{}\", \"backend\": \"{}\", \"threads\": {}, \"weight_bytes\": {}, "
+        "{{\"model\": {}, \"weight_dtype\": \"{}\", \"backend\": \"{}\", \"threads\": {}, \"weight_bytes\": {}, "
         "\"l3_bytes\": {}, \"weights_over_l3\": {:.2f}, \"read_bandwidth_gbs\": {:.3f}, \"kv_dtype\": \"{}\", "
         "\"context\": {}, \"decode\": {}, \"mbu_batch1\": {:.4f}, \"mtp_plain_tokens_per_s\": {:.3f}, \"mtp\": {}, "
         "\"mtp_speedup_at_p085\": {:.4f}, \"mtp_speedup_over_ideal\": {:.4f}, "
         "\"draft_override\": \"bench-only: proposes the greedy continuation with probability p\", "
-        "\"mtp_real_prompts\": {}, \"mtp_real_tokens\": {}, \"mtp_real\": {}, \"mtp_real_skipped\": \"{}\"}}",
-        model_dir.string(), dtypeName(caps.weight_dtype), caps.backend, caps.threads, weights, l3, over_l3,
+        "\"mtp_real_prompts\": {}, \"mtp_real_tokens\": {}, \"mtp_real\": {}, \"mtp_real_skipped\": {}}}",
+        jsonString(model_dir.string()), dtypeName(caps.weight_dtype), caps.backend, caps.threads, weights, l3, over_l3,
         bandwidth / 1e9, kv_dtype, context, d, mbu1, plain_tps, m, speedup_085, over_ideal_085, kMtpQuestions.size(),
-        mtp_tokens, rm, jsonEscapeAscii(real_skipped));
+        mtp_tokens, rm, jsonString(real_skipped));
     std::printf("%s\n", line.c_str());
   }
   return 0;
