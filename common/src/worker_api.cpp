@@ -456,30 +456,43 @@ Error parseErrorJson(int status, std::string_view text) {
   return makeError(*parsed, std::move(text_message));
 }
 
+namespace {
+
+// The one table between error codes and HTTP statuses, both directions. Several codes share a
+// status; the first row of a status is the code that status reads back as.
+struct StatusRow {
+  ErrorCode code;
+  int status;
+};
+constexpr std::array<StatusRow, 12> kStatusTable = {{
+    {ErrorCode::InvalidArgument, 400},
+    {ErrorCode::ResourceExhausted, 400},
+    {ErrorCode::Unsupported, 400},
+    {ErrorCode::NotFound, 404},
+    {ErrorCode::Unauthenticated, 401},
+    {ErrorCode::Cancelled, 409},
+    {ErrorCode::Internal, 500},
+    {ErrorCode::PeerFailed, 502},
+    {ErrorCode::Corrupt, 502},
+    {ErrorCode::Io, 502},
+    {ErrorCode::Overloaded, 503},
+    {ErrorCode::Timeout, 504},
+}};
+
+}  // namespace
+
 int httpStatusFor(ErrorCode code) {
-  switch (code) {
-    case ErrorCode::InvalidArgument:
-    case ErrorCode::ResourceExhausted:
-    case ErrorCode::Unsupported:
-      return 400;
-    case ErrorCode::NotFound:
-      return 404;
-    case ErrorCode::Cancelled:
-      return 409;
-    case ErrorCode::PeerFailed:
-    case ErrorCode::Corrupt:
-    case ErrorCode::Io:
-      return 502;
-    case ErrorCode::Overloaded:
-      return 503;
-    case ErrorCode::Timeout:
-      return 504;
-    case ErrorCode::Internal:
-      return 500;
-    case ErrorCode::Unauthenticated:
-      return 401;
+  for (const StatusRow& row : kStatusTable) {
+    if (row.code == code) return row.status;
   }
   return 500;
+}
+
+ErrorCode errorCodeForHttpStatus(int status) {
+  for (const StatusRow& row : kStatusTable) {
+    if (row.status == status) return row.code;
+  }
+  return status >= 400 && status < 500 ? ErrorCode::InvalidArgument : ErrorCode::Internal;
 }
 
 std::optional<ErrorCode> parseErrorCode(std::string_view name) {

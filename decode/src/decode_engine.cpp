@@ -7,6 +7,7 @@
 #include <limits>
 #include <utility>
 
+#include "draft_verifier.h"
 #include "pd/common/log.h"
 
 namespace pd::decode {
@@ -44,12 +45,17 @@ struct DecodeEngine::Sequence {
   model::Sampler sampler;
   bool speculate;
   std::vector<std::int32_t> generated;  // tokens after the prompt; the last is not yet in the cache
-  std::int64_t mtp_done = 0;            // MTP layer positions [0, mtp_done) are cached
-  std::vector<float> hidden;            // main-model final hidden states of positions [mtp_done, len - 1)
+  MtpState mtp;                         // the MTP layer's catch-up state (speculating sequences)
 };
 
-DecodeEngine::DecodeEngine(model::Engine& engine, KvPool& pool, DecodeEngineOptions options)
-    : engine_(engine), pool_(pool), options_(options), blocks_(pool.numBlocks(), pool.blockSize()) {
+DecodeEngine::DecodeEngine(model::Engine& engine, KvPool& pool, DecodeEngineOptions options,
+                           std::unique_ptr<Drafter> drafter)
+    : engine_(engine),
+      pool_(pool),
+      options_(options),
+      blocks_(pool.numBlocks(), pool.blockSize()),
+      drafter_(drafter ? std::move(drafter) : std::make_unique<MtpDrafter>(engine, pool)),
+      verifier_(std::make_unique<DraftVerifier>(engine, pool)) {
   PD_CHECK(pool.latentDim() == engine.config().latentDim());
   PD_CHECK(pool.numLayers() == engine.config().kvLayers());
   PD_CHECK(options_.num_speculative_tokens >= 0 && options_.max_running_requests >= 1);
@@ -153,8 +159,8 @@ void DecodeEngine::startRunning(Sequence& seq, kvtransfer::CompletionRecord reco
   only[static_cast<std::size_t>(first.token)] = 0.0F;
   PD_CHECK(seq.sampler.sample(only).token == first.token);
   // The prefill side wrote MTP positions [0, n - 1); position n - 1 pairs h[n - 1] with the first token.
-  seq.mtp_done = seq.req.prompt_tokens - 1;
-  seq.hidden = std::move(record.hidden_state);
+  seq.mtp.done = seq.req.prompt_tokens - 1;
+  seq.mtp.hidden = std::move(record.hidden_state);
   std::vector<model::SampledToken> tokens;
   tokens.push_back(std::move(first));
   seq.state = Sequence::State::Ready;
@@ -323,10 +329,7 @@ void DecodeEngine::step(Clock::time_point now) {
 
 void DecodeEngine::runBatch(std::span<Sequence* const> all) {
   const auto started = Clock::now();
-  const DecodeStats before = stats_;
   const ModelConfig& cfg = engine_.config();
-  const auto d = static_cast<std::size_t>(cfg.hidden_size);
-  const auto vocab = static_cast<std::size_t>(cfg.vocab_size);
   const std::int64_t max_pos = cfg.max_position_embeddings > 0 ? cfg.max_position_embeddings : INT64_MAX;
 
   // Drafts per sequence (clipped so that every cached position is within the reservation),
@@ -362,118 +365,57 @@ void DecodeEngine::runBatch(std::span<Sequence* const> all) {
     }
   };
 
-  // Draft: the MTP layer catches up on positions whose inputs are now known; its last row
-  // drafts the token after the last one. Further drafts chain it on its own output.
+  // Draft: the drafter proposes k[i] tokens for every sequence that drafts this step.
   std::vector<std::vector<std::int32_t>> drafts(n);
-  std::vector<std::vector<float>> mtp_hidden(n);
-  const std::int64_t k_max = k.empty() ? 0 : *std::max_element(k.begin(), k.end());
-  if (k_max > 0) {
-    std::vector<model::SequenceChunk> chunks;
-    std::vector<std::size_t> who;
-    for (std::size_t i = 0; i < n; ++i) {
-      if (k[i] == 0) continue;
-      Sequence& s = *batch[i];
-      const std::int64_t start = s.len() - 1;
-      const auto first = static_cast<std::size_t>(s.mtp_done + 1 - s.req.prompt_tokens);
-      const auto count = static_cast<std::size_t>(start - s.mtp_done);
-      PD_CHECK(s.hidden.size() == count * d);
-      chunks.push_back(model::SequenceChunk{std::span<const std::int32_t>(s.generated.data() + first, count),
-                                            s.mtp_done, blocks_.blockTable(s.req.id), s.hidden});
-      who.push_back(i);
-    }
-    model::ForwardOptions fo;
-    fo.logits = model::OutputRows::Last;
-    fo.hidden = model::OutputRows::Last;
-    auto m = engine_.forwardMtp(chunks, pool_.view(), fo);
-    if (!m.ok()) return fail_all(m.error());
-    for (std::size_t r = 0; r < who.size(); ++r) {
-      Sequence& s = *batch[who[r]];
-      drafts[who[r]].push_back(model::argmax(std::span<const float>(m->logits.data() + r * vocab, vocab)));
-      if (options_.bench_draft_override) {
-        drafts[who[r]].back() = options_.bench_draft_override(s.req.id, static_cast<std::int64_t>(s.generated.size()),
-                                                              drafts[who[r]].back());
-        PD_CHECK(drafts[who[r]].back() >= 0 && static_cast<std::size_t>(drafts[who[r]].back()) < vocab);
-      }
-      mtp_hidden[who[r]].assign(m->hidden.begin() + static_cast<std::ptrdiff_t>(r * d),
-                                m->hidden.begin() + static_cast<std::ptrdiff_t>((r + 1) * d));
-      s.mtp_done = s.len() - 1;
-      s.hidden.clear();
-    }
-    for (std::int64_t j = 1; j < k_max; ++j) {
-      chunks.clear();
-      who.clear();
-      for (std::size_t i = 0; i < n; ++i) {
-        if (k[i] <= j) continue;
-        Sequence& s = *batch[i];
-        chunks.push_back(model::SequenceChunk{std::span<const std::int32_t>(&drafts[i].back(), 1), s.len() - 1 + j - 1,
-                                              blocks_.blockTable(s.req.id), mtp_hidden[i]});
-        who.push_back(i);
-      }
-      auto c = engine_.forwardMtp(chunks, pool_.view(), fo);
-      if (!c.ok()) return fail_all(c.error());
-      for (std::size_t r = 0; r < who.size(); ++r) {
-        const std::size_t i = who[r];
-        drafts[i].push_back(model::argmax(std::span<const float>(c->logits.data() + r * vocab, vocab)));
-        if (options_.bench_draft_override) {
-          const Sequence& s = *batch[i];
-          drafts[i].back() = options_.bench_draft_override(s.req.id, static_cast<std::int64_t>(s.generated.size()) + j,
-                                                           drafts[i].back());
-          PD_CHECK(drafts[i].back() >= 0 && static_cast<std::size_t>(drafts[i].back()) < vocab);
-        }
-        mtp_hidden[i].assign(c->hidden.begin() + static_cast<std::ptrdiff_t>(r * d),
-                             c->hidden.begin() + static_cast<std::ptrdiff_t>((r + 1) * d));
-      }
+  std::vector<DraftSlot> draft_slots;
+  std::vector<std::size_t> drafting;
+  for (std::size_t i = 0; i < n; ++i) {
+    if (k[i] == 0) continue;
+    Sequence& s = *batch[i];
+    draft_slots.push_back(
+        DraftSlot{s.req.id, s.req.prompt_tokens, s.generated, k[i], blocks_.blockTable(s.req.id), &s.mtp});
+    drafting.push_back(i);
+  }
+  if (!draft_slots.empty()) {
+    auto proposed = drafter_->draft(draft_slots);
+    if (!proposed.ok()) return fail_all(proposed.error());
+    PD_CHECK(proposed->size() == drafting.size());
+    for (std::size_t r = 0; r < drafting.size(); ++r) {
+      PD_CHECK(static_cast<std::int64_t>((*proposed)[r].size()) == k[drafting[r]]);
+      drafts[drafting[r]] = std::move((*proposed)[r]);
     }
   }
 
   // Verify: one forward of the main model over (last token, drafts...) of every sequence.
-  std::vector<std::vector<std::int32_t>> feeds(n);
-  std::vector<model::SequenceChunk> chunks;
-  bool any_spec = false;
+  std::vector<VerifySlot> verify_slots;
+  verify_slots.reserve(n);
   for (std::size_t i = 0; i < n; ++i) {
     Sequence& s = *batch[i];
-    feeds[i].push_back(s.generated.back());
-    feeds[i].insert(feeds[i].end(), drafts[i].begin(), drafts[i].end());
-    chunks.push_back(model::SequenceChunk{feeds[i], s.len() - 1, blocks_.blockTable(s.req.id)});
-    any_spec = any_spec || s.speculate;
+    verify_slots.push_back(VerifySlot{s.generated.back(), s.len() - 1, drafts[i], blocks_.blockTable(s.req.id),
+                                      &s.sampler, static_cast<std::size_t>(s.req.max_tokens) - s.generated.size(),
+                                      s.speculate ? &s.mtp : nullptr});
   }
-  model::ForwardOptions fo;
-  fo.attention = model::AttentionPath::Absorbed;
-  fo.logits = model::OutputRows::All;
-  fo.hidden = any_spec ? model::OutputRows::All : model::OutputRows::None;
-  auto out = engine_.forward(chunks, pool_.view(), fo);
-  if (!out.ok()) return fail_all(out.error());
+  auto verified = verifier_->verify(verify_slots);
+  if (!verified.ok()) return fail_all(verified.error());
   ++stats_.steps;
-
-  std::size_t row = 0;
-  std::vector<std::vector<model::SampledToken>> emitted_by_seq(n);
+  std::int64_t emitted_tokens = 0;
+  std::int64_t proposed_tokens = 0;
+  std::int64_t accepted_tokens = 0;
   for (std::size_t i = 0; i < n; ++i) {
-    Sequence& s = *batch[i];
-    const std::size_t rows = feeds[i].size();
-    std::vector<model::SampledToken>& emitted = emitted_by_seq[i];
-    const auto remaining = static_cast<std::size_t>(s.req.max_tokens) - s.generated.size();
-    for (std::size_t j = 0; j < rows && emitted.size() < remaining; ++j) {
-      if (s.speculate) {
-        const auto* h = out->hidden.data() + (row + j) * d;
-        s.hidden.insert(s.hidden.end(), h, h + d);
-      }
-      emitted.push_back(s.sampler.sample(std::span<const float>(out->logits.data() + (row + j) * vocab, vocab)));
-      if (j >= drafts[i].size() || emitted.back().token != drafts[i][j]) break;
-      ++stats_.drafts_accepted;
-    }
-    row += rows;
-    stats_.drafts_proposed += static_cast<std::int64_t>(drafts[i].size());
-    stats_.tokens_generated += static_cast<std::int64_t>(emitted.size());
+    proposed_tokens += static_cast<std::int64_t>(drafts[i].size());
+    accepted_tokens += (*verified)[i].accepted;
+    emitted_tokens += static_cast<std::int64_t>((*verified)[i].tokens.size());
   }
+  stats_.drafts_proposed += proposed_tokens;
+  stats_.drafts_accepted += accepted_tokens;
+  stats_.tokens_generated += emitted_tokens;
   // Counted before any stream hears of this step, so its last event implies the step's metrics.
   if (options_.metrics != nullptr) {
-    options_.metrics->stepDone(std::chrono::duration<double>(Clock::now() - started).count(),
-                               stats_.tokens_generated - before.tokens_generated,
-                               stats_.drafts_proposed - before.drafts_proposed,
-                               stats_.drafts_accepted - before.drafts_accepted);
+    options_.metrics->stepDone(std::chrono::duration<double>(Clock::now() - started).count(), emitted_tokens,
+                               proposed_tokens, accepted_tokens);
   }
   for (std::size_t i = 0; i < n; ++i) {
-    emit(*batch[i], std::move(emitted_by_seq[i]));  // may end and destroy the sequence: not touched after
+    emit(*batch[i], std::move((*verified)[i].tokens));  // may end and destroy the sequence: not touched after
   }
 }
 

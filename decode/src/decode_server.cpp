@@ -3,10 +3,20 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <map>
+#include <mutex>
 #include <random>
 #include <utility>
+#include <vector>
 
+#include "pd/common/http_server.h"
 #include "pd/common/log.h"
+#include "pd/common/probe_routes.h"
+#include "pd/decode/decode_loop.h"
+#include "pd/decode/decode_metrics.h"
+#include "pd/decode/kv_pool.h"
 #include "pd/decode/tp_worker.h"
 #include "pd/kvtransfer/ucx_transport.h"
 
@@ -26,15 +36,8 @@ http::Response errorResponse(const Error& error) {
 
 // Errors the HTTP server answers itself (404, 405, 413, ...) in the internal API's error shape.
 http::Response serverError(int status, std::string_view message) {
-  ErrorCode code = ErrorCode::Internal;
-  if (status == 404) {
-    code = ErrorCode::NotFound;
-  } else if (status >= 400 && status < 500) {
-    code = ErrorCode::InvalidArgument;
-  } else if (status == 503) {
-    code = ErrorCode::Overloaded;
-  }
-  return jsonResponse(status, worker_api::errorJson(makeError(code, std::string(message))));
+  return jsonResponse(
+      status, worker_api::errorJson(makeError(worker_api::errorCodeForHttpStatus(status), std::string(message))));
 }
 
 worker_api::DecodeEvent tokensEvent(const TokenEvent& e, bool logprobs) {
@@ -69,15 +72,73 @@ worker_api::DecodeEvent lastEvent(const TokenEvent& e) {
 
 }  // namespace
 
-// One open decode stream: its reply channel and what its events need.
-struct DecodeServer::Stream {
-  std::string request_id;
-  std::uint64_t transfer_id = 0;
-  http::Exchange exchange;
-  bool logprobs = false;
+// Everything the server holds; DecodeServer forwards to it.
+class DecodeServer::Impl {
+ public:
+  Impl(std::unique_ptr<model::Engine> engine, DecodeServerOptions options);
+  ~Impl();
+  Impl(const Impl&) = delete;
+  Impl& operator=(const Impl&) = delete;
+  Impl(Impl&&) = delete;
+  Impl& operator=(Impl&&) = delete;
+
+  [[nodiscard]] Status startParts();
+  [[nodiscard]] std::uint16_t port() const;
+  [[nodiscard]] std::string url() const;
+  void beginDrain();
+  [[nodiscard]] bool draining() const { return draining_.load(); }
+  [[nodiscard]] std::size_t openStreams() const;
+  bool waitIdle(std::chrono::milliseconds timeout) const;
+  void stop(std::chrono::milliseconds drain);
+  [[nodiscard]] worker_api::WorkerStatus status() const;
+  [[nodiscard]] metrics::Registry& registry() { return registry_; }
+  [[nodiscard]] kvtransfer::TransportStats transportStats() const;
+
+ private:
+  // One open decode stream: its reply channel and what its events need.
+  struct Stream {
+    std::string request_id;
+    std::uint64_t transfer_id = 0;
+    http::Exchange exchange;
+    bool logprobs = false;
+  };
+
+  void handleOpen(http::Request request, http::Exchange exchange);
+  void handleAbort(const http::Request& request, http::Exchange exchange);
+  // Answers `error` with its status and counts the refusal.
+  void refuse(http::Exchange& exchange, const Error& error);
+  // Called on the loop thread with the request's final event: forgets the stream.
+  void streamEnded(const std::string& request_id);
+  // The tensor-parallel group is broken (never for tensor_parallel 1).
+  [[nodiscard]] bool tpBroken() const { return options_.tp_leader != nullptr && options_.tp_leader->broken(); }
+
+  DecodeServerOptions options_;
+  metrics::Registry registry_;  // first: everything below publishes into it
+  DecodeMetrics metrics_;
+  std::unique_ptr<model::Engine> engine_;
+  std::unique_ptr<KvPool> pool_;
+  std::unique_ptr<kvtransfer::Transport> transport_;
+  kvtransfer::RegionId region_ = 0;
+  bool region_registered_ = false;
+  kvtransfer::CompatInfo compat_;
+  std::vector<kvtransfer::KvTarget> targets_;
+  std::chrono::milliseconds receive_grace_{0};
+  std::unique_ptr<DecodeLoop> loop_;  // after the transport and pool: destroyed before them
+
+  mutable std::mutex mutex_;
+  mutable std::condition_variable idle_;
+  std::map<std::string, std::shared_ptr<Stream>> streams_;  // guarded by mutex_: by router id
+  std::atomic<bool> draining_{false};
+  // Transfer ids start at a random 64-bit value: a prefill worker keys its transfers by id, and
+  // several decode workers share it (they must not all count from 1).
+  std::atomic<std::uint64_t> next_transfer_id_{randomTransferIdBase()};
+  static std::uint64_t randomTransferIdBase();
+  bool stopped_ = false;  // controlling thread only
+
+  std::unique_ptr<http::Server> http_;  // last: its handlers use everything above
 };
 
-std::uint64_t DecodeServer::randomTransferIdBase() {
+std::uint64_t DecodeServer::Impl::randomTransferIdBase() {
   std::random_device device;
   const std::uint64_t high = device();
   const std::uint64_t low = device();
@@ -85,18 +146,18 @@ std::uint64_t DecodeServer::randomTransferIdBase() {
   return (((high << 32) | low) >> 1) | 1;
 }
 
-DecodeServer::DecodeServer(std::unique_ptr<model::Engine> engine, DecodeServerOptions options)
+DecodeServer::Impl::Impl(std::unique_ptr<model::Engine> engine, DecodeServerOptions options)
     : options_(std::move(options)), metrics_(registry_), engine_(std::move(engine)) {}
 
 Result<std::unique_ptr<DecodeServer>> DecodeServer::start(std::unique_ptr<model::Engine> engine,
                                                           DecodeServerOptions options) {
   PD_CHECK(engine != nullptr);
-  std::unique_ptr<DecodeServer> server(new DecodeServer(std::move(engine), std::move(options)));
-  PD_TRY(server->startParts());
-  return server;
+  auto impl = std::make_unique<Impl>(std::move(engine), std::move(options));
+  PD_TRY(impl->startParts());
+  return std::unique_ptr<DecodeServer>(new DecodeServer(std::move(impl)));
 }
 
-Status DecodeServer::startParts() {
+Status DecodeServer::Impl::startParts() {
   const DecodeConfig& cfg = options_.decode;
   model::TpLeaderEngine* const tp = options_.tp_leader;
   const std::int64_t group_size = tp != nullptr ? tp->comm().size() : 1;
@@ -146,25 +207,14 @@ Status DecodeServer::startParts() {
   http_options.server_name = "pdserve-decode";
   http_options.error_responder = serverError;
   std::vector<http::Route> routes;
-  routes.push_back({"GET", "/health", [](http::Request, http::Exchange ex) {
-                      ex.respond(http::Response::withBody(200, "text/plain", "ok\n"));
-                    }});
-  routes.push_back({"GET", "/ready", [this](http::Request, http::Exchange ex) {
-                      if (draining_.load()) {
-                        ex.respond(http::Response::withBody(503, "text/plain", "draining\n"));
-                      } else if (tpBroken()) {
-                        ex.respond(http::Response::withBody(503, "text/plain", "tensor-parallel group failed\n"));
-                      } else {
-                        ex.respond(http::Response::withBody(200, "text/plain", "ready\n"));
-                      }
-                    }});
-  routes.push_back(
-      {"GET", "/metrics", [this](http::Request, http::Exchange ex) {
-         ex.respond(http::Response::withBody(200, std::string(metrics::kExpositionContentType), registry_.render()));
-       }});
-  routes.push_back({"GET", std::string(worker_api::kStatusPath), [this](http::Request, http::Exchange ex) {
-                      ex.respond(jsonResponse(200, worker_api::toJson(status())));
-                    }});
+  http::Probes probes;
+  probes.not_ready = [this] {
+    if (draining_.load()) return std::string("draining");
+    return tpBroken() ? std::string("tensor-parallel group failed") : std::string();
+  };
+  probes.metrics = [this] { return registry_.render(); };
+  probes.status = [this] { return worker_api::toJson(status()); };
+  http::addProbeRoutes(routes, std::move(probes));
   routes.push_back({"POST", std::string(worker_api::kDecodeOpenPath),
                     [this](http::Request req, http::Exchange ex) { handleOpen(std::move(req), std::move(ex)); }});
   routes.push_back({"POST", std::string(worker_api::kDecodeAbortPath),
@@ -176,24 +226,24 @@ Status DecodeServer::startParts() {
   return okStatus();
 }
 
-DecodeServer::~DecodeServer() {
+DecodeServer::Impl::~Impl() {
   stop(std::chrono::milliseconds(0));
 }
 
-std::uint16_t DecodeServer::port() const {
+std::uint16_t DecodeServer::Impl::port() const {
   return http_ ? http_->port() : 0;
 }
 
-std::string DecodeServer::url() const {
+std::string DecodeServer::Impl::url() const {
   return fmt::format("http://{}:{}", options_.decode.host, port());
 }
 
-void DecodeServer::refuse(http::Exchange& exchange, const Error& error) {
+void DecodeServer::Impl::refuse(http::Exchange& exchange, const Error& error) {
   metrics_.refused(error.code);
   exchange.respond(errorResponse(error));
 }
 
-void DecodeServer::handleOpen(http::Request request, http::Exchange exchange) {
+void DecodeServer::Impl::handleOpen(http::Request request, http::Exchange exchange) {
   if (draining_.load()) {
     refuse(exchange, makeError(ErrorCode::Overloaded, "the decode worker is draining"));
     return;
@@ -257,7 +307,7 @@ void DecodeServer::handleOpen(http::Request request, http::Exchange exchange) {
       });
 }
 
-void DecodeServer::handleAbort(const http::Request& request, http::Exchange exchange) {
+void DecodeServer::Impl::handleAbort(const http::Request& request, http::Exchange exchange) {
   Result<worker_api::AbortRequest> parsed = worker_api::parseAbortRequest(request.body);
   if (!parsed.ok()) {
     exchange.respond(errorResponse(parsed.error()));
@@ -274,27 +324,27 @@ void DecodeServer::handleAbort(const http::Request& request, http::Exchange exch
   exchange.respond(jsonResponse(200, id ? R"({"found":true})" : R"({"found":false})"));
 }
 
-void DecodeServer::streamEnded(const std::string& request_id) {
+void DecodeServer::Impl::streamEnded(const std::string& request_id) {
   std::lock_guard lock(mutex_);
   streams_.erase(request_id);
   if (streams_.empty()) idle_.notify_all();
 }
 
-void DecodeServer::beginDrain() {
+void DecodeServer::Impl::beginDrain() {
   if (!draining_.exchange(true)) log::info("decode", "draining: refusing new requests");
 }
 
-std::size_t DecodeServer::openStreams() const {
+std::size_t DecodeServer::Impl::openStreams() const {
   std::lock_guard lock(mutex_);
   return streams_.size();
 }
 
-bool DecodeServer::waitIdle(std::chrono::milliseconds timeout) const {
+bool DecodeServer::Impl::waitIdle(std::chrono::milliseconds timeout) const {
   std::unique_lock lock(mutex_);
   return idle_.wait_for(lock, timeout, [this] { return streams_.empty(); });
 }
 
-void DecodeServer::stop(std::chrono::milliseconds drain) {
+void DecodeServer::Impl::stop(std::chrono::milliseconds drain) {
   if (stopped_) return;
   stopped_ = true;
   beginDrain();
@@ -322,7 +372,7 @@ void DecodeServer::stop(std::chrono::milliseconds drain) {
   transport_.reset();
 }
 
-worker_api::WorkerStatus DecodeServer::status() const {
+worker_api::WorkerStatus DecodeServer::Impl::status() const {
   const DecodeMetrics::Snapshot m = metrics_.snapshot();
   worker_api::WorkerStatus s;
   s.role = "decode";
@@ -339,8 +389,42 @@ worker_api::WorkerStatus DecodeServer::status() const {
   return s;
 }
 
-kvtransfer::TransportStats DecodeServer::transportStats() const {
+kvtransfer::TransportStats DecodeServer::Impl::transportStats() const {
   return transport_ ? transport_->stats() : kvtransfer::TransportStats{};
+}
+
+DecodeServer::DecodeServer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+DecodeServer::~DecodeServer() = default;
+
+std::uint16_t DecodeServer::port() const {
+  return impl_->port();
+}
+std::string DecodeServer::url() const {
+  return impl_->url();
+}
+void DecodeServer::beginDrain() {
+  impl_->beginDrain();
+}
+bool DecodeServer::draining() const {
+  return impl_->draining();
+}
+std::size_t DecodeServer::openStreams() const {
+  return impl_->openStreams();
+}
+bool DecodeServer::waitIdle(std::chrono::milliseconds timeout) const {
+  return impl_->waitIdle(timeout);
+}
+void DecodeServer::stop(std::chrono::milliseconds drain) {
+  impl_->stop(drain);
+}
+worker_api::WorkerStatus DecodeServer::status() const {
+  return impl_->status();
+}
+metrics::Registry& DecodeServer::registry() {
+  return impl_->registry();
+}
+kvtransfer::TransportStats DecodeServer::transportStats() const {
+  return impl_->transportStats();
 }
 
 }  // namespace pd::decode

@@ -1,7 +1,9 @@
-// CUDA build of pd/engine/gpu.h: argument checks and error mapping around the kernels.
+// CUDA build of pd/engine/gpu.h: argument checks, device owners and checked copies around the
+// kernels.
 #include <limits>
 
 #include "gpu_kernels.h"
+#include "pd/cuda/cuda_handles.h"
 #include "pd/engine/gpu.h"
 
 namespace pd::gpu {
@@ -10,7 +12,7 @@ bool builtWithCuda() {
   return true;
 }
 int deviceCount() {
-  return kernels::deviceCount();
+  return cuda::deviceCount();
 }
 
 Status axpy(float a, std::span<const float> x, std::span<float> y) {
@@ -19,10 +21,16 @@ Status axpy(float a, std::span<const float> x, std::span<float> y) {
     return makeError(ErrorCode::InvalidArgument, "axpy: too many elements");
   }
   if (deviceCount() == 0) return makeError(ErrorCode::Unsupported, "axpy: no CUDA device visible");
-  if (std::string err = kernels::axpy(a, x.data(), y.data(), static_cast<int>(x.size())); !err.empty()) {
-    return makeError(ErrorCode::Internal, "axpy: " + err);
-  }
-  return okStatus();
+  PD_CUDA_TRY(cudaSetDevice(0));
+  // Declared in acquisition order: the buffers die before the stream their copies ran on.
+  PD_ASSIGN_OR_RETURN(cuda::Stream stream, cuda::Stream::create());
+  PD_ASSIGN_OR_RETURN(auto dx, cuda::DeviceBuffer<float>::create(x.size()));
+  PD_ASSIGN_OR_RETURN(auto dy, cuda::DeviceBuffer<float>::create(y.size()));
+  PD_TRY(dx.copyFromHost(x, stream));
+  PD_TRY(dy.copyFromHost(y, stream));
+  PD_CUDA_TRY(kernels::launchAxpy(a, dx.data(), dy.data(), static_cast<int>(x.size()), stream.get()));
+  PD_TRY(dy.copyToHost(y, stream));
+  return stream.synchronize();
 }
 
 }  // namespace pd::gpu

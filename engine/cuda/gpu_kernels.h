@@ -1,12 +1,13 @@
 #pragma once
-// The C-level boundary between C++20 host code (gpu_cuda.cpp) and nvcc-compiled kernels
-// (gpu_kernels.cu, compiled as C++17). Returns an empty string on success, else the CUDA error.
+// The boundary between C++20 host code (gpu_cuda.cpp: owners, checks, copies) and the
+// nvcc-compiled kernels (gpu_kernels.cu, C++17): launches only, each returning the launch's
+// status (cudaGetLastError) for the caller to check.
 
-#include <string>
+#include <cuda_runtime_api.h>
 
 namespace pd::gpu::kernels {
 
-int deviceCount();
-std::string axpy(float a, const float* x, float* y, int n);
+/// Queues y[i] += a * x[i] for i < n on `stream` (device pointers).
+cudaError_t launchAxpy(float a, const float* x, float* y, int n, cudaStream_t stream);
 
 }  // namespace pd::gpu::kernels

@@ -15,6 +15,7 @@
 
 #include "pd/common/http_server.h"
 #include "pd/common/log.h"
+#include "pd/common/probe_routes.h"
 #include "pd/common/worker_api.h"
 #include "pd/engine/model_hash.h"
 #include "pd/kvtransfer/ucx_transport.h"
@@ -27,14 +28,14 @@ namespace {
 
 namespace kvt = pd::kvtransfer;
 constexpr std::string_view kJson = "application/json";
-constexpr std::string_view kText = "text/plain; charset=utf-8";
 
 double msBetween(Clock::time_point a, Clock::time_point b) {
   return std::chrono::duration<double, std::milli>(b - a).count();
 }
 
 // One submission, from the request to its answer. Shared by the registry (cancel lookups), the
-// transport's done callback and the engine's sink; the exchange's gone-callback holds it weakly.
+// transport's done callback and the submitting handler; the exchange's gone-callback holds it
+// weakly. Its timeline is shared with the request's TransportKvSink.
 struct Call {
   std::string router_id;
   std::uint64_t engine_id = 0;
@@ -44,76 +45,16 @@ struct Call {
   std::int64_t prompt_tokens = 0;
   std::uint64_t kv_bytes = 0;
   Clock::time_point received;
+  std::shared_ptr<TransferTimeline> timeline = std::make_shared<TransferTimeline>();
 
   std::mutex mutex;
-  std::optional<Error> failure;  // guarded: the first reason the request failed
-  std::optional<Clock::time_point> admitted;
-  std::optional<Clock::time_point> computed;
-  std::int32_t first_token = 0;
-  bool submitted = false;  // the engine took (or refused) the request
-  bool answered = false;
-  std::unique_ptr<TransportKvSink> parked;  // a sink dropped by a refused submit, ended after it
+  // The answer needs both the transfer's end and the submit's verdict (a refused submit drops the
+  // sink, which ends the transfer, before its reason is known): whichever comes second answers.
+  bool submitted = false;                  // guarded: the engine took (or refused) the request
+  std::optional<Status> transfer_outcome;  // guarded: the transport's done callback came
+  bool answered = false;                   // guarded
 
   explicit Call(http::Exchange ex) : exchange(std::move(ex)) {}
-
-  void noteFailure(const Error& e) {
-    std::lock_guard lock(mutex);
-    if (!failure) failure = e;
-  }
-};
-
-// The engine's KvSink for one call: forwards to the transport sink and records the call's timeline
-// (admitted, computed) and the engine's failure reason, which the answer reports in preference to
-// the transport's Cancelled that follows it.
-class CallSink final : public KvSink {
- public:
-  CallSink(std::shared_ptr<Call> call, std::unique_ptr<TransportKvSink> inner)
-      : call_(std::move(call)), inner_(std::move(inner)) {}
-  ~CallSink() override {
-    if (ended_) return;
-    // Dropped unended: by a refused submit (the handler then records why and ends the transfer),
-    // or by anyone later (ended here, with Cancelled).
-    std::unique_ptr<TransportKvSink> drop;
-    {
-      std::lock_guard lock(call_->mutex);
-      if (call_->submitted) {
-        drop = std::move(inner_);
-      } else {
-        call_->parked = std::move(inner_);
-      }
-    }
-  }
-  CallSink(const CallSink&) = delete;
-  CallSink& operator=(const CallSink&) = delete;
-  CallSink(CallSink&&) = delete;
-  CallSink& operator=(CallSink&&) = delete;
-
-  void admitted() override {
-    std::lock_guard lock(call_->mutex);
-    call_->admitted = Clock::now();
-  }
-  Status putLayer(std::uint32_t layer, std::int64_t first_pos, std::span<const float> rows) override {
-    return inner_->putLayer(layer, first_pos, rows);
-  }
-  void complete(kvt::CompletionRecord record) override {
-    ended_ = true;
-    {
-      std::lock_guard lock(call_->mutex);
-      call_->computed = Clock::now();
-      call_->first_token = record.first_token;
-    }
-    inner_->complete(std::move(record));
-  }
-  void fail(const Error& reason) override {
-    ended_ = true;
-    call_->noteFailure(reason);
-    inner_->fail(reason);
-  }
-
- private:
-  std::shared_ptr<Call> call_;
-  std::unique_ptr<TransportKvSink> inner_;
-  bool ended_ = false;
 };
 
 http::Response errorResponse(const Error& e) {
@@ -143,35 +84,25 @@ class PrefillServer::Impl {
     so.server_name = "pdserve-prefill";
     // The server's own errors (404, 413, malformed HTTP) in the contract's error body too.
     so.error_responder = [](int status, std::string_view message) {
-      const ErrorCode code = status == 404   ? ErrorCode::NotFound
-                             : status >= 500 ? ErrorCode::Internal
-                                             : ErrorCode::InvalidArgument;
-      return http::Response::withBody(status, std::string(kJson),
-                                      worker_api::errorJson(makeError(code, std::string(message))));
+      const Error error = makeError(worker_api::errorCodeForHttpStatus(status), std::string(message));
+      return http::Response::withBody(status, std::string(kJson), worker_api::errorJson(error));
     };
     std::vector<http::Route> routes;
     routes.push_back({"POST", std::string(worker_api::kPrefillPath),
                       [this](http::Request r, http::Exchange ex) { onSubmit(std::move(r), std::move(ex)); }});
     routes.push_back({"POST", std::string(worker_api::kPrefillCancelPath),
                       [this](http::Request r, http::Exchange ex) { onCancel(r, ex); }});
-    routes.push_back({"GET", "/health", [](const http::Request&, http::Exchange ex) {
-                        ex.respond(http::Response::withBody(200, std::string(kText), "ok"));
-                      }});
-    routes.push_back({"GET", "/ready", [this](const http::Request&, http::Exchange ex) {
-                        const bool draining = draining_.load();
-                        const bool ready = !draining && !broken();
-                        ex.respond(http::Response::withBody(
-                            ready ? 200 : 503, std::string(kText),
-                            ready ? "ready" : (draining ? "draining" : "tensor-parallel group broken")));
-                      }});
-    routes.push_back(
-        {"GET", "/metrics", [this](const http::Request&, http::Exchange ex) {
-           refreshGauges();
-           ex.respond(http::Response::withBody(200, std::string(metrics::kExpositionContentType), registry_.render()));
-         }});
-    routes.push_back({"GET", std::string(worker_api::kStatusPath), [this](const http::Request&, http::Exchange ex) {
-                        ex.respond(http::Response::withBody(200, std::string(kJson), worker_api::toJson(status())));
-                      }});
+    http::Probes probes;
+    probes.not_ready = [this] {
+      if (draining_.load()) return std::string("draining");
+      return broken() ? std::string("tensor-parallel group broken") : std::string();
+    };
+    probes.metrics = [this] {
+      refreshGauges();
+      return registry_.render();
+    };
+    probes.status = [this] { return worker_api::toJson(status()); };
+    http::addProbeRoutes(routes, std::move(probes));
     PD_ASSIGN_OR_RETURN(http_, http::Server::start(std::move(so), std::move(routes)));
     log::info("prefill", "serving on {}:{} (model hash {}, chunk {}, token budget {}, local cache {}x{})",
               options_.prefill.host, http_->port(), modelHashHex(options_.model_hash), options_.prefill.chunk_size,
@@ -426,7 +357,8 @@ class PrefillServer::Impl {
     const auto timeout = std::chrono::milliseconds(std::min(sub.timeout_ms, options_.prefill.request_timeout_ms));
     const Clock::time_point deadline = received + timeout;
     Result<std::unique_ptr<TransportKvSink>> sink = TransportKvSink::create(
-        **transport, *desc, deadline, [this, call](std::uint64_t, Status s) { onTransferDone(call, std::move(s)); });
+        **transport, *desc, deadline, [this, call](std::uint64_t, Status s) { onTransferDone(call, std::move(s)); },
+        call->timeline);
     if (!sink.ok()) {
       {
         std::lock_guard lock(mutex_);
@@ -442,20 +374,22 @@ class PrefillServer::Impl {
     pr.sampling = sub.sampling;
     pr.logprobs = sub.logprobs;
     pr.deadline = deadline;
-    pr.sink = std::make_unique<CallSink>(call, std::move(sink).value());
+    pr.sink = std::move(sink).value();
     Status submitted = makeError(ErrorCode::Cancelled, "the prefill worker is shutting down");
     {
       std::shared_lock guard(engine_guard_);
       if (prefill_) submitted = prefill_->submit(std::move(pr));
     }
-    if (!submitted.ok()) call->noteFailure(submitted.error());
-    std::unique_ptr<TransportKvSink> parked;
+    // A refused request's dropped sink has ended its transfer (Cancelled); the answer carries
+    // the refusal's reason, recorded before it can go out.
+    if (!submitted.ok()) call->timeline->failed(submitted.error());
+    std::optional<Status> transfer_outcome;
     {
       std::lock_guard lock(call->mutex);
       call->submitted = true;
-      parked = std::move(call->parked);
+      transfer_outcome = call->transfer_outcome;
     }
-    parked.reset();  // a refused request's transfer ends (Cancelled); its answer carries the reason above
+    if (transfer_outcome) answer(call, std::move(*transfer_outcome));
     if (submitted.ok()) {
       ex.onClientGone([this, weak = std::weak_ptr<Call>(call)] {
         if (auto c = weak.lock()) cancelCall(c, "the router closed the submission");
@@ -478,7 +412,7 @@ class PrefillServer::Impl {
   // Ends a call early: the engine stops it before its next layer (and fails its sink, which
   // aborts the transfer); a call past its compute has its transfer aborted directly.
   void cancelCall(const std::shared_ptr<Call>& call, const std::string& reason) {
-    call->noteFailure(makeError(ErrorCode::Cancelled, fmt::format("request {}: {}", call->router_id, reason)));
+    call->timeline->failed(makeError(ErrorCode::Cancelled, fmt::format("request {}: {}", call->router_id, reason)));
     {
       std::shared_lock guard(engine_guard_);
       if (prefill_ && prefill_->cancel(call->engine_id)) return;
@@ -493,23 +427,38 @@ class PrefillServer::Impl {
     }
   }
 
-  // The transport ended the call's transfer (progress thread): answer the router.
+  // The transport ended the call's transfer (progress thread): answer the router, or leave it
+  // to the submitting handler when the engine's verdict is not in yet.
   void onTransferDone(const std::shared_ptr<Call>& call, Status status) {
+    {
+      std::lock_guard lock(call->mutex);
+      if (!call->submitted) {
+        call->transfer_outcome = std::move(status);
+        return;
+      }
+    }
+    answer(call, std::move(status));
+  }
+
+  // Answers the router once the transfer has ended with `status`, preferring the first recorded
+  // reason of a failure (the engine's, a cancel's, a refused submit's) to the transport's.
+  void answer(const std::shared_ptr<Call>& call, Status status) {
     const Clock::time_point now = Clock::now();
     std::optional<Error> failure;
     worker_api::PrefillOutcome outcome;
     {
       std::lock_guard lock(call->mutex);
       call->answered = true;
-      if (!status.ok()) failure = call->failure ? *call->failure : status.error();
-      outcome.first_token = call->first_token;
-      outcome.prompt_tokens = call->prompt_tokens;
-      const Clock::time_point admitted = call->admitted.value_or(now);
-      const Clock::time_point computed = call->computed.value_or(now);
-      outcome.queue_ms = msBetween(call->received, admitted);
-      outcome.compute_ms = msBetween(admitted, computed);
-      outcome.transfer_ms = msBetween(computed, now);
     }
+    const TransferTimeline::Snapshot timeline = call->timeline->snapshot();
+    if (!status.ok()) failure = timeline.failure ? *timeline.failure : status.error();
+    outcome.first_token = timeline.first_token;
+    outcome.prompt_tokens = call->prompt_tokens;
+    const Clock::time_point admitted = timeline.admitted.value_or(now);
+    const Clock::time_point computed = timeline.computed.value_or(now);
+    outcome.queue_ms = msBetween(call->received, admitted);
+    outcome.compute_ms = msBetween(admitted, computed);
+    outcome.transfer_ms = msBetween(computed, now);
     if (failure) {
       // The engine may still hold it (the transport gave up first): stop its compute too.
       std::shared_lock guard(engine_guard_);

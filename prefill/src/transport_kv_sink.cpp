@@ -12,6 +12,27 @@
 
 namespace pd::prefill {
 
+void TransferTimeline::admitted() {
+  std::lock_guard lock(mutex_);
+  state_.admitted = Clock::now();
+}
+
+void TransferTimeline::computed(std::int32_t first_token) {
+  std::lock_guard lock(mutex_);
+  state_.computed = Clock::now();
+  state_.first_token = first_token;
+}
+
+void TransferTimeline::failed(const Error& reason) {
+  std::lock_guard lock(mutex_);
+  if (!state_.failure) state_.failure = reason;
+}
+
+TransferTimeline::Snapshot TransferTimeline::snapshot() const {
+  std::lock_guard lock(mutex_);
+  return state_;
+}
+
 struct TransportKvSink::Staging {
   std::vector<std::byte> bytes;  // [num_layers][num_tokens][token bytes]
   kvtransfer::RegionId region = 0;
@@ -22,7 +43,8 @@ struct TransportKvSink::Staging {
 Result<std::unique_ptr<TransportKvSink>> TransportKvSink::create(kvtransfer::Transport& transport,
                                                                  kvtransfer::KvDescriptor descriptor,
                                                                  kvtransfer::Deadline deadline,
-                                                                 kvtransfer::TransferDoneFn on_done) {
+                                                                 kvtransfer::TransferDoneFn on_done,
+                                                                 std::shared_ptr<TransferTimeline> timeline) {
   const kvtransfer::CompatInfo& c = descriptor.compat;
   if (c.kv_dtype != DType::BF16 && c.kv_dtype != DType::F32) {
     return makeError(ErrorCode::Unsupported, fmt::format("KV dtype {} cannot be staged", dtypeName(c.kv_dtype)));
@@ -46,15 +68,23 @@ Result<std::unique_ptr<TransportKvSink>> TransportKvSink::create(kvtransfer::Tra
     (void)transport.deregisterRegion(staging->region);
     return std::move(begun).error();
   }
-  return std::unique_ptr<TransportKvSink>(new TransportKvSink(transport, std::move(descriptor), std::move(staging)));
+  return std::unique_ptr<TransportKvSink>(
+      new TransportKvSink(transport, std::move(descriptor), std::move(staging), std::move(timeline)));
 }
 
 TransportKvSink::TransportKvSink(kvtransfer::Transport& transport, kvtransfer::KvDescriptor descriptor,
-                                 std::shared_ptr<Staging> staging)
-    : transport_(transport), descriptor_(std::move(descriptor)), staging_(std::move(staging)) {}
+                                 std::shared_ptr<Staging> staging, std::shared_ptr<TransferTimeline> timeline)
+    : transport_(transport),
+      descriptor_(std::move(descriptor)),
+      staging_(std::move(staging)),
+      timeline_(std::move(timeline)) {}
 
 TransportKvSink::~TransportKvSink() {
-  if (!ended_) fail(makeError(ErrorCode::Cancelled, "prefill request dropped"));
+  if (!ended_) abortTransfer(makeError(ErrorCode::Cancelled, "prefill request dropped"));
+}
+
+void TransportKvSink::admitted() {
+  if (timeline_) timeline_->admitted();
 }
 
 Status TransportKvSink::putLayer(std::uint32_t layer, std::int64_t first_pos, std::span<const float> rows) {
@@ -99,6 +129,7 @@ Status TransportKvSink::putLayer(std::uint32_t layer, std::int64_t first_pos, st
 
 void TransportKvSink::complete(kvtransfer::CompletionRecord record) {
   ended_ = true;
+  if (timeline_) timeline_->computed(record.first_token);
   // The transfer is numbered by the decode worker (the descriptor), not by the engine.
   const std::uint64_t id = descriptor_.request_id;
   record.request_id = id;
@@ -107,11 +138,17 @@ void TransportKvSink::complete(kvtransfer::CompletionRecord record) {
     // NotFound: the transfer already ended (deadline, peer failure) and its done callback says
     // why. Anything else must not leave the transfer waiting for its deadline.
     log::warn("prefill", "request {}: completion record not sent: {}", id, s.error().toString());
-    if (s.error().code != ErrorCode::NotFound) fail(s.error());
+    if (s.error().code != ErrorCode::NotFound) abortTransfer(s.error());
   }
 }
 
 void TransportKvSink::fail(const Error& reason) {
+  ended_ = true;
+  if (timeline_) timeline_->failed(reason);
+  abortTransfer(reason);
+}
+
+void TransportKvSink::abortTransfer(const Error& reason) {
   ended_ = true;
   Status s = transport_.abort(descriptor_.request_id, reason.code, reason.message);
   if (!s.ok() && s.error().code != ErrorCode::NotFound) {

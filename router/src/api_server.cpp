@@ -13,6 +13,7 @@
 #include "json_writer.h"
 #include "openai_response.h"
 #include "pd/common/log.h"
+#include "pd/common/probe_routes.h"
 #include "pd/router/json_text.h"
 #include "pd/router/openai_request.h"
 
@@ -433,19 +434,9 @@ class ApiServer::Impl {
                       }});
     routes.push_back(
         {"GET", "/v1/models", [this](const http::Request& req, http::Exchange ex) { handleModels(req, ex); }});
-    routes.push_back({"GET", "/health", [](const http::Request& /*req*/, http::Exchange ex) {
-                        ex.respond(http::Response::withBody(200, std::string(kJson), R"({"status":"ok"})"));
-                      }});
-    routes.push_back({"GET", "/ready", [this](const http::Request& /*req*/, http::Exchange ex) {
-                        const bool ready = fe_->backend.ready();
-                        ex.respond(
-                            http::Response::withBody(ready ? 200 : 503, std::string(kJson),
-                                                     ready ? R"({"status":"ready"})" : R"({"status":"not ready"})"));
-                      }});
-    routes.push_back({"GET", "/metrics", [this](const http::Request& /*req*/, http::Exchange ex) {
-                        ex.respond(http::Response::withBody(200, std::string(metrics::kExpositionContentType),
-                                                            fe_->registry.render()));
-                      }});
+    http::addProbeRoutes(routes, {.format = http::Probes::Format::Json,
+                                  .not_ready = [this] { return fe_->backend.ready() ? "" : std::string("not ready"); },
+                                  .metrics = [this] { return fe_->registry.render(); }});
     PD_ASSIGN_OR_RETURN(http_, http::Server::start(std::move(options), std::move(routes)));
     return okStatus();
   }

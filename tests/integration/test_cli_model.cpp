@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "pd/engine/safetensors.h"
+#include "support/cli_runner.h"
 
 namespace {
 
@@ -20,24 +21,8 @@ namespace fs = std::filesystem;
 
 const fs::path kGolden = fs::path(PD_TEST_DATA_DIR) / "golden";
 
-struct CommandResult {
-  int exit_code = -1;
-  std::string out;
-};
-
-// Runs `pdserve <args>` (stderr discarded), capturing stdout.
-CommandResult pdserve(const std::string& args) {
-  CommandResult r;
-  const std::string cmd = std::string(PD_PDSERVE_BIN) + " " + args + " 2>/dev/null";
-  FILE* p = ::popen(cmd.c_str(), "r");
-  if (p == nullptr) return r;
-  std::array<char, 4096> buf{};
-  std::size_t n = 0;
-  while ((n = std::fread(buf.data(), 1, buf.size(), p)) > 0) r.out.append(buf.data(), n);
-  const int status = ::pclose(p);
-  r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  return r;
-}
+using pd::test::CommandResult;
+using pd::test::pdserveCommandLine;
 
 std::vector<float> floats(const pd::SafetensorsFile& f, const std::string& name) {
   const pd::TensorView* t = f.find(name);
@@ -76,8 +61,8 @@ class CliModel : public ::testing::TestWithParam<std::string> {
 TEST_P(CliModel, GenerateGreedyPrintsTheGoldenTokensWithAndWithoutMtp) {
   const std::string want = "{\"ids\": [" + joined(ids(*golden_, "p0.greedy"), ", ") + "]}\n";
   for (const char* mtp : {"0", "2"}) {
-    const CommandResult r =
-        pdserve("generate --model " + model() + " --prompt-ids " + prompt_ + " --max-tokens 24 --mtp " + mtp);
+    const CommandResult r = pdserveCommandLine("generate --model " + model() + " --prompt-ids " + prompt_ +
+                                               " --max-tokens 24 --mtp " + mtp);
     EXPECT_EQ(r.exit_code, 0);
     EXPECT_EQ(r.out, want) << "--mtp " << mtp;
   }
@@ -86,9 +71,9 @@ TEST_P(CliModel, GenerateGreedyPrintsTheGoldenTokensWithAndWithoutMtp) {
 TEST_P(CliModel, SampledGenerationRepeatsForASeed) {
   const std::string args = "generate --model " + model() + " --prompt-ids " + prompt_ +
                            " --max-tokens 8 --temperature 0.9 --top-k 50 --ignore-eos --seed ";
-  const CommandResult a = pdserve(args + "11");
-  const CommandResult b = pdserve(args + "11");
-  const CommandResult c = pdserve(args + "12");
+  const CommandResult a = pdserveCommandLine(args + "11");
+  const CommandResult b = pdserveCommandLine(args + "11");
+  const CommandResult c = pdserveCommandLine(args + "12");
   EXPECT_EQ(a.exit_code, 0);
   EXPECT_EQ(a.out, b.out);
   EXPECT_NE(a.out, c.out);
@@ -98,7 +83,8 @@ TEST_P(CliModel, LogitsWritesTheGoldenTensors) {
   const fs::path out =
       fs::temp_directory_path() / ("pd_cli_logits_" + GetParam() + "_" +
                                    std::to_string(::testing::UnitTest::GetInstance()->random_seed()) + ".safetensors");
-  const CommandResult r = pdserve("logits --model " + model() + " --prompt-ids " + prompt_ + " --out " + out.string());
+  const CommandResult r =
+      pdserveCommandLine("logits --model " + model() + " --prompt-ids " + prompt_ + " --out " + out.string());
   ASSERT_EQ(r.exit_code, 0);
   auto written = pd::SafetensorsFile::open(out);
   ASSERT_TRUE(written.ok());
@@ -122,10 +108,10 @@ INSTANTIATE_TEST_SUITE_P(Golden, CliModel, ::testing::Values("tiny-bf16", "tiny-
 
 TEST(CliModelErrors, BadInputIsExitCode2) {
   const std::string model = (kGolden / "tiny-bf16").string();
-  EXPECT_EQ(pdserve("generate --model " + model + " --prompt-ids 1,99999").exit_code, 2);
-  EXPECT_EQ(pdserve("generate --model " + model + " --prompt-ids 1,x").exit_code, 2);
-  EXPECT_EQ(pdserve("logits --model " + model + " --prompt-ids 1,2").exit_code, 2);  // no --out
-  EXPECT_NE(pdserve("generate --model /nonexistent --prompt-ids 1").exit_code, 0);
+  EXPECT_EQ(pdserveCommandLine("generate --model " + model + " --prompt-ids 1,99999").exit_code, 2);
+  EXPECT_EQ(pdserveCommandLine("generate --model " + model + " --prompt-ids 1,x").exit_code, 2);
+  EXPECT_EQ(pdserveCommandLine("logits --model " + model + " --prompt-ids 1,2").exit_code, 2);  // no --out
+  EXPECT_NE(pdserveCommandLine("generate --model /nonexistent --prompt-ids 1").exit_code, 0);
 }
 
 }  // namespace

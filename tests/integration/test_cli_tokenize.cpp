@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "support/cli_runner.h"
 #include "unit/tokenizer/tokenizer_test_support.h"
 
 namespace {
@@ -18,44 +19,8 @@ namespace {
 namespace fs = std::filesystem;
 using pd::tokenizer::testing::readJsonl;
 
-struct CommandResult {
-  int exit_code = -1;
-  std::vector<std::string> lines;  // stdout lines
-  std::string err;
-};
-
-std::string quote(const std::string& arg) {
-  std::string q = "'";
-  for (const char ch : arg) q += ch == '\'' ? std::string("'\\''") : std::string(1, ch);
-  return q + "'";
-}
-
-std::string readText(const fs::path& p) {
-  std::ifstream in(p, std::ios::binary);
-  std::ostringstream s;
-  s << in.rdbuf();
-  return s.str();
-}
-
-// Runs `pdserve args...` with `input` on stdin.
-CommandResult pdserve(const std::vector<std::string>& args, const std::string& input) {
-  std::string tmpl = (fs::temp_directory_path() / "pd_cli_tokenize_XXXXXX").string();
-  const fs::path dir = ::mkdtemp(tmpl.data());
-  std::ofstream(dir / "in", std::ios::binary) << input;
-  std::string cmd = quote(PD_PDSERVE_BIN);
-  for (const auto& a : args) cmd += " " + quote(a);
-  cmd += " <" + quote((dir / "in").string()) + " >" + quote((dir / "out").string()) + " 2>" +
-         quote((dir / "err").string());
-  const int status = std::system(cmd.c_str());
-  CommandResult r;
-  r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  std::istringstream out(readText(dir / "out"));
-  for (std::string line; std::getline(out, line);) r.lines.push_back(line);
-  r.err = readText(dir / "err");
-  std::error_code ec;
-  fs::remove_all(dir, ec);
-  return r;
-}
+using pd::test::CommandResult;
+using pd::test::pdserve;
 
 std::string line(const boost::json::object& obj) {
   return boost::json::serialize(obj) + "\n";

@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "support/cli_runner.h"
 #include "support/test_files.h"
 
 namespace pd::test {
@@ -20,20 +21,14 @@ namespace {
 namespace fs = std::filesystem;
 namespace json = boost::json;
 
-// Runs `pdserve <args>` (stderr discarded); its stdout's last line as JSON (null on failure).
+// Runs `pdserve <args>`; its stdout's last line as JSON (null on failure).
 json::value pdserveJson(const std::string& args) {
-  const std::string cmd = std::string(PD_PDSERVE_BIN) + " " + args + " 2>/dev/null";
-  FILE* p = ::popen(cmd.c_str(), "r");
-  if (p == nullptr) return nullptr;
-  std::string out;
-  std::array<char, 4096> buf{};
-  std::size_t n = 0;
-  while ((n = std::fread(buf.data(), 1, buf.size(), p)) > 0) out.append(buf.data(), n);
-  const int status = ::pclose(p);
-  if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
-    ADD_FAILURE() << "pdserve " << args << " exited with " << status;
+  const CommandResult r = pdserveCommandLine(args);
+  if (r.exit_code != 0) {
+    ADD_FAILURE() << "pdserve " << args << " exited with " << r.exit_code;
     return nullptr;
   }
+  std::string out = r.out;
   while (!out.empty() && out.back() == '\n') out.pop_back();
   return json::parse(out.substr(out.rfind('\n') + 1));
 }

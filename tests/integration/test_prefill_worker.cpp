@@ -1,4 +1,4 @@
-// The prefill worker process (`pdserve prefill`, issue 7) end to end: this test plays the decode
+// The prefill worker process (`pdserve prefill`) end to end: this test plays the decode
 // worker (a decode KvPool on its own UCX transport, or prefill_decode_peer in a child process)
 // and the router (PrefillSubmit / cancel over real HTTP).
 //  - the pool filled by the worker holds the golden KV of tiny-bf16 / tiny-fp8 (main layers and
@@ -27,6 +27,7 @@
 #include "integration/prefill_worker_util.h"
 #include "pd/engine/model_factory.h"
 #include "pd/engine/sampling.h"
+#include "support/cli_runner.h"
 #include "support/test_files.h"
 #include "unit/prefill/prefill_golden.h"
 
@@ -541,62 +542,38 @@ TEST(PrefillWorkerProcess, IdleSigtermExitsZeroAtOnce) {
   EXPECT_FALSE(w.stdoutLines().next(100ms).has_value()) << "one PDSERVE_READY line only";
 }
 
-struct CliRun {
-  int status = -1;
-  std::string out;
-  std::string err;
-};
-
-CliRun runPdserve(std::vector<std::string> args) {
-  proc::SpawnOptions o;
-  o.argv = {PD_PDSERVE_BIN};
-  o.argv.insert(o.argv.end(), args.begin(), args.end());
-  CliRun run;
-  auto p = proc::Subprocess::spawn(o);
-  if (!p.ok()) return run;
-  proc::LineReader out((*p)->stdoutFd());
-  proc::LineReader err((*p)->stderrFd());
-  const auto deadline = Clock::now() + 20s;
-  bool out_open = true;
-  bool err_open = true;
-  while ((out_open || err_open) && Clock::now() < deadline) {
-    out_open = out_open && out.drain([&](const std::string& l) { run.out += l + "\n"; });
-    err_open = err_open && err.drain([&](const std::string& l) { run.err += l + "\n"; });
-    std::this_thread::sleep_for(5ms);
-  }
-  run.status = (*p)->wait(5s).value_or(-1);
-  return run;
-}
+using pd::test::CommandResult;
+using pd::test::pdserve;
 
 TEST(PrefillWorkerProcess, CheckConfigValidatesWithoutLoadingTheModel) {
   pd::test::TempDir tmp;
   const fs::path missing = tmp.path() / "no-model-here";
-  CliRun ok = runPdserve({"prefill", "--check-config", "--model.path", missing.string()});
-  EXPECT_EQ(ok.status, 0) << ok.err;
+  CommandResult ok = pdserve({"prefill", "--check-config", "--model.path", missing.string()});
+  EXPECT_EQ(ok.exit_code, 0) << ok.err;
   EXPECT_EQ(ok.out, "");
   EXPECT_EQ(ok.err, "");
-  CliRun bad = runPdserve({"prefill", "--check-config", "--prefill.chunk_size", "0"});
-  EXPECT_EQ(bad.status, 2);
+  CommandResult bad = pdserve({"prefill", "--check-config", "--prefill.chunk_size", "0"});
+  EXPECT_EQ(bad.exit_code, 2);
   EXPECT_NE(bad.err.find("chunk_size"), std::string::npos) << bad.err;
   EXPECT_EQ(bad.out, "");
-  CliRun tls = runPdserve({"prefill", "--check-config", "--kvtransfer.ucx_tls", "sm"});
-  EXPECT_EQ(tls.status, 2);
+  CommandResult tls = pdserve({"prefill", "--check-config", "--kvtransfer.ucx_tls", "sm"});
+  EXPECT_EQ(tls.exit_code, 2);
   EXPECT_NE(tls.err.find("ucx_tls"), std::string::npos) << tls.err;
-  CliRun unknown = runPdserve({"prefill", "--check-config", "--prefill.no_such_option", "1"});
-  EXPECT_EQ(unknown.status, 2);
+  CommandResult unknown = pdserve({"prefill", "--check-config", "--prefill.no_such_option", "1"});
+  EXPECT_EQ(unknown.exit_code, 2);
   const fs::path yaml = tmp.path() / "cfg.yaml";
   std::ofstream(yaml) << "prefill:\n  chunk_size: 64\ndecode:\n  blok_size: 8\n";
-  CliRun typo = runPdserve({"prefill", "--check-config", "--config", yaml.string()});
-  EXPECT_EQ(typo.status, 2) << "a typo in another role's section is caught too";
+  CommandResult typo = pdserve({"prefill", "--check-config", "--config", yaml.string()});
+  EXPECT_EQ(typo.exit_code, 2) << "a typo in another role's section is caught too";
   EXPECT_NE(typo.err.find("blok_size"), std::string::npos) << typo.err;
 }
 
 // `pdserve bench prefill --json` runs the three modes and prints one JSON object whose fields the
 // benchmark table is built from (the numbers themselves are not asserted: this machine is noisy).
 TEST(PrefillWorkerProcess, BenchPrefillPrintsTheTtftBreakdown) {
-  CliRun run = runPdserve({"bench", "prefill", "--model", (goldenDir() / "tiny-bf16").string(), "--lengths", "16,48",
-                           "--runs", "1", "--threads", "1", "--json", "--log.level", "warn"});
-  ASSERT_EQ(run.status, 0) << run.err;
+  CommandResult run = pdserve({"bench", "prefill", "--model", (goldenDir() / "tiny-bf16").string(), "--lengths",
+                               "16,48", "--runs", "1", "--threads", "1", "--json", "--log.level", "warn"});
+  ASSERT_EQ(run.exit_code, 0) << run.err;
   boost::system::error_code ec;
   const boost::json::value v = boost::json::parse(run.out, ec);
   ASSERT_FALSE(ec) << run.out;

@@ -6,6 +6,8 @@
 #include <cmath>
 #include <cstdio>
 
+#include "pd/common/json_text.h"
+
 namespace pd::chat::jinja {
 namespace {
 
@@ -74,45 +76,6 @@ std::string pythonStringRepr(const std::string& s) {
   return out;
 }
 
-void jsonString(const std::string& s, std::string& out) {
-  out.push_back('"');
-  for (const char ch : s) {
-    const auto c = static_cast<unsigned char>(ch);
-    switch (ch) {
-      case '"':
-        out += "\\\"";
-        break;
-      case '\\':
-        out += "\\\\";
-        break;
-      case '\n':
-        out += "\\n";
-        break;
-      case '\r':
-        out += "\\r";
-        break;
-      case '\t':
-        out += "\\t";
-        break;
-      case '\b':
-        out += "\\b";
-        break;
-      case '\f':
-        out += "\\f";
-        break;
-      default:
-        if (c < 0x20) {
-          char buf[8];
-          std::snprintf(buf, sizeof buf, "\\u%04x", c);
-          out += buf;
-        } else {
-          out.push_back(ch);
-        }
-    }
-  }
-  out.push_back('"');
-}
-
 bool toJsonAt(const Value& v, int indent, bool sort_keys, int depth, std::string& out) {
   const auto newline = [&](int level) {
     out.push_back('\n');
@@ -139,7 +102,7 @@ bool toJsonAt(const Value& v, int indent, bool sort_keys, int depth, std::string
       return true;
     }
     case Value::Kind::String:
-      jsonString(v.asString(), out);
+      appendJsonString(out, v.asString());
       return true;
     case Value::Kind::List: {
       const auto& items = *v.listPtr();
@@ -172,7 +135,7 @@ bool toJsonAt(const Value& v, int indent, bool sort_keys, int depth, std::string
       for (std::size_t k = 0; k < items.size(); ++k) {
         if (k > 0) out += indent >= 0 ? "," : ", ";
         if (indent >= 0) newline(depth + 1);
-        jsonString(items[k]->first, out);
+        appendJsonString(out, items[k]->first);
         out += ": ";
         if (!toJsonAt(items[k]->second, indent, sort_keys, depth + 1, out)) return false;
       }

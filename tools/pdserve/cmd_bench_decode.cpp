@@ -8,7 +8,7 @@
 //    the relative cost = (draft forward time + verify forward time) / plain forward time - 1 per
 //    step, both against a plain (MTP off) run of the same requests made right before. Random
 //    weights accept almost no drafts, so drafts come from a BENCH-ONLY override
-//    (DecodeEngineOptions::bench_draft_override, unreachable from configuration) that proposes
+//    (ScriptedDrafter, a decode::Drafter only this benchmark constructs) that proposes
 //    the known greedy continuation with probability p, a wrong token otherwise.
 //  - MTP with the model's own drafts (no override) on 8 chat questions rendered with the model's
 //    chat template (when it has one: the trained default model, `--model default`), each prompt's
@@ -23,6 +23,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <limits>
 #include <memory>
 #include <numeric>
@@ -34,7 +35,9 @@
 
 #include "bench_util.h"
 #include "cli.h"
+#include "pd/common/json_text.h"
 #include "pd/decode/decode_engine.h"
+#include "pd/decode/drafter.h"
 #include "pd/decode/kv_pool.h"
 #include "pd/engine/engine.h"
 #include "pd/engine/kernels.h"
@@ -94,6 +97,22 @@ class MeteredEngine : public model::Engine {
   Totals totals_;
 };
 
+// BENCH-ONLY drafter: the MTP layer runs as in serving (its cost is measured), but what it
+// proposes is `choose`'s pick (random weights accept almost no drafts of their own).
+class ScriptedDrafter final : public decode::MtpDrafter {
+ public:
+  /// (request id, output index of the drafted token, the MTP layer's draft) -> token to propose.
+  using Choose = std::function<std::int32_t(std::uint64_t, std::int64_t, std::int32_t)>;
+  ScriptedDrafter(model::Engine& engine, KvPool& pool, Choose choose)
+      : MtpDrafter(engine, pool), choose_(std::move(choose)) {}
+
+ private:
+  std::int32_t choose(std::uint64_t request_id, std::int64_t output_index, std::int32_t mtp_draft) override {
+    return choose_(request_id, output_index, mtp_draft);
+  }
+  Choose choose_;
+};
+
 // What one run of B requests through a DecodeEngine measured (warm-up steps excluded).
 struct RunResult {
   std::int64_t batch = 0;
@@ -124,7 +143,7 @@ struct RunSpec {
   std::int64_t warmup_steps = 2;
   std::int64_t drafts = 0;
   DType kv_dtype = DType::BF16;
-  decode::DecodeEngineOptions::DraftOverride draft_override;
+  ScriptedDrafter::Choose draft_override;  // empty: the model's own drafts
 };
 
 // Steps `dec` until every request has produced spec.max_tokens tokens, timing the steps after
@@ -183,8 +202,9 @@ Result<RunResult> runDecode(MeteredEngine& engine, const RunSpec& spec, int thre
   DecodeEngineOptions o;
   o.num_speculative_tokens = spec.drafts;
   o.max_running_requests = spec.batch;
-  o.bench_draft_override = spec.draft_override;
-  DecodeEngine dec(engine, pool, o);
+  DecodeEngine dec(
+      engine, pool, o,
+      spec.draft_override ? std::make_unique<ScriptedDrafter>(engine, pool, spec.draft_override) : nullptr);
 
   std::mt19937_64 rng(seed);
   std::normal_distribution<float> normal(0.0F, 1.0F);
@@ -287,22 +307,6 @@ Result<RunResult> runPrompts(MeteredEngine& engine, const std::vector<std::vecto
   }
   if (total.steps > 0) total.cpu_share = cpu_weighted / static_cast<double>(total.steps);
   return total;
-}
-
-// `text` for a JSON string: quotes, backslashes and control bytes escaped.
-std::string jsonEscapeAscii(std::string_view text) {
-  std::string out;
-  for (const char c : text) {
-    if (c == '"' || c == '\\') {
-      out += '\\';
-      out += c;
-    } else if (static_cast<unsigned char>(c) < 0x20) {
-      out += fmt::format("\\u{:04x}", static_cast<int>(c));
-    } else {
-      out += c;
-    }
-  }
-  return out;
 }
 
 // Questions in the default model's domain (short definitions), rendered with the model's chat
@@ -656,15 +660,15 @@ int runBenchDecode(const std::vector<std::string>& args) {
     }
     rm += "]";
     const std::string line = fmt::format(
-        "{{\"model\": \"{}\", \"weight_dtype\": \"{}\", \"backend\": \"{}\", \"threads\": {}, \"weight_bytes\": {}, "
+        "{{\"model\": {}, \"weight_dtype\": \"{}\", \"backend\": \"{}\", \"threads\": {}, \"weight_bytes\": {}, "
         "\"l3_bytes\": {}, \"weights_over_l3\": {:.2f}, \"read_bandwidth_gbs\": {:.3f}, \"kv_dtype\": \"{}\", "
         "\"context\": {}, \"decode\": {}, \"mbu_batch1\": {:.4f}, \"mtp_plain_tokens_per_s\": {:.3f}, \"mtp\": {}, "
         "\"mtp_speedup_at_p085\": {:.4f}, \"mtp_speedup_over_ideal\": {:.4f}, "
         "\"draft_override\": \"bench-only: proposes the greedy continuation with probability p\", "
-        "\"mtp_real_prompts\": {}, \"mtp_real_tokens\": {}, \"mtp_real\": {}, \"mtp_real_skipped\": \"{}\"}}",
-        model_dir.string(), dtypeName(caps.weight_dtype), caps.backend, caps.threads, weights, l3, over_l3,
+        "\"mtp_real_prompts\": {}, \"mtp_real_tokens\": {}, \"mtp_real\": {}, \"mtp_real_skipped\": {}}}",
+        jsonString(model_dir.string()), dtypeName(caps.weight_dtype), caps.backend, caps.threads, weights, l3, over_l3,
         bandwidth / 1e9, kv_dtype, context, d, mbu1, plain_tps, m, speedup_085, over_ideal_085, kMtpQuestions.size(),
-        mtp_tokens, rm, jsonEscapeAscii(real_skipped));
+        mtp_tokens, rm, jsonString(real_skipped));
     std::printf("%s\n", line.c_str());
   }
   return 0;

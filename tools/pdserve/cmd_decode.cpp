@@ -1,4 +1,4 @@
-// pdserve decode: the decode worker process (issue 6). Loads the model, serves the internal API
+// pdserve decode: the decode worker process. Loads the model, serves the internal API
 // (docs/internal-api.md) through DecodeServer, prints one PDSERVE_READY line on stdout when
 // serving, and drains on SIGTERM / SIGINT: /ready turns 503 and new decode streams are refused
 // at once (503 Overloaded), open streams may finish for decode.drain_timeout_ms, the rest are
@@ -38,6 +38,7 @@
 #include "pd/comm/tcp_communicator.h"
 #include "pd/common/http_server.h"
 #include "pd/common/log.h"
+#include "pd/common/probe_routes.h"
 #include "pd/common/subprocess.h"
 #include "pd/decode/decode_config.h"
 #include "pd/decode/decode_server.h"
@@ -179,23 +180,18 @@ int runNodeFollower(const decode::DecodeConfig& dec, const kvtransfer::KvTransfe
   auto serving = std::make_shared<std::atomic<bool>>(false);
   comm::TpProcessGroup* g = group->get();
   std::vector<http::Route> routes;
-  routes.push_back({"GET", "/health", [](http::Request, http::Exchange ex) {
-                      ex.respond(http::Response::withBody(200, "text/plain", "ok"));
-                    }});
-  routes.push_back({"GET", "/ready", [serving, g](http::Request, http::Exchange ex) {
-                      const Status peers = g->comm().checkPeers();
-                      const bool ready = serving->load() && peers.ok();
-                      ex.respond(http::Response::withBody(ready ? 200 : 503, "text/plain",
-                                                          ready ? "ready" : "tensor-parallel group not serving"));
-                    }});
-  routes.push_back({"GET", "/metrics", [serving, dec](http::Request, http::Exchange ex) {
-                      ex.respond(http::Response::withBody(
-                          200, "text/plain; version=0.0.4",
-                          fmt::format("# HELP pdserve_decode_tp_rank_serving 1 while this node's ranks serve their "
-                                      "tensor-parallel group\n# TYPE pdserve_decode_tp_rank_serving gauge\n"
-                                      "pdserve_decode_tp_rank_serving{{node_rank=\"{}\"}} {}\n",
-                                      dec.node_rank, serving->load() ? 1 : 0)));
-                    }});
+  http::Probes probes;
+  probes.not_ready = [serving, g] {
+    const bool ready = serving->load() && g->comm().checkPeers().ok();
+    return ready ? std::string() : std::string("tensor-parallel group not serving");
+  };
+  probes.metrics = [serving, node_rank = dec.node_rank] {
+    return fmt::format(
+        "# HELP pdserve_decode_tp_rank_serving 1 while this node's ranks serve their tensor-parallel group\n"
+        "# TYPE pdserve_decode_tp_rank_serving gauge\npdserve_decode_tp_rank_serving{{node_rank=\"{}\"}} {}\n",
+        node_rank, serving->load() ? 1 : 0);
+  };
+  http::addProbeRoutes(routes, std::move(probes));
   http::ServerOptions so;
   so.host = dec.host;
   so.port = static_cast<std::uint16_t>(dec.port);

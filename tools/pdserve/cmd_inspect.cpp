@@ -9,6 +9,7 @@
 #include <string_view>
 
 #include "cli.h"
+#include "pd/common/json_text.h"
 #include "pd/engine/model_config.h"
 #include "pd/engine/safetensors.h"
 
@@ -98,33 +99,6 @@ std::string human(double v, std::string_view unit) {
   }
   if (i == 0) return fmt::format("{:.0f}{}{}", v, unit.empty() ? "" : " ", unit);
   return fmt::format("{:.2f} {}{}", v, kPrefixes[i], unit);
-}
-
-std::string jsonString(std::string_view text) {
-  std::string out = "\"";
-  for (const char ch : text) {
-    switch (ch) {
-      case '"':
-        out += "\\\"";
-        break;
-      case '\\':
-        out += "\\\\";
-        break;
-      case '\n':
-        out += "\\n";
-        break;
-      case '\t':
-        out += "\\t";
-        break;
-      default:
-        if (static_cast<unsigned char>(ch) < 0x20) {
-          out += fmt::format("\\u{:04x}", static_cast<unsigned>(static_cast<unsigned char>(ch)));
-        } else {
-          out += ch;
-        }
-    }
-  }
-  return out + "\"";
 }
 
 void printText(const std::filesystem::path& dir, const ModelConfig& c, const Summary& s, std::size_t tensors,

@@ -1,4 +1,4 @@
-// pdserve prefill: the prefill worker process (issue 7). Loads the model, serves the internal
+// pdserve prefill: the prefill worker process. Loads the model, serves the internal
 // API (docs/internal-api.md) through PrefillServer, prints one PDSERVE_READY line on stdout when
 // serving, and drains on SIGTERM / SIGINT: /ready turns 503 and new prefills are refused at once,
 // in-flight ones may finish for prefill.drain_timeout_ms, the rest are aborted (failure records

@@ -1,4 +1,4 @@
-// pdserve router: the router process (issue 8). Loads the tokenizer and chat template of the
+// pdserve router: the router process. Loads the tokenizer and chat template of the
 // model (or model.tokenizer) folder, polls the prefill and decode workers of router.* (static
 // lists and/or DNS service names), serves the OpenAI-compatible API (docs/api.md) over the P/D
 // orchestrator, prints one PDSERVE_READY line on stdout when serving, and drains on SIGTERM /

@@ -1,22 +1,15 @@
 // AVX2 + FMA + F16C kernels; this file alone is compiled with -mavx2 -mfma -mf16c. Only
-// intrinsics and helpers local to this file (see kernels_isa.h for why).
+// intrinsics, helpers local to this file and the shared tile driver instantiated with this
+// file's traits (see kernels_isa.h for why).
 #include <immintrin.h>
 
 #include <cstdint>
 
 #include "kernels_isa.h"
+#include "kernels_tile_driver.h"
 
 namespace pd::model::detail {
 namespace {
-
-using i64 = std::int64_t;
-
-template <DType D>
-constexpr i64 kElemBytes = D == DType::F32 ? 4 : (D == DType::F8E4M3 ? 1 : 2);
-
-inline i64 minI(i64 a, i64 b) {
-  return a < b ? a : b;
-}
 
 // e4m3 -> fp16 bits whose value is 2^-8 times the e4m3 value (see kernels_avx512.cpp).
 inline __m256 fp8ToHalfScaled(__m128i bytes8) {
@@ -73,18 +66,12 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-inline float fp8Scale(const WeightMatrix& w, i64 row, i64 col_block, i64 scale_cols) {
-  return 256.0F * w.scale_inv[(row / w.block_rows) * scale_cols + col_block];
-}
-
 template <DType D, int R, int T>
-void matmulTile(const WeightMatrix& w, i64 row, const float* x, i64 x_stride, float* y, i64 y_stride) {
+void avx2MatmulTile(const WeightMatrix& w, i64 row, const float* x, i64 x_stride, float* y, i64 y_stride) {
   constexpr i64 kB = kElemBytes<D>;
   const i64 cols = w.cols;
-  const auto* base = static_cast<const std::uint8_t*>(w.data);
   const std::uint8_t* rp[R];
-#pragma GCC unroll 16
-  for (int r = 0; r < R; ++r) rp[r] = base + (row + r) * cols * kB;
+  rowPointers<D>(w, row, rp);
   __m256 acc[R][T];
   float tail[R][T];
 #pragma GCC unroll 16
@@ -141,72 +128,9 @@ void matmulTile(const WeightMatrix& w, i64 row, const float* x, i64 x_stride, fl
     for (int t = 0; t < T; ++t) y[t * y_stride + r] = hsum(acc[r][t]) + tail[r][t];
 }
 
-template <DType D, int R>
-void matmulTileAnyT(i64 tokens, const WeightMatrix& w, i64 row, const float* x, i64 xs, float* y, i64 ys) {
-  switch (tokens) {
-    case 1:
-      matmulTile<D, R, 1>(w, row, x, xs, y, ys);
-      break;
-    case 2:
-      matmulTile<D, R, 2>(w, row, x, xs, y, ys);
-      break;
-    case 3:
-      matmulTile<D, R, 3>(w, row, x, xs, y, ys);
-      break;
-    default:
-      matmulTile<D, R, 4>(w, row, x, xs, y, ys);
-      break;
-  }
-}
-
-template <DType D>
-void matmulTyped(const WeightMatrix& w, i64 row_begin, i64 row_end, const float* x, i64 x_stride, i64 n_tokens,
-                 float* y, i64 y_stride) {
-  const i64 row_bytes = w.cols * kElemBytes<D>;
-  i64 panel = (256 * 1024) / (row_bytes > 0 ? row_bytes : 1);
-  panel = panel < 4 ? 4 : (panel / 4) * 4;
-  for (i64 p0 = row_begin; p0 < row_end; p0 += panel) {
-    const i64 p1 = minI(row_end, p0 + panel);
-    for (i64 t0 = 0; t0 < n_tokens; t0 += 4) {
-      const i64 tn = minI(4, n_tokens - t0);
-      const float* xt = x + t0 * x_stride;
-      float* yt = y + t0 * y_stride;
-      i64 r = p0;
-      // 16 ymm registers: 4 rows x 1 token for a decode step, 2 rows x up to 4 tokens otherwise.
-      if (tn == 1) {
-        for (; r + 4 <= p1; r += 4) matmulTile<D, 4, 1>(w, r, xt, x_stride, yt + (r - row_begin), y_stride);
-      } else {
-        for (; r + 2 <= p1; r += 2) matmulTileAnyT<D, 2>(tn, w, r, xt, x_stride, yt + (r - row_begin), y_stride);
-      }
-      for (; r < p1; ++r) matmulTileAnyT<D, 1>(tn, w, r, xt, x_stride, yt + (r - row_begin), y_stride);
-    }
-  }
-}
-
-void matmul(const WeightMatrix& w, i64 row_begin, i64 row_end, const float* x, i64 x_stride, i64 n_tokens, float* y,
-            i64 y_stride) {
-  switch (w.dtype) {
-    case DType::F32:
-      matmulTyped<DType::F32>(w, row_begin, row_end, x, x_stride, n_tokens, y, y_stride);
-      return;
-    case DType::BF16:
-      matmulTyped<DType::BF16>(w, row_begin, row_end, x, x_stride, n_tokens, y, y_stride);
-      return;
-    case DType::F16:
-      matmulTyped<DType::F16>(w, row_begin, row_end, x, x_stride, n_tokens, y, y_stride);
-      return;
-    case DType::F8E4M3:
-      matmulTyped<DType::F8E4M3>(w, row_begin, row_end, x, x_stride, n_tokens, y, y_stride);
-      return;
-    default:
-      genericKernels().matmul(w, row_begin, row_end, x, x_stride, n_tokens, y, y_stride);
-      return;
-  }
-}
-
 template <DType D, int T>
-void transposedTile(const WeightMatrix& w, i64 row_begin, i64 row_end, const float* x, i64 x_stride, float* y,
-                    i64 y_stride) {
+void avx2TransposedTile(const WeightMatrix& w, i64 row_begin, i64 row_end, const float* x, i64 x_stride, float* y,
+                        i64 y_stride) {
   constexpr i64 kB = kElemBytes<D>;
   const i64 cols = w.cols;
   const auto* base = static_cast<const std::uint8_t*>(w.data);
@@ -237,55 +161,7 @@ void transposedTile(const WeightMatrix& w, i64 row_begin, i64 row_end, const flo
   }
 }
 
-template <DType D>
-void transposedTyped(const WeightMatrix& w, i64 row_begin, i64 row_end, const float* x, i64 x_stride, i64 n_tokens,
-                     float* y, i64 y_stride) {
-  for (i64 t0 = 0; t0 < n_tokens; t0 += 4) {
-    const i64 tn = minI(4, n_tokens - t0);
-    const float* xt = x + t0 * x_stride;
-    float* yt = y + t0 * y_stride;
-    switch (tn) {
-      case 1:
-        transposedTile<D, 1>(w, row_begin, row_end, xt, x_stride, yt, y_stride);
-        break;
-      case 2:
-        transposedTile<D, 2>(w, row_begin, row_end, xt, x_stride, yt, y_stride);
-        break;
-      case 3:
-        transposedTile<D, 3>(w, row_begin, row_end, xt, x_stride, yt, y_stride);
-        break;
-      default:
-        transposedTile<D, 4>(w, row_begin, row_end, xt, x_stride, yt, y_stride);
-        break;
-    }
-  }
-}
-
-void matmulTransposed(const WeightMatrix& w, i64 row_begin, i64 row_end, const float* x, i64 x_stride, i64 n_tokens,
-                      float* y, i64 y_stride) {
-  switch (w.dtype) {
-    case DType::F32:
-      transposedTyped<DType::F32>(w, row_begin, row_end, x, x_stride, n_tokens, y, y_stride);
-      return;
-    case DType::BF16:
-      transposedTyped<DType::BF16>(w, row_begin, row_end, x, x_stride, n_tokens, y, y_stride);
-      return;
-    case DType::F16:
-      transposedTyped<DType::F16>(w, row_begin, row_end, x, x_stride, n_tokens, y, y_stride);
-      return;
-    case DType::F8E4M3:
-      if (w.block_cols % 8 == 0) {
-        transposedTyped<DType::F8E4M3>(w, row_begin, row_end, x, x_stride, n_tokens, y, y_stride);
-        return;
-      }
-      break;
-    default:
-      break;
-  }
-  genericKernels().matmulTransposed(w, row_begin, row_end, x, x_stride, n_tokens, y, y_stride);
-}
-
-float dot(const float* a, const float* b, i64 n) {
+float avx2Dot(const float* a, const float* b, i64 n) {
   __m256 acc0 = _mm256_setzero_ps();
   __m256 acc1 = _mm256_setzero_ps();
   i64 i = 0;
@@ -299,7 +175,7 @@ float dot(const float* a, const float* b, i64 n) {
   return s;
 }
 
-void axpy(float a, const float* x, float* y, i64 n) {
+void avx2Axpy(float a, const float* x, float* y, i64 n) {
   const __m256 av = _mm256_set1_ps(a);
   i64 i = 0;
   for (; i + 8 <= n; i += 8)
@@ -307,30 +183,41 @@ void axpy(float a, const float* x, float* y, i64 n) {
   for (; i < n; ++i) y[i] += a * x[i];
 }
 
-// 12 independent FMA chains: enough to cover FMA latency x throughput on current cores.
-float fmaLoop(i64 iterations) {
-  __m256 acc[12];
-#pragma GCC unroll 16
-  for (int j = 0; j < 12; ++j) acc[j] = _mm256_set1_ps(1.0F + 0.01F * static_cast<float>(j));
-  const __m256 m = _mm256_set1_ps(0.999999F);
-  const __m256 a = _mm256_set1_ps(1e-7F);
-  for (i64 i = 0; i < iterations; ++i) {
-#pragma GCC unroll 16
-    for (int j = 0; j < 12; ++j) acc[j] = _mm256_fmadd_ps(acc[j], m, a);
+// The traits the shared tile driver (kernels_tile_driver.h) runs on.
+struct Avx2 {
+  static constexpr CpuIsa kIsa = CpuIsa::Avx2;
+  static constexpr int kLanes = 8;
+  // 16 ymm registers: 4 rows x 1 token for a decode step, 2 rows x up to 4 tokens otherwise.
+  static constexpr int kRowsOneToken = 4;
+  static constexpr int kRowsManyTokens = 2;
+  using Vec = __m256;
+  static Vec set1(float v) { return _mm256_set1_ps(v); }
+  static Vec fmadd(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+  static Vec add(Vec a, Vec b) { return _mm256_add_ps(a, b); }
+  static void store(float* p, Vec v) { _mm256_storeu_ps(p, v); }
+
+  template <DType D, int R, int T>
+  static void matmulTile(const WeightMatrix& w, i64 row, const float* x, i64 xs, float* y, i64 ys) {
+    avx2MatmulTile<D, R, T>(w, row, x, xs, y, ys);
   }
-  __m256 s = acc[0];
-#pragma GCC unroll 16
-  for (int j = 1; j < 12; ++j) s = _mm256_add_ps(s, acc[j]);
-  float out[8];
-  _mm256_storeu_ps(out, s);
-  return out[0];
-}
+  template <DType D, int T>
+  static void transposedTile(const WeightMatrix& w, i64 row_begin, i64 row_end, const float* x, i64 xs, float* y,
+                             i64 ys) {
+    avx2TransposedTile<D, T>(w, row_begin, row_end, x, xs, y, ys);
+  }
+  template <DType D>
+  static bool matmulSpecial(const WeightMatrix& /*w*/, i64 /*row_begin*/, i64 /*row_end*/, const float* /*x*/,
+                            i64 /*xs*/, i64 /*n_tokens*/, float* /*y*/, i64 /*ys*/) {
+    return false;
+  }
+  static float dot(const float* a, const float* b, i64 n) { return avx2Dot(a, b, n); }
+  static void axpy(float a, const float* x, float* y, i64 n) { avx2Axpy(a, x, y, n); }
+};
 
 }  // namespace
 
 const KernelTable& avx2Kernels() {
-  static const KernelTable table{CpuIsa::Avx2, matmul, matmulTransposed, dot, axpy, fmaLoop, 12 * 8 * 2};
-  return table;
+  return kernelTableOf<Avx2>();
 }
 
 }  // namespace pd::model::detail

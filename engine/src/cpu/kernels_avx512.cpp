@@ -1,5 +1,6 @@
-// AVX-512 (F, BW, VL, DQ) kernels; this file alone is compiled with -mavx512*. Only intrinsics
-// and helpers local to this file (see kernels_isa.h for why).
+// AVX-512 (F, BW, VL, DQ) kernels; this file alone is compiled with -mavx512*. Only intrinsics,
+// helpers local to this file and the shared tile driver instantiated with this file's traits
+// (see kernels_isa.h for why).
 // GCC 12's masked-load and reduce intrinsics start from _mm512_undefined_*(), which trips
 // -Wuninitialized inside its own header once inlined here.
 #pragma GCC diagnostic ignored "-Wuninitialized"
@@ -9,18 +10,12 @@
 #include <cstdint>
 
 #include "kernels_isa.h"
+#include "kernels_tile_driver.h"
 
 namespace pd::model::detail {
 namespace {
 
-using i64 = std::int64_t;
-
-template <DType D>
-constexpr i64 kElemBytes = D == DType::F32 ? 4 : (D == DType::F8E4M3 ? 1 : 2);
-
-inline i64 minI(i64 a, i64 b) {
-  return a < b ? a : b;
-}
+struct Avx512;
 
 // e4m3 -> fp16 bit pattern with the same sign, exponent and mantissa bits: the fp16 value is
 // exactly 2^-8 times the e4m3 value (normals and subnormals alike), so the conversion is one
@@ -61,20 +56,13 @@ inline __m512 load16Masked(const std::uint8_t* p, __mmask16 m) {
   }
 }
 
-// Multiplier that turns a loaded FP8 vector into the dequantized weight (see fp8ToHalfScaled).
-inline float fp8Scale(const WeightMatrix& w, i64 row, i64 col_block, i64 scale_cols) {
-  return 256.0F * w.scale_inv[(row / w.block_rows) * scale_cols + col_block];
-}
-
 // R rows x T tokens of y: every weight vector is loaded and converted once and used T times.
 template <DType D, int R, int T>
-void matmulTile(const WeightMatrix& w, i64 row, const float* x, i64 x_stride, float* y, i64 y_stride) {
+void avx512MatmulTile(const WeightMatrix& w, i64 row, const float* x, i64 x_stride, float* y, i64 y_stride) {
   constexpr i64 kB = kElemBytes<D>;
   const i64 cols = w.cols;
-  const auto* base = static_cast<const std::uint8_t*>(w.data);
   const std::uint8_t* rp[R];
-#pragma GCC unroll 16
-  for (int r = 0; r < R; ++r) rp[r] = base + (row + r) * cols * kB;
+  rowPointers<D>(w, row, rp);
   __m512 acc[R][T];
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r)
@@ -123,24 +111,6 @@ void matmulTile(const WeightMatrix& w, i64 row, const float* x, i64 x_stride, fl
     for (int t = 0; t < T; ++t) y[t * y_stride + r] = _mm512_reduce_add_ps(acc[r][t]);
 }
 
-template <DType D, int R>
-void matmulTileAnyT(i64 tokens, const WeightMatrix& w, i64 row, const float* x, i64 xs, float* y, i64 ys) {
-  switch (tokens) {
-    case 1:
-      matmulTile<D, R, 1>(w, row, x, xs, y, ys);
-      break;
-    case 2:
-      matmulTile<D, R, 2>(w, row, x, xs, y, ys);
-      break;
-    case 3:
-      matmulTile<D, R, 3>(w, row, x, xs, y, ys);
-      break;
-    default:
-      matmulTile<D, R, 4>(w, row, x, xs, y, ys);
-      break;
-  }
-}
-
 // --- eight or more tokens (prefill, batched decode): dequantize once, reuse ---
 //
 // Four rows are dequantized into a float32 panel (exactly the values dequantizeRow gives) that
@@ -180,7 +150,7 @@ template <int R>
 void panelTiles(const WeightMatrix& panel, const float* x, i64 x_stride, i64 n_tokens, float* y, i64 y_stride) {
   i64 t0 = 0;
   for (; t0 + kPanelTokens <= n_tokens; t0 += kPanelTokens) {
-    matmulTile<DType::F32, R, kPanelTokens>(panel, 0, x + t0 * x_stride, x_stride, y + t0 * y_stride, y_stride);
+    avx512MatmulTile<DType::F32, R, kPanelTokens>(panel, 0, x + t0 * x_stride, x_stride, y + t0 * y_stride, y_stride);
   }
   const float* xt = x + t0 * x_stride;
   float* yt = y + t0 * y_stride;
@@ -188,10 +158,10 @@ void panelTiles(const WeightMatrix& panel, const float* x, i64 x_stride, i64 n_t
     case 0:
       break;
     case 5:
-      matmulTile<DType::F32, R, 5>(panel, 0, xt, x_stride, yt, y_stride);
+      avx512MatmulTile<DType::F32, R, 5>(panel, 0, xt, x_stride, yt, y_stride);
       break;
     default:
-      matmulTileAnyT<DType::F32, R>(n_tokens - t0, panel, 0, xt, x_stride, yt, y_stride);
+      matmulTileAnyT<Avx512, DType::F32, R>(n_tokens - t0, panel, 0, xt, x_stride, yt, y_stride);
       break;
   }
 }
@@ -334,9 +304,11 @@ void gemvFp8x4(const WeightMatrix& w, i64 row, const float* x, float* y) {
   for (int r = 0; r < 4; ++r) y[r] = _mm512_reduce_add_ps(total[r]);
 }
 
+// The paths faster than the shared row panels: 4-row GEMV for one BF16 or FP8 token, and
+// dequantized panels from eight tokens on. True when one of them ran.
 template <DType D>
-void matmulTyped(const WeightMatrix& w, i64 row_begin, i64 row_end, const float* x, i64 x_stride, i64 n_tokens,
-                 float* y, i64 y_stride) {
+bool avx512MatmulSpecial(const WeightMatrix& w, i64 row_begin, i64 row_end, const float* x, i64 x_stride, i64 n_tokens,
+                         float* y, i64 y_stride) {
   if constexpr (D == DType::BF16 || D == DType::F8E4M3) {
     if (n_tokens == 1 && (D == DType::BF16 || w.block_cols % 64 == 0)) {
       i64 r = row_begin;
@@ -347,60 +319,24 @@ void matmulTyped(const WeightMatrix& w, i64 row_begin, i64 row_end, const float*
           gemvFp8x4(w, r, x, y + (r - row_begin));
         }
       }
-      for (; r < row_end; ++r) matmulTile<D, 1, 1>(w, r, x, x_stride, y + (r - row_begin), y_stride);
-      return;
+      for (; r < row_end; ++r) avx512MatmulTile<D, 1, 1>(w, r, x, x_stride, y + (r - row_begin), y_stride);
+      return true;
     }
   }
   if constexpr (D != DType::F32) {
     if (n_tokens >= 8 && w.cols <= kPanelMaxCols) {
       matmulPanels<D>(w, row_begin, row_end, x, x_stride, n_tokens, y, y_stride);
-      return;
+      return true;
     }
   }
-  // Rows in panels of about 256 KiB of weights, so that a panel stays in L2 while every token
-  // tile streams over it (prefill); a decode step (one token) is a single pass.
-  const i64 row_bytes = w.cols * kElemBytes<D>;
-  i64 panel = (256 * 1024) / (row_bytes > 0 ? row_bytes : 1);
-  panel = panel < 4 ? 4 : (panel / 4) * 4;
-  for (i64 p0 = row_begin; p0 < row_end; p0 += panel) {
-    const i64 p1 = minI(row_end, p0 + panel);
-    for (i64 t0 = 0; t0 < n_tokens; t0 += 4) {
-      const i64 tn = minI(4, n_tokens - t0);
-      const float* xt = x + t0 * x_stride;
-      float* yt = y + t0 * y_stride;
-      i64 r = p0;
-      for (; r + 4 <= p1; r += 4) matmulTileAnyT<D, 4>(tn, w, r, xt, x_stride, yt + (r - row_begin), y_stride);
-      for (; r < p1; ++r) matmulTileAnyT<D, 1>(tn, w, r, xt, x_stride, yt + (r - row_begin), y_stride);
-    }
-  }
-}
-
-void matmul(const WeightMatrix& w, i64 row_begin, i64 row_end, const float* x, i64 x_stride, i64 n_tokens, float* y,
-            i64 y_stride) {
-  switch (w.dtype) {
-    case DType::F32:
-      matmulTyped<DType::F32>(w, row_begin, row_end, x, x_stride, n_tokens, y, y_stride);
-      return;
-    case DType::BF16:
-      matmulTyped<DType::BF16>(w, row_begin, row_end, x, x_stride, n_tokens, y, y_stride);
-      return;
-    case DType::F16:
-      matmulTyped<DType::F16>(w, row_begin, row_end, x, x_stride, n_tokens, y, y_stride);
-      return;
-    case DType::F8E4M3:
-      matmulTyped<DType::F8E4M3>(w, row_begin, row_end, x, x_stride, n_tokens, y, y_stride);
-      return;
-    default:
-      genericKernels().matmul(w, row_begin, row_end, x, x_stride, n_tokens, y, y_stride);
-      return;
-  }
+  return false;
 }
 
 // y[t][c..c+16) += sum_r x[t][r] * W[r][c..c+16), T tokens at a time, columns outermost so the
 // accumulators stay in registers.
 template <DType D, int T>
-void transposedTile(const WeightMatrix& w, i64 row_begin, i64 row_end, const float* x, i64 x_stride, float* y,
-                    i64 y_stride) {
+void avx512TransposedTile(const WeightMatrix& w, i64 row_begin, i64 row_end, const float* x, i64 x_stride, float* y,
+                          i64 y_stride) {
   constexpr i64 kB = kElemBytes<D>;
   const i64 cols = w.cols;
   const auto* base = static_cast<const std::uint8_t*>(w.data);
@@ -424,56 +360,7 @@ void transposedTile(const WeightMatrix& w, i64 row_begin, i64 row_end, const flo
   }
 }
 
-template <DType D>
-void transposedTyped(const WeightMatrix& w, i64 row_begin, i64 row_end, const float* x, i64 x_stride, i64 n_tokens,
-                     float* y, i64 y_stride) {
-  for (i64 t0 = 0; t0 < n_tokens; t0 += 4) {
-    const i64 tn = minI(4, n_tokens - t0);
-    const float* xt = x + t0 * x_stride;
-    float* yt = y + t0 * y_stride;
-    switch (tn) {
-      case 1:
-        transposedTile<D, 1>(w, row_begin, row_end, xt, x_stride, yt, y_stride);
-        break;
-      case 2:
-        transposedTile<D, 2>(w, row_begin, row_end, xt, x_stride, yt, y_stride);
-        break;
-      case 3:
-        transposedTile<D, 3>(w, row_begin, row_end, xt, x_stride, yt, y_stride);
-        break;
-      default:
-        transposedTile<D, 4>(w, row_begin, row_end, xt, x_stride, yt, y_stride);
-        break;
-    }
-  }
-}
-
-void matmulTransposed(const WeightMatrix& w, i64 row_begin, i64 row_end, const float* x, i64 x_stride, i64 n_tokens,
-                      float* y, i64 y_stride) {
-  switch (w.dtype) {
-    case DType::F32:
-      transposedTyped<DType::F32>(w, row_begin, row_end, x, x_stride, n_tokens, y, y_stride);
-      return;
-    case DType::BF16:
-      transposedTyped<DType::BF16>(w, row_begin, row_end, x, x_stride, n_tokens, y, y_stride);
-      return;
-    case DType::F16:
-      transposedTyped<DType::F16>(w, row_begin, row_end, x, x_stride, n_tokens, y, y_stride);
-      return;
-    case DType::F8E4M3:
-      // A 16-column vector must not straddle two scale blocks.
-      if (w.block_cols % 16 == 0) {
-        transposedTyped<DType::F8E4M3>(w, row_begin, row_end, x, x_stride, n_tokens, y, y_stride);
-        return;
-      }
-      break;
-    default:
-      break;
-  }
-  genericKernels().matmulTransposed(w, row_begin, row_end, x, x_stride, n_tokens, y, y_stride);
-}
-
-float dot(const float* a, const float* b, i64 n) {
+float avx512Dot(const float* a, const float* b, i64 n) {
   __m512 acc0 = _mm512_setzero_ps();
   __m512 acc1 = _mm512_setzero_ps();
   i64 i = 0;
@@ -489,7 +376,7 @@ float dot(const float* a, const float* b, i64 n) {
   return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
 }
 
-void axpy(float a, const float* x, float* y, i64 n) {
+void avx512Axpy(float a, const float* x, float* y, i64 n) {
   const __m512 av = _mm512_set1_ps(a);
   for (i64 i = 0; i < n; i += 16) {
     const i64 k = minI(16, n - i);
@@ -499,30 +386,41 @@ void axpy(float a, const float* x, float* y, i64 n) {
   }
 }
 
-// 12 independent FMA chains: enough to cover FMA latency x throughput on current cores.
-float fmaLoop(i64 iterations) {
-  __m512 acc[12];
-#pragma GCC unroll 16
-  for (int j = 0; j < 12; ++j) acc[j] = _mm512_set1_ps(1.0F + 0.01F * static_cast<float>(j));
-  const __m512 m = _mm512_set1_ps(0.999999F);
-  const __m512 a = _mm512_set1_ps(1e-7F);
-  for (i64 i = 0; i < iterations; ++i) {
-#pragma GCC unroll 16
-    for (int j = 0; j < 12; ++j) acc[j] = _mm512_fmadd_ps(acc[j], m, a);
+// The traits the shared tile driver (kernels_tile_driver.h) runs on.
+struct Avx512 {
+  static constexpr CpuIsa kIsa = CpuIsa::Avx512;
+  static constexpr int kLanes = 16;
+  // 32 zmm registers: 4 rows x up to 4 tokens.
+  static constexpr int kRowsOneToken = 4;
+  static constexpr int kRowsManyTokens = 4;
+  using Vec = __m512;
+  static Vec set1(float v) { return _mm512_set1_ps(v); }
+  static Vec fmadd(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+  static Vec add(Vec a, Vec b) { return _mm512_add_ps(a, b); }
+  static void store(float* p, Vec v) { _mm512_storeu_ps(p, v); }
+
+  template <DType D, int R, int T>
+  static void matmulTile(const WeightMatrix& w, i64 row, const float* x, i64 xs, float* y, i64 ys) {
+    avx512MatmulTile<D, R, T>(w, row, x, xs, y, ys);
   }
-  __m512 s = acc[0];
-#pragma GCC unroll 16
-  for (int j = 1; j < 12; ++j) s = _mm512_add_ps(s, acc[j]);
-  float out[16];
-  _mm512_storeu_ps(out, s);
-  return out[0];
-}
+  template <DType D, int T>
+  static void transposedTile(const WeightMatrix& w, i64 row_begin, i64 row_end, const float* x, i64 xs, float* y,
+                             i64 ys) {
+    avx512TransposedTile<D, T>(w, row_begin, row_end, x, xs, y, ys);
+  }
+  template <DType D>
+  static bool matmulSpecial(const WeightMatrix& w, i64 row_begin, i64 row_end, const float* x, i64 xs, i64 n_tokens,
+                            float* y, i64 ys) {
+    return avx512MatmulSpecial<D>(w, row_begin, row_end, x, xs, n_tokens, y, ys);
+  }
+  static float dot(const float* a, const float* b, i64 n) { return avx512Dot(a, b, n); }
+  static void axpy(float a, const float* x, float* y, i64 n) { avx512Axpy(a, x, y, n); }
+};
 
 }  // namespace
 
 const KernelTable& avx512Kernels() {
-  static const KernelTable table{CpuIsa::Avx512, matmul, matmulTransposed, dot, axpy, fmaLoop, 12 * 16 * 2};
-  return table;
+  return kernelTableOf<Avx512>();
 }
 
 }  // namespace pd::model::detail

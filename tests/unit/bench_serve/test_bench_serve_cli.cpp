@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "scripted_openai_server.h"
+#include "support/cli_runner.h"
 #include "support/test_files.h"
 
 namespace {
@@ -17,30 +18,8 @@ namespace {
 using pd::test::readFile;
 using pd::test::TempDir;
 
-struct CommandResult {
-  int exit_code = -1;
-  std::string out;
-  std::string err;
-};
-
-std::string quote(const std::string& arg) {
-  std::string q = "'";
-  for (const char ch : arg) q += ch == '\'' ? std::string("'\\''") : std::string(1, ch);
-  return q + "'";
-}
-
-CommandResult pdserve(const std::vector<std::string>& args) {
-  TempDir io;
-  std::string cmd = quote(PD_PDSERVE_BIN);
-  for (const auto& a : args) cmd += " " + quote(a);
-  cmd += " >" + quote((io.path() / "out").string()) + " 2>" + quote((io.path() / "err").string()) + " </dev/null";
-  const int status = std::system(cmd.c_str());
-  CommandResult r;
-  r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  r.out = readFile(io.path() / "out");
-  r.err = readFile(io.path() / "err");
-  return r;
-}
+using pd::test::CommandResult;
+using pd::test::pdserve;
 
 pd::test::Script quickScript() {
   pd::test::Script s;

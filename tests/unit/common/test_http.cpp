@@ -12,14 +12,17 @@
 #include "fakes/raw_http_peer.h"
 #include "pd/common/http_client.h"
 #include "pd/common/http_server.h"
+#include "pd/common/probe_routes.h"
 
 namespace {
 
 using namespace std::chrono_literals;
 using pd::fakes::RawHttpPeer;
+using pd::http::addProbeRoutes;
 using pd::http::Client;
 using pd::http::ClientRequest;
 using pd::http::Exchange;
+using pd::http::Probes;
 using pd::http::Request;
 using pd::http::Response;
 using pd::http::Route;
@@ -515,6 +518,41 @@ TEST(SseParser, JoinsDataLinesSkipsCommentsAndKeepsFields) {
   EXPECT_EQ(events[0].data, "{\"a\":\n1}");
   EXPECT_EQ(events[1].event, "");
   EXPECT_EQ(events[1].data, "x");
+}
+
+TEST(ProbeRoutes, AnswerHealthReadyMetricsAndStatus) {
+  auto reason = std::make_shared<std::string>();
+  std::vector<Route> routes;
+  addProbeRoutes(routes, {.not_ready = [reason] { return *reason; },
+                          .metrics = [] { return std::string("pd_up 1\n"); },
+                          .status = [] { return std::string(R"({"role":"test"})"); }});
+  std::vector<Route> json_routes;
+  addProbeRoutes(json_routes, {.format = Probes::Format::Json, .not_ready = [reason] { return *reason; }});
+  ServerOptions options;
+  options.host = "127.0.0.1";
+  options.port = 0;
+  auto text = Server::start(options, std::move(routes));
+  auto json = Server::start(options, std::move(json_routes));
+  ASSERT_TRUE(text.ok() && json.ok());
+  Client t("127.0.0.1", (*text)->port());
+  Client j("127.0.0.1", (*json)->port());
+  const auto get = [](Client& c, const std::string& path) {
+    auto r = c.send({"GET", path, {}, {}}, 5s);
+    EXPECT_TRUE(r.ok());
+    return r.ok() ? std::make_pair(r->status, r->body) : std::make_pair(0, std::string());
+  };
+  EXPECT_EQ(get(t, "/health"), std::make_pair(200, std::string("ok")));
+  EXPECT_EQ(get(t, "/ready"), std::make_pair(200, std::string("ready")));
+  EXPECT_EQ(get(t, "/metrics"), std::make_pair(200, std::string("pd_up 1\n")));
+  EXPECT_EQ(get(t, "/v1/internal/status"), std::make_pair(200, std::string(R"({"role":"test"})")));
+  EXPECT_EQ(get(j, "/health"), std::make_pair(200, std::string(R"({"status":"ok"})")));
+  EXPECT_EQ(get(j, "/ready"), std::make_pair(200, std::string(R"({"status":"ready"})")));
+  EXPECT_EQ(get(j, "/metrics").first, 404) << "no metrics callback, no route";
+  *reason = "draining \"now\"";
+  EXPECT_EQ(get(t, "/ready"), std::make_pair(503, std::string("draining \"now\"")));
+  EXPECT_EQ(get(j, "/ready"), std::make_pair(503, std::string(R"({"status":"draining \"now\""})")));
+  (*text)->stop();
+  (*json)->stop();
 }
 
 }  // namespace

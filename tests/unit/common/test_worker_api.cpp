@@ -1,6 +1,8 @@
 // The workers' internal API codecs (worker_api.h): round trips, and refusal of bad input.
 #include <gtest/gtest.h>
 
+#include <array>
+
 #include "pd/common/worker_api.h"
 
 namespace pd::worker_api {
@@ -174,6 +176,27 @@ TEST(WorkerApi, StatusAndErrorsRoundTrip) {
   EXPECT_EQ(httpStatusFor(ErrorCode::PeerFailed), 502);
   EXPECT_EQ(parseErrorCode("ResourceExhausted"), ErrorCode::ResourceExhausted);
   EXPECT_FALSE(parseErrorCode("nope").has_value());
+}
+
+TEST(WorkerApi, HttpStatusTableReadsBackBothWays) {
+  constexpr std::array kAll = {ErrorCode::InvalidArgument,   ErrorCode::NotFound,    ErrorCode::Io,
+                               ErrorCode::Corrupt,           ErrorCode::Unsupported, ErrorCode::Timeout,
+                               ErrorCode::PeerFailed,        ErrorCode::Cancelled,   ErrorCode::Overloaded,
+                               ErrorCode::ResourceExhausted, ErrorCode::Internal};
+  for (const ErrorCode code : kAll) {
+    // A status read back as a code answers with the same status again.
+    const int status = httpStatusFor(code);
+    EXPECT_EQ(httpStatusFor(errorCodeForHttpStatus(status)), status) << errorCodeName(code);
+  }
+  EXPECT_EQ(errorCodeForHttpStatus(400), ErrorCode::InvalidArgument);
+  EXPECT_EQ(errorCodeForHttpStatus(404), ErrorCode::NotFound);
+  EXPECT_EQ(errorCodeForHttpStatus(409), ErrorCode::Cancelled);
+  EXPECT_EQ(errorCodeForHttpStatus(503), ErrorCode::Overloaded);
+  EXPECT_EQ(errorCodeForHttpStatus(504), ErrorCode::Timeout);
+  EXPECT_EQ(errorCodeForHttpStatus(413), ErrorCode::InvalidArgument);
+  EXPECT_EQ(errorCodeForHttpStatus(431), ErrorCode::InvalidArgument);
+  EXPECT_EQ(errorCodeForHttpStatus(500), ErrorCode::Internal);
+  EXPECT_EQ(errorCodeForHttpStatus(599), ErrorCode::Internal);
 }
 
 }  // namespace

@@ -12,26 +12,12 @@
 #include <cstdlib>
 #include <string>
 
+#include "support/cli_runner.h"
+
 namespace {
 
-struct CommandResult {
-  int exit_code = -1;
-  std::string out;
-};
-
-// Runs `pdserve <args>` (stderr discarded), capturing stdout.
-CommandResult pdserve(const std::string& args) {
-  CommandResult r;
-  const std::string cmd = std::string(PD_PDSERVE_BIN) + " " + args + " 2>/dev/null";
-  FILE* p = ::popen(cmd.c_str(), "r");
-  if (p == nullptr) return r;
-  std::array<char, 4096> buf{};
-  std::size_t n = 0;
-  while ((n = std::fread(buf.data(), 1, buf.size(), p)) > 0) r.out.append(buf.data(), n);
-  const int status = ::pclose(p);
-  r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  return r;
-}
+using pd::test::CommandResult;
+using pd::test::pdserveCommandLine;
 
 // The number after `"key": ` at or after `from`; NaN when absent.
 double number(const std::string& json, const std::string& key, std::size_t from = 0) {
@@ -42,7 +28,7 @@ double number(const std::string& json, const std::string& key, std::size_t from 
 }
 
 TEST(BenchDecodeCli, JsonHasTheSweepAndTheMtpRatios) {
-  const CommandResult r = pdserve(
+  const CommandResult r = pdserveCommandLine(
       "bench decode --preset tiny --batches 1,4 --steps 2 --context 32 --mtp-tokens 12 --bandwidth-mb 64 "
       "--threads 1 --json");
   ASSERT_EQ(r.exit_code, 0) << r.out;
@@ -66,9 +52,9 @@ TEST(BenchDecodeCli, JsonHasTheSweepAndTheMtpRatios) {
 }
 
 TEST(BenchDecodeCli, BadOptionsAreRefused) {
-  EXPECT_EQ(pdserve("bench decode --preset tiny --batches 0 --json").exit_code, 2);
-  EXPECT_EQ(pdserve("bench decode --preset tiny --mtp-k x --json").exit_code, 2);
-  EXPECT_EQ(pdserve("bench decode --preset no-such-preset --json").exit_code, 2);
+  EXPECT_EQ(pdserveCommandLine("bench decode --preset tiny --batches 0 --json").exit_code, 2);
+  EXPECT_EQ(pdserveCommandLine("bench decode --preset tiny --mtp-k x --json").exit_code, 2);
+  EXPECT_EQ(pdserveCommandLine("bench decode --preset no-such-preset --json").exit_code, 2);
 }
 
 }  // namespace

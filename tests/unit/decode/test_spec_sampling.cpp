@@ -1,4 +1,4 @@
-// Statistical test (issue 6): speculative decoding with temperature > 0 samples exactly the
+// Statistical test: speculative decoding with temperature > 0 samples exactly the
 // model's distribution. Over many seeds, the joint distribution of the first two tokens a decode
 // step produces (t1, t2 after the prefill's first token t0) is compared, by a chi-square
 // goodness-of-fit test, with the exact distribution p(t1) p(t2 | t1) computed from the model's

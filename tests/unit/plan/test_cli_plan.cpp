@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "support/cli_runner.h"
 #include "support/test_files.h"
 
 namespace {
@@ -16,30 +17,8 @@ namespace {
 using pd::test::readFile;
 using pd::test::TempDir;
 
-struct CommandResult {
-  int exit_code = -1;
-  std::string out;
-  std::string err;
-};
-
-std::string quote(const std::string& arg) {
-  std::string q = "'";
-  for (const char ch : arg) q += ch == '\'' ? std::string("'\\''") : std::string(1, ch);
-  return q + "'";
-}
-
-CommandResult pdserve(const std::vector<std::string>& args) {
-  TempDir io;
-  std::string cmd = quote(PD_PDSERVE_BIN);
-  for (const auto& a : args) cmd += " " + quote(a);
-  cmd += " >" + quote((io.path() / "out").string()) + " 2>" + quote((io.path() / "err").string());
-  const int status = std::system(cmd.c_str());
-  CommandResult r;
-  r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  r.out = readFile(io.path() / "out");
-  r.err = readFile(io.path() / "err");
-  return r;
-}
+using pd::test::CommandResult;
+using pd::test::pdserve;
 
 boost::json::object parseObject(const std::string& text) {
   boost::system::error_code ec;

@@ -139,6 +139,11 @@ struct WorkerStatus {
 /// ResourceExhausted / Unsupported, 404 NotFound, 409 Cancelled, 502 PeerFailed / Corrupt / Io,
 /// 503 Overloaded, 504 Timeout, 500 otherwise.
 [[nodiscard]] int httpStatusFor(ErrorCode code);
+/// The reverse of httpStatusFor over the same table, for statuses the HTTP server answers itself
+/// (404 NotFound, 409 Cancelled, 503 Overloaded, ...; a status shared by several codes reads back
+/// as the first: 400 InvalidArgument, 502 PeerFailed); any other 4xx is InvalidArgument, anything
+/// else Internal.
+[[nodiscard]] ErrorCode errorCodeForHttpStatus(int status);
 /// The code errorCodeName() names; nullopt for an unknown name.
 [[nodiscard]] std::optional<ErrorCode> parseErrorCode(std::string_view name);
 

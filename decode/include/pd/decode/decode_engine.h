@@ -60,6 +60,7 @@
 #include "pd/common/result.h"
 #include "pd/decode/decode_config.h"
 #include "pd/decode/decode_metrics.h"
+#include "pd/decode/drafter.h"
 #include "pd/decode/kv_block_manager.h"
 #include "pd/decode/kv_pool.h"
 #include "pd/engine/engine.h"
@@ -67,6 +68,8 @@
 #include "pd/kvtransfer/wire.h"
 
 namespace pd::decode {
+
+class DraftVerifier;
 
 using Clock = std::chrono::steady_clock;
 
@@ -124,15 +127,6 @@ struct DecodeEngineOptions {
   /// Hold the blocks of a request aborted while its KV is awaited until its transfer is over
   /// (header comment, "Late writes"). For the rma data path; off keeps the am behaviour.
   bool quarantine_late_writes = false;
-  /// BENCH/TEST HOOK — never set from configuration: engineOptions() leaves it empty and no
-  /// YAML key, flag or environment variable reaches it. When set, it replaces every MTP draft:
-  /// called on the engine thread with the request id, the index in the request's output of the
-  /// token the draft stands for (the first token, from prefill, is index 0) and the MTP layer's
-  /// own draft; it returns the token to propose. `pdserve bench decode` uses it to propose a
-  /// known greedy continuation with a chosen probability (random weights accept almost nothing).
-  using DraftOverride =
-      std::function<std::int32_t(std::uint64_t request_id, std::int64_t output_index, std::int32_t mtp_draft)>;
-  DraftOverride bench_draft_override;
 };
 
 /// The engine options a worker's typed config implies.
@@ -152,7 +146,10 @@ class DecodeEngine {
  public:
   /// `engine` and `pool` must outlive this object and fit each other (PD_CHECKed: same
   /// latent_dim and layer count). Unsupported (via admit) for speculation without an MTP layer.
-  DecodeEngine(model::Engine& engine, KvPool& pool, DecodeEngineOptions options);
+  /// `drafter` proposes the drafts when num_speculative_tokens > 0; null: the model's own MTP
+  /// layer (MtpDrafter). Only benchmarks and tests pass another.
+  DecodeEngine(model::Engine& engine, KvPool& pool, DecodeEngineOptions options,
+               std::unique_ptr<Drafter> drafter = nullptr);
   ~DecodeEngine();
   DecodeEngine(const DecodeEngine&) = delete;
   DecodeEngine& operator=(const DecodeEngine&) = delete;
@@ -209,6 +206,8 @@ class DecodeEngine {
   // Streams `tokens` and, if a stop condition holds, ends the request. True if it ended.
   bool emit(Sequence& seq, std::vector<model::SampledToken> tokens);
   void finish(std::uint64_t request_id, FinishReason reason, std::optional<Error> error, RequestOutcome outcome);
+  // One step over the running batch: plan the drafts and grow the blocks, draft (drafter_),
+  // verify (verifier_), then stream what each sequence emitted.
   void runBatch(std::span<Sequence* const> batch);
   // Pool and sequence gauges (options_.metrics).
   void publishGauges() const;
@@ -219,6 +218,8 @@ class DecodeEngine {
   KvPool& pool_;
   DecodeEngineOptions options_;
   KvBlockManager blocks_;
+  std::unique_ptr<Drafter> drafter_;
+  std::unique_ptr<DraftVerifier> verifier_;
   std::unordered_map<std::uint64_t, std::unique_ptr<Sequence>> requests_;
   std::deque<std::uint64_t> ready_;                            // KV arrived, waiting for a batch slot (FIFO)
   std::vector<std::uint64_t> running_;                         // in the batch, in join order

@@ -1,5 +1,5 @@
 #pragma once
-/// The decode worker process's core (issue 6, docs/internal-api.md): the model engine, the latent
+/// The decode worker process's core (docs/internal-api.md): the model engine, the latent
 /// KV pool registered with a UCX transport, the engine loop, and the internal HTTP API:
 ///
 ///   POST /v1/internal/decode        DecodeOpen -> 200 chunked NDJSON DecodeEvent lines
@@ -23,24 +23,15 @@
 /// thread, not the loop thread); the accessors are thread-safe. HTTP handlers never wait for the
 /// engine loop: opens are answered from the loop thread when admission is decided.
 
-#include <atomic>
 #include <chrono>
-#include <condition_variable>
 #include <cstdint>
-#include <map>
 #include <memory>
-#include <mutex>
 #include <string>
-#include <vector>
 
-#include "pd/common/http_server.h"
 #include "pd/common/metrics.h"
 #include "pd/common/result.h"
 #include "pd/common/worker_api.h"
 #include "pd/decode/decode_config.h"
-#include "pd/decode/decode_loop.h"
-#include "pd/decode/decode_metrics.h"
-#include "pd/decode/kv_pool.h"
 #include "pd/engine/engine.h"
 #include "pd/engine/tp_engine.h"
 #include "pd/kvtransfer/kvtransfer_config.h"
@@ -84,7 +75,7 @@ class DecodeServer {
   /// From now on /ready answers 503 and opens are refused with 503 Overloaded ("draining");
   /// streams already open go on. Idempotent.
   void beginDrain();
-  [[nodiscard]] bool draining() const { return draining_.load(); }
+  [[nodiscard]] bool draining() const;
   /// Streams open now (admitted or being admitted, not yet ended).
   [[nodiscard]] std::size_t openStreams() const;
   /// Waits until no stream is open; false when `timeout` passed first.
@@ -97,48 +88,14 @@ class DecodeServer {
   /// What GET /v1/internal/status answers.
   [[nodiscard]] worker_api::WorkerStatus status() const;
   /// The registry /metrics renders (decode and transport series).
-  [[nodiscard]] metrics::Registry& registry() { return registry_; }
+  [[nodiscard]] metrics::Registry& registry();
   /// The transport's counters (tests read pending receives from it).
   [[nodiscard]] kvtransfer::TransportStats transportStats() const;
 
  private:
-  struct Stream;
-  DecodeServer(std::unique_ptr<model::Engine> engine, DecodeServerOptions options);
-  [[nodiscard]] Status startParts();
-
-  void handleOpen(http::Request request, http::Exchange exchange);
-  void handleAbort(const http::Request& request, http::Exchange exchange);
-  // Answers `error` with its status and counts the refusal.
-  void refuse(http::Exchange& exchange, const Error& error);
-  // Called on the loop thread with the request's final event: forgets the stream.
-  void streamEnded(const std::string& request_id);
-  // The tensor-parallel group is broken (never for tensor_parallel 1).
-  [[nodiscard]] bool tpBroken() const { return options_.tp_leader != nullptr && options_.tp_leader->broken(); }
-
-  DecodeServerOptions options_;
-  metrics::Registry registry_;  // first: everything below publishes into it
-  DecodeMetrics metrics_;
-  std::unique_ptr<model::Engine> engine_;
-  std::unique_ptr<KvPool> pool_;
-  std::unique_ptr<kvtransfer::Transport> transport_;
-  kvtransfer::RegionId region_ = 0;
-  bool region_registered_ = false;
-  kvtransfer::CompatInfo compat_;
-  std::vector<kvtransfer::KvTarget> targets_;
-  std::chrono::milliseconds receive_grace_{0};
-  std::unique_ptr<DecodeLoop> loop_;  // after the transport and pool: destroyed before them
-
-  mutable std::mutex mutex_;
-  mutable std::condition_variable idle_;
-  std::map<std::string, std::shared_ptr<Stream>> streams_;  // guarded by mutex_: by router id
-  std::atomic<bool> draining_{false};
-  // Transfer ids start at a random 64-bit value: a prefill worker keys its transfers by id, and
-  // several decode workers share it (they must not all count from 1).
-  std::atomic<std::uint64_t> next_transfer_id_{randomTransferIdBase()};
-  static std::uint64_t randomTransferIdBase();
-  bool stopped_ = false;  // controlling thread only
-
-  std::unique_ptr<http::Server> http_;  // last: its handlers use everything above
+  class Impl;
+  explicit DecodeServer(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
 };
 
 }  // namespace pd::decode

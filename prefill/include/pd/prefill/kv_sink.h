@@ -1,5 +1,5 @@
 #pragma once
-/// Where a prefill request's latent KV and its outcome go (issue 7, DESIGN §3 step 3): the seam
+/// Where a prefill request's latent KV and its outcome go (DESIGN §3 step 3): the seam
 /// between the prefill engine loop and the KV data plane. The transport-backed implementation is
 /// TransportKvSink (transport_kv_sink.h); tests use an in-memory one.
 ///

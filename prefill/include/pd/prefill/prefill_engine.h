@@ -1,5 +1,5 @@
 #pragma once
-/// The prefill engine loop (issue 7): a bounded queue of prefill requests and one thread that
+/// The prefill engine loop: a bounded queue of prefill requests and one thread that
 /// owns the queue's consumer side, a local paged latent cache and the model engine. Each step
 /// admits queued requests while the local cache has blocks for them, then runs one forward over
 /// up to `token_budget` new tokens taken from several requests, each contributing at most

@@ -1,5 +1,5 @@
 #pragma once
-/// The prefill worker process's serving core (issue 7; docs/internal-api.md, prefill side): the
+/// The prefill worker process's serving core (docs/internal-api.md, prefill side): the
 /// model engine, the PrefillEngine loop thread, the UCX transports its KV leaves through, and the
 /// internal HTTP API:
 ///

@@ -10,10 +10,18 @@
 /// The staging buffer lives until the transport's done callback, not the sink: the transport
 /// may still read it after the engine has dropped the sink.
 ///
+/// A TransferTimeline, when given, records what the engine told the sink (admitted, computed
+/// with its first token, or its failure reason) for whoever answers the transfer's submitter.
+///
 /// Thread rules: KvSink calls on the engine thread only. `on_done` runs on the transport's
 /// progress thread exactly once (success, failure, cancel or deadline) and must not block.
+/// TransferTimeline is thread-safe.
 
+#include <chrono>
+#include <cstdint>
 #include <memory>
+#include <mutex>
+#include <optional>
 
 #include "pd/common/result.h"
 #include "pd/kvtransfer/transport.h"
@@ -21,16 +29,41 @@
 
 namespace pd::prefill {
 
+/// One request's timeline as its sink saw it, plus the first reason it failed. The engine's
+/// reason (fail()) is recorded before the sink aborts the transfer, so a done callback that
+/// reads it explains the end better than the transport's Cancelled that follows. Others (a
+/// cancel, a refused submit) record theirs with failed() too; the first reason wins.
+class TransferTimeline {
+ public:
+  using Clock = std::chrono::steady_clock;
+  struct Snapshot {
+    std::optional<Clock::time_point> admitted;
+    std::optional<Clock::time_point> computed;
+    std::int32_t first_token = 0;
+    std::optional<Error> failure;
+  };
+
+  void admitted();
+  void computed(std::int32_t first_token);
+  void failed(const Error& reason);
+  [[nodiscard]] Snapshot snapshot() const;
+
+ private:
+  mutable std::mutex mutex_;
+  Snapshot state_;  // guarded by mutex_
+};
+
 class TransportKvSink final : public KvSink {
  public:
   /// Registers the staging buffer and begins the transfer (Transport::beginTransfer, which
   /// validates the descriptor). On error nothing stays registered and on_done is never called.
-  /// `transport` must outlive the transfer (until on_done).
-  [[nodiscard]] static Result<std::unique_ptr<TransportKvSink>> create(kvtransfer::Transport& transport,
-                                                                       kvtransfer::KvDescriptor descriptor,
-                                                                       kvtransfer::Deadline deadline,
-                                                                       kvtransfer::TransferDoneFn on_done);
-  /// Aborts the transfer with Cancelled when neither complete() nor fail() was called.
+  /// `transport` must outlive the transfer (until on_done). `timeline` (optional) hears the
+  /// engine's calls.
+  [[nodiscard]] static Result<std::unique_ptr<TransportKvSink>> create(
+      kvtransfer::Transport& transport, kvtransfer::KvDescriptor descriptor, kvtransfer::Deadline deadline,
+      kvtransfer::TransferDoneFn on_done, std::shared_ptr<TransferTimeline> timeline = nullptr);
+  /// Aborts the transfer with Cancelled when neither complete() nor fail() was called (the
+  /// timeline records nothing: dropping a sink is not the engine's failure).
   ~TransportKvSink() override;
   TransportKvSink(const TransportKvSink&) = delete;
   TransportKvSink& operator=(const TransportKvSink&) = delete;
@@ -39,6 +72,7 @@ class TransportKvSink final : public KvSink {
 
   /// InvalidArgument for a layer or positions outside the descriptor or rows of the wrong width;
   /// the transport's error when the put is refused (NotFound once the transfer has ended).
+  void admitted() override;
   [[nodiscard]] Status putLayer(std::uint32_t layer, std::int64_t first_pos, std::span<const float> rows) override;
   void complete(kvtransfer::CompletionRecord record) override;
   void fail(const Error& reason) override;
@@ -47,11 +81,14 @@ class TransportKvSink final : public KvSink {
 
  private:
   TransportKvSink(kvtransfer::Transport& transport, kvtransfer::KvDescriptor descriptor,
-                  std::shared_ptr<Staging> staging);
+                  std::shared_ptr<Staging> staging, std::shared_ptr<TransferTimeline> timeline);
+  // Ends the transfer with `reason` (Transport::abort).
+  void abortTransfer(const Error& reason);
 
   kvtransfer::Transport& transport_;
   const kvtransfer::KvDescriptor descriptor_;
-  std::shared_ptr<Staging> staging_;  // shared with the done callback, which outlives the sink
+  std::shared_ptr<Staging> staging_;            // shared with the done callback, which outlives the sink
+  std::shared_ptr<TransferTimeline> timeline_;  // may be null; shared with the submitter
   bool ended_ = false;
 };
 

@@ -1,8 +1,8 @@
-#include "pd/router/json_text.h"
+#include "pd/common/json_text.h"
 
 #include <cstdint>
 
-namespace pd::router {
+namespace pd {
 namespace {
 
 constexpr std::string_view kReplacement = "\xEF\xBF\xBD";  // U+FFFD
@@ -182,6 +182,13 @@ void appendJsonString(std::string& out, std::string_view text) {
   out += '"';
 }
 
+std::string jsonString(std::string_view text) {
+  std::string out;
+  out.reserve(text.size() + 2);
+  appendJsonString(out, text);
+  return out;
+}
+
 std::string Utf8StreamSanitizer::push(std::string_view piece) {
   std::string data = std::move(carry_);
   carry_.clear();
@@ -211,4 +218,4 @@ std::string Utf8StreamSanitizer::finish() {
   return std::string(kReplacement);
 }
 
-}  // namespace pd::router
+}  // namespace pd

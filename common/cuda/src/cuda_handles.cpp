@@ -1,0 +1,75 @@
+#include "pd/cuda/cuda_handles.h"
+
+#include "pd/common/log.h"
+
+namespace pd::cuda {
+
+int deviceCount() {
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess) return 0;
+  return count;
+}
+
+namespace detail {
+
+void logReleaseFailure(const Status& status) noexcept {
+  try {
+    if (!status.ok()) log::warn("cuda", "{}", status.error().toString());
+  } catch (...) {  // NOLINT(bugprone-empty-catch): a destructor must not throw, and logging is all it does
+  }
+}
+
+void DeviceFree::operator()(void* ptr) const noexcept {
+  logReleaseFailure(PD_CUDA_STATUS(cudaFree(ptr)));
+}
+
+void PinnedFree::operator()(void* ptr) const noexcept {
+  logReleaseFailure(PD_CUDA_STATUS(cudaFreeHost(ptr)));
+}
+
+Result<std::size_t> byteCount(std::size_t count, std::size_t element_bytes) {
+  if (element_bytes != 0 && count > std::numeric_limits<std::size_t>::max() / element_bytes) {
+    return makeError(ErrorCode::InvalidArgument, "cuda buffer: element count overflows the byte size");
+  }
+  return count * element_bytes;
+}
+
+}  // namespace detail
+
+Result<Stream> Stream::create() {
+  cudaStream_t stream = nullptr;
+  PD_CUDA_TRY(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  return Stream(stream);
+}
+
+Status Stream::synchronize() const {
+  return PD_CUDA_STATUS(cudaStreamSynchronize(stream_.get()));
+}
+
+void Stream::Deleter::operator()(cudaStream_t stream) const noexcept {
+  detail::logReleaseFailure(PD_CUDA_STATUS(cudaStreamDestroy(stream)));
+}
+
+Result<Event> Event::create() {
+  cudaEvent_t event = nullptr;
+  PD_CUDA_TRY(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
+  return Event(event);
+}
+
+Status Event::record(const Stream& stream) const {
+  return PD_CUDA_STATUS(cudaEventRecord(event_.get(), stream.get()));
+}
+
+Status Event::waitOn(const Stream& stream) const {
+  return PD_CUDA_STATUS(cudaStreamWaitEvent(stream.get(), event_.get(), 0));
+}
+
+Status Event::synchronize() const {
+  return PD_CUDA_STATUS(cudaEventSynchronize(event_.get()));
+}
+
+void Event::Deleter::operator()(cudaEvent_t event) const noexcept {
+  detail::logReleaseFailure(PD_CUDA_STATUS(cudaEventDestroy(event)));
+}
+
+}  // namespace pd::cuda

@@ -1,0 +1,52 @@
+#pragma once
+// The verify half of speculative decoding (decode_engine.h, step 3): one forward of the main
+// model over (last token, drafts...) of every sequence in the step, then each verified position
+// is sampled with the request's own sampler exactly as plain decoding would; a draft is accepted
+// only if it equals that sample, so speculation never changes the output.
+// Thread rules: engine thread only.
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "pd/common/result.h"
+#include "pd/decode/drafter.h"
+#include "pd/decode/kv_pool.h"
+#include "pd/engine/engine.h"
+#include "pd/engine/sampling.h"
+
+namespace pd::decode {
+
+/// One sequence's share of a verify forward.
+struct VerifySlot {
+  std::int32_t last_token = 0;  ///< the sequence's last token, not yet cached
+  std::int64_t position = 0;    ///< its cache position
+  std::span<const std::int32_t> drafts;
+  std::span<const std::int32_t> block_table;
+  model::Sampler* sampler = nullptr;  ///< never null
+  std::size_t max_emit = 0;           ///< tokens the request may still emit (>= 1)
+  /// A speculating sequence: the verified positions' hidden states are appended to its
+  /// MtpState (the MTP layer's next inputs). Null when the sequence does not speculate.
+  MtpState* mtp = nullptr;
+};
+
+struct Verified {
+  std::vector<model::SampledToken> tokens;  ///< the samples emitted (accepted drafts, then one more)
+  std::int64_t accepted = 0;                ///< drafts accepted
+};
+
+class DraftVerifier {
+ public:
+  /// `engine` and `pool` must outlive the verifier.
+  DraftVerifier(model::Engine& engine, KvPool& pool) : engine_(engine), pool_(pool) {}
+
+  /// One result per slot, in order; the forward's error otherwise.
+  [[nodiscard]] Result<std::vector<Verified>> verify(std::span<const VerifySlot> slots);
+
+ private:
+  model::Engine& engine_;
+  KvPool& pool_;
+};
+
+}  // namespace pd::decode
