@@ -33,6 +33,7 @@
 
 #include "pd/common/log.h"
 #include "pd/kvtransfer/layout.h"
+#include "ucx/ucx_blob_check.h"
 #include "ucx/ucx_handles.h"
 
 namespace pd::kvtransfer {
@@ -106,6 +107,15 @@ std::string peerName(const std::string& key) {
     h *= 0x100000001b3ULL;
   }
   return fmt::format("peer-{:08x}", static_cast<std::uint32_t>(h ^ (h >> 32)));
+}
+
+/// The blob checks calibrated on this process's own worker address and on the remote key of a
+/// small scratch registration (host memory, like every KV region).
+Result<ucx::UcxBlobCheck> ownBlobCheck(const ucx::Context& context, std::span<const std::uint8_t> address) {
+  std::array<std::byte, 64> scratch{};
+  PD_ASSIGN_OR_RETURN(const auto mem, ucx::MemHandle::map(context, scratch.data(), scratch.size()));
+  PD_ASSIGN_OR_RETURN(const auto rkey, mem.packRemoteKey());
+  return ucx::UcxBlobCheck::create(address, rkey);
 }
 
 std::int64_t msUntil(Deadline deadline, Clock::time_point now) {
@@ -223,7 +233,7 @@ class UcxTransport final : public Transport {
   };
 
   explicit UcxTransport(const UcxTransportOptions& options, ucx::Context context, ucx::Worker worker,
-                        std::vector<std::uint8_t> address, Fd epoll_fd, Fd event_fd);
+                        std::vector<std::uint8_t> address, ucx::UcxBlobCheck blob_check, Fd epoll_fd, Fd event_fd);
 
   // Thread plumbing.
   [[nodiscard]] bool onProgressThread() const { return std::this_thread::get_id() == thread_id_.load(); }
@@ -274,6 +284,7 @@ class UcxTransport final : public Transport {
   ucx::Context context_;
   ucx::Worker worker_;
   const std::vector<std::uint8_t> address_;
+  const ucx::UcxBlobCheck blob_check_;  // what a peer's address and remote keys must look like
   Fd epoll_fd_;
   Fd event_fd_;
   std::map<RegionId, std::unique_ptr<Region>> regions_;
@@ -314,6 +325,7 @@ Result<std::unique_ptr<Transport>> UcxTransport::create(const UcxTransportOption
   PD_ASSIGN_OR_RETURN(auto context, ucx::Context::create(options.ucx_tls, ucxSettings(options)));
   PD_ASSIGN_OR_RETURN(auto worker, ucx::Worker::create(context));
   PD_ASSIGN_OR_RETURN(auto address, worker.address());
+  PD_ASSIGN_OR_RETURN(auto blob_check, ownBlobCheck(context, address));
   PD_ASSIGN_OR_RETURN(const int worker_fd, worker.eventFd());
   Fd epoll_fd(::epoll_create1(EPOLL_CLOEXEC));
   Fd event_fd(::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC));
@@ -328,8 +340,9 @@ Result<std::unique_ptr<Transport>> UcxTransport::create(const UcxTransportOption
       return makeError(ErrorCode::Io, fmt::format("epoll_ctl: {}", std::strerror(errno)));
     }
   }
-  std::unique_ptr<UcxTransport> transport(new UcxTransport(
-      options, std::move(context), std::move(worker), std::move(address), std::move(epoll_fd), std::move(event_fd)));
+  std::unique_ptr<UcxTransport> transport(new UcxTransport(options, std::move(context), std::move(worker),
+                                                           std::move(address), std::move(blob_check),
+                                                           std::move(epoll_fd), std::move(event_fd)));
   ucp_am_handler_param_t am{};
   am.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB | UCP_AM_HANDLER_PARAM_FIELD_ARG |
                   UCP_AM_HANDLER_PARAM_FIELD_FLAGS;
@@ -355,7 +368,7 @@ Result<std::unique_ptr<Transport>> UcxTransport::create(const UcxTransportOption
 }
 
 UcxTransport::UcxTransport(const UcxTransportOptions& options, ucx::Context context, ucx::Worker worker,
-                           std::vector<std::uint8_t> address, Fd epoll_fd, Fd event_fd)
+                           std::vector<std::uint8_t> address, ucx::UcxBlobCheck blob_check, Fd epoll_fd, Fd event_fd)
     : options_(options),
       data_path_(resolveKvDataPath(options.data_path, options.ucx_tls)),
       compat_hash_(compatHash(options.compat)),
@@ -363,6 +376,7 @@ UcxTransport::UcxTransport(const UcxTransportOptions& options, ucx::Context cont
       context_(std::move(context)),
       worker_(std::move(worker)),
       address_(std::move(address)),
+      blob_check_(std::move(blob_check)),
       epoll_fd_(std::move(epoll_fd)),
       event_fd_(std::move(event_fd)) {}
 
@@ -725,6 +739,21 @@ Status UcxTransport::beginTransfer(const KvDescriptor& descriptor, Deadline dead
     if (stopping_) return cancelledStatus();
     PD_TRY(checkCompatible(options_.compat, descriptor.compat));
     PD_TRY(validateDescriptor(descriptor));
+    // Nothing from the network reaches UCX unchecked: UCX parses addresses and keys without
+    // bounds and aborts on some malformed ones (docs/kv-transfer.md, "What reaches UCX").
+    for (std::size_t ti = 0; ti < descriptor.targets.size(); ++ti) {
+      const KvTarget& target = descriptor.targets[ti];
+      if (Status s = blob_check_.checkWorkerAddress(target.worker_address); !s.ok()) {
+        return makeError(ErrorCode::InvalidArgument, fmt::format("KV descriptor: target {} (tp rank {}): {}", ti,
+                                                                 target.tp_rank, s.error().message));
+      }
+      for (std::size_t ri = 0; ri < target.regions.size(); ++ri) {
+        if (Status s = blob_check_.checkRemoteKey(target.regions[ri].rkey); !s.ok()) {
+          return makeError(ErrorCode::InvalidArgument,
+                           fmt::format("KV descriptor: target {} region {}: {}", ti, ri, s.error().message));
+        }
+      }
+    }
     const std::uint64_t id = descriptor.request_id;
     if (transfers_.contains(id)) {
       return makeError(ErrorCode::InvalidArgument, fmt::format("request {} is already being transferred", id));
