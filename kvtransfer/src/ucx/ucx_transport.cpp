@@ -8,10 +8,14 @@
 
 #include "pd/kvtransfer/ucx_transport.h"
 
+#include <arpa/inet.h>
 #include <fmt/format.h>
+#include <ifaddrs.h>
+#include <net/if.h>
 #include <pthread.h>
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
+#include <sys/random.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -29,6 +33,7 @@
 #include <thread>
 #include <type_traits>
 #include <unordered_map>
+#include <unordered_set>
 #include <utility>
 
 #include "pd/common/log.h"
@@ -48,17 +53,36 @@ constexpr std::uint64_t kAmChunkBytes = 112U << 10;
 constexpr const char* kTcpSegment = "128K";
 
 // Transport framing in active-message headers (docs/kv-transfer.md, "Data paths"); little-endian.
-/// Header of a KV data message (data path am): which request, and where the bytes go.
+/// Header of a KV data message (data path am): which request, where the bytes go, and the
+/// descriptor's transfer key (Transport::grant).
 struct DataHeader {
   std::uint64_t request_id;
   std::uint64_t remote_address;
+  std::array<std::uint64_t, 2> key;
 };
 /// Header of a record message: KV bytes the sender delivered to this target as active messages
-/// before it (0 for RMA), so that the receiver holds the record until all of them were copied.
+/// before it (0 for RMA), so that the receiver holds the record until all of them were copied;
+/// and the descriptor's transfer key.
 struct RecordHeader {
   std::uint64_t data_bytes;
+  std::array<std::uint64_t, 2> key;
 };
-static_assert(sizeof(DataHeader) == 16 && sizeof(RecordHeader) == 8);
+static_assert(sizeof(DataHeader) == 32 && sizeof(RecordHeader) == 24);
+using TransferKey = std::array<std::uint64_t, 2>;
+
+/// 128 random bits from the kernel, never all zero (zero means "not granted").
+TransferKey randomTransferKey() {
+  TransferKey key{};
+  while (key[0] == 0 && key[1] == 0) {
+    auto* bytes = reinterpret_cast<std::uint8_t*>(key.data());
+    for (std::size_t done = 0; done < sizeof(key);) {
+      const ssize_t n = ::getrandom(bytes + done, sizeof(key) - done, 0);
+      PD_CHECK_MSG(n > 0 || errno == EINTR, "getrandom failed");
+      if (n > 0) done += static_cast<std::size_t>(n);
+    }
+  }
+  return key;
+}
 
 /// Every entry of `tls` a host transport, where UCX 1.13 only emulates RMA.
 bool hostTransportsOnly(std::string_view tls) {
@@ -109,6 +133,43 @@ std::string peerName(const std::string& key) {
   return fmt::format("peer-{:08x}", static_cast<std::uint32_t>(h ^ (h >> 32)));
 }
 
+/// UCX_NET_DEVICES limiting UCX's network devices to the interface of options.host (see
+/// UcxTransportOptions::host); nothing when the host is a wildcard or no limit is safe.
+Result<std::vector<std::pair<std::string, std::string>>> interfaceSettings(const UcxTransportOptions& options) {
+  const std::string& host = options.host;
+  if (host.empty() || host == "0.0.0.0" || host == "::") return std::vector<std::pair<std::string, std::string>>{};
+  in_addr v4{};
+  in6_addr v6{};
+  const bool is_v4 = ::inet_pton(AF_INET, host.c_str(), &v4) == 1;
+  const bool is_v6 = !is_v4 && ::inet_pton(AF_INET6, host.c_str(), &v6) == 1;
+  if (!is_v4 && !is_v6) {
+    return makeError(ErrorCode::InvalidArgument,
+                     fmt::format("kvtransfer host '{}' is not a numeric IPv4 or IPv6 address", host));
+  }
+  ifaddrs* raw = nullptr;
+  if (::getifaddrs(&raw) != 0) return makeError(ErrorCode::Io, fmt::format("getifaddrs: {}", std::strerror(errno)));
+  const std::unique_ptr<ifaddrs, decltype(&::freeifaddrs)> list(raw, &::freeifaddrs);
+  for (const ifaddrs* a = list.get(); a != nullptr; a = a->ifa_next) {
+    if (a->ifa_addr == nullptr) continue;
+    bool match = false;
+    if (is_v4 && a->ifa_addr->sa_family == AF_INET) {
+      match = std::memcmp(&reinterpret_cast<const sockaddr_in*>(a->ifa_addr)->sin_addr, &v4, sizeof(v4)) == 0;
+    } else if (is_v6 && a->ifa_addr->sa_family == AF_INET6) {
+      match = std::memcmp(&reinterpret_cast<const sockaddr_in6*>(a->ifa_addr)->sin6_addr, &v6, sizeof(v6)) == 0;
+    }
+    if (!match) continue;
+    if ((a->ifa_flags & IFF_LOOPBACK) == 0 && !hostTransportsOnly(options.ucx_tls)) {
+      log::warn("kv",
+                "{}: UCX_TLS={} may use RDMA devices, which a device list naming {} would drop; UCX's tcp "
+                "transport listens on every interface",
+                options.name, options.ucx_tls, a->ifa_name);
+      return std::vector<std::pair<std::string, std::string>>{};
+    }
+    return std::vector<std::pair<std::string, std::string>>{{"NET_DEVICES", a->ifa_name}};
+  }
+  return makeError(ErrorCode::InvalidArgument, fmt::format("kvtransfer host {} is no address of this host", host));
+}
+
 /// The blob checks calibrated on this process's own worker address and on the remote key of a
 /// small scratch registration (host memory, like every KV region).
 Result<ucx::UcxBlobCheck> ownBlobCheck(const ucx::Context& context, std::span<const std::uint8_t> address) {
@@ -144,6 +205,7 @@ class UcxTransport final : public Transport {
   Status abort(std::uint64_t request_id, ErrorCode code, std::string reason) override;
   Status expect(std::uint64_t request_id, Deadline deadline, ArrivalFn on_arrival) override;
   bool cancelExpect(std::uint64_t request_id) override;
+  Result<KvDescriptor> grant(KvDescriptor descriptor) override;
   [[nodiscard]] TransportStats stats() const override { return metrics_.snapshot(); }
 
  private:
@@ -204,6 +266,17 @@ class UcxTransport final : public Transport {
     std::unordered_map<void*, ucx::Request> ops;  // outstanding puts, flushes, record sends
   };
 
+  /// What grant() lets a request write: data and records with its key; KV data only into the
+  /// bytes of its blocks in this transport's regions; a completion record for its token count.
+  struct Grant {
+    TransferKey key{};
+    std::uint32_t num_tokens = 0;
+    std::uint64_t block_bytes = 0;
+    std::vector<KvRegion> regions;  // this transport's target in the descriptor (keys dropped)
+    std::unordered_set<std::uint32_t> blocks;
+    [[nodiscard]] bool covers(std::uint64_t address, std::uint64_t length) const;
+  };
+
   struct Expectation {
     Deadline deadline;
     Clock::time_point started;
@@ -214,18 +287,21 @@ class UcxTransport final : public Transport {
     std::optional<CompletionRecord> held_record;
     std::uint64_t record_data_bytes = 0;
     std::optional<std::string> data_error;  // data outside every region: the receive fails
+    std::optional<Grant> grant;
   };
 
   /// A received record and the data bytes its sender says precede it.
   struct InboxRecord {
     std::vector<std::uint8_t> bytes;
     std::uint64_t data_bytes = 0;
+    TransferKey key{};
   };
 
   /// A rendezvous record being received (ucp_am_recv_data_nbx).
   struct PendingRecv {
     UcxTransport* owner = nullptr;
     std::uint64_t data_bytes = 0;
+    TransferKey key{};
     std::vector<std::uint8_t> bytes;
     ucx::Request request;
     bool done = false;
@@ -322,7 +398,10 @@ Result<std::unique_ptr<Transport>> UcxTransport::create(const UcxTransportOption
                                  "peer error handling, so a dead peer could never be reported",
                                  options.ucx_tls));
   }
-  PD_ASSIGN_OR_RETURN(auto context, ucx::Context::create(options.ucx_tls, ucxSettings(options)));
+  auto settings = ucxSettings(options);
+  PD_ASSIGN_OR_RETURN(auto devices, interfaceSettings(options));
+  settings.insert(settings.end(), devices.begin(), devices.end());
+  PD_ASSIGN_OR_RETURN(auto context, ucx::Context::create(options.ucx_tls, settings));
   PD_ASSIGN_OR_RETURN(auto worker, ucx::Worker::create(context));
   PD_ASSIGN_OR_RETURN(auto address, worker.address());
   PD_ASSIGN_OR_RETURN(auto blob_check, ownBlobCheck(context, address));
@@ -495,7 +574,7 @@ void UcxTransport::afterProgress() {
       continue;
     }
     if ((*it)->status == UCS_OK) {
-      inbox_.push_back(InboxRecord{std::move((*it)->bytes), (*it)->data_bytes});
+      inbox_.push_back(InboxRecord{std::move((*it)->bytes), (*it)->data_bytes, (*it)->key});
     } else {
       metrics_.recordRejected();
       log::warn("kv", "{}: receiving a record failed: {}", options_.name, ucs_status_string((*it)->status));
@@ -865,7 +944,8 @@ Status UcxTransport::put(std::uint64_t request_id, std::span<const LayerPut> put
             params.flags = UCP_AM_SEND_FLAG_EAGER;
             for (std::uint64_t done = 0; done < p.length;) {
               const std::uint64_t n = std::min(kAmChunkBytes, p.length - done);
-              const DataHeader& header = t.data_headers.emplace_back(DataHeader{t.id, p.remote_address + done});
+              const DataHeader& header =
+                  t.data_headers.emplace_back(DataHeader{t.id, p.remote_address + done, t.descriptor.transfer_key});
               const auto st = ucp_am_send_nbx(link.peer->ep.get(), kDataAmId, &header, sizeof(header),
                                               source + p.local_offset + done, n, &params);
               PD_TRY(post(t, st, "KV data send"));
@@ -895,7 +975,9 @@ void UcxTransport::flushAll(Transfer& t) {
 
 void UcxTransport::sendRecord(Transfer& t) {
   t.record_headers.clear();
-  for (std::size_t ti = 0; ti < t.links.size(); ++ti) t.record_headers.push_back(RecordHeader{t.am_bytes[ti]});
+  for (std::size_t ti = 0; ti < t.links.size(); ++ti) {
+    t.record_headers.push_back(RecordHeader{t.am_bytes[ti], t.descriptor.transfer_key});
+  }
   for (std::size_t ti = 0; ti < t.links.size(); ++ti) {
     const Link& link = t.links[ti];
     ucp_request_param_t params{};
@@ -1070,6 +1152,64 @@ bool UcxTransport::cancelExpect(std::uint64_t request_id) {
   });
 }
 
+Result<KvDescriptor> UcxTransport::grant(KvDescriptor descriptor) {
+  return runOnProgressThread([&]() -> Result<KvDescriptor> {
+    if (stopping_) return cancelledStatus().error();
+    const std::uint64_t id = descriptor.request_id;
+    const auto it = expectations_.find(id);
+    if (it == expectations_.end()) {
+      return makeError(ErrorCode::NotFound, fmt::format("request {} is not expected", id));
+    }
+    PD_TRY(validateDescriptor(descriptor));
+    const auto target = std::find_if(descriptor.targets.begin(), descriptor.targets.end(),
+                                     [&](const KvTarget& t) { return t.worker_address == address_; });
+    if (target == descriptor.targets.end()) {
+      return makeError(ErrorCode::InvalidArgument,
+                       fmt::format("request {}: the descriptor lists no target at this transport's address", id));
+    }
+    const CompatInfo& c = descriptor.compat;
+    Grant g;
+    g.key = randomTransferKey();
+    g.num_tokens = descriptor.num_tokens;
+    g.block_bytes = std::uint64_t{c.block_size} * c.tokenBytes();
+    g.regions = target->regions;
+    for (auto& r : g.regions) r.rkey.clear();
+    const std::uint64_t blocks = (std::uint64_t{descriptor.num_tokens} + c.block_size - 1) / c.block_size;
+    g.blocks.insert(descriptor.block_ids.begin(), descriptor.block_ids.begin() + static_cast<std::ptrdiff_t>(blocks));
+    descriptor.transfer_key = g.key;
+    it->second.grant = std::move(g);
+    return descriptor;
+  });
+}
+
+bool UcxTransport::Grant::covers(std::uint64_t address, std::uint64_t length) const {
+  // Piece by piece (a message may span consecutive blocks): each piece must lie in one granted
+  // block of some layer of a granted region. Layouts validated by validateDescriptor never
+  // overlap, so the first match is the only one.
+  while (length > 0) {
+    std::uint64_t piece = 0;
+    for (const KvRegion& r : regions) {
+      if (address < r.base_address || address - r.base_address >= r.length) continue;
+      const std::uint64_t offset = address - r.base_address;
+      for (std::uint64_t l = 0; l < r.num_layers && piece == 0; ++l) {
+        if (r.layer_stride != 0 && l > offset / r.layer_stride) break;
+        if (r.layer_stride == 0 && l > 0) break;
+        const std::uint64_t in_layer = offset - l * r.layer_stride;
+        const std::uint64_t block = in_layer / r.block_stride;
+        const std::uint64_t within = in_layer % r.block_stride;
+        if (within < block_bytes && block <= UINT32_MAX && blocks.contains(static_cast<std::uint32_t>(block))) {
+          piece = std::min(length, block_bytes - within);
+        }
+      }
+      if (piece != 0) break;
+    }
+    if (piece == 0) return false;
+    address += piece;
+    length -= piece;
+  }
+  return true;
+}
+
 void UcxTransport::handleInbox() {
   while (!inbox_.empty()) {
     auto batch = std::move(inbox_);
@@ -1099,6 +1239,22 @@ void UcxTransport::deliverRecord(InboxRecord record) {
               id);
     return;
   }
+  const std::optional<Grant>& granted = it->second.grant;
+  if (granted && record.key != granted->key) {
+    metrics_.recordRejected();
+    log::warn("kv", "{}: dropped a record for request {} without its transfer key", options_.name, id);
+    return;
+  }
+  if (granted && is_completion && std::get<CompletionRecord>(decoded.value()).num_tokens != granted->num_tokens) {
+    auto node = expectations_.extract(it);
+    metrics_.receiveFailed(ErrorCode::Corrupt);
+    node.mapped().on_arrival(
+        id, makeError(ErrorCode::Corrupt, fmt::format("KV receive of request {}: the completion record claims {} "
+                                                      "tokens, the request holds blocks for {}",
+                                                      id, std::get<CompletionRecord>(decoded.value()).num_tokens,
+                                                      node.mapped().grant->num_tokens)));
+    return;
+  }
   if (hash == compat_hash_ && is_completion && record.data_bytes > it->second.bytes_received) {
     // Active messages may overtake each other: wait for the rest of the data (or the deadline).
     it->second.held_record = std::move(std::get<CompletionRecord>(decoded.value()));
@@ -1126,8 +1282,10 @@ void UcxTransport::deliverRecord(InboxRecord record) {
     const std::uint64_t early =
         node.mapped().bytes_received > record.data_bytes ? node.mapped().bytes_received - record.data_bytes : 0;
     on_arrival(id, makeError(failure.code, fmt::format("prefill side failed request {}: {}", id, failure.message)));
-    if (const auto again = expectations_.find(id); early > 0 && again != expectations_.end()) {
+    if (const auto again = expectations_.find(id); again != expectations_.end()) {
       again->second.bytes_received += early;
+      // The re-armed receive waits for a retry of the same descriptor: the same grant holds.
+      if (!again->second.grant) again->second.grant = std::move(node.mapped().grant);
     }
   }
 }
@@ -1181,11 +1339,17 @@ void UcxTransport::onPeerError(void* arg, ucp_ep_h /*ep*/, ucs_status_t status) 
 ucs_status_t UcxTransport::onRecord(void* arg, const void* header, std::size_t header_length, void* data,
                                     std::size_t length, const ucp_am_recv_param_t* param) {
   auto* self = static_cast<UcxTransport*>(arg);
-  RecordHeader framing{0};
-  if (header_length == sizeof(framing)) std::memcpy(&framing, header, sizeof(framing));
+  if (header_length != sizeof(RecordHeader)) {
+    self->metrics_.recordRejected();
+    log::warn("kv", "{}: dropped a record with a {}-byte header", self->options_.name, header_length);
+    return (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0 ? UCS_ERR_UNSUPPORTED : UCS_OK;
+  }
+  RecordHeader framing{};
+  std::memcpy(&framing, header, sizeof(framing));
   if ((param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) == 0) {
     const auto* bytes = static_cast<const std::uint8_t*>(data);
-    self->inbox_.push_back(InboxRecord{std::vector<std::uint8_t>(bytes, bytes + length), framing.data_bytes});
+    self->inbox_.push_back(
+        InboxRecord{std::vector<std::uint8_t>(bytes, bytes + length), framing.data_bytes, framing.key});
     return UCS_OK;
   }
   if (length > kMaxRecordBytes) {
@@ -1196,6 +1360,7 @@ ucs_status_t UcxTransport::onRecord(void* arg, const void* header, std::size_t h
   auto pending = std::make_unique<PendingRecv>();
   pending->owner = self;
   pending->data_bytes = framing.data_bytes;
+  pending->key = framing.key;
   pending->bytes.resize(length);
   ucp_request_param_t params{};
   params.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
@@ -1208,7 +1373,7 @@ ucs_status_t UcxTransport::onRecord(void* arg, const void* header, std::size_t h
     return UCS_OK;
   }
   if (st == nullptr) {
-    self->inbox_.push_back(InboxRecord{std::move(pending->bytes), pending->data_bytes});
+    self->inbox_.push_back(InboxRecord{std::move(pending->bytes), pending->data_bytes, pending->key});
   } else {
     pending->request = ucx::Request(st);
     self->pending_recvs_.push_back(std::move(pending));
@@ -1240,6 +1405,14 @@ ucs_status_t UcxTransport::onData(void* arg, const void* header, std::size_t hea
     return UCS_OK;
   }
   Expectation& e = it->second;
+  if (e.grant && h.key != e.grant->key) {
+    // Not from this request's descriptor: a guessed or stale request id. Dropped; the receive
+    // goes on (failing it would let anyone who guesses an id end someone else's request).
+    self->metrics_.addBytesDropped(length);
+    log::warn("kv", "{}: dropped {} bytes of KV data for request {} without its transfer key", self->options_.name,
+              length, h.request_id);
+    return UCS_OK;
+  }
   std::byte* destination = nullptr;
   for (const auto& [id, region] : self->regions_) {
     const auto base = reinterpret_cast<std::uint64_t>(region->base);
@@ -1249,11 +1422,11 @@ ucs_status_t UcxTransport::onData(void* arg, const void* header, std::size_t hea
       break;
     }
   }
-  if (destination == nullptr) {
+  if (destination == nullptr || (e.grant && !e.grant->covers(h.remote_address, length))) {
     self->metrics_.addBytesDropped(length);
     if (!e.data_error) {
-      e.data_error =
-          fmt::format("{} bytes for address 0x{:x} lie outside every registered region", length, h.remote_address);
+      e.data_error = fmt::format("{} bytes for address 0x{:x} lie outside {}", length, h.remote_address,
+                                 destination == nullptr ? "every registered region" : "the blocks the request holds");
     }
     self->data_complete_.insert(h.request_id);
     return UCS_OK;
@@ -1326,6 +1499,7 @@ UcxTransportOptions ucxOptionsFromConfig(const KvTransferConfig& config, const C
   const auto path = parseKvDataPath(config.data_path);
   PD_CHECK_MSG(path.ok(), "kvtransfer.data_path was validated by its option's choices");
   options.data_path = path.value();
+  options.host = config.host;
   return options;
 }
 

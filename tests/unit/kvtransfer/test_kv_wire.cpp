@@ -20,6 +20,7 @@ KvDescriptor randomDescriptor(std::mt19937_64& rng) {
   std::uniform_int_distribution<std::uint32_t> small(0, 6);
   KvDescriptor d;
   d.request_id = rng();
+  if ((rng() & 1) != 0) d.transfer_key = {rng(), rng()};
   d.compat.model_hash = rng();
   d.compat.kv_dtype = (rng() & 1) != 0 ? DType::BF16 : DType::F32;
   d.compat.block_size = 1 + small(rng) * 16;
