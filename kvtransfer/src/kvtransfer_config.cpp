@@ -17,7 +17,10 @@ void registerOptions(config::OptionSet& set, KvTransferConfig& cfg) {
            1000000)
       .add("data_path", &cfg.data_path,
            "how KV bytes move: rma (one-sided puts), am (checked active messages), auto (am on tcp/shared memory)",
-           {"auto", "rma", "am"});
+           {"auto", "rma", "am"})
+      .add("host", &cfg.host,
+           "address of the interface UCX's tcp transport listens on (127.0.0.1: loopback only); empty: every "
+           "interface");
 }
 
 Status validate(const KvTransferConfig& cfg) {

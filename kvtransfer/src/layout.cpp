@@ -51,6 +51,17 @@ Status validateTarget(const KvDescriptor& d, std::size_t ti, std::uint32_t max_b
       return invalid(fmt::format("{}: block {} of layer {} ends past the region's {} bytes", where, max_block_id,
                                  r.first_layer + r.num_layers - 1, r.length));
     }
+    if (r.num_layers > 1) {
+      // The request's blocks of one layer must not overlap another layer's: layer-major (every
+      // listed block inside one layer stride) or block-major (all layers inside one block stride).
+      const bool layer_major = U128{max_block_id} * r.block_stride + block_bytes <= r.layer_stride;
+      const bool block_major =
+          r.layer_stride >= block_bytes && U128{r.num_layers} * r.layer_stride <= U128{r.block_stride};
+      if (!layer_major && !block_major) {
+        return invalid(fmt::format("{}: layer stride {} and block stride {} make layers overlap for block {}", where,
+                                   r.layer_stride, r.block_stride, max_block_id));
+      }
+    }
   }
   if (next_layer != c.num_layers) {
     return invalid(fmt::format("target {}: layers {}..{} are in no region", ti, next_layer, c.num_layers - 1));

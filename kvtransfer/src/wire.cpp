@@ -203,6 +203,8 @@ std::vector<std::uint8_t> encode(const KvDescriptor& d) {
       w.putBytes(r.rkey);
     }
   }
+  w.put(d.transfer_key[0]);
+  w.put(d.transfer_key[1]);
   return finish(std::move(w));
 }
 
@@ -304,6 +306,8 @@ Result<KvDescriptor> decodeKvDescriptor(std::span<const std::uint8_t> bytes) {
     }
     if (!r.ok()) return corrupt(kWhat, fmt::format("truncated target {}", ti));
   }
+  d.transfer_key[0] = r.get<std::uint64_t>();
+  d.transfer_key[1] = r.get<std::uint64_t>();
   PD_TRY(finishMessage(r, kWhat));
   return d;
 }

@@ -2,8 +2,8 @@
 // any byte string must be rejected with an error or decode to a message that re-encodes to the
 // same bytes; validated descriptors must plan puts only inside their regions (kv_wire_oracle.h).
 //
-//   cmake -S . -B build-fuzz -G Ninja -DCMAKE_CXX_COMPILER=clang++ -DCMAKE_C_COMPILER=clang \
-//         -DPD_WITH_CUDA=OFF -DPD_BUILD_FUZZERS=ON
+//   cmake -S . -B build-fuzz -G Ninja -DCMAKE_CXX_COMPILER=clang++ -DCMAKE_C_COMPILER=clang
+//         -DPD_WITH_CUDA=OFF -DPD_BUILD_FUZZERS=ON   (one command line)
 //   ninja -C build-fuzz fuzz_kv_wire
 //   build-fuzz/tests/fuzz/fuzz_kv_wire -max_total_time=60 tests/fuzz/corpus/kv_wire
 

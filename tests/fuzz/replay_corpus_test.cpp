@@ -10,11 +10,16 @@
 #include <iterator>
 #include <vector>
 
+// The suite name says which corpus; the safetensors replay keeps its historical name.
+#ifndef PD_FUZZ_CORPUS_SUITE
+#define PD_FUZZ_CORPUS_SUITE SafetensorsFuzzCorpus
+#endif
+
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size);
 
 namespace {
 
-TEST(SafetensorsFuzzCorpus, EveryCorpusFileAndEveryPrefixIsHandled) {
+TEST(PD_FUZZ_CORPUS_SUITE, EveryCorpusFileAndEveryPrefixIsHandled) {
   const std::filesystem::path dir = PD_FUZZ_CORPUS_DIR;
   ASSERT_TRUE(std::filesystem::is_directory(dir)) << dir;
   std::size_t files = 0;

@@ -2,6 +2,8 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
+
 #include "pd/common/log.h"
 
 namespace pd::kvtransfer::ucx {
@@ -20,6 +22,16 @@ struct WorkerAddressDeleter {
   ucp_worker_h worker = nullptr;
   void operator()(ucp_address_t* address) const noexcept { ucp_worker_release_address(worker, address); }
 };
+
+/// UCX parses packed addresses and remote keys without a length: callers check their structure
+/// (ucx_blob_check.h), and a zero-padded copy keeps any fixed-size read of a transport's field
+/// inside memory we own.
+constexpr std::size_t kUcxBlobPadding = 256;
+std::vector<std::uint8_t> zeroPadded(std::span<const std::uint8_t> bytes) {
+  std::vector<std::uint8_t> out(bytes.size() + kUcxBlobPadding, 0);
+  std::copy(bytes.begin(), bytes.end(), out.begin());
+  return out;
+}
 
 }  // namespace
 
@@ -109,10 +121,11 @@ Result<int> Worker::eventFd() const {
 
 Result<Endpoint> Endpoint::create(const Worker& worker, std::span<const std::uint8_t> address,
                                   ucp_err_handler_cb_t on_error, void* arg) {
+  const std::vector<std::uint8_t> padded = zeroPadded(address);
   ucp_ep_params_t params{};
   params.field_mask =
       UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE | UCP_EP_PARAM_FIELD_ERR_HANDLER;
-  params.address = reinterpret_cast<const ucp_address_t*>(address.data());
+  params.address = reinterpret_cast<const ucp_address_t*>(padded.data());
   params.err_mode = UCP_ERR_HANDLING_MODE_PEER;
   params.err_handler.cb = on_error;
   params.err_handler.arg = arg;
@@ -174,7 +187,8 @@ Result<std::vector<std::uint8_t>> MemHandle::packRemoteKey() const {
 
 Result<RemoteKey> RemoteKey::unpack(const Endpoint& endpoint, std::span<const std::uint8_t> packed) {
   ucp_rkey_h rkey = nullptr;
-  if (const auto st = ucp_ep_rkey_unpack(endpoint.get(), packed.data(), &rkey); st != UCS_OK) {
+  const std::vector<std::uint8_t> padded = zeroPadded(packed);
+  if (const auto st = ucp_ep_rkey_unpack(endpoint.get(), padded.data(), &rkey); st != UCS_OK) {
     return makeError(ErrorCode::InvalidArgument,
                      fmt::format("remote key from the descriptor does not unpack: {}", ucs_status_string(st)));
   }

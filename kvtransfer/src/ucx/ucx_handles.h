@@ -85,7 +85,8 @@ class Endpoint {
   /// An empty (closed) endpoint, like a moved-from one.
   Endpoint() = default;
   /// Connects to a packed worker address with peer error handling; `on_error(arg, ep, status)`
-  /// runs on the worker's progress thread when the peer fails.
+  /// runs on the worker's progress thread when the peer fails. UCX parses `address` without
+  /// bounds: bytes from the network must pass UcxBlobCheck::checkWorkerAddress first.
   [[nodiscard]] static Result<Endpoint> create(const Worker& worker, std::span<const std::uint8_t> address,
                                                ucp_err_handler_cb_t on_error, void* arg);
   [[nodiscard]] ucp_ep_h get() const { return ep_.get(); }
@@ -123,6 +124,8 @@ class MemHandle {
 /// A peer's packed remote key unpacked for one endpoint.
 class RemoteKey {
  public:
+  /// `packed` from the network must pass UcxBlobCheck::checkRemoteKey first (UCX reads it
+  /// without bounds). InvalidArgument when UCX refuses it.
   [[nodiscard]] static Result<RemoteKey> unpack(const Endpoint& endpoint, std::span<const std::uint8_t> packed);
   [[nodiscard]] ucp_rkey_h get() const { return rkey_.get(); }
 

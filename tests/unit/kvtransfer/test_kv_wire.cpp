@@ -1,9 +1,13 @@
 // Wire messages: every message round-trips, every decoder rejects malformed input cleanly, and
 // thousands of seeded random and mutated buffers go through the same oracle as the libFuzzer
-// target (tests/fuzz/kv_wire_oracle.h), so CI exercises the decoders without clang.
+// target (tests/fuzz/kv_wire_oracle.h), so CI exercises the decoders without clang. The UCX blob
+// checks (what a descriptor's worker addresses and remote keys must look like before UCX sees
+// them) are tested here too, against the oracle's synthetic UCX 1.13 address and key.
 
 #include <gtest/gtest.h>
 
+#include <cstring>
+#include <limits>
 #include <random>
 
 #include "fuzz/kv_wire_oracle.h"
@@ -16,6 +20,7 @@ KvDescriptor randomDescriptor(std::mt19937_64& rng) {
   std::uniform_int_distribution<std::uint32_t> small(0, 6);
   KvDescriptor d;
   d.request_id = rng();
+  if ((rng() & 1) != 0) d.transfer_key = {rng(), rng()};
   d.compat.model_hash = rng();
   d.compat.kv_dtype = (rng() & 1) != 0 ? DType::BF16 : DType::F32;
   d.compat.block_size = 1 + small(rng) * 16;
@@ -28,13 +33,21 @@ KvDescriptor randomDescriptor(std::mt19937_64& rng) {
   for (std::uint32_t i = 0, n = small(rng); i < n; ++i) {
     KvTarget t;
     t.tp_rank = i;
-    t.worker_address.resize(std::size_t{small(rng)} * 50);
-    for (auto& b : t.worker_address) b = static_cast<std::uint8_t>(rng());
+    if ((rng() & 1) != 0) {
+      t.worker_address = fuzz::referenceUcxAddress();  // a well-formed one, for mutations to break
+    } else {
+      t.worker_address.resize(std::size_t{small(rng)} * 50);
+      for (auto& b : t.worker_address) b = static_cast<std::uint8_t>(rng());
+    }
     for (std::uint32_t r = 0, nr = small(rng); r < nr; ++r) {
       KvRegion region{rng(), rng(), static_cast<std::uint32_t>(rng()), static_cast<std::uint32_t>(rng()), rng(),
                       rng(), {}};
-      region.rkey.resize(std::size_t{small(rng)} * 11);
-      for (auto& b : region.rkey) b = static_cast<std::uint8_t>(rng());
+      if ((rng() & 1) != 0) {
+        region.rkey = fuzz::referenceUcxRkey();
+      } else {
+        region.rkey.resize(std::size_t{small(rng)} * 11);
+        for (auto& b : region.rkey) b = static_cast<std::uint8_t>(rng());
+      }
       t.regions.push_back(std::move(region));
     }
     d.targets.push_back(std::move(t));
@@ -284,6 +297,147 @@ TEST(KvWire, SeededRandomAndMutatedInputsKeepTheDecoderContract) {
   }
   // Some mutations (e.g. of a float or an id) stay valid: the oracle's re-encode check ran.
   EXPECT_GT(decoded, 100);
+}
+
+// ---- UCX blob checks ------------------------------------------------------------------------------
+
+std::string addressError(const std::vector<std::uint8_t>& a) {
+  const Status s = fuzz::referenceBlobCheck().checkWorkerAddress(a);
+  return s.ok() ? std::string() : s.error().message;
+}
+std::string rkeyError(const std::vector<std::uint8_t>& k) {
+  const Status s = fuzz::referenceBlobCheck().checkRemoteKey(k);
+  return s.ok() ? std::string() : s.error().message;
+}
+
+TEST(UcxBlobCheck, ItsOwnAddressAndKeyPass) {
+  EXPECT_EQ(addressError(fuzz::referenceUcxAddress()), "");
+  EXPECT_EQ(rkeyError(fuzz::referenceUcxRkey()), "");
+}
+
+TEST(UcxBlobCheck, AnotherHeaderIsRefusedBeforeUcxCouldAssertOnIt) {
+  for (const std::uint8_t flip : {0x01, 0x02, 0x0f, 0x10, 0x80}) {
+    auto a = fuzz::referenceUcxAddress();
+    a[0] ^= flip;
+    EXPECT_NE(addressError(a).find("header"), std::string::npos) << int{flip} << ": " << addressError(a);
+  }
+  EXPECT_NE(addressError({}).find("header"), std::string::npos);
+}
+
+TEST(UcxBlobCheck, EveryTruncationAndAnyTrailingByteIsRefused) {
+  const auto a = fuzz::referenceUcxAddress();
+  for (std::size_t n = 0; n < a.size(); ++n) {
+    EXPECT_NE(addressError({a.begin(), a.begin() + static_cast<std::ptrdiff_t>(n)}), "") << n;
+  }
+  auto longer = a;
+  longer.push_back(0);
+  EXPECT_NE(addressError(longer).find("1 bytes after the last device"), std::string::npos) << addressError(longer);
+  const auto k = fuzz::referenceUcxRkey();
+  for (std::size_t n = 0; n < k.size(); ++n) {
+    EXPECT_NE(rkeyError({k.begin(), k.begin() + static_cast<std::ptrdiff_t>(n)}), "") << n;
+  }
+  auto key = k;
+  key.push_back(0);
+  EXPECT_NE(rkeyError(key).find("after the last memory domain"), std::string::npos) << rkeyError(key);
+}
+
+TEST(UcxBlobCheck, LengthsThatPointPastTheEndAreRefused) {
+  auto a = fuzz::referenceUcxAddress();
+  a[10] = 0x80 | 0x1f;  // device address length 31: past the end
+  EXPECT_NE(addressError(a).find("truncated"), std::string::npos) << addressError(a);
+  a = fuzz::referenceUcxAddress();
+  a[10] &= 0x7f;  // not the last device: the walk runs off the end looking for the next one
+  EXPECT_NE(addressError(a).find("truncated"), std::string::npos) << addressError(a);
+  a = fuzz::referenceUcxAddress();
+  a[15 + 2 + 16] = 0x40 | 0x80 | 6;  // endpoint addresses never appear in a worker address
+  EXPECT_NE(addressError(a).find("endpoint addresses"), std::string::npos) << addressError(a);
+  a = fuzz::referenceUcxAddress();
+  a[9] = 0xff;  // the "no transports" marker
+  EXPECT_NE(addressError(a).find("no transports"), std::string::npos) << addressError(a);
+}
+
+TEST(UcxBlobCheck, InterfaceAttributesMustBeInRangeAndClaimOnlyThisUcxsCapabilities) {
+  const std::size_t attr = 17;  // after header, uuid, device and transport checksum
+  for (const float bad : {-1.0F, std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity()}) {
+    for (const std::size_t field : {0, 4, 8}) {
+      auto a = fuzz::referenceUcxAddress();
+      std::memcpy(a.data() + attr + field, &bad, sizeof(bad));
+      EXPECT_NE(addressError(a).find("attributes out of range"), std::string::npos) << field << ": " << addressError(a);
+    }
+  }
+  auto a = fuzz::referenceUcxAddress();
+  a[attr + 13] ^= 0x40;  // one more capability flag for transport 0x1234
+  EXPECT_NE(addressError(a).find("claims capabilities"), std::string::npos) << addressError(a);
+  a = fuzz::referenceUcxAddress();
+  a[attr + 12] ^= 0x07;  // the priority byte may differ
+  EXPECT_EQ(addressError(a), "");
+  a = fuzz::referenceUcxAddress();
+  a[15] ^= 0x01;  // a transport this UCX does not have: UCX never selects it
+  EXPECT_EQ(addressError(a), "");
+}
+
+TEST(UcxBlobCheck, RemoteKeysMustMatchThisUcxsMemoryDomainsAndSizes) {
+  auto k = fuzz::referenceUcxRkey();
+  k[0] |= 0x02;    // MD 1: not among this UCX's
+  k.push_back(0);  // its (empty) key
+  EXPECT_NE(rkeyError(k).find("memory domains 0x2"), std::string::npos) << rkeyError(k);
+  k = fuzz::referenceUcxRkey();
+  k[8] = 1;  // another memory type
+  EXPECT_NE(rkeyError(k).find("memory type"), std::string::npos) << rkeyError(k);
+  k = fuzz::referenceUcxRkey();
+  k[9] = 1;  // MD 0's key is one byte, ours is empty
+  k.push_back(0);
+  EXPECT_NE(rkeyError(k).find("memory domain 0's key is 1 bytes"), std::string::npos) << rkeyError(k);
+  k = fuzz::referenceUcxRkey();
+  k[0] = 0x01;  // a subset of our MDs is fine (a peer may have fewer)
+  k.pop_back();
+  EXPECT_EQ(rkeyError(k), "");
+}
+
+TEST(UcxBlobCheck, UnknownOwnFormatsFailClosed) {
+  auto own = fuzz::referenceUcxAddress();
+  own[0] = 0x27;  // version 7
+  auto made = ucx::UcxBlobCheck::create(own, fuzz::referenceUcxRkey());
+  ASSERT_FALSE(made.ok());
+  EXPECT_EQ(made.error().code, ErrorCode::Unsupported);
+  own = fuzz::referenceUcxAddress();
+  own.pop_back();
+  EXPECT_FALSE(ucx::UcxBlobCheck::create(own, fuzz::referenceUcxRkey()).ok());
+  EXPECT_FALSE(ucx::UcxBlobCheck::create(fuzz::referenceUcxAddress(), std::vector<std::uint8_t>{1, 2}).ok());
+}
+
+TEST(UcxBlobCheck, SeededMutationsOfAnAddressAndAKeyKeepTheCheckContract) {
+  std::mt19937_64 rng(2121);
+  int accepted = 0;
+  for (int i = 0; i < 4000; ++i) {
+    auto bytes = (i % 2 == 0) ? fuzz::referenceUcxAddress() : fuzz::referenceUcxRkey();
+    for (int m = 0, n = 1 + static_cast<int>(rng() % 3); m < n && !bytes.empty(); ++m) {
+      const std::size_t at = rng() % bytes.size();
+      switch (rng() % 4) {
+        case 0:
+          bytes[at] ^= static_cast<std::uint8_t>(1U << (rng() % 8));
+          break;
+        case 1:
+          bytes[at] = static_cast<std::uint8_t>(rng());
+          break;
+        case 2:
+          bytes.insert(bytes.begin() + static_cast<std::ptrdiff_t>(at), static_cast<std::uint8_t>(rng()));
+          break;
+        default:
+          bytes.resize(at);
+          break;
+      }
+    }
+    const std::string problem = fuzz::checkUcxBlobs(bytes);
+    ASSERT_TRUE(problem.empty()) << "input " << i << ": " << problem;
+    if (fuzz::referenceBlobCheck().checkWorkerAddress(bytes).ok() ||
+        fuzz::referenceBlobCheck().checkRemoteKey(bytes).ok()) {
+      ++accepted;
+    }
+  }
+  // Mutations of payload bytes (uuid, attributes, addresses) stay well-formed: the prefix
+  // property ran on accepted blobs.
+  EXPECT_GT(accepted, 100);
 }
 
 }  // namespace

@@ -26,6 +26,9 @@ struct KvTransferConfig {
   std::int64_t progress_spin_us = 200;
   /// How senders move KV bytes: auto | rma | am (ucx_transport.h, KvDataPath).
   std::string data_path = "auto";
+  /// The interface UCX's tcp transport listens on, as an address of this host (127.0.0.1: the
+  /// loopback device only); empty: every interface (UcxTransportOptions::host).
+  std::string host;
 };
 
 void registerOptions(config::OptionSet& set, KvTransferConfig& cfg);

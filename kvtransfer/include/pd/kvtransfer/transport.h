@@ -112,6 +112,17 @@ class Transport {
   [[nodiscard]] virtual Status expect(std::uint64_t request_id, Deadline deadline, ArrivalFn on_arrival) = 0;
   /// Stops waiting; on_arrival is answered with Cancelled. False when nothing was pending.
   virtual bool cancelExpect(std::uint64_t request_id) = 0;
+  /// Confines an expected request to what `descriptor` grants (docs/kv-transfer.md, "Write
+  /// confinement"), and returns it with a fresh random transfer key: hand out the returned
+  /// descriptor. From then on, for this request (and its re-armed expectations), data messages
+  /// and records without that key are dropped; KV data outside the bytes of the listed blocks
+  /// (those covering num_tokens, in this transport's target of the descriptor) and a completion
+  /// record for another token count fail the receive (Corrupt). One-sided RMA puts cannot be
+  /// checked by the receiver. Call after expect(), before the descriptor goes out. NotFound when
+  /// the request is not expected; InvalidArgument when the descriptor is invalid or lists no
+  /// target at this transport's address. A transport that cannot confine writes (the loopback
+  /// fake, whose peer is in-process) returns the descriptor unchanged.
+  [[nodiscard]] virtual Result<KvDescriptor> grant(KvDescriptor descriptor) { return descriptor; }
 
   [[nodiscard]] virtual TransportStats stats() const = 0;
 };

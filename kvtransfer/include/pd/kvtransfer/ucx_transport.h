@@ -57,6 +57,12 @@ struct UcxTransportOptions {
   /// Where to publish metrics (may be null); must outlive the transport.
   metrics::Registry* metrics = nullptr;
   KvDataPath data_path = KvDataPath::Auto;
+  /// The address of the network interface UCX's tcp transport may listen and connect on. A
+  /// loopback address (127.0.0.1, ::1) limits UCX to the loopback device; another address of this
+  /// host limits it to that address's device when every UCX_TLS entry is a host transport (on
+  /// RDMA hosts the device list would also drop the RDMA ports, so it stays open and a warning
+  /// says so). Empty, 0.0.0.0 or :: : every interface. InvalidArgument when no interface has it.
+  std::string host;
 };
 
 /// The UCX settings (names without the UCX_ prefix) a transport with `options` applies on top of

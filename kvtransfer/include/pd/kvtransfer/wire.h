@@ -20,6 +20,7 @@
 ///
 /// Thread rules: values and pure functions; thread-safe.
 
+#include <array>
 #include <cstdint>
 #include <optional>
 #include <span>
@@ -33,7 +34,7 @@
 namespace pd::kvtransfer {
 
 /// Bumped on any incompatible change of a message or of the KV layout rules.
-inline constexpr std::uint16_t kProtocolVersion = 1;
+inline constexpr std::uint16_t kProtocolVersion = 2;
 /// "PDKV" read as a little-endian u32.
 inline constexpr std::uint32_t kWireMagic = 0x564B4450;
 inline constexpr std::size_t kWireHeaderBytes = 12;
@@ -95,6 +96,10 @@ struct KvDescriptor {
   std::uint32_t timeout_ms = 0;
   std::vector<std::uint32_t> block_ids;  ///< the same ids on every rank
   std::vector<KvTarget> targets;         ///< one per decode rank written to
+  /// Filled by the receiving transport's Transport::grant(): 128 random bits that the sender
+  /// repeats in every data message and record of this transfer, so that knowing (or guessing) a
+  /// request id is not enough to write into its blocks or end its receive. All zero: not granted.
+  std::array<std::uint64_t, 2> transfer_key{};
   friend bool operator==(const KvDescriptor&, const KvDescriptor&) = default;
 };
 

@@ -1,0 +1,321 @@
+// UcxTransport's receiving side (decode): expectations and their grants, KV data copied from
+// active messages after its checks, records held until their data arrived, delivery.
+
+#include <sys/random.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <variant>
+
+#include "pd/common/log.h"
+#include "pd/kvtransfer/layout.h"
+#include "ucx/ucx_transport_impl.h"
+
+namespace pd::kvtransfer::detail {
+
+/// 128 random bits from the kernel, never all zero (zero means "not granted").
+TransferKey randomTransferKey() {
+  TransferKey key{};
+  while (key[0] == 0 && key[1] == 0) {
+    auto* bytes = reinterpret_cast<std::uint8_t*>(key.data());
+    for (std::size_t done = 0; done < sizeof(key);) {
+      const ssize_t n = ::getrandom(bytes + done, sizeof(key) - done, 0);
+      PD_CHECK_MSG(n > 0 || errno == EINTR, "getrandom failed");
+      if (n > 0) done += static_cast<std::size_t>(n);
+    }
+  }
+  return key;
+}
+
+Status UcxTransport::expect(std::uint64_t request_id, Deadline deadline, ArrivalFn on_arrival) {
+  PD_CHECK(on_arrival != nullptr);
+  return runOnProgressThread([&]() -> Status {
+    if (stopping_) return cancelledStatus();
+    if (expectations_.contains(request_id)) {
+      return makeError(ErrorCode::InvalidArgument, fmt::format("request {} is already expected", request_id));
+    }
+    expectations_.emplace(request_id, Expectation{deadline, Clock::now(), std::move(on_arrival)});
+    metrics_.receiveExpected();
+    return okStatus();
+  });
+}
+
+bool UcxTransport::cancelExpect(std::uint64_t request_id) {
+  return runOnProgressThread([&]() -> bool {
+    auto node = expectations_.extract(request_id);
+    if (node.empty()) return false;
+    metrics_.receiveFailed(ErrorCode::Cancelled);
+    node.mapped().on_arrival(
+        request_id, makeError(ErrorCode::Cancelled, fmt::format("receive of request {} cancelled", request_id)));
+    return true;
+  });
+}
+
+Result<KvDescriptor> UcxTransport::grant(KvDescriptor descriptor) {
+  return runOnProgressThread([&]() -> Result<KvDescriptor> {
+    if (stopping_) return cancelledStatus().error();
+    const std::uint64_t id = descriptor.request_id;
+    const auto it = expectations_.find(id);
+    if (it == expectations_.end()) {
+      return makeError(ErrorCode::NotFound, fmt::format("request {} is not expected", id));
+    }
+    PD_TRY(validateDescriptor(descriptor));
+    const auto target = std::find_if(descriptor.targets.begin(), descriptor.targets.end(),
+                                     [&](const KvTarget& t) { return t.worker_address == address_; });
+    if (target == descriptor.targets.end()) {
+      return makeError(ErrorCode::InvalidArgument,
+                       fmt::format("request {}: the descriptor lists no target at this transport's address", id));
+    }
+    const CompatInfo& c = descriptor.compat;
+    Grant g;
+    g.key = randomTransferKey();
+    g.num_tokens = descriptor.num_tokens;
+    g.block_bytes = std::uint64_t{c.block_size} * c.tokenBytes();
+    g.regions = target->regions;
+    for (auto& r : g.regions) r.rkey.clear();
+    const std::uint64_t blocks = (std::uint64_t{descriptor.num_tokens} + c.block_size - 1) / c.block_size;
+    g.blocks.insert(descriptor.block_ids.begin(), descriptor.block_ids.begin() + static_cast<std::ptrdiff_t>(blocks));
+    descriptor.transfer_key = g.key;
+    it->second.grant = std::move(g);
+    return descriptor;
+  });
+}
+
+bool UcxTransport::Grant::covers(std::uint64_t address, std::uint64_t length) const {
+  // Piece by piece (a message may span consecutive blocks): each piece must lie in one granted
+  // block of some layer of a granted region. Layouts validated by validateDescriptor never
+  // overlap, so the first match is the only one.
+  while (length > 0) {
+    std::uint64_t piece = 0;
+    for (const KvRegion& r : regions) {
+      if (address < r.base_address || address - r.base_address >= r.length) continue;
+      const std::uint64_t offset = address - r.base_address;
+      for (std::uint64_t l = 0; l < r.num_layers && piece == 0; ++l) {
+        if (r.layer_stride != 0 && l > offset / r.layer_stride) break;
+        if (r.layer_stride == 0 && l > 0) break;
+        const std::uint64_t in_layer = offset - l * r.layer_stride;
+        const std::uint64_t block = in_layer / r.block_stride;
+        const std::uint64_t within = in_layer % r.block_stride;
+        if (within < block_bytes && block <= UINT32_MAX && blocks.contains(static_cast<std::uint32_t>(block))) {
+          piece = std::min(length, block_bytes - within);
+        }
+      }
+      if (piece != 0) break;
+    }
+    if (piece == 0) return false;
+    address += piece;
+    length -= piece;
+  }
+  return true;
+}
+
+void UcxTransport::handleInbox() {
+  while (!inbox_.empty()) {
+    auto batch = std::move(inbox_);
+    inbox_.clear();
+    for (auto& record : batch) deliverRecord(std::move(record));
+  }
+  deliverHeld();
+}
+
+void UcxTransport::deliverRecord(InboxRecord record) {
+  metrics_.recordReceived();
+  auto decoded = decodeRecord(record.bytes);
+  if (!decoded.ok()) {
+    metrics_.recordRejected();
+    log::warn("kv", "{}: dropped a record: {}", options_.name, decoded.error().message);
+    return;
+  }
+  const bool is_completion = std::holds_alternative<CompletionRecord>(decoded.value());
+  const std::uint64_t id = is_completion ? std::get<CompletionRecord>(decoded.value()).request_id
+                                         : std::get<FailureRecord>(decoded.value()).request_id;
+  const std::uint64_t hash = is_completion ? std::get<CompletionRecord>(decoded.value()).compat_hash
+                                           : std::get<FailureRecord>(decoded.value()).compat_hash;
+  const auto it = expectations_.find(id);
+  if (it == expectations_.end() || it->second.held_record) {
+    metrics_.recordRejected();
+    log::warn("kv", "{}: dropped a record for request {}, which is not expected (late or duplicate)", options_.name,
+              id);
+    return;
+  }
+  const std::optional<Grant>& granted = it->second.grant;
+  if (granted && record.key != granted->key) {
+    metrics_.recordRejected();
+    log::warn("kv", "{}: dropped a record for request {} without its transfer key", options_.name, id);
+    return;
+  }
+  if (granted && is_completion && std::get<CompletionRecord>(decoded.value()).num_tokens != granted->num_tokens) {
+    auto node = expectations_.extract(it);
+    metrics_.receiveFailed(ErrorCode::Corrupt);
+    node.mapped().on_arrival(
+        id, makeError(ErrorCode::Corrupt, fmt::format("KV receive of request {}: the completion record claims {} "
+                                                      "tokens, the request holds blocks for {}",
+                                                      id, std::get<CompletionRecord>(decoded.value()).num_tokens,
+                                                      node.mapped().grant->num_tokens)));
+    return;
+  }
+  if (hash == compat_hash_ && is_completion && record.data_bytes > it->second.bytes_received) {
+    // Active messages may overtake each other: wait for the rest of the data (or the deadline).
+    it->second.held_record = std::move(std::get<CompletionRecord>(decoded.value()));
+    it->second.record_data_bytes = record.data_bytes;
+    return;
+  }
+  auto node = expectations_.extract(it);
+  auto& on_arrival = node.mapped().on_arrival;
+  if (hash != compat_hash_) {
+    metrics_.receiveFailed(ErrorCode::Unsupported);
+    on_arrival(id, makeError(ErrorCode::Unsupported,
+                             fmt::format("record of request {} carries compatibility hash {:016x}, ours is {:016x}", id,
+                                         hash, compat_hash_)));
+    return;
+  }
+  if (is_completion) {
+    metrics_.receiveSucceeded(Clock::now() - node.mapped().started);
+    on_arrival(id, std::move(std::get<CompletionRecord>(decoded.value())));
+  } else {
+    auto& failure = std::get<FailureRecord>(decoded.value());
+    metrics_.receiveFailed(failure.code);
+    // A retry's data may overtake this record (data is copied at once, records wait for this
+    // pass): bytes beyond the failed sender's count go to the expectation that on_arrival may
+    // re-arm for the same request (decode's prefill retries, docs/internal-api.md).
+    const std::uint64_t early =
+        node.mapped().bytes_received > record.data_bytes ? node.mapped().bytes_received - record.data_bytes : 0;
+    on_arrival(id, makeError(failure.code, fmt::format("prefill side failed request {}: {}", id, failure.message)));
+    if (const auto again = expectations_.find(id); again != expectations_.end()) {
+      again->second.bytes_received += early;
+      // The re-armed receive waits for a retry of the same descriptor: the same grant holds.
+      if (!again->second.grant) again->second.grant = std::move(node.mapped().grant);
+    }
+  }
+}
+
+void UcxTransport::deliverHeld() {
+  while (!data_complete_.empty()) {
+    const std::uint64_t id = *data_complete_.begin();
+    data_complete_.erase(data_complete_.begin());
+    auto node = expectations_.extract(id);
+    if (node.empty()) continue;
+    Expectation& e = node.mapped();
+    if (e.data_error) {
+      metrics_.receiveFailed(ErrorCode::Corrupt);
+      e.on_arrival(id, makeError(ErrorCode::Corrupt, fmt::format("KV receive of request {}: {}", id, *e.data_error)));
+    } else if (e.held_record && e.bytes_received >= e.record_data_bytes) {
+      metrics_.receiveSucceeded(Clock::now() - e.started);
+      e.on_arrival(id, std::move(*e.held_record));
+    } else {
+      expectations_.insert(std::move(node));  // not complete after all
+    }
+  }
+}
+
+ucs_status_t UcxTransport::onRecord(void* arg, const void* header, std::size_t header_length, void* data,
+                                    std::size_t length, const ucp_am_recv_param_t* param) {
+  auto* self = static_cast<UcxTransport*>(arg);
+  if (header_length != sizeof(RecordHeader)) {
+    self->metrics_.recordRejected();
+    log::warn("kv", "{}: dropped a record with a {}-byte header", self->options_.name, header_length);
+    return (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0 ? UCS_ERR_UNSUPPORTED : UCS_OK;
+  }
+  RecordHeader framing{};
+  std::memcpy(&framing, header, sizeof(framing));
+  if ((param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) == 0) {
+    const auto* bytes = static_cast<const std::uint8_t*>(data);
+    self->inbox_.push_back(
+        InboxRecord{std::vector<std::uint8_t>(bytes, bytes + length), framing.data_bytes, framing.key});
+    return UCS_OK;
+  }
+  if (length > kMaxRecordBytes) {
+    self->metrics_.recordRejected();
+    log::warn("kv", "{}: dropped a {}-byte record (limit {})", self->options_.name, length, kMaxRecordBytes);
+    return UCS_ERR_MESSAGE_TRUNCATED;
+  }
+  auto pending = std::make_unique<PendingRecv>();
+  pending->owner = self;
+  pending->data_bytes = framing.data_bytes;
+  pending->key = framing.key;
+  pending->bytes.resize(length);
+  ucp_request_param_t params{};
+  params.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+  params.cb.recv_am = &UcxTransport::onRecvDataDone;
+  params.user_data = pending.get();
+  const auto st = ucp_am_recv_data_nbx(self->worker_.get(), data, pending->bytes.data(), length, &params);
+  if (UCS_PTR_IS_ERR(st)) {
+    self->metrics_.recordRejected();
+    log::warn("kv", "{}: receiving a record: {}", self->options_.name, ucs_status_string(UCS_PTR_STATUS(st)));
+    return UCS_OK;
+  }
+  if (st == nullptr) {
+    self->inbox_.push_back(InboxRecord{std::move(pending->bytes), pending->data_bytes, pending->key});
+  } else {
+    pending->request = ucx::Request(st);
+    self->pending_recvs_.push_back(std::move(pending));
+  }
+  return UCS_INPROGRESS;
+}
+
+ucs_status_t UcxTransport::onData(void* arg, const void* header, std::size_t header_length, void* data,
+                                  std::size_t length, const ucp_am_recv_param_t* param) {
+  auto* self = static_cast<UcxTransport*>(arg);
+  if ((param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0) {
+    // Our senders always send KV data eagerly; refusing fails the sender's send.
+    self->metrics_.addBytesDropped(length);
+    return UCS_ERR_UNSUPPORTED;
+  }
+  if (header_length != sizeof(DataHeader)) {
+    self->metrics_.addBytesDropped(length);
+    log::warn("kv", "{}: dropped KV data with a {}-byte header", self->options_.name, header_length);
+    return UCS_OK;
+  }
+  DataHeader h{};
+  std::memcpy(&h, header, sizeof(h));
+  const auto it = self->expectations_.find(h.request_id);
+  if (it == self->expectations_.end()) {
+    // Expired, cancelled or never expected: its blocks may belong to another request by now.
+    self->metrics_.addBytesDropped(length);
+    log::debug("kv", "{}: dropped {} bytes of KV data for request {}, which is not expected", self->options_.name,
+               length, h.request_id);
+    return UCS_OK;
+  }
+  Expectation& e = it->second;
+  if (e.grant && h.key != e.grant->key) {
+    // Not from this request's descriptor: a guessed or stale request id. Dropped; the receive
+    // goes on (failing it would let anyone who guesses an id end someone else's request).
+    self->metrics_.addBytesDropped(length);
+    log::warn("kv", "{}: dropped {} bytes of KV data for request {} without its transfer key", self->options_.name,
+              length, h.request_id);
+    return UCS_OK;
+  }
+  std::byte* destination = nullptr;
+  for (const auto& [id, region] : self->regions_) {
+    const auto base = reinterpret_cast<std::uint64_t>(region->base);
+    if (h.remote_address >= base && h.remote_address - base <= region->length &&
+        length <= region->length - (h.remote_address - base)) {
+      destination = region->base + (h.remote_address - base);
+      break;
+    }
+  }
+  if (destination == nullptr || (e.grant && !e.grant->covers(h.remote_address, length))) {
+    self->metrics_.addBytesDropped(length);
+    if (!e.data_error) {
+      e.data_error = fmt::format("{} bytes for address 0x{:x} lie outside {}", length, h.remote_address,
+                                 destination == nullptr ? "every registered region" : "the blocks the request holds");
+    }
+    self->data_complete_.insert(h.request_id);
+    return UCS_OK;
+  }
+  std::memcpy(destination, data, length);
+  e.bytes_received += length;
+  self->metrics_.addBytesReceived(length);
+  if (e.held_record && e.bytes_received >= e.record_data_bytes) self->data_complete_.insert(h.request_id);
+  return UCS_OK;
+}
+
+void UcxTransport::onRecvDataDone(void* /*request*/, ucs_status_t status, std::size_t /*length*/, void* user_data) {
+  auto* pending = static_cast<PendingRecv*>(user_data);
+  pending->done = true;
+  pending->status = status;
+  pending->request = ucx::Request{};  // frees the request
+}
+
+}  // namespace pd::kvtransfer::detail

@@ -1,0 +1,286 @@
+// Write confinement on the receiving side of UcxTransport (issue 21, item 3): after grant(), a
+// request's KV data may land only in the blocks its descriptor lists, data and records must carry
+// the descriptor's random transfer key, and a completion record must be for the granted token
+// count. Also: a transport given a loopback `host` listens on the loopback interface only.
+
+#include <dirent.h>
+#include <gtest/gtest.h>
+
+#include <fstream>
+#include <set>
+#include <sstream>
+#include <string>
+#include <thread>
+
+#include "pd/kvtransfer/ucx_transport.h"
+#include "unit/kvtransfer/kv_test_util.h"
+
+namespace pd::kvtransfer {
+namespace {
+
+using namespace std::chrono_literals;
+using testutil::KvPool;
+using testutil::Outcomes;
+using testutil::ScopedRegion;
+using testutil::SourceKv;
+
+std::unique_ptr<Transport> makeTransport(KvDataPath path, const CompatInfo& compat, const std::string& name,
+                                         const std::string& host = "") {
+  UcxTransportOptions options;
+  options.ucx_tls = "tcp";
+  options.data_path = path;
+  options.compat = compat;
+  options.connect_timeout = 2s;
+  options.spin_time = 50us;
+  options.name = name;
+  options.host = host;
+  auto t = createUcxTransport(options);
+  EXPECT_TRUE(t.ok()) << t.error().toString();
+  return t.ok() ? std::move(t).value() : nullptr;
+}
+
+class WriteConfinement : public ::testing::TestWithParam<KvDataPath> {
+ protected:
+  void SetUp() override {
+    sender_ = makeTransport(GetParam(), compat_, "prefill");
+    receiver_ = makeTransport(GetParam(), compat_, "decode");
+    ASSERT_TRUE(sender_ && receiver_);
+  }
+  void TearDown() override {
+    for (const auto* t : {sender_.get(), receiver_.get()}) {
+      const auto s = t->stats();
+      EXPECT_EQ(s.in_flight, 0);
+      EXPECT_EQ(s.pending_receives, 0);
+    }
+  }
+  /// Sends `d` (tokens [0, n) of a seeded source) with a record for `record_tokens` tokens.
+  void send(const KvDescriptor& d, std::uint32_t record_tokens) {
+    SourceKv source(compat_, d.num_tokens, 5);
+    ScopedRegion src(*sender_, source.bytes);
+    ASSERT_TRUE(src.ok());
+    ASSERT_TRUE(sender_->beginTransfer(d, Clock::now() + 5s, out_.onDone()).ok());
+    ASSERT_TRUE(sender_->put(d.request_id, source.chunkPuts(src.id(), 0, d.num_tokens)).ok());
+    CompletionRecord r;
+    r.request_id = d.request_id;
+    r.num_tokens = record_tokens;
+    ASSERT_TRUE(sender_->finish(r).ok());
+    const auto done = out_.waitDone(d.request_id, 5s);
+    ASSERT_TRUE(done.has_value());
+  }
+
+  Outcomes out_;
+  CompatInfo compat_ = testutil::smallCompat();
+  std::unique_ptr<Transport> sender_;
+  std::unique_ptr<Transport> receiver_;
+};
+
+TEST_P(WriteConfinement, GrantedTransferLandsAndCarriesAFreshKey) {
+  KvPool pool(*receiver_, compat_, 8);
+  auto d = pool.descriptor(1, 6, {5, 2}, 5000);
+  ASSERT_TRUE(d.ok());
+  ASSERT_TRUE(receiver_->expect(1, Clock::now() + 5s, out_.onArrival()).ok());
+  auto granted = receiver_->grant(d.value());
+  ASSERT_TRUE(granted.ok()) << granted.error().toString();
+  EXPECT_NE(granted->transfer_key, (std::array<std::uint64_t, 2>{}));
+  // The key travels in the descriptor's bytes.
+  auto wire = decodeKvDescriptor(encode(granted.value()));
+  ASSERT_TRUE(wire.ok());
+  EXPECT_EQ(wire->transfer_key, granted->transfer_key);
+  send(wire.value(), 6);
+  const auto arrived = out_.waitArrival(1, 5s);
+  ASSERT_TRUE(arrived.has_value());
+  ASSERT_TRUE(arrived->ok()) << arrived->error().toString();
+  EXPECT_EQ(pool.verify(granted.value(), 5), "");
+
+  // Another grant gets another key.
+  ASSERT_TRUE(receiver_->expect(2, Clock::now() + 5s, out_.onArrival()).ok());
+  auto again = receiver_->grant(pool.descriptor(2, 6, {0, 1}, 5000).value());
+  ASSERT_TRUE(again.ok());
+  EXPECT_NE(again->transfer_key, granted->transfer_key);
+  EXPECT_TRUE(receiver_->cancelExpect(2));
+}
+
+// The attack of issue 21: a submission that names another request's blocks. With active
+// messages the receiver refuses the bytes and fails the receive; the victim's blocks stay as
+// they were.
+TEST_P(WriteConfinement, DataForBlocksTheRequestDoesNotHoldIsRefused) {
+  if (GetParam() == KvDataPath::Rma) {
+    GTEST_SKIP() << "one-sided puts land without the receiver's CPU: docs/kv-transfer.md, 'Write confinement'";
+  }
+  KvPool pool(*receiver_, compat_, 8);
+  ASSERT_TRUE(receiver_->expect(3, Clock::now() + 5s, out_.onArrival()).ok());
+  auto granted = receiver_->grant(pool.descriptor(3, 6, {0, 1}, 5000).value());
+  ASSERT_TRUE(granted.ok());
+  KvDescriptor forged = granted.value();
+  forged.block_ids = {6, 7};  // a victim's blocks
+  send(forged, 6);
+  const auto arrived = out_.waitArrival(3, 5s);
+  ASSERT_TRUE(arrived.has_value());
+  ASSERT_FALSE(arrived->ok());
+  EXPECT_EQ(arrived->error().code, ErrorCode::Corrupt);
+  EXPECT_NE(arrived->error().message.find("outside the blocks the request holds"), std::string::npos)
+      << arrived->error().message;
+  KvDescriptor nothing = granted.value();
+  nothing.num_tokens = 0;  // verify: no token expected, every block untouched
+  EXPECT_EQ(pool.verify(nothing, 5), "");
+  EXPECT_GT(receiver_->stats().bytes_dropped, 0U);
+}
+
+// Knowing (or guessing) a request id is not enough: data and records without the descriptor's
+// key are dropped, and the receive is left to its own outcome (here: its deadline).
+TEST_P(WriteConfinement, DataAndRecordsWithoutTheTransferKeyAreDropped) {
+  KvPool pool(*receiver_, compat_, 8);
+  const auto start = Clock::now();
+  ASSERT_TRUE(receiver_->expect(4, start + 800ms, out_.onArrival()).ok());
+  const KvDescriptor plain = pool.descriptor(4, 6, {0, 1}, 5000).value();
+  auto granted = receiver_->grant(plain);
+  ASSERT_TRUE(granted.ok());
+  send(plain, 6);  // the same request id and blocks, without the key
+  const auto arrived = out_.waitArrival(4, 5s);
+  ASSERT_TRUE(arrived.has_value());
+  ASSERT_FALSE(arrived->ok());
+  EXPECT_EQ(arrived->error().code, ErrorCode::Timeout) << arrived->error().toString();
+  EXPECT_GE(receiver_->stats().records_rejected, 1U);
+  if (GetParam() == KvDataPath::ActiveMessage) {
+    KvDescriptor nothing = plain;
+    nothing.num_tokens = 0;
+    EXPECT_EQ(pool.verify(nothing, 5), "");
+  }
+}
+
+TEST_P(WriteConfinement, ACompletionRecordForAnotherTokenCountFailsTheReceive) {
+  KvPool pool(*receiver_, compat_, 8);
+  ASSERT_TRUE(receiver_->expect(5, Clock::now() + 5s, out_.onArrival()).ok());
+  auto granted = receiver_->grant(pool.descriptor(5, 6, {3, 4}, 5000).value());
+  ASSERT_TRUE(granted.ok());
+  send(granted.value(), 7);
+  const auto arrived = out_.waitArrival(5, 5s);
+  ASSERT_TRUE(arrived.has_value());
+  ASSERT_FALSE(arrived->ok());
+  EXPECT_EQ(arrived->error().code, ErrorCode::Corrupt);
+  EXPECT_NE(arrived->error().message.find("claims 7 tokens"), std::string::npos) << arrived->error().message;
+}
+
+TEST_P(WriteConfinement, GrantRefusesUnexpectedRequestsAndForeignTargets) {
+  KvPool pool(*receiver_, compat_, 8);
+  const KvDescriptor d = pool.descriptor(6, 6, {0, 1}, 5000).value();
+  auto unexpected = receiver_->grant(d);
+  ASSERT_FALSE(unexpected.ok());
+  EXPECT_EQ(unexpected.error().code, ErrorCode::NotFound);
+  ASSERT_TRUE(receiver_->expect(6, Clock::now() + 5s, out_.onArrival()).ok());
+  auto foreign = sender_->grant(d);  // the sender expects nothing
+  EXPECT_FALSE(foreign.ok());
+  ASSERT_TRUE(sender_->expect(6, Clock::now() + 5s, out_.onArrival()).ok());
+  foreign = sender_->grant(d);  // expected there, but the descriptor names the receiver only
+  ASSERT_FALSE(foreign.ok());
+  EXPECT_EQ(foreign.error().code, ErrorCode::InvalidArgument);
+  EXPECT_TRUE(sender_->cancelExpect(6));
+  EXPECT_TRUE(receiver_->cancelExpect(6));
+}
+
+INSTANTIATE_TEST_SUITE_P(Ucx, WriteConfinement, ::testing::Values(KvDataPath::ActiveMessage, KvDataPath::Rma),
+                         [](const auto& p) { return std::string(kvDataPathName(p.param)); });
+
+// ---- listening interface --------------------------------------------------------------------------
+
+std::set<std::string> socketInodes() {
+  std::set<std::string> inodes;
+  DIR* dir = ::opendir("/proc/self/fd");
+  if (dir == nullptr) return inodes;
+  while (const dirent* e = ::readdir(dir)) {
+    char target[256] = {};
+    const std::string path = std::string("/proc/self/fd/") + e->d_name;
+    const ssize_t n = ::readlink(path.c_str(), target, sizeof(target) - 1);
+    const std::string link(target, n > 0 ? static_cast<std::size_t>(n) : 0);
+    if (link.rfind("socket:[", 0) == 0) inodes.insert(link.substr(8, link.size() - 9));
+  }
+  ::closedir(dir);
+  return inodes;
+}
+
+/// Local addresses (hex, as /proc/net/tcp{,6} print them) of listening sockets among `inodes`.
+std::vector<std::string> listeningAddresses(const std::set<std::string>& inodes) {
+  std::vector<std::string> out;
+  for (const char* file : {"/proc/self/net/tcp", "/proc/self/net/tcp6"}) {
+    std::ifstream in(file);
+    std::string line;
+    std::getline(in, line);  // header
+    while (std::getline(in, line)) {
+      std::istringstream fields(line);
+      std::string slot, local, remote, state, queues, timer, retransmits, uid, timeout, inode;
+      fields >> slot >> local >> remote >> state >> queues >> timer >> retransmits >> uid >> timeout >> inode;
+      if (state == "0A" && inodes.contains(inode)) out.push_back(local.substr(0, local.find(':')));
+    }
+  }
+  return out;
+}
+
+bool isLoopbackHex(const std::string& hex) {
+  return hex == "0100007F" || hex == "00000000000000000000000001000000";
+}
+
+TEST(UcxListeningInterface, LoopbackHostListensOnLoopbackOnly) {
+  const auto before = socketInodes();
+  auto t = makeTransport(KvDataPath::Auto, testutil::smallCompat(), "loopback", "127.0.0.1");
+  ASSERT_TRUE(t);
+  std::set<std::string> mine;
+  for (const auto& inode : socketInodes()) {
+    if (!before.contains(inode)) mine.insert(inode);
+  }
+  const auto addresses = listeningAddresses(mine);
+  ASSERT_FALSE(addresses.empty()) << "UCX's tcp transport opened no listening socket";
+  for (const auto& a : addresses) EXPECT_TRUE(isLoopbackHex(a)) << "listening on " << a;
+
+  // Without a host, UCX listens on every interface (checked where this machine has another one).
+  const auto before_all = socketInodes();
+  auto all = makeTransport(KvDataPath::Auto, testutil::smallCompat(), "all");
+  ASSERT_TRUE(all);
+  std::set<std::string> theirs;
+  for (const auto& inode : socketInodes()) {
+    if (!before_all.contains(inode)) theirs.insert(inode);
+  }
+  const auto everywhere = listeningAddresses(theirs);
+  const bool other = std::any_of(everywhere.begin(), everywhere.end(), [](const auto& a) { return !isLoopbackHex(a); });
+  if (!other) GTEST_SKIP() << "this machine has no interface but loopback for UCX";
+  EXPECT_GT(everywhere.size(), addresses.size());
+
+  // The loopback-only transport still talks to one on every interface.
+  KvPool pool(*t, testutil::smallCompat(), 4);
+  Outcomes out;
+  SourceKv source(testutil::smallCompat(), 3, 9);
+  ScopedRegion src(*all, source.bytes);
+  auto d = pool.descriptor(9, 3, {2}, 5000);
+  ASSERT_TRUE(d.ok());
+  ASSERT_TRUE(t->expect(9, Clock::now() + 5s, out.onArrival()).ok());
+  ASSERT_TRUE(all->beginTransfer(d.value(), Clock::now() + 5s, out.onDone()).ok());
+  ASSERT_TRUE(all->put(9, source.chunkPuts(src.id(), 0, 3)).ok());
+  CompletionRecord r;
+  r.request_id = 9;
+  r.num_tokens = 3;
+  ASSERT_TRUE(all->finish(r).ok());
+  const auto arrived = out.waitArrival(9, 5s);
+  ASSERT_TRUE(arrived.has_value());
+  EXPECT_TRUE(arrived->ok()) << arrived->error().toString();
+  EXPECT_EQ(pool.verify(d.value(), 9), "");
+}
+
+TEST(UcxListeningInterface, AHostThatIsNoLocalAddressIsRefused) {
+  UcxTransportOptions options;
+  options.ucx_tls = "tcp";
+  options.compat = testutil::smallCompat();
+  options.host = "192.0.2.254";  // TEST-NET-1: not configured here
+  options.name = "nohost";
+  if (auto t = createUcxTransport(options); t.ok()) {
+    GTEST_SKIP() << "192.0.2.254 is configured on this machine";
+  } else {
+    EXPECT_EQ(t.error().code, ErrorCode::InvalidArgument);
+    EXPECT_NE(t.error().message.find("no address of this host"), std::string::npos) << t.error().message;
+  }
+  options.host = "not-an-ip";
+  auto bad = createUcxTransport(options);
+  ASSERT_FALSE(bad.ok());
+  EXPECT_EQ(bad.error().code, ErrorCode::InvalidArgument);
+}
+
+}  // namespace
+}  // namespace pd::kvtransfer
