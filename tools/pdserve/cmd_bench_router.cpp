@@ -26,6 +26,7 @@
 #include "cli.h"
 #include "pd/common/http_client.h"
 #include "pd/common/log.h"
+#include "pd/common/role_process.h"
 #include "pd/common/subprocess.h"
 #include "pd/common/worker_api.h"
 
@@ -54,29 +55,18 @@ Endpoint parseHostPort(const std::string& url) {
   return {hp.substr(0, colon), static_cast<std::uint16_t>(std::stoi(hp.substr(colon + 1)))};
 }
 
-// A child role process that reports its URL on a PDSERVE_READY line.
+// A child role process (this binary) and the address of its PDSERVE_READY line.
 struct Role {
-  std::unique_ptr<proc::Subprocess> process;
+  std::unique_ptr<proc::RoleProcess> process;
   Endpoint endpoint;
 };
 
 Result<Role> startRole(const std::string& exe, std::vector<std::string> args) {
   args.insert(args.begin(), exe);
-  PD_ASSIGN_OR_RETURN(auto process, proc::Subprocess::spawn({args, {}, true, false}));
-  proc::LineReader out(process->stdoutFd());
-  const auto deadline = Clock::now() + 300s;
-  while (Clock::now() < deadline) {
-    auto line = out.next(500ms);
-    if (!line) {
-      if (out.eof()) break;
-      continue;
-    }
-    const auto pos = line->find("url=");
-    if (line->starts_with("PDSERVE_READY ") && pos != std::string::npos) {
-      return Role{std::move(process), parseHostPort(line->substr(pos + 4))};
-    }
-  }
-  return makeError(ErrorCode::PeerFailed, "pdserve " + args[1] + " did not become ready");
+  PD_ASSIGN_OR_RETURN(auto process, proc::RoleProcess::spawn({std::move(args), {}, false, {}}));
+  PD_TRY(process->waitReady(300s));
+  Endpoint endpoint = parseHostPort(process->url());
+  return Role{std::move(process), std::move(endpoint)};
 }
 
 std::vector<std::int64_t> parseList(const std::string& text) {
@@ -296,10 +286,7 @@ int runBenchRouter(const std::vector<std::string>& args) {
     report["concurrency_" + std::to_string(level)] = std::move(row);
   }
   if (cfg.json) std::printf("%s\n", boost::json::serialize(report).c_str());
-  for (auto* role : {&*router, &*prefill, &*decode}) {
-    role->process->signal(SIGTERM);
-    if (!role->process->wait(30s)) role->process->signal(SIGKILL);
-  }
+  for (auto* role : {&*router, &*prefill, &*decode}) role->process->stop(30s);
   return failures == 0 ? 0 : 1;
 }
 
