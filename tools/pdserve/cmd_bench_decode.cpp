@@ -447,7 +447,7 @@ int runBenchDecode(const std::vector<std::string>& args) {
       "Decode step time, tokens/s and memory-bandwidth utilization (MBU) per batch size through the decode\n"
       "worker's engine (scheduler + paged KV), and MTP speedup over the ideal for the measured acceptance, with a\n"
       "bench-only draft override proposing the greedy continuation with probability p.",
-      {&set, &common_sets.log}, args, &common);
+      {&set, &common_sets.log, &common_sets.model}, args, &common);
   if (!loaded.ok()) return reportFailure(loaded.error());
   if (loaded->help_requested) return 0;
   auto batches = parsePositiveList(batches_text, "--batches");
