@@ -19,13 +19,15 @@
 #include <thread>
 #include <vector>
 
-#include "bench_util.h"
+#include "bench/common/bench_util.h"
 #include "cli.h"
 #include "pd/comm/shm_communicator.h"
 
 extern char** environ;
 
 namespace pd::cli {
+
+using namespace bench;  // NOLINT(google-build-using-namespace): the shared bench helpers
 namespace {
 
 using Clock = std::chrono::steady_clock;

@@ -32,7 +32,7 @@
 #include <utility>
 #include <vector>
 
-#include "bench_util.h"
+#include "bench/common/bench_util.h"
 #include "cli.h"
 #include "pd/decode/decode_engine.h"
 #include "pd/decode/kv_pool.h"
@@ -45,6 +45,8 @@
 #include "pd/tokenizer/tokenizer.h"
 
 namespace pd::cli {
+
+using namespace bench;  // NOLINT(google-build-using-namespace): the shared bench helpers
 namespace {
 
 namespace fs = std::filesystem;

@@ -34,7 +34,7 @@
 #include <utility>
 #include <vector>
 
-#include "bench_util.h"
+#include "bench/common/bench_util.h"
 #include "cli.h"
 #include "pd/common/log.h"
 #include "pd/kvtransfer/kvtransfer_config.h"
@@ -43,6 +43,8 @@
 extern char** environ;
 
 namespace pd::cli {
+
+using namespace bench;  // NOLINT(google-build-using-namespace): the shared bench helpers
 namespace {
 
 using kvtransfer::Clock;

@@ -1,8 +1,8 @@
 #pragma once
-/// Helpers shared by the `pdserve bench` subcommands that measure the CPU engine against
-/// ceilings measured in the same run (cmd_bench_engine.cpp, cmd_bench_decode.cpp): timing, CPU
-/// time, the read-bandwidth probe, and list options; and the child-process helpers of the
-/// benches that run ucx_perftest (cmd_bench_kv.cpp, cmd_bench_comm.cpp).
+/// Helpers shared by the `pdserve bench` benchmarks that measure the CPU engine against
+/// ceilings measured in the same run (bench engine, bench decode): timing, CPU time, the
+/// read-bandwidth probe, and list options; and the one ucx_perftest runner of the benches that
+/// compare with it (bench kv, bench comm).
 /// Thread rules: main thread only (the probe runs on the given thread pool).
 
 #include <sys/types.h>
@@ -19,7 +19,7 @@
 #include "pd/engine/kernels.h"
 #include "pd/engine/thread_pool.h"
 
-namespace pd::cli {
+namespace pd::bench {
 
 using BenchClock = std::chrono::steady_clock;
 
@@ -47,4 +47,4 @@ using UcxEnv = std::vector<std::pair<std::string, std::string>>;
 /// Waits for `pid` up to `timeout`; kills it after that. True when it exited with status 0.
 bool reapWithin(pid_t pid, std::chrono::milliseconds timeout);
 
-}  // namespace pd::cli
+}  // namespace pd::bench

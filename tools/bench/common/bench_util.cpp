@@ -1,5 +1,5 @@
 // Shared helpers of the `pdserve bench` subcommands (bench_util.h).
-#include "bench_util.h"
+#include "bench/common/bench_util.h"
 
 #include <fmt/format.h>
 #include <signal.h>
@@ -16,7 +16,7 @@
 
 extern char** environ;  // NOLINT(readability-redundant-declaration)
 
-namespace pd::cli {
+namespace pd::bench {
 
 double secondsSince(BenchClock::time_point t) {
   return std::chrono::duration<double>(BenchClock::now() - t).count();
@@ -111,4 +111,4 @@ bool reapWithin(pid_t pid, std::chrono::milliseconds timeout) {
   return WIFEXITED(status) && WEXITSTATUS(status) == 0;
 }
 
-}  // namespace pd::cli
+}  // namespace pd::bench
