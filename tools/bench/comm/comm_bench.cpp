@@ -73,33 +73,12 @@ Result<LatencySummary> measureOurs(std::int64_t floats, std::int64_t iterations,
 // ucx_perftest ucp_am_lat between two local processes: the median one-way latency in us.
 Result<double> perftestLatency(const std::string& perftest, const std::string& tls, std::int64_t bytes,
                                std::int64_t iterations) {
-  for (int attempt = 0; attempt < 5; ++attempt) {
-    const std::string port = std::to_string(20000 + (::getpid() * 7 + attempt * 131) % 30000);
-    FILE* server_out = std::tmpfile();
-    FILE* client_out = std::tmpfile();
-    if (server_out == nullptr || client_out == nullptr) return makeError(ErrorCode::Io, "tmpfile");
-    const auto server = spawnWithUcxEnv({perftest, "-p", port}, {{"TLS", tls}}, fileno(server_out));
-    if (!server) {
-      std::fclose(server_out);
-      std::fclose(client_out);
-      return makeError(ErrorCode::NotFound, fmt::format("cannot run '{}' (ucx-utils)", perftest));
-    }
-    std::this_thread::sleep_for(200ms);
-    const auto client = spawnWithUcxEnv({perftest, "127.0.0.1", "-p", port, "-t", "ucp_am_lat", "-s",
-                                         std::to_string(bytes), "-n", std::to_string(iterations), "-w", "500", "-v"},
-                                        {{"TLS", tls}}, fileno(client_out));
-    const bool ok = client && reapWithin(*client, 120s);
-    (void)reapWithin(*server, ok ? 10s : 1s);
-    std::string text;
-    std::rewind(client_out);
-    char buf[4096];
-    for (std::size_t n; (n = std::fread(buf, 1, sizeof(buf), client_out)) > 0;) text.append(buf, n);
-    std::fclose(server_out);
-    std::fclose(client_out);
-    if (!ok) continue;
-    if (auto lat = parsePerftestLatency(text)) return *lat;
-  }
-  return makeError(ErrorCode::Internal, "ucx_perftest failed 5 times");
+  PD_ASSIGN_OR_RETURN(const std::string text, runPerftestPair(perftest,
+                                                              {"-t", "ucp_am_lat", "-s", std::to_string(bytes), "-n",
+                                                               std::to_string(iterations), "-w", "500", "-v"},
+                                                              {{"TLS", tls}}));
+  if (auto lat = parsePerftestLatency(text)) return *lat;
+  return makeError(ErrorCode::Internal, "could not parse ucx_perftest output: " + text);
 }
 
 }  // namespace
@@ -117,14 +96,9 @@ LatencySummary summarizeLatencies(std::vector<double> us) {
 }
 
 std::optional<double> parsePerftestLatency(std::string_view text) {
-  // CSV: iterations,50.0_percentile_lat,avg_lat,overall_lat,... (us)
-  const auto last = text.find_last_not_of("\n ");
-  if (last == std::string_view::npos) return std::nullopt;
-  const auto start = text.rfind('\n', last);
-  const std::string line(text.substr(start == std::string_view::npos ? 0 : start + 1, last + 1 - (start + 1)));
-  const auto c1 = line.find(',');
-  if (c1 == std::string::npos) return std::nullopt;
-  const double lat = std::strtod(line.c_str() + c1 + 1, nullptr);
+  const std::vector<std::string> cols = lastCsvRow(text);  // iterations,50.0_percentile_lat,...
+  if (cols.size() < 2) return std::nullopt;
+  const double lat = std::strtod(cols[1].c_str(), nullptr);
   if (!(lat > 0)) return std::nullopt;
   return lat;
 }

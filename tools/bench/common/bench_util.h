@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -46,5 +47,16 @@ using UcxEnv = std::vector<std::pair<std::string, std::string>>;
 
 /// Waits for `pid` up to `timeout`; kills it after that. True when it exited with status 0.
 bool reapWithin(pid_t pid, std::chrono::milliseconds timeout);
+
+/// The one ucx_perftest runner: a server (`perftest -p PORT`) and a client (`perftest 127.0.0.1
+/// -p PORT client_args...`) on a free loopback port, both with `ucx` in their environment; the
+/// client's output. A failed client (most likely the server was not listening yet) is retried up
+/// to 5 times. NotFound when `perftest` cannot be started; Internal when every attempt failed.
+[[nodiscard]] Result<std::string> runPerftestPair(const std::string& perftest,
+                                                  const std::vector<std::string>& client_args, const UcxEnv& ucx);
+
+/// The comma-separated fields of the last non-empty line of ucx_perftest's -v output (its CSV
+/// summary: iterations,50.0_percentile_lat,avg_lat,overall_lat,avg_bw,overall_bw,avg_mr,overall_mr).
+[[nodiscard]] std::vector<std::string> lastCsvRow(std::string_view output);
 
 }  // namespace pd::bench
