@@ -23,6 +23,7 @@
 #include <thread>
 #include <vector>
 
+#include "bench/router/router_overhead.h"
 #include "cli.h"
 #include "pd/common/http_client.h"
 #include "pd/common/log.h"
@@ -152,13 +153,6 @@ Result<double> direct(http::Client& decode, http::Client& prefill, const std::ve
   return us;
 }
 
-double percentile(std::vector<double> v, double p) {
-  if (v.empty()) return 0.0;
-  std::sort(v.begin(), v.end());
-  const auto idx = static_cast<std::size_t>(p * static_cast<double>(v.size() - 1) + 0.5);
-  return v[std::min(idx, v.size() - 1)];
-}
-
 }  // namespace
 
 int runBenchRouter(const std::vector<std::string>& args) {
@@ -269,10 +263,11 @@ int runBenchRouter(const std::vector<std::string>& args) {
       ++failures;
       log::error("bench", "concurrency {}: {}", level, first_error->toString());
     }
-    const double rp50 = percentile(via, 0.5);
-    const double rp99 = percentile(via, 0.99);
-    const double dp50 = percentile(straight, 0.5);
-    const double dp99 = percentile(straight, 0.99);
+    const bench::RouterOverhead o = bench::routerOverhead(via, straight);
+    const double rp50 = o.router_p50_us;
+    const double rp99 = o.router_p99_us;
+    const double dp50 = o.direct_p50_us;
+    const double dp99 = o.direct_p99_us;
     boost::json::object row{{"concurrency", level},           {"samples", via.size()},         {"router_p50_us", rp50},
                             {"router_p99_us", rp99},          {"direct_p50_us", dp50},         {"direct_p99_us", dp99},
                             {"overhead_p50_us", rp50 - dp50}, {"overhead_p99_us", rp99 - dp99}};
