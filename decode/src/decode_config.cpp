@@ -1,5 +1,9 @@
 #include "pd/decode/decode_config.h"
 
+#include <fmt/format.h>
+
+#include "pd/comm/tcp_communicator.h"
+
 namespace pd::decode {
 
 void registerOptions(config::OptionSet& set, DecodeConfig& cfg) {
@@ -25,6 +29,38 @@ void registerOptions(config::OptionSet& set, DecodeConfig& cfg) {
       .add("http_threads", &cfg.http_threads, "io threads of the internal HTTP API", 1, 64)
       .add("drain_timeout_ms", &cfg.drain_timeout_ms,
            "on SIGTERM, how long in-flight requests may finish before the rest are aborted", 0, 86400000);
+}
+
+Status validate(const DecodeConfig& cfg) {
+  const auto bad = [](std::string message) { return makeError(ErrorCode::InvalidArgument, std::move(message)); };
+  if (cfg.tp_rank >= cfg.tensor_parallel) {
+    return bad(
+        fmt::format("decode.tp_rank {} must be below decode.tensor_parallel {}", cfg.tp_rank, cfg.tensor_parallel));
+  }
+  if (cfg.tensor_parallel % cfg.nnodes != 0) {
+    return bad(
+        fmt::format("decode.tensor_parallel {} must be a multiple of decode.nnodes {} (the same ranks on "
+                    "every node)",
+                    cfg.tensor_parallel, cfg.nnodes));
+  }
+  if (cfg.node_rank >= cfg.nnodes) {
+    return bad(fmt::format("decode.node_rank {} must be below decode.nnodes {}", cfg.node_rank, cfg.nnodes));
+  }
+  if (cfg.nnodes > 1 && cfg.dist_init_address.empty()) {
+    return bad("decode.nnodes > 1 needs decode.dist_init_address (node 0's host:port)");
+  }
+  if (!cfg.dist_init_address.empty()) {
+    auto where = comm::parseHostPort(cfg.dist_init_address);
+    if (!where.ok()) return std::move(where).error();
+    if (where->port == 0) return bad("decode.dist_init_address needs a port (the other nodes must know it)");
+  }
+  if (cfg.tp_rank > 0 && cfg.tp_group.empty() && cfg.dist_init_address.empty()) {
+    return bad(
+        "decode.tp_rank > 0 (a spawned tensor-parallel rank) needs decode.tp_group or "
+        "decode.dist_init_address; such ranks are started by their node's process "
+        "(decode.tensor_parallel > 1), not by hand");
+  }
+  return okStatus();
 }
 
 }  // namespace pd::decode

@@ -1,5 +1,7 @@
 #include "pd/prefill/prefill_config.h"
 
+#include <fmt/format.h>
+
 namespace pd::prefill {
 
 void registerOptions(config::OptionSet& set, PrefillConfig& cfg) {
@@ -19,6 +21,20 @@ void registerOptions(config::OptionSet& set, PrefillConfig& cfg) {
       .add("tensor_parallel", &cfg.tensor_parallel, "tensor-parallel ranks (processes on this machine)", 1, 64)
       .add("tp_rank", &cfg.tp_rank, "tensor-parallel rank of a spawned process (set by rank 0)", 0, 63)
       .add("tp_group", &cfg.tp_group, "shared-memory name of the tensor-parallel group (set by rank 0)");
+}
+
+Status validate(const PrefillConfig& cfg) {
+  if (cfg.tp_rank >= cfg.tensor_parallel) {
+    return makeError(
+        ErrorCode::InvalidArgument,
+        fmt::format("prefill.tp_rank {} must be below prefill.tensor_parallel {}", cfg.tp_rank, cfg.tensor_parallel));
+  }
+  if (cfg.tp_rank > 0 && cfg.tp_group.empty()) {
+    return makeError(ErrorCode::InvalidArgument,
+                     "prefill.tp_rank > 0 (a spawned tensor-parallel rank) needs prefill.tp_group; such ranks are "
+                     "started by rank 0 (prefill.tensor_parallel > 1), not by hand");
+  }
+  return okStatus();
 }
 
 }  // namespace pd::prefill

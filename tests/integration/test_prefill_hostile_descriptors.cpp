@@ -1,4 +1,4 @@
-// Hostile KV descriptors against a real `pdserve prefill` process (issue 21, "nothing unchecked
+// Hostile KV descriptors against a real `pdserve prefill` process ("nothing unchecked
 // reaches UCX"): this test plays the decode worker (a KvPool on its own UCX transport) and an
 // attacker who POSTs prefill submissions whose descriptors carry mangled UCX worker addresses
 // (first byte flipped, truncated, random bytes, oversized), mangled remote keys and block ids

@@ -3,23 +3,21 @@
 // prefill + decode child processes, real HTTP, real UCX), started with the given flags; the
 // router's address comes from up's PDSERVE_READY line. Its log goes to the test's stderr.
 // Also small helpers to talk to it over HTTP.
-// Thread rules: one owner thread; a background thread drains up's stdout.
+// Thread rules: one owner thread; the proc::RoleProcess reader thread drains up's stdout.
 
 #include <gtest/gtest.h>
 #include <signal.h>
 
 #include <chrono>
-#include <condition_variable>
 #include <cstdint>
 #include <memory>
 #include <mutex>
 #include <optional>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "pd/common/http_client.h"
-#include "pd/common/subprocess.h"
+#include "pd/common/role_process.h"
 
 namespace pd::test {
 
@@ -28,44 +26,38 @@ class LocalCluster {
   /// Starts `pdserve up` with `flags` and waits up to `timeout` for it to be ready; on failure
   /// the test fails and url() is empty.
   explicit LocalCluster(std::vector<std::string> flags, std::chrono::seconds timeout = std::chrono::seconds{180}) {
-    std::vector<std::string> argv = {PD_PDSERVE_BIN, "up"};
-    argv.insert(argv.end(), flags.begin(), flags.end());
-    proc::SpawnOptions options{argv, {}, true, false};
-    auto child = proc::Subprocess::spawn(options);
+    proc::RoleProcessOptions o;
+    o.argv = {PD_PDSERVE_BIN, "up"};
+    o.argv.insert(o.argv.end(), flags.begin(), flags.end());
+    o.on_line = [this](proc::OutputStream, const std::string& line) {
+      std::lock_guard lock(mutex_);
+      lines_.push_back(line);
+    };
+    auto child = proc::RoleProcess::spawn(std::move(o));
     if (!child.ok()) {
       ADD_FAILURE() << child.error().toString();
       return;
     }
     process_ = std::move(*child);
-    reader_ = std::thread([this] { readStdout(); });
-    std::unique_lock lock(mutex_);
-    if (!ready_.wait_for(lock, timeout, [this] { return !url_.empty() || stdout_closed_; }) || url_.empty()) {
-      ADD_FAILURE() << "pdserve up did not become ready within " << timeout.count() << " s";
-    }
+    if (Status s = process_->waitReady(timeout); !s.ok()) ADD_FAILURE() << s.error().toString();
   }
   ~LocalCluster() {
     if (process_ && !process_->poll()) {
       process_->signal(SIGTERM);
       if (!process_->wait(std::chrono::seconds{60})) ADD_FAILURE() << "pdserve up did not stop within 60 s";
     }
-    process_.reset();  // kills a straggler, closes the pipe
-    if (reader_.joinable()) reader_.join();
+    process_.reset();  // kills a straggler, joins the reader before lines_ goes
   }
   LocalCluster(const LocalCluster&) = delete;
   LocalCluster& operator=(const LocalCluster&) = delete;
   LocalCluster(LocalCluster&&) = delete;
   LocalCluster& operator=(LocalCluster&&) = delete;
 
-  [[nodiscard]] std::string url() const {
-    std::lock_guard lock(mutex_);
-    return url_;
-  }
+  /// "http://127.0.0.1:PORT" of the router; empty until up is ready.
+  [[nodiscard]] std::string url() const { return process_ ? process_->url() : std::string(); }
   [[nodiscard]] std::string host() const { return "127.0.0.1"; }
-  [[nodiscard]] std::uint16_t port() const {
-    const std::string u = url();
-    const auto colon = u.rfind(':');
-    return colon == std::string::npos ? 0 : static_cast<std::uint16_t>(std::stoi(u.substr(colon + 1)));
-  }
+  [[nodiscard]] std::uint16_t port() const { return process_ ? process_->port() : 0; }
+  [[nodiscard]] int pid() const { return process_ ? static_cast<int>(process_->pid()) : -1; }
   /// SIGTERM to `up`; its exit status within `timeout` (nullopt if it did not exit).
   std::optional<int> stop(std::chrono::milliseconds timeout) {
     if (!process_) return std::nullopt;
@@ -79,34 +71,9 @@ class LocalCluster {
   }
 
  private:
-  void readStdout() {
-    proc::LineReader reader(process_->stdoutFd());
-    while (true) {
-      auto line = reader.next(std::chrono::milliseconds{200});
-      if (!line) {
-        if (reader.eof()) break;
-        continue;
-      }
-      std::lock_guard lock(mutex_);
-      lines_.push_back(*line);
-      constexpr std::string_view kReady = "PDSERVE_READY role=up url=";
-      if (line->starts_with(kReady)) {
-        url_ = line->substr(kReady.size());
-        ready_.notify_all();
-      }
-    }
-    std::lock_guard lock(mutex_);
-    stdout_closed_ = true;
-    ready_.notify_all();
-  }
-
-  std::unique_ptr<proc::Subprocess> process_;
   mutable std::mutex mutex_;
-  std::condition_variable ready_;
-  std::string url_;                 // guarded by mutex_
-  std::vector<std::string> lines_;  // guarded by mutex_
-  bool stdout_closed_ = false;      // guarded by mutex_
-  std::thread reader_;
+  std::vector<std::string> lines_;  // guarded by mutex_; filled by the process's reader thread
+  std::unique_ptr<proc::RoleProcess> process_;
 };
 
 /// POSTs a JSON body to the router; the whole response.

@@ -15,6 +15,7 @@
 
 #include "pd/common/config.h"
 #include "pd/common/result.h"
+#include "pd/common/stop_signals.h"
 
 namespace pd::cli {
 
@@ -43,6 +44,10 @@ struct UpConfig {
   std::int64_t decode_workers = 1;
   std::int64_t ready_timeout_ms = 600000;
   std::int64_t stop_timeout_ms = 40000;
+  std::int64_t restart_backoff_ms = 500;
+  std::int64_t restart_backoff_max_ms = 10000;
+  std::int64_t restart_budget = 5;
+  std::int64_t restart_window_ms = 600000;
   bool smoke = false;
 };
 void registerUpOptions(config::OptionSet& set, UpConfig& cfg);
@@ -51,25 +56,15 @@ void registerUpOptions(config::OptionSet& set, UpConfig& cfg);
 /// commands then validate their configuration and exit without loading the model.
 bool takeCheckConfigFlag(std::vector<std::string>& args);
 
-/// Blocks SIGTERM and SIGINT in the calling thread (and every thread it starts later), so the
-/// role commands take them with sigwait/sigtimedwait; returns that set. Call before any other
-/// thread exists.
-sigset_t blockStopSignals();
+// The roles' stop signals (pd/common/stop_signals.h), by their short names in the commands.
+using proc::blockStopSignals;
+using proc::DrainEnd;
+using proc::waitForDrain;
+using proc::waitForSignalWatching;
 
-/// Waits for one of `signals` and returns it. Meanwhile, when `check` is set, calls it every
-/// 200 ms and, the first time it fails, `on_failure` with its error (then stops checking): the
-/// tensor-parallel watchdog of the role commands (a rank that exited, a dropped connection).
-int waitForSignalWatching(const sigset_t& signals, const std::function<Status()>& check,
-                          const std::function<void(const Error&)>& on_failure);
-
-/// How a role's drain ended.
-enum class DrainEnd { Idle, Timeout, SecondSignal };
-
-/// The drain wait of the role commands: calls `idle` (which may block briefly, up to ~50 ms, and
-/// returns true once nothing is in flight) until it is true, `timeout` passes, or one of
-/// `signals` arrives again (a second Ctrl-C). Logs the two early ends with `what_is_left()`.
-DrainEnd waitForDrain(const std::function<bool()>& idle, const sigset_t& signals, std::chrono::milliseconds timeout,
-                      std::string_view component, const std::function<std::string()>& what_is_left);
+/// Prints "PDSERVE_READY <fields>" on stdout and flushes it: the line a supervisor waits for
+/// (pd/common/role_process.h).
+void printReadyLine(const std::string& fields);
 
 /// Prints "pdserve: error: ..." to stderr; returns 2 for bad input, 1 otherwise.
 int reportFailure(const Error& error);

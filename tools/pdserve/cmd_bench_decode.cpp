@@ -33,7 +33,8 @@
 #include <utility>
 #include <vector>
 
-#include "bench_util.h"
+#include "bench/common/bench_util.h"
+#include "bench/decode/mtp_gain.h"
 #include "cli.h"
 #include "pd/common/json_text.h"
 #include "pd/decode/decode_engine.h"
@@ -48,6 +49,8 @@
 #include "pd/tokenizer/tokenizer.h"
 
 namespace pd::cli {
+
+using namespace bench;  // NOLINT(google-build-using-namespace): the shared bench helpers
 namespace {
 
 namespace fs = std::filesystem;
@@ -370,6 +373,10 @@ struct TempDir {
   }
 };
 
+StepTotals totalsOf(const RunResult& r) {
+  return {r.steps, r.tokens, r.wall_seconds, r.forward_seconds, r.mtp_seconds, r.drafts_proposed, r.drafts_accepted};
+}
+
 struct MtpRow {
   double p = 0.0;  // the override's probability; < 0: the model's own drafts
   std::int64_t k = 0;
@@ -380,27 +387,21 @@ struct MtpRow {
   double ideal_speedup = 0.0;
   double over_ideal = 0.0;
 
-  [[nodiscard]] double acceptance() const {
-    return run.drafts_proposed > 0 ? static_cast<double>(run.drafts_accepted) / static_cast<double>(run.drafts_proposed)
-                                   : 0.0;
-  }
+  [[nodiscard]] double acceptance() const { return acceptanceRate(totalsOf(run)); }
   [[nodiscard]] double tokensPerSecond() const { return static_cast<double>(run.tokens) / run.wall_seconds; }
 };
 
-// A speculative run against the plain run of the same requests (module comment: relative cost,
-// measured and ideal speedup).
+// A speculative run against the plain run of the same requests (bench/decode/mtp_gain.h).
 MtpRow mtpRow(const RunResult& plain, RunResult run, std::int64_t k, double p) {
   MtpRow row;
   row.p = p;
   row.k = k;
-  const double base_tps = static_cast<double>(plain.tokens) / plain.wall_seconds;
-  const double base_forward = plain.forward_seconds / static_cast<double>(plain.steps);
-  row.accepted_per_step = static_cast<double>(run.drafts_accepted) / static_cast<double>(run.steps);
-  const double spec_forward = (run.forward_seconds + run.mtp_seconds) / static_cast<double>(run.steps);
-  row.relative_cost = spec_forward / base_forward - 1.0;
-  row.measured_speedup = (static_cast<double>(run.tokens) / run.wall_seconds) / base_tps;
-  row.ideal_speedup = (1.0 + row.accepted_per_step) / (1.0 + row.relative_cost);
-  row.over_ideal = row.measured_speedup / row.ideal_speedup;
+  const MtpGain g = mtpGain(totalsOf(plain), totalsOf(run));
+  row.accepted_per_step = g.accepted_per_step;
+  row.relative_cost = g.relative_cost;
+  row.measured_speedup = g.measured_speedup;
+  row.ideal_speedup = g.ideal_speedup;
+  row.over_ideal = g.over_ideal;
   row.run = std::move(run);
   return row;
 }
@@ -451,7 +452,7 @@ int runBenchDecode(const std::vector<std::string>& args) {
       "Decode step time, tokens/s and memory-bandwidth utilization (MBU) per batch size through the decode\n"
       "worker's engine (scheduler + paged KV), and MTP speedup over the ideal for the measured acceptance, with a\n"
       "bench-only draft override proposing the greedy continuation with probability p.",
-      {&set, &common_sets.log}, args, &common);
+      {&set, &common_sets.log, &common_sets.model}, args, &common);
   if (!loaded.ok()) return reportFailure(loaded.error());
   if (loaded->help_requested) return 0;
   auto batches = parsePositiveList(batches_text, "--batches");
@@ -524,7 +525,7 @@ int runBenchDecode(const std::vector<std::string>& args) {
           "decode batch %3lld: %8.2f ms/step  %9.2f tok/s  %8.1f MB/step  %6.2f GB/s  MBU %.3f  (%.0f experts/step, "
           "forward %.0f%% of the step, cpu share %.2f)\n",
           static_cast<long long>(b), step * 1e3, static_cast<double>(b) / step, bytes / 1e6, bytes / step / 1e9,
-          bytes / step / bandwidth, x.experts / static_cast<double>(x.steps),
+          decodeMbu(bytes, step, bandwidth), x.experts / static_cast<double>(x.steps),
           100.0 * x.forward_seconds / x.wall_seconds, x.cpu_share);
     }
   }
@@ -632,7 +633,7 @@ int runBenchDecode(const std::vector<std::string>& args) {
       const RunResult& x = sweep[i];
       const double step = x.medianStep();
       const double bytes = x.bytes / static_cast<double>(x.steps);
-      const double mbu = bytes / step / bandwidth;
+      const double mbu = decodeMbu(bytes, step, bandwidth);
       if (x.batch == 1) mbu1 = mbu;
       d += fmt::format(
           "{}{{\"batch\": {}, \"step_ms\": {:.4f}, \"tokens_per_s\": {:.3f}, \"bytes_per_step\": {:.0f}, \"gbs\": "

@@ -23,9 +23,11 @@
 #include <thread>
 #include <vector>
 
+#include "bench/router/router_overhead.h"
 #include "cli.h"
 #include "pd/common/http_client.h"
 #include "pd/common/log.h"
+#include "pd/common/role_process.h"
 #include "pd/common/subprocess.h"
 #include "pd/common/worker_api.h"
 
@@ -54,29 +56,18 @@ Endpoint parseHostPort(const std::string& url) {
   return {hp.substr(0, colon), static_cast<std::uint16_t>(std::stoi(hp.substr(colon + 1)))};
 }
 
-// A child role process that reports its URL on a PDSERVE_READY line.
+// A child role process (this binary) and the address of its PDSERVE_READY line.
 struct Role {
-  std::unique_ptr<proc::Subprocess> process;
+  std::unique_ptr<proc::RoleProcess> process;
   Endpoint endpoint;
 };
 
 Result<Role> startRole(const std::string& exe, std::vector<std::string> args) {
   args.insert(args.begin(), exe);
-  PD_ASSIGN_OR_RETURN(auto process, proc::Subprocess::spawn({args, {}, true, false}));
-  proc::LineReader out(process->stdoutFd());
-  const auto deadline = Clock::now() + 300s;
-  while (Clock::now() < deadline) {
-    auto line = out.next(500ms);
-    if (!line) {
-      if (out.eof()) break;
-      continue;
-    }
-    const auto pos = line->find("url=");
-    if (line->starts_with("PDSERVE_READY ") && pos != std::string::npos) {
-      return Role{std::move(process), parseHostPort(line->substr(pos + 4))};
-    }
-  }
-  return makeError(ErrorCode::PeerFailed, "pdserve " + args[1] + " did not become ready");
+  PD_ASSIGN_OR_RETURN(auto process, proc::RoleProcess::spawn({std::move(args), {}, false, {}}));
+  PD_TRY(process->waitReady(300s));
+  Endpoint endpoint = parseHostPort(process->url());
+  return Role{std::move(process), std::move(endpoint)};
 }
 
 std::vector<std::int64_t> parseList(const std::string& text) {
@@ -160,13 +151,6 @@ Result<double> direct(http::Client& decode, http::Client& prefill, const std::ve
   if (response->status != 200) return worker_api::parseErrorJson(response->status, response->body);
   if (!finished) return makeError(ErrorCode::PeerFailed, "decode stream ended without a finish event");
   return us;
-}
-
-double percentile(std::vector<double> v, double p) {
-  if (v.empty()) return 0.0;
-  std::sort(v.begin(), v.end());
-  const auto idx = static_cast<std::size_t>(p * static_cast<double>(v.size() - 1) + 0.5);
-  return v[std::min(idx, v.size() - 1)];
 }
 
 }  // namespace
@@ -279,10 +263,11 @@ int runBenchRouter(const std::vector<std::string>& args) {
       ++failures;
       log::error("bench", "concurrency {}: {}", level, first_error->toString());
     }
-    const double rp50 = percentile(via, 0.5);
-    const double rp99 = percentile(via, 0.99);
-    const double dp50 = percentile(straight, 0.5);
-    const double dp99 = percentile(straight, 0.99);
+    const bench::RouterOverhead o = bench::routerOverhead(via, straight);
+    const double rp50 = o.router_p50_us;
+    const double rp99 = o.router_p99_us;
+    const double dp50 = o.direct_p50_us;
+    const double dp99 = o.direct_p99_us;
     boost::json::object row{{"concurrency", level},           {"samples", via.size()},         {"router_p50_us", rp50},
                             {"router_p99_us", rp99},          {"direct_p50_us", dp50},         {"direct_p99_us", dp99},
                             {"overhead_p50_us", rp50 - dp50}, {"overhead_p99_us", rp99 - dp99}};
@@ -296,10 +281,7 @@ int runBenchRouter(const std::vector<std::string>& args) {
     report["concurrency_" + std::to_string(level)] = std::move(row);
   }
   if (cfg.json) std::printf("%s\n", boost::json::serialize(report).c_str());
-  for (auto* role : {&*router, &*prefill, &*decode}) {
-    role->process->signal(SIGTERM);
-    if (!role->process->wait(30s)) role->process->signal(SIGKILL);
-  }
+  for (auto* role : {&*router, &*prefill, &*decode}) role->process->stop(30s);
   return failures == 0 ? 0 : 1;
 }
 

@@ -20,12 +20,15 @@
 #include <mutex>
 #include <thread>
 
-#include "bench_serve/report.h"
-#include "bench_serve/runner.h"
-#include "bench_serve/server_metrics.h"
-#include "bench_serve/stats.h"
-#include "bench_serve/workload.h"
+#include "bench/serve/report.h"
+#include "bench/serve/runner.h"
+#include "bench/serve/server_metrics.h"
+#include "bench/serve/stats.h"
+#include "bench/serve/workload.h"
 #include "cli.h"
+#include "pd/common/http_client.h"
+#include "pd/common/log.h"
+#include "pd/engine/model_config.h"
 
 namespace pd::cli {
 namespace {
@@ -50,7 +53,7 @@ struct BenchServeConfig {
   bool return_token_ids = true;
   double temperature = 0;
   std::int64_t token_id_min = 100;
-  std::int64_t token_id_max = 30000;
+  std::int64_t token_id_max = 0;  ///< 0: the served vocabulary
   double slo_ttft_ms = 0;
   double slo_tpot_ms = 0;
   double slo_e2e_ms = 0;
@@ -105,30 +108,29 @@ Status writeText(const std::string& where, const std::string& text) {
   return okStatus();
 }
 
-// The served model: the first id of GET /v1/models.
-Result<std::string> discoverModel(const bench::Target& target) {
+// The served model: the first of GET /v1/models, with its context and vocabulary when reported.
+Result<bench::ServedModel> discoverModel(const bench::Target& target) {
   http::Client client(target.host, target.port);
   http::ClientRequest req;
   req.target = target.prefix + "/v1/models";
   if (!target.api_key.empty()) req.headers.push_back({"Authorization", "Bearer " + target.api_key});
   PD_ASSIGN_OR_RETURN(auto response, client.send(req, 30s));
   if (response.status != 200) {
-    return makeError(ErrorCode::PeerFailed,
-                     fmt::format("GET /v1/models answered HTTP {}; pass --model", response.status));
+    return makeError(ErrorCode::PeerFailed, fmt::format("GET /v1/models answered HTTP {}", response.status));
   }
-  boost::system::error_code ec;
-  const auto v = boost::json::parse(response.body, ec);
-  if (!ec && v.is_object()) {
-    if (const auto* data = v.as_object().if_contains("data"); data != nullptr && data->is_array()) {
-      for (const auto& m : data->as_array()) {
-        if (!m.is_object()) continue;
-        if (const auto* id = m.as_object().if_contains("id"); id != nullptr && id->is_string()) {
-          return std::string(id->as_string());
-        }
-      }
-    }
-  }
-  return makeError(ErrorCode::PeerFailed, "GET /v1/models listed no model; pass --model");
+  return bench::parseModelList(response.body);
+}
+
+// The vocabulary random token ids are drawn from: the server's when /v1/models reports it, else
+// that of the model folder (model.path, or the embedded default model that `pdserve up` serves
+// by default).
+Result<std::int64_t> vocabularySize(const std::optional<bench::ServedModel>& served, const CommonConfig& common) {
+  if (served && served->vocab_size > 0) return served->vocab_size;
+  PD_ASSIGN_OR_RETURN(auto dir, resolveModelDir(common));
+  PD_ASSIGN_OR_RETURN(auto config, ModelConfig::load(dir));
+  log::info("bench", "token ids from the vocabulary of {} ({} tokens; --token-id-max overrides)", dir.string(),
+            config.vocab_size);
+  return config.vocab_size;
 }
 
 std::optional<double> delta(const std::map<std::string, double>& before, const std::map<std::string, double>& after,
@@ -232,8 +234,10 @@ int runBenchServe(const std::vector<std::string>& args) {
            "ask for token ids per chunk, to count multi-token (MTP) chunks per token")
       .add("temperature", &cfg.temperature, "sampling temperature", 0, 2)
       .add("token_id_min", &cfg.token_id_min, "random prompts: smallest token id", 0, INT32_MAX)
-      .add("token_id_max", &cfg.token_id_max, "random prompts: token ids are below this (keep inside the vocabulary)",
-           1, INT32_MAX)
+      .add("token_id_max", &cfg.token_id_max,
+           "random prompts: token ids are below this; 0: the served vocabulary (/v1/models' vocab_size, else "
+           "model.path's, else the embedded default model's)",
+           0, INT32_MAX)
       .add("slo_ttft_ms", &cfg.slo_ttft_ms, "goodput SLO on TTFT (0: none)", 0, 1e9)
       .add("slo_tpot_ms", &cfg.slo_tpot_ms, "goodput SLO on TPOT (0: none)", 0, 1e9)
       .add("slo_e2e_ms", &cfg.slo_e2e_ms, "goodput SLO on end-to-end latency (0: none)", 0, 1e9)
@@ -255,13 +259,13 @@ int runBenchServe(const std::vector<std::string>& args) {
       "Load-tests an OpenAI-compatible server with streaming requests and reports TTFT, TPOT, ITL and\n"
       "end-to-end latency (mean, p50, p90, p99), tokens/s, requests/s and goodput per level\n"
       "(definitions as vLLM's benchmark_serving.py; docs/benchmarks.md).",
-      {&common_sets.log, &set}, withOptionalValues(args), &common);
+      {&common_sets.log, &common_sets.model, &set}, withOptionalValues(args), &common);
   if (!loaded.ok()) return reportFailure(loaded.error());
   if (loaded->help_requested) return 0;
   if (!loaded->positionals.empty()) {
     return reportFailure(makeError(ErrorCode::InvalidArgument, "unexpected argument '" + loaded->positionals[0] + "'"));
   }
-  if (cfg.token_id_min >= cfg.token_id_max) {
+  if (cfg.token_id_max != 0 && cfg.token_id_min >= cfg.token_id_max) {
     return reportFailure(makeError(ErrorCode::InvalidArgument, "--token-id-min must be below --token-id-max"));
   }
   auto target = bench::parseUrl(cfg.url);
@@ -285,11 +289,14 @@ int runBenchServe(const std::vector<std::string>& args) {
     levels = *cs;
   }
 
-  if (cfg.model.empty()) {
-    auto model = discoverModel(*target);
-    if (!model.ok()) return reportFailure(model.error());
-    cfg.model = *model;
+  // The served model's name, context and vocabulary (a server without /v1/models needs --model).
+  std::optional<bench::ServedModel> served;
+  if (auto listed = discoverModel(*target); listed.ok()) {
+    served = std::move(*listed);
+  } else if (cfg.model.empty()) {
+    return reportFailure(makeError(listed.error().code, listed.error().message + "; pass --model"));
   }
+  if (cfg.model.empty()) cfg.model = served->id;
 
   bench::WorkloadOptions workload;
   workload.model = cfg.model;
@@ -298,6 +305,18 @@ int runBenchServe(const std::vector<std::string>& args) {
   workload.output_tokens = cfg.output_tokens;
   workload.token_id_min = cfg.token_id_min;
   workload.token_id_max = cfg.token_id_max;
+  if (cfg.prompts.empty()) {
+    std::int64_t vocab = 0;
+    if (cfg.token_id_max == 0 && workload.endpoint == bench::Endpoint::Completions) {
+      auto size = vocabularySize(served, common);
+      if (!size.ok()) return reportFailure(size.error());
+      vocab = *size;
+      workload.token_id_max = vocab;
+    }
+    auto fitted = bench::fitWorkload(workload, vocab, served ? served->max_model_len : 0);
+    if (!fitted.ok()) return reportFailure(fitted.error());
+    for (const auto& note : *fitted) log::info("bench", "fitted to the served model: {}", note);
+  }
   workload.ignore_eos = cfg.ignore_eos;
   workload.return_token_ids = cfg.return_token_ids;
   workload.temperature = cfg.temperature;
@@ -342,8 +361,8 @@ int runBenchServe(const std::vector<std::string>& args) {
   info.model = cfg.model;
   info.endpoint = cfg.endpoint;
   info.prompts = cfg.prompts.empty() ? "random" : cfg.prompts.string();
-  info.input_tokens = cfg.input_tokens;
-  info.output_tokens = cfg.output_tokens;
+  info.input_tokens = workload.input_tokens;
+  info.output_tokens = workload.output_tokens;
   info.ignore_eos = cfg.ignore_eos;
   info.seed = static_cast<std::uint64_t>(cfg.seed);
   info.mode = rate_mode ? "request_rate" : "concurrency";

@@ -5,6 +5,7 @@
 #include <string>
 
 #include "pd/common/config.h"
+#include "pd/common/result.h"
 
 namespace pd::decode {
 
@@ -46,5 +47,9 @@ struct DecodeConfig {
 };
 
 void registerOptions(config::OptionSet& set, DecodeConfig& cfg);
+
+/// What the option table alone cannot check: values that must agree with each other (tensor
+/// parallelism across nodes, a spawned rank's group); InvalidArgument naming them.
+[[nodiscard]] Status validate(const DecodeConfig& cfg);
 
 }  // namespace pd::decode

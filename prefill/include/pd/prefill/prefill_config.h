@@ -5,6 +5,7 @@
 #include <string>
 
 #include "pd/common/config.h"
+#include "pd/common/result.h"
 
 namespace pd::prefill {
 
@@ -29,5 +30,9 @@ struct PrefillConfig {
 };
 
 void registerOptions(config::OptionSet& set, PrefillConfig& cfg);
+
+/// What the option table alone cannot check: values that must agree with each other
+/// (InvalidArgument naming them).
+[[nodiscard]] Status validate(const PrefillConfig& cfg);
 
 }  // namespace pd::prefill

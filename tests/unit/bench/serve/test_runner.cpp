@@ -9,11 +9,11 @@
 #include <fstream>
 #include <numeric>
 
-#include "bench_serve/report.h"
-#include "bench_serve/runner.h"
-#include "bench_serve/server_metrics.h"
-#include "bench_serve/stats.h"
-#include "bench_serve/workload.h"
+#include "bench/serve/report.h"
+#include "bench/serve/runner.h"
+#include "bench/serve/server_metrics.h"
+#include "bench/serve/stats.h"
+#include "bench/serve/workload.h"
 #include "scripted_openai_server.h"
 #include "support/test_files.h"
 

@@ -1,5 +1,5 @@
 // Statistics of `pdserve bench serve` (definitions in stats.h).
-#include "bench_serve/stats.h"
+#include "bench/serve/stats.h"
 
 #include <algorithm>
 #include <cmath>

@@ -46,6 +46,24 @@ struct WorkloadOptions {
   std::uint64_t seed = 0;
 };
 
+/// What GET /v1/models says about the first model it lists.
+struct ServedModel {
+  std::string id;
+  std::int64_t max_model_len = 0;  ///< the context in tokens; 0 when not reported
+  std::int64_t vocab_size = 0;     ///< token ids are below it; 0 when not reported
+};
+/// Parses a /v1/models body (OpenAI's {"data": [{"id": ...}, ...]}, with pdserve's and vLLM's
+/// optional "max_model_len" and an optional "vocab_size"). PeerFailed when no model is listed.
+Result<ServedModel> parseModelList(const std::string& body);
+
+/// Fits random prompts to the model that serves them: token ids below `vocab_size` (> 0; the
+/// range [token_id_min, token_id_max) is cut at it, and token_id_min lowered when it is not below
+/// it), and, when `max_model_len` > 0, prompt plus output within the context (output_tokens first,
+/// then input_tokens, are shortened to fit, each to at least 1). Returns a line for each change
+/// made; InvalidArgument when even 1 + 1 tokens do not fit.
+Result<std::vector<std::string>> fitWorkload(WorkloadOptions& options, std::int64_t vocab_size,
+                                             std::int64_t max_model_len);
+
 /// `count` random-prompt requests; request i depends only on (seed, i).
 std::vector<RequestSpec> randomRequests(const WorkloadOptions& options, std::int64_t count);
 

@@ -20,8 +20,8 @@
 #include <string>
 #include <vector>
 
-#include "bench_serve/stats.h"
-#include "bench_serve/workload.h"
+#include "bench/serve/stats.h"
+#include "bench/serve/workload.h"
 #include "pd/common/http_client.h"
 #include "pd/common/result.h"
 

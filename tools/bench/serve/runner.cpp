@@ -1,5 +1,5 @@
 // The sending threads of `pdserve bench serve` (runner.h).
-#include "bench_serve/runner.h"
+#include "bench/serve/runner.h"
 
 #include <fmt/format.h>
 

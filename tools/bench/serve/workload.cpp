@@ -1,5 +1,5 @@
 // Request bodies and arrival times of `pdserve bench serve` (workload.h).
-#include "bench_serve/workload.h"
+#include "bench/serve/workload.h"
 
 #include <fmt/format.h>
 
@@ -56,6 +56,58 @@ const char* endpointPath(Endpoint endpoint) {
 
 double unitInterval(std::uint64_t bits) {
   return static_cast<double>(bits >> 11) * 0x1.0p-53;
+}
+
+Result<ServedModel> parseModelList(const std::string& body) {
+  boost::system::error_code ec;
+  const auto v = boost::json::parse(body, ec);
+  if (!ec && v.is_object()) {
+    if (const auto* data = v.as_object().if_contains("data"); data != nullptr && data->is_array()) {
+      for (const auto& m : data->as_array()) {
+        if (!m.is_object()) continue;
+        const auto& o = m.as_object();
+        const auto* id = o.if_contains("id");
+        if (id == nullptr || !id->is_string()) continue;
+        ServedModel out;
+        out.id = std::string(id->as_string());
+        const auto positive = [&](const char* key) -> std::int64_t {
+          const auto* f = o.if_contains(key);
+          if (f == nullptr || !f->is_int64()) return 0;
+          return std::max<std::int64_t>(f->as_int64(), 0);
+        };
+        out.max_model_len = positive("max_model_len");
+        out.vocab_size = positive("vocab_size");
+        return out;
+      }
+    }
+  }
+  return makeError(ErrorCode::PeerFailed, "GET /v1/models listed no model");
+}
+
+Result<std::vector<std::string>> fitWorkload(WorkloadOptions& o, std::int64_t vocab_size, std::int64_t max_model_len) {
+  std::vector<std::string> notes;
+  if (vocab_size > 0 && o.token_id_max > vocab_size) {
+    notes.push_back(fmt::format("token ids below {} (the vocabulary), not {}", vocab_size, o.token_id_max));
+    o.token_id_max = vocab_size;
+    if (o.token_id_min >= o.token_id_max) {
+      notes.push_back(fmt::format("token ids from 0, not {}", o.token_id_min));
+      o.token_id_min = 0;
+    }
+  }
+  if (max_model_len > 0 && o.input_tokens + o.output_tokens > max_model_len) {
+    if (max_model_len < 2) {
+      return makeError(
+          ErrorCode::InvalidArgument,
+          fmt::format("the served context of {} tokens leaves no room for a prompt and an output", max_model_len));
+    }
+    const std::int64_t input = std::min(o.input_tokens, max_model_len - 1);
+    const std::int64_t output = std::min(o.output_tokens, max_model_len - input);
+    notes.push_back(fmt::format("{} prompt + {} output tokens (the context is {}), not {} + {}", input, output,
+                                max_model_len, o.input_tokens, o.output_tokens));
+    o.input_tokens = input;
+    o.output_tokens = output;
+  }
+  return notes;
 }
 
 std::vector<RequestSpec> randomRequests(const WorkloadOptions& options, std::int64_t count) {

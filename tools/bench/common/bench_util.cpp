@@ -1,22 +1,25 @@
 // Shared helpers of the `pdserve bench` subcommands (bench_util.h).
-#include "bench_util.h"
+#include "bench/common/bench_util.h"
 
 #include <fmt/format.h>
+#include <netinet/in.h>
 #include <signal.h>
 #include <spawn.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <charconv>
+#include <cstdio>
 #include <cstring>
 #include <memory>
 #include <thread>
 
 extern char** environ;  // NOLINT(readability-redundant-declaration)
 
-namespace pd::cli {
+namespace pd::bench {
 
 double secondsSince(BenchClock::time_point t) {
   return std::chrono::duration<double>(BenchClock::now() - t).count();
@@ -111,4 +114,78 @@ bool reapWithin(pid_t pid, std::chrono::milliseconds timeout) {
   return WIFEXITED(status) && WEXITSTATUS(status) == 0;
 }
 
-}  // namespace pd::cli
+namespace {
+
+int freeLoopbackPort() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return 0;
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(addr);
+  int port = 0;
+  if (::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0 &&
+      ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0) {
+    port = ntohs(addr.sin_port);
+  }
+  ::close(fd);
+  return port;
+}
+
+std::string slurp(std::FILE* f) {
+  std::string text;
+  std::rewind(f);
+  char buf[4096];
+  for (std::size_t n; (n = std::fread(buf, 1, sizeof(buf), f)) > 0;) text.append(buf, n);
+  return text;
+}
+
+}  // namespace
+
+Result<std::string> runPerftestPair(const std::string& perftest, const std::vector<std::string>& client_args,
+                                    const UcxEnv& ucx) {
+  for (int attempt = 0; attempt < 5; ++attempt) {
+    const std::string port = std::to_string(freeLoopbackPort());
+    std::FILE* server_out = std::tmpfile();
+    std::FILE* client_out = std::tmpfile();
+    if (server_out == nullptr || client_out == nullptr) {
+      if (server_out != nullptr) std::fclose(server_out);
+      if (client_out != nullptr) std::fclose(client_out);
+      return makeError(ErrorCode::Io, "tmpfile");
+    }
+    const auto server = spawnWithUcxEnv({perftest, "-p", port}, ucx, fileno(server_out));
+    if (!server) {
+      std::fclose(server_out);
+      std::fclose(client_out);
+      return makeError(ErrorCode::NotFound, fmt::format("cannot run '{}' (ucx-utils)", perftest));
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));  // let the server listen
+    std::vector<std::string> argv = {perftest, "127.0.0.1", "-p", port};
+    argv.insert(argv.end(), client_args.begin(), client_args.end());
+    const auto client = spawnWithUcxEnv(argv, ucx, fileno(client_out));
+    const bool ok = client && reapWithin(*client, std::chrono::seconds(120));
+    (void)reapWithin(*server, std::chrono::seconds(ok ? 10 : 1));
+    std::string text = slurp(client_out);
+    std::fclose(server_out);
+    std::fclose(client_out);
+    if (ok) return text;
+  }
+  return makeError(ErrorCode::Internal, "ucx_perftest failed 5 times");
+}
+
+std::vector<std::string> lastCsvRow(std::string_view text) {
+  const auto last = text.find_last_not_of("\n ");
+  if (last == std::string_view::npos) return {};
+  const auto start = text.rfind('\n', last);
+  const std::string_view line = text.substr(start == std::string_view::npos ? 0 : start + 1,
+                                            last + 1 - (start == std::string_view::npos ? 0 : start + 1));
+  std::vector<std::string> cols;
+  for (std::size_t p = 0; p <= line.size();) {
+    const std::size_t c = std::min(line.find(',', p), line.size());
+    cols.emplace_back(line.substr(p, c - p));
+    p = c + 1;
+  }
+  return cols;
+}
+
+}  // namespace pd::bench

@@ -7,11 +7,11 @@
 #include <cmath>
 #include <numeric>
 
-#include "bench_serve/report.h"
-#include "bench_serve/runner.h"
-#include "bench_serve/server_metrics.h"
-#include "bench_serve/stats.h"
-#include "bench_serve/workload.h"
+#include "bench/serve/report.h"
+#include "bench/serve/runner.h"
+#include "bench/serve/server_metrics.h"
+#include "bench/serve/stats.h"
+#include "bench/serve/workload.h"
 
 namespace pd::bench {
 namespace {
@@ -299,6 +299,71 @@ TEST(BenchServeReport, ProgressAndSummaryLines) {
 
 TEST(BenchServeReport, XmlEscape) {
   EXPECT_EQ(xmlEscape("a<b>&\"c'\x01"), "a&lt;b&gt;&amp;&quot;c&apos; ");
+}
+
+TEST(BenchServeWorkload, ModelListGivesIdContextAndVocabulary) {
+  auto m = parseModelList(
+      R"({"object":"list","data":[{"id":"pdserve-default","max_model_len":1024,"vocab_size":4096},{"id":"b"}]})");
+  ASSERT_TRUE(m.ok()) << m.error().toString();
+  EXPECT_EQ(m->id, "pdserve-default");
+  EXPECT_EQ(m->max_model_len, 1024);
+  EXPECT_EQ(m->vocab_size, 4096);
+  auto bare = parseModelList(R"({"data":[{"object":"model"},{"id":"vllm-model","max_model_len":"big"}]})");
+  ASSERT_TRUE(bare.ok());
+  EXPECT_EQ(bare->id, "vllm-model");
+  EXPECT_EQ(bare->max_model_len, 0) << "not a number: not reported";
+  EXPECT_EQ(bare->vocab_size, 0);
+  EXPECT_FALSE(parseModelList(R"({"data":[]})").ok());
+  EXPECT_FALSE(parseModelList("not json").ok());
+}
+
+TEST(BenchServeWorkload, FitsTokenIdsToTheVocabularyAndLengthsToTheContext) {
+  WorkloadOptions w;
+  w.token_id_min = 100;
+  w.token_id_max = 30000;
+  w.input_tokens = 128;
+  w.output_tokens = 128;
+  auto notes = fitWorkload(w, 4096, 1024);
+  ASSERT_TRUE(notes.ok());
+  EXPECT_EQ(w.token_id_max, 4096);
+  EXPECT_EQ(w.token_id_min, 100);
+  EXPECT_EQ(w.input_tokens, 128) << "fits: unchanged";
+  EXPECT_EQ(w.output_tokens, 128);
+  EXPECT_EQ(notes->size(), 1U);
+  for (const auto& r : randomRequests(w, 8)) {
+    const auto body = boost::json::parse(r.body);
+    for (const auto& id : body.at("prompt").as_array()) {
+      EXPECT_LT(id.to_number<std::int64_t>(), 4096);
+      EXPECT_GE(id.to_number<std::int64_t>(), 100);
+    }
+  }
+
+  // Output is shortened first, then the prompt; each keeps at least one token.
+  w.input_tokens = 900;
+  w.output_tokens = 500;
+  ASSERT_TRUE(fitWorkload(w, 0, 1024).ok());
+  EXPECT_EQ(w.input_tokens, 900);
+  EXPECT_EQ(w.output_tokens, 124);
+  w.input_tokens = 5000;
+  w.output_tokens = 10;
+  ASSERT_TRUE(fitWorkload(w, 0, 1024).ok());
+  EXPECT_EQ(w.input_tokens, 1023);
+  EXPECT_EQ(w.output_tokens, 1);
+
+  // A vocabulary below token_id_min starts the ids at 0; a context of 1 has no room.
+  w.token_id_min = 100;
+  w.token_id_max = 30000;
+  ASSERT_TRUE(fitWorkload(w, 50, 0).ok());
+  EXPECT_EQ(w.token_id_min, 0);
+  EXPECT_EQ(w.token_id_max, 50);
+  EXPECT_FALSE(fitWorkload(w, 0, 1).ok());
+  // Nothing reported: nothing changes.
+  const WorkloadOptions before = w;
+  auto none = fitWorkload(w, 0, 0);
+  ASSERT_TRUE(none.ok());
+  EXPECT_TRUE(none->empty());
+  EXPECT_EQ(w.token_id_max, before.token_id_max);
+  EXPECT_EQ(w.input_tokens, before.input_tokens);
 }
 
 }  // namespace

@@ -1,8 +1,8 @@
 #pragma once
-/// Helpers shared by the `pdserve bench` subcommands that measure the CPU engine against
-/// ceilings measured in the same run (cmd_bench_engine.cpp, cmd_bench_decode.cpp): timing, CPU
-/// time, the read-bandwidth probe, and list options; and the child-process helpers of the
-/// benches that run ucx_perftest (cmd_bench_kv.cpp, cmd_bench_comm.cpp).
+/// Helpers shared by the `pdserve bench` benchmarks that measure the CPU engine against
+/// ceilings measured in the same run (bench engine, bench decode): timing, CPU time, the
+/// read-bandwidth probe, and list options; and the one ucx_perftest runner of the benches that
+/// compare with it (bench kv, bench comm).
 /// Thread rules: main thread only (the probe runs on the given thread pool).
 
 #include <sys/types.h>
@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -19,7 +20,7 @@
 #include "pd/engine/kernels.h"
 #include "pd/engine/thread_pool.h"
 
-namespace pd::cli {
+namespace pd::bench {
 
 using BenchClock = std::chrono::steady_clock;
 
@@ -47,4 +48,15 @@ using UcxEnv = std::vector<std::pair<std::string, std::string>>;
 /// Waits for `pid` up to `timeout`; kills it after that. True when it exited with status 0.
 bool reapWithin(pid_t pid, std::chrono::milliseconds timeout);
 
-}  // namespace pd::cli
+/// The one ucx_perftest runner: a server (`perftest -p PORT`) and a client (`perftest 127.0.0.1
+/// -p PORT client_args...`) on a free loopback port, both with `ucx` in their environment; the
+/// client's output. A failed client (most likely the server was not listening yet) is retried up
+/// to 5 times. NotFound when `perftest` cannot be started; Internal when every attempt failed.
+[[nodiscard]] Result<std::string> runPerftestPair(const std::string& perftest,
+                                                  const std::vector<std::string>& client_args, const UcxEnv& ucx);
+
+/// The comma-separated fields of the last non-empty line of ucx_perftest's -v output (its CSV
+/// summary: iterations,50.0_percentile_lat,avg_lat,overall_lat,avg_bw,overall_bw,avg_mr,overall_mr).
+[[nodiscard]] std::vector<std::string> lastCsvRow(std::string_view output);
+
+}  // namespace pd::bench

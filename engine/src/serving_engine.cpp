@@ -1,24 +1,24 @@
 // loadServingEngine (serving_engine.h).
-#include "serving_engine.h"
+#include "pd/engine/serving_engine.h"
 
 #include <utility>
 
-namespace pd::cli {
+namespace pd::model {
 
 Result<ServingEngine> loadServingEngine(const std::filesystem::path& model_dir, int threads,
                                         comm::TpProcessGroup* group) {
-  model::CpuEngineOptions options;
+  CpuEngineOptions options;
   options.threads = threads;
   if (group != nullptr) options.tp = &group->comm();
-  PD_ASSIGN_OR_RETURN(std::unique_ptr<model::Engine> engine, model::createCpuEngine(model_dir, options));
+  PD_ASSIGN_OR_RETURN(std::unique_ptr<Engine> engine, createCpuEngine(model_dir, options));
   ServingEngine out;
   out.engine = std::move(engine);
   if (group != nullptr) {
-    auto wrapped = std::make_unique<model::TpLeaderEngine>(std::move(out.engine), group->comm());
+    auto wrapped = std::make_unique<TpLeaderEngine>(std::move(out.engine), group->comm());
     out.tp_leader = wrapped.get();
     out.engine = std::move(wrapped);
   }
   return out;
 }
 
-}  // namespace pd::cli
+}  // namespace pd::model

@@ -1,11 +1,11 @@
 // Prometheus text scraping for `pdserve bench serve` (server_metrics.h).
-#include "bench_serve/server_metrics.h"
+#include "bench/serve/server_metrics.h"
 
 #include <charconv>
 #include <cmath>
 #include <cstdlib>
 
-#include "bench_serve/runner.h"
+#include "bench/serve/runner.h"
 #include "pd/common/http_client.h"
 
 namespace pd::bench {

@@ -11,7 +11,7 @@
 #include <string>
 #include <vector>
 
-#include "bench_serve/stats.h"
+#include "bench/serve/stats.h"
 
 namespace pd::bench {
 

@@ -1,5 +1,5 @@
 // JSON, markdown, SVG and progress text of `pdserve bench serve` (report.h).
-#include "bench_serve/report.h"
+#include "bench/serve/report.h"
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>

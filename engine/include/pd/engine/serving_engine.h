@@ -1,0 +1,26 @@
+#pragma once
+/// The engine a worker process serves with (prefill::runWorker, decode::runWorker): the CPU engine
+/// of this rank's shard, wrapped in a TpLeaderEngine when the process leads a tensor-parallel group.
+/// Thread rules: the worker's main thread, at start-up.
+
+#include <filesystem>
+#include <memory>
+
+#include "pd/comm/process_group.h"
+#include "pd/common/result.h"
+#include "pd/engine/engine.h"
+#include "pd/engine/tp_engine.h"
+
+namespace pd::model {
+
+struct ServingEngine {
+  std::unique_ptr<Engine> engine;
+  TpLeaderEngine* tp_leader = nullptr;  ///< inside `engine` when `group` was given; else null
+};
+
+/// Loads `model_dir` with `threads` compute threads; with `group` (may be null) the engine is rank
+/// 0's shard of the group's communicator, wrapped in a TpLeaderEngine.
+[[nodiscard]] Result<ServingEngine> loadServingEngine(const std::filesystem::path& model_dir, int threads,
+                                                      comm::TpProcessGroup* group);
+
+}  // namespace pd::model
