@@ -95,8 +95,10 @@ Result<TokenId> tokenIdOf(const json::value& v, std::string_view name) {
   if (v.is_int64() && v.get_int64() >= 0 && v.get_int64() <= std::numeric_limits<TokenId>::max()) {
     return static_cast<TokenId>(v.get_int64());
   }
-  if (v.is_uint64() && v.get_uint64() <= std::numeric_limits<TokenId>::max())
-    return static_cast<TokenId>(v.get_uint64());
+  if (v.is_int64() && v.get_int64() >= 0) {
+    return bad(fmt::format("'{}' contains a token id outside the vocabulary", name));
+  }
+  if (v.is_uint64()) return bad(fmt::format("'{}' contains a token id outside the vocabulary", name));
   return bad(fmt::format("'{}' must contain only non-negative integer token ids", name));
 }
 
@@ -284,7 +286,7 @@ Status parseSampling(const json::object& o, CompletionParams& p) {
   if (temperature) p.sampling.temperature = *temperature;
   if (top_p) p.sampling.top_p = *top_p;
   if (top_k) p.sampling.top_k = *top_k < 0 ? 0 : *top_k;  // -1 (vLLM) and 0 both mean "off"
-  p.sampling.seed = seed;
+  p.seed = seed;
   if (presence) p.sampling.presence_penalty = *presence;
   if (frequency) p.sampling.frequency_penalty = *frequency;
   return okStatus();
@@ -297,14 +299,14 @@ Status parseLogprobs(const json::object& o, Endpoint endpoint, CompletionParams&
     p.logprobs = logprobs.value_or(false);
     if (top) {
       if (!p.logprobs) return bad("'top_logprobs' requires 'logprobs' to be true");
-      p.top_logprobs = static_cast<int>(*top);
+      p.sampling.top_logprobs = *top;
     }
     return okStatus();
   }
   PD_ASSIGN_OR_RETURN(auto logprobs, getInt(o, "logprobs", 0, kMaxTopLogprobs));
   if (logprobs) {
     p.logprobs = true;
-    p.top_logprobs = static_cast<int>(*logprobs);
+    p.sampling.top_logprobs = *logprobs;
   }
   return okStatus();
 }

@@ -193,13 +193,8 @@ class Generation : public std::enable_shared_from_this<Generation> {
         sink_(std::move(sink)),
         detok_(shared.tokenizer, /*skip_special_tokens=*/true),
         stops_(req_.stop) {
-    sampling_.temperature = req_.sampling.temperature;
-    sampling_.top_k = req_.sampling.top_k;
-    sampling_.top_p = req_.sampling.top_p;
-    sampling_.presence_penalty = req_.sampling.presence_penalty;
-    sampling_.frequency_penalty = req_.sampling.frequency_penalty;
-    sampling_.seed = req_.sampling.seed ? static_cast<std::uint64_t>(*req_.sampling.seed) : randomSeed();
-    sampling_.top_logprobs = std::max(req_.top_logprobs, 0);
+    req_.sampling.seed = req_.seed ? static_cast<std::uint64_t>(*req_.seed) : randomSeed();
+    if (!req_.logprobs) req_.sampling.top_logprobs = 0;
   }
 
   void startThread() {
@@ -282,9 +277,9 @@ class Generation : public std::enable_shared_from_this<Generation> {
     open.request_id = id;
     open.prompt_tokens = prompt_tokens;
     open.max_tokens = req_.max_tokens;
-    open.sampling = sampling_;
-    open.logprobs = req_.top_logprobs >= 0;
-    for (const TokenId t : req_.stop_token_ids) open.stop_token_ids.push_back(static_cast<std::int32_t>(t));
+    open.sampling = req_.sampling;
+    open.logprobs = req_.logprobs;
+    open.stop_token_ids = req_.stop_token_ids;
     open.ignore_eos = req_.ignore_eos;
     open.kv_timeout_ms = std::min(s_.options.kv_timeout, remainingUntil(req_.deadline)).count();
     open.prefill_attempts = s_.options.prefill_retries + 1;
@@ -357,8 +352,7 @@ class Generation : public std::enable_shared_from_this<Generation> {
     if (stop_hit || (finish && response.ok() && !isAborted())) {
       // A finished, uncut stream leaves the connection reusable (a stop string cut it).
       if (!stop_hit && !timed_out && response.value().complete) s_.clients->release(d, std::move(client_owner));
-      GenerationEnd end;
-      end.reason = FinishReason::Stop;
+      FinishEvent end;
       if (!stop_hit) {
         auto tail = stops_.push(detok_.finish());
         end.text = std::move(tail.text);
@@ -366,7 +360,7 @@ class Generation : public std::enable_shared_from_this<Generation> {
           stop_hit = true;
         } else {
           end.text += stops_.flush();
-          if (finish->finish_reason == "length") end.reason = FinishReason::Length;
+          end.end.reason = finish->finish_reason;
         }
       }
       sink_->onFinish(std::move(end));
@@ -416,10 +410,10 @@ class Generation : public std::enable_shared_from_this<Generation> {
     TokenDelta delta;
     bool matched = false;
     for (std::size_t i = 0; i < ev.token_ids.size() && emitted_ < req_.max_tokens; ++i) {
-      const auto id = static_cast<TokenId>(ev.token_ids[i]);
+      const TokenId id = ev.token_ids[i];
       ++emitted_;
       delta.token_ids.push_back(id);
-      if (req_.top_logprobs >= 0 && i < ev.logprobs.size()) delta.logprobs.push_back(toLogprob(ev.logprobs[i]));
+      if (req_.logprobs && i < ev.logprobs.size()) delta.logprobs.push_back(withText(ev.logprobs[i]));
       auto step = stops_.push(detok_.push(id));
       delta.text += step.text;
       if (step.matched) {
@@ -434,15 +428,9 @@ class Generation : public std::enable_shared_from_this<Generation> {
     return matched;
   }
 
-  TokenLogprob toLogprob(const worker_api::TokenLogprobs& lp) const {
-    TokenLogprob out;
-    out.token_id = static_cast<TokenId>(lp.token);
-    out.token = tokenText(out.token_id);
-    out.logprob = lp.logprob;
-    for (const auto& t : lp.top) {
-      const auto id = static_cast<TokenId>(t.token);
-      out.top.push_back(TopLogprob{id, tokenText(id), t.logprob});
-    }
+  LogprobEntry withText(const SampledToken& sampled) const {
+    LogprobEntry out{sampled, tokenText(sampled.token), {}};
+    for (const auto& t : sampled.top) out.top_text.push_back(tokenText(t.token));
     return out;
   }
 
@@ -456,10 +444,9 @@ class Generation : public std::enable_shared_from_this<Generation> {
   void runPrefill(PrefillLeg& leg, const std::string& id, const std::string& kv_descriptor) {
     worker_api::PrefillSubmit submit;
     submit.request_id = id;
-    submit.token_ids.reserve(req_.prompt_token_ids.size());
-    for (const TokenId t : req_.prompt_token_ids) submit.token_ids.push_back(static_cast<std::int32_t>(t));
-    submit.sampling = sampling_;
-    submit.logprobs = req_.top_logprobs >= 0;
+    submit.token_ids = req_.prompt_token_ids;
+    submit.sampling = req_.sampling;
+    submit.logprobs = req_.logprobs;
     submit.kv_descriptor = kv_descriptor;
     const auto prompt_tokens = static_cast<std::int64_t>(req_.prompt_token_ids.size());
 
@@ -575,7 +562,6 @@ class Generation : public std::enable_shared_from_this<Generation> {
   const Shared& s_;
   GenerationRequest req_;
   std::shared_ptr<TokenSink> sink_;
-  pd::SamplingParams sampling_;
   // The run() thread's own.
   tokenizer::IncrementalDetokenizer detok_;
   StopStringMatcher stops_;

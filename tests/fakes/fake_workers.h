@@ -138,8 +138,8 @@ struct DecodeScript {
   /// Answer DecodeOpen with this error instead of a stream (e.g. Overloaded -> 503).
   std::optional<ErrorCode> refuse;
   /// Token events after the KV record arrived (the first is prefill's token).
-  std::vector<std::vector<std::int32_t>> tokens{{100}, {101}};
-  std::string finish_reason = "length";
+  std::vector<std::vector<pd::TokenId>> tokens{{100}, {101}};
+  pd::FinishReason finish_reason = pd::FinishReason::Length;
   std::chrono::milliseconds token_delay{0};
   /// Cut the connection after this many token events (no finish).
   std::optional<std::size_t> cut_after;

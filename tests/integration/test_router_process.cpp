@@ -79,7 +79,7 @@ TEST(RouterProcess, ServesThroughTheWorkersThenDrainsOnSigterm) {
   fakes::FakePrefillWorker p(decoders);
   fakes::DecodeScript script;
   script.tokens = {{19923}, {14}, {2058}, {3}};  // "Hello, world!"
-  script.finish_reason = "stop";
+  script.finish_reason = pd::FinishReason::Stop;
   d.setScript(script);
   d.setStatusFails(true);  // not ready at first
 

@@ -26,6 +26,8 @@ namespace {
 
 namespace json = boost::json;
 using namespace std::chrono_literals;
+using pd::FinishReason;
+using pd::TokenId;
 using pd::fakes::FakeCompletionBackend;
 using pd::fakes::FakePromptRenderer;
 using pd::fakes::RawHttpPeer;
@@ -33,9 +35,7 @@ using pd::fakes::Script;
 using pd::http::ClientResponse;
 using pd::router::ApiServer;
 using pd::router::ApiServerOptions;
-using pd::router::FinishReason;
 using pd::router::TokenDelta;
-using pd::router::TokenId;
 
 constexpr std::string_view kModel = "test-model";
 constexpr std::string_view kMarker = "ZQX-secret-input";
@@ -304,19 +304,20 @@ TEST_F(ApiServerTest, RequestReachesTheBackendWithEveryParameter) {
   EXPECT_EQ(g.sampling.temperature, 0.5);
   EXPECT_EQ(g.sampling.top_p, 0.8);
   EXPECT_EQ(g.sampling.top_k, 40);
-  EXPECT_EQ(g.sampling.seed, -3);
+  EXPECT_EQ(g.seed, -3);
   EXPECT_EQ(g.sampling.presence_penalty, 0.25);
   EXPECT_EQ(g.sampling.frequency_penalty, -0.25);
   EXPECT_EQ(g.stop, (std::vector<std::string>{"\n", "END"}));
   EXPECT_EQ(g.stop_token_ids, std::vector<TokenId>{5});
   EXPECT_TRUE(g.ignore_eos);
-  EXPECT_EQ(g.top_logprobs, 2);
+  EXPECT_TRUE(g.logprobs);
+  EXPECT_EQ(g.sampling.top_logprobs, 2);
   EXPECT_GT(g.deadline, t0 + 9s);
   EXPECT_LT(g.deadline, t0 + 11s);
   // Defaults: chat may use the rest of the context; completions generate 16.
   EXPECT_EQ(reqs[1].max_tokens, 128 - static_cast<std::int64_t>(chatPromptIds().size()));
-  EXPECT_EQ(reqs[1].top_logprobs, -1);
-  EXPECT_FALSE(reqs[1].sampling.seed);
+  EXPECT_FALSE(reqs[1].logprobs);
+  EXPECT_FALSE(reqs[1].seed);
   EXPECT_EQ(reqs[2].max_tokens, 16);
   EXPECT_EQ(reqs[2].prompt_token_ids, FakePromptRenderer::idsOf("abc"));
   EXPECT_NE(reqs[0].request_id, reqs[1].request_id);
@@ -548,10 +549,10 @@ TEST_F(ApiServerTest, InvalidUtf8FromTheModelIsEscapedTheSameWayInBothModes) {
 TEST_F(ApiServerTest, LogprobsInBothApiShapes) {
   Script s;
   TokenDelta d{{1000}, "a", {}};
-  d.logprobs.push_back({1000, "a", -0.5, {{1001, "b", -1.0}}});
+  d.logprobs.push_back({{1000, -0.5F, {{1001, -1.0F}}}, "a", {"b"}});
   s.deltas.push_back(d);
   TokenDelta e{{1001}, "\xFF", {}};
-  e.logprobs.push_back({1001, "\xFF", -std::numeric_limits<double>::infinity(), {}});
+  e.logprobs.push_back({{1001, -std::numeric_limits<float>::infinity(), {}}, "\xFF", {}});
   s.deltas.push_back(e);
   backend_.setScript(s);
   start();

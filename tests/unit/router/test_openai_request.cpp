@@ -43,12 +43,12 @@ TEST(OpenAiRequest, ChatBodyAsTheOpenAiPythonSdkSendsIt) {
   EXPECT_TRUE(p.include_usage);
   EXPECT_EQ(p.sampling.temperature, 0.0);
   EXPECT_EQ(p.sampling.top_p, 0.9);
-  EXPECT_EQ(p.sampling.seed, 42);
+  EXPECT_EQ(p.seed, 42);
   EXPECT_EQ(p.sampling.presence_penalty, 0.5);
   EXPECT_EQ(p.sampling.frequency_penalty, -0.5);
   EXPECT_EQ(p.stop, std::vector<std::string>{"\n\n"});
   EXPECT_TRUE(p.logprobs);
-  EXPECT_EQ(p.top_logprobs, 3);
+  EXPECT_EQ(p.sampling.top_logprobs, 3);
   EXPECT_EQ(p.user, "u-1");
 }
 
@@ -65,7 +65,7 @@ TEST(OpenAiRequest, ContentPartsNullsAndExtensions) {
   EXPECT_EQ(p.sampling.top_k, 0);
   EXPECT_EQ(p.sampling.temperature, 1.0);  // null means default
   EXPECT_EQ(p.stop, std::vector<std::string>{"END"});
-  EXPECT_EQ(p.stop_token_ids, (std::vector<pd::router::TokenId>{7, 8}));
+  EXPECT_EQ(p.stop_token_ids, (std::vector<pd::TokenId>{7, 8}));
   EXPECT_TRUE(p.ignore_eos);
   EXPECT_TRUE(p.return_token_ids);
   EXPECT_EQ(p.conversation.template_kwargs_json, R"({"thinking":true})");
@@ -77,12 +77,12 @@ TEST(OpenAiRequest, CompletionPromptForms) {
   EXPECT_FALSE(p.prompt_token_ids);
   EXPECT_FALSE(p.max_tokens);
   p = parseOk(Endpoint::Completions, R"({"model":"m","prompt":[1,2,3],"logprobs":2,"max_tokens":4.0})");
-  EXPECT_EQ(p.prompt_token_ids, (std::vector<pd::router::TokenId>{1, 2, 3}));
+  EXPECT_EQ(p.prompt_token_ids, (std::vector<pd::TokenId>{1, 2, 3}));
   EXPECT_TRUE(p.logprobs);
-  EXPECT_EQ(p.top_logprobs, 2);
+  EXPECT_EQ(p.sampling.top_logprobs, 2);
   EXPECT_EQ(p.max_tokens, 4);
   p = parseOk(Endpoint::Completions, R"({"model":"m","prompt":[[5,6]]})");
-  EXPECT_EQ(p.prompt_token_ids, (std::vector<pd::router::TokenId>{5, 6}));
+  EXPECT_EQ(p.prompt_token_ids, (std::vector<pd::TokenId>{5, 6}));
   p = parseOk(Endpoint::Completions, R"({"model":"m","prompt":["one"],"echo":false,"suffix":null,"best_of":1})");
   EXPECT_EQ(p.prompt_text, "one");
 }

@@ -65,12 +65,12 @@ class RecordingSink final : public TokenSink {
     logprobs_ += delta.logprobs.size();
     ++deltas_;
   }
-  void onFinish(GenerationEnd end) override {
+  void onFinish(FinishEvent end) override {
     std::lock_guard lock(mu_);
     EXPECT_FALSE(ended_) << "two terminal events";
     ended_ = true;
     text_ += end.text;
-    reason_ = end.reason;
+    reason_ = end.end.reason;
     cv_.notify_all();
   }
   void onError(Error error) override {
@@ -185,12 +185,13 @@ class PdBackendTest : public ::testing::Test {
 TEST_F(PdBackendTest, CompletionFlowsDetokenizedWithTheSameSamplingOnBothLegs) {
   DecodeScript script;
   script.tokens = {{kHello}, {kComma}, {kWorld, kBang}};
-  script.finish_reason = "stop";
+  script.finish_reason = pd::FinishReason::Stop;
   d1.setScript(script);
   startBackend();
   auto sink = std::make_shared<RecordingSink>();
   auto req = request();
-  req.top_logprobs = 1;
+  req.logprobs = true;
+  req.sampling.top_logprobs = 1;
   req.stop_token_ids = {7};
   auto control = backend->start(req, sink);
   ASSERT_TRUE(control.ok()) << control.error().toString();
@@ -227,7 +228,7 @@ TEST_F(PdBackendTest, ClientSeedReachesBothLegsAndLengthFinishes) {
   startBackend();
   auto sink = std::make_shared<RecordingSink>();
   auto req = request();
-  req.sampling.seed = 42;
+  req.seed = 42;
   req.sampling.temperature = 0.7;
   ASSERT_TRUE(backend->start(req, sink).ok());
   ASSERT_TRUE(sink->waitEnd());
@@ -262,7 +263,7 @@ TEST_F(PdBackendTest, StopStringCutsTheTextExactlyAndAbortsTheDecodeStream) {
 TEST_F(PdBackendTest, StopStringAcrossTheLastTokenAndTextHeldBackIsReleasedAtTheEnd) {
   DecodeScript script;
   script.tokens = {{kHello}, {kComma}};
-  script.finish_reason = "length";
+  script.finish_reason = pd::FinishReason::Length;
   d1.setScript(script);
   startBackend();
   auto sink = std::make_shared<RecordingSink>();
@@ -515,7 +516,7 @@ TEST_F(PdBackendTest, BurstSpreadsOverDecodeWorkersBeforeTheNextPoll) {
 TEST_F(PdBackendTest, ServesTheOpenAiApiEndToEnd) {
   DecodeScript script;
   script.tokens = {{kHello}, {kComma}, {kWorld}, {kBang}};
-  script.finish_reason = "stop";
+  script.finish_reason = pd::FinishReason::Stop;
   d1.setScript(script);
   startBackend();
   ApiServerOptions ao;
