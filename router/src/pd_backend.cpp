@@ -28,8 +28,9 @@ constexpr std::string_view kLog = "router.pd";
 using Clock = std::chrono::steady_clock;
 using std::chrono::milliseconds;
 
+/// Rounded up, so that a wait given this budget ends at or after `deadline`, never before it.
 milliseconds remainingUntil(Clock::time_point deadline) {
-  const auto left = std::chrono::duration_cast<milliseconds>(deadline - Clock::now());
+  const auto left = std::chrono::ceil<milliseconds>(deadline - Clock::now());
   return std::max(left, milliseconds{1});
 }
 
@@ -71,12 +72,28 @@ bool workerUnreachable(ErrorCode code) {
   return code == ErrorCode::PeerFailed || code == ErrorCode::Timeout;
 }
 
+/// The public message of a worker's refusal that the client sees verbatim (a 400). A worker's own
+/// text names internal details (transfer ids, pool sizes, addresses), so it only reaches the log.
+std::string publicRefusal(ErrorCode code) {
+  switch (code) {
+    case ErrorCode::ResourceExhausted:
+      return "the prompt plus max_tokens needs more KV cache than a decode worker has; shorten the prompt or lower "
+             "max_tokens";
+    case ErrorCode::Unsupported:
+      return "the request asks for something the workers do not support";
+    default:
+      return "a worker refused the request's parameters";
+  }
+}
+
 /// Names the worker in an error's message, except for errors the client sees verbatim (400s),
-/// which must not reveal internal addresses.
+/// which get a public message instead (publicRefusal).
 Error fromWorker(Error error, std::string_view role, const WorkerAddress& worker) {
   log::debug(kLog, "{} worker {}: {}", role, worker.key(), error.toString());
   if (error.code == ErrorCode::InvalidArgument || error.code == ErrorCode::ResourceExhausted ||
       error.code == ErrorCode::Unsupported) {
+    log::info(kLog, "{} worker {} refused a request: {}", role, worker.key(), error.toString());
+    error.message = publicRefusal(error.code);
     return error;
   }
   error.message = fmt::format("{} worker {}: {}", role, worker.key(), error.message);
@@ -388,7 +405,9 @@ class Generation : public std::enable_shared_from_this<Generation> {
       error = makeError(ErrorCode::Timeout, *timed_out);
     } else if (!response.ok()) {
       error = response.error();
-      if (workerUnreachable(error.code)) s_.registry.reportFailure(WorkerRole::Decode, d.key(), error.message);
+      if (workerUnreachable(error.code) && !ownDeadline(error.code)) {
+        s_.registry.reportFailure(WorkerRole::Decode, d.key(), error.message);
+      }
     } else if (response.value().status != 200) {
       error = fromWorker(worker_api::parseErrorJson(response.value().status, response.value().body), "decode", d);
     } else if (protocol_error) {
@@ -490,7 +509,7 @@ class Generation : public std::enable_shared_from_this<Generation> {
                          fmt::format("prefill worker {} answered malformed: {}", p->key(), outcome.error().message));
       } else {
         last = fromWorker(responseError(response), "prefill", *p);
-        if (!response.ok() && workerUnreachable(last.code)) {
+        if (!response.ok() && workerUnreachable(last.code) && !ownDeadline(last.code)) {
           s_.registry.reportFailure(WorkerRole::Prefill, p->key(), last.message);
           s_.tellAbort(*p, worker_api::kPrefillCancelPath, id);
         }
@@ -558,6 +577,9 @@ class Generation : public std::enable_shared_from_this<Generation> {
     std::lock_guard lock(mu_);
     return aborted_;
   }
+  /// A timeout at or past the request's own deadline (the client's request_timeout_ms): the
+  /// request ran out of time, which says nothing about the worker's health.
+  bool ownDeadline(ErrorCode code) const { return code == ErrorCode::Timeout && Clock::now() >= req_.deadline; }
 
   const Shared& s_;
   GenerationRequest req_;

@@ -422,6 +422,22 @@ TEST_F(ApiServerTest, NotReadyIs503WithRetryAfter) {
   EXPECT_EQ(send("GET", "/ready").body, R"({"status":"ready"})");
 }
 
+TEST_F(ApiServerTest, ProbesAnswerHeadWithoutABody) {
+  start();
+  for (const char* path : {"/health", "/ready"}) {
+    RawHttpPeer peer(server_->port());
+    ASSERT_TRUE(peer.send(std::string("HEAD ") + path + " HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"));
+    const std::string bytes = peer.readAll();
+    EXPECT_EQ(bytes.rfind("HTTP/1.1 200", 0), 0u) << path << ": " << bytes;
+    // Nothing after the head: the body GET would send is left out.
+    EXPECT_EQ(bytes.find("\r\n\r\n"), bytes.size() - 4) << path << ": " << bytes;
+  }
+  backend_.setReady(false);
+  RawHttpPeer peer(server_->port());
+  ASSERT_TRUE(peer.send("HEAD /ready HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"));
+  EXPECT_EQ(peer.readAll().rfind("HTTP/1.1 503", 0), 0u);
+}
+
 TEST_F(ApiServerTest, QueueLimitIs429UntilTheQueueDrains) {
   ApiServerOptions o = defaultOptions();
   o.max_queued_requests = 2;

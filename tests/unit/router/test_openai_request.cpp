@@ -1,3 +1,4 @@
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <string>
@@ -112,6 +113,16 @@ TEST(OpenAiRequest, RefusesWhatItCannotDo) {
   EXPECT_NE(chat(R"("top_k":-2)").find("'top_k'"), std::string::npos);
   EXPECT_NE(chat(R"("max_tokens":0)").find("'max_tokens' must be at least 1"), std::string::npos);
   EXPECT_NE(chat(R"("max_tokens":1.5)").find("'max_tokens' must be an integer"), std::string::npos);
+  // Too large is not "too small" (a hostile 1e30 once read "must be at least 1").
+  EXPECT_NE(chat(R"("max_tokens":1e30)").find("'max_tokens' is too large"), std::string::npos);
+  EXPECT_NE(chat(R"("max_tokens":18446744073709551615)").find("'max_tokens' is too large"), std::string::npos);
+  EXPECT_NE(chat(R"("max_completion_tokens":1e30)").find("'max_completion_tokens' is too large"), std::string::npos);
+  EXPECT_NE(chat(R"("max_tokens":-1e30)").find("'max_tokens' must be at least 1"), std::string::npos);
+  // chat_template_kwargs cannot replace what the router validated and set itself.
+  for (const char* key : {"messages", "tools", "add_generation_prompt", "bos_token", "eos_token", "pad_token"}) {
+    const std::string body = fmt::format(R"("chat_template_kwargs":{{"thinking":true,"{}":"x"}})", key);
+    EXPECT_NE(chat(body).find(fmt::format("'chat_template_kwargs' may not set '{}'", key)), std::string::npos) << key;
+  }
   EXPECT_NE(chat(R"("presence_penalty":-3)").find("'presence_penalty'"), std::string::npos);
   EXPECT_NE(chat(R"("top_logprobs":2)").find("requires 'logprobs'"), std::string::npos);
   EXPECT_NE(chat(R"("logprobs":true,"top_logprobs":21)").find("'top_logprobs'"), std::string::npos);
