@@ -17,9 +17,8 @@
 #include "pd/common/http_client.h"
 #include "pd/common/log.h"
 #include "pd/common/worker_api.h"
-#include "pd/router/stop_strings.h"
 #include "pd/router/worker_policy.h"
-#include "pd/tokenizer/detokenizer.h"
+#include "token_relay.h"
 
 namespace pd::router {
 namespace {
@@ -205,11 +204,7 @@ struct Shared {
 class Generation : public std::enable_shared_from_this<Generation> {
  public:
   Generation(const Shared& shared, GenerationRequest request, std::shared_ptr<TokenSink> sink)
-      : s_(shared),
-        req_(std::move(request)),
-        sink_(std::move(sink)),
-        detok_(shared.tokenizer, /*skip_special_tokens=*/true),
-        stops_(req_.stop) {
+      : s_(shared), req_(std::move(request)), sink_(std::move(sink)), relay_(shared.tokenizer, req_) {
     req_.sampling.seed = req_.seed ? static_cast<std::uint64_t>(*req_.seed) : randomSeed();
     if (!req_.logprobs) req_.sampling.top_logprobs = 0;
   }
@@ -369,16 +364,11 @@ class Generation : public std::enable_shared_from_this<Generation> {
     if (stop_hit || (finish && response.ok() && !isAborted())) {
       // A finished, uncut stream leaves the connection reusable (a stop string cut it).
       if (!stop_hit && !timed_out && response.value().complete) s_.clients->release(d, std::move(client_owner));
-      FinishEvent end;
+      FinishEvent end = TokenRelay::stopped();
       if (!stop_hit) {
-        auto tail = stops_.push(detok_.finish());
-        end.text = std::move(tail.text);
-        if (tail.matched) {
-          stop_hit = true;
-        } else {
-          end.text += stops_.flush();
-          end.end.reason = finish->finish_reason;
-        }
+        auto tail = relay_.finish(finish->finish_reason);
+        stop_hit = tail.stop_matched;
+        end = std::move(tail.event);
       }
       sink_->onFinish(std::move(end));
       // A stop string closed the stream, which aborts the request at D; the explicit abort also
@@ -418,44 +408,17 @@ class Generation : public std::enable_shared_from_this<Generation> {
       error = makeError(ErrorCode::PeerFailed,
                         fmt::format("the stream of decode worker {} ended without a finish event", d.key()));
     }
-    if (committed_) return Outcome::Fail;
+    if (relay_.committed()) return Outcome::Fail;
     if (Clock::now() >= req_.deadline) return Outcome::Fail;
     return decodeRetryable(error.code) ? Outcome::Retry : Outcome::Fail;
   }
 
-  /// Detokenizes a tokens event, applies stop strings and max_tokens, and hands it to the sink.
-  /// True when a stop string matched (the generation ends here).
+  /// Hands a tokens event to the sink through the relay. True when a stop string matched (the
+  /// generation ends here).
   bool relayTokens(const worker_api::DecodeEvent& ev) {
-    TokenDelta delta;
-    bool matched = false;
-    for (std::size_t i = 0; i < ev.token_ids.size() && emitted_ < req_.max_tokens; ++i) {
-      const TokenId id = ev.token_ids[i];
-      ++emitted_;
-      delta.token_ids.push_back(id);
-      if (req_.logprobs && i < ev.logprobs.size()) delta.logprobs.push_back(withText(ev.logprobs[i]));
-      auto step = stops_.push(detok_.push(id));
-      delta.text += step.text;
-      if (step.matched) {
-        matched = true;
-        break;
-      }
-    }
-    if (!delta.token_ids.empty()) {
-      committed_ = true;
-      sink_->onTokens(std::move(delta));
-    }
-    return matched;
-  }
-
-  LogprobEntry withText(const SampledToken& sampled) const {
-    LogprobEntry out{sampled, tokenText(sampled.token), {}};
-    for (const auto& t : sampled.top) out.top_text.push_back(tokenText(t.token));
-    return out;
-  }
-
-  std::string tokenText(TokenId id) const {
-    const TokenId ids[] = {id};
-    return s_.tokenizer.decode(ids);
+    auto step = relay_.push(ev.token_ids, ev.logprobs);
+    if (step.delta) sink_->onTokens(std::move(*step.delta));
+    return step.stop_matched;
   }
 
   /// The prefill leg: attempts on prefill workers until one succeeds, the attempts run out, or
@@ -585,10 +548,7 @@ class Generation : public std::enable_shared_from_this<Generation> {
   GenerationRequest req_;
   std::shared_ptr<TokenSink> sink_;
   // The run() thread's own.
-  tokenizer::IncrementalDetokenizer detok_;
-  StopStringMatcher stops_;
-  std::int64_t emitted_ = 0;
-  bool committed_ = false;  // a token reached the sink
+  TokenRelay relay_;
   std::thread thread_;
   std::atomic<bool> finished_{false};
 
