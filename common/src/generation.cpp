@@ -19,3 +19,28 @@ Status validate(const SamplingParams& p) {
 }
 
 }  // namespace pd
+
+namespace pd {
+
+std::string_view finishReasonName(FinishReason reason) {
+  switch (reason) {
+    case FinishReason::Stop:
+      return "stop";
+    case FinishReason::Length:
+      return "length";
+    case FinishReason::Aborted:
+      return "abort";
+    case FinishReason::Error:
+      return "error";
+  }
+  return "error";
+}
+
+std::optional<FinishReason> parseFinishReason(std::string_view name) {
+  for (const FinishReason r : {FinishReason::Stop, FinishReason::Length, FinishReason::Aborted, FinishReason::Error}) {
+    if (finishReasonName(r) == name) return r;
+  }
+  return std::nullopt;
+}
+
+}  // namespace pd

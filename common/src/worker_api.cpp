@@ -74,7 +74,7 @@ class Reader {
     if (b == nullptr) return fail(key, "must be true or false");
     out = *b;
   }
-  void tokenIds(std::string_view key, std::vector<std::int32_t>& out, bool required) {
+  void tokenIds(std::string_view key, std::vector<pd::TokenId>& out, bool required) {
     const json::value* v = find(key, required);
     if (v == nullptr) return;
     const auto* a = v->if_array();
@@ -83,10 +83,10 @@ class Reader {
     out.reserve(a->size());
     for (const auto& e : *a) {
       const auto* i = e.if_int64();
-      if (i == nullptr || *i < 0 || *i > std::numeric_limits<std::int32_t>::max()) {
+      if (i == nullptr || *i < 0 || *i > std::numeric_limits<pd::TokenId>::max()) {
         return fail(key, "must hold token ids (integers in [0, 2^31))");
       }
-      out.push_back(static_cast<std::int32_t>(*i));
+      out.push_back(static_cast<pd::TokenId>(*i));
     }
   }
   const json::object* object(std::string_view key, bool required) {
@@ -167,7 +167,7 @@ std::string dump(const json::object& v) {
   return json::serialize(v);
 }
 
-json::array logprobsJson(const std::vector<TokenLogprobs>& logprobs) {
+json::array logprobsJson(const std::vector<pd::SampledToken>& logprobs) {
   json::array out;
   out.reserve(logprobs.size());
   for (const auto& lp : logprobs) {
@@ -178,22 +178,22 @@ json::array logprobsJson(const std::vector<TokenLogprobs>& logprobs) {
   return out;
 }
 
-Status readLogprobs(const json::array& array, std::vector<TokenLogprobs>& out) {
+Status readLogprobs(const json::array& array, std::vector<pd::SampledToken>& out) {
   const auto bad = [] { return makeError(ErrorCode::InvalidArgument, "event.logprobs: malformed entry"); };
-  const auto readPair = [](const json::value& v, std::int32_t& token, float& logprob) {
+  const auto readPair = [](const json::value& v, pd::TokenId& token, float& logprob) {
     const auto* o = v.if_object();
     if (o == nullptr) return false;
     const auto* t = o->if_contains("token");
     const auto* l = o->if_contains("logprob");
     if (t == nullptr || l == nullptr || !t->is_int64() || !l->is_number()) return false;
     const std::int64_t id = t->get_int64();
-    if (id < 0 || id > std::numeric_limits<std::int32_t>::max()) return false;
-    token = static_cast<std::int32_t>(id);
+    if (id < 0 || id > std::numeric_limits<pd::TokenId>::max()) return false;
+    token = static_cast<pd::TokenId>(id);
     logprob = static_cast<float>(l->to_number<double>());
     return true;
   };
   for (const auto& e : array) {
-    TokenLogprobs lp;
+    pd::SampledToken lp;
     if (!readPair(e, lp.token, lp.logprob)) return bad();
     const auto* top = e.as_object().if_contains("top");
     if (top != nullptr) {
@@ -260,7 +260,7 @@ std::string toJson(const DecodeEvent& v) {
     }
     case DecodeEventType::Finish:
       o = {{"event", "finish"},
-           {"finish_reason", v.finish_reason},
+           {"finish_reason", pd::finishReasonName(v.finish_reason)},
            {"prompt_tokens", v.prompt_tokens},
            {"completion_tokens", v.completion_tokens}};
       break;
@@ -301,12 +301,15 @@ Result<DecodeEvent> parseDecodeEvent(std::string_view text) {
     }
   } else if (type == "finish") {
     v.type = DecodeEventType::Finish;
-    r.str("finish_reason", v.finish_reason);
+    std::string reason;
+    r.str("finish_reason", reason);
     r.integer("prompt_tokens", v.prompt_tokens, false, 0);
     r.integer("completion_tokens", v.completion_tokens, false, 0);
-    if (r.ok() && v.finish_reason != "stop" && v.finish_reason != "length") {
+    const auto parsed = pd::parseFinishReason(reason);
+    if (r.ok() && (!parsed || (*parsed != pd::FinishReason::Stop && *parsed != pd::FinishReason::Length))) {
       r.fail("finish_reason", "must be \"stop\" or \"length\"");
     }
+    if (parsed) v.finish_reason = *parsed;
   } else if (type == "error") {
     v.type = DecodeEventType::Error;
     std::string code;
@@ -389,8 +392,8 @@ Result<PrefillOutcome> parsePrefillOutcome(std::string_view text) {
   PrefillOutcome v;
   Reader r(*object, "prefill outcome");
   std::int64_t first = 0;
-  r.integer("first_token", first, true, 0, std::numeric_limits<std::int32_t>::max());
-  v.first_token = static_cast<std::int32_t>(first);
+  r.integer("first_token", first, true, 0, std::numeric_limits<pd::TokenId>::max());
+  v.first_token = static_cast<pd::TokenId>(first);
   r.integer("prompt_tokens", v.prompt_tokens, false, 0);
   r.number("queue_ms", v.queue_ms, false);
   r.number("compute_ms", v.compute_ms, false);

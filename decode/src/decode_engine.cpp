@@ -12,20 +12,6 @@
 
 namespace pd::decode {
 
-const char* finishReasonName(FinishReason reason) {
-  switch (reason) {
-    case FinishReason::Stop:
-      return "stop";
-    case FinishReason::Length:
-      return "length";
-    case FinishReason::Aborted:
-      return "abort";
-    case FinishReason::Error:
-      return "error";
-  }
-  return "unknown";
-}
-
 DecodeEngineOptions engineOptions(const DecodeConfig& config) {
   DecodeEngineOptions options;
   options.num_speculative_tokens = config.num_speculative_tokens;
@@ -151,7 +137,7 @@ void DecodeEngine::startRunning(Sequence& seq, kvtransfer::CompletionRecord reco
   model::SampledToken first;
   first.token = record.first_token;
   if (record.first_logprob) first.logprob = record.first_logprob->logprob;
-  for (const auto& t : record.top_logprobs) first.top.push_back(pd::TokenLogprob{t.token, t.logprob});
+  first.top = record.top_logprobs;
   // Replay the prefill worker's draw: sampling a row where only the first token is possible
   // advances the RNG by the one draw the prefill side used (none when greedy) and counts the
   // token for penalties, so the rest of the stream is what single-process generation samples.
@@ -200,7 +186,7 @@ bool DecodeEngine::emit(Sequence& seq, std::vector<model::SampledToken> tokens) 
   }
   event.finish = reason;
   const std::uint64_t id = seq.req.id;
-  TokenSink sink = std::exchange(seq.req.sink, nullptr);
+  TokenEventSink sink = std::exchange(seq.req.sink, nullptr);
   finish(id, *reason, std::nullopt,
          *reason == FinishReason::Stop
              ? RequestOutcome::Stop

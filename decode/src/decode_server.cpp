@@ -45,7 +45,7 @@ worker_api::DecodeEvent tokensEvent(const TokenEvent& e, bool logprobs) {
   ev.type = worker_api::DecodeEventType::Tokens;
   for (const model::SampledToken& t : e.tokens) {
     ev.token_ids.push_back(t.token);
-    if (logprobs) ev.logprobs.push_back(worker_api::TokenLogprobs{t.token, t.logprob, t.top});
+    if (logprobs) ev.logprobs.push_back(t);
   }
   return ev;
 }
@@ -54,7 +54,7 @@ worker_api::DecodeEvent lastEvent(const TokenEvent& e) {
   worker_api::DecodeEvent ev;
   if (*e.finish == FinishReason::Stop || *e.finish == FinishReason::Length) {
     ev.type = worker_api::DecodeEventType::Finish;
-    ev.finish_reason = finishReasonName(*e.finish);
+    ev.finish_reason = *e.finish;
     ev.prompt_tokens = e.prompt_tokens;
     ev.completion_tokens = e.completion_tokens;
     return ev;

@@ -358,8 +358,8 @@ void PrefillEngine::finishPrompt(std::vector<Running*>& done) {
     record.first_token = first[i].token;
     record.hidden_state.assign(r.hidden.end() - static_cast<std::ptrdiff_t>(hidden_size), r.hidden.end());
     if (r.request.logprobs) {
-      record.first_logprob = kvtransfer::TokenLogprob{first[i].token, first[i].logprob};
-      for (const pd::TokenLogprob& t : first[i].top) record.top_logprobs.push_back({t.token, t.logprob});
+      record.first_logprob = pd::TokenLogprob{first[i].token, first[i].logprob};
+      record.top_logprobs = first[i].top;
     }
     r.request.sink->complete(std::move(record));
     release(r);

@@ -196,13 +196,14 @@ class RequestState final : public TokenSink, public std::enable_shared_from_this
     exchange_.write(deltaChunk(shape_, text, delta.token_ids, delta.logprobs, cursor_, promptIdsForChunk()));
   }
 
-  void onFinish(GenerationEnd end) override {
+  void onFinish(FinishEvent finish) override {
+    const GenerationEnd& end = finish.end;
     std::optional<DeadlineScheduler::Id> cancel;
     {
       std::lock_guard lock(mu_);
       backend_ended_ = true;
       if (done_) return;
-      std::string tail = sanitizer_.push(end.text);
+      std::string tail = sanitizer_.push(finish.text);
       tail += sanitizer_.finish();
       const Usage usage{static_cast<std::int64_t>(prompt_ids_.size()), completion_tokens_, end.cached_prompt_tokens};
       if (stream_) {
@@ -383,7 +384,7 @@ class RequestState final : public TokenSink, public std::enable_shared_from_this
   LogprobCursor cursor_;
   std::string text_;  ///< non-streaming: accumulated output
   std::vector<TokenId> ids_;
-  std::vector<TokenLogprob> logprobs_;
+  std::vector<LogprobEntry> logprobs_;
 };
 
 std::string_view endpointLabel(Endpoint e) {
@@ -513,11 +514,12 @@ class ApiServer::Impl {
     std::vector<TokenId> prompt_ids = std::move(prompt).value();
     if (prompt_ids.empty()) return reject(ex, label, invalidRequest("the prompt is empty"));
     const std::size_t vocab = fe_->renderer.vocabSize();
+    const auto outside = [vocab](TokenId id) { return id < 0 || static_cast<std::size_t>(id) >= vocab; };
     for (TokenId id : prompt_ids) {
-      if (id >= vocab) return reject(ex, label, invalidRequest("'prompt' contains a token id outside the vocabulary"));
+      if (outside(id)) return reject(ex, label, invalidRequest("'prompt' contains a token id outside the vocabulary"));
     }
     for (TokenId id : p.stop_token_ids) {
-      if (id >= vocab)
+      if (outside(id))
         return reject(ex, label, invalidRequest("'stop_token_ids' contains an id outside the vocabulary"));
     }
     const auto prompt_len = static_cast<std::int64_t>(prompt_ids.size());
@@ -564,10 +566,11 @@ class ApiServer::Impl {
     g.prompt_token_ids = prompt_ids;
     g.max_tokens = max_tokens;
     g.sampling = p.sampling;
+    g.seed = p.seed;
+    g.logprobs = p.logprobs;
     g.stop = std::move(p.stop);
     g.stop_token_ids = std::move(p.stop_token_ids);
     g.ignore_eos = p.ignore_eos;
-    g.top_logprobs = p.logprobs ? p.top_logprobs : -1;
     g.deadline = received + fe_->request_timeout;
 
     ResponseShape shape{endpoint,           id,        unixSeconds(), fe_->served_model_name, p.include_usage,

@@ -62,13 +62,16 @@ Result<std::optional<std::int64_t>> getInt(const json::object& o, std::string_vi
   if (v == nullptr) return std::optional<std::int64_t>{};
   std::int64_t n = 0;
   bool in_range = true;
+  bool too_large = false;  // meaningful when !in_range
   if (v->is_int64()) {
     n = v->get_int64();
   } else if (v->is_uint64()) {
     in_range = false;  // above INT64_MAX
+    too_large = true;
   } else if (v->is_double() && std::trunc(v->get_double()) == v->get_double() && std::isfinite(v->get_double())) {
     const double d = v->get_double();
     in_range = d >= -9.2e18 && d <= 9.2e18;
+    too_large = d > 0;
     if (in_range) n = static_cast<std::int64_t>(d);
   } else {
     return bad(fmt::format("'{}' must be an integer", name));
@@ -77,6 +80,7 @@ Result<std::optional<std::int64_t>> getInt(const json::object& o, std::string_vi
     if (hi == std::numeric_limits<std::int64_t>::max()) {
       if (lo == std::numeric_limits<std::int64_t>::min())
         return bad(fmt::format("'{}' must be a 64-bit integer", name));
+      if (!in_range && too_large) return bad(fmt::format("'{}' is too large (at most {})", name, hi));
       return bad(fmt::format("'{}' must be at least {}", name, lo));
     }
     return bad(fmt::format("'{}' must be an integer between {} and {}", name, lo, hi));
@@ -95,8 +99,10 @@ Result<TokenId> tokenIdOf(const json::value& v, std::string_view name) {
   if (v.is_int64() && v.get_int64() >= 0 && v.get_int64() <= std::numeric_limits<TokenId>::max()) {
     return static_cast<TokenId>(v.get_int64());
   }
-  if (v.is_uint64() && v.get_uint64() <= std::numeric_limits<TokenId>::max())
-    return static_cast<TokenId>(v.get_uint64());
+  if (v.is_int64() && v.get_int64() >= 0) {
+    return bad(fmt::format("'{}' contains a token id outside the vocabulary", name));
+  }
+  if (v.is_uint64()) return bad(fmt::format("'{}' contains a token id outside the vocabulary", name));
   return bad(fmt::format("'{}' must contain only non-negative integer token ids", name));
 }
 
@@ -214,6 +220,14 @@ Result<ChatConversation> parseMessages(const json::object& o) {
   conv.messages_json = json::serialize(normalized);
   if (const json::value* kw = field(o, "chat_template_kwargs")) {
     if (!kw->is_object()) return bad("'chat_template_kwargs' must be an object");
+    // The variables the router sets itself (tokenizer/src/chat_template.cpp) are not the
+    // client's to replace: the validated messages, the special tokens, the generation prompt.
+    for (const std::string_view reserved :
+         {"messages", "tools", "add_generation_prompt", "bos_token", "eos_token", "pad_token"}) {
+      if (kw->as_object().contains(reserved)) {
+        return bad(fmt::format("'chat_template_kwargs' may not set '{}': the router sets it", reserved));
+      }
+    }
     conv.template_kwargs_json = json::serialize(*kw);
   }
   return conv;
@@ -284,7 +298,7 @@ Status parseSampling(const json::object& o, CompletionParams& p) {
   if (temperature) p.sampling.temperature = *temperature;
   if (top_p) p.sampling.top_p = *top_p;
   if (top_k) p.sampling.top_k = *top_k < 0 ? 0 : *top_k;  // -1 (vLLM) and 0 both mean "off"
-  p.sampling.seed = seed;
+  p.seed = seed;
   if (presence) p.sampling.presence_penalty = *presence;
   if (frequency) p.sampling.frequency_penalty = *frequency;
   return okStatus();
@@ -297,14 +311,14 @@ Status parseLogprobs(const json::object& o, Endpoint endpoint, CompletionParams&
     p.logprobs = logprobs.value_or(false);
     if (top) {
       if (!p.logprobs) return bad("'top_logprobs' requires 'logprobs' to be true");
-      p.top_logprobs = static_cast<int>(*top);
+      p.sampling.top_logprobs = *top;
     }
     return okStatus();
   }
   PD_ASSIGN_OR_RETURN(auto logprobs, getInt(o, "logprobs", 0, kMaxTopLogprobs));
   if (logprobs) {
     p.logprobs = true;
-    p.top_logprobs = static_cast<int>(*logprobs);
+    p.sampling.top_logprobs = *logprobs;
   }
   return okStatus();
 }

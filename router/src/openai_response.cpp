@@ -10,7 +10,8 @@ bool isChat(const ResponseShape& s) {
   return s.endpoint == Endpoint::ChatCompletions;
 }
 
-std::string_view finishReasonName(FinishReason r) {
+/// The OpenAI finish_reason: only Stop and Length reach a response.
+std::string_view openAiFinishReason(FinishReason r) {
   return r == FinishReason::Length ? "length" : "stop";
 }
 
@@ -45,21 +46,21 @@ void writeUsage(JsonWriter& w, const Usage& u) {
 }
 
 /// Chat: {"content":[{"token","logprob","bytes","top_logprobs":[...]}]}
-void writeChatLogprobs(JsonWriter& w, const std::vector<TokenLogprob>& lps) {
+void writeChatLogprobs(JsonWriter& w, const std::vector<LogprobEntry>& lps) {
   w.beginObject().key("content").beginArray();
   for (const auto& lp : lps) {
     w.beginObject();
-    w.key("token").string(lp.token);
-    w.key("logprob").number(lp.logprob);
+    w.key("token").string(lp.text);
+    w.key("logprob").number(static_cast<double>(lp.sampled.logprob));
     w.key("bytes");
-    writeBytes(w, lp.token);
+    writeBytes(w, lp.text);
     w.key("top_logprobs").beginArray();
-    for (const auto& t : lp.top) {
+    for (std::size_t i = 0; i < lp.sampled.top.size() && i < lp.top_text.size(); ++i) {
       w.beginObject();
-      w.key("token").string(t.token);
-      w.key("logprob").number(t.logprob);
+      w.key("token").string(lp.top_text[i]);
+      w.key("logprob").number(static_cast<double>(lp.sampled.top[i].logprob));
       w.key("bytes");
-      writeBytes(w, t.token);
+      writeBytes(w, lp.top_text[i]);
       w.endObject();
     }
     w.endArray();
@@ -69,31 +70,33 @@ void writeChatLogprobs(JsonWriter& w, const std::vector<TokenLogprob>& lps) {
 }
 
 /// Completions (legacy): {"tokens","token_logprobs","top_logprobs":[{token: logprob}],"text_offset"}
-void writeCompletionLogprobs(JsonWriter& w, const std::vector<TokenLogprob>& lps, LogprobCursor& cursor) {
+void writeCompletionLogprobs(JsonWriter& w, const std::vector<LogprobEntry>& lps, LogprobCursor& cursor) {
   w.beginObject();
   w.key("tokens").beginArray();
-  for (const auto& lp : lps) w.string(lp.token);
+  for (const auto& lp : lps) w.string(lp.text);
   w.endArray();
   w.key("token_logprobs").beginArray();
-  for (const auto& lp : lps) w.number(lp.logprob);
+  for (const auto& lp : lps) w.number(static_cast<double>(lp.sampled.logprob));
   w.endArray();
   w.key("top_logprobs").beginArray();
   for (const auto& lp : lps) {
     w.beginObject();
-    for (const auto& t : lp.top) w.key(t.token).number(t.logprob);
+    for (std::size_t i = 0; i < lp.sampled.top.size() && i < lp.top_text.size(); ++i) {
+      w.key(lp.top_text[i]).number(static_cast<double>(lp.sampled.top[i].logprob));
+    }
     w.endObject();
   }
   w.endArray();
   w.key("text_offset").beginArray();
   for (const auto& lp : lps) {
     w.number(cursor.text_offset);
-    cursor.text_offset += static_cast<std::int64_t>(sanitizeUtf8(lp.token).size());
+    cursor.text_offset += static_cast<std::int64_t>(sanitizeUtf8(lp.text).size());
   }
   w.endArray();
   w.endObject();
 }
 
-void writeLogprobs(JsonWriter& w, const ResponseShape& s, const std::vector<TokenLogprob>& lps, LogprobCursor& cursor) {
+void writeLogprobs(JsonWriter& w, const ResponseShape& s, const std::vector<LogprobEntry>& lps, LogprobCursor& cursor) {
   if (!s.logprobs) {
     w.null();
   } else if (isChat(s)) {
@@ -105,7 +108,7 @@ void writeLogprobs(JsonWriter& w, const ResponseShape& s, const std::vector<Toke
 
 /// One streamed choice; `delta_text` null means an empty chat delta ({}).
 std::string chunk(const ResponseShape& s, const std::string_view* delta_text, bool role,
-                  const std::vector<TokenId>& ids, const std::vector<TokenLogprob>& lps, LogprobCursor& cursor,
+                  const std::vector<TokenId>& ids, const std::vector<LogprobEntry>& lps, LogprobCursor& cursor,
                   std::optional<FinishReason> finish, const std::vector<TokenId>* prompt_ids) {
   JsonWriter w;
   w.beginObject();
@@ -128,7 +131,7 @@ std::string chunk(const ResponseShape& s, const std::string_view* delta_text, bo
   }
   w.key("finish_reason");
   if (finish) {
-    w.string(finishReasonName(*finish));
+    w.string(openAiFinishReason(*finish));
   } else {
     w.null();
   }
@@ -190,7 +193,7 @@ std::string chatRoleChunk(const ResponseShape& shape, const std::vector<TokenId>
 }
 
 std::string deltaChunk(const ResponseShape& shape, std::string_view text, const std::vector<TokenId>& ids,
-                       const std::vector<TokenLogprob>& logprobs, LogprobCursor& cursor,
+                       const std::vector<LogprobEntry>& logprobs, LogprobCursor& cursor,
                        const std::vector<TokenId>* prompt_ids) {
   return chunk(shape, &text, false, ids, logprobs, cursor, std::nullopt, prompt_ids);
 }
@@ -212,7 +215,7 @@ std::string usageChunk(const ResponseShape& shape, const Usage& usage) {
 }
 
 std::string fullResponse(const ResponseShape& shape, std::string_view text, const std::vector<TokenId>& ids,
-                         const std::vector<TokenLogprob>& logprobs, FinishReason reason, const Usage& usage,
+                         const std::vector<LogprobEntry>& logprobs, FinishReason reason, const Usage& usage,
                          const std::vector<TokenId>& prompt_ids) {
   LogprobCursor cursor;
   JsonWriter w;
@@ -227,7 +230,7 @@ std::string fullResponse(const ResponseShape& shape, std::string_view text, cons
   }
   w.key("logprobs");
   writeLogprobs(w, shape, logprobs, cursor);
-  w.key("finish_reason").string(finishReasonName(reason));
+  w.key("finish_reason").string(openAiFinishReason(reason));
   if (shape.return_token_ids) {
     if (!isChat(shape)) {
       w.key("prompt_token_ids");

@@ -57,14 +57,14 @@ inline constexpr std::string_view kSseDone = "data: [DONE]\n\n";
 /// A chunk of new text and tokens. `prompt_ids` is non-null on the first completions chunk when
 /// prompt ids are to be returned.
 [[nodiscard]] std::string deltaChunk(const ResponseShape& shape, std::string_view text, const std::vector<TokenId>& ids,
-                                     const std::vector<TokenLogprob>& logprobs, LogprobCursor& cursor,
+                                     const std::vector<LogprobEntry>& logprobs, LogprobCursor& cursor,
                                      const std::vector<TokenId>* prompt_ids);
 [[nodiscard]] std::string finishChunk(const ResponseShape& shape, FinishReason reason,
                                       const std::vector<TokenId>* prompt_ids);
 [[nodiscard]] std::string usageChunk(const ResponseShape& shape, const Usage& usage);
 /// The whole non-streaming response.
 [[nodiscard]] std::string fullResponse(const ResponseShape& shape, std::string_view text,
-                                       const std::vector<TokenId>& ids, const std::vector<TokenLogprob>& logprobs,
+                                       const std::vector<TokenId>& ids, const std::vector<LogprobEntry>& logprobs,
                                        FinishReason reason, const Usage& usage, const std::vector<TokenId>& prompt_ids);
 
 }  // namespace pd::router

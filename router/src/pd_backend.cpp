@@ -17,9 +17,8 @@
 #include "pd/common/http_client.h"
 #include "pd/common/log.h"
 #include "pd/common/worker_api.h"
-#include "pd/router/stop_strings.h"
 #include "pd/router/worker_policy.h"
-#include "pd/tokenizer/detokenizer.h"
+#include "token_relay.h"
 
 namespace pd::router {
 namespace {
@@ -28,8 +27,9 @@ constexpr std::string_view kLog = "router.pd";
 using Clock = std::chrono::steady_clock;
 using std::chrono::milliseconds;
 
+/// Rounded up, so that a wait given this budget ends at or after `deadline`, never before it.
 milliseconds remainingUntil(Clock::time_point deadline) {
-  const auto left = std::chrono::duration_cast<milliseconds>(deadline - Clock::now());
+  const auto left = std::chrono::ceil<milliseconds>(deadline - Clock::now());
   return std::max(left, milliseconds{1});
 }
 
@@ -71,12 +71,28 @@ bool workerUnreachable(ErrorCode code) {
   return code == ErrorCode::PeerFailed || code == ErrorCode::Timeout;
 }
 
+/// The public message of a worker's refusal that the client sees verbatim (a 400). A worker's own
+/// text names internal details (transfer ids, pool sizes, addresses), so it only reaches the log.
+std::string publicRefusal(ErrorCode code) {
+  switch (code) {
+    case ErrorCode::ResourceExhausted:
+      return "the prompt plus max_tokens needs more KV cache than a decode worker has; shorten the prompt or lower "
+             "max_tokens";
+    case ErrorCode::Unsupported:
+      return "the request asks for something the workers do not support";
+    default:
+      return "a worker refused the request's parameters";
+  }
+}
+
 /// Names the worker in an error's message, except for errors the client sees verbatim (400s),
-/// which must not reveal internal addresses.
+/// which get a public message instead (publicRefusal).
 Error fromWorker(Error error, std::string_view role, const WorkerAddress& worker) {
   log::debug(kLog, "{} worker {}: {}", role, worker.key(), error.toString());
   if (error.code == ErrorCode::InvalidArgument || error.code == ErrorCode::ResourceExhausted ||
       error.code == ErrorCode::Unsupported) {
+    log::info(kLog, "{} worker {} refused a request: {}", role, worker.key(), error.toString());
+    error.message = publicRefusal(error.code);
     return error;
   }
   error.message = fmt::format("{} worker {}: {}", role, worker.key(), error.message);
@@ -188,18 +204,9 @@ struct Shared {
 class Generation : public std::enable_shared_from_this<Generation> {
  public:
   Generation(const Shared& shared, GenerationRequest request, std::shared_ptr<TokenSink> sink)
-      : s_(shared),
-        req_(std::move(request)),
-        sink_(std::move(sink)),
-        detok_(shared.tokenizer, /*skip_special_tokens=*/true),
-        stops_(req_.stop) {
-    sampling_.temperature = req_.sampling.temperature;
-    sampling_.top_k = req_.sampling.top_k;
-    sampling_.top_p = req_.sampling.top_p;
-    sampling_.presence_penalty = req_.sampling.presence_penalty;
-    sampling_.frequency_penalty = req_.sampling.frequency_penalty;
-    sampling_.seed = req_.sampling.seed ? static_cast<std::uint64_t>(*req_.sampling.seed) : randomSeed();
-    sampling_.top_logprobs = std::max(req_.top_logprobs, 0);
+      : s_(shared), req_(std::move(request)), sink_(std::move(sink)), relay_(shared.tokenizer, req_) {
+    req_.sampling.seed = req_.seed ? static_cast<std::uint64_t>(*req_.seed) : randomSeed();
+    if (!req_.logprobs) req_.sampling.top_logprobs = 0;
   }
 
   void startThread() {
@@ -282,9 +289,9 @@ class Generation : public std::enable_shared_from_this<Generation> {
     open.request_id = id;
     open.prompt_tokens = prompt_tokens;
     open.max_tokens = req_.max_tokens;
-    open.sampling = sampling_;
-    open.logprobs = req_.top_logprobs >= 0;
-    for (const TokenId t : req_.stop_token_ids) open.stop_token_ids.push_back(static_cast<std::int32_t>(t));
+    open.sampling = req_.sampling;
+    open.logprobs = req_.logprobs;
+    open.stop_token_ids = req_.stop_token_ids;
     open.ignore_eos = req_.ignore_eos;
     open.kv_timeout_ms = std::min(s_.options.kv_timeout, remainingUntil(req_.deadline)).count();
     open.prefill_attempts = s_.options.prefill_retries + 1;
@@ -357,17 +364,11 @@ class Generation : public std::enable_shared_from_this<Generation> {
     if (stop_hit || (finish && response.ok() && !isAborted())) {
       // A finished, uncut stream leaves the connection reusable (a stop string cut it).
       if (!stop_hit && !timed_out && response.value().complete) s_.clients->release(d, std::move(client_owner));
-      GenerationEnd end;
-      end.reason = FinishReason::Stop;
+      FinishEvent end = TokenRelay::stopped();
       if (!stop_hit) {
-        auto tail = stops_.push(detok_.finish());
-        end.text = std::move(tail.text);
-        if (tail.matched) {
-          stop_hit = true;
-        } else {
-          end.text += stops_.flush();
-          if (finish->finish_reason == "length") end.reason = FinishReason::Length;
-        }
+        auto tail = relay_.finish(finish->finish_reason);
+        stop_hit = tail.stop_matched;
+        end = std::move(tail.event);
       }
       sink_->onFinish(std::move(end));
       // A stop string closed the stream, which aborts the request at D; the explicit abort also
@@ -394,7 +395,9 @@ class Generation : public std::enable_shared_from_this<Generation> {
       error = makeError(ErrorCode::Timeout, *timed_out);
     } else if (!response.ok()) {
       error = response.error();
-      if (workerUnreachable(error.code)) s_.registry.reportFailure(WorkerRole::Decode, d.key(), error.message);
+      if (workerUnreachable(error.code) && !ownDeadline(error.code)) {
+        s_.registry.reportFailure(WorkerRole::Decode, d.key(), error.message);
+      }
     } else if (response.value().status != 200) {
       error = fromWorker(worker_api::parseErrorJson(response.value().status, response.value().body), "decode", d);
     } else if (protocol_error) {
@@ -405,50 +408,17 @@ class Generation : public std::enable_shared_from_this<Generation> {
       error = makeError(ErrorCode::PeerFailed,
                         fmt::format("the stream of decode worker {} ended without a finish event", d.key()));
     }
-    if (committed_) return Outcome::Fail;
+    if (relay_.committed()) return Outcome::Fail;
     if (Clock::now() >= req_.deadline) return Outcome::Fail;
     return decodeRetryable(error.code) ? Outcome::Retry : Outcome::Fail;
   }
 
-  /// Detokenizes a tokens event, applies stop strings and max_tokens, and hands it to the sink.
-  /// True when a stop string matched (the generation ends here).
+  /// Hands a tokens event to the sink through the relay. True when a stop string matched (the
+  /// generation ends here).
   bool relayTokens(const worker_api::DecodeEvent& ev) {
-    TokenDelta delta;
-    bool matched = false;
-    for (std::size_t i = 0; i < ev.token_ids.size() && emitted_ < req_.max_tokens; ++i) {
-      const auto id = static_cast<TokenId>(ev.token_ids[i]);
-      ++emitted_;
-      delta.token_ids.push_back(id);
-      if (req_.top_logprobs >= 0 && i < ev.logprobs.size()) delta.logprobs.push_back(toLogprob(ev.logprobs[i]));
-      auto step = stops_.push(detok_.push(id));
-      delta.text += step.text;
-      if (step.matched) {
-        matched = true;
-        break;
-      }
-    }
-    if (!delta.token_ids.empty()) {
-      committed_ = true;
-      sink_->onTokens(std::move(delta));
-    }
-    return matched;
-  }
-
-  TokenLogprob toLogprob(const worker_api::TokenLogprobs& lp) const {
-    TokenLogprob out;
-    out.token_id = static_cast<TokenId>(lp.token);
-    out.token = tokenText(out.token_id);
-    out.logprob = lp.logprob;
-    for (const auto& t : lp.top) {
-      const auto id = static_cast<TokenId>(t.token);
-      out.top.push_back(TopLogprob{id, tokenText(id), t.logprob});
-    }
-    return out;
-  }
-
-  std::string tokenText(TokenId id) const {
-    const TokenId ids[] = {id};
-    return s_.tokenizer.decode(ids);
+    auto step = relay_.push(ev.token_ids, ev.logprobs);
+    if (step.delta) sink_->onTokens(std::move(*step.delta));
+    return step.stop_matched;
   }
 
   /// The prefill leg: attempts on prefill workers until one succeeds, the attempts run out, or
@@ -456,10 +426,9 @@ class Generation : public std::enable_shared_from_this<Generation> {
   void runPrefill(PrefillLeg& leg, const std::string& id, const std::string& kv_descriptor) {
     worker_api::PrefillSubmit submit;
     submit.request_id = id;
-    submit.token_ids.reserve(req_.prompt_token_ids.size());
-    for (const TokenId t : req_.prompt_token_ids) submit.token_ids.push_back(static_cast<std::int32_t>(t));
-    submit.sampling = sampling_;
-    submit.logprobs = req_.top_logprobs >= 0;
+    submit.token_ids = req_.prompt_token_ids;
+    submit.sampling = req_.sampling;
+    submit.logprobs = req_.logprobs;
     submit.kv_descriptor = kv_descriptor;
     const auto prompt_tokens = static_cast<std::int64_t>(req_.prompt_token_ids.size());
 
@@ -503,7 +472,7 @@ class Generation : public std::enable_shared_from_this<Generation> {
                          fmt::format("prefill worker {} answered malformed: {}", p->key(), outcome.error().message));
       } else {
         last = fromWorker(responseError(response), "prefill", *p);
-        if (!response.ok() && workerUnreachable(last.code)) {
+        if (!response.ok() && workerUnreachable(last.code) && !ownDeadline(last.code)) {
           s_.registry.reportFailure(WorkerRole::Prefill, p->key(), last.message);
           s_.tellAbort(*p, worker_api::kPrefillCancelPath, id);
         }
@@ -571,16 +540,15 @@ class Generation : public std::enable_shared_from_this<Generation> {
     std::lock_guard lock(mu_);
     return aborted_;
   }
+  /// A timeout at or past the request's own deadline (the client's request_timeout_ms): the
+  /// request ran out of time, which says nothing about the worker's health.
+  bool ownDeadline(ErrorCode code) const { return code == ErrorCode::Timeout && Clock::now() >= req_.deadline; }
 
   const Shared& s_;
   GenerationRequest req_;
   std::shared_ptr<TokenSink> sink_;
-  pd::SamplingParams sampling_;
   // The run() thread's own.
-  tokenizer::IncrementalDetokenizer detok_;
-  StopStringMatcher stops_;
-  std::int64_t emitted_ = 0;
-  bool committed_ = false;  // a token reached the sink
+  TokenRelay relay_;
   std::thread thread_;
   std::atomic<bool> finished_{false};
 

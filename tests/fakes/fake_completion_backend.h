@@ -25,19 +25,18 @@ namespace pd::fakes {
 
 struct Script {
   std::vector<router::TokenDelta> deltas;
-  router::GenerationEnd end;
+  router::FinishEvent end;
   std::optional<Error> error;        ///< ends with this error after the deltas, instead of finishing
   std::optional<Error> start_error;  ///< start() itself fails with this
   bool hang = false;                 ///< after the deltas, wait until aborted (a stuck worker)
   std::chrono::milliseconds delay{0};
 
   /// One token per piece, ids 1000, 1001, ...; finishes with `reason`.
-  static Script fromPieces(const std::vector<std::string>& pieces,
-                           router::FinishReason reason = router::FinishReason::Stop) {
+  static Script fromPieces(const std::vector<std::string>& pieces, pd::FinishReason reason = pd::FinishReason::Stop) {
     Script s;
-    router::TokenId id = 1000;
+    pd::TokenId id = 1000;
     for (const auto& p : pieces) s.deltas.push_back(router::TokenDelta{{id++}, p, {}});
-    s.end.reason = reason;
+    s.end.end.reason = reason;
     return s;
   }
 };

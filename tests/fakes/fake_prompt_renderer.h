@@ -15,13 +15,13 @@ namespace pd::fakes {
 
 class FakePromptRenderer final : public router::PromptRenderer {
  public:
-  static constexpr router::TokenId kBos = 1;
+  static constexpr pd::TokenId kBos = 1;
   static constexpr std::size_t kVocab = 266;
 
   /// The ids tokenize() gives for `text`.
-  static std::vector<router::TokenId> idsOf(std::string_view text) {
-    std::vector<router::TokenId> ids{kBos};
-    for (char c : text) ids.push_back(static_cast<router::TokenId>(static_cast<unsigned char>(c)) + 10);
+  static std::vector<pd::TokenId> idsOf(std::string_view text) {
+    std::vector<pd::TokenId> ids{kBos};
+    for (char c : text) ids.push_back(static_cast<pd::TokenId>(static_cast<unsigned char>(c)) + 10);
     return ids;
   }
   static std::string chatText(const std::vector<router::ChatMessage>& messages) {
@@ -30,12 +30,12 @@ class FakePromptRenderer final : public router::PromptRenderer {
     return text + "<|assistant|>";
   }
 
-  [[nodiscard]] Result<std::vector<router::TokenId>> renderChat(
+  [[nodiscard]] Result<std::vector<pd::TokenId>> renderChat(
       const router::ChatConversation& conversation) const override {
     if (fail_with) return *fail_with;
     return idsOf(chatText(conversation.messages));
   }
-  [[nodiscard]] Result<std::vector<router::TokenId>> tokenize(std::string_view text) const override {
+  [[nodiscard]] Result<std::vector<pd::TokenId>> tokenize(std::string_view text) const override {
     if (fail_with) return *fail_with;
     return idsOf(text);
   }

@@ -137,9 +137,10 @@ class FakeWorkerBase {
 struct DecodeScript {
   /// Answer DecodeOpen with this error instead of a stream (e.g. Overloaded -> 503).
   std::optional<ErrorCode> refuse;
+  std::string refuse_message = "refused by script";
   /// Token events after the KV record arrived (the first is prefill's token).
-  std::vector<std::vector<std::int32_t>> tokens{{100}, {101}};
-  std::string finish_reason = "length";
+  std::vector<std::vector<pd::TokenId>> tokens{{100}, {101}};
+  pd::FinishReason finish_reason = pd::FinishReason::Length;
   std::chrono::milliseconds token_delay{0};
   /// Cut the connection after this many token events (no finish).
   std::optional<std::size_t> cut_after;
@@ -239,7 +240,7 @@ class FakeDecodeWorker final : public FakeWorkerBase {
         live_[req.request_id] = live;
       }
     }
-    if (script.refuse) return (void)ex.respond(workerError(*script.refuse, "refused by script"));
+    if (script.refuse) return (void)ex.respond(workerError(*script.refuse, script.refuse_message));
     ex.onClientGone([this, live] {
       std::lock_guard lock(mu_);
       live->client_gone = true;

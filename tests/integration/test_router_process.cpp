@@ -2,12 +2,15 @@
 // decode workers served by this test (tests/fakes/fake_workers.h): --check-config, the
 // PDSERVE_READY line, /ready following the workers, a completion through real HTTP and the real
 // DeepSeek-V3 tokenizer, and a SIGTERM drain with a request in flight: /ready turns 503 at once,
-// the in-flight request still finishes, and the process exits 0.
+// the in-flight request still finishes, and the process exits 0. Clients hanging up at every
+// stage of a request's life, thousands of times, leave the router alive and every decode request
+// ended.
 #include <gtest/gtest.h>
 #include <signal.h>
 
 #include <boost/json.hpp>
 #include <chrono>
+#include <deque>
 #include <future>
 #include <optional>
 #include <string>
@@ -15,6 +18,7 @@
 #include <vector>
 
 #include "fakes/fake_workers.h"
+#include "fakes/raw_http_peer.h"
 #include "pd/common/http_client.h"
 #include "pd/common/subprocess.h"
 
@@ -73,13 +77,123 @@ TEST(RouterProcess, CheckConfigValidatesWithoutServing) {
   EXPECT_EQ(bad->wait(30s), std::optional<int>(2));
 }
 
+/// A router in front of one fake decode and one fake prefill worker, ready to serve.
+struct RouterWithFakes {
+  fakes::FakeDecodeWorker d;
+  std::vector<fakes::FakeDecodeWorker*> decoders{&d};
+  fakes::FakePrefillWorker p{decoders};
+  std::unique_ptr<proc::Subprocess> router;
+  std::uint16_t port = 0;
+
+  bool start() {
+    router = spawnRouter({"--router.port", "0", "--router.decode-workers", d.address(), "--router.prefill-workers",
+                          p.address(), "--router.health-interval-ms", "50"},
+                         false);
+    proc::LineReader out(router->stdoutFd());
+    const auto line = out.next(60s);
+    const std::string prefix = "PDSERVE_READY role=router url=http://127.0.0.1:";
+    if (!line || line->rfind(prefix, 0) != 0) return false;
+    port = static_cast<std::uint16_t>(std::stoi(line->substr(prefix.size())));
+    return waitFor([&] { return status(port, "/ready") == std::optional<int>(200); }, 10s);
+  }
+};
+
+std::string chatRequest(bool stream) {
+  const std::string body = std::string(R"({"model":"pdserve-default","messages":[{"role":"user","content":"Hi"}],)") +
+                           R"("max_tokens":64,"stream":)" + (stream ? "true" : "false") + "}";
+  return "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: " +
+         std::to_string(body.size()) + "\r\n\r\n" + body;
+}
+
+/// Opens `n` connections that each send `request`, waits until `reached` says the router got them
+/// that far, then hangs all of them up at once.
+template <class Pred>
+::testing::AssertionResult hangUpBatch(std::uint16_t port, std::size_t n, const std::string& request, Pred reached) {
+  std::deque<fakes::RawHttpPeer> peers;
+  for (std::size_t i = 0; i < n; ++i) {
+    peers.emplace_back(port);
+    if (!peers.back().send(request)) return ::testing::AssertionFailure() << "send failed";
+  }
+  if (!waitFor(reached, 20s)) return ::testing::AssertionFailure() << "the requests did not reach the stage";
+  for (auto& peer : peers) peer.close();
+  return ::testing::AssertionSuccess();
+}
+
+TEST(RouterProcess, SurvivesClientsHangingUpAtEveryStage) {
+  RouterWithFakes c;
+  fakes::DecodeScript script;
+  script.tokens = {{19923}, {14}, {2058}, {3}};  // "Hello, world!"
+  script.finish_reason = pd::FinishReason::Stop;
+  c.d.setScript(script);
+  ASSERT_TRUE(c.start());
+  const std::string whole = chatRequest(false);
+  std::size_t hangups = 0;
+
+  // 1. Before the body: headers and half the body, then gone (no generation starts).
+  for (int i = 0; i < 1000; ++i, ++hangups) {
+    fakes::RawHttpPeer peer(c.port);
+    ASSERT_TRUE(peer.send(whole.substr(0, whole.size() - 20)));
+  }
+  // 2. Right after sending: the router is anywhere from parsing to opening the legs.
+  for (int i = 0; i < 600; ++i, ++hangups) {
+    fakes::RawHttpPeer peer(c.port);
+    ASSERT_TRUE(peer.send(whole));
+  }
+  ASSERT_TRUE(waitFor([&] { return c.d.live() == 0; }, 20s)) << c.d.live() << " decode requests still held";
+  // 3. During the prefill leg: the prefill hangs until cancelled.
+  c.p.setBehaviour(fakes::PrefillBehaviour::Hang);
+  for (int batch = 0; batch < 10; ++batch, hangups += 50) {
+    const std::size_t before = c.p.submits().size();
+    ASSERT_TRUE(hangUpBatch(c.port, 50, whole, [&] { return c.p.submits().size() >= before + 50; }));
+  }
+  ASSERT_TRUE(waitFor([&] { return c.d.live() == 0; }, 20s)) << c.d.live() << " decode requests still held";
+  // 4. Between the descriptor and the first token: KV arrived, the first token is slow.
+  c.p.setBehaviour(fakes::PrefillBehaviour::Ok);
+  script.token_delay = 10s;
+  c.d.setScript(script);
+  for (int batch = 0; batch < 10; ++batch, hangups += 50) {
+    const std::size_t before = c.p.submits().size();
+    ASSERT_TRUE(hangUpBatch(c.port, 50, whole, [&] { return c.p.submits().size() >= before + 50; }));
+  }
+  ASSERT_TRUE(waitFor([&] { return c.d.live() == 0; }, 20s)) << c.d.live() << " decode requests still held";
+  // 5. Mid-stream: the first chunk arrived, more are coming.
+  script.tokens = std::vector<std::vector<pd::TokenId>>(200, std::vector<pd::TokenId>{14});
+  script.token_delay = 5ms;
+  c.d.setScript(script);
+  const std::string streamed = chatRequest(true);
+  for (int i = 0; i < 500; ++i, ++hangups) {
+    fakes::RawHttpPeer peer(c.port);
+    ASSERT_TRUE(peer.send(streamed));
+    const std::string got = peer.readUntil("\"content\":\",\"");
+    ASSERT_NE(got.find("\"content\":\",\""), std::string::npos) << got;
+  }
+  ASSERT_TRUE(waitFor([&] { return c.d.live() == 0; }, 20s)) << c.d.live() << " decode requests still held";
+
+  // The router is alive and serves.
+  EXPECT_GE(hangups, 3000U);
+  EXPECT_EQ(status(c.port, "/health"), std::optional<int>(200));
+  script.tokens = {{19923}, {14}, {2058}, {3}};
+  script.token_delay = 0ms;
+  c.d.setScript(script);
+  http::Client client("127.0.0.1", c.port);
+  auto r = client.send({"POST",
+                        "/v1/chat/completions",
+                        {{"Content-Type", "application/json"}},
+                        R"({"model":"pdserve-default","messages":[{"role":"user","content":"Hi"}],"max_tokens":8})"},
+                       10s);
+  ASSERT_TRUE(r.ok()) << r.error().toString();
+  ASSERT_EQ(r.value().status, 200) << r.value().body;
+  EXPECT_NE(r.value().body.find("Hello, world!"), std::string::npos) << r.value().body;
+  EXPECT_FALSE(c.router->wait(0ms).has_value()) << "the router exited";
+}
+
 TEST(RouterProcess, ServesThroughTheWorkersThenDrainsOnSigterm) {
   fakes::FakeDecodeWorker d;
   std::vector<fakes::FakeDecodeWorker*> decoders{&d};
   fakes::FakePrefillWorker p(decoders);
   fakes::DecodeScript script;
   script.tokens = {{19923}, {14}, {2058}, {3}};  // "Hello, world!"
-  script.finish_reason = "stop";
+  script.finish_reason = pd::FinishReason::Stop;
   d.setScript(script);
   d.setStatusFails(true);  // not ready at first
 

@@ -140,6 +140,7 @@ struct Scratch {
   detail::PreTokenizerScratch pre;
   detail::BpeScratch bpe;
   std::vector<detail::Piece> pieces;
+  std::vector<detail::Id> ids;  // one piece's BPE ids (< 2^20, so they fit a TokenId)
 };
 
 Scratch& threadScratch() {
@@ -361,7 +362,9 @@ void Tokenizer::Impl::encodeText(std::string_view text, std::vector<TokenId>& ou
   scratch.pieces.clear();
   pre_tokenizer.split(text, scratch.pre, scratch.pieces);
   for (const auto& piece : scratch.pieces) {
-    model.encode(text.substr(piece.begin, piece.end - piece.begin), scratch.bpe, out);
+    scratch.ids.clear();
+    model.encode(text.substr(piece.begin, piece.end - piece.begin), scratch.bpe, scratch.ids);
+    for (const detail::Id id : scratch.ids) out.push_back(static_cast<TokenId>(id));
   }
 }
 
@@ -401,8 +404,9 @@ Result<std::vector<TokenId>> Tokenizer::Impl::encode(std::string_view text, bool
 std::string Tokenizer::Impl::decode(std::span<const TokenId> ids, bool skip_special_tokens) const {
   std::string bytes;
   for (const TokenId id : ids) {
-    if (id >= entries.size() || !entries[id].known) continue;
-    const Entry& e = entries[id];
+    if (id < 0 || static_cast<std::size_t>(id) >= entries.size() || !entries[static_cast<std::size_t>(id)].known)
+      continue;
+    const Entry& e = entries[static_cast<std::size_t>(id)];
     if (skip_special_tokens && e.special) continue;
     bytes.append(e.bytes);
   }
@@ -481,7 +485,8 @@ std::optional<TokenId> Tokenizer::tokenToId(std::string_view token) const {
 }
 
 bool Tokenizer::isKnownId(TokenId id) const {
-  return id < impl_->entries.size() && impl_->entries[id].known;
+  return id >= 0 && static_cast<std::size_t>(id) < impl_->entries.size() &&
+         impl_->entries[static_cast<std::size_t>(id)].known;
 }
 bool Tokenizer::isSpecial(TokenId id) const {
   return isKnownId(id) && impl_->entries[id].special;

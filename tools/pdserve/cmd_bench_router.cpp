@@ -9,15 +9,23 @@
 // The router's overhead is the difference of the latency percentiles (p50, p99), at each
 // concurrency (default 1 and 64). Both ways do the same worker work; the difference is the
 // router's HTTP front end, validation, policy choice and relaying.
+//
+// With --hold_streams N it then opens N streaming completions at once and prints the router
+// process's thread count (/proc/<pid>/status) before and at most while they are open, next to
+// its configured I/O threads: an async router stays at I/O threads plus a small constant.
 
 #include <fmt/format.h>
+#include <netinet/in.h>
 #include <signal.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
 #include <boost/json.hpp>
 #include <chrono>
 #include <cstdio>
+#include <fstream>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -26,6 +34,7 @@
 #include "bench/router/router_overhead.h"
 #include "cli.h"
 #include "pd/common/http_client.h"
+#include "pd/common/http_server.h"
 #include "pd/common/log.h"
 #include "pd/common/role_process.h"
 #include "pd/common/subprocess.h"
@@ -42,6 +51,8 @@ struct BenchRouterConfig {
   std::int64_t requests = 256;  ///< timed requests per way and concurrency
   std::int64_t warmup = 16;
   std::int64_t prompt_tokens = 16;
+  std::int64_t hold_streams = 0;  ///< 0: no held-streams thread count
+  std::int64_t io_threads = 2;    ///< the router's
   bool json = false;
 };
 
@@ -153,6 +164,77 @@ Result<double> direct(http::Client& decode, http::Client& prefill, const std::ve
   return us;
 }
 
+/// The Threads line of /proc/<pid>/status; 0 when unreadable.
+std::int64_t threadCount(pid_t pid) {
+  std::ifstream in("/proc/" + std::to_string(pid) + "/status");
+  for (std::string line; std::getline(in, line);) {
+    if (line.rfind("Threads:", 0) == 0) return std::stoll(line.substr(8));
+  }
+  return 0;
+}
+
+/// A plain TCP connection to 127.0.0.1:port with `request` sent on it; -1 on failure.
+int openAndSend(std::uint16_t port, const std::string& request) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  if (fd < 0) return -1;
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(port);
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (::connect(fd, reinterpret_cast<const sockaddr*>(&addr), sizeof(addr)) != 0 ||
+      ::send(fd, request.data(), request.size(), MSG_NOSIGNAL) != static_cast<ssize_t>(request.size())) {
+    ::close(fd);
+    return -1;
+  }
+  return fd;
+}
+
+struct HeldStreams {
+  std::int64_t opened = 0;
+  std::int64_t threads_before = 0;
+  std::int64_t threads_max = 0;
+  std::int64_t in_flight_max = 0;
+};
+
+/// The router's pdserve_router_requests_in_flight gauge; -1 when unreadable.
+std::int64_t inFlight(const Endpoint& router) {
+  http::Client client(router.host, router.port);
+  auto r = client.send({"GET", "/metrics", {}, {}}, 5s);
+  if (!r.ok() || r->status != 200) return -1;
+  const std::string key = "pdserve_router_requests_in_flight ";
+  const auto pos = r->body.find("\n" + key);
+  if (pos == std::string::npos) return -1;
+  return static_cast<std::int64_t>(std::stod(r->body.substr(pos + 1 + key.size())));
+}
+
+/// Opens `n` streaming completions through the router at once and samples its thread count
+/// until they are all in flight (or 30 s pass), then hangs them all up.
+HeldStreams holdStreams(const Endpoint& router, pid_t pid, std::int64_t n, const std::string& body) {
+  HeldStreams out;
+  out.threads_before = threadCount(pid);
+  const std::string request =
+      "POST /v1/completions HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n"
+      "Content-Length: " +
+      std::to_string(body.size()) + "\r\n\r\n" + body;
+  std::vector<int> fds;
+  for (std::int64_t i = 0; i < n; ++i) {
+    const int fd = openAndSend(router.port, request);
+    if (fd >= 0) fds.push_back(fd);
+  }
+  out.opened = static_cast<std::int64_t>(fds.size());
+  const auto until = Clock::now() + 30s;
+  while (Clock::now() < until) {
+    out.threads_max = std::max(out.threads_max, threadCount(pid));
+    const std::int64_t in_flight = inFlight(router);
+    out.in_flight_max = std::max(out.in_flight_max, in_flight);
+    if (in_flight >= out.opened) break;
+    std::this_thread::sleep_for(20ms);
+  }
+  out.threads_max = std::max(out.threads_max, threadCount(pid));
+  for (const int fd : fds) ::close(fd);
+  return out;
+}
+
 }  // namespace
 
 int runBenchRouter(const std::vector<std::string>& args) {
@@ -164,6 +246,9 @@ int runBenchRouter(const std::vector<std::string>& args) {
       .add("requests", &cfg.requests, "timed requests per way and level", 1, 1000000)
       .add("warmup", &cfg.warmup, "untimed requests per way before each level", 0, 100000)
       .add("prompt_tokens", &cfg.prompt_tokens, "prompt length in tokens", 1, 4096)
+      .add("hold_streams", &cfg.hold_streams, "streaming requests to hold open at once for the thread count (0 = skip)",
+           0, 100000)
+      .add("io_threads", &cfg.io_threads, "the router's I/O threads", 1, 256)
       .add("json", &cfg.json, "print one JSON object instead of text");
   auto loaded = loadCommandOptions(
       "usage: pdserve bench router [--model.path DIR] [--concurrency 1,64] [--requests N] [--json]\n"
@@ -193,13 +278,23 @@ int runBenchRouter(const std::vector<std::string>& args) {
     a.insert(a.end(), extra.begin(), extra.end());
     return a;
   };
-  auto decode = startRole(*exe, withExtra({"decode", model_flag, "--decode.port=0", "--log.level=warn"}));
+  http::raiseFdLimit();  // --hold_streams holds one socket per stream
+  std::vector<std::string> decode_args{"decode", model_flag, "--decode.port=0", "--log.level=warn"};
+  // Held streams each reserve their KV blocks at once; the rest of them wait for a batch slot.
+  if (cfg.hold_streams > 0) decode_args.push_back("--decode.num_blocks=" + std::to_string(cfg.hold_streams * 8 + 64));
+  auto decode = startRole(*exe, withExtra(decode_args));
   if (!decode.ok()) return reportFailure(decode.error());
-  auto prefill = startRole(*exe, withExtra({"prefill", model_flag, "--prefill.port=0", "--log.level=warn"}));
+  std::vector<std::string> prefill_args{"prefill", model_flag, "--prefill.port=0", "--log.level=warn"};
+  if (cfg.hold_streams > 0) {
+    prefill_args.push_back("--prefill.max_queued_requests=" + std::to_string(cfg.hold_streams + 64));
+  }
+  auto prefill = startRole(*exe, withExtra(prefill_args));
   if (!prefill.ok()) return reportFailure(prefill.error());
   const auto hp = [](const Endpoint& e) { return e.host + ":" + std::to_string(e.port); };
   auto router = startRole(*exe, withExtra({"router", model_flag, "--router.port=0", "--log.level=warn",
-                                           "--router.io_threads=2", "--router.prefill_workers=" + hp(prefill->endpoint),
+                                           "--router.io_threads=" + std::to_string(cfg.io_threads),
+                                           "--router.max_queued_requests=" + std::to_string(cfg.hold_streams + 1024),
+                                           "--router.prefill_workers=" + hp(prefill->endpoint),
                                            "--router.decode_workers=" + hp(decode->endpoint)}));
   if (!router.ok()) return reportFailure(router.error());
   // The router marks workers ready after its first health poll.
@@ -279,6 +374,28 @@ int runBenchRouter(const std::vector<std::string>& args) {
       std::fflush(stdout);
     }
     report["concurrency_" + std::to_string(level)] = std::move(row);
+  }
+  if (cfg.hold_streams > 0) {
+    const std::string stream_body = boost::json::serialize(boost::json::object{{"model", "pdserve-default"},
+                                                                               {"prompt", prompt_json},
+                                                                               {"max_tokens", 64},
+                                                                               {"ignore_eos", true},
+                                                                               {"stream", true}});
+    const HeldStreams held = holdStreams(router->endpoint, router->process->pid(), cfg.hold_streams, stream_body);
+    if (!cfg.json) {
+      std::printf(
+          "held streams: %lld opened, %lld in flight at most | router threads %lld before, %lld at most while "
+          "held | configured I/O threads %lld\n",
+          static_cast<long long>(held.opened), static_cast<long long>(held.in_flight_max),
+          static_cast<long long>(held.threads_before), static_cast<long long>(held.threads_max),
+          static_cast<long long>(cfg.io_threads));
+      std::fflush(stdout);
+    }
+    report["held_streams"] = boost::json::object{{"opened", held.opened},
+                                                 {"in_flight_max", held.in_flight_max},
+                                                 {"router_threads_before", held.threads_before},
+                                                 {"router_threads_max", held.threads_max},
+                                                 {"router_io_threads", cfg.io_threads}};
   }
   if (cfg.json) std::printf("%s\n", boost::json::serialize(report).c_str());
   for (auto* role : {&*router, &*prefill, &*decode}) role->process->stop(30s);

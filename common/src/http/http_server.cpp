@@ -1,6 +1,7 @@
 #include "pd/common/http_server.h"
 
 #include <fmt/format.h>
+#include <sys/resource.h>
 
 #include <atomic>
 #include <boost/asio.hpp>
@@ -123,7 +124,8 @@ class ExchangeCore : public std::enable_shared_from_this<ExchangeCore> {
  public:
   enum class Phase { Waiting, Whole, Streaming, Ended, Done };
 
-  ExchangeCore(std::shared_ptr<Session> session, bool chunked) : session_(std::move(session)), chunked_(chunked) {}
+  ExchangeCore(std::shared_ptr<Session> session, bool chunked, bool head)
+      : session_(std::move(session)), chunked_(chunked), head_(head) {}
 
   bool respond(Response response);
   bool beginStream(int status, Headers headers);
@@ -166,6 +168,8 @@ class ExchangeCore : public std::enable_shared_from_this<ExchangeCore> {
     queued_bytes_ -= payload_bytes;
   }
   [[nodiscard]] bool chunked() const { return chunked_; }
+  /// A HEAD request answered by a GET route: the head goes out, the body never does.
+  [[nodiscard]] bool head() const { return head_; }
 
  private:
   mutable std::mutex mu_;
@@ -175,6 +179,7 @@ class ExchangeCore : public std::enable_shared_from_this<ExchangeCore> {
   std::function<void()> on_gone_;
   std::size_t queued_bytes_ = 0;
   const bool chunked_;
+  const bool head_;
 };
 
 class Session : public std::enable_shared_from_this<Session> {
@@ -440,26 +445,38 @@ void Session::dispatch() {
   req.body = std::move(msg.body());
   req.remote = remote_;
 
-  current_ = std::make_shared<ExchangeCore>(shared_from_this(), msg.version() >= 11);
+  const auto path_it = state_->routes.find(req.path);
+  const Handler* handler = nullptr;
+  bool head = false;
+  if (path_it != state_->routes.end()) {
+    const auto& by_method = path_it->second;
+    if (const auto m = by_method.find(req.method); m != by_method.end()) {
+      handler = &m->second;
+    } else if (const auto get = by_method.find("GET"); req.method == "HEAD" && get != by_method.end()) {
+      // HEAD is GET without the body (RFC 9110 §9.3.2): probes such as /health answer it.
+      handler = &get->second;
+      head = true;
+    }
+  }
+  current_ = std::make_shared<ExchangeCore>(shared_from_this(), msg.version() >= 11, head);
   startMonitor();
   Exchange exchange(current_);
 
-  const auto path_it = state_->routes.find(req.path);
   if (path_it == state_->routes.end()) {
     exchange.respond(state_->errorResponse(404, "no such endpoint"));
     return;
   }
-  const auto method_it = path_it->second.find(req.method);
-  if (method_it == path_it->second.end()) {
+  if (handler == nullptr) {
     Response r = state_->errorResponse(405, "method not allowed on this endpoint");
     std::string allow;
     for (const auto& [m, h] : path_it->second) allow += (allow.empty() ? "" : ", ") + m;
+    if (path_it->second.count("GET") != 0 && path_it->second.count("HEAD") == 0) allow += ", HEAD";
     r.headers.push_back({"Allow", allow});
     exchange.respond(std::move(r));
     return;
   }
   try {
-    method_it->second(std::move(req), exchange);
+    (*handler)(std::move(req), exchange);
   } catch (const std::exception& e) {
     log::error(kLog, "handler for {} threw: {}", path_it->first, e.what());
     exchange.respond(state_->errorResponse(500, "internal error"));
@@ -497,7 +514,7 @@ void Session::sendWhole(const std::shared_ptr<ExchangeCore>& core, const Respons
   if (closing_) keep_alive_ = false;
   std::string bytes = serializeHead(response.status, response.headers, state_->options.server_name, keep_alive_,
                                     response.body.size(), false);
-  bytes += response.body;
+  if (!core->head()) bytes += response.body;
   enqueue(bytes, 0, true);
 }
 
@@ -511,6 +528,7 @@ void Session::sendStreamHead(const std::shared_ptr<ExchangeCore>& core, int stat
 void Session::sendChunk(const std::shared_ptr<ExchangeCore>& core, const std::string& data) {
   if (core != current_ || closed_) return;
   const std::size_t payload = data.size();
+  if (core->head()) return core->wrote(payload);
   if (!core->chunked()) return enqueue(data, payload, false);
   std::string framed = fmt::format("{:x}\r\n", payload);
   framed += data;
@@ -520,7 +538,7 @@ void Session::sendChunk(const std::shared_ptr<ExchangeCore>& core, const std::st
 
 void Session::sendStreamEnd(const std::shared_ptr<ExchangeCore>& core) {
   if (core != current_ || closed_) return;
-  enqueue(core->chunked() ? std::string("0\r\n\r\n") : std::string(), 0, true);
+  enqueue(core->chunked() && !core->head() ? std::string("0\r\n\r\n") : std::string(), 0, true);
 }
 
 void Session::enqueue(std::string_view bytes, std::size_t payload, bool final) {
@@ -663,7 +681,10 @@ void Exchange::onClientGone(std::function<void()> callback) {
 class Server::Impl {
  public:
   explicit Impl(std::shared_ptr<detail::ServerState> state)
-      : state_(std::move(state)), acceptor_(net::make_strand(state_->ioc)), work_(net::make_work_guard(state_->ioc)) {}
+      : state_(std::move(state)),
+        acceptor_(net::make_strand(state_->ioc)),
+        backoff_(acceptor_.get_executor()),
+        work_(net::make_work_guard(state_->ioc)) {}
   Impl(const Impl&) = delete;
   Impl& operator=(const Impl&) = delete;
   Impl(Impl&&) = delete;
@@ -733,6 +754,7 @@ class Server::Impl {
     net::post(acceptor_.get_executor(), [this] {
       beast::error_code ec;
       acceptor_.close(ec);
+      backoff_.cancel();
     });
     forEachSession([](const std::shared_ptr<detail::Session>& s) { s->shutdownGracefully(); });
     {
@@ -771,6 +793,24 @@ class Server::Impl {
           if (!state_->addSession(session)) return;
           session->start();
         }
+      } else if (ec == net::error::no_descriptors || ec == boost::system::errc::too_many_files_open_in_system ||
+                 ec == net::error::no_buffer_space || ec == net::error::no_memory) {
+        // Out of fds (or kernel memory): the pending connection stays in the backlog and the
+        // next accept would fail at once. Pause instead of spinning a core and flooding the log.
+        ++accept_failures_;
+        const auto now = std::chrono::steady_clock::now();
+        if (now - last_accept_log_ >= std::chrono::seconds(1)) {
+          log::warn(kLog, "accept failed {} time(s) since the last report: {}; pausing {} ms", accept_failures_,
+                    ec.message(), kAcceptBackoff.count());
+          accept_failures_ = 0;
+          last_accept_log_ = now;
+        }
+        backoff_.expires_after(kAcceptBackoff);
+        backoff_.async_wait([this](beast::error_code wait_ec) {
+          if (wait_ec == net::error::operation_aborted || !acceptor_.is_open()) return;
+          accept();
+        });
+        return;
       } else {
         log::warn(kLog, "accept failed: {}", ec.message());
       }
@@ -790,13 +830,35 @@ class Server::Impl {
 
   std::shared_ptr<detail::ServerState> state_;  // shared with sessions: see ServerState
   tcp::acceptor acceptor_;
+  net::steady_timer backoff_;          // on the acceptor's strand: the pause after an fd-limit failure
+  std::uint64_t accept_failures_ = 0;  // acceptor strand only
+  std::chrono::steady_clock::time_point last_accept_log_;  // acceptor strand only
   net::executor_work_guard<net::io_context::executor_type> work_;
   std::vector<std::thread> threads_;
   std::uint16_t port_ = 0;
   std::atomic<bool> stopped_{false};
 };
 
+std::uint64_t raiseFdLimit() {
+  static std::mutex mu;
+  std::lock_guard lock(mu);
+  rlimit limit{};
+  if (getrlimit(RLIMIT_NOFILE, &limit) != 0) return 0;
+  if (limit.rlim_cur < limit.rlim_max) {
+    const rlim_t before = limit.rlim_cur;
+    limit.rlim_cur = limit.rlim_max;
+    if (setrlimit(RLIMIT_NOFILE, &limit) == 0) {
+      log::info(kLog, "raised the open file limit from {} to {}", static_cast<std::uint64_t>(before),
+                static_cast<std::uint64_t>(limit.rlim_cur));
+    } else {
+      limit.rlim_cur = before;
+    }
+  }
+  return static_cast<std::uint64_t>(limit.rlim_cur);
+}
+
 Result<std::unique_ptr<Server>> Server::start(ServerOptions options, std::vector<Route> routes) {
+  raiseFdLimit();
   if (options.io_threads < 1) return makeError(ErrorCode::InvalidArgument, "io_threads must be at least 1");
   if (options.max_body_bytes == 0) return makeError(ErrorCode::InvalidArgument, "max_body_bytes must be positive");
   auto state = std::make_shared<detail::ServerState>(std::move(options));

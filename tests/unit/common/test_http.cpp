@@ -1,8 +1,14 @@
+#include <fcntl.h>
 #include <gtest/gtest.h>
+#include <sys/resource.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -456,6 +462,97 @@ TEST_F(HttpTest, StopAfterTheDrainTimeCutsStreamsAndTellsHandlers) {
   EXPECT_LT(std::chrono::steady_clock::now() - t0, 3s);
   EXPECT_TRUE(client_gone_.waitFor(1s));
   reader.join();
+}
+
+TEST_F(HttpTest, HeadIsGetWithoutTheBody) {
+  startServer();
+  RawHttpPeer peer(port_);
+  ASSERT_TRUE(
+      peer.send("HEAD /hello HTTP/1.1\r\nHost: x\r\n\r\n"
+                "GET /hello HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"));
+  const std::string bytes = peer.readAll();
+  // Two heads, both announcing the GET body's length; the body only once, after the second.
+  const auto second = bytes.find("HTTP/1.1 200", 1);
+  ASSERT_EQ(bytes.rfind("HTTP/1.1 200 OK\r\n", 0), 0u) << bytes;
+  ASSERT_NE(second, std::string::npos) << bytes;
+  const std::string head = bytes.substr(0, second);
+  EXPECT_NE(head.find("Content-Length: 5\r\n"), std::string::npos) << head;
+  EXPECT_EQ(head.substr(head.size() - 4), "\r\n\r\n") << head;  // no body bytes follow the head
+  EXPECT_EQ(bytes.find("hello"), bytes.size() - 5) << bytes;
+  // HEAD where only POST is served stays 405, and the Allow header offers HEAD beside GET.
+  Client client("127.0.0.1", port_);
+  auto r = client.send({"DELETE", "/hello", {}, {}}, 5s);
+  ASSERT_TRUE(r.ok());
+  EXPECT_EQ(r->status, 405);
+  EXPECT_EQ(r->header("Allow"), "GET, HEAD");
+  RawHttpPeer post_only(port_);
+  ASSERT_TRUE(post_only.send("HEAD /echo HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"));
+  EXPECT_EQ(post_only.readAll().rfind("HTTP/1.1 405", 0), 0u);
+}
+
+namespace fdlimit {
+
+std::size_t openFds() {
+  std::size_t n = 0;
+  for ([[maybe_unused]] const auto& e : std::filesystem::directory_iterator("/proc/self/fd")) ++n;
+  return n;
+}
+
+std::size_t countLines(const std::string& path, std::string_view needle) {
+  std::ifstream in(path);
+  std::size_t n = 0;
+  for (std::string line; std::getline(in, line);) n += line.find(needle) != std::string::npos ? 1 : 0;
+  return n;
+}
+
+/// Runs in a child process (it lowers the fd limit for good). Exit code 0 on success, else the
+/// number of the check that failed.
+int scenario() {
+  rlimit limit{};
+  if (getrlimit(RLIMIT_NOFILE, &limit) != 0 || limit.rlim_max < 256) return 0;  // nothing to test
+  // 1. A lowered soft limit is raised to the hard one when a server starts.
+  limit.rlim_cur = 64;
+  if (setrlimit(RLIMIT_NOFILE, &limit) != 0) return 1;
+  ServerOptions options;
+  options.io_threads = 2;
+  std::vector<Route> routes;
+  routes.push_back(
+      {"GET", "/hello", [](Request, Exchange ex) { ex.respond(Response::withBody(200, "text/plain", "hello")); }});
+  auto server = Server::start(options, std::move(routes));
+  if (!server.ok()) return 2;
+  rlimit now{};
+  if (getrlimit(RLIMIT_NOFILE, &now) != 0 || now.rlim_cur != limit.rlim_max) return 3;
+  // 2. At the limit, the accept loop pauses instead of spinning: count its log lines.
+  const std::string log_path = "/tmp/pd_test_http_fdlimit_" + std::to_string(getpid()) + ".log";
+  const int log_fd = ::open(log_path.c_str(), O_CREAT | O_TRUNC | O_WRONLY, 0600);
+  if (log_fd < 0 || ::dup2(log_fd, STDERR_FILENO) < 0) return 4;
+  ::close(log_fd);
+  limit.rlim_cur = openFds() + 8;
+  limit.rlim_max = limit.rlim_cur;
+  if (setrlimit(RLIMIT_NOFILE, &limit) != 0) return 5;
+  std::vector<int> filler;
+  for (int fd; (fd = ::open("/dev/null", O_RDONLY)) >= 0;) filler.push_back(fd);
+  ::close(filler.back());  // room for the client's socket only
+  filler.pop_back();
+  RawHttpPeer peer((*server)->port());
+  if (!peer.send("GET /hello HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")) return 6;
+  std::this_thread::sleep_for(600ms);
+  // 3. Once fds are free again, the waiting connection is served.
+  for (const int fd : filler) ::close(fd);
+  const std::size_t lines = countLines(log_path, "accept failed");  // (reading the log needs an fd too)
+  const std::string answer = peer.readUntil("hello");
+  std::remove(log_path.c_str());
+  if (lines < 1 || lines > 2) return static_cast<int>(100 + std::min<std::size_t>(lines, 150));  // log lines
+  if (answer.rfind("HTTP/1.1 200", 0) != 0) return 8;
+  (*server)->stop();
+  return 0;
+}
+
+}  // namespace fdlimit
+
+TEST(HttpServerFdLimit, RaisesTheSoftLimitAndPausesAcceptingAtTheLimit) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_EXIT(std::_Exit(fdlimit::scenario()), ::testing::ExitedWithCode(0), "");
 }
 
 TEST(HttpClient, ConnectionRefusedIsPeerFailed) {

@@ -95,7 +95,7 @@ TEST(WorkerApi, DecodeEventsRoundTrip) {
   tokens.logprobs = {{5, -0.5F, {{5, -0.5F}, {9, -1.5F}}}, {6, -0.25F, {}}};
   DecodeEvent finish;
   finish.type = DecodeEventType::Finish;
-  finish.finish_reason = "length";
+  finish.finish_reason = pd::FinishReason::Length;
   finish.prompt_tokens = 4;
   finish.completion_tokens = 2;
   DecodeEvent error;

@@ -161,7 +161,7 @@ struct Stream {
   int finish_events = 0;
   bool after_finish = false;
 
-  TokenSink sink() {
+  TokenEventSink sink() {
     return [this](const TokenEvent& e) {
       if (finish) after_finish = true;
       for (const auto& t : e.tokens) tokens.push_back(t.token);

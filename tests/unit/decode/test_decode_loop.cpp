@@ -43,7 +43,7 @@ std::unique_ptr<model::Engine> makeEngine(const std::string& model) {
 // A stream read by the test thread while the loop thread writes it.
 class Stream {
  public:
-  TokenSink sink() {
+  TokenEventSink sink() {
     return [this](const TokenEvent& e) {
       std::lock_guard lock(mutex_);
       for (const auto& t : e.tokens) tokens_.push_back(t.token);

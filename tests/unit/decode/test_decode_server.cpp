@@ -299,7 +299,7 @@ TEST_P(DecodeServerTest, StreamsTheGoldenGreedyTokens) {
   const Outcome o = collect(stream.all());
   EXPECT_EQ(o.tokens, greedy_);
   EXPECT_EQ(o.last.type, api::DecodeEventType::Finish);
-  EXPECT_EQ(o.last.finish_reason, "length");
+  EXPECT_EQ(o.last.finish_reason, pd::FinishReason::Length);
   EXPECT_EQ(o.last.prompt_tokens, static_cast<std::int64_t>(prompt_.size()));
   EXPECT_EQ(o.last.completion_tokens, static_cast<std::int64_t>(greedy_.size()));
 

@@ -50,7 +50,7 @@ std::unique_ptr<model::Engine> makeEngine() {
 // A stream's end, read by the test thread while the engine (or loop) thread writes it.
 class Stream {
  public:
-  TokenSink sink() {
+  TokenEventSink sink() {
     return [this](const TokenEvent& e) {
       std::lock_guard lock(mutex_);
       if (e.finish) {

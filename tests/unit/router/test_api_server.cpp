@@ -26,6 +26,8 @@ namespace {
 
 namespace json = boost::json;
 using namespace std::chrono_literals;
+using pd::FinishReason;
+using pd::TokenId;
 using pd::fakes::FakeCompletionBackend;
 using pd::fakes::FakePromptRenderer;
 using pd::fakes::RawHttpPeer;
@@ -33,9 +35,7 @@ using pd::fakes::Script;
 using pd::http::ClientResponse;
 using pd::router::ApiServer;
 using pd::router::ApiServerOptions;
-using pd::router::FinishReason;
 using pd::router::TokenDelta;
-using pd::router::TokenId;
 
 constexpr std::string_view kModel = "test-model";
 constexpr std::string_view kMarker = "ZQX-secret-input";
@@ -304,19 +304,20 @@ TEST_F(ApiServerTest, RequestReachesTheBackendWithEveryParameter) {
   EXPECT_EQ(g.sampling.temperature, 0.5);
   EXPECT_EQ(g.sampling.top_p, 0.8);
   EXPECT_EQ(g.sampling.top_k, 40);
-  EXPECT_EQ(g.sampling.seed, -3);
+  EXPECT_EQ(g.seed, -3);
   EXPECT_EQ(g.sampling.presence_penalty, 0.25);
   EXPECT_EQ(g.sampling.frequency_penalty, -0.25);
   EXPECT_EQ(g.stop, (std::vector<std::string>{"\n", "END"}));
   EXPECT_EQ(g.stop_token_ids, std::vector<TokenId>{5});
   EXPECT_TRUE(g.ignore_eos);
-  EXPECT_EQ(g.top_logprobs, 2);
+  EXPECT_TRUE(g.logprobs);
+  EXPECT_EQ(g.sampling.top_logprobs, 2);
   EXPECT_GT(g.deadline, t0 + 9s);
   EXPECT_LT(g.deadline, t0 + 11s);
   // Defaults: chat may use the rest of the context; completions generate 16.
   EXPECT_EQ(reqs[1].max_tokens, 128 - static_cast<std::int64_t>(chatPromptIds().size()));
-  EXPECT_EQ(reqs[1].top_logprobs, -1);
-  EXPECT_FALSE(reqs[1].sampling.seed);
+  EXPECT_FALSE(reqs[1].logprobs);
+  EXPECT_FALSE(reqs[1].seed);
   EXPECT_EQ(reqs[2].max_tokens, 16);
   EXPECT_EQ(reqs[2].prompt_token_ids, FakePromptRenderer::idsOf("abc"));
   EXPECT_NE(reqs[0].request_id, reqs[1].request_id);
@@ -419,6 +420,22 @@ TEST_F(ApiServerTest, NotReadyIs503WithRetryAfter) {
   EXPECT_EQ(send("GET", "/health").status, 200);
   backend_.setReady(true);
   EXPECT_EQ(send("GET", "/ready").body, R"({"status":"ready"})");
+}
+
+TEST_F(ApiServerTest, ProbesAnswerHeadWithoutABody) {
+  start();
+  for (const char* path : {"/health", "/ready"}) {
+    RawHttpPeer peer(server_->port());
+    ASSERT_TRUE(peer.send(std::string("HEAD ") + path + " HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"));
+    const std::string bytes = peer.readAll();
+    EXPECT_EQ(bytes.rfind("HTTP/1.1 200", 0), 0u) << path << ": " << bytes;
+    // Nothing after the head: the body GET would send is left out.
+    EXPECT_EQ(bytes.find("\r\n\r\n"), bytes.size() - 4) << path << ": " << bytes;
+  }
+  backend_.setReady(false);
+  RawHttpPeer peer(server_->port());
+  ASSERT_TRUE(peer.send("HEAD /ready HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"));
+  EXPECT_EQ(peer.readAll().rfind("HTTP/1.1 503", 0), 0u);
 }
 
 TEST_F(ApiServerTest, QueueLimitIs429UntilTheQueueDrains) {
@@ -548,10 +565,10 @@ TEST_F(ApiServerTest, InvalidUtf8FromTheModelIsEscapedTheSameWayInBothModes) {
 TEST_F(ApiServerTest, LogprobsInBothApiShapes) {
   Script s;
   TokenDelta d{{1000}, "a", {}};
-  d.logprobs.push_back({1000, "a", -0.5, {{1001, "b", -1.0}}});
+  d.logprobs.push_back({{1000, -0.5F, {{1001, -1.0F}}}, "a", {"b"}});
   s.deltas.push_back(d);
   TokenDelta e{{1001}, "\xFF", {}};
-  e.logprobs.push_back({1001, "\xFF", -std::numeric_limits<double>::infinity(), {}});
+  e.logprobs.push_back({{1001, -std::numeric_limits<float>::infinity(), {}}, "\xFF", {}});
   s.deltas.push_back(e);
   backend_.setScript(s);
   start();

@@ -1,3 +1,4 @@
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <string>
@@ -43,12 +44,12 @@ TEST(OpenAiRequest, ChatBodyAsTheOpenAiPythonSdkSendsIt) {
   EXPECT_TRUE(p.include_usage);
   EXPECT_EQ(p.sampling.temperature, 0.0);
   EXPECT_EQ(p.sampling.top_p, 0.9);
-  EXPECT_EQ(p.sampling.seed, 42);
+  EXPECT_EQ(p.seed, 42);
   EXPECT_EQ(p.sampling.presence_penalty, 0.5);
   EXPECT_EQ(p.sampling.frequency_penalty, -0.5);
   EXPECT_EQ(p.stop, std::vector<std::string>{"\n\n"});
   EXPECT_TRUE(p.logprobs);
-  EXPECT_EQ(p.top_logprobs, 3);
+  EXPECT_EQ(p.sampling.top_logprobs, 3);
   EXPECT_EQ(p.user, "u-1");
 }
 
@@ -65,7 +66,7 @@ TEST(OpenAiRequest, ContentPartsNullsAndExtensions) {
   EXPECT_EQ(p.sampling.top_k, 0);
   EXPECT_EQ(p.sampling.temperature, 1.0);  // null means default
   EXPECT_EQ(p.stop, std::vector<std::string>{"END"});
-  EXPECT_EQ(p.stop_token_ids, (std::vector<pd::router::TokenId>{7, 8}));
+  EXPECT_EQ(p.stop_token_ids, (std::vector<pd::TokenId>{7, 8}));
   EXPECT_TRUE(p.ignore_eos);
   EXPECT_TRUE(p.return_token_ids);
   EXPECT_EQ(p.conversation.template_kwargs_json, R"({"thinking":true})");
@@ -77,12 +78,12 @@ TEST(OpenAiRequest, CompletionPromptForms) {
   EXPECT_FALSE(p.prompt_token_ids);
   EXPECT_FALSE(p.max_tokens);
   p = parseOk(Endpoint::Completions, R"({"model":"m","prompt":[1,2,3],"logprobs":2,"max_tokens":4.0})");
-  EXPECT_EQ(p.prompt_token_ids, (std::vector<pd::router::TokenId>{1, 2, 3}));
+  EXPECT_EQ(p.prompt_token_ids, (std::vector<pd::TokenId>{1, 2, 3}));
   EXPECT_TRUE(p.logprobs);
-  EXPECT_EQ(p.top_logprobs, 2);
+  EXPECT_EQ(p.sampling.top_logprobs, 2);
   EXPECT_EQ(p.max_tokens, 4);
   p = parseOk(Endpoint::Completions, R"({"model":"m","prompt":[[5,6]]})");
-  EXPECT_EQ(p.prompt_token_ids, (std::vector<pd::router::TokenId>{5, 6}));
+  EXPECT_EQ(p.prompt_token_ids, (std::vector<pd::TokenId>{5, 6}));
   p = parseOk(Endpoint::Completions, R"({"model":"m","prompt":["one"],"echo":false,"suffix":null,"best_of":1})");
   EXPECT_EQ(p.prompt_text, "one");
 }
@@ -112,6 +113,16 @@ TEST(OpenAiRequest, RefusesWhatItCannotDo) {
   EXPECT_NE(chat(R"("top_k":-2)").find("'top_k'"), std::string::npos);
   EXPECT_NE(chat(R"("max_tokens":0)").find("'max_tokens' must be at least 1"), std::string::npos);
   EXPECT_NE(chat(R"("max_tokens":1.5)").find("'max_tokens' must be an integer"), std::string::npos);
+  // Too large is not "too small" (a hostile 1e30 once read "must be at least 1").
+  EXPECT_NE(chat(R"("max_tokens":1e30)").find("'max_tokens' is too large"), std::string::npos);
+  EXPECT_NE(chat(R"("max_tokens":18446744073709551615)").find("'max_tokens' is too large"), std::string::npos);
+  EXPECT_NE(chat(R"("max_completion_tokens":1e30)").find("'max_completion_tokens' is too large"), std::string::npos);
+  EXPECT_NE(chat(R"("max_tokens":-1e30)").find("'max_tokens' must be at least 1"), std::string::npos);
+  // chat_template_kwargs cannot replace what the router validated and set itself.
+  for (const char* key : {"messages", "tools", "add_generation_prompt", "bos_token", "eos_token", "pad_token"}) {
+    const std::string body = fmt::format(R"("chat_template_kwargs":{{"thinking":true,"{}":"x"}})", key);
+    EXPECT_NE(chat(body).find(fmt::format("'chat_template_kwargs' may not set '{}'", key)), std::string::npos) << key;
+  }
   EXPECT_NE(chat(R"("presence_penalty":-3)").find("'presence_penalty'"), std::string::npos);
   EXPECT_NE(chat(R"("top_logprobs":2)").find("requires 'logprobs'"), std::string::npos);
   EXPECT_NE(chat(R"("logprobs":true,"top_logprobs":21)").find("'top_logprobs'"), std::string::npos);

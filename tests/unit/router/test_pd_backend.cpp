@@ -65,12 +65,12 @@ class RecordingSink final : public TokenSink {
     logprobs_ += delta.logprobs.size();
     ++deltas_;
   }
-  void onFinish(GenerationEnd end) override {
+  void onFinish(FinishEvent end) override {
     std::lock_guard lock(mu_);
     EXPECT_FALSE(ended_) << "two terminal events";
     ended_ = true;
     text_ += end.text;
-    reason_ = end.reason;
+    reason_ = end.end.reason;
     cv_.notify_all();
   }
   void onError(Error error) override {
@@ -131,14 +131,17 @@ class PdBackendTest : public ::testing::Test {
     p2.setStatus(ps);
   }
 
-  void startBackend(PdBackendOptions options = {}) {
+  /// `health_interval` and `health_failures` as the registry's (a long interval with one failure
+  /// lets a test see every reportFailure: the worker stays out of rotation until the next poll).
+  void startBackend(PdBackendOptions options = {}, std::chrono::milliseconds health_interval = 20ms,
+                    std::int64_t health_failures = 2) {
     RegistryOptions ro;
     for (auto* d : decoders) ro.decode_workers.push_back(parseWorkerAddress(d->address(), "test").value());
     ro.prefill_workers.push_back(parseWorkerAddress(p1.address(), "test").value());
     ro.prefill_workers.push_back(parseWorkerAddress(p2.address(), "test").value());
-    ro.health_interval = 20ms;
+    ro.health_interval = health_interval;
     ro.health_timeout = 500ms;
-    ro.health_failures = 2;
+    ro.health_failures = health_failures;
     registry = WorkerRegistry::start(ro).value();
     ASSERT_TRUE(waitFor([&] {
       return registry->ready(WorkerRole::Decode).size() == 2 && registry->ready(WorkerRole::Prefill).size() == 2;
@@ -185,12 +188,13 @@ class PdBackendTest : public ::testing::Test {
 TEST_F(PdBackendTest, CompletionFlowsDetokenizedWithTheSameSamplingOnBothLegs) {
   DecodeScript script;
   script.tokens = {{kHello}, {kComma}, {kWorld, kBang}};
-  script.finish_reason = "stop";
+  script.finish_reason = pd::FinishReason::Stop;
   d1.setScript(script);
   startBackend();
   auto sink = std::make_shared<RecordingSink>();
   auto req = request();
-  req.top_logprobs = 1;
+  req.logprobs = true;
+  req.sampling.top_logprobs = 1;
   req.stop_token_ids = {7};
   auto control = backend->start(req, sink);
   ASSERT_TRUE(control.ok()) << control.error().toString();
@@ -227,7 +231,7 @@ TEST_F(PdBackendTest, ClientSeedReachesBothLegsAndLengthFinishes) {
   startBackend();
   auto sink = std::make_shared<RecordingSink>();
   auto req = request();
-  req.sampling.seed = 42;
+  req.seed = 42;
   req.sampling.temperature = 0.7;
   ASSERT_TRUE(backend->start(req, sink).ok());
   ASSERT_TRUE(sink->waitEnd());
@@ -262,7 +266,7 @@ TEST_F(PdBackendTest, StopStringCutsTheTextExactlyAndAbortsTheDecodeStream) {
 TEST_F(PdBackendTest, StopStringAcrossTheLastTokenAndTextHeldBackIsReleasedAtTheEnd) {
   DecodeScript script;
   script.tokens = {{kHello}, {kComma}};
-  script.finish_reason = "length";
+  script.finish_reason = pd::FinishReason::Length;
   d1.setScript(script);
   startBackend();
   auto sink = std::make_shared<RecordingSink>();
@@ -336,6 +340,7 @@ TEST_F(PdBackendTest, DecodeRefusalIsRetriedOnAnotherDecodeWorker) {
 TEST_F(PdBackendTest, RequestThatCanNeverFitIsNotRetried) {
   DecodeScript refuse;
   refuse.refuse = ErrorCode::ResourceExhausted;
+  refuse.refuse_message = "request 17 needs 300 KV blocks (4800 tokens) but the pool has only 256";  // as D says
   d1.setScript(refuse);
   startBackend();
   auto sink = std::make_shared<RecordingSink>();
@@ -345,6 +350,10 @@ TEST_F(PdBackendTest, RequestThatCanNeverFitIsNotRetried) {
   EXPECT_EQ(sink->error()->code, ErrorCode::ResourceExhausted);
   // Clients see this message (400): it must not name internal addresses.
   EXPECT_EQ(sink->error()->message.find("127.0.0.1"), std::string::npos) << sink->error()->message;
+  // Nor the worker's transfer id or pool size: a clean public message instead.
+  EXPECT_EQ(sink->error()->message,
+            "the prompt plus max_tokens needs more KV cache than a decode worker has; shorten the prompt or lower "
+            "max_tokens");
   EXPECT_TRUE(d2.opens().empty());
   EXPECT_EQ(retries("decode"), 0.0);
 }
@@ -464,6 +473,31 @@ TEST_F(PdBackendTest, RequestDeadlineFiresWhilePrefillHangs) {
   EXPECT_TRUE(contains(p1.cancels(), "cmpl-t1") || contains(p1.gone(), "cmpl-t1"));
 }
 
+TEST_F(PdBackendTest, TheRequestsOwnDeadlineIsNotAWorkerFailure) {
+  // Healthy workers, a slow stream and a short request_timeout_ms: the request times out, and
+  // neither worker may leave rotation for it (once 1,338 of 1,500 such requests got 503).
+  DecodeScript slow;
+  slow.tokens = {{kHello}, {kComma}};
+  slow.hang_after = 1;
+  d1.setScript(slow);
+  d2.setScript(slow);
+  PdBackendOptions o;
+  o.decode_retries = 0;
+  startBackend(o, /*health_interval=*/60s, /*health_failures=*/1);
+  for (int i = 0; i < 3; ++i) {
+    auto sink = std::make_shared<RecordingSink>();
+    auto req = request("cmpl-deadline" + std::to_string(i));
+    req.deadline = std::chrono::steady_clock::now() + 200ms;
+    ASSERT_TRUE(backend->start(req, sink).ok());
+    ASSERT_TRUE(sink->waitEnd());
+    ASSERT_TRUE(sink->error());
+    EXPECT_EQ(sink->error()->code, ErrorCode::Timeout) << sink->error()->toString();
+    EXPECT_EQ(registry->ready(WorkerRole::Decode).size(), 2U) << "a decode worker was blamed for the deadline";
+    EXPECT_EQ(registry->ready(WorkerRole::Prefill).size(), 2U) << "a prefill worker was blamed for the deadline";
+  }
+  EXPECT_TRUE(waitFor([&] { return d1.live() == 0 && d2.live() == 0; }));
+}
+
 TEST_F(PdBackendTest, NoReadyWorkersIsOverloadedAndStartsNothing) {
   auto s = d1.status();
   s.draining = true;
@@ -515,7 +549,7 @@ TEST_F(PdBackendTest, BurstSpreadsOverDecodeWorkersBeforeTheNextPoll) {
 TEST_F(PdBackendTest, ServesTheOpenAiApiEndToEnd) {
   DecodeScript script;
   script.tokens = {{kHello}, {kComma}, {kWorld}, {kBang}};
-  script.finish_reason = "stop";
+  script.finish_reason = pd::FinishReason::Stop;
   d1.setScript(script);
   startBackend();
   ApiServerOptions ao;

@@ -13,6 +13,10 @@
 ///   even when nothing is being written.
 /// - A stream whose client reads too slowly (more than `max_buffered_stream_bytes` queued, or a
 ///   write taking longer than `write_timeout`) is treated as a gone client.
+/// - HEAD on a path that has a GET route (and no HEAD route) runs the GET handler and sends its
+///   status and headers without the body, as probes (`curl -I /health`) expect.
+/// - At the fd limit (EMFILE/ENFILE) accepting pauses for kAcceptBackoff instead of spinning, with
+///   one log line per second at most; raiseFdLimit() lifts the soft limit to the hard one.
 /// - stop(): stops accepting, closes idle connections, lets in-flight responses finish until the
 ///   drain deadline, then closes the rest (their handlers see onClientGone) and joins the threads.
 ///
@@ -69,6 +73,13 @@ class Exchange {
   // Shared by every copy; its destructor (the last copy gone) answers for an abandoned exchange.
   std::shared_ptr<Owner> owner_;
 };
+
+/// How long the accept loop pauses after running out of file descriptors.
+inline constexpr std::chrono::milliseconds kAcceptBackoff{75};
+
+/// Raises this process's soft RLIMIT_NOFILE to its hard limit (a server holds one fd per
+/// connection) and returns the soft limit now in force. Server::start() calls it. Thread-safe.
+std::uint64_t raiseFdLimit();
 
 /// A route handler: gets the request (moved in) and its exchange. Runs on an io thread.
 using Handler = std::function<void(Request request, Exchange exchange)>;

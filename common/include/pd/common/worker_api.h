@@ -39,7 +39,7 @@ struct DecodeOpen {
   /// Must equal what the prefill worker gets (same seed): decode replays the first draw.
   pd::SamplingParams sampling;
   bool logprobs = false;  ///< report each token's logprob (and sampling.top_logprobs alternatives)
-  std::vector<std::int32_t> stop_token_ids;
+  std::vector<pd::TokenId> stop_token_ids;
   bool ignore_eos = false;
   /// How long the worker waits for the KV record, over every prefill attempt together.
   std::int64_t kv_timeout_ms = 60000;
@@ -50,12 +50,6 @@ struct DecodeOpen {
 
 enum class DecodeEventType { Descriptor, Tokens, Finish, Error };
 
-struct TokenLogprobs {
-  std::int32_t token = 0;
-  float logprob = 0.0F;
-  std::vector<pd::TokenLogprob> top;  ///< best first
-};
-
 /// One line of the decode stream. The first is Descriptor; then Tokens events; the last is
 /// Finish or Error (exactly one of them). A stream that ends without either was cut.
 struct DecodeEvent {
@@ -64,10 +58,10 @@ struct DecodeEvent {
   std::string kv_descriptor;  ///< kvtransfer wire bytes (raw; base64 on the wire)
   std::int64_t blocks = 0;    ///< KV blocks held for the request
   // Tokens
-  std::vector<std::int32_t> token_ids;
-  std::vector<TokenLogprobs> logprobs;  ///< one per token id, when asked
+  std::vector<pd::TokenId> token_ids;
+  std::vector<pd::SampledToken> logprobs;  ///< one per token id, when asked
   // Finish
-  std::string finish_reason;  ///< "stop" or "length"
+  pd::FinishReason finish_reason = pd::FinishReason::Stop;  ///< Stop or Length
   std::int64_t prompt_tokens = 0;
   std::int64_t completion_tokens = 0;
   // Error
@@ -84,7 +78,7 @@ struct AbortRequest {
 /// when the request is over (PrefillOutcome on 200, an error body otherwise).
 struct PrefillSubmit {
   std::string request_id;
-  std::vector<std::int32_t> token_ids;
+  std::vector<pd::TokenId> token_ids;
   pd::SamplingParams sampling;
   bool logprobs = false;
   std::string kv_descriptor;  ///< as the decode worker's Descriptor event gave it (raw bytes)
@@ -92,7 +86,7 @@ struct PrefillSubmit {
 };
 
 struct PrefillOutcome {
-  std::int32_t first_token = 0;
+  pd::TokenId first_token = 0;
   std::int64_t prompt_tokens = 0;
   double queue_ms = 0.0;     ///< submit to first forward
   double compute_ms = 0.0;   ///< first forward to last layer computed

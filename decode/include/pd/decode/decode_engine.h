@@ -73,14 +73,10 @@ class DraftVerifier;
 
 using Clock = std::chrono::steady_clock;
 
-enum class FinishReason {
-  Stop,     ///< EOS or a stop token id (OpenAI "stop")
-  Length,   ///< max_tokens reached (OpenAI "length")
-  Aborted,  ///< abort(): the client went away or the router cancelled
-  Error,    ///< KV failure, KV deadline, or an engine error; TokenEvent::error says which
-};
-
-[[nodiscard]] const char* finishReasonName(FinishReason reason);
+// FinishReason is the generation vocabulary's (generation.h): Stop (EOS or a stop token id),
+// Length (max_tokens), Aborted (abort(): the client went away or the router cancelled), Error
+// (KV failure, KV deadline, or an engine error; TokenEvent::error says which).
+using pd::FinishReason;
 
 /// What a request's sink receives: new tokens, and on the last event the finish.
 struct TokenEvent {
@@ -93,20 +89,20 @@ struct TokenEvent {
 };
 
 /// Called on the engine thread; must not block.
-using TokenSink = std::function<void(const TokenEvent&)>;
+using TokenEventSink = std::function<void(const TokenEvent&)>;
 
 struct DecodeRequest {
   std::uint64_t id = 0;
   std::int64_t prompt_tokens = 0;
   std::int64_t max_tokens = 16;  ///< the first token (from prefill) counts
   pd::SamplingParams sampling;
-  std::vector<std::int32_t> stop_token_ids;
+  std::vector<pd::TokenId> stop_token_ids;
   bool ignore_eos = false;
   Clock::time_point kv_deadline = Clock::time_point::max();
   /// Prefill attempts to wait for (>= 1): DecodeLoop::openStream absorbs attempts - 1 failure
   /// records, keeping the blocks, before a failure ends the request. Within kv_deadline.
   std::int64_t prefill_attempts = 1;
-  TokenSink sink;
+  TokenEventSink sink;
   /// Called once on the engine thread when the request ends while its KV is still awaited
   /// (abort, deadline, a bad record, shutdown), before its blocks are freed: stops the transport's
   /// expectation so that late bytes are dropped instead of landing in reused blocks; with

@@ -21,14 +21,9 @@
 
 namespace pd::model {
 
+using pd::SampledToken;  // logprob of `token` under the raw model distribution; top descending
 using pd::SamplingParams;
 using pd::TokenLogprob;
-
-struct SampledToken {
-  std::int32_t token = 0;
-  float logprob = 0.0F;           ///< of `token` under the raw model distribution
-  std::vector<TokenLogprob> top;  ///< top_logprobs most likely tokens, descending
-};
 
 class Sampler {
  public:

@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "pd/common/dtype.h"
+#include "pd/common/generation.h"
 #include "pd/common/result.h"
 
 namespace pd::kvtransfer {
@@ -103,18 +104,14 @@ struct KvDescriptor {
   friend bool operator==(const KvDescriptor&, const KvDescriptor&) = default;
 };
 
-struct TokenLogprob {
-  std::int32_t token = 0;
-  float logprob = 0.0F;
-  friend bool operator==(const TokenLogprob&, const TokenLogprob&) = default;
-};
+using pd::TokenLogprob;  // the generation vocabulary's (generation.h)
 
 /// Sent after every put of the request is remotely complete.
 struct CompletionRecord {
   std::uint64_t request_id = 0;
   std::uint64_t compat_hash = 0;  ///< filled by the sending transport
   std::uint32_t num_tokens = 0;   ///< tokens whose KV was written
-  std::int32_t first_token = 0;
+  pd::TokenId first_token = 0;
   std::vector<float> hidden_state;            ///< last position's final hidden state (MTP input)
   std::optional<TokenLogprob> first_logprob;  ///< set when logprobs were requested
   std::vector<TokenLogprob> top_logprobs;     ///< alternatives, best first

@@ -28,47 +28,44 @@
 #include <string>
 #include <vector>
 
+#include "pd/common/generation.h"
 #include "pd/common/result.h"
 
 namespace pd::router {
 
-/// Token ids as the tokenizer numbers them.
-using TokenId = std::uint32_t;
+// The generation vocabulary (pd/common/generation.h): TokenId, SamplingParams, SampledToken,
+// TokenLogprob, FinishReason, GenerationEnd. Names are used unqualified in pd::router.
 
-struct SamplingParams {
-  double temperature = 1.0;  ///< 0 means greedy
-  double top_p = 1.0;        ///< in (0, 1]
-  std::int64_t top_k = 0;    ///< 0: no top-k cut
-  std::optional<std::int64_t> seed;
-  double presence_penalty = 0.0;   ///< in [-2, 2]
-  double frequency_penalty = 0.0;  ///< in [-2, 2]
-};
+/// The OpenAI API's sampling defaults (temperature 1), which differ from the model's (greedy).
+[[nodiscard]] inline SamplingParams openAiSamplingDefaults() {
+  SamplingParams p;
+  p.temperature = 1.0;
+  return p;
+}
 
 struct GenerationRequest {
   std::string request_id;  ///< unique per request ("chatcmpl-..." / "cmpl-..."); for logs and workers
   std::vector<TokenId> prompt_token_ids;
   std::int64_t max_tokens = 16;  ///< >= 1; prompt + max_tokens fits the model's context
-  SamplingParams sampling;
+  /// What both workers sample with. `sampling.seed` is ignored: `seed` below decides it.
+  /// `sampling.top_logprobs`: alternatives per token when `logprobs` is on.
+  SamplingParams sampling = openAiSamplingDefaults();
+  std::optional<std::int64_t> seed;     ///< the client's seed; unset: the backend picks a random one
+  bool logprobs = false;                ///< report each token's logprob (and top_logprobs alternatives)
   std::vector<std::string> stop;        ///< stop strings; the returned text ends before the match
   std::vector<TokenId> stop_token_ids;  ///< extra end tokens (besides the model's EOS)
   bool ignore_eos = false;              ///< keep going past EOS (benchmarks)
-  /// -1: no logprobs. 0..20: the chosen token's logprob plus this many alternatives per token.
-  int top_logprobs = -1;
   /// The front end aborts the generation at this time; the backend should give up before it.
   std::chrono::steady_clock::time_point deadline;
 };
 
-struct TopLogprob {
-  TokenId token_id = 0;
-  std::string token;  ///< the token's text (raw bytes; the front end sanitizes)
-  double logprob = 0.0;
-};
-
-struct TokenLogprob {
-  TokenId token_id = 0;
-  std::string token;
-  double logprob = 0.0;
-  std::vector<TopLogprob> top;  ///< top_logprobs entries, best first
+/// One generated token's logprob as the client sees it: the vocabulary's SampledToken plus the
+/// text of the token and of each alternative (raw bytes; the front end sanitizes), which only the
+/// backend's tokenizer knows.
+struct LogprobEntry {
+  SampledToken sampled;
+  std::string text;                   ///< of sampled.token
+  std::vector<std::string> top_text;  ///< of each sampled.top entry, in order
 };
 
 /// New tokens. `text` is what they add to the output (may be empty while a multi-byte character
@@ -76,15 +73,13 @@ struct TokenLogprob {
 struct TokenDelta {
   std::vector<TokenId> token_ids;
   std::string text;
-  std::vector<TokenLogprob> logprobs;  ///< one per token id when logprobs were requested
+  std::vector<LogprobEntry> logprobs;  ///< one per token id when logprobs were requested
 };
 
-enum class FinishReason { Stop, Length };
-
-struct GenerationEnd {
-  FinishReason reason = FinishReason::Stop;
-  std::int64_t cached_prompt_tokens = 0;  ///< prompt tokens served from a prefix cache
-  std::string text;                       ///< any held-back text released at the end
+/// The end of a generation as the sink sees it. `end.reason` is Stop or Length.
+struct FinishEvent {
+  GenerationEnd end;
+  std::string text;  ///< any held-back text released at the end
 };
 
 /// Receives one generation's events.
@@ -101,7 +96,7 @@ class TokenSink {
   TokenSink(TokenSink&&) = delete;
   TokenSink& operator=(TokenSink&&) = delete;
   virtual void onTokens(TokenDelta delta) = 0;
-  virtual void onFinish(GenerationEnd end) = 0;
+  virtual void onFinish(FinishEvent finish) = 0;
   virtual void onError(Error error) = 0;
 };
 

@@ -41,14 +41,15 @@ struct CompletionParams {
   std::optional<std::vector<TokenId>> prompt_token_ids;
   /// max_completion_tokens if given, else max_tokens; unset: the endpoint's default.
   std::optional<std::int64_t> max_tokens;
-  SamplingParams sampling;
+  /// sampling.top_logprobs: alternatives per token when logprobs is on; sampling.seed unused.
+  SamplingParams sampling = openAiSamplingDefaults();
+  std::optional<std::int64_t> seed;
   std::vector<std::string> stop;
   std::vector<TokenId> stop_token_ids;
   bool ignore_eos = false;
   bool stream = false;
   bool include_usage = false;  ///< stream_options.include_usage
   bool logprobs = false;
-  int top_logprobs = 0;  ///< alternatives per token when logprobs is on
   bool return_token_ids = false;
   std::string user;
 };

@@ -28,11 +28,12 @@
 #include <string_view>
 #include <vector>
 
+#include "pd/common/generation.h"
 #include "pd/common/result.h"
 
 namespace pd::tokenizer {
 
-using TokenId = std::uint32_t;
+using pd::TokenId;  // the generation vocabulary's (generation.h); valid ids are >= 0
 
 class Tokenizer {
  public:
