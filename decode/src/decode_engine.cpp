@@ -37,7 +37,6 @@ struct DecodeEngine::Sequence {
 DecodeEngine::DecodeEngine(model::Engine& engine, KvPool& pool, DecodeEngineOptions options,
                            std::unique_ptr<Drafter> drafter)
     : engine_(engine),
-      pool_(pool),
       options_(options),
       blocks_(pool.numBlocks(), pool.blockSize()),
       drafter_(drafter ? std::move(drafter) : std::make_unique<MtpDrafter>(engine, pool)),

@@ -389,7 +389,7 @@ class PrefillServer::Impl {
       call->submitted = true;
       transfer_outcome = call->transfer_outcome;
     }
-    if (transfer_outcome) answer(call, std::move(*transfer_outcome));
+    if (transfer_outcome) answer(call, *transfer_outcome);
     if (submitted.ok()) {
       ex.onClientGone([this, weak = std::weak_ptr<Call>(call)] {
         if (auto c = weak.lock()) cancelCall(c, "the router closed the submission");
@@ -437,12 +437,12 @@ class PrefillServer::Impl {
         return;
       }
     }
-    answer(call, std::move(status));
+    answer(call, status);
   }
 
   // Answers the router once the transfer has ended with `status`, preferring the first recorded
   // reason of a failure (the engine's, a cancel's, a refused submit's) to the transport's.
-  void answer(const std::shared_ptr<Call>& call, Status status) {
+  void answer(const std::shared_ptr<Call>& call, const Status& status) {
     const Clock::time_point now = Clock::now();
     std::optional<Error> failure;
     worker_api::PrefillOutcome outcome;

@@ -211,7 +211,6 @@ class DecodeEngine {
   void endQuarantine(std::uint64_t request_id, bool cancel_wait);
 
   model::Engine& engine_;
-  KvPool& pool_;
   DecodeEngineOptions options_;
   KvBlockManager blocks_;
   std::unique_ptr<Drafter> drafter_;
