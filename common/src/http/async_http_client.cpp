@@ -1,0 +1,314 @@
+#include "pd/common/async_http_client.h"
+
+#include <fmt/format.h>
+
+#include <array>
+#include <atomic>
+#include <boost/asio.hpp>
+#include <boost/beast/core.hpp>
+#include <boost/beast/http.hpp>
+#include <optional>
+#include <utility>
+#include <vector>
+
+#include "pd/common/check.h"
+
+namespace pd::http {
+
+namespace beast = boost::beast;
+namespace bhttp = boost::beast::http;
+namespace net = boost::asio;
+using tcp = net::ip::tcp;
+using Clock = std::chrono::steady_clock;
+
+namespace {
+
+constexpr std::size_t kStreamReadBytes = 16 << 10;
+
+bool isHttpSyntaxError(const beast::error_code& ec) {
+  static const auto& category = bhttp::make_error_code(bhttp::error::bad_method).category();
+  return ec.category() == category && ec != bhttp::error::end_of_stream && ec != bhttp::error::partial_message;
+}
+
+template <class Message>
+ClientResponse toResponse(const Message& msg) {
+  ClientResponse r;
+  r.status = static_cast<int>(msg.result_int());
+  for (const auto& f : msg) r.headers.push_back({std::string(f.name_string()), std::string(f.value())});
+  return r;
+}
+
+}  // namespace
+
+/// The client's state, owned jointly by the AsyncClient handle and the operations in flight.
+/// Everything but `cancelled_` and `reusable_` is touched on `strand_` only.
+class AsyncClient::Impl : public std::enable_shared_from_this<Impl> {
+ public:
+  Impl(net::any_io_executor executor, std::string host, std::uint16_t port)
+      : strand_(net::make_strand(std::move(executor))), resolver_(strand_), host_(std::move(host)), port_(port) {}
+
+  void start(ClientRequest request, std::chrono::milliseconds timeout, LineCallback on_line, Done done) {
+    auto x = std::make_unique<Exchange>();
+    x->request = std::move(request);
+    x->deadline = Clock::now() + timeout;
+    x->streaming = static_cast<bool>(on_line);
+    x->on_line = std::move(on_line);
+    x->done = std::move(done);
+    reusable_.store(false);
+    net::post(strand_, [self = shared_from_this(), x = std::move(x)]() mutable {
+      PD_CHECK_MSG(!self->x_, "AsyncClient: one exchange at a time");
+      self->x_ = std::move(x);
+      self->attempt();
+    });
+  }
+
+  void cancel() {
+    cancelled_.store(true);
+    reusable_.store(false);
+    net::post(strand_, [self = shared_from_this()] {
+      self->resolver_.cancel();
+      if (self->stream_) self->stream_->cancel();
+    });
+  }
+  [[nodiscard]] bool cancelled() const { return cancelled_.load(); }
+  [[nodiscard]] bool reusable() const { return reusable_.load(); }
+
+ private:
+  struct Exchange {
+    ClientRequest request;
+    Clock::time_point deadline;
+    bool streaming = false;
+    LineCallback on_line;
+    Done done;
+    int attempts = 0;
+    bool reused = false;  // this attempt runs on a connection an earlier exchange left open
+    bhttp::request<bhttp::string_body> message;
+    std::optional<bhttp::response_parser<bhttp::string_body>> whole;
+    std::optional<bhttp::response_parser<bhttp::buffer_body>> streamed;
+    ClientResponse response;
+    bool success = false;
+    LineSplitter splitter;
+    std::array<char, kStreamReadBytes> buf{};
+  };
+
+  void attempt() {
+    if (cancelled_.load()) return fail(cancelledError());
+    ++x_->attempts;
+    x_->reused = stream_.has_value();
+    if (stream_) return write();
+    beast::error_code ec;
+    const auto address = net::ip::make_address(host_, ec);
+    if (!ec) return connect({tcp::endpoint(address, port_)});
+    resolver_.async_resolve(
+        host_, std::to_string(port_),
+        [self = shared_from_this()](beast::error_code rec, tcp::resolver::results_type results) {
+          if (rec || results.empty()) {
+            if (self->cancelled_.load()) return self->fail(self->cancelledError());
+            return self->fail(makeError(ErrorCode::InvalidArgument,
+                                        fmt::format("http {}:{}: cannot resolve the host", self->host_, self->port_)));
+          }
+          std::vector<tcp::endpoint> endpoints;
+          for (const auto& r : results) endpoints.push_back(r.endpoint());
+          self->connect(std::move(endpoints));
+        });
+  }
+
+  void connect(std::vector<tcp::endpoint> endpoints) {
+    if (cancelled_.load()) return fail(cancelledError());
+    stream_.emplace(strand_);
+    stream_->expires_at(x_->deadline);
+    stream_->async_connect(endpoints, [self = shared_from_this()](beast::error_code ec, const tcp::endpoint&) {
+      if (ec) {
+        self->disconnect();
+        return self->fail(self->toError(ec, "connect"));
+      }
+      beast::error_code ignored;
+      self->stream_->socket().set_option(tcp::no_delay(true), ignored);
+      self->write();
+    });
+  }
+
+  void write() {
+    if (cancelled_.load()) return fail(cancelledError());
+    const ClientRequest& request = x_->request;
+    auto& req = x_->message;
+    req = {};
+    const auto verb = bhttp::string_to_verb(request.method);
+    if (verb == bhttp::verb::unknown) {
+      req.method_string(request.method);
+    } else {
+      req.method(verb);
+    }
+    req.target(request.target);
+    req.version(11);
+    for (const auto& h : request.headers) req.insert(h.name, h.value);
+    if (req.find(bhttp::field::host) == req.end()) req.set(bhttp::field::host, fmt::format("{}:{}", host_, port_));
+    if (req.find(bhttp::field::user_agent) == req.end()) req.set(bhttp::field::user_agent, "pdserve");
+    req.body() = request.body;
+    if (!request.body.empty() || request.method == "POST" || request.method == "PUT") req.prepare_payload();
+    stream_->expires_at(x_->deadline);
+    bhttp::async_write(*stream_, req, [self = shared_from_this()](beast::error_code ec, std::size_t) {
+      if (ec) return self->failedBeforeResponse(ec, false);
+      self->readHead();
+    });
+  }
+
+  void readHead() {
+    if (cancelled_.load()) return fail(cancelledError());
+    if (!x_->streaming) {
+      x_->whole.emplace();
+      x_->whole->body_limit(Client::kMaxBodyBytes);
+      bhttp::async_read(*stream_, buffer_, *x_->whole, [self = shared_from_this()](beast::error_code ec, std::size_t) {
+        if (ec) return self->failedBeforeResponse(ec, self->x_->whole->got_some());
+        auto& msg = self->x_->whole->get();
+        ClientResponse response = toResponse(msg);
+        response.body = std::move(msg.body());
+        if (!self->x_->whole->keep_alive()) self->disconnect();
+        self->succeed(std::move(response));
+      });
+      return;
+    }
+    x_->streamed.emplace();
+    x_->streamed->body_limit(boost::none);
+    bhttp::async_read_header(*stream_, buffer_, *x_->streamed,
+                             [self = shared_from_this()](beast::error_code ec, std::size_t) {
+                               if (ec) return self->failedBeforeResponse(ec, self->x_->streamed->got_some());
+                               self->x_->response = toResponse(self->x_->streamed->get());
+                               self->x_->success = self->x_->response.status >= 200 && self->x_->response.status < 300;
+                               self->readBody();
+                             });
+  }
+
+  void readBody() {
+    Exchange& x = *x_;
+    auto& parser = *x.streamed;
+    if (parser.is_done()) {
+      if (x.success && !x.splitter.finish(x.on_line)) x.response.complete = false;
+      if (!parser.keep_alive()) disconnect();
+      return succeed(std::move(x.response));
+    }
+    if (cancelled_.load()) return fail(cancelledError());
+    parser.get().body().data = x.buf.data();
+    parser.get().body().size = x.buf.size();
+    bhttp::async_read_some(*stream_, buffer_, parser, [self = shared_from_this()](beast::error_code ec, std::size_t) {
+      if (ec == bhttp::error::need_buffer) ec = {};
+      if (ec) {
+        self->disconnect();
+        return self->fail(self->toError(ec, "response body"));
+      }
+      Exchange& ex = *self->x_;
+      const std::size_t n = ex.buf.size() - ex.streamed->get().body().size;
+      if (n > 0) {
+        if (!ex.success) {
+          if (ex.response.body.size() + n > Client::kMaxBodyBytes) {
+            self->disconnect();
+            return self->fail(makeError(ErrorCode::Corrupt, "http response body larger than the client limit"));
+          }
+          ex.response.body.append(ex.buf.data(), n);
+        } else if (!ex.splitter.feed(std::string_view(ex.buf.data(), n), ex.on_line)) {
+          self->disconnect();  // the rest of the stream is unwanted
+          ex.response.complete = false;
+          return self->succeed(std::move(ex.response));
+        }
+      }
+      self->readBody();
+    });
+  }
+
+  /// A write or the response head failed. A reused connection the server closed meanwhile fails
+  /// before any response byte: that is retried once on a fresh connection.
+  void failedBeforeResponse(beast::error_code ec, bool got_some) {
+    disconnect();
+    if (x_->reused && x_->attempts == 1 && !got_some && ec != beast::error::timeout && !cancelled_.load()) {
+      x_->whole.reset();
+      x_->streamed.reset();
+      return attempt();
+    }
+    fail(toError(ec, "request"));
+  }
+
+  void succeed(ClientResponse response) {
+    reusable_.store(stream_.has_value() && !cancelled_.load());
+    finish(std::move(response));
+  }
+  void fail(Error error) {
+    disconnect();
+    finish(std::move(error));
+  }
+  void finish(Result<ClientResponse> result) {
+    Done done = std::move(x_->done);
+    x_.reset();
+    done(std::move(result));
+  }
+
+  void disconnect() {
+    if (stream_) {
+      beast::error_code ec;
+      stream_->socket().shutdown(tcp::socket::shutdown_both, ec);
+      stream_->socket().close(ec);
+      stream_.reset();
+    }
+    buffer_.clear();
+    reusable_.store(false);
+  }
+
+  Error cancelledError() const {
+    return makeError(ErrorCode::Cancelled, fmt::format("http {}:{}: cancelled", host_, port_));
+  }
+
+  Error toError(const beast::error_code& ec, std::string_view what) const {
+    const std::string where = fmt::format("http {}:{}", host_, port_);
+    if (cancelled_.load()) return cancelledError();
+    if (ec == beast::error::timeout) {
+      return makeError(ErrorCode::Timeout, fmt::format("{}: {} did not finish before the deadline", where, what));
+    }
+    if (ec == bhttp::error::body_limit) {
+      return makeError(ErrorCode::Corrupt, fmt::format("{}: response body larger than the client limit", where));
+    }
+    if (isHttpSyntaxError(ec)) {
+      return makeError(ErrorCode::Corrupt, fmt::format("{}: malformed response: {}", where, ec.message()));
+    }
+    return makeError(ErrorCode::PeerFailed, fmt::format("{}: {} failed: {}", where, what, ec.message()));
+  }
+
+  net::strand<net::any_io_executor> strand_;
+  tcp::resolver resolver_;
+  const std::string host_;
+  const std::uint16_t port_;
+  std::atomic<bool> cancelled_{false};
+  std::atomic<bool> reusable_{false};
+  std::optional<beast::tcp_stream> stream_;
+  beast::flat_buffer buffer_;
+  std::unique_ptr<Exchange> x_;  // the exchange in flight
+};
+
+AsyncClient::AsyncClient(boost::asio::any_io_executor executor, std::string host, std::uint16_t port)
+    : impl_(std::make_shared<Impl>(std::move(executor), std::move(host), port)) {}
+
+AsyncClient::~AsyncClient() {
+  impl_->cancel();
+}
+
+void AsyncClient::send(ClientRequest request, std::chrono::milliseconds timeout, Done done) {
+  impl_->start(std::move(request), timeout, nullptr, std::move(done));
+}
+
+void AsyncClient::streamLines(ClientRequest request, std::chrono::milliseconds timeout, LineCallback on_line,
+                              Done done) {
+  PD_CHECK_MSG(static_cast<bool>(on_line), "AsyncClient::streamLines needs a line callback");
+  impl_->start(std::move(request), timeout, std::move(on_line), std::move(done));
+}
+
+void AsyncClient::cancel() {
+  impl_->cancel();
+}
+
+bool AsyncClient::cancelled() const {
+  return impl_->cancelled();
+}
+
+bool AsyncClient::reusable() const {
+  return impl_->reusable();
+}
+
+}  // namespace pd::http
