@@ -69,7 +69,9 @@ Result<KvDescriptor> UcxTransport::grant(KvDescriptor descriptor) {
     }
     const CompatInfo& c = descriptor.compat;
     Grant g;
-    g.key = randomTransferKey();
+    // A descriptor another rank's transport granted first keeps its key: one key per descriptor.
+    const bool keyed = descriptor.transfer_key != TransferKey{};
+    g.key = keyed ? descriptor.transfer_key : randomTransferKey();
     g.num_tokens = descriptor.num_tokens;
     g.block_bytes = std::uint64_t{c.block_size} * c.tokenBytes();
     g.regions = target->regions;

@@ -178,6 +178,39 @@ TEST_P(WriteConfinement, GrantRefusesUnexpectedRequestsAndForeignTargets) {
   EXPECT_TRUE(receiver_->cancelExpect(6));
 }
 
+// With TP a descriptor lists every decode rank; the first rank's grant draws the key and the
+// others keep it, so one key opens every rank's blocks and only those.
+TEST_P(WriteConfinement, EveryTpRankGrantsTheSameDescriptorWithOneKey) {
+  compat_.tp_size = 2;
+  sender_ = makeTransport(GetParam(), compat_, "prefill");
+  receiver_ = makeTransport(GetParam(), compat_, "decode0");
+  auto rank1 = makeTransport(GetParam(), compat_, "decode1");
+  ASSERT_TRUE(sender_ && receiver_ && rank1);
+  Outcomes out1;
+  {
+    KvPool pool0(*receiver_, compat_, 8);
+    KvPool pool1(*rank1, compat_, 8);
+    KvDescriptor d = pool0.descriptor(8, 6, {1, 6}, 5000).value();
+    d.targets.push_back(pool1.target(1).value());
+    ASSERT_TRUE(receiver_->expect(8, Clock::now() + 5s, out_.onArrival()).ok());
+    ASSERT_TRUE(rank1->expect(8, Clock::now() + 5s, out1.onArrival()).ok());
+    auto first = receiver_->grant(d);
+    ASSERT_TRUE(first.ok()) << first.error().toString();
+    auto second = rank1->grant(first.value());
+    ASSERT_TRUE(second.ok()) << second.error().toString();
+    EXPECT_EQ(second->transfer_key, first->transfer_key);
+    send(second.value(), 6);
+    for (auto* o : {&out_, &out1}) {
+      const auto arrived = o->waitArrival(8, 5s);
+      ASSERT_TRUE(arrived.has_value());
+      EXPECT_TRUE(arrived->ok()) << arrived->error().toString();
+    }
+    EXPECT_EQ(pool0.verify(second.value(), 5), "");
+    EXPECT_EQ(pool1.verify(second.value(), 5), "");
+  }
+  EXPECT_EQ(rank1->stats().pending_receives, 0);
+}
+
 INSTANTIATE_TEST_SUITE_P(Ucx, WriteConfinement, ::testing::Values(KvDataPath::ActiveMessage, KvDataPath::Rma),
                          [](const auto& p) { return std::string(kvDataPathName(p.param)); });
 

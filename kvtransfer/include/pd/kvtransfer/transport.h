@@ -113,8 +113,9 @@ class Transport {
   /// Stops waiting; on_arrival is answered with Cancelled. False when nothing was pending.
   virtual bool cancelExpect(std::uint64_t request_id) = 0;
   /// Confines an expected request to what `descriptor` grants (docs/kv-transfer.md, "Write
-  /// confinement"), and returns it with a fresh random transfer key: hand out the returned
-  /// descriptor. From then on, for this request (and its re-armed expectations), data messages
+  /// confinement"), and returns it with a fresh random transfer key (or the key it already
+  /// carries: with TP, the first rank's transport draws the key, the others' keep it): hand out
+  /// the returned descriptor. From then on, for this request (and its re-armed expectations), data messages
   /// and records without that key are dropped; KV data outside the bytes of the listed blocks
   /// (those covering num_tokens, in this transport's target of the descriptor) and a completion
   /// record for another token count fail the receive (Corrupt). One-sided RMA puts cannot be
