@@ -58,13 +58,16 @@ TEST(PrefillHostileDescriptors, MangledAddressesKeysAndBlocksAreRefusedAndTheWor
   std::vector<Case> cases;
   {
     auto a = address;
-    a[0] ^= 0x01;  // the header's version nibble: UCX 1.13 asserts on an unknown version
-    cases.push_back({"first byte flipped (version)", withAddress(a), "header"});
+    a[0] ^= 0x02;  // address format version 2: UCX 1.13 asserts (exit 134) on it
+    cases.push_back({"first byte flipped (version 2)", withAddress(a), "header"});
+    a = address;
+    a[0] ^= 0x01;  // format v2 over v1 bytes
+    cases.push_back({"first byte flipped (version 1)", withAddress(a), "header"});
     a = address;
     a[0] ^= 0x80;  // a header flag
     cases.push_back({"first byte flipped (flags)", withAddress(a), "header"});
     a = address;
-    a[0] = 0xff;
+    a[0] = 0xff;  // version 15: UCX 1.13 asserts
     cases.push_back({"first byte 0xff", withAddress(a), "header"});
   }
   cases.push_back({"truncated to half", withAddress({address.begin(), address.begin() + address.size() / 2}),
