@@ -45,7 +45,7 @@ Status serveAsFollower(comm::Communicator& comm, const DecodeWorkerConfig& cfg, 
                       TpFollowerWorker::start(std::move(engine), comm, {cfg.decode, cfg.kvtransfer, hash}));
   log::info(kLog, "tensor-parallel rank {} of {} serving ({})", comm.rank(), comm.size(), comm.kind());
   if (serving) serving(true);
-  const Status s = worker->run();
+  Status s = worker->run();
   if (serving) serving(false);
   if (!s.ok()) {
     log::error(kLog, "tensor-parallel rank {}: {}", comm.rank(), s.error().toString());
@@ -106,29 +106,30 @@ Status runNodeFollower(const DecodeWorkerConfig& cfg, std::uint64_t hash) {
   auto serving = std::make_shared<std::atomic<bool>>(false);
   comm::TpProcessGroup* g = group.get();
   std::vector<http::Route> routes;
-  routes.push_back({"GET", "/health", [](http::Request, http::Exchange ex) {
+  routes.push_back({"GET", "/health", [](const http::Request& /*req*/, http::Exchange ex) {
                       ex.respond(http::Response::withBody(200, "text/plain", "ok"));
                     }});
-  routes.push_back({"GET", "/ready", [serving, g](http::Request, http::Exchange ex) {
+  routes.push_back({"GET", "/ready", [serving, g](const http::Request& /*req*/, http::Exchange ex) {
                       const Status peers = g->comm().checkPeers();
                       const bool ready = serving->load() && peers.ok();
                       ex.respond(http::Response::withBody(ready ? 200 : 503, "text/plain",
                                                           ready ? "ready" : "tensor-parallel group not serving"));
                     }});
-  routes.push_back({"GET", "/metrics", [serving, node_rank = dec.node_rank](http::Request, http::Exchange ex) {
-                      ex.respond(http::Response::withBody(
-                          200, "text/plain; version=0.0.4",
-                          fmt::format("# HELP pdserve_decode_tp_rank_serving 1 while this node's ranks serve their "
-                                      "tensor-parallel group\n# TYPE pdserve_decode_tp_rank_serving gauge\n"
-                                      "pdserve_decode_tp_rank_serving{{node_rank=\"{}\"}} {}\n",
-                                      node_rank, serving->load() ? 1 : 0)));
-                    }});
+  routes.push_back(
+      {"GET", "/metrics", [serving, node_rank = dec.node_rank](const http::Request& /*req*/, http::Exchange ex) {
+         ex.respond(http::Response::withBody(
+             200, "text/plain; version=0.0.4",
+             fmt::format("# HELP pdserve_decode_tp_rank_serving 1 while this node's ranks serve their "
+                         "tensor-parallel group\n# TYPE pdserve_decode_tp_rank_serving gauge\n"
+                         "pdserve_decode_tp_rank_serving{{node_rank=\"{}\"}} {}\n",
+                         node_rank, serving->load() ? 1 : 0)));
+       }});
   http::ServerOptions so;
   so.host = dec.host;
   so.port = static_cast<std::uint16_t>(dec.port);
   so.io_threads = 1;
   PD_ASSIGN_OR_RETURN(auto server, http::Server::start(so, std::move(routes)));
-  const Status s = serveAsFollower(group->comm(), cfg, hash, [&](bool on) {
+  Status s = serveAsFollower(group->comm(), cfg, hash, [&](bool on) {
     serving->store(on);
     if (on && cfg.on_ready) {
       cfg.on_ready(
