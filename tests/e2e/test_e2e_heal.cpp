@@ -167,5 +167,33 @@ TEST(E2eHeal, KilledWorkersAreRestartedAndServeAgainAndUpDrainsCleanly) {
   EXPECT_EQ(cluster.stop(120s), 0);
 }
 
+// True once no process with `pid` exists any more (reaped by its parent).
+bool gone(int pid) {
+  return ::kill(pid, 0) != 0;
+}
+
+TEST(E2eHeal, TheRoutersDeathStopsTheClusterWithExitOne) {
+  TempDir cache;
+  LocalCluster cluster({"--model.cache_dir=" + cache.path().string(), "--router.port=0", "--log.level=warn"});
+  ASSERT_FALSE(cluster.url().empty());
+  const auto children = latestChildren(cluster);
+  ASSERT_TRUE(children.contains("router"));
+  ASSERT_EQ(::kill(children.at("router").pid, SIGKILL), 0);
+  EXPECT_EQ(cluster.wait(120s), 1) << "the router is not restarted: up stops and fails";
+  for (const auto& [name, child] : children) EXPECT_TRUE(gone(child.pid)) << name << " left running";
+}
+
+TEST(E2eHeal, ASpentRestartBudgetStopsTheClusterWithExitOne) {
+  TempDir cache;
+  LocalCluster cluster(
+      {"--model.cache_dir=" + cache.path().string(), "--router.port=0", "--log.level=warn", "--up.restart_budget=0"});
+  ASSERT_FALSE(cluster.url().empty());
+  const auto children = latestChildren(cluster);
+  ASSERT_TRUE(children.contains("decode-0"));
+  ASSERT_EQ(::kill(children.at("decode-0").pid, SIGKILL), 0);
+  EXPECT_EQ(cluster.wait(120s), 1);
+  for (const auto& [name, child] : children) EXPECT_TRUE(gone(child.pid)) << name << " left running";
+}
+
 }  // namespace
 }  // namespace pd::test

@@ -64,6 +64,10 @@ class LocalCluster {
     process_->signal(SIGTERM);
     return process_->wait(timeout);
   }
+  /// up's exit status once it exits by itself within `timeout` (nullopt if it did not).
+  std::optional<int> wait(std::chrono::milliseconds timeout) {
+    return process_ ? process_->wait(timeout) : std::nullopt;
+  }
   /// Every line up printed on stdout so far.
   [[nodiscard]] std::vector<std::string> stdoutLines() const {
     std::lock_guard lock(mutex_);

@@ -9,17 +9,13 @@
 #include <fmt/format.h>
 #include <unistd.h>
 
-#include <atomic>
-#include <boost/json.hpp>
 #include <chrono>
 #include <cmath>
-#include <condition_variable>
 #include <cstdio>
 #include <ctime>
 #include <fstream>
-#include <mutex>
-#include <thread>
 
+#include "bench/serve/progress_display.h"
 #include "bench/serve/report.h"
 #include "bench/serve/runner.h"
 #include "bench/serve/server_metrics.h"
@@ -66,26 +62,6 @@ struct BenchServeConfig {
   bool quiet = false;
 };
 
-Result<std::vector<double>> parseNumbers(const std::string& text, const std::string& flag) {
-  std::vector<double> out;
-  std::size_t pos = 0;
-  while (pos <= text.size()) {
-    auto comma = text.find(',', pos);
-    if (comma == std::string::npos) comma = text.size();
-    const std::string item = text.substr(pos, comma - pos);
-    char* end = nullptr;
-    const double v = std::strtod(item.c_str(), &end);
-    if (item.empty() || end != item.c_str() + item.size() || !std::isfinite(v) || !(v > 0)) {
-      return makeError(
-          ErrorCode::InvalidArgument,
-          fmt::format("--{}: '{}' is not a positive number (expected a comma-separated list)", flag, item));
-    }
-    out.push_back(v);
-    pos = comma + 1;
-  }
-  return out;
-}
-
 std::string utcNow() {
   const std::time_t now = std::time(nullptr);
   std::tm tm{};
@@ -108,19 +84,6 @@ Status writeText(const std::string& where, const std::string& text) {
   return okStatus();
 }
 
-// The served model: the first of GET /v1/models, with its context and vocabulary when reported.
-Result<bench::ServedModel> discoverModel(const bench::Target& target) {
-  http::Client client(target.host, target.port);
-  http::ClientRequest req;
-  req.target = target.prefix + "/v1/models";
-  if (!target.api_key.empty()) req.headers.push_back({"Authorization", "Bearer " + target.api_key});
-  PD_ASSIGN_OR_RETURN(auto response, client.send(req, 30s));
-  if (response.status != 200) {
-    return makeError(ErrorCode::PeerFailed, fmt::format("GET /v1/models answered HTTP {}", response.status));
-  }
-  return bench::parseModelList(response.body);
-}
-
 // The vocabulary random token ids are drawn from: the server's when /v1/models reports it, else
 // that of the model folder (model.path, or the embedded default model that `pdserve up` serves
 // by default).
@@ -131,14 +94,6 @@ Result<std::int64_t> vocabularySize(const std::optional<bench::ServedModel>& ser
   log::info("bench", "token ids from the vocabulary of {} ({} tokens; --token-id-max overrides)", dir.string(),
             config.vocab_size);
   return config.vocab_size;
-}
-
-std::optional<double> delta(const std::map<std::string, double>& before, const std::map<std::string, double>& after,
-                            std::string_view name) {
-  const auto a = after.find(std::string(name));
-  if (a == after.end()) return std::nullopt;
-  const auto b = before.find(std::string(name));
-  return a->second - (b == before.end() ? 0.0 : b->second);
 }
 
 // `--json` and `--markdown` take an optional file: bare, they mean stdout.
@@ -155,53 +110,6 @@ std::vector<std::string> withOptionalValues(const std::vector<std::string>& args
   }
   return out;
 }
-
-// Redraws the progress bar on a tty until stopped.
-class ProgressDisplay {
- public:
-  ProgressDisplay(std::string label, const bench::LevelProgress& progress)
-      : label_(std::move(label)), progress_(progress), start_(std::chrono::steady_clock::now()) {
-    thread_ = std::thread([this] { loop(); });
-  }
-  ProgressDisplay(const ProgressDisplay&) = delete;
-  ProgressDisplay& operator=(const ProgressDisplay&) = delete;
-  ~ProgressDisplay() {
-    {
-      std::lock_guard lock(mutex_);
-      stop_ = true;
-    }
-    cv_.notify_all();
-    thread_.join();
-    std::fputs("\r\x1b[K", stderr);
-    std::fflush(stderr);
-  }
-
- private:
-  void loop() {
-    std::unique_lock lock(mutex_);
-    bool was_warming = true;
-    while (!stop_) {
-      const bool warming = progress_.warming_up.load();
-      if (was_warming && !warming) start_ = std::chrono::steady_clock::now();
-      was_warming = warming;
-      const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
-      const auto line =
-          bench::progressLine(label_, progress_.done.load(), progress_.total.load(), progress_.failed.load(),
-                              elapsed > 0 ? static_cast<double>(progress_.output_tokens.load()) / elapsed : 0, warming);
-      std::fprintf(stderr, "\r%s\x1b[K", line.c_str());
-      std::fflush(stderr);
-      cv_.wait_for(lock, 200ms, [this] { return stop_; });
-    }
-  }
-
-  std::string label_;
-  const bench::LevelProgress& progress_;
-  std::chrono::steady_clock::time_point start_;
-  std::mutex mutex_;
-  std::condition_variable cv_;
-  bool stop_ = false;
-  std::thread thread_;  // last: started after everything it reads
-};
 
 }  // namespace
 
@@ -275,11 +183,11 @@ int runBenchServe(const std::vector<std::string>& args) {
   const bool rate_mode = !cfg.request_rate.empty();
   std::vector<double> levels;
   if (rate_mode) {
-    auto rates = parseNumbers(cfg.request_rate, "request-rate");
+    auto rates = bench::parsePositiveNumbers(cfg.request_rate, "request-rate");
     if (!rates.ok()) return reportFailure(rates.error());
     levels = *rates;
   } else {
-    auto cs = parseNumbers(cfg.concurrency, "concurrency");
+    auto cs = bench::parsePositiveNumbers(cfg.concurrency, "concurrency");
     if (!cs.ok()) return reportFailure(cs.error());
     for (const double c : *cs) {
       if (c != std::floor(c) || c > 4096) {
@@ -291,7 +199,7 @@ int runBenchServe(const std::vector<std::string>& args) {
 
   // The served model's name, context and vocabulary (a server without /v1/models needs --model).
   std::optional<bench::ServedModel> served;
-  if (auto listed = discoverModel(*target); listed.ok()) {
+  if (auto listed = bench::fetchModelList(*target); listed.ok()) {
     served = std::move(*listed);
   } else if (cfg.model.empty()) {
     return reportFailure(makeError(listed.error().code, listed.error().message + "; pass --model"));
@@ -410,7 +318,7 @@ int runBenchServe(const std::vector<std::string>& args) {
     const std::string label = rate_mode ? fmt::format("rate {:g}/s", level)
                                         : fmt::format("c={} ({}/{})", plan.workers, li + 1, levels.size());
     {
-      std::optional<ProgressDisplay> display;
+      std::optional<bench::ProgressDisplay> display;
       if (tty) display.emplace(label, progress);
       run = bench::runLevel(*target, workload.endpoint, plan, &progress);
     }
@@ -423,9 +331,10 @@ int runBenchServe(const std::vector<std::string>& args) {
     if (have_before) {
       auto after = bench::scrapeCounters(metrics_urls, 10s);
       if (after.ok()) {
-        stats.mtp = bench::mtpFromDeltas(
-            delta(before, *after, bench::kMtpProposed), delta(before, *after, bench::kMtpAccepted),
-            delta(before, *after, bench::kDecodeTokens), delta(before, *after, bench::kDecodeSteps));
+        stats.mtp = bench::mtpFromDeltas(bench::counterDelta(before, *after, bench::kMtpProposed),
+                                         bench::counterDelta(before, *after, bench::kMtpAccepted),
+                                         bench::counterDelta(before, *after, bench::kDecodeTokens),
+                                         bench::counterDelta(before, *after, bench::kDecodeSteps));
       }
     }
     if (stats.completed == 0) any_empty_level = true;

@@ -38,12 +38,13 @@ void registerUpOptions(config::OptionSet& set, UpConfig& cfg) {
       .add("stop_timeout_ms", &cfg.stop_timeout_ms,
            "after Ctrl-C, how long each process may take to drain and exit before SIGKILL", 100, 3600 * 1000)
       .add("restart_backoff_ms", &cfg.restart_backoff_ms, "delay before restarting a worker that exited (doubles)", 0,
-           3600 * 1000)
+           std::int64_t{3600} * 1000)
       .add("restart_backoff_max_ms", &cfg.restart_backoff_max_ms, "the restart delay doubles up to this", 0,
-           3600 * 1000)
+           std::int64_t{3600} * 1000)
       .add("restart_budget", &cfg.restart_budget,
            "restarts per worker within up.restart_window_ms before the cluster stops (0: never restart)", 0, 1000000)
-      .add("restart_window_ms", &cfg.restart_window_ms, "the window of up.restart_budget", 1000, 7 * 86400 * 1000LL)
+      .add("restart_window_ms", &cfg.restart_window_ms, "the window of up.restart_budget", 1000,
+           std::int64_t{7} * 86400 * 1000)
       .add("smoke", &cfg.smoke,
            "start, send one chat completion through the router, print the answer, stop (CI's check)");
 }

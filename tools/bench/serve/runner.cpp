@@ -79,6 +79,18 @@ std::int64_t chunkTokens(const boost::json::object& chunk, Endpoint endpoint) {
 
 }  // namespace
 
+Result<ServedModel> fetchModelList(const Target& target) {
+  http::Client client(target.host, target.port);
+  http::ClientRequest req;
+  req.target = target.prefix + "/v1/models";
+  if (!target.api_key.empty()) req.headers.push_back({"Authorization", "Bearer " + target.api_key});
+  PD_ASSIGN_OR_RETURN(auto response, client.send(req, std::chrono::seconds(30)));
+  if (response.status != 200) {
+    return makeError(ErrorCode::PeerFailed, fmt::format("GET /v1/models answered HTTP {}", response.status));
+  }
+  return parseModelList(response.body);
+}
+
 Result<Target> parseUrl(const std::string& url) {
   std::string rest = url;
   if (rest.starts_with("https://")) {

@@ -39,6 +39,10 @@ struct Target {
 /// Errors: InvalidArgument (https, a bad port, no host).
 Result<Target> parseUrl(const std::string& url);
 
+/// GET /v1/models of `target`: the first model listed, with its context and vocabulary when
+/// reported (parseModelList). PeerFailed on a non-200 answer or an empty list.
+Result<ServedModel> fetchModelList(const Target& target);
+
 /// Sends one streaming request on `client` and measures it (the clock starts just before the
 /// request is written).
 RequestResult sendStreaming(http::Client& client, const Target& target, Endpoint endpoint, const RequestSpec& spec,

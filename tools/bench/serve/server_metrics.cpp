@@ -69,4 +69,12 @@ Result<std::map<std::string, double>> scrapeCounters(const std::vector<std::stri
   return total;
 }
 
+std::optional<double> counterDelta(const std::map<std::string, double>& before,
+                                   const std::map<std::string, double>& after, std::string_view name) {
+  const auto a = after.find(std::string(name));
+  if (a == after.end()) return std::nullopt;
+  const auto b = before.find(std::string(name));
+  return a->second - (b == before.end() ? 0.0 : b->second);
+}
+
 }  // namespace pd::bench

@@ -8,6 +8,7 @@
 
 #include <chrono>
 #include <map>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -25,6 +26,11 @@ std::map<std::string, double> parsePrometheusText(std::string_view text);
 /// be read (InvalidArgument for a bad URL, PeerFailed/Timeout, or an HTTP status).
 Result<std::map<std::string, double>> scrapeCounters(const std::vector<std::string>& urls,
                                                      std::chrono::milliseconds timeout);
+
+/// How much counter `name` grew from `before` to `after` (a counter missing before counts as 0);
+/// nullopt when `after` lacks it.
+std::optional<double> counterDelta(const std::map<std::string, double>& before,
+                                   const std::map<std::string, double>& after, std::string_view name);
 
 /// The counters the MTP statistics use.
 inline constexpr std::string_view kMtpProposed = "pdserve_decode_mtp_drafts_proposed_total";

@@ -58,6 +58,26 @@ double unitInterval(std::uint64_t bits) {
   return static_cast<double>(bits >> 11) * 0x1.0p-53;
 }
 
+Result<std::vector<double>> parsePositiveNumbers(const std::string& text, const std::string& flag) {
+  std::vector<double> out;
+  std::size_t pos = 0;
+  while (pos <= text.size()) {
+    auto comma = text.find(',', pos);
+    if (comma == std::string::npos) comma = text.size();
+    const std::string item = text.substr(pos, comma - pos);
+    char* end = nullptr;
+    const double v = std::strtod(item.c_str(), &end);
+    if (item.empty() || end != item.c_str() + item.size() || !std::isfinite(v) || !(v > 0)) {
+      return makeError(
+          ErrorCode::InvalidArgument,
+          fmt::format("--{}: '{}' is not a positive number (expected a comma-separated list)", flag, item));
+    }
+    out.push_back(v);
+    pos = comma + 1;
+  }
+  return out;
+}
+
 Result<ServedModel> parseModelList(const std::string& body) {
   boost::system::error_code ec;
   const auto v = boost::json::parse(body, ec);

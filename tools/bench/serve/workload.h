@@ -64,6 +64,10 @@ Result<ServedModel> parseModelList(const std::string& body);
 Result<std::vector<std::string>> fitWorkload(WorkloadOptions& options, std::int64_t vocab_size,
                                              std::int64_t max_model_len);
 
+/// "1,2,4" or "0.5,2" -> the numbers; InvalidArgument naming --`flag` unless every item is a
+/// finite number > 0.
+Result<std::vector<double>> parsePositiveNumbers(const std::string& text, const std::string& flag);
+
 /// `count` random-prompt requests; request i depends only on (seed, i).
 std::vector<RequestSpec> randomRequests(const WorkloadOptions& options, std::int64_t count);
 

@@ -301,6 +301,28 @@ TEST(BenchServeReport, XmlEscape) {
   EXPECT_EQ(xmlEscape("a<b>&\"c'\x01"), "a&lt;b&gt;&amp;&quot;c&apos; ");
 }
 
+TEST(BenchServeWorkload, PositiveNumberLists) {
+  auto c = parsePositiveNumbers("1,2,64", "concurrency");
+  ASSERT_TRUE(c.ok());
+  EXPECT_EQ(*c, (std::vector<double>{1, 2, 64}));
+  auto r = parsePositiveNumbers("0.5,2.5", "request-rate");
+  ASSERT_TRUE(r.ok());
+  EXPECT_EQ(*r, (std::vector<double>{0.5, 2.5}));
+  for (const char* bad : {"", "1,,2", "0", "-1", "2x", "nan", "inf"}) {
+    auto e = parsePositiveNumbers(bad, "concurrency");
+    ASSERT_FALSE(e.ok()) << bad;
+    EXPECT_NE(e.error().message.find("--concurrency"), std::string::npos) << e.error().message;
+  }
+}
+
+TEST(BenchServeMetrics, CounterDeltasCountAMissingBeforeAsZero) {
+  const std::map<std::string, double> before{{"a", 10}, {"b", 1}};
+  const std::map<std::string, double> after{{"a", 25}, {"c", 7}};
+  EXPECT_EQ(counterDelta(before, after, "a"), 15.0);
+  EXPECT_EQ(counterDelta(before, after, "c"), 7.0);
+  EXPECT_EQ(counterDelta(before, after, "b"), std::nullopt) << "gone after: no delta";
+}
+
 TEST(BenchServeWorkload, ModelListGivesIdContextAndVocabulary) {
   auto m = parseModelList(
       R"({"object":"list","data":[{"id":"pdserve-default","max_model_len":1024,"vocab_size":4096},{"id":"b"}]})");
