@@ -176,6 +176,14 @@ Status writeNewClusterSecret(const std::filesystem::path& file) {
   return okStatus();
 }
 
+Result<std::shared_ptr<InternalAuth>> loadInternalAuth(const std::filesystem::path& secret_file) {
+  if (secret_file.empty()) return std::shared_ptr<InternalAuth>();
+  PD_ASSIGN_OR_RETURN(std::vector<std::uint8_t> secret, loadClusterSecret(secret_file));
+  InternalAuthOptions options;
+  options.secret = std::move(secret);
+  return InternalAuth::create(std::move(options));
+}
+
 void signRequest(const InternalAuth* auth, std::string_view method, std::string_view target, std::string_view body,
                  http::Headers& headers) {
   if (auth == nullptr) return;

@@ -250,6 +250,7 @@ std::string toJson(const DecodeEvent& v) {
   switch (v.type) {
     case DecodeEventType::Descriptor:
       o = {{"event", "descriptor"}, {"kv_descriptor", base64Encode(v.kv_descriptor)}, {"blocks", v.blocks}};
+      if (!v.kv_descriptor_tag.empty()) o["kv_descriptor_tag"] = v.kv_descriptor_tag;
       break;
     case DecodeEventType::Tokens: {
       json::array ids;
@@ -283,6 +284,7 @@ Result<DecodeEvent> parseDecodeEvent(std::string_view text) {
     v.type = DecodeEventType::Descriptor;
     std::string b64;
     r.str("kv_descriptor", b64, true, std::size_t{64} << 20);
+    r.str("kv_descriptor_tag", v.kv_descriptor_tag, false, 64);
     r.integer("blocks", v.blocks, false, 0);
     if (!r.ok()) return r.status().error();
     auto bytes = base64Decode(b64);
@@ -348,12 +350,14 @@ std::string toJson(const PrefillSubmit& v) {
   json::array ids;
   ids.reserve(v.token_ids.size());
   for (auto id : v.token_ids) ids.push_back(id);
-  return dump(json::object{{"request_id", v.request_id},
-                           {"token_ids", std::move(ids)},
-                           {"sampling", samplingJson(v.sampling)},
-                           {"logprobs", v.logprobs},
-                           {"kv_descriptor", base64Encode(v.kv_descriptor)},
-                           {"timeout_ms", v.timeout_ms}});
+  json::object o{{"request_id", v.request_id},
+                 {"token_ids", std::move(ids)},
+                 {"sampling", samplingJson(v.sampling)},
+                 {"logprobs", v.logprobs},
+                 {"kv_descriptor", base64Encode(v.kv_descriptor)},
+                 {"timeout_ms", v.timeout_ms}};
+  if (!v.kv_descriptor_tag.empty()) o["kv_descriptor_tag"] = v.kv_descriptor_tag;
+  return dump(o);
 }
 
 Result<PrefillSubmit> parsePrefillSubmit(std::string_view text) {
@@ -369,6 +373,7 @@ Result<PrefillSubmit> parsePrefillSubmit(std::string_view text) {
   r.boolean("logprobs", v.logprobs, false);
   std::string b64;
   r.str("kv_descriptor", b64, true, std::size_t{64} << 20);
+  r.str("kv_descriptor_tag", v.kv_descriptor_tag, false, 64);
   r.integer("timeout_ms", v.timeout_ms, false, 1, std::int64_t{24} * 3600 * 1000);
   if (!r.ok()) return r.status().error();
   auto bytes = base64Decode(b64);

@@ -150,7 +150,16 @@ void DecodeLoop::openStreamAsync(DecodeRequest request, kvtransfer::Transport& t
     }
     descriptor->block_ids.reserve(blocks->size());
     for (const std::int32_t b : *blocks) descriptor->block_ids.push_back(static_cast<std::uint32_t>(b));
-    (*answer)(std::move(*descriptor));
+    // Confine the transport to these blocks, under a fresh random transfer key the descriptor
+    // carries (docs/kv-transfer.md, "Write confinement"). Tensor-parallel followers' transports
+    // are not granted yet: their pools take writes as before.
+    Result<kvtransfer::KvDescriptor> granted = wait->transport->grant(std::move(*descriptor));
+    if (!granted.ok()) {
+      wait->stop();  // the Cancelled arrival frees the admitted request's blocks
+      (*answer)(std::move(granted).error());
+      return;
+    }
+    (*answer)(std::move(*granted));
   });
   if (!posted) {
     wait->stop();

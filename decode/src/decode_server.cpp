@@ -179,6 +179,7 @@ Status DecodeServer::Impl::startParts() {
   kvtransfer::UcxTransportOptions tx = kvtransfer::ucxOptionsFromConfig(options_.kvtransfer, compat_);
   tx.metrics = &registry_;
   tx.name = "decode-kv";
+  kvtransfer::inheritLoopbackHost(tx, options_.decode.host);
   const bool rma = kvtransfer::resolveKvDataPath(tx.data_path, tx.ucx_tls) == kvtransfer::KvDataPath::Rma;
   if (rma) receive_grace_ = std::chrono::milliseconds(options_.kvtransfer.receive_grace_ms);
   PD_ASSIGN_OR_RETURN(transport_, kvtransfer::createUcxTransport(tx));
@@ -219,6 +220,8 @@ Status DecodeServer::Impl::startParts() {
                     [this](http::Request req, http::Exchange ex) { handleOpen(std::move(req), std::move(ex)); }});
   routes.push_back({"POST", std::string(worker_api::kDecodeAbortPath),
                     [this](http::Request req, http::Exchange ex) { handleAbort(req, std::move(ex)); }});
+  if (!options_.auth) log::warn("decode", "no cluster secret: the internal API is unauthenticated (docs/security.md)");
+  routes = requireInternalAuth(std::move(routes), options_.auth, &registry_);
   PD_ASSIGN_OR_RETURN(http_, http::Server::start(std::move(http_options), std::move(routes)));
   log::info("decode", "serving on {} ({} KV blocks of {} tokens, {}, MTP k={}, TP {}, transport {})", url(),
             cfg.num_blocks, cfg.block_size, cfg.kv_dtype, cfg.num_speculative_tokens, group_size,
@@ -298,6 +301,9 @@ void DecodeServer::Impl::handleOpen(http::Request request, http::Exchange exchan
         first.type = worker_api::DecodeEventType::Descriptor;
         const std::vector<std::uint8_t> bytes = kvtransfer::encode(*descriptor);
         first.kv_descriptor.assign(bytes.begin(), bytes.end());
+        if (options_.auth) {
+          first.kv_descriptor_tag = crypto::toHex(options_.auth->tag("descriptor", std::as_bytes(std::span(bytes))));
+        }
         first.blocks = static_cast<std::int64_t>(descriptor->block_ids.size());
         stream->exchange.beginStream(200, {{"Content-Type", std::string(kNdjson)}, {"Cache-Control", "no-store"}});
         stream->exchange.write(worker_api::toJson(first) + "\n");

@@ -182,6 +182,7 @@ Status runWorker(const DecodeWorkerConfig& cfg) {
             modelHashHex(hash));
 
   DecodeServerOptions options;
+  PD_ASSIGN_OR_RETURN(options.auth, loadInternalAuth(cfg.cluster_secret_file));
   options.decode = dec;
   options.kvtransfer = cfg.kvtransfer;
   options.model_hash = hash;

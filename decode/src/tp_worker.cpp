@@ -27,6 +27,7 @@ Result<std::unique_ptr<TpFollowerWorker>> TpFollowerWorker::start(std::unique_pt
       w->pool_->compat(w->options_.model_hash, static_cast<std::uint32_t>(comm.size()));
   kvtransfer::UcxTransportOptions tx = kvtransfer::ucxOptionsFromConfig(w->options_.kvtransfer, compat);
   tx.name = fmt::format("decode-kv-tp{}", comm.rank());
+  kvtransfer::inheritLoopbackHost(tx, w->options_.decode.host);
   PD_ASSIGN_OR_RETURN(w->transport_, kvtransfer::createUcxTransport(tx));
   PD_ASSIGN_OR_RETURN(w->region_, w->transport_->registerRegion(w->pool_->memory()));
   w->region_registered_ = true;

@@ -103,6 +103,9 @@ class PrefillServer::Impl {
     };
     probes.status = [this] { return worker_api::toJson(status()); };
     http::addProbeRoutes(routes, std::move(probes));
+    if (!options_.auth)
+      log::warn("prefill", "no cluster secret: the internal API is unauthenticated (docs/security.md)");
+    routes = requireInternalAuth(std::move(routes), options_.auth, &registry_);
     PD_ASSIGN_OR_RETURN(http_, http::Server::start(std::move(so), std::move(routes)));
     log::info("prefill", "serving on {}:{} (model hash {}, chunk {}, token budget {}, local cache {}x{})",
               options_.prefill.host, http_->port(), modelHashHex(options_.model_hash), options_.prefill.chunk_size,
@@ -298,6 +301,7 @@ class PrefillServer::Impl {
     }
     kvt::UcxTransportOptions o = kvt::ucxOptionsFromConfig(options_.kvtransfer, compat);
     o.name = fmt::format("prefill-kv{}", transports_.size());
+    kvt::inheritLoopbackHost(o, options_.prefill.host);
     o.metrics = &registry_;
     PD_ASSIGN_OR_RETURN(std::unique_ptr<kvt::Transport> t, kvt::createUcxTransport(o));
     log::info("prefill", "KV layout {}: {} blocks of {} tokens, {} layers, TP {}", transports_.size(),
@@ -313,6 +317,16 @@ class PrefillServer::Impl {
     if (!parsed.ok()) return reject(ex, parsed.error());
     worker_api::PrefillSubmit& sub = *parsed;
     const auto& raw = sub.kv_descriptor;
+    // With a cluster secret, only a descriptor a decode worker of this cluster made reaches the
+    // decoder and UCX (docs/security.md).
+    if (options_.auth) {
+      auto tag = crypto::fromHex(sub.kv_descriptor_tag);
+      if (!tag.ok() ||
+          !options_.auth->checkTag("descriptor", std::as_bytes(std::span(raw.data(), raw.size())), tag.value())) {
+        return reject(ex, makeError(ErrorCode::Unauthenticated,
+                                    "kv_descriptor is not signed by a decode worker of this cluster"));
+      }
+    }
     Result<kvt::KvDescriptor> desc =
         kvt::decodeKvDescriptor(std::span(reinterpret_cast<const std::uint8_t*>(raw.data()), raw.size()));
     if (!desc.ok()) {

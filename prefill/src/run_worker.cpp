@@ -87,6 +87,7 @@ Status runWorker(const PrefillWorkerConfig& cfg) {
             modelHashHex(*hash));
 
   PrefillServerOptions options;
+  PD_ASSIGN_OR_RETURN(options.auth, loadInternalAuth(cfg.cluster_secret_file));
   options.prefill = pre;
   options.kvtransfer = cfg.kvtransfer;
   options.model_hash = *hash;

@@ -33,8 +33,11 @@ milliseconds remainingUntil(Clock::time_point deadline) {
   return std::max(left, milliseconds{1});
 }
 
-http::ClientRequest postJson(std::string_view target, std::string body) {
-  return http::ClientRequest{"POST", std::string(target), {{"Content-Type", "application/json"}}, std::move(body)};
+/// A signed POST of a JSON body (unsigned when `auth` is null).
+http::ClientRequest postJson(const InternalAuth* auth, std::string_view target, std::string body) {
+  http::ClientRequest r{"POST", std::string(target), {{"Content-Type", "application/json"}}, std::move(body)};
+  signRequest(auth, r.method, r.target, r.body, r.headers);
+  return r;
 }
 
 /// A response's error: the transport's, or the worker's error body for a non-200 status.
@@ -187,8 +190,8 @@ struct Shared {
   /// Best-effort abort/cancel call to a worker (its answer only matters for the log).
   void tellAbort(const WorkerAddress& worker, std::string_view path, const std::string& request_id) const {
     http::Client client(worker.host, worker.port);
-    auto r =
-        client.send(postJson(path, worker_api::toJson(worker_api::AbortRequest{request_id})), options.abort_timeout);
+    auto r = client.send(postJson(options.auth.get(), path, worker_api::toJson(worker_api::AbortRequest{request_id})),
+                         options.abort_timeout);
     if (!r.ok() || r.value().status != 200) {
       log::debug(kLog, "{}: {} at {} failed: {}", request_id, path, worker.key(),
                  r.ok() ? fmt::format("status {}", r.value().status) : r.error().toString());
@@ -336,7 +339,8 @@ class Generation : public std::enable_shared_from_this<Generation> {
         setWatch(s_.options.kv_timeout + s_.options.stream_stall_timeout,
                  fmt::format("no token from decode worker {} within {} ms of its descriptor", d.key(),
                              (s_.options.kv_timeout + s_.options.stream_stall_timeout).count()));
-        leg.thread = std::thread([this, &leg, id, kv = std::move(ev.kv_descriptor)] { runPrefill(leg, id, kv); });
+        leg.thread = std::thread([this, &leg, id, kv = std::move(ev.kv_descriptor),
+                                  tag = std::move(ev.kv_descriptor_tag)] { runPrefill(leg, id, kv, tag); });
         return true;
       }
       switch (ev.type) {
@@ -354,8 +358,9 @@ class Generation : public std::enable_shared_from_this<Generation> {
           return false;
       }
     };
-    auto response = client.streamLines(postJson(worker_api::kDecodeOpenPath, worker_api::toJson(open)),
-                                       remainingUntil(req_.deadline), on_line);
+    auto response =
+        client.streamLines(postJson(s_.options.auth.get(), worker_api::kDecodeOpenPath, worker_api::toJson(open)),
+                           remainingUntil(req_.deadline), on_line);
     clearWatch();
     setDecodeClient(nullptr);
     const std::optional<std::string> timed_out = takeTimeout();
@@ -423,13 +428,15 @@ class Generation : public std::enable_shared_from_this<Generation> {
 
   /// The prefill leg: attempts on prefill workers until one succeeds, the attempts run out, or
   /// the leg is stopped. On failure it cuts the decode stream (run() then aborts it at D).
-  void runPrefill(PrefillLeg& leg, const std::string& id, const std::string& kv_descriptor) {
+  void runPrefill(PrefillLeg& leg, const std::string& id, const std::string& kv_descriptor,
+                  const std::string& kv_descriptor_tag) {
     worker_api::PrefillSubmit submit;
     submit.request_id = id;
     submit.token_ids = req_.prompt_token_ids;
     submit.sampling = req_.sampling;
     submit.logprobs = req_.logprobs;
     submit.kv_descriptor = kv_descriptor;
+    submit.kv_descriptor_tag = kv_descriptor_tag;
     const auto prompt_tokens = static_cast<std::int64_t>(req_.prompt_token_ids.size());
 
     std::set<std::string> tried;
@@ -452,7 +459,7 @@ class Generation : public std::enable_shared_from_this<Generation> {
       if (!setPrefillClient(leg, &client)) return;
       s_.registry.noteSent(WorkerRole::Prefill, p->key(), prompt_tokens);
       // The worker answers by its own deadline; the margin lets its answer arrive.
-      auto response = client.send(postJson(worker_api::kPrefillPath, worker_api::toJson(submit)),
+      auto response = client.send(postJson(s_.options.auth.get(), worker_api::kPrefillPath, worker_api::toJson(submit)),
                                   budget + s_.options.abort_timeout);
       const bool stopped = !setPrefillClient(leg, nullptr);
       if (!stopped && response.ok()) s_.clients->release(*p, std::move(client_owner));

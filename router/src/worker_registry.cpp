@@ -244,7 +244,9 @@ class WorkerRegistry::Impl {
         std::lock_guard lock(mu_);
         if (w.stop) return;
       }
-      auto response = w.client.send(http::ClientRequest{"GET", target, {}, {}}, options_.health_timeout);
+      http::ClientRequest poll{"GET", target, {}, {}};
+      signRequest(options_.auth.get(), poll.method, poll.target, poll.body, poll.headers);
+      auto response = w.client.send(poll, options_.health_timeout);
       Result<worker_api::WorkerStatus> status = makeError(ErrorCode::Internal, "unset");
       if (!response.ok()) {
         status = std::move(response).error();

@@ -40,7 +40,7 @@ struct AllSections {
     registerUpOptions(up, up_cfg);
   }
   std::vector<config::OptionSet*> sets() {
-    return {&common_sets.log, &common_sets.model, &up, &router, &prefill, &decode, &kvtransfer};
+    return {&common_sets.log, &common_sets.model, &common_sets.cluster, &up, &router, &prefill, &decode, &kvtransfer};
   }
 };
 
@@ -52,6 +52,8 @@ CommonOptions::CommonOptions(CommonConfig& cfg) {
       .add("path", &cfg.model_path, "model folder (Hugging Face DeepSeek-V3 layout); empty: the embedded default model")
       .add("tokenizer", &cfg.tokenizer_path, "tokenizer folder; empty: the model folder")
       .add("cache_dir", &cfg.cache_dir, "folder the embedded default model is written to on first use");
+  cluster.add("secret_file", &cfg.cluster_secret_file,
+              "file holding the cluster secret that signs internal calls (docs/security.md); empty: unauthenticated");
 }
 
 bool takeCheckConfigFlag(std::vector<std::string>& args) {

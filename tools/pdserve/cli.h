@@ -29,13 +29,17 @@ struct CommonConfig {
   std::filesystem::path tokenizer_path;
   /// Where the embedded default model and the fetched tokenizer live.
   std::filesystem::path cache_dir = config::defaultCacheDir();
+  /// The cluster secret file (section `cluster:`, docs/security.md); empty: the internal plane is
+  /// unauthenticated.
+  std::filesystem::path cluster_secret_file;
 };
 
-/// The `log:` and `model:` sections, bound to `cfg`.
+/// The `log:`, `model:` and `cluster:` sections, bound to `cfg`.
 struct CommonOptions {
   explicit CommonOptions(CommonConfig& cfg);
   config::OptionSet log{"log"};
   config::OptionSet model{"model"};
+  config::OptionSet cluster{"cluster"};
 };
 
 /// `pdserve up` settings (section `up:`).

@@ -36,7 +36,8 @@ int runDecode(const std::vector<std::string>& raw_args) {
   config::OptionSet kv_set("kvtransfer");
   decode::registerOptions(decode_set, cfg.decode);
   kvtransfer::registerOptions(kv_set, cfg.kvtransfer);
-  auto loaded = loadCommandOptions(std::string(kUsage), {&decode_set, &kv_set, &common_sets.log, &common_sets.model},
+  auto loaded = loadCommandOptions(std::string(kUsage),
+                                   {&decode_set, &kv_set, &common_sets.log, &common_sets.model, &common_sets.cluster},
                                    args, &common);
   if (!loaded.ok()) return reportFailure(loaded.error());
   if (loaded->help_requested) return 0;
@@ -58,6 +59,7 @@ int runDecode(const std::vector<std::string>& raw_args) {
   if (!model_dir.ok()) return reportFailure(model_dir.error());
   cfg.model_dir = *model_dir;
   cfg.on_ready = printReadyLine;
+  cfg.cluster_secret_file = common.cluster_secret_file;
   if (Status s = decode::runWorker(cfg); !s.ok()) return reportFailure(s.error());
   return 0;
 }

@@ -34,7 +34,8 @@ int runPrefill(const std::vector<std::string>& raw_args) {
   config::OptionSet kv_set("kvtransfer");
   prefill::registerOptions(prefill_set, cfg.prefill);
   kvtransfer::registerOptions(kv_set, cfg.kvtransfer);
-  auto loaded = loadCommandOptions(std::string(kUsage), {&prefill_set, &kv_set, &common_sets.log, &common_sets.model},
+  auto loaded = loadCommandOptions(std::string(kUsage),
+                                   {&prefill_set, &kv_set, &common_sets.log, &common_sets.model, &common_sets.cluster},
                                    args, &common);
   if (!loaded.ok()) return reportFailure(loaded.error());
   if (loaded->help_requested) return 0;
@@ -56,6 +57,7 @@ int runPrefill(const std::vector<std::string>& raw_args) {
   if (!model_dir.ok()) return reportFailure(model_dir.error());
   cfg.model_dir = *model_dir;
   cfg.on_ready = printReadyLine;
+  cfg.cluster_secret_file = common.cluster_secret_file;
   if (Status s = prefill::runWorker(cfg); !s.ok()) return reportFailure(s.error());
   return 0;
 }

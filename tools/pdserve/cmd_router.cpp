@@ -17,6 +17,7 @@
 #include <thread>
 
 #include "cli.h"
+#include "pd/common/internal_auth.h"
 #include "pd/common/log.h"
 #include "pd/common/metrics.h"
 #include "pd/engine/model_config.h"
@@ -75,8 +76,8 @@ int runRouter(const std::vector<std::string>& raw_args) {
   router::RouterConfig cfg;
   config::OptionSet router_set("router");
   router::registerOptions(router_set, cfg);
-  auto loaded =
-      loadCommandOptions(std::string(kUsage), {&router_set, &common_sets.log, &common_sets.model}, args, &common);
+  auto loaded = loadCommandOptions(
+      std::string(kUsage), {&router_set, &common_sets.log, &common_sets.model, &common_sets.cluster}, args, &common);
   if (!loaded.ok()) return reportFailure(loaded.error());
   if (loaded->help_requested) return 0;
   if (!loaded->positionals.empty()) {
@@ -103,11 +104,16 @@ int runRouter(const std::vector<std::string>& raw_args) {
 
   auto api_options = router::apiServerOptionsFromConfig(cfg, model_config->max_position_embeddings);
   if (!api_options.ok()) return reportFailure(api_options.error());
+  auto auth = loadInternalAuth(common.cluster_secret_file);
+  if (!auth.ok()) return reportFailure(auth.error());
+  if (!*auth) log::warn(kLog, "no cluster secret: calls to the workers are unsigned (docs/security.md)");
+  registry_options->auth = *auth;
   metrics::Registry metrics;
   auto registry = router::WorkerRegistry::start(std::move(registry_options).value());
   if (!registry.ok()) return reportFailure(registry.error());
-  auto backend =
-      router::PdBackend::create(router::pdBackendOptionsFromConfig(cfg), **registry, (*renderer)->tokenizer(), metrics);
+  router::PdBackendOptions backend_options = router::pdBackendOptionsFromConfig(cfg);
+  backend_options.auth = *auth;
+  auto backend = router::PdBackend::create(std::move(backend_options), **registry, (*renderer)->tokenizer(), metrics);
   if (!backend.ok()) return reportFailure(backend.error());
   auto api = router::ApiServer::start(std::move(api_options).value(), **backend, **renderer, metrics);
   if (!api.ok()) return reportFailure(api.error());

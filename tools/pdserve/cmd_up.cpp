@@ -18,6 +18,7 @@
 #include "cli.h"
 #include "cluster_supervisor.h"
 #include "pd/common/http_client.h"
+#include "pd/common/internal_auth.h"
 #include "pd/common/log.h"
 #include "pd/common/role_process.h"
 #include "pd/common/subprocess.h"
@@ -162,7 +163,8 @@ int runUp(const std::vector<std::string>& raw_args) {
       "model), waits until they are ready and serves the OpenAI API on the router's port until Ctrl-C.\n"
       "Short flags: --model = --model.path, --prefill/--decode = --up.prefill/--up.decode,\n"
       "--tp = --decode.tensor_parallel, --mtp = --decode.num_speculative_tokens, --port = --router.port.",
-      {&common_sets.log, &common_sets.model, &up_set, &router_set, &prefill_set, &decode_set, &kv_set},
+      {&common_sets.log, &common_sets.model, &common_sets.cluster, &up_set, &router_set, &prefill_set, &decode_set,
+       &kv_set},
       expandAliases(raw_args), &common);
   if (!loaded.ok()) return reportFailure(loaded.error());
   if (loaded->help_requested) return 0;
@@ -205,9 +207,14 @@ int runUp(const std::vector<std::string>& raw_args) {
       std::filesystem::remove_all(dir, ignored);
     }
   } remove_run_dir{run_dir};
+  // Every local cluster signs its internal calls with a fresh secret unless one is given.
+  if (common.cluster_secret_file.empty()) {
+    common.cluster_secret_file = run_dir / "cluster-secret";
+    if (auto s = writeNewClusterSecret(common.cluster_secret_file); !s.ok()) return reportFailure(s.error());
+  }
   const auto config_file = run_dir / "config.yaml";
-  if (auto s = writeResolvedConfig(
-          config_file, {&common_sets.log, &common_sets.model, &router_set, &prefill_set, &decode_set, &kv_set});
+  if (auto s = writeResolvedConfig(config_file, {&common_sets.log, &common_sets.model, &common_sets.cluster,
+                                                 &router_set, &prefill_set, &decode_set, &kv_set});
       !s.ok()) {
     return reportFailure(s.error());
   }

@@ -256,6 +256,12 @@ KvDataPath resolveKvDataPath(KvDataPath requested, std::string_view ucx_tls) {
   return hostTransportsOnly(ucx_tls) ? KvDataPath::ActiveMessage : KvDataPath::Rma;
 }
 
+void inheritLoopbackHost(UcxTransportOptions& options, std::string_view worker_host) {
+  if (!options.host.empty()) return;
+  const bool loopback = worker_host == "localhost" || worker_host == "::1" || worker_host.substr(0, 4) == "127.";
+  if (loopback) options.host = worker_host == "localhost" ? "127.0.0.1" : std::string(worker_host);
+}
+
 UcxTransportOptions ucxOptionsFromConfig(const KvTransferConfig& config, const CompatInfo& compat) {
   UcxTransportOptions options;
   options.ucx_tls = config.ucx_tls;

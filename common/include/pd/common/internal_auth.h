@@ -89,6 +89,10 @@ class InternalAuth {
 /// Writes a new random secret (64 hex characters) to `file`, mode 0600, atomically.
 [[nodiscard]] Status writeNewClusterSecret(const std::filesystem::path& file);
 
+/// The verifier of the secret in `secret_file`, or null when the path is empty (no secret: an
+/// unauthenticated internal plane). Errors as loadClusterSecret.
+[[nodiscard]] Result<std::shared_ptr<InternalAuth>> loadInternalAuth(const std::filesystem::path& secret_file);
+
 /// Adds the signature header to an outgoing call when `auth` is set.
 void signRequest(const InternalAuth* auth, std::string_view method, std::string_view target, std::string_view body,
                  http::Headers& headers);

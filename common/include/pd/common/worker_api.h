@@ -56,7 +56,9 @@ struct DecodeEvent {
   DecodeEventType type = DecodeEventType::Tokens;
   // Descriptor
   std::string kv_descriptor;  ///< kvtransfer wire bytes (raw; base64 on the wire)
-  std::int64_t blocks = 0;    ///< KV blocks held for the request
+  /// InternalAuth::tag("descriptor", kv_descriptor) as hex; empty without a cluster secret.
+  std::string kv_descriptor_tag;
+  std::int64_t blocks = 0;  ///< KV blocks held for the request
   // Tokens
   std::vector<pd::TokenId> token_ids;
   std::vector<pd::SampledToken> logprobs;  ///< one per token id, when asked
@@ -81,7 +83,8 @@ struct PrefillSubmit {
   std::vector<pd::TokenId> token_ids;
   pd::SamplingParams sampling;
   bool logprobs = false;
-  std::string kv_descriptor;  ///< as the decode worker's Descriptor event gave it (raw bytes)
+  std::string kv_descriptor;      ///< as the decode worker's Descriptor event gave it (raw bytes)
+  std::string kv_descriptor_tag;  ///< as the Descriptor event gave it (hex; empty without a secret)
   std::int64_t timeout_ms = 60000;
 };
 

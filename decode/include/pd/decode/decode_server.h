@@ -28,6 +28,7 @@
 #include <memory>
 #include <string>
 
+#include "pd/common/internal_auth.h"
 #include "pd/common/metrics.h"
 #include "pd/common/result.h"
 #include "pd/common/worker_api.h"
@@ -50,6 +51,10 @@ struct DecodeServerOptions {
   /// in TpFollowerWorker::start), descriptors list every rank's target, every open relays its KV
   /// expectation to the followers, and /ready answers 503 once the group is broken.
   model::TpLeaderEngine* tp_leader = nullptr;
+  /// The cluster secret's verifier (internal_auth.h): internal calls without a valid signature get
+  /// 401, and each descriptor handed out carries a tag the prefill worker checks. Null: an
+  /// unauthenticated plane (a warning is logged at start).
+  std::shared_ptr<InternalAuth> auth;
 };
 
 class DecodeServer {

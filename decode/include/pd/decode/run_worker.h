@@ -42,6 +42,8 @@ struct DecodeWorkerConfig {
   /// on the leader, "role=decode-rank url=... node_rank=N" on another node's process); the command
   /// prints them on its PDSERVE_READY line. Not called on spawned ranks.
   std::function<void(const std::string& fields)> on_ready;
+  /// The cluster secret file (docs/security.md); empty: an unauthenticated internal plane.
+  std::filesystem::path cluster_secret_file;
 };
 
 /// Cross-field checks of the whole worker configuration (InvalidArgument naming the values).

@@ -73,6 +73,10 @@ struct UcxTransportOptions {
 /// Options from the `kvtransfer:` config section (validated there: data_path is one of its choices).
 [[nodiscard]] UcxTransportOptions ucxOptionsFromConfig(const KvTransferConfig& config, const CompatInfo& compat);
 
+/// With kvtransfer.host unset, a worker whose HTTP server is bound to a loopback address
+/// (127.0.0.0/8, ::1, localhost) keeps UCX on loopback too instead of every interface.
+void inheritLoopbackHost(UcxTransportOptions& options, std::string_view worker_host);
+
 /// Creates the context and worker and starts the progress thread. InvalidArgument when ucx_tls
 /// lacks tcp; Unsupported / Internal when UCX refuses.
 [[nodiscard]] Result<std::unique_ptr<Transport>> createUcxTransport(const UcxTransportOptions& options);

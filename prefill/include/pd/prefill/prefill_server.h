@@ -28,6 +28,7 @@
 #include <memory>
 #include <string>
 
+#include "pd/common/internal_auth.h"
 #include "pd/common/metrics.h"
 #include "pd/common/result.h"
 #include "pd/engine/engine.h"
@@ -46,6 +47,10 @@ struct PrefillServerOptions {
   /// Optional: true once the engine can no longer serve (a tensor-parallel group lost a rank):
   /// /ready answers 503 and the status says not ready. Called from io threads; must not block.
   std::function<bool()> broken;
+  /// The cluster secret's verifier (internal_auth.h): internal calls without a valid signature get
+  /// 401, and a KV descriptor must carry its decode worker's tag. Null: an unauthenticated plane
+  /// (a warning is logged at start).
+  std::shared_ptr<InternalAuth> auth;
 };
 
 /// What the server holds right now (tests and the status endpoint).

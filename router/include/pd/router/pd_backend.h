@@ -38,6 +38,7 @@
 #include <memory>
 #include <string>
 
+#include "pd/common/internal_auth.h"
 #include "pd/common/metrics.h"
 #include "pd/common/result.h"
 #include "pd/router/completion_backend.h"
@@ -57,6 +58,8 @@ struct PdBackendOptions {
   std::chrono::milliseconds stream_stall_timeout{30000};
   std::chrono::milliseconds abort_timeout{2000};  ///< the abort/cancel calls
   std::int64_t max_generations = 4096;            ///< more at once: Overloaded
+  /// Signs every call to a worker (internal_auth.h); null: unsigned (an unauthenticated plane).
+  std::shared_ptr<InternalAuth> auth;
 };
 
 [[nodiscard]] PdBackendOptions pdBackendOptionsFromConfig(const RouterConfig& config);

@@ -27,6 +27,7 @@
 #include <string_view>
 #include <vector>
 
+#include "pd/common/internal_auth.h"
 #include "pd/common/result.h"
 #include "pd/common/worker_api.h"
 #include "pd/router/router_config.h"
@@ -83,6 +84,8 @@ struct RegistryOptions {
   std::chrono::milliseconds health_timeout{1000};
   std::int64_t health_failures = 3;
   std::string model_hash;  ///< empty: pinned to the first one a ready worker reports
+  /// Signs the status polls (internal_auth.h); null: unsigned (an unauthenticated plane).
+  std::shared_ptr<InternalAuth> auth;
 };
 
 /// The registry options of the router section. InvalidArgument for a malformed address.
