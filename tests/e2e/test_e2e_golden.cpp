@@ -87,10 +87,10 @@ std::vector<std::string> descendantCommandLines() {
   return out;
 }
 
-worker_api::WorkerStatus workerStatus(const std::string& host_port) {
+worker_api::WorkerStatus workerStatus(const std::string& host_port, const InternalAuth* auth) {
   const auto colon = host_port.rfind(':');
   auto r = getPath(host_port.substr(0, colon), static_cast<std::uint16_t>(std::stoi(host_port.substr(colon + 1))),
-                   std::string(worker_api::kStatusPath));
+                   std::string(worker_api::kStatusPath), auth);
   EXPECT_EQ(r.status, 200);
   auto st = worker_api::parseWorkerStatus(r.body);
   EXPECT_TRUE(st.ok()) << (st.ok() ? "" : st.error().toString());
@@ -143,7 +143,15 @@ TEST_P(E2eGolden, CompletionsReturnTheGoldenGreedyTokens) {
   }
   const auto decoders = childUrls(cluster, "decode");
   ASSERT_EQ(decoders.size(), 1U);
-  const auto st = workerStatus(decoders[0]);
+  const auto st = workerStatus(decoders[0], cluster.auth().get());
+  {  // The cluster's internal plane is authenticated: an unsigned status call is refused.
+    const auto colon = decoders[0].rfind(':');
+    EXPECT_EQ(
+        getPath(decoders[0].substr(0, colon), static_cast<std::uint16_t>(std::stoi(decoders[0].substr(colon + 1))),
+                std::string(worker_api::kStatusPath))
+            .status,
+        401);
+  }
   EXPECT_GT(st.total_blocks, 0);
   EXPECT_EQ(st.free_blocks, st.total_blocks) << "KV blocks leaked";
   EXPECT_EQ(st.running_requests, 0);

@@ -1,7 +1,9 @@
 #pragma once
 // A whole local pdserve cluster for end-to-end tests: the real `pdserve up` binary (router +
 // prefill + decode child processes, real HTTP, real UCX), started with the given flags; the
-// router's address comes from up's PDSERVE_READY line. Its log goes to the test's stderr.
+// router's address comes from up's PDSERVE_READY line. Its log goes to the test's stderr. The
+// cluster signs its internal calls with a secret of the test's (auth()), so tests can call the
+// workers' internal endpoints as the router does.
 // Also small helpers to talk to it over HTTP.
 // Thread rules: one owner thread; the proc::RoleProcess reader thread drains up's stdout.
 
@@ -17,7 +19,9 @@
 #include <vector>
 
 #include "pd/common/http_client.h"
+#include "pd/common/internal_auth.h"
 #include "pd/common/role_process.h"
+#include "support/test_files.h"
 
 namespace pd::test {
 
@@ -28,6 +32,10 @@ class LocalCluster {
   explicit LocalCluster(std::vector<std::string> flags, std::chrono::seconds timeout = std::chrono::seconds{180}) {
     proc::RoleProcessOptions o;
     o.argv = {PD_PDSERVE_BIN, "up"};
+    if (Status s = writeNewClusterSecret(secret_dir_.path() / "secret"); !s.ok()) ADD_FAILURE() << s.error().toString();
+    auto auth = loadInternalAuth(secret_dir_.path() / "secret");
+    if (auth.ok()) auth_ = *auth;
+    o.argv.push_back("--cluster.secret_file=" + (secret_dir_.path() / "secret").string());
     o.argv.insert(o.argv.end(), flags.begin(), flags.end());
     o.on_line = [this](proc::OutputStream, const std::string& line) {
       std::lock_guard lock(mutex_);
@@ -68,6 +76,8 @@ class LocalCluster {
   std::optional<int> wait(std::chrono::milliseconds timeout) {
     return process_ ? process_->wait(timeout) : std::nullopt;
   }
+  /// Signs calls to the cluster's workers (signRequest(auth().get(), ...)).
+  [[nodiscard]] const std::shared_ptr<InternalAuth>& auth() const { return auth_; }
   /// Every line up printed on stdout so far.
   [[nodiscard]] std::vector<std::string> stdoutLines() const {
     std::lock_guard lock(mutex_);
@@ -75,6 +85,8 @@ class LocalCluster {
   }
 
  private:
+  TempDir secret_dir_;
+  std::shared_ptr<InternalAuth> auth_;
   mutable std::mutex mutex_;
   std::vector<std::string> lines_;  // guarded by mutex_; filled by the process's reader thread
   std::unique_ptr<proc::RoleProcess> process_;
@@ -97,10 +109,13 @@ inline http::ClientResponse postJson(const LocalCluster& cluster, const std::str
   return std::move(*r);
 }
 
-inline http::ClientResponse getPath(const std::string& host, std::uint16_t port, const std::string& path) {
+/// GET `path`, signed with `auth` when given (a worker's internal endpoints).
+inline http::ClientResponse getPath(const std::string& host, std::uint16_t port, const std::string& path,
+                                    const InternalAuth* auth = nullptr) {
   http::Client client(host, port);
   http::ClientRequest req;
   req.target = path;
+  signRequest(auth, req.method, req.target, req.body, req.headers);
   auto r = client.send(req, std::chrono::seconds{30});
   if (!r.ok()) {
     ADD_FAILURE() << "GET " << path << ": " << r.error().toString();
