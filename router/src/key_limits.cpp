@@ -9,17 +9,17 @@
 
 namespace pd::router {
 
-KeyLimiter::Lease::~Lease() {
+KeyLease::~KeyLease() {
   finish(reserved_);
 }
 
-KeyLimiter::Lease::Lease(Lease&& other) noexcept
+KeyLease::KeyLease(KeyLease&& other) noexcept
     : limiter_(std::exchange(other.limiter_, nullptr)),
       key_(other.key_),
       seq_(other.seq_),
       reserved_(other.reserved_) {}
 
-KeyLimiter::Lease& KeyLimiter::Lease::operator=(Lease&& other) noexcept {
+KeyLease& KeyLease::operator=(KeyLease&& other) noexcept {
   if (this != &other) {
     finish(reserved_);
     limiter_ = std::exchange(other.limiter_, nullptr);
@@ -30,7 +30,7 @@ KeyLimiter::Lease& KeyLimiter::Lease::operator=(Lease&& other) noexcept {
   return *this;
 }
 
-void KeyLimiter::Lease::finish(std::int64_t used_tokens) {
+void KeyLease::finish(std::int64_t used_tokens) {
   if (limiter_ == nullptr) return;
   std::exchange(limiter_, nullptr)->release(key_, seq_, reserved_, used_tokens);
 }
@@ -102,7 +102,7 @@ KeyLimiter::Admission KeyLimiter::admit(std::size_t key, std::int64_t tokens) {
     k.window.push_back(Reservation{now, seq, tokens});
     k.window_tokens += tokens;
   }
-  a.lease = Lease(this, key, seq, reserved);
+  a.lease = KeyLease(this, key, seq, reserved);
   return a;
 }
 

@@ -34,53 +34,58 @@ struct KeyLimits {
   friend bool operator==(const KeyLimits&, const KeyLimits&) = default;
 };
 
+class KeyLimiter;
+
+/// A request holding a concurrency slot and a token reservation of one key. Move-only. The
+/// destructor ends it as finish() with the reservation unchanged (the conservative charge).
+class KeyLease {
+ public:
+  KeyLease() = default;  ///< holds nothing (a key without limits, or authentication off)
+  ~KeyLease();
+  KeyLease(KeyLease&& other) noexcept;
+  KeyLease& operator=(KeyLease&& other) noexcept;
+  KeyLease(const KeyLease&) = delete;
+  KeyLease& operator=(const KeyLease&) = delete;
+
+  /// Frees the slot and corrects the reservation to `used_tokens` (clamped to [0, reserved]).
+  /// Only the first call counts.
+  void finish(std::int64_t used_tokens);
+
+ private:
+  friend class KeyLimiter;
+  KeyLease(KeyLimiter* limiter, std::size_t key, std::uint64_t seq, std::int64_t reserved)
+      : limiter_(limiter), key_(key), seq_(seq), reserved_(reserved) {}
+
+  KeyLimiter* limiter_ = nullptr;
+  std::size_t key_ = 0;
+  std::uint64_t seq_ = 0;
+  std::int64_t reserved_ = 0;
+};
+
+/// Why a request was not admitted.
+enum class KeyRefusal {
+  Concurrent,  ///< max_concurrent requests of the key are in flight
+  Tokens,      ///< the window has no room for the reservation now
+  TooLarge,    ///< the reservation alone exceeds tokens_per_minute
+};
+
+/// The verdict of KeyLimiter::admit(): a lease, or a refusal with its reason, the seconds until a
+/// retry can succeed (Tokens only; at least 1) and a message for the client.
+struct KeyAdmission {
+  std::optional<KeyLease> lease;
+  KeyRefusal refusal = KeyRefusal::Concurrent;
+  std::optional<std::chrono::seconds> retry_after;
+  std::string message;
+};
+
 class KeyLimiter {
  public:
   using Clock = std::chrono::steady_clock;
+  using Lease = KeyLease;
+  using Refusal = KeyRefusal;
+  using Admission = KeyAdmission;
   /// The token window.
   static constexpr std::chrono::seconds kWindow{60};
-
-  /// A request holding a concurrency slot and a token reservation of one key. Move-only. The
-  /// destructor ends it as finish() with the reservation unchanged (the conservative charge).
-  class Lease {
-   public:
-    Lease() = default;  ///< holds nothing (a key without limits, or authentication off)
-    ~Lease();
-    Lease(Lease&& other) noexcept;
-    Lease& operator=(Lease&& other) noexcept;
-    Lease(const Lease&) = delete;
-    Lease& operator=(const Lease&) = delete;
-
-    /// Frees the slot and corrects the reservation to `used_tokens` (clamped to [0, reserved]).
-    /// Only the first call counts.
-    void finish(std::int64_t used_tokens);
-
-   private:
-    friend class KeyLimiter;
-    Lease(KeyLimiter* limiter, std::size_t key, std::uint64_t seq, std::int64_t reserved)
-        : limiter_(limiter), key_(key), seq_(seq), reserved_(reserved) {}
-
-    KeyLimiter* limiter_ = nullptr;
-    std::size_t key_ = 0;
-    std::uint64_t seq_ = 0;
-    std::int64_t reserved_ = 0;
-  };
-
-  /// Why a request was not admitted.
-  enum class Refusal {
-    Concurrent,  ///< max_concurrent requests of the key are in flight
-    Tokens,      ///< the window has no room for the reservation now
-    TooLarge,    ///< the reservation alone exceeds tokens_per_minute
-  };
-
-  /// The verdict of admit(): a lease, or a refusal with its reason, the seconds until a retry can
-  /// succeed (Tokens only; at least 1) and a message for the client.
-  struct Admission {
-    std::optional<Lease> lease;
-    Refusal refusal = Refusal::Concurrent;
-    std::optional<std::chrono::seconds> retry_after;
-    std::string message;
-  };
 
   /// `limits[i]` is the limits of key i (ApiKeySet's index). `now` is the clock (a fake in tests).
   explicit KeyLimiter(std::vector<KeyLimits> limits, std::function<Clock::time_point()> now = Clock::now);
@@ -115,6 +120,7 @@ class KeyLimiter {
     std::uint64_t next_seq = 0;
   };
 
+  friend class KeyLease;
   void release(std::size_t key, std::uint64_t seq, std::int64_t reserved, std::int64_t used);
   // Drops the reservations that left the window by `now`. Caller holds mu_.
   static void expire(KeyState& k, Clock::time_point now);
