@@ -410,6 +410,7 @@ Result<PrefillOutcome> parsePrefillOutcome(std::string_view text) {
 std::string toJson(const WorkerStatus& v) {
   return dump(json::object{{"role", v.role},
                            {"ready", v.ready},
+                           {"busy", v.busy},
                            {"draining", v.draining},
                            {"model_hash", v.model_hash},
                            {"queued_requests", v.queued_requests},
@@ -429,6 +430,7 @@ Result<WorkerStatus> parseWorkerStatus(std::string_view text) {
   r.str("role", v.role);
   if (r.ok() && v.role != "prefill" && v.role != "decode") r.fail("role", "must be \"prefill\" or \"decode\"");
   r.boolean("ready", v.ready, true);
+  r.boolean("busy", v.busy, false);
   r.boolean("draining", v.draining, false);
   r.str("model_hash", v.model_hash, false);
   r.integer("queued_requests", v.queued_requests, false, 0);

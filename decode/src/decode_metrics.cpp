@@ -117,6 +117,7 @@ void DecodeMetrics::setSequences(std::int64_t waiting_kv, std::int64_t waiting_k
 DecodeMetrics::Snapshot DecodeMetrics::snapshot() const {
   Snapshot s;
   s.free_blocks = static_cast<std::int64_t>(blocks_free_->value());
+  s.available_blocks = static_cast<std::int64_t>(blocks_available_->value());
   s.total_blocks = static_cast<std::int64_t>(blocks_total_->value());
   s.quarantined_blocks = static_cast<std::int64_t>(blocks_quarantined_->value());
   s.waiting_kv = static_cast<std::int64_t>(waiting_kv_->value());

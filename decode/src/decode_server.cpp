@@ -109,6 +109,9 @@ class DecodeServer::Impl {
   void refuse(http::Exchange& exchange, const Error& error);
   // Called on the loop thread with the request's final event: forgets the stream.
   void streamEnded(const std::string& request_id);
+  // Why /ready answers 503 now (draining, a broken TP group, a pool that cannot admit a minimal
+  // request), or empty while the worker takes work. Thread-safe: reads atomics and gauges.
+  [[nodiscard]] std::string notReadyReason() const;
   // The tensor-parallel group is broken (never for tensor_parallel 1).
   [[nodiscard]] bool tpBroken() const { return options_.tp_leader != nullptr && options_.tp_leader->broken(); }
 
@@ -209,10 +212,7 @@ Status DecodeServer::Impl::startParts() {
   http_options.error_responder = serverError;
   std::vector<http::Route> routes;
   http::Probes probes;
-  probes.not_ready = [this] {
-    if (draining_.load()) return std::string("draining");
-    return tpBroken() ? std::string("tensor-parallel group failed") : std::string();
-  };
+  probes.not_ready = [this] { return notReadyReason(); };
   probes.metrics = [this] { return registry_.render(); };
   probes.status = [this] { return worker_api::toJson(status()); };
   http::addProbeRoutes(routes, std::move(probes));
@@ -340,6 +340,20 @@ void DecodeServer::Impl::beginDrain() {
   if (!draining_.exchange(true)) log::info("decode", "draining: refusing new requests");
 }
 
+std::string DecodeServer::Impl::notReadyReason() const {
+  if (draining_.load()) return "draining";
+  if (tpBroken()) return "tensor-parallel group failed";
+  // A minimal request (1 prompt token, max_tokens 1) reserves blocksFor(1 + 1 - 1) = 1 block of
+  // what admission may take: free blocks minus the growth reserved by admitted requests.
+  constexpr std::int64_t kMinimalRequestBlocks = 1;
+  const DecodeMetrics::Snapshot m = metrics_.snapshot();
+  if (m.available_blocks < kMinimalRequestBlocks) {
+    return fmt::format("KV pool full: {} of {} blocks available, a minimal request needs {}", m.available_blocks,
+                       m.total_blocks, kMinimalRequestBlocks);
+  }
+  return {};
+}
+
 std::size_t DecodeServer::Impl::openStreams() const {
   std::lock_guard lock(mutex_);
   return streams_.size();
@@ -383,7 +397,8 @@ worker_api::WorkerStatus DecodeServer::Impl::status() const {
   worker_api::WorkerStatus s;
   s.role = "decode";
   s.draining = draining_.load();
-  s.ready = !s.draining && !tpBroken();
+  s.ready = notReadyReason().empty();
+  s.busy = !s.ready && !s.draining && !tpBroken();  // the only other reason: the pool is full
   s.model_hash = fmt::format("{:016x}", options_.model_hash);
   s.queued_requests = m.waiting_kv;
   s.queued_tokens = m.waiting_kv_tokens;

@@ -93,10 +93,7 @@ class PrefillServer::Impl {
     routes.push_back({"POST", std::string(worker_api::kPrefillCancelPath),
                       [this](http::Request r, http::Exchange ex) { onCancel(r, ex); }});
     http::Probes probes;
-    probes.not_ready = [this] {
-      if (draining_.load()) return std::string("draining");
-      return broken() ? std::string("tensor-parallel group broken") : std::string();
-    };
+    probes.not_ready = [this] { return notReadyReason(); };
     probes.metrics = [this] {
       refreshGauges();
       return registry_.render();
@@ -256,13 +253,28 @@ class PrefillServer::Impl {
 
   [[nodiscard]] bool broken() const { return options_.broken && options_.broken(); }
 
+  // Why /ready answers 503 now (draining, a broken TP group, a full queue: the next submit would
+  // be refused Overloaded), or empty while the worker takes work. Thread-safe, never blocks long.
+  std::string notReadyReason() const {
+    if (draining_.load()) return "draining";
+    if (broken()) return "tensor-parallel group broken";
+    std::shared_lock guard(engine_guard_);
+    if (!prefill_) return "stopped";
+    const std::int64_t queued = prefill_->stats().queued_requests;
+    if (queued >= options_.prefill.max_queued_requests) {
+      return fmt::format("prefill queue full: {} of {} requests queued", queued, options_.prefill.max_queued_requests);
+    }
+    return {};
+  }
+
   worker_api::WorkerStatus status() {
     refreshGauges();
     const PrefillServerStats s = stats();
     worker_api::WorkerStatus w;
     w.role = "prefill";
     w.draining = draining_.load();
-    w.ready = !w.draining && !broken();
+    w.ready = notReadyReason().empty();
+    w.busy = !w.ready && !w.draining && !broken();  // the only other reason: the queue is full
     w.model_hash = modelHashHex(options_.model_hash);
     w.queued_requests = s.queued_requests;
     w.queued_tokens = s.queued_tokens;

@@ -12,9 +12,11 @@
 #include "deadline_scheduler.h"
 #include "json_writer.h"
 #include "openai_response.h"
+#include "pd/common/http_message.h"
 #include "pd/common/log.h"
 #include "pd/common/probe_routes.h"
 #include "pd/router/json_text.h"
+#include "pd/router/key_limits.h"
 #include "pd/router/openai_request.h"
 
 namespace pd::router {
@@ -53,7 +55,10 @@ struct FrontEndMetrics {
                         "Generation requests admitted and waiting for their first token (the queue).")
                     .get()),
         prompt_tokens(r.counter("pdserve_router_prompt_tokens_total", "Prompt tokens of admitted requests.").get()),
-        generation_tokens(r.counter("pdserve_router_generation_tokens_total", "Tokens generated for clients.").get()) {
+        generation_tokens(r.counter("pdserve_router_generation_tokens_total", "Tokens generated for clients.").get()),
+        rate_limited(r.counter("pdserve_router_rate_limited_total",
+                               "Requests refused with 429 by their API key's limits, by limit (concurrent or tokens).",
+                               {"limit"})) {
     // Retries happen in the backend, which increments these on the same registry.
     auto& retries = r.counter("pdserve_router_retries_total",
                               "Generation legs retried on another worker, by leg (prefill or decode).", {"leg"});
@@ -69,6 +74,7 @@ struct FrontEndMetrics {
   metrics::Gauge& waiting;
   metrics::Counter& prompt_tokens;
   metrics::Counter& generation_tokens;
+  metrics::Family<metrics::Counter>& rate_limited;
 };
 
 /// What every request of one server shares. Each request holds it (shared_ptr: a backend may
@@ -83,6 +89,7 @@ struct FrontEnd {
         request_timeout(o.request_timeout),
         retry_after(o.retry_after),
         api_keys(o.api_keys),
+        key_limiter(o.api_keys.limits()),
         backend(b),
         renderer(pr),
         registry(r),
@@ -110,6 +117,7 @@ struct FrontEnd {
   const std::chrono::milliseconds request_timeout;
   const std::chrono::seconds retry_after;
   const ApiKeySet api_keys;
+  KeyLimiter key_limiter;
   CompletionBackend& backend;
   const PromptRenderer& renderer;
   metrics::Registry& registry;
@@ -162,14 +170,16 @@ ApiError fromBackendError(const Error& e) {
 class RequestState final : public TokenSink, public std::enable_shared_from_this<RequestState> {
  public:
   RequestState(std::shared_ptr<FrontEnd> fe, http::Exchange exchange, ResponseShape shape, bool stream,
-               std::string endpoint, std::vector<TokenId> prompt_ids, Clock::time_point received)
+               std::string endpoint, std::vector<TokenId> prompt_ids, Clock::time_point received,
+               KeyLimiter::Lease lease)
       : fe_(std::move(fe)),
         exchange_(std::move(exchange)),
         shape_(std::move(shape)),
         stream_(stream),
         endpoint_(std::move(endpoint)),
         prompt_ids_(std::move(prompt_ids)),
-        received_(received) {}
+        received_(received),
+        lease_(std::move(lease)) {}
 
   void onTokens(TokenDelta delta) override {
     std::lock_guard lock(mu_);
@@ -203,6 +213,7 @@ class RequestState final : public TokenSink, public std::enable_shared_from_this
       std::lock_guard lock(mu_);
       backend_ended_ = true;
       if (done_) return;
+      settleLeaseLocked();  // before the answer: a client that saw it may send its next request at once
       std::string tail = sanitizer_.push(finish.text);
       tail += sanitizer_.finish();
       const Usage usage{static_cast<std::int64_t>(prompt_ids_.size()), completion_tokens_, end.cached_prompt_tokens};
@@ -316,6 +327,7 @@ class RequestState final : public TokenSink, public std::enable_shared_from_this
   }
 
   std::optional<DeadlineScheduler::Id> failLocked(const ApiError& api) {
+    settleLeaseLocked();
     if (stream_started_) {
       // Headers are gone already: end the stream with an error event, as OpenAI does.
       exchange_.write(sseData(errorJson(api)));
@@ -330,6 +342,7 @@ class RequestState final : public TokenSink, public std::enable_shared_from_this
   /// Books the outcome once; returns the deadline to cancel after unlocking.
   std::optional<DeadlineScheduler::Id> finishLocked(int status) {
     done_ = true;
+    settleLeaseLocked();
     fe_->countRequest(endpoint_, status);
     if (!first_token_at_) leaveQueue();
     fe_->metrics.in_flight.set(static_cast<double>(--fe_->in_flight));
@@ -346,6 +359,9 @@ class RequestState final : public TokenSink, public std::enable_shared_from_this
     deadline_id_.reset();
     return id;
   }
+
+  /// Frees the key's concurrency slot and charges the tokens used (prompt + generated so far).
+  void settleLeaseLocked() { lease_.finish(static_cast<std::int64_t>(prompt_ids_.size()) + completion_tokens_); }
 
   void cancelDeadline(std::optional<DeadlineScheduler::Id> id) {
     if (!id) return;
@@ -371,6 +387,7 @@ class RequestState final : public TokenSink, public std::enable_shared_from_this
   const Clock::time_point received_;
 
   std::mutex mu_;
+  KeyLimiter::Lease lease_;  ///< the API key's slot and token reservation; settled when the client has its answer
   std::unique_ptr<GenerationControl> control_;
   std::optional<DeadlineScheduler::Id> deadline_id_;
   bool done_ = false;           ///< the client has its answer (or is gone); later events are dropped
@@ -451,16 +468,41 @@ class ApiServer::Impl {
   }
 
  private:
-  /// Answers 401 and returns false unless the request carries an accepted key.
-  bool authorized(const http::Request& req, http::Exchange& ex, std::string_view endpoint) {
-    if (fe_->api_keys.empty()) return true;
+  /// Who sent a request: the index of its API key (nullopt with authentication off).
+  struct Caller {
+    std::optional<std::size_t> key;
+  };
+
+  /// The caller, or nullopt after answering 401 when the request carries no accepted key.
+  std::optional<Caller> authorize(const http::Request& req, http::Exchange& ex, std::string_view endpoint) {
+    if (fe_->api_keys.empty()) return Caller{};
     const std::string_view auth = req.header("Authorization");
-    if (!auth.empty() && fe_->api_keys.acceptsAuthorization(auth)) return true;
+    if (!auth.empty()) {
+      if (auto key = fe_->api_keys.findAuthorization(auth)) return Caller{key};
+    }
     reject(
         ex, endpoint,
         ApiError{401, "invalid_request_error", "invalid_api_key",
                  auth.empty() ? "missing API key: send the header 'Authorization: Bearer <key>'" : "invalid API key"});
-    return false;
+    return std::nullopt;
+  }
+
+  /// Answers 429 for a request its key's limits refused: OpenAI's rate-limit error ("requests" or
+  /// "tokens", code rate_limit_exceeded) with a Retry-After of the seconds until the token window
+  /// has room, the configured one for concurrency, and none when the request can never fit.
+  void rejectLimited(http::Exchange& ex, std::string_view endpoint, const KeyLimiter::Admission& refused) {
+    const bool concurrent = refused.refusal == KeyLimiter::Refusal::Concurrent;
+    fe_->metrics.rate_limited.labels({concurrent ? "concurrent" : "tokens"}).inc();
+    fe_->countRequest(endpoint, 429);
+    http::Response r = fe_->errorResponse(
+        ApiError{429, concurrent ? "requests" : "tokens", "rate_limit_exceeded", refused.message}, {});
+    std::erase_if(r.headers, [](const http::Header& h) { return http::equalsIgnoreCase(h.name, "Retry-After"); });
+    if (refused.refusal == KeyLimiter::Refusal::Tokens && refused.retry_after) {
+      r.headers.push_back({"Retry-After", std::to_string(refused.retry_after->count())});
+    } else if (concurrent) {
+      r.headers.push_back({"Retry-After", std::to_string(fe_->retry_after.count())});
+    }
+    ex.respond(std::move(r));
   }
 
   void reject(http::Exchange& ex, std::string_view endpoint, const ApiError& e) {
@@ -469,7 +511,7 @@ class ApiServer::Impl {
   }
 
   void handleModels(const http::Request& req, http::Exchange& ex) {
-    if (!authorized(req, ex, "/v1/models")) return;
+    if (!authorize(req, ex, "/v1/models")) return;
     JsonWriter w;
     w.beginObject().key("object").string("list").key("data").beginArray().beginObject();
     w.key("id").string(fe_->served_model_name);
@@ -492,7 +534,8 @@ class ApiServer::Impl {
   void handleCompletion(Endpoint endpoint, const http::Request& req, http::Exchange ex) {
     const auto received = Clock::now();
     const std::string_view label = endpointLabel(endpoint);
-    if (!authorized(req, ex, label)) return;
+    const std::optional<Caller> caller = authorize(req, ex, label);
+    if (!caller) return;
 
     auto parsed = parseCompletionRequest(endpoint, req.body);
     if (!parsed.ok()) return reject(ex, label, invalidRequest(parsed.error().message));
@@ -549,8 +592,15 @@ class ApiServer::Impl {
       return reject(ex, label,
                     serverError(503, "service_unavailable", "no prefill and decode workers are ready; retry later"));
     }
+    KeyLimiter::Lease lease;
+    if (caller->key) {
+      KeyLimiter::Admission admission = fe_->key_limiter.admit(*caller->key, prompt_len + max_tokens);
+      if (!admission.lease) return rejectLimited(ex, label, admission);
+      lease = std::move(*admission.lease);
+    }
     if (fe_->waiting.fetch_add(1) >= fe_->max_queued_requests) {
       fe_->waiting.fetch_sub(1);
+      lease.finish(0);  // refused before any work: nothing is charged
       return reject(
           ex, label,
           ApiError{429, "requests", "rate_limit_exceeded", "too many requests are waiting for a worker; retry later"});
@@ -576,7 +626,7 @@ class ApiServer::Impl {
     ResponseShape shape{endpoint,           id,        unixSeconds(), fe_->served_model_name, p.include_usage,
                         p.return_token_ids, p.logprobs};
     auto state = std::make_shared<RequestState>(fe_, ex, std::move(shape), p.stream, std::string(label),
-                                                std::move(prompt_ids), received);
+                                                std::move(prompt_ids), received, std::move(lease));
     const std::weak_ptr<RequestState> weak = state;
     ex.onClientGone([weak] {
       if (auto s = weak.lock()) s->clientGone();

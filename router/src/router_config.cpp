@@ -9,7 +9,9 @@ void registerOptions(config::OptionSet& set, RouterConfig& cfg) {
       .add("max_body_bytes", &cfg.max_body_bytes, "largest accepted request body; larger is 413", 1024, 1LL << 30)
       .add("max_queued_requests", &cfg.max_queued_requests, "requests waiting for a worker before 429", 1, 1 << 20)
       .add("request_timeout_ms", &cfg.request_timeout_ms, "end-to-end deadline of one request", 100, 86400000)
-      .add("api_keys_file", &cfg.api_keys_file, "file of accepted Bearer keys, one per line (empty: no auth)")
+      .add("api_keys_file", &cfg.api_keys_file,
+           "file of accepted Bearer keys, one per line, each optionally followed by max_concurrent=N "
+           "tokens_per_minute=N (empty: no auth)")
       .add("served_model_name", &cfg.served_model_name, "model name reported by /v1/models and required in requests")
       .add("retry_after_s", &cfg.retry_after_s, "Retry-After seconds sent with 429 and 503 answers", 1, 3600)
       .add("drain_timeout_ms", &cfg.drain_timeout_ms, "on SIGTERM, how long in-flight requests may finish", 0, 86400000)

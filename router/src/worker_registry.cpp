@@ -150,11 +150,12 @@ class WorkerRegistry::Impl {
   std::vector<WorkerView> ready(WorkerRole role) const {
     std::lock_guard lock(mu_);
     std::vector<WorkerView> out;
+    std::vector<WorkerView> busy;
     for (const auto& [key, w] : workers(role)) {
       if (!w->in_rotation || !w->status) continue;
-      out.push_back(WorkerView{w->address, *w->status, w->sent_requests, w->sent_tokens});
+      (w->status->busy ? busy : out).push_back(WorkerView{w->address, *w->status, w->sent_requests, w->sent_tokens});
     }
-    return out;
+    return out.empty() ? busy : out;
   }
 
   bool hasReady(WorkerRole role) const {
@@ -276,7 +277,7 @@ class WorkerRegistry::Impl {
       reason = fmt::format("reports role '{}' in the {} pool", status.role, roleName(w.role));
     } else if (status.draining) {
       reason = "draining";
-    } else if (!status.ready) {
+    } else if (!status.ready && !status.busy) {
       reason = "not ready";
     } else {
       if (pinned_hash_.empty()) {

@@ -146,6 +146,8 @@ struct DecodeScript {
   std::optional<std::size_t> cut_after;
   /// After this many token events, send nothing more until aborted (a stuck worker).
   std::optional<std::size_t> hang_after;
+  /// After this many token events, wait until resume() (or an abort), then go on with the rest.
+  std::optional<std::size_t> pause_after;
   /// Send an error event with this code right after the descriptor.
   std::optional<ErrorCode> error_after_descriptor;
 };
@@ -176,6 +178,17 @@ class FakeDecodeWorker final : public FakeWorkerBase {
   void setScript(DecodeScript script) {
     std::lock_guard lock(mu_);
     script_ = std::move(script);
+  }
+  /// Lets every stream paused by DecodeScript::pause_after (now or later) go on.
+  void resume() {
+    std::lock_guard lock(mu_);
+    resumed_ = true;
+    cv_.notify_all();
+  }
+  /// Streams waiting at their pause_after point.
+  [[nodiscard]] std::size_t paused() const {
+    std::lock_guard lock(mu_);
+    return paused_;
   }
 
   /// A prefill worker's KV record (or failure record) for `descriptor`; false if it is not ours.
@@ -302,6 +315,17 @@ class FakeDecodeWorker final : public FakeWorkerBase {
         lock.unlock();
         return end_with(error_event(ErrorCode::Cancelled, "aborted"));
       }
+      if (script.pause_after && sent == *script.pause_after) {
+        std::unique_lock lock(mu_);
+        ++paused_;
+        cv_.notify_all();
+        cv_.wait(lock, [&] { return stopping_ || resumed_ || live.aborted || live.client_gone; });
+        --paused_;
+        if (!resumed_) {
+          lock.unlock();
+          return end_with(error_event(ErrorCode::Cancelled, "aborted"));
+        }
+      }
       {
         std::unique_lock lock(mu_);
         if (cv_.wait_for(lock, script.token_delay, [&] { return stopping_ || live.aborted || live.client_gone; })) {
@@ -328,6 +352,8 @@ class FakeDecodeWorker final : public FakeWorkerBase {
   }
 
   DecodeScript script_;
+  bool resumed_ = false;    // guarded by mu_
+  std::size_t paused_ = 0;  // guarded by mu_
   std::map<std::string, std::shared_ptr<Live>> live_;
   std::vector<worker_api::DecodeOpen> opens_;
   std::vector<std::string> aborts_;

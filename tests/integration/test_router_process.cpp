@@ -4,13 +4,14 @@
 // DeepSeek-V3 tokenizer, and a SIGTERM drain with a request in flight: /ready turns 503 at once,
 // the in-flight request still finishes, and the process exits 0. Clients hanging up at every
 // stage of a request's life, thousands of times, leave the router alive and every decode request
-// ended.
+// ended. Per-API-key limits answer 429 with Retry-After through the real process.
 #include <gtest/gtest.h>
 #include <signal.h>
 
 #include <boost/json.hpp>
 #include <chrono>
 #include <deque>
+#include <fstream>
 #include <future>
 #include <optional>
 #include <string>
@@ -21,6 +22,7 @@
 #include "fakes/raw_http_peer.h"
 #include "pd/common/http_client.h"
 #include "pd/common/subprocess.h"
+#include "support/test_files.h"
 
 namespace pd {
 namespace {
@@ -244,6 +246,84 @@ TEST(RouterProcess, ServesThroughTheWorkersThenDrainsOnSigterm) {
   EXPECT_EQ(late.value().status, 200) << late.value().body;
   EXPECT_EQ(router->wait(15s), std::optional<int>(0));
   EXPECT_EQ(d.live(), 0U);
+}
+
+// Per-API-key limits through the real router process: with max_concurrent=1, the second of two
+// concurrent requests of that key gets 429 with Retry-After and OpenAI's rate-limit error, and
+// the key succeeds again once the first has finished. The first request is held by the fake
+// decode worker (pause_after), so "concurrent" is by construction, not by timing.
+TEST(RouterProcess, PerKeyConcurrencyLimitAnswers429WithRetryAfter) {
+  test::TempDir dir;
+  const auto keys = dir.path() / "api-keys";
+  std::ofstream(keys) << "# keys with limits\nsk-limited max_concurrent=1\nsk-open\n";
+  fakes::FakeDecodeWorker d;
+  std::vector<fakes::FakeDecodeWorker*> decoders{&d};
+  fakes::FakePrefillWorker p(decoders);
+  fakes::DecodeScript script;
+  script.tokens = {{19923}, {14}, {2058}, {3}};  // "Hello, world!"
+  script.finish_reason = pd::FinishReason::Stop;
+  script.pause_after = 1;
+  d.setScript(script);
+  auto router = spawnRouter(
+      {"--router.port", "0", "--router.decode-workers", d.address(), "--router.prefill-workers", p.address(),
+       "--router.health-interval-ms", "50", "--router.api-keys-file", keys.string(), "--router.retry-after-s", "3"},
+      false);
+  proc::LineReader out(router->stdoutFd());
+  const auto line = out.next(60s);
+  const std::string prefix = "PDSERVE_READY role=router url=http://127.0.0.1:";
+  ASSERT_TRUE(line.has_value() && line->rfind(prefix, 0) == 0) << line.value_or("no PDSERVE_READY line");
+  const auto port = static_cast<std::uint16_t>(std::stoi(line->substr(prefix.size())));
+  ASSERT_TRUE(waitFor([&] { return status(port, "/ready") == std::optional<int>(200); }, 10s));
+
+  const auto completion = [](const std::string& key) {
+    return http::ClientRequest{"POST",
+                               "/v1/chat/completions",
+                               {{"Content-Type", "application/json"}, {"Authorization", "Bearer " + key}},
+                               R"({"model":"pdserve-default","messages":[{"role":"user","content":"Hi"}],)"
+                               R"("max_tokens":8})"};
+  };
+  auto first = std::async(std::launch::async, [&] {
+    http::Client c("127.0.0.1", port);
+    return c.send(completion("sk-limited"), 30s);
+  });
+  // The first request holds its key's slot: it is paused mid-stream at the decode worker.
+  ASSERT_TRUE(waitFor([&] { return d.paused() == 1; }, 20s));
+
+  http::Client client("127.0.0.1", port);
+  auto second = client.send(completion("sk-limited"), 10s);
+  ASSERT_TRUE(second.ok()) << second.error().toString();
+  EXPECT_EQ(second->status, 429) << second->body;
+  EXPECT_EQ(second->header("Retry-After"), "3");
+  const auto error = boost::json::parse(second->body).as_object().at("error").as_object();
+  EXPECT_EQ(error.at("type").as_string(), "requests");
+  EXPECT_EQ(error.at("code").as_string(), "rate_limit_exceeded");
+  EXPECT_EQ(d.opens().size(), 1U) << "the refused request never reached a worker";
+
+  // Another key is not limited (its request runs to the end: the fake no longer pauses).
+  d.resume();
+  auto other = client.send(completion("sk-open"), 10s);
+  ASSERT_TRUE(other.ok()) << other.error().toString();
+  EXPECT_EQ(other->status, 200) << other->body;
+
+  // The first finishes; its answer is out only after its slot is free, so the key works at once.
+  auto done = first.get();
+  ASSERT_TRUE(done.ok()) << done.error().toString();
+  ASSERT_EQ(done->status, 200) << done->body;
+  auto third = client.send(completion("sk-limited"), 10s);
+  ASSERT_TRUE(third.ok()) << third.error().toString();
+  EXPECT_EQ(third->status, 200) << third->body;
+  const auto content = boost::json::parse(third->body)
+                           .as_object()
+                           .at("choices")
+                           .as_array()[0]
+                           .as_object()
+                           .at("message")
+                           .as_object()
+                           .at("content")
+                           .as_string();
+  EXPECT_EQ(content, "Hello, world!");
+  ASSERT_TRUE(router->signal(SIGTERM));
+  EXPECT_EQ(router->wait(15s), std::optional<int>(0));
 }
 
 }  // namespace

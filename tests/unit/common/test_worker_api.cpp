@@ -163,6 +163,18 @@ TEST(WorkerApi, StatusAndErrorsRoundTrip) {
   ASSERT_TRUE(back.ok());
   EXPECT_EQ(back->free_blocks, 10);
   EXPECT_EQ(back->model_hash, st.model_hash);
+  EXPECT_FALSE(back->busy);
+  st.ready = false;
+  st.busy = true;
+  back = parseWorkerStatus(toJson(st));
+  ASSERT_TRUE(back.ok());
+  EXPECT_FALSE(back->ready);
+  EXPECT_TRUE(back->busy);
+  // busy is optional: a worker that does not send it is not busy.
+  auto older = parseWorkerStatus(R"({"role":"prefill","ready":false})");
+  ASSERT_TRUE(older.ok());
+  EXPECT_FALSE(older->busy);
+  EXPECT_FALSE(parseWorkerStatus(R"({"role":"decode","ready":true,"busy":1})").ok());
   EXPECT_FALSE(parseWorkerStatus(R"({"role":"router","ready":true})").ok());
 
   const Error e = parseErrorJson(503, errorJson(makeError(ErrorCode::Overloaded, "pool full")));

@@ -367,6 +367,66 @@ TEST_P(DecodeServerTest, RefusalsComeAsErrorStatusesWithTheirCodes) {
   EXPECT_NE(metrics.find("pdserve_decode_requests_total{outcome=\"aborted\"} 2"), std::string::npos);
 }
 
+// /ready is 503 exactly while a minimal request (1 prompt token, max_tokens 1: one block) cannot
+// be admitted, and 200 again once a block is free; the router's status poll sees the same.
+TEST_P(DecodeServerTest, ReadyFollowsWhetherAMinimalRequestFits) {
+  const auto readyUntil = [&](int want) {
+    const auto until = std::chrono::steady_clock::now() + kWait;
+    http::ClientResponse r = get("/ready");
+    while (r.status != want && std::chrono::steady_clock::now() < until) {
+      std::this_thread::sleep_for(5ms);
+      r = get("/ready");
+    }
+    return r;
+  };
+  const auto minimalOpen = [](const std::string& id) {
+    api::DecodeOpen open;
+    open.request_id = id;
+    open.prompt_tokens = 1;
+    open.max_tokens = 1;
+    open.kv_timeout_ms = 60000;
+    return api::toJson(open);
+  };
+  EXPECT_EQ(get("/ready").status, 200);
+
+  // 40 + 24 - 1 tokens reserve 8 blocks, 40 + 16 - 1 reserve 7: one block of 16 is left.
+  StreamReader a(server_->port(), openBody("cmpl-a", 24));
+  StreamReader b(server_->port(), openBody("cmpl-b", 16));
+  ASSERT_TRUE(a.event(0).has_value());
+  ASSERT_TRUE(b.event(0).has_value());
+  EXPECT_EQ(get("/ready").status, 200) << "one available block admits a minimal request";
+  EXPECT_TRUE(status().ready);
+
+  // The minimal request takes that block: now nothing more fits.
+  StreamReader m(server_->port(), minimalOpen("cmpl-min"));
+  ASSERT_TRUE(m.event(0).has_value());
+  const http::ClientResponse full = readyUntil(503);
+  EXPECT_EQ(full.status, 503);
+  EXPECT_NE(full.body.find("KV pool full: 0 of 16 blocks available"), std::string::npos) << full.body;
+  EXPECT_EQ(get("/health").status, 200) << "a full worker is healthy";
+  const api::WorkerStatus st = status();
+  EXPECT_FALSE(st.ready);
+  EXPECT_FALSE(st.draining);
+  http::ClientResponse r = post(api::kDecodeOpenPath, minimalOpen("cmpl-min2"));
+  EXPECT_EQ(r.status, 503) << "the refusal /ready announced";
+  EXPECT_EQ(api::parseErrorJson(r.status, r.body).code, ErrorCode::Overloaded) << r.body;
+
+  // Aborting the minimal request frees its block: ready again; then the others.
+  r = post(api::kDecodeAbortPath, R"({"request_id":"cmpl-min"})");
+  EXPECT_EQ(r.body, R"({"found":true})");
+  EXPECT_EQ(collect(m.all()).last.code, ErrorCode::Cancelled);
+  const http::ClientResponse again = readyUntil(200);
+  EXPECT_EQ(again.status, 200) << again.body;
+  EXPECT_EQ(again.body, "ready");
+  EXPECT_TRUE(status().ready);
+  for (const char* id : {"cmpl-a", "cmpl-b"}) {
+    r = post(api::kDecodeAbortPath, std::string(R"({"request_id":")") + id + "\"}");
+    EXPECT_EQ(r.body, R"({"found":true})");
+  }
+  for (StreamReader* s : {&a, &b}) EXPECT_EQ(collect(s->all()).last.code, ErrorCode::Cancelled);
+  EXPECT_EQ(get("/ready").status, 200);
+}
+
 TEST_P(DecodeServerTest, ClientDisconnectFreesTheBlocks) {
   // While waiting for KV: the stream's connection closes after the descriptor line.
   {

@@ -11,6 +11,7 @@
 #include <filesystem>
 #include <fstream>
 #include <limits>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -410,6 +411,72 @@ TEST_F(ApiServerTest, ApiKeysAreRequiredExceptOnProbes) {
   EXPECT_EQ(backend_.requests().size(), 2u);
 }
 
+// Per-key limits: a key at its max_concurrent gets 429 "requests" with the configured
+// Retry-After, other keys go on, and the slot is back once the client has its answer.
+TEST_F(ApiServerTest, KeyConcurrencyLimitIs429UntilTheRequestEnds) {
+  ApiServerOptions o = defaultOptions();
+  o.api_keys = pd::router::ApiKeySet::withLimits({{"sk-one", {.max_concurrent = 1}}, {"sk-free", {}}});
+  o.retry_after = std::chrono::seconds(7);
+  Script stuck;
+  stuck.hang = true;
+  backend_.setScript(stuck);
+  start(o);
+  const pd::http::Headers one{{"Content-Type", "application/json"}, {"Authorization", "Bearer sk-one"}};
+  const pd::http::Headers free{{"Content-Type", "application/json"}, {"Authorization", "Bearer sk-free"}};
+  const std::string body = chatBody();
+  {
+    RawHttpPeer a(server_->port());
+    ASSERT_TRUE(
+        a.send(fmt::format("POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer sk-one\r\n"
+                           "Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{}",
+                           body.size(), body)));
+    ASSERT_TRUE(eventually([&] { return backend_.active() == 1; }));
+    const auto r = post("/v1/chat/completions", body, one);
+    expectError(r, 429, "requests", "rate_limit_exceeded", "1 request(s) in flight");
+    EXPECT_EQ(r.header("Retry-After"), "7");
+    backend_.setScript(Script::fromPieces({"ok"}));
+    EXPECT_EQ(post("/v1/chat/completions", body, free).status, 200) << "another key is not limited";
+  }  // the client hangs up: its generation is aborted and its slot freed
+  ASSERT_TRUE(backend_.waitIdle(5s));
+  EXPECT_EQ(post("/v1/chat/completions", body, one).status, 200);
+  EXPECT_EQ(post("/v1/chat/completions", body, one).status, 200);
+  const std::string metrics = send("GET", "/metrics").body;
+  EXPECT_NE(metrics.find(R"(pdserve_router_rate_limited_total{limit="concurrent"} 1)"), std::string::npos) << metrics;
+  EXPECT_NE(metrics.find(R"(pdserve_router_requests_total{endpoint="/v1/chat/completions",status="429"} 1)"),
+            std::string::npos);
+}
+
+// tokens_per_minute: prompt + max_tokens reserved at admission, corrected to what was used when
+// the answer goes out; 429 "tokens" with the seconds until the window has room.
+TEST_F(ApiServerTest, KeyTokenLimitReservesThenChargesWhatWasUsed) {
+  const auto prompt = static_cast<std::int64_t>(chatPromptIds().size());
+  ApiServerOptions o = defaultOptions();
+  o.max_model_len = 4096;
+  // Room for two requests that each generate one token, but not for two whole reservations.
+  o.api_keys = pd::router::ApiKeySet::withLimits({{"sk-tok", {.tokens_per_minute = 2 * prompt + 11}}});
+  backend_.setScript(Script::fromPieces({"ok"}));
+  start(o);
+  const pd::http::Headers tok{{"Content-Type", "application/json"}, {"Authorization", "Bearer sk-tok"}};
+  const std::string body = chatBody(R"("max_tokens":10)");
+  ClientResponse r = post("/v1/chat/completions", body, tok);
+  ASSERT_EQ(r.status, 200) << r.body;
+  r = post("/v1/chat/completions", body, tok);
+  ASSERT_EQ(r.status, 200) << "the first request was charged prompt + 1, not prompt + 10: " << r.body;
+  r = post("/v1/chat/completions", body, tok);
+  expectError(r, 429, "tokens", "rate_limit_exceeded", "tokens per minute");
+  ASSERT_FALSE(r.header("Retry-After").empty());
+  const int retry = std::stoi(std::string(r.header("Retry-After")));
+  EXPECT_GE(retry, 1);
+  EXPECT_LE(retry, 60);
+  // A reservation larger than the whole limit can never be admitted: no Retry-After.
+  r = post("/v1/chat/completions", chatBody(fmt::format(R"("max_tokens":{})", prompt + 12)), tok);
+  expectError(r, 429, "tokens", "rate_limit_exceeded", "more than this API key's limit");
+  EXPECT_EQ(r.header("Retry-After"), "");
+  EXPECT_EQ(backend_.requests().size(), 2u);
+  EXPECT_NE(send("GET", "/metrics").body.find(R"(pdserve_router_rate_limited_total{limit="tokens"} 2)"),
+            std::string::npos);
+}
+
 TEST_F(ApiServerTest, NotReadyIs503WithRetryAfter) {
   backend_.setReady(false);
   start();
@@ -743,6 +810,10 @@ TEST_F(ApiServerTest, StopCutsInFlightStreamsAndAbortsTheirGenerations) {
 
 TEST(ApiKeySet, AcceptsOnlyConfiguredKeys) {
   const pd::router::ApiKeySet keys({"alpha", "beta"});
+  EXPECT_EQ(keys.find("alpha"), std::optional<std::size_t>(0));
+  EXPECT_EQ(keys.find("beta"), std::optional<std::size_t>(1));
+  EXPECT_EQ(keys.find("gamma"), std::nullopt);
+  EXPECT_EQ(pd::router::ApiKeySet({"x", "y", "x"}).find("x"), std::optional<std::size_t>(0)) << "first match wins";
   EXPECT_TRUE(keys.accepts("alpha"));
   EXPECT_TRUE(keys.accepts("beta"));
   EXPECT_FALSE(keys.accepts("alph"));
@@ -774,6 +845,37 @@ TEST(ApiKeySet, LoadsAKeyFile) {
   auto missing = pd::router::ApiKeySet::fromFile(dir / "nope");
   ASSERT_FALSE(missing.ok());
   EXPECT_EQ(missing.error().code, pd::ErrorCode::NotFound);
+
+  // Optional limits after the key, in any order, and trailing comments; old files read the same.
+  {
+    std::ofstream(dir / "limits") << "sk-a max_concurrent=2 tokens_per_minute=5000\n"
+                                     "sk-b\ttokens_per_minute=7   # team b\n"
+                                     "sk-c # no limits\n"
+                                     "sk#d\n";
+  }
+  auto limited = pd::router::ApiKeySet::fromFile(dir / "limits");
+  ASSERT_TRUE(limited.ok()) << limited.error().toString();
+  ASSERT_EQ(limited->size(), 4u);
+  EXPECT_EQ(limited->find("sk-a"), std::optional<std::size_t>(0));
+  EXPECT_EQ(limited->find("sk-b"), std::optional<std::size_t>(1));
+  EXPECT_EQ(limited->find("sk-c"), std::optional<std::size_t>(2));
+  EXPECT_EQ(limited->find("sk#d"), std::optional<std::size_t>(3));
+  EXPECT_EQ(limited->find("sk-a max_concurrent=2 tokens_per_minute=5000"), std::nullopt);
+  EXPECT_EQ(limited->findAuthorization("Bearer sk-b"), std::optional<std::size_t>(1));
+  const std::vector<pd::router::KeyLimits> expected{{2, 5000}, {0, 7}, {0, 0}, {0, 0}};
+  EXPECT_EQ(limited->limits(), expected);
+  // Bad fields are refused naming the line, never echoing the key.
+  for (const char* bad :
+       {"sk-secret max_concurrent=0\n", "sk-secret max_concurrent=x\n", "sk-secret tokens_per_minute=\n",
+        "sk-secret max_concurrent\n", "sk-secret other words\n", "sk-secret burst=3\n",
+        "sk-secret tokens_per_minute=99999999999999999999\n", "# a\nsk-secret\nsk-secret max_concurrent=1\n"}) {
+    std::ofstream(dir / "bad") << bad;
+    auto r = pd::router::ApiKeySet::fromFile(dir / "bad");
+    ASSERT_FALSE(r.ok()) << bad;
+    EXPECT_EQ(r.error().code, pd::ErrorCode::InvalidArgument);
+    EXPECT_EQ(r.error().message.find("sk-secret"), std::string::npos) << r.error().message;
+    EXPECT_NE(r.error().message.find("line "), std::string::npos) << r.error().message;
+  }
 
   // The router's config section becomes server options; the key file is read there.
   pd::router::RouterConfig cfg;

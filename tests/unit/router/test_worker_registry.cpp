@@ -151,6 +151,54 @@ TEST(WorkerRegistryTest, DrainingNotReadyWrongRoleAndOtherModelAreOutOfRotationA
   ASSERT_TRUE(waitFor([&] { return reg->hasReady(WorkerRole::Decode); }));
 }
 
+// A busy worker (pool or queue full, /ready 503) is healthy: it stays in rotation with nothing
+// counted against it, but work goes to the others while any of them has room.
+TEST(WorkerRegistryTest, BusyWorkerStaysInRotationButIsOfferedOnlyWhenAllAreBusy) {
+  FakeDecodeWorker a;
+  FakeDecodeWorker b;
+  auto o = fastOptions();
+  o.decode_workers = {addr(a.address()), addr(b.address())};
+  auto reg = WorkerRegistry::start(o).value();
+  const auto offered = [&] {
+    std::vector<std::string> keys;
+    for (const auto& v : reg->ready(WorkerRole::Decode)) keys.push_back(v.address.key());
+    return keys;
+  };
+  ASSERT_TRUE(waitFor([&] { return offered().size() == 2; }));
+
+  auto busy = a.status();
+  busy.ready = false;
+  busy.busy = true;
+  a.setStatus(busy);
+  ASSERT_TRUE(waitFor([&] { return offered() == std::vector<std::string>{b.address()}; }));
+  const auto st = stateOf(*reg, a.address());
+  ASSERT_TRUE(st.has_value());
+  EXPECT_TRUE(st->in_rotation);
+  EXPECT_TRUE(st->reason.empty()) << st->reason;
+  EXPECT_EQ(st->consecutive_failures, 0);
+
+  // Both busy: both are offered (the router is not closed at the door), and hasReady holds.
+  b.setStatus(busy);
+  ASSERT_TRUE(waitFor([&] { return offered().size() == 2 && reg->ready(WorkerRole::Decode)[0].status.busy; }));
+  EXPECT_TRUE(reg->hasReady(WorkerRole::Decode));
+
+  // Room again on a: a alone is offered; then both.
+  auto idle = busy;
+  idle.ready = true;
+  idle.busy = false;
+  a.setStatus(idle);
+  ASSERT_TRUE(waitFor([&] { return offered() == std::vector<std::string>{a.address()}; }));
+  b.setStatus(idle);
+  ASSERT_TRUE(waitFor([&] { return offered().size() == 2; }));
+
+  // Not ready without being busy (a broken tensor-parallel group) still leaves rotation.
+  auto broken = idle;
+  broken.ready = false;
+  a.setStatus(broken);
+  ASSERT_TRUE(waitFor([&] { return stateOf(*reg, a.address())->reason == "not ready"; }));
+  EXPECT_EQ(offered(), std::vector<std::string>{b.address()});
+}
+
 TEST(WorkerRegistryTest, FirstReportedModelHashIsPinnedWhenNoneIsConfigured) {
   FakeDecodeWorker d;
   std::vector<FakeDecodeWorker*> none;

@@ -98,8 +98,12 @@ struct PrefillOutcome {
 
 /// GET kStatusPath: what the router's policies and health polling read.
 struct WorkerStatus {
-  std::string role;  ///< "prefill" or "decode"
-  bool ready = false;
+  std::string role;    ///< "prefill" or "decode"
+  bool ready = false;  ///< what GET /ready answers: false while draining, broken or busy
+  /// Healthy but full: it cannot admit a minimal request now (decode: no KV block available;
+  /// prefill: its queue is full). ready is false too. The router keeps a busy worker in rotation
+  /// and routes around it while others are not busy. Optional in the JSON (false when absent).
+  bool busy = false;
   bool draining = false;
   std::string model_hash;  ///< 16 hex digits; P and D of one deployment must agree
   std::int64_t queued_requests = 0;

@@ -54,6 +54,7 @@ class DecodeMetrics {
   /// The gauges as last set (what /v1/internal/status reports).
   struct Snapshot {
     std::int64_t free_blocks = 0;
+    std::int64_t available_blocks = 0;  ///< what a new admission may take (free minus reserved growth)
     std::int64_t total_blocks = 0;
     std::int64_t quarantined_blocks = 0;
     std::int64_t waiting_kv = 0;

@@ -7,6 +7,10 @@
 ///   POST /v1/internal/prefill/cancel  {"request_id"} -> {"found": bool}
 ///   GET  /health, /ready, /metrics, /v1/internal/status (WorkerStatus)
 ///
+/// Readiness: /ready answers 503 with the reason (and the status says ready false) while the
+/// worker drains, once its tensor-parallel group is broken, and while the engine's queue holds
+/// prefill.max_queued_requests prompts (the next submission would be refused Overloaded).
+///
 /// A submission is answered only when its transfer has ended (the transport's done callback):
 /// 200 once the completion record reached the decode worker, otherwise the first reason the
 /// request failed (a refused submit, the engine's Timeout / Cancelled / compute error, the

@@ -10,6 +10,11 @@
 /// `health_failures` failed polls (or failures reported by requests) in a row; it comes back
 /// with its next good poll. A worker never polled successfully is out of rotation.
 ///
+/// A busy worker (WorkerStatus::busy: healthy, but its pool or queue is full, so its /ready is
+/// 503) stays in rotation — its poll is a good one, nothing counts against it — but ready()
+/// offers it only while every worker of its role in rotation is busy: work goes around it while
+/// others have room, and is not refused at the door when all are full at the last poll.
+///
 /// The registry also counts what the router sent each worker since its last good poll, so the
 /// policies (worker_policy.h) see a burst of requests spread out before the next poll shows it.
 ///
@@ -101,7 +106,8 @@ class WorkerRegistry {
   WorkerRegistry& operator=(WorkerRegistry&&) = delete;
   ~WorkerRegistry();
 
-  /// The workers of `role` in rotation, ordered by address key.
+  /// The workers of `role` in rotation that are not busy, ordered by address key; when all of
+  /// them are busy, all of them.
   [[nodiscard]] std::vector<WorkerView> ready(WorkerRole role) const;
   [[nodiscard]] bool hasReady(WorkerRole role) const;
   /// Every known worker of both roles.
