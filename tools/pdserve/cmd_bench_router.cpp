@@ -1,4 +1,4 @@
-// pdserve bench router: what the router adds to a request's latency (issue 8's benchmark).
+// pdserve bench router: what the router adds to a request's latency.
 //
 // Starts a decode worker, a prefill worker and a router as child processes (this binary), then
 // times one-token completions of a fixed token-id prompt two ways, alternating so both see the

@@ -1,4 +1,4 @@
-// pdserve bench serve: the OpenAI-API load generator (issue 10; docs/benchmarks.md, "bench serve").
+// pdserve bench serve: the OpenAI-API load generator (docs/benchmarks.md, "bench serve").
 //
 // Sends streaming /v1/completions or /v1/chat/completions requests to pdserve's router or any
 // OpenAI-compatible server (vLLM, SGLang) at a sweep of fixed concurrencies or Poisson request
