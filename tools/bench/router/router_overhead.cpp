@@ -2,6 +2,7 @@
 #include "bench/router/router_overhead.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstddef>
 
 namespace pd::bench {
@@ -9,7 +10,7 @@ namespace pd::bench {
 double nearestRankPercentile(std::vector<double> v, double p) {
   if (v.empty()) return 0.0;
   std::sort(v.begin(), v.end());
-  const auto idx = static_cast<std::size_t>(p * static_cast<double>(v.size() - 1) + 0.5);
+  const auto idx = static_cast<std::size_t>(std::lround(p * static_cast<double>(v.size() - 1)));
   return v[std::min(idx, v.size() - 1)];
 }
 
