@@ -46,7 +46,7 @@ Status serveAsFollower(comm::Communicator& comm, const DecodeWorkerConfig& cfg, 
                       TpFollowerWorker::start(std::move(engine), comm, {cfg.decode, cfg.kvtransfer, hash}));
   log::info(kLog, "tensor-parallel rank {} of {} serving ({})", comm.rank(), comm.size(), comm.kind());
   if (serving) serving(true);
-  const Status s = worker->run();
+  Status s = worker->run();
   if (serving) serving(false);
   if (!s.ok()) {
     log::error(kLog, "tensor-parallel rank {}: {}", comm.rank(), s.error().toString());
@@ -124,7 +124,7 @@ Status runNodeFollower(const DecodeWorkerConfig& cfg, std::uint64_t hash) {
   so.port = static_cast<std::uint16_t>(dec.port);
   so.io_threads = 1;
   PD_ASSIGN_OR_RETURN(auto server, http::Server::start(so, std::move(routes)));
-  const Status s = serveAsFollower(group->comm(), cfg, hash, [&](bool on) {
+  Status s = serveAsFollower(group->comm(), cfg, hash, [&](bool on) {
     serving->store(on);
     if (on && cfg.on_ready) {
       cfg.on_ready(
