@@ -147,6 +147,7 @@ std::vector<std::unique_ptr<Communicator>> createLoopbackGroup(int size, const L
   PD_CHECK(size >= 1);
   auto state = std::make_shared<LoopbackState>(size, options.timeout);
   std::vector<std::unique_ptr<Communicator>> group;
+  group.reserve(static_cast<std::size_t>(size));
   for (int r = 0; r < size; ++r) group.push_back(std::make_unique<LoopbackCommunicator>(state, r));
   return group;
 }

@@ -302,6 +302,9 @@ class ShmCommunicator final : public Communicator {
 // Closes a file descriptor on scope exit.
 struct FdCloser {
   int fd;
+  explicit FdCloser(int owned) : fd(owned) {}
+  FdCloser(const FdCloser&) = delete;
+  FdCloser& operator=(const FdCloser&) = delete;
   ~FdCloser() {
     if (fd >= 0) close(fd);
   }

@@ -149,7 +149,7 @@ Result<std::vector<std::uint8_t>> loadClusterSecret(const std::filesystem::path&
     if (got < 0) failed = true;
     if (got <= 0) break;
     text.append(chunk, static_cast<std::size_t>(got));
-    if (text.size() > 64 * 1024) failed = true;  // not a secret file
+    if (text.size() > std::size_t{64} * 1024) failed = true;  // not a secret file
     if (failed) break;
   }
   ::close(fd);
@@ -190,7 +190,7 @@ void signRequest(const InternalAuth* auth, std::string_view method, std::string_
   headers.push_back({std::string(kInternalAuthHeader), auth->sign(method, target, body)});
 }
 
-std::vector<http::Route> requireInternalAuth(std::vector<http::Route> routes, std::shared_ptr<InternalAuth> auth,
+std::vector<http::Route> requireInternalAuth(std::vector<http::Route> routes, const std::shared_ptr<InternalAuth>& auth,
                                              metrics::Registry* metrics, std::string_view prefix) {
   if (!auth) return routes;
   metrics::Family<metrics::Counter>* rejected = nullptr;

@@ -46,12 +46,14 @@ Result<std::unique_ptr<Subprocess>> Subprocess::spawn(const SpawnOptions& option
     }
     if (!replaced) env_strings.emplace_back(entry);
   }
-  for (const auto& [key, value] : options.env) env_strings.push_back(key + "=" + value);
+  for (const auto& [key, value] : options.env) env_strings.push_back(std::string(key).append("=").append(value));
   std::vector<char*> envp;
+  envp.reserve(env_strings.size() + 1);
   for (auto& s : env_strings) envp.push_back(s.data());
   envp.push_back(nullptr);
   std::vector<std::string> argv_strings = options.argv;
   std::vector<char*> argv;
+  argv.reserve(argv_strings.size() + 1);
   for (auto& a : argv_strings) argv.push_back(a.data());
   argv.push_back(nullptr);
 

@@ -180,7 +180,7 @@ json::array logprobsJson(const std::vector<pd::SampledToken>& logprobs) {
 
 Status readLogprobs(const json::array& array, std::vector<pd::SampledToken>& out) {
   const auto bad = [] { return makeError(ErrorCode::InvalidArgument, "event.logprobs: malformed entry"); };
-  const auto readPair = [](const json::value& v, pd::TokenId& token, float& logprob) {
+  const auto read_pair = [](const json::value& v, pd::TokenId& token, float& logprob) {
     const auto* o = v.if_object();
     if (o == nullptr) return false;
     const auto* t = o->if_contains("token");
@@ -194,14 +194,14 @@ Status readLogprobs(const json::array& array, std::vector<pd::SampledToken>& out
   };
   for (const auto& e : array) {
     pd::SampledToken lp;
-    if (!readPair(e, lp.token, lp.logprob)) return bad();
+    if (!read_pair(e, lp.token, lp.logprob)) return bad();
     const auto* top = e.as_object().if_contains("top");
     if (top != nullptr) {
       const auto* a = top->if_array();
       if (a == nullptr) return bad();
       for (const auto& t : *a) {
         pd::TokenLogprob alt;
-        if (!readPair(t, alt.token, alt.logprob)) return bad();
+        if (!read_pair(t, alt.token, alt.logprob)) return bad();
         lp.top.push_back(alt);
       }
     }

@@ -76,7 +76,7 @@ struct DecodeLoop::KvWait {
 };
 
 kvtransfer::ArrivalFn DecodeLoop::waitArrival(std::shared_ptr<KvWait> wait) {
-  return [wait](std::uint64_t request_id, Result<kvtransfer::CompletionRecord> record) {
+  return [wait = std::move(wait)](std::uint64_t request_id, Result<kvtransfer::CompletionRecord> record) {
     // Timeout is the deadline of every attempt together; any other failure may be one attempt's.
     if (!record.ok() && record.error().code != ErrorCode::Timeout) {
       std::lock_guard lock(wait->mutex);

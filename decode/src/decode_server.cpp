@@ -103,7 +103,7 @@ class DecodeServer::Impl {
     bool logprobs = false;
   };
 
-  void handleOpen(http::Request request, http::Exchange exchange);
+  void handleOpen(const http::Request& request, http::Exchange exchange);
   void handleAbort(const http::Request& request, http::Exchange exchange);
   // Answers `error` with its status and counts the refusal.
   void refuse(http::Exchange& exchange, const Error& error);
@@ -217,9 +217,9 @@ Status DecodeServer::Impl::startParts() {
   probes.status = [this] { return worker_api::toJson(status()); };
   http::addProbeRoutes(routes, std::move(probes));
   routes.push_back({"POST", std::string(worker_api::kDecodeOpenPath),
-                    [this](http::Request req, http::Exchange ex) { handleOpen(std::move(req), std::move(ex)); }});
+                    [this](const http::Request& req, http::Exchange ex) { handleOpen(req, std::move(ex)); }});
   routes.push_back({"POST", std::string(worker_api::kDecodeAbortPath),
-                    [this](http::Request req, http::Exchange ex) { handleAbort(req, std::move(ex)); }});
+                    [this](const http::Request& req, http::Exchange ex) { handleAbort(req, std::move(ex)); }});
   if (!options_.auth) log::warn("decode", "no cluster secret: the internal API is unauthenticated (docs/security.md)");
   routes = requireInternalAuth(std::move(routes), options_.auth, &registry_);
   PD_ASSIGN_OR_RETURN(http_, http::Server::start(std::move(http_options), std::move(routes)));
@@ -246,7 +246,7 @@ void DecodeServer::Impl::refuse(http::Exchange& exchange, const Error& error) {
   exchange.respond(errorResponse(error));
 }
 
-void DecodeServer::Impl::handleOpen(http::Request request, http::Exchange exchange) {
+void DecodeServer::Impl::handleOpen(const http::Request& request, http::Exchange exchange) {
   if (draining_.load()) {
     refuse(exchange, makeError(ErrorCode::Overloaded, "the decode worker is draining"));
     return;

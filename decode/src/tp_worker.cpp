@@ -64,7 +64,7 @@ void TpFollowerWorker::expectUntil(std::uint64_t id, kvtransfer::Deadline deadli
   // bytes land; it ends at the deadline or when the leader cancels it.
   const int rank = comm_.rank();
   const Status s = transport_->expect(
-      id, deadline, [this, rank, deadline](std::uint64_t rid, Result<kvtransfer::CompletionRecord> r) {
+      id, deadline, [this, rank, deadline](std::uint64_t rid, const Result<kvtransfer::CompletionRecord>& r) {
         if (r.ok()) return;
         const ErrorCode code = r.error().code;
         log::debug("tp", "rank {}: KV of request {} did not arrive: {}", rank, rid, r.error().toString());
@@ -75,15 +75,15 @@ void TpFollowerWorker::expectUntil(std::uint64_t id, kvtransfer::Deadline deadli
 
 Result<std::vector<kvtransfer::KvTarget>> exchangeKvTargets(comm::Communicator& comm, kvtransfer::KvTarget mine) {
   // Each rank's target travels inside an otherwise empty descriptor (the kvtransfer codec).
+  kvtransfer::KvDescriptor own;
+  own.targets.push_back(std::move(mine));
+  const std::vector<std::uint8_t> own_bytes = kvtransfer::encode(own);
   std::vector<kvtransfer::KvTarget> all;
   for (int r = 0; r < comm.size(); ++r) {
     std::vector<std::byte> message;
     if (r == comm.rank()) {
-      kvtransfer::KvDescriptor d;
-      d.targets.push_back(mine);
-      const std::vector<std::uint8_t> bytes = kvtransfer::encode(d);
-      message.resize(bytes.size());
-      std::memcpy(message.data(), bytes.data(), bytes.size());
+      message.resize(own_bytes.size());
+      std::memcpy(message.data(), own_bytes.data(), own_bytes.size());
     }
     PD_ASSIGN_OR_RETURN(std::vector<std::byte> got, comm::broadcastMessage(comm, std::move(message), r));
     const std::span<const std::uint8_t> raw(reinterpret_cast<const std::uint8_t*>(got.data()), got.size());

@@ -17,7 +17,7 @@ namespace {
 
 namespace fs = std::filesystem;
 
-constexpr std::uint64_t kSampleBytes = 64 * 1024;
+constexpr std::uint64_t kSampleBytes = std::uint64_t{64} * 1024;
 
 void feed(Sha256& sha, std::string_view bytes) {
   sha.update(std::span(reinterpret_cast<const std::byte*>(bytes.data()), bytes.size()));

@@ -109,10 +109,12 @@ class FileMapping {
 // only the last of repeated keys, which would silently hide a tensor listed twice.
 class DuplicateKeyFinder {
  public:
-  static constexpr std::size_t max_array_size = std::numeric_limits<std::size_t>::max();   // NOLINT
-  static constexpr std::size_t max_object_size = std::numeric_limits<std::size_t>::max();  // NOLINT
-  static constexpr std::size_t max_string_size = std::numeric_limits<std::size_t>::max();  // NOLINT
-  static constexpr std::size_t max_key_size = std::numeric_limits<std::size_t>::max();     // NOLINT
+  // boost::json::basic_parser requires a handler's limits and callbacks under these names.
+  // NOLINTBEGIN(readability-identifier-naming)
+  static constexpr std::size_t max_array_size = std::numeric_limits<std::size_t>::max();
+  static constexpr std::size_t max_object_size = std::numeric_limits<std::size_t>::max();
+  static constexpr std::size_t max_string_size = std::numeric_limits<std::size_t>::max();
+  static constexpr std::size_t max_key_size = std::numeric_limits<std::size_t>::max();
 
   using ErrorCodeT = boost::system::error_code;
 
@@ -152,6 +154,7 @@ class DuplicateKeyFinder {
   bool on_null(ErrorCodeT&) { return true; }
   bool on_comment_part(json::string_view, ErrorCodeT&) { return true; }
   bool on_comment(json::string_view, ErrorCodeT&) { return true; }
+  // NOLINTEND(readability-identifier-naming)
 
   [[nodiscard]] const std::optional<std::string>& duplicate() const { return duplicate_; }
 

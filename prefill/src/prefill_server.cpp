@@ -89,9 +89,9 @@ class PrefillServer::Impl {
     };
     std::vector<http::Route> routes;
     routes.push_back({"POST", std::string(worker_api::kPrefillPath),
-                      [this](http::Request r, http::Exchange ex) { onSubmit(std::move(r), std::move(ex)); }});
+                      [this](const http::Request& r, http::Exchange ex) { onSubmit(r, std::move(ex)); }});
     routes.push_back({"POST", std::string(worker_api::kPrefillCancelPath),
-                      [this](http::Request r, http::Exchange ex) { onCancel(r, ex); }});
+                      [this](const http::Request& r, http::Exchange ex) { onCancel(r, ex); }});
     http::Probes probes;
     probes.not_ready = [this] { return notReadyReason(); };
     probes.metrics = [this] {
@@ -322,7 +322,7 @@ class PrefillServer::Impl {
     return transports_.back().second.get();
   }
 
-  void onSubmit(http::Request request, http::Exchange ex) {
+  void onSubmit(const http::Request& request, http::Exchange ex) {
     const Clock::time_point received = Clock::now();
     if (draining_.load()) return reject(ex, makeError(ErrorCode::Overloaded, "prefill worker is draining"));
     Result<worker_api::PrefillSubmit> parsed = worker_api::parsePrefillSubmit(request.body);

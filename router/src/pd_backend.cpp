@@ -586,6 +586,8 @@ class Control final : public GenerationControl {
 class PdBackend::Impl {
  public:
   explicit Impl(Shared shared) : shared_(std::move(shared)), watchdog_([this] { watchLoop(); }) {}
+  Impl(const Impl&) = delete;
+  Impl& operator=(const Impl&) = delete;
 
   ~Impl() {
     std::list<std::shared_ptr<Generation>> all;

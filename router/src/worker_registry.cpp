@@ -138,6 +138,8 @@ struct PolledWorker {
 class WorkerRegistry::Impl {
  public:
   explicit Impl(RegistryOptions options) : options_(std::move(options)), pinned_hash_(options_.model_hash) {}
+  Impl(const Impl&) = delete;
+  Impl& operator=(const Impl&) = delete;
 
   ~Impl() { stopAll(); }
 

@@ -367,6 +367,9 @@ std::uint64_t weightFileBytes(const fs::path& dir) {
 // A temporary folder removed on scope exit (the generated model).
 struct TempDir {
   fs::path path;
+  TempDir() = default;
+  TempDir(const TempDir&) = delete;
+  TempDir& operator=(const TempDir&) = delete;
   ~TempDir() {
     std::error_code ec;
     if (!path.empty()) fs::remove_all(path, ec);

@@ -1,4 +1,4 @@
-// pdserve bench router: what the router adds to a request's latency (issue 8's benchmark).
+// pdserve bench router: what the router adds to a request's latency.
 //
 // Starts a decode worker, a prefill worker and a router as child processes (this binary), then
 // times one-token completions of a fixed token-id prompt two ways, alternating so both see the
@@ -274,7 +274,7 @@ int runBenchRouter(const std::vector<std::string>& args) {
   const std::string model_flag = "--model.path=" + model_dir->string();
   std::vector<std::string> extra;
   if (!common.tokenizer_path.empty()) extra.push_back("--model.tokenizer=" + common.tokenizer_path.string());
-  auto withExtra = [&](std::vector<std::string> a) {
+  auto with_extra = [&](std::vector<std::string> a) {
     a.insert(a.end(), extra.begin(), extra.end());
     return a;
   };
@@ -282,20 +282,20 @@ int runBenchRouter(const std::vector<std::string>& args) {
   std::vector<std::string> decode_args{"decode", model_flag, "--decode.port=0", "--log.level=warn"};
   // Held streams each reserve their KV blocks at once; the rest of them wait for a batch slot.
   if (cfg.hold_streams > 0) decode_args.push_back("--decode.num_blocks=" + std::to_string(cfg.hold_streams * 8 + 64));
-  auto decode = startRole(*exe, withExtra(decode_args));
+  auto decode = startRole(*exe, with_extra(decode_args));
   if (!decode.ok()) return reportFailure(decode.error());
   std::vector<std::string> prefill_args{"prefill", model_flag, "--prefill.port=0", "--log.level=warn"};
   if (cfg.hold_streams > 0) {
     prefill_args.push_back("--prefill.max_queued_requests=" + std::to_string(cfg.hold_streams + 64));
   }
-  auto prefill = startRole(*exe, withExtra(prefill_args));
+  auto prefill = startRole(*exe, with_extra(prefill_args));
   if (!prefill.ok()) return reportFailure(prefill.error());
   const auto hp = [](const Endpoint& e) { return e.host + ":" + std::to_string(e.port); };
-  auto router = startRole(*exe, withExtra({"router", model_flag, "--router.port=0", "--log.level=warn",
-                                           "--router.io_threads=" + std::to_string(cfg.io_threads),
-                                           "--router.max_queued_requests=" + std::to_string(cfg.hold_streams + 1024),
-                                           "--router.prefill_workers=" + hp(prefill->endpoint),
-                                           "--router.decode_workers=" + hp(decode->endpoint)}));
+  auto router = startRole(*exe, with_extra({"router", model_flag, "--router.port=0", "--log.level=warn",
+                                            "--router.io_threads=" + std::to_string(cfg.io_threads),
+                                            "--router.max_queued_requests=" + std::to_string(cfg.hold_streams + 1024),
+                                            "--router.prefill_workers=" + hp(prefill->endpoint),
+                                            "--router.decode_workers=" + hp(decode->endpoint)}));
   if (!router.ok()) return reportFailure(router.error());
   // The router marks workers ready after its first health poll.
   for (int i = 0; i < 100; ++i) {

@@ -1,4 +1,4 @@
-// pdserve bench serve: the OpenAI-API load generator (issue 10; docs/benchmarks.md, "bench serve").
+// pdserve bench serve: the OpenAI-API load generator (docs/benchmarks.md, "bench serve").
 //
 // Sends streaming /v1/completions or /v1/chat/completions requests to pdserve's router or any
 // OpenAI-compatible server (vLLM, SGLang) at a sweep of fixed concurrencies or Poisson request
@@ -236,7 +236,7 @@ int runBenchServe(const std::vector<std::string>& args) {
     file_prompts = std::move(*loaded_prompts);
   }
   // Request i of every level (and of the warm-ups) is the i-th prompt, cycling through the file.
-  const auto requestsFor = [&](std::int64_t count, std::int64_t offset) {
+  const auto requests_for = [&](std::int64_t count, std::int64_t offset) {
     if (file_prompts.empty()) {
       auto w = workload;
       w.seed = workload.seed + static_cast<std::uint64_t>(offset) * 0x9E3779B9ULL;
@@ -299,9 +299,9 @@ int runBenchServe(const std::vector<std::string>& args) {
         cfg.warmup >= 0 ? cfg.warmup : (rate_mode ? std::min<std::int64_t>(4, plan.workers) : plan.workers);
     plan.seed = static_cast<std::uint64_t>(cfg.seed) + li;
     plan.timeout = std::chrono::milliseconds(cfg.timeout_s * 1000);
-    plan.warmup = requestsFor(warmup, offset);
+    plan.warmup = requests_for(warmup, offset);
     offset += warmup;
-    plan.requests = requestsFor(count, offset);
+    plan.requests = requests_for(count, offset);
     offset += count;
     std::map<std::string, double> before;
     bool have_before = false;

@@ -537,8 +537,8 @@ void printText(const PlanInput& in, const Prediction& p) {
         static_cast<long long>(p.pools.prefill_replicas), static_cast<long long>(in.prefill.tp),
         static_cast<long long>(p.pools.prefill_gpus), static_cast<long long>(p.pools.decode_replicas),
         static_cast<long long>(in.decode.tp), static_cast<long long>(p.pools.decode_gpus), p.pools.ratio,
-        static_cast<long long>(p.pools.prefill_gpus + p.pools.decode_gpus), ms(p.pools.ttft).c_str(),
-        ms(p.pools.tpot).c_str());
+        static_cast<long long>(p.pools.prefill_gpus) + static_cast<long long>(p.pools.decode_gpus),
+        ms(p.pools.ttft).c_str(), ms(p.pools.tpot).c_str());
   } else {
     std::printf("  infeasible: %s\n", p.pools.reason.c_str());
   }

@@ -35,17 +35,17 @@ void registerUpOptions(config::OptionSet& set, UpConfig& cfg) {
   set.add("prefill", &cfg.prefill_workers, "prefill worker processes", 1, 64)
       .add("decode", &cfg.decode_workers, "decode worker processes", 1, 64)
       .add("ready_timeout_ms", &cfg.ready_timeout_ms, "how long each process may take to become ready", 1000,
-           3600 * 1000)
+           std::int64_t{3600} * 1000)
       .add("stop_timeout_ms", &cfg.stop_timeout_ms,
-           "after Ctrl-C, how long each process may take to drain and exit before SIGKILL", 100, 3600 * 1000)
+           "after Ctrl-C, how long each process may take to drain and exit before SIGKILL", 100,
+           std::int64_t{3600} * 1000)
       .add("restart_backoff_ms", &cfg.restart_backoff_ms, "delay before restarting a worker that exited (doubles)", 0,
            std::int64_t{3600} * 1000)
       .add("restart_backoff_max_ms", &cfg.restart_backoff_max_ms, "the restart delay doubles up to this", 0,
            std::int64_t{3600} * 1000)
       .add("restart_budget", &cfg.restart_budget,
            "restarts per worker within up.restart_window_ms before the cluster stops (0: never restart)", 0, 1000000)
-      .add("restart_window_ms", &cfg.restart_window_ms, "the window of up.restart_budget", 1000,
-           std::int64_t{7} * 86400 * 1000)
+      .add("restart_window_ms", &cfg.restart_window_ms, "the window of up.restart_budget", 1000, 7LL * 86400 * 1000)
       .add("smoke", &cfg.smoke,
            "start, send one chat completion through the router, print the answer, stop (CI's check)");
 }
@@ -84,9 +84,9 @@ Status smokeRequest(const std::string& router_url, const std::string& model_name
   return okStatus();
 }
 
-// The short flags of the command line, as the config's long names.
+// The short flags `pdserve up` accepts, as the config's long names.
 std::vector<std::string> expandAliases(const std::vector<std::string>& args) {
-  static const std::vector<std::pair<std::string, std::string>> kAliases = {
+  static const std::vector<std::pair<std::string, std::string>> aliases = {
       {"--model", "--model.path"},
       {"--prefill", "--up.prefill"},
       {"--decode", "--up.decode"},
@@ -98,11 +98,11 @@ std::vector<std::string> expandAliases(const std::vector<std::string>& args) {
   std::vector<std::string> out;
   for (const auto& a : args) {
     std::string arg = a;
-    for (const auto& [alias, name] : kAliases) {
+    for (const auto& [alias, name] : aliases) {
       if (arg == alias) {
         arg = name;
       } else if (arg.starts_with(alias + "=")) {
-        arg = name + arg.substr(alias.size());
+        arg.replace(0, alias.size(), name);
       }
     }
     out.push_back(std::move(arg));
@@ -202,6 +202,9 @@ int runUp(const std::vector<std::string>& raw_args) {
   // The run folder goes on every way out.
   struct RemoveOnExit {
     std::filesystem::path dir;
+    explicit RemoveOnExit(std::filesystem::path d) : dir(std::move(d)) {}
+    RemoveOnExit(const RemoveOnExit&) = delete;
+    RemoveOnExit& operator=(const RemoveOnExit&) = delete;
     ~RemoveOnExit() {
       std::error_code ignored;
       std::filesystem::remove_all(dir, ignored);

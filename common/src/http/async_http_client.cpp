@@ -44,8 +44,8 @@ ClientResponse toResponse(const Message& msg) {
 /// Everything but `cancelled_` and `reusable_` is touched on `strand_` only.
 class AsyncClient::Impl : public std::enable_shared_from_this<Impl> {
  public:
-  Impl(net::any_io_executor executor, std::string host, std::uint16_t port)
-      : strand_(net::make_strand(std::move(executor))), resolver_(strand_), host_(std::move(host)), port_(port) {}
+  Impl(const net::any_io_executor& executor, std::string host, std::uint16_t port)
+      : strand_(net::make_strand(executor)), resolver_(strand_), host_(std::move(host)), port_(port) {}
 
   void start(ClientRequest request, std::chrono::milliseconds timeout, LineCallback on_line, Done done) {
     auto x = std::make_unique<Exchange>();
@@ -101,7 +101,7 @@ class AsyncClient::Impl : public std::enable_shared_from_this<Impl> {
     if (!ec) return connect({tcp::endpoint(address, port_)});
     resolver_.async_resolve(
         host_, std::to_string(port_),
-        [self = shared_from_this()](beast::error_code rec, tcp::resolver::results_type results) {
+        [self = shared_from_this()](beast::error_code rec, const tcp::resolver::results_type& results) {
           if (rec || results.empty()) {
             if (self->cancelled_.load()) return self->fail(self->cancelledError());
             return self->fail(makeError(ErrorCode::InvalidArgument,
@@ -109,11 +109,11 @@ class AsyncClient::Impl : public std::enable_shared_from_this<Impl> {
           }
           std::vector<tcp::endpoint> endpoints;
           for (const auto& r : results) endpoints.push_back(r.endpoint());
-          self->connect(std::move(endpoints));
+          self->connect(endpoints);
         });
   }
 
-  void connect(std::vector<tcp::endpoint> endpoints) {
+  void connect(const std::vector<tcp::endpoint>& endpoints) {
     if (cancelled_.load()) return fail(cancelledError());
     stream_.emplace(strand_);
     stream_->expires_at(x_->deadline);
@@ -282,11 +282,16 @@ class AsyncClient::Impl : public std::enable_shared_from_this<Impl> {
   std::unique_ptr<Exchange> x_;  // the exchange in flight
 };
 
-AsyncClient::AsyncClient(boost::asio::any_io_executor executor, std::string host, std::uint16_t port)
-    : impl_(std::make_shared<Impl>(std::move(executor), std::move(host), port)) {}
+AsyncClient::AsyncClient(const boost::asio::any_io_executor& executor, std::string host, std::uint16_t port)
+    : impl_(std::make_shared<Impl>(executor, std::move(host), port)) {}
 
 AsyncClient::~AsyncClient() {
-  impl_->cancel();
+  try {
+    impl_->cancel();
+  } catch (...) {
+    // Posting the interruption allocates. Should that fail, the exchange in flight still sees
+    // the cancelled flag (cancel() sets it first) at its next step; a destructor must not throw.
+  }
 }
 
 void AsyncClient::send(ClientRequest request, std::chrono::milliseconds timeout, Done done) {

@@ -1,6 +1,10 @@
 // Kernel dispatch, dequantization and the portable (generic) kernel set.
 #include "pd/engine/kernels.h"
 
+#if defined(__x86_64__) || defined(__i386__)
+#include <cpuid.h>
+#endif
+
 #include <algorithm>
 #include <cstring>
 #include <vector>
@@ -58,13 +62,24 @@ std::string_view cpuIsaName(CpuIsa isa) {
   return "?";
 }
 
+#if defined(__x86_64__) || defined(__i386__)
+namespace {
+// CPUID leaf 1, ECX bit 29. Read directly because clang's __builtin_cpu_supports does not know
+// "f16c"; the AVX2 check next to it already covers the OS's saving of the AVX state.
+bool cpuHasF16c() {
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  return __get_cpuid(1, &eax, &ebx, &ecx, &edx) != 0 && (ecx & bit_F16C) != 0;
+}
+}  // namespace
+#endif
+
 bool cpuSupports(CpuIsa isa) {
 #if defined(__x86_64__) || defined(__i386__)
   switch (isa) {
     case CpuIsa::Generic:
       return true;
     case CpuIsa::Avx2:
-      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && cpuHasF16c();
     case CpuIsa::Avx512:
       return cpuSupports(CpuIsa::Avx2) && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
              __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");

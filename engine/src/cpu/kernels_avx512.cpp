@@ -4,7 +4,9 @@
 // GCC 12's masked-load and reduce intrinsics start from _mm512_undefined_*(), which trips
 // -Wuninitialized inside its own header once inlined here.
 #pragma GCC diagnostic ignored "-Wuninitialized"
+#if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
 #include <immintrin.h>
 
 #include <cstdint>

@@ -72,7 +72,7 @@ void matmulTyped(const WeightMatrix& w, i64 row_begin, i64 row_end, const float*
   // Rows in panels of about 256 KiB of weights, so that a panel stays in L2 while every token
   // tile streams over it (prefill); a decode step (one token) is a single pass.
   const i64 row_bytes = w.cols * kElemBytes<D>;
-  i64 panel = (256 * 1024) / (row_bytes > 0 ? row_bytes : 1);
+  i64 panel = (i64{256} * 1024) / (row_bytes > 0 ? row_bytes : 1);
   panel = panel < 4 ? 4 : (panel / 4) * 4;
   constexpr int kOne = Isa::kRowsOneToken;
   constexpr int kMany = Isa::kRowsManyTokens;

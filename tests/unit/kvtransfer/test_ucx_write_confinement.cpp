@@ -1,7 +1,7 @@
-// Write confinement on the receiving side of UcxTransport (issue 21, item 3): after grant(), a
-// request's KV data may land only in the blocks its descriptor lists, data and records must carry
-// the descriptor's random transfer key, and a completion record must be for the granted token
-// count. Also: a transport given a loopback `host` listens on the loopback interface only.
+// Write confinement on the receiving side of UcxTransport: after grant(), a request's KV data may
+// land only in the blocks its descriptor lists, data and records must carry the descriptor's random
+// transfer key, and a completion record must be for the granted token count. Also: a transport
+// given a loopback `host` listens on the loopback interface only.
 
 #include <dirent.h>
 #include <gtest/gtest.h>
@@ -100,9 +100,9 @@ TEST_P(WriteConfinement, GrantedTransferLandsAndCarriesAFreshKey) {
   EXPECT_TRUE(receiver_->cancelExpect(2));
 }
 
-// The attack of issue 21: a submission that names another request's blocks. With active
-// messages the receiver refuses the bytes and fails the receive; the victim's blocks stay as
-// they were.
+// The attack that confinement stops: a submission that names another request's blocks. With
+// active messages the receiver refuses the bytes and fails the receive; the victim's blocks stay
+// as they were.
 TEST_P(WriteConfinement, DataForBlocksTheRequestDoesNotHoldIsRefused) {
   if (GetParam() == KvDataPath::Rma) {
     GTEST_SKIP() << "one-sided puts land without the receiver's CPU: docs/kv-transfer.md, 'Write confinement'";

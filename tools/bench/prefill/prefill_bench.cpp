@@ -73,7 +73,7 @@ Status receive(const std::filesystem::path& model, const kvt::KvTransferConfig& 
     }
     d.targets.push_back(target);
     const Status s =
-        t.expect(d.request_id, Clock::now() + 3600s, [&](std::uint64_t id, Result<kvt::CompletionRecord> r) {
+        t.expect(d.request_id, Clock::now() + 3600s, [&](std::uint64_t id, const Result<kvt::CompletionRecord>& r) {
           std::lock_guard lock(mutex);
           say(fmt::format("ARRIVED {} {}", id, r.ok() ? std::string("ok") : r.error().toString()));
         });
@@ -305,6 +305,7 @@ Result<PrefillBenchResult> runPrefillBench(const PrefillBenchConfig& cfg) {
   // length `runs` times, the modes interleaved so that drift of the machine hits them alike.
   const std::vector<Mode> modes{Mode::Compute, Mode::Streaming, Mode::SendAfter};
   std::vector<std::pair<Mode, std::int64_t>> plan;
+  plan.reserve(modes.size() * (1 + cfg.lengths.size() * static_cast<std::size_t>(std::max<std::int64_t>(cfg.runs, 0))));
   for (const Mode m : modes) plan.emplace_back(m, std::min<std::int64_t>(64, max_len));
   for (const std::int64_t n : cfg.lengths) {
     for (std::int64_t i = 0; i < cfg.runs; ++i) {

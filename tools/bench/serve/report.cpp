@@ -384,7 +384,7 @@ std::string progressLine(const std::string& label, std::int64_t done, std::int64
                          double output_tokens_per_s, bool warming_up, int width) {
   if (warming_up) return fmt::format("{:<16} warming up", label);
   const double frac = total > 0 ? std::clamp(static_cast<double>(done) / static_cast<double>(total), 0.0, 1.0) : 0.0;
-  const int filled = static_cast<int>(frac * width + 0.5);
+  const int filled = static_cast<int>(std::lround(frac * width));
   std::string bar(static_cast<std::size_t>(filled), '#');
   bar.append(static_cast<std::size_t>(width - filled), '.');
   std::string line = fmt::format("{:<16} [{}] {}/{} req", label, bar, done, total);

@@ -32,7 +32,7 @@ class AsyncClient {
   using Done = std::function<void(Result<ClientResponse>)>;
 
   /// Connects lazily, on the first exchange.
-  AsyncClient(boost::asio::any_io_executor executor, std::string host, std::uint16_t port);
+  AsyncClient(const boost::asio::any_io_executor& executor, std::string host, std::uint16_t port);
   AsyncClient(const AsyncClient&) = delete;
   AsyncClient& operator=(const AsyncClient&) = delete;
   AsyncClient(AsyncClient&&) = delete;

@@ -103,7 +103,7 @@ void signRequest(const InternalAuth* auth, std::string_view method, std::string_
 /// routes (/health, /ready, /metrics) stay open for orchestrators. A null `auth` returns the
 /// routes unchanged (an unauthenticated plane; the worker logs a warning at start).
 [[nodiscard]] std::vector<http::Route> requireInternalAuth(std::vector<http::Route> routes,
-                                                           std::shared_ptr<InternalAuth> auth,
+                                                           const std::shared_ptr<InternalAuth>& auth,
                                                            metrics::Registry* metrics,
                                                            std::string_view prefix = "/v1/internal/");
 
