@@ -11,6 +11,7 @@
 #include <utility>
 #include <vector>
 
+#include "client_wire.h"
 #include "pd/common/check.h"
 
 namespace pd::http {
@@ -21,24 +22,8 @@ namespace net = boost::asio;
 using tcp = net::ip::tcp;
 using Clock = std::chrono::steady_clock;
 
-namespace {
-
-constexpr std::size_t kStreamReadBytes = 16 << 10;
-
-bool isHttpSyntaxError(const beast::error_code& ec) {
-  static const auto& category = bhttp::make_error_code(bhttp::error::bad_method).category();
-  return ec.category() == category && ec != bhttp::error::end_of_stream && ec != bhttp::error::partial_message;
-}
-
-template <class Message>
-ClientResponse toResponse(const Message& msg) {
-  ClientResponse r;
-  r.status = static_cast<int>(msg.result_int());
-  for (const auto& f : msg) r.headers.push_back({std::string(f.name_string()), std::string(f.value())});
-  return r;
-}
-
-}  // namespace
+using detail::kStreamReadBytes;
+using detail::toResponse;
 
 /// The client's state, owned jointly by the AsyncClient handle and the operations in flight.
 /// Everything but `cancelled_` and `reusable_` is touched on `strand_` only.
@@ -132,20 +117,7 @@ class AsyncClient::Impl : public std::enable_shared_from_this<Impl> {
     if (cancelled_.load()) return fail(cancelledError());
     const ClientRequest& request = x_->request;
     auto& req = x_->message;
-    req = {};
-    const auto verb = bhttp::string_to_verb(request.method);
-    if (verb == bhttp::verb::unknown) {
-      req.method_string(request.method);
-    } else {
-      req.method(verb);
-    }
-    req.target(request.target);
-    req.version(11);
-    for (const auto& h : request.headers) req.insert(h.name, h.value);
-    if (req.find(bhttp::field::host) == req.end()) req.set(bhttp::field::host, fmt::format("{}:{}", host_, port_));
-    if (req.find(bhttp::field::user_agent) == req.end()) req.set(bhttp::field::user_agent, "pdserve");
-    req.body() = request.body;
-    if (!request.body.empty() || request.method == "POST" || request.method == "PUT") req.prepare_payload();
+    detail::buildRequest(request, host_, port_, req);
     stream_->expires_at(x_->deadline);
     bhttp::async_write(*stream_, req, [self = shared_from_this()](beast::error_code ec, std::size_t) {
       if (ec) return self->failedBeforeResponse(ec, false);
@@ -252,23 +224,11 @@ class AsyncClient::Impl : public std::enable_shared_from_this<Impl> {
     reusable_.store(false);
   }
 
-  Error cancelledError() const {
-    return makeError(ErrorCode::Cancelled, fmt::format("http {}:{}: cancelled", host_, port_));
-  }
+  Error cancelledError() const { return detail::cancelledError(host_, port_); }
 
   Error toError(const beast::error_code& ec, std::string_view what) const {
-    const std::string where = fmt::format("http {}:{}", host_, port_);
     if (cancelled_.load()) return cancelledError();
-    if (ec == beast::error::timeout) {
-      return makeError(ErrorCode::Timeout, fmt::format("{}: {} did not finish before the deadline", where, what));
-    }
-    if (ec == bhttp::error::body_limit) {
-      return makeError(ErrorCode::Corrupt, fmt::format("{}: response body larger than the client limit", where));
-    }
-    if (isHttpSyntaxError(ec)) {
-      return makeError(ErrorCode::Corrupt, fmt::format("{}: malformed response: {}", where, ec.message()));
-    }
-    return makeError(ErrorCode::PeerFailed, fmt::format("{}: {} failed: {}", where, what, ec.message()));
+    return detail::transportError(ec, what, host_, port_);
   }
 
   net::strand<net::any_io_executor> strand_;

@@ -10,6 +10,8 @@
 #include <optional>
 #include <utility>
 
+#include "client_wire.h"
+
 namespace pd::http {
 
 namespace beast = boost::beast;
@@ -18,16 +20,8 @@ namespace net = boost::asio;
 using tcp = net::ip::tcp;
 using Clock = std::chrono::steady_clock;
 
-namespace {
-
-constexpr std::size_t kStreamReadBytes = 16 << 10;
-
-bool isHttpSyntaxError(const beast::error_code& ec) {
-  static const auto& category = bhttp::make_error_code(bhttp::error::bad_method).category();
-  return ec.category() == category && ec != bhttp::error::end_of_stream && ec != bhttp::error::partial_message;
-}
-
-}  // namespace
+using detail::kStreamReadBytes;
+using detail::toResponse;
 
 bool LineSplitter::feed(std::string_view data, const LineCallback& on_line) {
   while (!data.empty()) {
@@ -195,9 +189,7 @@ class Client::Impl {
     if (stream_) stream_->cancel();
   }
 
-  Result<ClientResponse> cancelledError() const {
-    return makeError(ErrorCode::Cancelled, fmt::format("http {}:{}: cancelled", host_, port_));
-  }
+  Result<ClientResponse> cancelledError() const { return detail::cancelledError(host_, port_); }
 
   /// Starts an async operation with a completion handler and runs the io_context until it is done.
   template <class Start>
@@ -260,44 +252,14 @@ class Client::Impl {
 
   beast::error_code writeRequest(const ClientRequest& request, Clock::time_point deadline) {
     bhttp::request<bhttp::string_body> req;
-    const auto verb = bhttp::string_to_verb(request.method);
-    if (verb == bhttp::verb::unknown) {
-      req.method_string(request.method);
-    } else {
-      req.method(verb);
-    }
-    req.target(request.target);
-    req.version(11);
-    for (const auto& h : request.headers) req.insert(h.name, h.value);
-    if (req.find(bhttp::field::host) == req.end()) req.set(bhttp::field::host, fmt::format("{}:{}", host_, port_));
-    if (req.find(bhttp::field::user_agent) == req.end()) req.set(bhttp::field::user_agent, "pdserve");
-    req.body() = request.body;
-    if (!request.body.empty() || request.method == "POST" || request.method == "PUT") req.prepare_payload();
+    detail::buildRequest(request, host_, port_, req);
     stream_->expires_at(deadline);
     return run([&](auto handler) { bhttp::async_write(*stream_, req, std::move(handler)); });
   }
 
-  template <class Message>
-  static ClientResponse toResponse(const Message& msg) {
-    ClientResponse r;
-    r.status = static_cast<int>(msg.result_int());
-    for (const auto& f : msg) r.headers.push_back({std::string(f.name_string()), std::string(f.value())});
-    return r;
-  }
-
   Result<ClientResponse> toError(const beast::error_code& ec, std::string_view what) const {
-    const std::string where = fmt::format("http {}:{}", host_, port_);
     if (cancelled_.load()) return cancelledError();
-    if (ec == beast::error::timeout) {
-      return makeError(ErrorCode::Timeout, fmt::format("{}: {} did not finish before the deadline", where, what));
-    }
-    if (ec == bhttp::error::body_limit) {
-      return makeError(ErrorCode::Corrupt, fmt::format("{}: response body larger than the client limit", where));
-    }
-    if (isHttpSyntaxError(ec)) {
-      return makeError(ErrorCode::Corrupt, fmt::format("{}: malformed response: {}", where, ec.message()));
-    }
-    return makeError(ErrorCode::PeerFailed, fmt::format("{}: {} failed: {}", where, what, ec.message()));
+    return detail::transportError(ec, what, host_, port_);
   }
 
   std::string host_;
