@@ -2,13 +2,17 @@
 """Silent link loss between a prefill and a decode worker (issue 21, tests/chaos).
 
 Topology (needs root: `ip netns`; exits 77 = skipped, with the reason printed, where the
-machine refuses it):
+machine refuses it), three network namespaces and no interface in the host's:
 
-    host: router ──veth── netns P: prefill ──veth "kv link"── netns D: decode ──veth── host
-          (10.N.1.1)       (10.N.1.2 HTTP, 10.N.3.1 UCX)        (10.N.3.2 UCX, 10.N.2.2 HTTP) (10.N.2.1)
+    netns R: router + this test's clients ──veth── netns P: prefill ──veth "kv link"── netns D: decode
+             (10.N.1.1, 10.N.2.1)                   (10.N.1.2 HTTP, 10.N.3.1 UCX)     (10.N.3.2 UCX, 10.N.2.2 HTTP)
+             └──────────────────────────────────────veth──────────────────────────────────────┘
 
 The router reaches each worker's internal API over its own veth; the KV data plane (UCX over tcp
-only, kvtransfer.host pinning each worker's UCX to the kv link) crosses only the kv link. Under a
+only, kvtransfer.host pinning each worker's UCX to the kv link) crosses only the kv link. The test
+process itself moves into R (setns), so nothing it creates is visible to other processes of the
+machine (a UCX process listening on every interface would otherwise pick up, and stall on, links
+that this test deletes). Under a
 steady streaming load the test cuts the kv link silently (`ip link set <decode end> down`: the
 prefill side's device loses carrier and drops what it sends; no RST, no ICMP, nothing reaches the
 UCX peer-failure handlers), keeps the load on for a while, restores the link and keeps the load on
@@ -29,6 +33,7 @@ Prints a summary: requests, successes, errors by kind, p99 time to error, what t
 Exit status: 0 when no invariant was violated, 1 otherwise, 77 when skipped.
 """
 import argparse
+import ctypes
 import json
 import os
 import queue
@@ -56,34 +61,46 @@ def sh(*args, check=True):
     return p
 
 
+CLONE_NEWNET = 0x40000000
+
+
+def enter_netns(name):
+    """Moves the calling thread (and the threads and processes it creates later) into a namespace."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    with open(f"/var/run/netns/{name}") as f:
+        if libc.setns(f.fileno(), CLONE_NEWNET) != 0:
+            raise RuntimeError(f"setns {name}: {os.strerror(ctypes.get_errno())}")
+
+
 class Net:
-    """Two network namespaces, a veth from the host into each, and the kv link between them."""
+    """Three network namespaces: R (router, clients) with a veth into P and into D, and the kv link
+    between P (prefill) and D (decode)."""
 
     def __init__(self):
         tag = f"{os.getpid() % 0xffff:04x}"
-        self.ns_p, self.ns_d = f"pdll{tag}p", f"pdll{tag}d"
+        self.ns_r, self.ns_p, self.ns_d = f"pdll{tag}r", f"pdll{tag}p", f"pdll{tag}d"
         self.net = 10 + os.getpid() % 200  # 10.N.x.y: concurrent runs do not share addresses
         self.base = f"10.{self.net}"
-        self.host_p, self.in_p = f"pl{tag}h", f"pl{tag}i"
-        self.host_d, self.in_d = f"dl{tag}h", f"dl{tag}i"
+        self.r_p, self.in_p = f"pl{tag}r", f"pl{tag}i"
+        self.r_d, self.in_d = f"dl{tag}r", f"dl{tag}i"
         self.kv_p, self.kv_d = f"kl{tag}p", f"kl{tag}d"
         self.created = []
 
     def setup(self):
-        for ns in (self.ns_p, self.ns_d):
+        for ns in (self.ns_r, self.ns_p, self.ns_d):
             sh("ip", "netns", "add", ns)
             self.created.append(ns)
             sh("ip", "-n", ns, "link", "set", "lo", "up")
-        for host_if, in_if, ns, subnet in ((self.host_p, self.in_p, self.ns_p, 1), (self.host_d, self.in_d, self.ns_d, 2)):
-            sh("ip", "link", "add", host_if, "type", "veth", "peer", "name", in_if)
-            sh("ip", "link", "set", in_if, "netns", ns)
-            sh("ip", "addr", "add", f"{self.base}.{subnet}.1/24", "dev", host_if)
-            sh("ip", "link", "set", host_if, "up")
+        # Every veth is created inside R (or P) and its ends moved: none appears in the host's namespace.
+        for r_if, in_if, ns, subnet in ((self.r_p, self.in_p, self.ns_p, 1), (self.r_d, self.in_d, self.ns_d, 2)):
+            sh("ip", "-n", self.ns_r, "link", "add", r_if, "type", "veth", "peer", "name", in_if)
+            sh("ip", "-n", self.ns_r, "link", "set", in_if, "netns", ns)
+            sh("ip", "-n", self.ns_r, "addr", "add", f"{self.base}.{subnet}.1/24", "dev", r_if)
+            sh("ip", "-n", self.ns_r, "link", "set", r_if, "up")
             sh("ip", "-n", ns, "addr", "add", f"{self.base}.{subnet}.2/24", "dev", in_if)
             sh("ip", "-n", ns, "link", "set", in_if, "up")
-        sh("ip", "link", "add", self.kv_p, "type", "veth", "peer", "name", self.kv_d)
-        sh("ip", "link", "set", self.kv_p, "netns", self.ns_p)
-        sh("ip", "link", "set", self.kv_d, "netns", self.ns_d)
+        sh("ip", "-n", self.ns_p, "link", "add", self.kv_p, "type", "veth", "peer", "name", self.kv_d)
+        sh("ip", "-n", self.ns_p, "link", "set", self.kv_d, "netns", self.ns_d)
         sh("ip", "-n", self.ns_p, "addr", "add", f"{self.base}.3.1/24", "dev", self.kv_p)
         sh("ip", "-n", self.ns_d, "addr", "add", f"{self.base}.3.2/24", "dev", self.kv_d)
         sh("ip", "-n", self.ns_p, "link", "set", self.kv_p, "up")
@@ -99,8 +116,6 @@ class Net:
     def teardown(self):
         for ns in self.created:  # deleting a namespace deletes its veth ends, and so their peers
             sh("ip", "netns", "del", ns, check=False)
-        for host_if in (self.host_p, self.host_d):
-            sh("ip", "link", "del", host_if, check=False)
 
 
 class Role:
@@ -309,7 +324,8 @@ def main():
     net = Net()
     try:
         net.setup()
-    except RuntimeError as e:
+        enter_netns(net.ns_r)  # the router and the clients live in R from here on
+    except (RuntimeError, OSError) as e:
         net.teardown()
         print(f"SKIP: cannot build the network namespaces: {e}", flush=True)
         return 77
@@ -336,7 +352,7 @@ def main():
                       os.path.join(work, "decode.log"), net.ns_d)
         roles.append(decode)
         hp = lambda url: urllib.parse.urlparse(url).netloc
-        router = Role("router", [args.pdserve, "router", "--router.host=127.0.0.1", "--router.port=0",
+        router = Role("router", [args.pdserve, "router", "--router.host=127.0.0.1", "--router.port=0",  # in R
                                  f"--router.prefill_workers={hp(prefill.url)}",
                                  f"--router.decode_workers={hp(decode.url)}",
                                  f"--router.request_timeout_ms={args.request_timeout_ms}",
@@ -344,7 +360,7 @@ def main():
                       os.path.join(work, "router.log"))
         roles.append(router)
         print(f"link_loss: prefill {prefill.url} (netns {net.ns_p}), decode {decode.url} (netns {net.ns_d}), "
-              f"router {router.url}; kv link {net.base}.3.0/24; logs in {work}", flush=True)
+              f"router {router.url} (netns {net.ns_r}); kv link {net.base}.3.0/24; logs in {work}", flush=True)
 
         deadline_s = args.request_timeout_ms / 1000.0
         load = Load(router.url, args.clients, deadline_s, args.seed)
