@@ -6,16 +6,25 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cctype>
 #include <cerrno>
 #include <charconv>
 #include <iterator>
+#include <unordered_set>
 
 #include "pd/common/metrics.h"
 #include "pd/common/sha256.h"
 #include "pd/common/worker_api.h"
 
 namespace pd {
+namespace {
+
+// What a cluster secret file must not look like (loadClusterSecret).
+constexpr std::string_view kPlaceholderWords[] = {"replace", "changeme", "change-me", "placeholder", "example"};
+constexpr std::size_t kMinDistinctSecretChars = 8;
+
+}  // namespace
 namespace {
 
 Error unauthenticated(std::string what) {
@@ -158,6 +167,20 @@ Result<std::vector<std::uint8_t>> loadClusterSecret(const std::filesystem::path&
   if (text.size() < kMinClusterSecretBytes) {
     return makeError(ErrorCode::InvalidArgument, fmt::format("the cluster secret in {} is shorter than {} bytes",
                                                              file.string(), kMinClusterSecretBytes));
+  }
+  // A placeholder left in a manifest (deploy/base/cluster-secret) or a few repeated characters
+  // protect nothing: refuse to start rather than run a guessable internal plane.
+  std::string lower(text.size(), '\0');
+  std::transform(text.begin(), text.end(), lower.begin(),
+                 [](char c) { return static_cast<char>(std::tolower(static_cast<unsigned char>(c))); });
+  const bool placeholder = std::any_of(std::begin(kPlaceholderWords), std::end(kPlaceholderWords),
+                                       [&](std::string_view w) { return lower.find(w) != std::string::npos; });
+  const std::size_t distinct = std::unordered_set<char>(text.begin(), text.end()).size();
+  if (placeholder || distinct < kMinDistinctSecretChars) {
+    return makeError(ErrorCode::InvalidArgument,
+                     fmt::format("the cluster secret in {} looks like a placeholder, not a secret: write a random one "
+                                 "there, e.g. `openssl rand -hex 32` (docs/deploy.md)",
+                                 file.string()));
   }
   return std::vector<std::uint8_t>(text.begin(), text.end());
 }

@@ -78,7 +78,10 @@ struct DecodeLoop::KvWait {
 kvtransfer::ArrivalFn DecodeLoop::waitArrival(std::shared_ptr<KvWait> wait) {
   return [wait = std::move(wait)](std::uint64_t request_id, Result<kvtransfer::CompletionRecord> record) {
     // Timeout is the deadline of every attempt together; any other failure may be one attempt's.
-    if (!record.ok() && record.error().code != ErrorCode::Timeout) {
+    // An unauthenticated record came from the descriptor's holder, whose prefill worker reported
+    // success: no retry follows it, so it ends the request now.
+    if (!record.ok() && record.error().code != ErrorCode::Timeout &&
+        record.error().code != ErrorCode::Unauthenticated) {
       std::lock_guard lock(wait->mutex);
       if (!wait->stopped && wait->failures_to_absorb > 0) {
         // Re-armed here, on the transport's thread, so the next attempt's bytes are never dropped.
@@ -151,9 +154,13 @@ void DecodeLoop::openStreamAsync(DecodeRequest request, kvtransfer::Transport& t
     descriptor->block_ids.reserve(blocks->size());
     for (const std::int32_t b : *blocks) descriptor->block_ids.push_back(static_cast<std::uint32_t>(b));
     // Confine the transport to these blocks, under a fresh random transfer key the descriptor
-    // carries (docs/kv-transfer.md, "Write confinement"). Tensor-parallel followers' transports
-    // are not granted yet: their pools take writes as before.
+    // carries (docs/kv-transfer.md, "Write confinement"); with tensor parallelism every
+    // follower's transport too, before the descriptor goes out.
     Result<kvtransfer::KvDescriptor> granted = wait->transport->grant(std::move(*descriptor));
+    if (granted.ok() && tp != nullptr) {
+      const std::vector<std::uint8_t> bytes = kvtransfer::encode(*granted);
+      if (Status s = tp->grantKv(std::as_bytes(std::span(bytes))); !s.ok()) granted = s.error();
+    }
     if (!granted.ok()) {
       wait->stop();  // the Cancelled arrival frees the admitted request's blocks
       (*answer)(std::move(granted).error());

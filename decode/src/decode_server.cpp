@@ -5,12 +5,13 @@
 #include <algorithm>
 #include <atomic>
 #include <condition_variable>
+#include <cstring>
 #include <map>
 #include <mutex>
-#include <random>
 #include <utility>
 #include <vector>
 
+#include "pd/common/crypto.h"
 #include "pd/common/http_server.h"
 #include "pd/common/log.h"
 #include "pd/common/probe_routes.h"
@@ -132,21 +133,23 @@ class DecodeServer::Impl {
   mutable std::condition_variable idle_;
   std::map<std::string, std::shared_ptr<Stream>> streams_;  // guarded by mutex_: by router id
   std::atomic<bool> draining_{false};
-  // Transfer ids start at a random 64-bit value: a prefill worker keys its transfers by id, and
-  // several decode workers share it (they must not all count from 1).
-  std::atomic<std::uint64_t> next_transfer_id_{randomTransferIdBase()};
-  static std::uint64_t randomTransferIdBase();
+  // A fresh transfer id for each request, 64 bits from the CSPRNG: not a counter, so that one
+  // request's id says nothing about another's (a prefill worker keys its transfers by id, and
+  // several decode workers share it). What opens a request's blocks is the 128-bit transfer key
+  // of its grant, not the id (docs/security.md, "Ids").
+  static std::uint64_t newTransferId();
   bool stopped_ = false;  // controlling thread only
 
   std::unique_ptr<http::Server> http_;  // last: its handlers use everything above
 };
 
-std::uint64_t DecodeServer::Impl::randomTransferIdBase() {
-  std::random_device device;
-  const std::uint64_t high = device();
-  const std::uint64_t low = device();
-  // Leave headroom below 2^64 so the counter never wraps; never 0.
-  return (((high << 32) | low) >> 1) | 1;
+std::uint64_t DecodeServer::Impl::newTransferId() {
+  std::uint64_t id = 0;
+  while (id == 0) {  // 0 is no request
+    const std::vector<std::uint8_t> bytes = crypto::randomBytes(sizeof(id));
+    std::memcpy(&id, bytes.data(), sizeof(id));
+  }
+  return id;
 }
 
 DecodeServer::Impl::Impl(std::unique_ptr<model::Engine> engine, DecodeServerOptions options)
@@ -182,6 +185,7 @@ Status DecodeServer::Impl::startParts() {
   kvtransfer::UcxTransportOptions tx = kvtransfer::ucxOptionsFromConfig(options_.kvtransfer, compat_);
   tx.metrics = &registry_;
   tx.name = "decode-kv";
+  tx.auth = options_.auth;  // records must be signed with the cluster secret
   kvtransfer::inheritLoopbackHost(tx, options_.decode.host);
   const bool rma = kvtransfer::resolveKvDataPath(tx.data_path, tx.ucx_tls) == kvtransfer::KvDataPath::Rma;
   if (rma) receive_grace_ = std::chrono::milliseconds(options_.kvtransfer.receive_grace_ms);
@@ -257,8 +261,7 @@ void DecodeServer::Impl::handleOpen(const http::Request& request, http::Exchange
     return;
   }
   worker_api::DecodeOpen& open = *parsed;
-  auto stream =
-      std::make_shared<Stream>(Stream{open.request_id, next_transfer_id_.fetch_add(1), exchange, open.logprobs});
+  auto stream = std::make_shared<Stream>(Stream{open.request_id, newTransferId(), exchange, open.logprobs});
   {
     std::lock_guard lock(mutex_);
     if (streams_.contains(open.request_id)) {

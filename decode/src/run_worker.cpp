@@ -42,8 +42,9 @@ Status serveAsFollower(comm::Communicator& comm, const DecodeWorkerConfig& cfg, 
   engine_options.threads = static_cast<int>(cfg.decode.threads);
   engine_options.tp = &comm;
   PD_ASSIGN_OR_RETURN(auto engine, model::createCpuEngine(cfg.model_dir, engine_options));
+  PD_ASSIGN_OR_RETURN(std::shared_ptr<InternalAuth> auth, loadInternalAuth(cfg.cluster_secret_file));
   PD_ASSIGN_OR_RETURN(auto worker,
-                      TpFollowerWorker::start(std::move(engine), comm, {cfg.decode, cfg.kvtransfer, hash}));
+                      TpFollowerWorker::start(std::move(engine), comm, {cfg.decode, cfg.kvtransfer, hash, auth}));
   log::info(kLog, "tensor-parallel rank {} of {} serving ({})", comm.rank(), comm.size(), comm.kind());
   if (serving) serving(true);
   Status s = worker->run();

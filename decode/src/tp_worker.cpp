@@ -27,6 +27,7 @@ Result<std::unique_ptr<TpFollowerWorker>> TpFollowerWorker::start(std::unique_pt
       w->pool_->compat(w->options_.model_hash, static_cast<std::uint32_t>(comm.size()));
   kvtransfer::UcxTransportOptions tx = kvtransfer::ucxOptionsFromConfig(w->options_.kvtransfer, compat);
   tx.name = fmt::format("decode-kv-tp{}", comm.rank());
+  tx.auth = w->options_.auth;
   kvtransfer::inheritLoopbackHost(tx, w->options_.decode.host);
   PD_ASSIGN_OR_RETURN(w->transport_, kvtransfer::createUcxTransport(tx));
   PD_ASSIGN_OR_RETURN(w->region_, w->transport_->registerRegion(w->pool_->memory()));
@@ -54,6 +55,7 @@ Status TpFollowerWorker::run() {
     expectUntil(id, kvtransfer::Clock::now() + std::chrono::milliseconds(timeout_ms));
   };
   hooks.cancel_kv = [this](std::uint64_t id) { (void)transport_->cancelExpect(id); };
+  hooks.grant_kv = [this](std::span<const std::byte> bytes) { return grant(bytes); };
   return model::runTpFollower(*engine_, comm_, model::fixedTpCache(pool_->view()), hooks);
 }
 
@@ -71,6 +73,25 @@ void TpFollowerWorker::expectUntil(std::uint64_t id, kvtransfer::Deadline deadli
         if (code != ErrorCode::Timeout && code != ErrorCode::Cancelled) expectUntil(rid, deadline);
       });
   if (!s.ok()) log::warn("tp", "rank {}: cannot expect KV of request {}: {}", rank, id, s.error().toString());
+}
+
+bool TpFollowerWorker::grant(std::span<const std::byte> bytes) {
+  const int rank = comm_.rank();
+  const std::span<const std::uint8_t> raw(reinterpret_cast<const std::uint8_t*>(bytes.data()), bytes.size());
+  Result<kvtransfer::KvDescriptor> descriptor = kvtransfer::decodeKvDescriptor(raw);
+  if (!descriptor.ok()) {
+    log::error("tp", "rank {}: the leader's KV grant does not decode: {}", rank, descriptor.error().toString());
+    return false;
+  }
+  const std::uint64_t id = descriptor->request_id;
+  Result<kvtransfer::KvDescriptor> granted = transport_->grant(std::move(descriptor).value());
+  if (!granted.ok()) {
+    // Fail closed: an unconfined expectation would take writes anywhere in this rank's pool.
+    log::error("tp", "rank {}: cannot confine the KV of request {}: {}", rank, id, granted.error().toString());
+    (void)transport_->cancelExpect(id);
+    return false;
+  }
+  return true;
 }
 
 Result<std::vector<kvtransfer::KvTarget>> exchangeKvTargets(comm::Communicator& comm, kvtransfer::KvTarget mine) {

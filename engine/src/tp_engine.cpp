@@ -18,6 +18,7 @@ enum class CallKind : std::uint32_t {
   ForwardMtp = 0x5450460d,
   ExpectKv = 0x54504b01,
   CancelKv = 0x54504b02,
+  GrantKv = 0x54504b03,
 };
 
 class Writer {
@@ -112,10 +113,18 @@ std::vector<std::byte> encodeKv(CallKind kind, std::uint64_t request_id, std::ui
   return w.take();
 }
 
+std::vector<std::byte> encodeGrant(std::span<const std::byte> grant) {
+  Writer w;
+  w.put(static_cast<std::uint32_t>(CallKind::GrantKv));
+  w.putSpan(grant);
+  return w.take();
+}
+
 struct DecodedCall {
   CallKind kind = CallKind::Stop;
   std::uint64_t request_id = 0;  // ExpectKv / CancelKv
   std::uint32_t timeout_ms = 0;
+  std::vector<std::byte> grant;  // GrantKv
   model::ForwardOptions options;
   TpCacheGeometry geometry;
   std::vector<DecodedSequence> sequences;
@@ -131,6 +140,10 @@ Result<DecodedCall> decodeCall(std::span<const std::byte> bytes) {
   if (c.kind == CallKind::Stop) return r.done() ? Result<DecodedCall>(std::move(c)) : corrupt();
   if (c.kind == CallKind::ExpectKv || c.kind == CallKind::CancelKv) {
     if (!r.get(c.request_id) || !r.get(c.timeout_ms) || !r.done()) return corrupt();
+    return c;
+  }
+  if (c.kind == CallKind::GrantKv) {
+    if (!r.getVector(c.grant) || !r.done()) return corrupt();
     return c;
   }
   if (c.kind != CallKind::Forward && c.kind != CallKind::ForwardMtp) return corrupt();
@@ -212,6 +225,25 @@ Status TpLeaderEngine::expectKv(std::uint64_t request_id, std::uint32_t timeout_
   return send(encodeKv(CallKind::ExpectKv, request_id, timeout_ms));
 }
 
+Status TpLeaderEngine::grantKv(std::span<const std::byte> grant) {
+  std::lock_guard lock(mu_);
+  PD_TRY(send(encodeGrant(grant)));
+  // Every rank adds 1 if it applied the grant: the sum says whether all did, and the descriptor
+  // goes out only after every follower's transport is confined.
+  float granted = 1.0F;
+  if (Status s = comm_.allReduceSum(std::span(&granted, 1)); !s.ok()) {
+    broken_ = s.error();
+    failed_.store(true);
+    return s;
+  }
+  if (granted != static_cast<float>(comm_.size())) {
+    return makeError(ErrorCode::Internal,
+                     fmt::format("{} of {} follower rank(s) could not confine their KV transport to the request",
+                                 comm_.size() - static_cast<int>(granted), comm_.size() - 1));
+  }
+  return okStatus();
+}
+
 Status TpLeaderEngine::cancelKv(std::uint64_t request_id) {
   std::lock_guard lock(mu_);
   return send(encodeKv(CallKind::CancelKv, request_id, 0));
@@ -282,6 +314,12 @@ Status runTpFollower(model::Engine& engine, comm::Communicator& comm, const TpCa
     }
     if (call.kind == CallKind::CancelKv) {
       if (hooks.cancel_kv) hooks.cancel_kv(call.request_id);
+      continue;
+    }
+    if (call.kind == CallKind::GrantKv) {
+      // A follower without a grant hook cannot confine anything: it says so (fails closed).
+      float granted = hooks.grant_kv && hooks.grant_kv(call.grant) ? 1.0F : 0.0F;
+      PD_TRY(comm.allReduceSum(std::span(&granted, 1)));
       continue;
     }
     PD_ASSIGN_OR_RETURN(model::LatentCacheView view, cache(call.geometry));

@@ -45,6 +45,7 @@ FailureCause failureCauseOf(ErrorCode code) {
     case ErrorCode::InvalidArgument:
     case ErrorCode::Unsupported:
     case ErrorCode::Corrupt:
+    case ErrorCode::Unauthenticated:
       return FailureCause::Rejected;
     default:
       return FailureCause::Other;
@@ -87,8 +88,11 @@ TransportMetrics::TransportMetrics(metrics::Registry* registry) {
   }
   auto& records =
       registry->counter("pdserve_kv_records_total",
-                        "Completion and failure records; rejected: malformed or for no pending receive.", {"event"});
-  p.records = {&records.labels({"sent"}), &records.labels({"received"}), &records.labels({"rejected"})};
+                        "Completion and failure records; rejected: malformed, for no pending receive, without the "
+                        "transfer key, or not signed with the cluster secret; unauthenticated: the last of these.",
+                        {"event"});
+  p.records = {&records.labels({"sent"}), &records.labels({"received"}), &records.labels({"rejected"}),
+               &records.labels({"unauthenticated"})};
   p.in_flight = &registry->gauge("pdserve_kv_in_flight", "KV transfers begun and not yet reported.").get();
   p.pending_receives = &registry->gauge("pdserve_kv_pending_receives", "Expected KV transfers not yet resolved.").get();
   p.regions = &registry->gauge("pdserve_kv_registered_regions", "Memory regions registered for KV transfer.").get();
@@ -180,6 +184,10 @@ void TransportMetrics::recordRejected() {
   records_rejected_.fetch_add(1, kRelaxed);
   inc(published_.records[2]);
 }
+void TransportMetrics::recordUnauthenticated() {
+  records_unauthenticated_.fetch_add(1, kRelaxed);
+  inc(published_.records[3]);
+}
 void TransportMetrics::addBytesReceived(std::uint64_t bytes) {
   bytes_received_.fetch_add(bytes, kRelaxed);
   inc(published_.bytes_received, static_cast<double>(bytes));
@@ -219,6 +227,7 @@ TransportStats TransportMetrics::snapshot() const {
   for (std::size_t i = 0; i < kFailureCauseCount; ++i) s.receives_failed[i] = receive_failed_[i].load(kRelaxed);
   s.records_received = records_received_.load(kRelaxed);
   s.records_rejected = records_rejected_.load(kRelaxed);
+  s.records_unauthenticated = records_unauthenticated_.load(kRelaxed);
   s.bytes_received = bytes_received_.load(kRelaxed);
   s.bytes_dropped = bytes_dropped_.load(kRelaxed);
   s.receive_latency = receive_latency_.snapshot();

@@ -315,6 +315,7 @@ class PrefillServer::Impl {
     o.name = fmt::format("prefill-kv{}", transports_.size());
     kvt::inheritLoopbackHost(o, options_.prefill.host);
     o.metrics = &registry_;
+    o.auth = options_.auth;  // signs every completion and failure record
     PD_ASSIGN_OR_RETURN(std::unique_ptr<kvt::Transport> t, kvt::createUcxTransport(o));
     log::info("prefill", "KV layout {}: {} blocks of {} tokens, {} layers, TP {}", transports_.size(),
               dtypeName(compat.kv_dtype), compat.block_size, compat.num_layers, compat.tp_size);

@@ -8,8 +8,8 @@ streaming load on the router, and meanwhile injects faults at random (seeded):
   - early client hang-ups (connect, send part or all of a request, close),
   - forged internal calls (unsigned, signed with another secret, a tampered timestamp, garbage
     signatures) straight at the workers' internal ports, carrying junk KV descriptors.
-Not covered yet: a silent link loss between prefill and decode (a veth pair in a network
-namespace that the test cuts); see the issue note.
+A silent link loss between prefill and decode (network namespaces joined by a veth pair that is
+cut) is the separate case tests/chaos/link_loss.py.
 
 Invariants (any violation fails the run):
   - the router never dies and answers /health throughout;

@@ -12,9 +12,14 @@ Renders each kustomization with `kubectl kustomize` and checks, for every target
   - probes: startup, liveness on /health, readiness on /ready, on paths the binary serves
     (docs/internal-api.md for workers, docs/api.md for the router) and on the configured port;
   - terminationGracePeriodSeconds exceeds the role's drain_timeout_ms plus any preStop sleep;
+  - the cluster secret: every pdserve container's cluster.secret_file (config, the
+    PDSERVE_CLUSTER_SECRET_FILE environment variable or the flag) is a key of a mounted, rendered
+    Secret, and every role of a target mounts the same Secret;
   - the router discovers workers through headless Services that select the right role on the
-    right port; the NetworkPolicy lets pdserve pods (router, prefill, decode) reach the workers
-    and nothing else reach them except /metrics scraping on the HTTP port;
+    right port; NetworkPolicies let only the router reach a worker's HTTP port (the internal API),
+    only the KV peer pool (prefill <-> decode) reach its UCX ports (UCX_TCP_PORT_RANGE, which
+    the worker must set), decode pods of a multi-pod TP group reach each other on every port,
+    and nothing else reach the workers except /metrics scraping on the HTTP port;
   - GPU pods: decode.tensor_parallel = GPUs per pod x pods per group; RDMA transports in
     kvtransfer.ucx_tls iff an RDMA device is requested; /dev/shm is a memory emptyDir;
   - HorizontalPodAutoscalers target rendered workloads on metrics the target's binary exports
@@ -289,10 +294,14 @@ class Checker:
         self.check_services(where, by_kind, tpls)
         self.check_pdbs(where, by_kind, tpls)
         configs = {}
+        self.cluster_secrets = {}   # container -> the Secret holding its cluster.secret_file
         for t, c, role, args in containers:
             cfg = self.check_container(where, by_kind, t, c, role, args)
             if cfg is not None:
                 configs[(t["where"], c["name"])] = (t, c, role, args, cfg)
+        if len(set(self.cluster_secrets.values())) > 1:
+            self.error(where, f"the pdserve containers mount different cluster secrets "
+                              f"{sorted(set(self.cluster_secrets.values()))}: router and workers must share one")
         self.check_discovery(where, by_kind, tpls, configs)
         self.check_network_policies(where, by_kind, tpls, containers)
         self.check_hpas(where, by_kind, tpls, containers)
@@ -490,6 +499,7 @@ class Checker:
                     self.error(where, f"{cw}: router.api_keys_file {path}: volume {m['name']} is not a rendered Secret")
                 elif k not in {**(sec.get("data") or {}), **(sec.get("stringData") or {})}:
                     self.error(where, f"{cw}: Secret {sec_name} has no key '{k}' for router.api_keys_file")
+        self.check_cluster_secret(where, by_kind, tpl, cw, cfg, flags, env)
         for v in spec.get("volumes") or []:
             if "configMap" in v and v["configMap"]["name"] not in (by_kind.get("ConfigMap") or {}):
                 self.error(where, f"{t['where']}: volume {v['name']} names ConfigMap {v['configMap']['name']}, not rendered")
@@ -543,6 +553,26 @@ class Checker:
                     self.error(where, f"{t['where']}: a TP group must restart as a whole (restartPolicy "
                                       f"RecreateGroupOnPodRestart, not {policy})")
         return cfg
+
+    def check_cluster_secret(self, where, by_kind, tpl, cw, cfg, flags, env):
+        path = self.option(cfg, flags, env, "cluster", "secret_file")
+        c = next(x for x in (tpl.get("spec") or {}).get("containers") or [] if cw.endswith("/" + x["name"]))
+        if not path:
+            self.error(where, f"{cw}: no cluster secret: set cluster.secret_file (or PDSERVE_CLUSTER_SECRET_FILE) to "
+                              f"a key of a mounted Secret (docs/security.md)")
+            return
+        m, k = self.mount_for(c, str(path))
+        v = self.volume(tpl, m["name"]) if m else None
+        sec_name = ((v or {}).get("secret") or {}).get("secretName")
+        sec = (by_kind.get("Secret") or {}).get(sec_name) if sec_name else None
+        if m is None or v is None or sec_name is None:
+            self.error(where, f"{cw}: cluster.secret_file {path} is not on a mounted Secret volume")
+        elif sec is None:
+            self.error(where, f"{cw}: cluster.secret_file {path}: Secret {sec_name} is not rendered")
+        elif k not in {**(sec.get("data") or {}), **(sec.get("stringData") or {})}:
+            self.error(where, f"{cw}: Secret {sec_name} has no key '{k}' for cluster.secret_file")
+        else:
+            self.cluster_secrets[cw] = sec_name
 
     @staticmethod
     def resource(c, name):
@@ -666,7 +696,7 @@ class Checker:
             if not covering:
                 self.error(where, f"{t['where']}: no NetworkPolicy restricts ingress to this worker")
                 continue
-            reachers = set()
+            reach = {}   # role -> the `ports` lists of rules admitting it (None: every port)
             for np in covering:
                 for rule in np["spec"].get("ingress") or []:
                     peers = rule.get("from") or []
@@ -689,12 +719,58 @@ class Checker:
                         for x in allowed:
                             if id(x) not in role_of:
                                 self.error(where, f"NetworkPolicy/{np['metadata']['name']}: admits {x['where']}, not a pdserve pod")
-                        if not rule.get("ports"):
-                            reachers.update(role_of[id(x)] for x in allowed if id(x) in role_of)
-            for needed in ROLES:
-                if needed in {r for _, _, r, _ in containers} and needed not in reachers:
-                    self.error(where, f"{t['where']}: the NetworkPolicy does not let {needed} pods reach it on every port "
-                                      f"(internal API, UCX, NCCL)")
+                            else:
+                                reach.setdefault(role_of[id(x)], []).append(rule.get("ports") or None)
+            self.check_worker_reach(where, t, role, reach, containers)
+
+    @staticmethod
+    def port_covers(spec, lo, hi, name=None):
+        """Whether one NetworkPolicy `ports` entry opens every port of [lo, hi] (or the named port)."""
+        port = spec.get("port")
+        if port is None:
+            return True
+        if name is not None and port == name:
+            return True
+        if isinstance(port, int):
+            return port <= lo and spec.get("endPort", port) >= hi
+        return False
+
+    def check_worker_reach(self, where, t, role, reach, containers):
+        roles = {r for _, _, r, _ in containers}
+        http = self.http_port(t)
+        c = next((c for x, c, _, _ in containers if x is t), {})
+        env = {e["name"]: e.get("value") for e in c.get("env") or []}
+        rng = re.fullmatch(r"(\d+)-(\d+)", str(env.get("UCX_TCP_PORT_RANGE") or ""))
+        peer = "decode" if role == "prefill" else "prefill"
+        tp_group = role == "decode" and t["group_size"] > 1
+
+        def covers(role_, lo, hi, name=None):
+            return any(ps is None or any(self.port_covers(p, lo, hi, name) for p in ps) for ps in reach.get(role_, []))
+
+        # The internal API: the router, and only the router (and a TP group's own decode pods).
+        if "router" in roles and (http is None or not covers("router", http, http, "http")):
+            self.error(where, f"{t['where']}: the NetworkPolicy does not let router pods reach its HTTP port "
+                              f"(the internal API)")
+        for other in sorted(reach):
+            if other == "router" or (other == "decode" and tp_group):
+                continue
+            if http is not None and covers(other, http, http, "http"):
+                self.error(where, f"{t['where']}: the NetworkPolicy lets {other} pods reach its internal API (HTTP "
+                                  f"port): only the router may")
+        for ps in reach.get("router", []):
+            if ps is None or any(p.get("port") not in ("http", http) for p in ps):
+                self.error(where, f"{t['where']}: the NetworkPolicy lets router pods reach {ps or 'every port'}: only "
+                                  f"the HTTP port")
+        # The KV data plane: UCX listens in UCX_TCP_PORT_RANGE, open to the other pool.
+        if not rng:
+            self.error(where, f"{t['where']}: set UCX_TCP_PORT_RANGE (lo-hi) on the {role} container so that UCX "
+                              f"listens on ports the NetworkPolicy can open to the KV peers only")
+        elif peer in roles and not covers(peer, int(rng.group(1)), int(rng.group(2))):
+            self.error(where, f"{t['where']}: the NetworkPolicy does not let {peer} pods reach its KV ports "
+                              f"{rng.group(1)}-{rng.group(2)} (UCX_TCP_PORT_RANGE)")
+        if tp_group and not covers("decode", 1, 65535):
+            self.error(where, f"{t['where']}: a multi-pod TP group needs decode pods to reach each other on every "
+                              f"port (TP rendezvous, NCCL)")
 
     def http_port(self, t):
         for c in (t["tpl"].get("spec") or {}).get("containers") or []:

@@ -25,7 +25,17 @@ Result<UcxTransport::Peer*> UcxTransport::connect(const std::string& key) {
   peer->key = key;
   peer->name = peerName(key);
   const std::span<const std::uint8_t> address(reinterpret_cast<const std::uint8_t*>(key.data()), key.size());
-  PD_ASSIGN_OR_RETURN(peer->ep, ucx::Endpoint::create(worker_, address, &UcxTransport::onPeerError, peer.get()));
+  Result<ucx::Endpoint> ep = ucx::Endpoint::create(worker_, address, &UcxTransport::onPeerError, peer.get());
+  if (!ep.ok()) {
+    // Avoid the peer for a while, as one that missed a deadline: UCX 1.13's tcp connect blocks
+    // this thread until the kernel gives up (a link that went silent: ~3 s of ARP per attempt),
+    // and retrying it for every new transfer would stall every transfer and every caller.
+    suspects_[key] = {Clock::now() + options_.peer_suspect_time, ep.error().message};
+    log::warn("kv", "{}: cannot connect to {}: {} (marked suspect)", options_.name, peer->name, ep.error().message);
+    updatePeerGauges();
+    return std::move(ep).error();
+  }
+  peer->ep = std::move(ep).value();
   peer->connect_deadline = Clock::now() + options_.connect_timeout;
   // A flush completes after the endpoint's wireup round trip: our connect confirmation.
   ucp_request_param_t params{};

@@ -105,7 +105,7 @@ void UcxTransport::afterProgress() {
       continue;
     }
     if ((*it)->status == UCS_OK) {
-      inbox_.push_back(InboxRecord{std::move((*it)->bytes), (*it)->data_bytes, (*it)->key});
+      inbox_.push_back(InboxRecord{std::move((*it)->bytes), (*it)->data_bytes, (*it)->key, (*it)->tag});
     } else {
       metrics_.recordRejected();
       log::warn("kv", "{}: receiving a record failed: {}", options_.name, ucs_status_string((*it)->status));

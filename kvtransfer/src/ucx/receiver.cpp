@@ -1,10 +1,7 @@
 // UcxTransport's receiving side (decode): expectations and their grants, KV data copied from
 // active messages after its checks, records held until their data arrived, delivery.
 
-#include <sys/random.h>
-
 #include <algorithm>
-#include <cerrno>
 #include <cstring>
 #include <variant>
 
@@ -14,16 +11,12 @@
 
 namespace pd::kvtransfer::detail {
 
-/// 128 random bits from the kernel, never all zero (zero means "not granted").
+/// 128 random bits from OpenSSL's CSPRNG, never all zero (zero means "not granted").
 TransferKey randomTransferKey() {
   TransferKey key{};
   while (key[0] == 0 && key[1] == 0) {
-    auto* bytes = reinterpret_cast<std::uint8_t*>(key.data());
-    for (std::size_t done = 0; done < sizeof(key);) {
-      const ssize_t n = ::getrandom(bytes + done, sizeof(key) - done, 0);
-      PD_CHECK_MSG(n > 0 || errno == EINTR, "getrandom failed");
-      if (n > 0) done += static_cast<std::size_t>(n);
-    }
+    const std::vector<std::uint8_t> bytes = crypto::randomBytes(sizeof(key));
+    std::memcpy(key.data(), bytes.data(), sizeof(key));
   }
   return key;
 }
@@ -142,19 +135,43 @@ void UcxTransport::deliverRecord(InboxRecord record) {
     return;
   }
   const std::optional<Grant>& granted = it->second.grant;
+  if (!granted && options_.auth) {
+    metrics_.recordRejected();
+    log::warn("kv", "{}: dropped a record for request {}, which is not granted", options_.name, id);
+    return;
+  }
   if (granted && record.key != granted->key) {
     metrics_.recordRejected();
     log::warn("kv", "{}: dropped a record for request {} without its transfer key", options_.name, id);
     return;
   }
+  if (options_.auth) {
+    const crypto::Digest expected = recordTag(*options_.auth, record.data_bytes, record.key, record.bytes);
+    if (!crypto::constantTimeEqual(expected, record.tag)) {
+      metrics_.recordRejected();
+      metrics_.recordUnauthenticated();
+      const bool unsigned_record = record.tag == crypto::Digest{};
+      // It carries the request's transfer key, so it comes from the descriptor's holder, which
+      // is not a holder of the cluster secret (or has another one): the transfer cannot succeed,
+      // fail it now rather than at its deadline.
+      auto node = expectations_.extract(it);
+      failReceive(id, std::move(node.mapped()),
+                  makeError(ErrorCode::Unauthenticated,
+                            fmt::format("KV receive of request {}: the {} record is {}", id,
+                                        is_completion ? "completion" : "failure",
+                                        unsigned_record ? "not signed with the cluster secret"
+                                                        : "signed with another secret or altered")));
+      return;
+    }
+  }
   if (granted && is_completion && std::get<CompletionRecord>(decoded.value()).num_tokens != granted->num_tokens) {
     auto node = expectations_.extract(it);
-    metrics_.receiveFailed(ErrorCode::Corrupt);
-    node.mapped().on_arrival(
-        id, makeError(ErrorCode::Corrupt, fmt::format("KV receive of request {}: the completion record claims {} "
-                                                      "tokens, the request holds blocks for {}",
-                                                      id, std::get<CompletionRecord>(decoded.value()).num_tokens,
-                                                      node.mapped().grant->num_tokens)));
+    const std::uint32_t holds = node.mapped().grant->num_tokens;
+    failReceive(
+        id, std::move(node.mapped()),
+        makeError(ErrorCode::Corrupt, fmt::format("KV receive of request {}: the completion record claims {} "
+                                                  "tokens, the request holds blocks for {}",
+                                                  id, std::get<CompletionRecord>(decoded.value()).num_tokens, holds)));
     return;
   }
   if (hash == compat_hash_ && is_completion && record.data_bytes > it->second.bytes_received) {
@@ -164,31 +181,36 @@ void UcxTransport::deliverRecord(InboxRecord record) {
     return;
   }
   auto node = expectations_.extract(it);
-  auto& on_arrival = node.mapped().on_arrival;
   if (hash != compat_hash_) {
-    metrics_.receiveFailed(ErrorCode::Unsupported);
-    on_arrival(id, makeError(ErrorCode::Unsupported,
-                             fmt::format("record of request {} carries compatibility hash {:016x}, ours is {:016x}", id,
-                                         hash, compat_hash_)));
+    failReceive(id, std::move(node.mapped()),
+                makeError(ErrorCode::Unsupported,
+                          fmt::format("record of request {} carries compatibility hash {:016x}, ours is {:016x}", id,
+                                      hash, compat_hash_)));
     return;
   }
   if (is_completion) {
     metrics_.receiveSucceeded(Clock::now() - node.mapped().started);
-    on_arrival(id, std::move(std::get<CompletionRecord>(decoded.value())));
+    node.mapped().on_arrival(id, std::move(std::get<CompletionRecord>(decoded.value())));
   } else {
     auto& failure = std::get<FailureRecord>(decoded.value());
-    metrics_.receiveFailed(failure.code);
     // A retry's data may overtake this record (data is copied at once, records wait for this
     // pass): bytes beyond the failed sender's count go to the expectation that on_arrival may
     // re-arm for the same request (decode's prefill retries, docs/internal-api.md).
     const std::uint64_t early =
         node.mapped().bytes_received > record.data_bytes ? node.mapped().bytes_received - record.data_bytes : 0;
-    on_arrival(id, makeError(failure.code, fmt::format("prefill side failed request {}: {}", id, failure.message)));
-    if (const auto again = expectations_.find(id); again != expectations_.end()) {
-      again->second.bytes_received += early;
-      // The re-armed receive waits for a retry of the same descriptor: the same grant holds.
-      if (!again->second.grant) again->second.grant = std::move(node.mapped().grant);
-    }
+    failReceive(id, std::move(node.mapped()),
+                makeError(failure.code, fmt::format("prefill side failed request {}: {}", id, failure.message)), early);
+  }
+}
+
+void UcxTransport::failReceive(std::uint64_t id, Expectation expectation, Error error, std::uint64_t early) {
+  metrics_.receiveFailed(error.code);
+  expectation.on_arrival(id, std::move(error));
+  if (const auto again = expectations_.find(id); again != expectations_.end()) {
+    again->second.bytes_received += early;
+    // The re-armed receive waits for a retry of the same descriptor: the same grant holds, so a
+    // failed attempt never opens the request's pool to writes outside its blocks.
+    if (!again->second.grant) again->second.grant = std::move(expectation.grant);
   }
 }
 
@@ -200,8 +222,9 @@ void UcxTransport::deliverHeld() {
     if (node.empty()) continue;
     Expectation& e = node.mapped();
     if (e.data_error) {
-      metrics_.receiveFailed(ErrorCode::Corrupt);
-      e.on_arrival(id, makeError(ErrorCode::Corrupt, fmt::format("KV receive of request {}: {}", id, *e.data_error)));
+      const std::string why = *e.data_error;
+      failReceive(id, std::move(e),
+                  makeError(ErrorCode::Corrupt, fmt::format("KV receive of request {}: {}", id, why)));
     } else if (e.held_record && e.bytes_received >= e.record_data_bytes) {
       metrics_.receiveSucceeded(Clock::now() - e.started);
       e.on_arrival(id, std::move(*e.held_record));
@@ -224,7 +247,7 @@ ucs_status_t UcxTransport::onRecord(void* arg, const void* header, std::size_t h
   if ((param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) == 0) {
     const auto* bytes = static_cast<const std::uint8_t*>(data);
     self->inbox_.push_back(
-        InboxRecord{std::vector<std::uint8_t>(bytes, bytes + length), framing.data_bytes, framing.key});
+        InboxRecord{std::vector<std::uint8_t>(bytes, bytes + length), framing.data_bytes, framing.key, framing.tag});
     return UCS_OK;
   }
   if (length > kMaxRecordBytes) {
@@ -236,6 +259,7 @@ ucs_status_t UcxTransport::onRecord(void* arg, const void* header, std::size_t h
   pending->owner = self;
   pending->data_bytes = framing.data_bytes;
   pending->key = framing.key;
+  pending->tag = framing.tag;
   pending->bytes.resize(length);
   ucp_request_param_t params{};
   params.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
@@ -248,7 +272,7 @@ ucs_status_t UcxTransport::onRecord(void* arg, const void* header, std::size_t h
     return UCS_OK;
   }
   if (st == nullptr) {
-    self->inbox_.push_back(InboxRecord{std::move(pending->bytes), pending->data_bytes, pending->key});
+    self->inbox_.push_back(InboxRecord{std::move(pending->bytes), pending->data_bytes, pending->key, pending->tag});
   } else {
     pending->request = ucx::Request(st);
     self->pending_recvs_.push_back(std::move(pending));
@@ -280,6 +304,14 @@ ucs_status_t UcxTransport::onData(void* arg, const void* header, std::size_t hea
     return UCS_OK;
   }
   Expectation& e = it->second;
+  if (!e.grant && self->options_.auth) {
+    // An authenticated decode worker grants every request before its descriptor goes out: KV
+    // for one not granted (yet) can only come from someone who guessed its id.
+    self->metrics_.addBytesDropped(length);
+    log::warn("kv", "{}: dropped {} bytes of KV data for request {}, which is not granted", self->options_.name, length,
+              h.request_id);
+    return UCS_OK;
+  }
   if (e.grant && h.key != e.grant->key) {
     // Not from this request's descriptor: a guessed or stale request id. Dropped; the receive
     // goes on (failing it would let anyone who guesses an id end someone else's request).

@@ -173,7 +173,8 @@ void UcxTransport::flushAll(Transfer& t) {
 void UcxTransport::sendRecord(Transfer& t) {
   t.record_headers.clear();
   for (std::size_t ti = 0; ti < t.links.size(); ++ti) {
-    t.record_headers.push_back(RecordHeader{t.am_bytes[ti], t.descriptor.transfer_key});
+    RecordHeader& h = t.record_headers.emplace_back(RecordHeader{t.am_bytes[ti], t.descriptor.transfer_key, {}});
+    if (options_.auth) h.tag = recordTag(*options_.auth, h.data_bytes, h.key, t.record_bytes);
   }
   for (std::size_t ti = 0; ti < t.links.size(); ++ti) {
     const Link& link = t.links[ti];

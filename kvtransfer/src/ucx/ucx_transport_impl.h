@@ -37,6 +37,8 @@
 #include <utility>
 #include <vector>
 
+#include "pd/common/crypto.h"
+#include "pd/common/internal_auth.h"
 #include "pd/kvtransfer/ucx_transport.h"
 #include "ucx/ucx_blob_check.h"
 #include "ucx/ucx_handles.h"
@@ -61,13 +63,21 @@ struct DataHeader {
 };
 /// Header of a record message: KV bytes the sender delivered to this target as active messages
 /// before it (0 for RMA), so that the receiver holds the record until all of them were copied;
-/// and the descriptor's transfer key.
+/// the descriptor's transfer key; and the record's tag under the cluster secret (recordTag; all
+/// zero when the sender has no secret).
 struct RecordHeader {
   std::uint64_t data_bytes;
   std::array<std::uint64_t, 2> key;
+  crypto::Digest tag;
 };
-static_assert(sizeof(DataHeader) == 32 && sizeof(RecordHeader) == 24);
+static_assert(sizeof(DataHeader) == 32 && sizeof(RecordHeader) == 56);
 using TransferKey = std::array<std::uint64_t, 2>;
+
+/// The tag a record message carries: InternalAuth::tag("kv-record", data_bytes (u64 LE) ‖ key
+/// (two u64 LE) ‖ the encoded record), binding the record's request id and contents to its
+/// transfer (the key) and to the data its sender delivered before it. ucx_transport.cpp
+[[nodiscard]] crypto::Digest recordTag(const InternalAuth& auth, std::uint64_t data_bytes, const TransferKey& key,
+                                       std::span<const std::uint8_t> record);
 /// After a deadline force-closed its endpoints, how long a transfer may still wait for UCX to
 /// complete its requests before they are released without completion.
 inline constexpr auto kForceCloseGrace = std::chrono::seconds(1);
@@ -218,6 +228,7 @@ class UcxTransport final : public Transport {
     std::vector<std::uint8_t> bytes;
     std::uint64_t data_bytes = 0;
     TransferKey key{};
+    crypto::Digest tag{};
   };
 
   /// A rendezvous record being received (ucp_am_recv_data_nbx).
@@ -225,6 +236,7 @@ class UcxTransport final : public Transport {
     UcxTransport* owner = nullptr;
     std::uint64_t data_bytes = 0;
     TransferKey key{};
+    crypto::Digest tag{};
     std::vector<std::uint8_t> bytes;
     ucx::Request request;
     bool done = false;
@@ -270,6 +282,9 @@ class UcxTransport final : public Transport {
   void handleInbox();
   void deliverRecord(InboxRecord record);
   void deliverHeld();
+  // Answers the extracted `expectation` with `error`. If on_arrival re-armed the same request
+  // (a prefill retry), the new expectation keeps the old grant and `early` data bytes.
+  void failReceive(std::uint64_t id, Expectation expectation, Error error, std::uint64_t early = 0);
   static ucs_status_t onRecord(void* arg, const void* header, std::size_t header_length, void* data, std::size_t length,
                                const ucp_am_recv_param_t* param);
   static ucs_status_t onData(void* arg, const void* header, std::size_t header_length, void* data, std::size_t length,

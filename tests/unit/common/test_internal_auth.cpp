@@ -150,6 +150,23 @@ TEST(ClusterSecret, LoadsWritesAndRefusesWithoutEchoing) {
   EXPECT_NE(loadClusterSecret(file).value(), loaded.value()) << "a new secret each time";
 }
 
+// The placeholder deploy/base/cluster-secret ships with, and secrets of a few repeated characters,
+// are refused: a cluster must not start with a guessable secret.
+TEST(ClusterSecret, RefusesPlaceholdersAndRepeatedCharacters) {
+  test::TempDir dir;
+  const auto file = dir.path() / "secret";
+  for (const std::string& text : std::vector<std::string>{
+           "REPLACE-ME-pdserve-refuses-this-placeholder-write-openssl-rand-hex-32-here",
+           "changeme-changeme-changeme-changeme", std::string(48, 'x'), "abcabcabcabcabcabcabcabcabcabcabcabc"}) {
+    { std::ofstream(file) << text << "\n"; }
+    const auto refused = loadClusterSecret(file);
+    ASSERT_FALSE(refused.ok()) << text;
+    EXPECT_EQ(refused.error().code, ErrorCode::InvalidArgument);
+    EXPECT_NE(refused.error().message.find("placeholder"), std::string::npos) << refused.error().message;
+    EXPECT_EQ(refused.error().message.find(text), std::string::npos) << "never echoes the file";
+  }
+}
+
 TEST(RequireInternalAuth, RealServerRefusesUnsignedAndReplayedCallsAndCountsThem) {
   InternalAuthOptions o;
   o.secret = secret();

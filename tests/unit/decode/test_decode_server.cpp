@@ -2,8 +2,9 @@
 // a DecodeServer on a golden model, and on the test's side a prefill worker made of the real
 // parts (PrefillEngine + TransportKvSink on its own UcxTransport) fed by the descriptor the
 // decode stream's first line carries. Checks the streamed greedy tokens against the golden ones
-// (MTP off and on), every refusal, disconnect / abort / KV timeout freeing every block, and a
-// failed prefill attempt absorbed while the request keeps its blocks.
+// (MTP off and on), every refusal, disconnect / abort / KV timeout freeing every block, a
+// failed prefill attempt absorbed while the request keeps its blocks, and, with a cluster secret,
+// records not signed with it failing their request with every block freed.
 #include <gtest/gtest.h>
 
 #include <chrono>
@@ -18,6 +19,7 @@
 #include <vector>
 
 #include "pd/common/http_client.h"
+#include "pd/common/internal_auth.h"
 #include "pd/common/worker_api.h"
 #include "pd/decode/decode_server.h"
 #include "pd/engine/engine.h"
@@ -50,14 +52,16 @@ std::unique_ptr<model::Engine> makeEngine(const std::string& model) {
 // The lines of one decode stream, read on a thread of its own (the test goes on meanwhile).
 class StreamReader {
  public:
-  // Stops reading (closing the connection) after `max_lines` lines; 0: read to the end.
-  StreamReader(std::uint16_t port, std::string body, std::size_t max_lines = 0)
-      : thread_([this, port, body = std::move(body), max_lines] {
+  // Stops reading (closing the connection) after `max_lines` lines; 0: read to the end. Signs the
+  // call with `auth` when given.
+  StreamReader(std::uint16_t port, std::string body, std::size_t max_lines = 0, const InternalAuth* auth = nullptr)
+      : thread_([this, port, body = std::move(body), max_lines, auth] {
           http::Client client("127.0.0.1", port);
           http::ClientRequest req;
           req.method = "POST";
           req.target = std::string(api::kDecodeOpenPath);
           req.body = body;
+          signRequest(auth, req.method, req.target, req.body, req.headers);
           std::size_t seen = 0;
           auto r = client.streamLines(req, kWait, [&](std::string_view line) {
             std::lock_guard lock(mutex_);
@@ -143,32 +147,9 @@ class DecodeServerTest : public ::testing::TestWithParam<std::tuple<std::string,
     prompt_ = goldenIds(file, "p0.tokens");
     greedy_ = goldenIds(file, "p0.greedy");
 
-    DecodeServerOptions o;
-    o.decode.port = 0;
-    o.decode.block_size = kBlockSize;
-    o.decode.num_blocks = kBlocks;
-    o.decode.kv_dtype = "f32";  // exact KV: the golden greedy margins are as small as 0.01
-    o.decode.num_speculative_tokens = std::get<1>(GetParam());
-    o.decode.threads = 1;
-    o.model_hash = kModelHash;
-    auto s = DecodeServer::start(makeEngine(model), o);
-    ASSERT_TRUE(s.ok()) << s.error().toString();
-    server_ = std::move(s).value();
-
+    startServer(nullptr);
     prefill_model_ = makeEngine(model);
-    const ModelConfig& cfg = prefill_model_->config();
-    kvt::CompatInfo compat;
-    compat.model_hash = kModelHash;
-    compat.kv_dtype = DType::F32;
-    compat.block_size = kBlockSize;
-    compat.num_layers = static_cast<std::uint32_t>(cfg.kvLayers());
-    compat.kv_dim = static_cast<std::uint32_t>(cfg.latentDim());
-    kvt::UcxTransportOptions tx;
-    tx.compat = compat;
-    tx.name = "test-prefill-kv";
-    auto t = kvt::createUcxTransport(tx);
-    ASSERT_TRUE(t.ok()) << t.error().toString();
-    prefill_tx_ = std::move(t).value();
+    setPrefillSecret(nullptr);
     auto p = prefill::PrefillEngine::create(*prefill_model_, {.chunk_size = 16, .cache_blocks = 16, .block_size = 8});
     ASSERT_TRUE(p.ok()) << p.error().toString();
     prefill_ = std::move(p).value();
@@ -190,6 +171,43 @@ class DecodeServerTest : public ::testing::TestWithParam<std::tuple<std::string,
     server_.reset();
   }
 
+  // (Re)starts the decode server; with `auth`, the test's calls are signed with it.
+  void startServer(std::shared_ptr<InternalAuth> auth) {
+    server_.reset();
+    auth_ = auth;
+    DecodeServerOptions o;
+    o.decode.port = 0;
+    o.decode.block_size = kBlockSize;
+    o.decode.num_blocks = kBlocks;
+    o.decode.kv_dtype = "f32";  // exact KV: the golden greedy margins are as small as 0.01
+    o.decode.num_speculative_tokens = std::get<1>(GetParam());
+    o.decode.threads = 1;
+    o.model_hash = kModelHash;
+    o.auth = std::move(auth);
+    auto s = DecodeServer::start(makeEngine(std::get<0>(GetParam())), o);
+    ASSERT_TRUE(s.ok()) << s.error().toString();
+    server_ = std::move(s).value();
+  }
+
+  // (Re)creates the test prefill's transport, signing its records with `auth` (null: unsigned).
+  void setPrefillSecret(std::shared_ptr<const InternalAuth> auth) {
+    prefill_tx_.reset();
+    const ModelConfig& cfg = prefill_model_->config();
+    kvt::CompatInfo compat;
+    compat.model_hash = kModelHash;
+    compat.kv_dtype = DType::F32;
+    compat.block_size = kBlockSize;
+    compat.num_layers = static_cast<std::uint32_t>(cfg.kvLayers());
+    compat.kv_dim = static_cast<std::uint32_t>(cfg.latentDim());
+    kvt::UcxTransportOptions tx;
+    tx.compat = compat;
+    tx.name = "test-prefill-kv";
+    tx.auth = std::move(auth);
+    auto t = kvt::createUcxTransport(tx);
+    ASSERT_TRUE(t.ok()) << t.error().toString();
+    prefill_tx_ = std::move(t).value();
+  }
+
   std::string openBody(const std::string& id, std::int64_t max_tokens, std::int64_t attempts = 1,
                        std::int64_t kv_timeout_ms = 60000) const {
     api::DecodeOpen open;
@@ -208,6 +226,7 @@ class DecodeServerTest : public ::testing::TestWithParam<std::tuple<std::string,
     req.method = "POST";
     req.target = std::string(path);
     req.body = std::move(body);
+    signRequest(auth_.get(), req.method, req.target, req.body, req.headers);
     auto r = client.send(req, kWait);
     EXPECT_TRUE(r.ok()) << r.error().toString();
     return r.ok() ? std::move(r).value() : http::ClientResponse{};
@@ -217,6 +236,7 @@ class DecodeServerTest : public ::testing::TestWithParam<std::tuple<std::string,
     http::Client client("127.0.0.1", server_->port());
     http::ClientRequest req;
     req.target = std::string(path);
+    signRequest(auth_.get(), req.method, req.target, req.body, req.headers);
     auto r = client.send(req, kWait);
     EXPECT_TRUE(r.ok()) << r.error().toString();
     return r.ok() ? std::move(r).value() : http::ClientResponse{};
@@ -273,6 +293,7 @@ class DecodeServerTest : public ::testing::TestWithParam<std::tuple<std::string,
 
   std::vector<std::int32_t> prompt_;
   std::vector<std::int32_t> greedy_;
+  std::shared_ptr<InternalAuth> auth_;  // signs the test's calls when the server has a secret
   std::unique_ptr<DecodeServer> server_;
   std::unique_ptr<model::Engine> prefill_model_;
   std::unique_ptr<kvt::Transport> prefill_tx_;
@@ -493,6 +514,78 @@ TEST_P(DecodeServerTest, TheLastPrefillAttemptsFailureEndsTheStream) {
   EXPECT_EQ(o.last.code, ErrorCode::Internal);  // the prefill side's code, passed through
   EXPECT_NE(o.last.message.find("injected prefill failure"), std::string::npos) << o.last.message;
   EXPECT_NE(get("/metrics").body.find("pdserve_decode_requests_total{outcome=\"kv_failed\"} 1"), std::string::npos);
+}
+
+// Transfer ids are drawn from the CSPRNG, not counted: one request's id says nothing about the
+// next one's, and each descriptor carries its own 128-bit transfer key.
+TEST_P(DecodeServerTest, TransferIdsAreRandomNotCounted) {
+  std::vector<kvt::KvDescriptor> seen;
+  for (int i = 0; i < 6; ++i) {
+    const std::string id = "cmpl-id-" + std::to_string(i);
+    StreamReader s(server_->port(), openBody(id, 24));
+    auto first = s.event(0);
+    ASSERT_TRUE(first.has_value());
+    seen.push_back(descriptorOf(*first));
+    EXPECT_EQ(post(api::kDecodeAbortPath, R"({"request_id":")" + id + "\"}").body, R"({"found":true})");
+    EXPECT_EQ(collect(s.all()).last.code, ErrorCode::Cancelled);
+  }
+  for (std::size_t i = 0; i < seen.size(); ++i) {
+    EXPECT_NE(seen[i].request_id, 0U);
+    EXPECT_NE(seen[i].transfer_key, (std::array<std::uint64_t, 2>{}));
+    for (std::size_t j = 0; j < i; ++j) {
+      const std::uint64_t a = seen[i].request_id, b = seen[j].request_id;
+      EXPECT_GT(a > b ? a - b : b - a, 1U << 20) << "ids " << b << " then " << a << " look counted";
+      EXPECT_NE(seen[i].transfer_key, seen[j].transfer_key);
+    }
+  }
+}
+
+std::shared_ptr<InternalAuth> clusterSecret(char fill) {
+  auto auth =
+      InternalAuth::create({std::vector<std::uint8_t>(kMinClusterSecretBytes, static_cast<std::uint8_t>(fill))});
+  PD_CHECK(auth.ok());
+  return std::move(auth).value();
+}
+
+// A decode worker with a cluster secret takes only completion records signed with it: a prefill
+// side that holds the descriptor (and so its transfer key) but not the secret, or another
+// secret, fails the request at once with Unauthenticated, every block is freed and the refusal
+// is counted; the worker goes on serving, and a correctly signed transfer decodes.
+TEST_P(DecodeServerTest, RecordsNotSignedWithTheClusterSecretFailTheRequestAndFreeItsBlocks) {
+  startServer(clusterSecret('a'));
+  struct Case {
+    std::shared_ptr<const InternalAuth> prefill_secret;
+    std::string id;
+    bool accepted;
+  };
+  const std::vector<Case> cases = {{nullptr, "cmpl-unsigned", false},
+                                   {clusterSecret('b'), "cmpl-other-secret", false},
+                                   {auth_, "cmpl-signed", true}};
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.id);
+    setPrefillSecret(c.prefill_secret);
+    StreamReader stream(server_->port(), openBody(c.id, static_cast<std::int64_t>(greedy_.size()), /*attempts=*/2), 0,
+                        auth_.get());
+    auto first = stream.event(0);
+    ASSERT_TRUE(first.has_value());
+    auto sent = prefillInto(descriptorOf(*first));
+    ASSERT_EQ(sent.wait_for(kWait), std::future_status::ready);
+    EXPECT_TRUE(sent.get().ok()) << "the record was delivered; the receiver judged it";
+    const Outcome o = collect(stream.all());
+    if (c.accepted) {
+      EXPECT_EQ(o.tokens, greedy_);
+      EXPECT_EQ(o.last.type, api::DecodeEventType::Finish);
+    } else {
+      EXPECT_TRUE(o.tokens.empty());
+      EXPECT_EQ(o.last.type, api::DecodeEventType::Error);
+      EXPECT_EQ(o.last.code, ErrorCode::Unauthenticated) << o.last.message;
+    }
+    ASSERT_TRUE(server_->waitIdle(10s));
+    EXPECT_EQ(status().free_blocks, kBlocks);
+  }
+  const std::string metrics = get("/metrics").body;
+  EXPECT_NE(metrics.find("pdserve_kv_records_total{event=\"unauthenticated\"} 2"), std::string::npos) << metrics;
+  EXPECT_EQ(get("/health").status, 200);
 }
 
 INSTANTIATE_TEST_SUITE_P(Golden, DecodeServerTest,

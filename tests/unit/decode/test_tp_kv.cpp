@@ -1,7 +1,9 @@
 // Tensor-parallel KV path in one process over real UCX: a leader (rank 0) and a TpFollowerWorker
 // (rank 1, a thread; loopback communicator) each register their own KV pool; the descriptor lists
 // both ranks' targets; a real prefill worker (PrefillEngine + TransportKvSink) writes the prompt's
-// KV into both pools; then the TP = 2 group decodes the golden greedy tokens from those pools.
+// KV into both pools; then the TP = 2 group decodes the golden greedy tokens from those pools. And
+// write confinement on a follower: the leader's grant (TpLeaderEngine::grantKv) confines the
+// follower's transport to the request's blocks, so a write elsewhere is refused there too.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -15,6 +17,7 @@
 #include "pd/prefill/prefill_engine.h"
 #include "pd/prefill/transport_kv_sink.h"
 #include "tp_test_support.h"
+#include "unit/kvtransfer/kv_test_util.h"
 
 namespace pd::decode {
 namespace {
@@ -153,6 +156,142 @@ TEST_P(TpKv, PrefillWritesEveryRanksPoolAndTheGroupDecodesTheGoldenTokens) {
   lead();
   follower.join();
   EXPECT_TRUE(follower_status.ok()) << follower_status.error().toString();
+}
+
+// The bits of positions [0, n) of blocks `blocks` of every layer of `view` (the test's KV is a
+// random pattern: compared as floats, its NaNs would never be equal).
+std::vector<std::uint32_t> latents(const model::LatentCacheView& view, const std::vector<std::int32_t>& blocks,
+                                   std::int64_t n) {
+  std::vector<std::uint32_t> out;
+  std::vector<float> x(static_cast<std::size_t>(view.latent_dim));
+  for (std::size_t l = 0; l < view.layers.size(); ++l) {
+    for (std::int64_t p = 0; p < n; ++p) {
+      model::readLatent(view, static_cast<std::int64_t>(l), blocks, p, x.data());
+      const std::size_t at = out.size();
+      out.resize(at + x.size());
+      std::memcpy(out.data() + at, x.data(), x.size() * sizeof(float));
+    }
+  }
+  return out;
+}
+
+TEST_P(TpKv, AFollowerRankRefusesWritesToBlocksTheRequestDoesNotHold) {
+  const std::filesystem::path dir = goldenDir() / GetParam();
+  auto group = comm::createLoopbackGroup(2, comm::LoopbackOptions{60s});
+  std::promise<TpFollowerWorker*> follower_ready;
+  Status follower_status = okStatus();
+  std::int64_t follower_pending = -1;
+  std::thread follower([&] {
+    TpFollowerOptions o;
+    o.decode.num_blocks = kBlocks;
+    o.decode.block_size = kBlockSize;
+    o.decode.kv_dtype = "f32";
+    o.model_hash = kModelHash;
+    auto w = TpFollowerWorker::start(makeRankEngine(dir, group[1].get()), *group[1], o);
+    if (!w.ok()) {
+      follower_status = w.error();
+      follower_ready.set_value(nullptr);
+      return;
+    }
+    follower_ready.set_value(w->get());
+    follower_status = (*w)->run();
+    follower_pending = (*w)->transportStats().pending_receives;
+  });
+
+  const auto lead = [&] {
+    model::TpLeaderEngine leader(makeRankEngine(dir, group[0].get()), *group[0]);
+    auto pool = KvPool::create(leader.config(), kBlocks, kBlockSize, DType::F32);
+    ASSERT_TRUE(pool.ok());
+    const kvt::CompatInfo compat = pool->compat(kModelHash, 2);
+    kvt::UcxTransportOptions tx;
+    tx.compat = compat;
+    tx.name = "test-tp-leader-kv";
+    auto transport = kvt::createUcxTransport(tx);
+    ASSERT_TRUE(transport.ok()) << transport.error().toString();
+    auto region = (*transport)->registerRegion(pool->memory());
+    ASSERT_TRUE(region.ok());
+    const kvt::RegionLayout layout = pool->regionLayout(*region);
+    auto mine = (*transport)->exportTarget(0, std::span(&layout, 1));
+    ASSERT_TRUE(mine.ok());
+    auto targets = exchangeKvTargets(*group[0], *mine);
+    ASSERT_TRUE(targets.ok()) << targets.error().toString();
+    TpFollowerWorker* worker = follower_ready.get_future().get();
+    ASSERT_NE(worker, nullptr) << follower_status.error().toString();
+
+    kvt::UcxTransportOptions ptx;
+    ptx.compat = compat;
+    ptx.name = "test-tp-prefill-kv";
+    auto prefill_tx = kvt::createUcxTransport(ptx);
+    ASSERT_TRUE(prefill_tx.ok());
+    constexpr std::uint32_t kTokens = 2 * kBlockSize;
+    kvt::testutil::SourceKv source(compat, kTokens, 7);
+    kvt::testutil::ScopedRegion src(**prefill_tx, source.bytes);
+    ASSERT_TRUE(src.ok());
+
+    // Opens request `id` on both ranks the way DecodeLoop does (expect, grant, grantKv) with
+    // `blocks`, then sends its KV to `write_to` instead (a forged descriptor when they differ);
+    // returns the leader's receive outcome.
+    const auto transfer = [&](std::uint64_t id, std::vector<std::uint32_t> blocks,
+                              std::vector<std::uint32_t> write_to) -> Result<kvt::CompletionRecord> {
+      kvt::KvDescriptor d;
+      d.request_id = id;
+      d.compat = compat;
+      d.num_tokens = kTokens;
+      d.timeout_ms = 60000;
+      d.block_ids = std::move(blocks);
+      d.targets = *targets;
+      PD_TRY(leader.expectKv(id, d.timeout_ms));
+      auto arrived = std::make_shared<std::promise<Result<kvt::CompletionRecord>>>();
+      PD_TRY(
+          (*transport)->expect(id, kvt::Clock::now() + 60s, [arrived](std::uint64_t, Result<kvt::CompletionRecord> r) {
+            arrived->set_value(std::move(r));
+          }));
+      PD_ASSIGN_OR_RETURN(kvt::KvDescriptor granted, (*transport)->grant(d));
+      const std::vector<std::uint8_t> bytes = kvt::encode(granted);
+      PD_TRY(leader.grantKv(std::as_bytes(std::span(bytes))));
+      granted.block_ids = std::move(write_to);
+      auto sent = std::make_shared<std::promise<Status>>();
+      PD_TRY((*prefill_tx)->beginTransfer(granted, kvt::Clock::now() + 60s, [sent](std::uint64_t, Status s) {
+        sent->set_value(std::move(s));
+      }));
+      PD_TRY((*prefill_tx)->put(id, source.chunkPuts(src.id(), 0, kTokens)));
+      kvt::CompletionRecord record;
+      record.request_id = id;
+      record.num_tokens = kTokens;
+      PD_TRY((*prefill_tx)->finish(record));
+      PD_TRY(sent->get_future().get());
+      auto outcome = arrived->get_future().get();
+      PD_TRY(leader.cancelKv(id));  // the follower's (re-armed) expectation ends with the request
+      return outcome;
+    };
+
+    // A granted transfer lands on both ranks, identically.
+    const std::vector<std::int32_t> own{2, 3};
+    auto ok = transfer(51, {2, 3}, {2, 3});
+    ASSERT_TRUE(ok.ok()) << ok.error().toString();
+    const std::vector<std::uint32_t> leader_kv = latents(pool->view(), own, kTokens);
+    EXPECT_EQ(latents(worker->pool().view(), own, kTokens), leader_kv);
+    EXPECT_TRUE(std::any_of(leader_kv.begin(), leader_kv.end(), [](std::uint32_t v) { return v != 0; }));
+
+    // A descriptor edited to name blocks 6 and 7 (another request's): refused on the leader and
+    // on the follower, whose blocks stay as they were.
+    const std::vector<std::int32_t> victim{6, 7};
+    const std::vector<std::uint32_t> before = latents(worker->pool().view(), victim, kTokens);
+    const std::uint64_t dropped_before = worker->transportStats().bytes_dropped;
+    auto forged = transfer(52, {4, 5}, {6, 7});
+    ASSERT_FALSE(forged.ok());
+    EXPECT_EQ(forged.error().code, ErrorCode::Corrupt) << forged.error().toString();
+    EXPECT_EQ(latents(worker->pool().view(), victim, kTokens), before) << "the follower took the forged writes";
+    EXPECT_EQ(latents(pool->view(), victim, kTokens), before);
+    EXPECT_GT(worker->transportStats().bytes_dropped, dropped_before);
+
+    ASSERT_TRUE(leader.stop().ok());
+    EXPECT_TRUE((*transport)->deregisterRegion(*region).ok());
+  };
+  lead();
+  follower.join();
+  EXPECT_TRUE(follower_status.ok()) << follower_status.error().toString();
+  EXPECT_EQ(follower_pending, 0) << "the follower still expects KV after the group stopped";
 }
 
 INSTANTIATE_TEST_SUITE_P(Golden, TpKv, ::testing::Values("tiny-bf16", "tiny-fp8"));

@@ -1,7 +1,8 @@
 // Write confinement on the receiving side of UcxTransport: after grant(), a request's KV data may
 // land only in the blocks its descriptor lists, data and records must carry the descriptor's random
-// transfer key, and a completion record must be for the granted token count. Also: a transport
-// given a loopback `host` listens on the loopback interface only.
+// transfer key, a completion record must be for the granted token count, and with a cluster
+// secret every record must carry its HMAC tag. Also: a transport given a loopback `host` listens
+// on the loopback interface only.
 
 #include <dirent.h>
 #include <gtest/gtest.h>
@@ -12,6 +13,7 @@
 #include <string>
 #include <thread>
 
+#include "pd/common/internal_auth.h"
 #include "pd/kvtransfer/ucx_transport.h"
 #include "unit/kvtransfer/kv_test_util.h"
 
@@ -25,8 +27,10 @@ using testutil::ScopedRegion;
 using testutil::SourceKv;
 
 std::unique_ptr<Transport> makeTransport(KvDataPath path, const CompatInfo& compat, const std::string& name,
-                                         const std::string& host = "") {
+                                         const std::string& host = "",
+                                         std::shared_ptr<const InternalAuth> auth = nullptr) {
   UcxTransportOptions options;
+  options.auth = std::move(auth);
   options.ucx_tls = "tcp";
   options.data_path = path;
   options.compat = compat;
@@ -53,18 +57,20 @@ class WriteConfinement : public ::testing::TestWithParam<KvDataPath> {
       EXPECT_EQ(s.pending_receives, 0);
     }
   }
-  /// Sends `d` (tokens [0, n) of a seeded source) with a record for `record_tokens` tokens.
-  void send(const KvDescriptor& d, std::uint32_t record_tokens) {
+  /// Sends `d` (tokens [0, n) of a seeded source) with a record for `record_tokens` tokens; the
+  /// sender's outcome goes to `sent` (default: out_).
+  void send(const KvDescriptor& d, std::uint32_t record_tokens, Outcomes* sent = nullptr) {
+    Outcomes& done_to = sent != nullptr ? *sent : out_;
     SourceKv source(compat_, d.num_tokens, 5);
     ScopedRegion src(*sender_, source.bytes);
     ASSERT_TRUE(src.ok());
-    ASSERT_TRUE(sender_->beginTransfer(d, Clock::now() + 5s, out_.onDone()).ok());
+    ASSERT_TRUE(sender_->beginTransfer(d, Clock::now() + 5s, done_to.onDone()).ok());
     ASSERT_TRUE(sender_->put(d.request_id, source.chunkPuts(src.id(), 0, d.num_tokens)).ok());
     CompletionRecord r;
     r.request_id = d.request_id;
     r.num_tokens = record_tokens;
     ASSERT_TRUE(sender_->finish(r).ok());
-    const auto done = out_.waitDone(d.request_id, 5s);
+    const auto done = done_to.waitDone(d.request_id, 5s);
     ASSERT_TRUE(done.has_value());
   }
 
@@ -209,6 +215,113 @@ TEST_P(WriteConfinement, EveryTpRankGrantsTheSameDescriptorWithOneKey) {
     EXPECT_EQ(pool1.verify(second.value(), 5), "");
   }
   EXPECT_EQ(rank1->stats().pending_receives, 0);
+}
+
+std::shared_ptr<const InternalAuth> clusterSecret(char fill) {
+  auto auth =
+      InternalAuth::create({std::vector<std::uint8_t>(kMinClusterSecretBytes, static_cast<std::uint8_t>(fill))});
+  PD_CHECK(auth.ok());
+  return std::move(auth).value();
+}
+
+// With a cluster secret, a record must carry its tag: one from the descriptor's holder (it has the
+// transfer key) that is unsigned or signed with another secret fails the receive at once
+// (Unauthenticated, counted), and the same transfer signed with the right secret lands.
+TEST_P(WriteConfinement, RecordsMustBeSignedWithTheClusterSecret) {
+  const auto secret = clusterSecret('a');
+  receiver_ = makeTransport(GetParam(), compat_, "decode", "", secret);
+  ASSERT_TRUE(receiver_);
+  KvPool pool(*receiver_, compat_, 8);
+  struct Case {
+    std::shared_ptr<const InternalAuth> sender_secret;
+    std::string why;  // empty: accepted
+  };
+  const std::vector<Case> cases = {{nullptr, "not signed with the cluster secret"},
+                                   {clusterSecret('b'), "signed with another secret or altered"},
+                                   {secret, ""}};
+  std::uint64_t id = 20;
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.why);
+    sender_ = makeTransport(GetParam(), compat_, "prefill", "", c.sender_secret);
+    ASSERT_TRUE(sender_);
+    ASSERT_TRUE(receiver_->expect(id, Clock::now() + 5s, out_.onArrival()).ok());
+    auto granted = receiver_->grant(pool.descriptor(id, 6, {2, 5}, 5000).value());
+    ASSERT_TRUE(granted.ok());
+    send(granted.value(), 6);
+    const auto arrived = out_.waitArrival(id, 5s);
+    ASSERT_TRUE(arrived.has_value());
+    if (c.why.empty()) {
+      EXPECT_TRUE(arrived->ok()) << arrived->error().toString();
+      EXPECT_EQ(pool.verify(granted.value(), 5), "");
+    } else {
+      ASSERT_FALSE(arrived->ok());
+      EXPECT_EQ(arrived->error().code, ErrorCode::Unauthenticated);
+      EXPECT_NE(arrived->error().message.find(c.why), std::string::npos) << arrived->error().message;
+    }
+    ++id;
+  }
+  const TransportStats stats = receiver_->stats();
+  EXPECT_EQ(stats.records_unauthenticated, 2U);
+  EXPECT_EQ(stats.receives_succeeded, 1U);
+  EXPECT_EQ(stats.receives_failed[static_cast<std::size_t>(FailureCause::Rejected)], 2U);
+}
+
+// Without the transfer key, an unsigned record is dropped and the receive goes on: a guessed
+// request id cannot end someone else's receive, signed or not.
+TEST_P(WriteConfinement, AnUnsignedRecordWithoutTheKeyIsDroppedAndTheRealOneLands) {
+  const auto secret = clusterSecret('a');
+  receiver_ = makeTransport(GetParam(), compat_, "decode", "", secret);
+  auto forger = makeTransport(GetParam(), compat_, "forger");
+  sender_ = makeTransport(GetParam(), compat_, "prefill", "", secret);
+  ASSERT_TRUE(receiver_ && forger && sender_);
+  KvPool pool(*receiver_, compat_, 8);
+  ASSERT_TRUE(receiver_->expect(30, Clock::now() + 5s, out_.onArrival()).ok());
+  const KvDescriptor plain = pool.descriptor(30, 6, {1, 3}, 5000).value();
+  auto granted = receiver_->grant(plain);
+  ASSERT_TRUE(granted.ok());
+  {
+    Outcomes forged;
+    std::swap(sender_, forger);
+    send(plain, 6, &forged);  // no key, no tag
+    std::swap(sender_, forger);
+  }
+  const auto until = Clock::now() + 5s;
+  while (receiver_->stats().records_rejected == 0 && Clock::now() < until) std::this_thread::sleep_for(1ms);
+  ASSERT_EQ(receiver_->stats().records_rejected, 1U);
+  EXPECT_EQ(receiver_->stats().records_unauthenticated, 0U) << "dropped for the key, before its tag is checked";
+  EXPECT_FALSE(out_.waitArrival(30, 0ms).has_value()) << "the forged record ended the receive";
+  send(granted.value(), 6);
+  const auto arrived = out_.waitArrival(30, 5s);
+  ASSERT_TRUE(arrived.has_value());
+  EXPECT_TRUE(arrived->ok()) << arrived->error().toString();
+  EXPECT_EQ(pool.verify(granted.value(), 5), "");
+  EXPECT_GE(receiver_->stats().records_rejected, 1U);
+}
+
+// With a cluster secret, a decode transport grants every request before its descriptor goes out,
+// so it takes no KV and no record for a request that is expected but not (yet) granted: a
+// guessed request id opens nothing, not even between expect() and grant().
+TEST_P(WriteConfinement, AnAuthenticatedReceiverTakesNothingForAnUngrantedRequest) {
+  const auto secret = clusterSecret('a');
+  receiver_ = makeTransport(GetParam(), compat_, "decode", "", secret);
+  sender_ = makeTransport(GetParam(), compat_, "prefill", "", secret);
+  ASSERT_TRUE(receiver_ && sender_);
+  KvPool pool(*receiver_, compat_, 8);
+  const auto start = Clock::now();
+  ASSERT_TRUE(receiver_->expect(40, start + 800ms, out_.onArrival()).ok());
+  const KvDescriptor plain = pool.descriptor(40, 6, {0, 1}, 5000).value();
+  send(plain, 6);  // signed with the right secret, but for a request never granted
+  const auto arrived = out_.waitArrival(40, 5s);
+  ASSERT_TRUE(arrived.has_value());
+  ASSERT_FALSE(arrived->ok());
+  EXPECT_EQ(arrived->error().code, ErrorCode::Timeout) << arrived->error().toString();
+  EXPECT_GE(receiver_->stats().records_rejected, 1U);
+  if (GetParam() == KvDataPath::ActiveMessage) {
+    KvDescriptor nothing = plain;
+    nothing.num_tokens = 0;
+    EXPECT_EQ(pool.verify(nothing, 5), "");
+    EXPECT_GT(receiver_->stats().bytes_dropped, 0U);
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Ucx, WriteConfinement, ::testing::Values(KvDataPath::ActiveMessage, KvDataPath::Rma),

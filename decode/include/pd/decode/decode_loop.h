@@ -38,8 +38,10 @@ class DecodeLoop {
  public:
   /// Starts the loop thread. `tp_leader` (may be null): the tensor-parallel leader engine
   /// (`engine` itself, seen as such); when set, every opened stream's KV expectation is relayed
-  /// to the followers (model::TpLeaderEngine::expectKv / cancelKv) on the loop thread, and an open
-  /// whose relay fails (a broken group: PeerFailed) fails with that error, nothing held.
+  /// to the followers (model::TpLeaderEngine::expectKv / cancelKv) on the loop thread, and so is
+  /// the granted descriptor (grantKv: every rank's transport confined to the request's blocks
+  /// before the descriptor goes out); an open whose relay fails (a broken group: PeerFailed; a
+  /// follower that cannot confine: Internal) fails with that error, nothing held.
   DecodeLoop(model::Engine& engine, KvPool& pool, DecodeEngineOptions options,
              model::TpLeaderEngine* tp_leader = nullptr);
   ~DecodeLoop();

@@ -20,10 +20,12 @@
 #include <functional>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
 #include <vector>
 
 #include "pd/comm/communicator.h"
+#include "pd/common/internal_auth.h"
 #include "pd/common/result.h"
 #include "pd/decode/decode_config.h"
 #include "pd/decode/kv_pool.h"
@@ -37,6 +39,9 @@ struct TpFollowerOptions {
   DecodeConfig decode;  ///< num_blocks, block_size, kv_dtype as the leader's
   kvtransfer::KvTransferConfig kvtransfer;
   std::uint64_t model_hash = 0;  ///< as the leader's (CompatInfo)
+  /// The cluster secret (may be null): records this rank's transport receives must be signed
+  /// with it (UcxTransportOptions::auth).
+  std::shared_ptr<const InternalAuth> auth;
 };
 
 class TpFollowerWorker {
@@ -49,15 +54,23 @@ class TpFollowerWorker {
   TpFollowerWorker(const TpFollowerWorker&) = delete;
   TpFollowerWorker& operator=(const TpFollowerWorker&) = delete;
 
-  /// Serves the leader's calls until it stops the group (OK) or the group fails (the error).
+  /// Serves the leader's calls until it stops the group (OK) or the group fails (the error). The
+  /// leader's KV expectations arm this rank's transport, and its grants (TpLeaderEngine::grantKv)
+  /// confine each request's writes to the request's blocks, as on the leader.
   Status run();
   [[nodiscard]] const KvPool& pool() const { return *pool_; }
+  /// This rank's KV transport counters (thread-safe).
+  [[nodiscard]] kvtransfer::TransportStats transportStats() const { return transport_->stats(); }
 
  private:
   TpFollowerWorker(std::unique_ptr<model::Engine> engine, comm::Communicator& comm, TpFollowerOptions options)
       : engine_(std::move(engine)), comm_(comm), options_(std::move(options)) {}
-  // Arms the transport for `id`'s KV, re-arming after a failed attempt until `deadline`.
+  // Arms the transport for `id`'s KV, re-arming after a failed attempt until `deadline` (a re-armed
+  // expectation keeps its grant: Transport::grant).
   void expectUntil(std::uint64_t id, kvtransfer::Deadline deadline);
+  // Grants the transport the leader's encoded descriptor; false (and the expectation cancelled,
+  // so nothing lands unconfined) when it cannot.
+  bool grant(std::span<const std::byte> bytes);
 
   std::unique_ptr<model::Engine> engine_;
   comm::Communicator& comm_;

@@ -12,7 +12,9 @@
 /// Besides forward calls, the leader relays KV expectations: expectKv(request) before the
 /// request's descriptor (which lists every rank's KV target) is handed out, so that each
 /// follower's transport accepts the prefill worker's writes into its pool copy (TpFollowerWorker,
-/// tp_worker.h).
+/// tp_worker.h); and grantKv(descriptor) once the request's blocks are known, so that each
+/// follower's transport confines those writes to the request's blocks as the leader's does. The
+/// grant is opaque bytes here (the engine does not know the KV wire format).
 ///
 /// Thread rules: a TpLeaderEngine is a model::Engine (one thread at a time calls forward /
 /// forwardMtp); expectKv / cancelKv may come from any thread (they wait for a running step).
@@ -24,6 +26,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <span>
 #include <vector>
 
 #include "pd/comm/communicator.h"
@@ -67,6 +70,11 @@ class TpLeaderEngine final : public model::Engine {
   /// Tells every follower to expect request `request_id`'s KV for `timeout_ms` (their
   /// transports' expect()); call before the descriptor goes out. Errors as forward().
   Status expectKv(std::uint64_t request_id, std::uint32_t timeout_ms);
+  /// Hands every follower the granted KV descriptor (`grant`, encoded by the caller) for its
+  /// transport's grant (TpFollowerHooks::grant_kv) and waits until every follower has answered:
+  /// OK when all applied it, Internal naming how many could not (the group stays usable).
+  /// Communication errors as forward(). Call after expectKv for the same request.
+  Status grantKv(std::span<const std::byte> grant);
   /// Tells every follower to stop expecting `request_id` (abort, deadline, failure).
   Status cancelKv(std::uint64_t request_id);
   /// The group (rank 0): for exchangeKvTargets() at start-up, before any forward call.
@@ -104,10 +112,14 @@ TpCacheProvider fixedTpCache(model::LatentCacheView view);
 /// followers of a leader whose caches come and go (tests, `generate`).
 TpCacheProvider ownedTpCache();
 
-/// What a follower does with the leader's KV expectations (TpLeaderEngine::expectKv / cancelKv).
+/// What a follower does with the leader's KV expectations (TpLeaderEngine::expectKv / grantKv /
+/// cancelKv).
 struct TpFollowerHooks {
   std::function<void(std::uint64_t request_id, std::uint32_t timeout_ms)> expect_kv;
   std::function<void(std::uint64_t request_id)> cancel_kv;
+  /// TpLeaderEngine::grantKv's bytes; true once this rank's transport is confined by them. Absent:
+  /// the follower answers false (nothing to confine with).
+  std::function<bool(std::span<const std::byte> grant)> grant_kv;
 };
 
 /// Runs follower rank comm.rank() (>= 1): receives each call from rank 0 and runs it on

@@ -25,7 +25,7 @@ inline constexpr std::size_t kFailureCauseCount = 5;
 /// "timeout", "peer_failed", "cancelled", "rejected", "other".
 [[nodiscard]] std::string_view failureCauseName(FailureCause cause);
 /// Timeout -> Timeout, PeerFailed -> PeerFailed, Cancelled -> Cancelled, InvalidArgument /
-/// Unsupported / Corrupt -> Rejected, anything else -> Other.
+/// Unsupported / Corrupt / Unauthenticated -> Rejected, anything else -> Other.
 [[nodiscard]] FailureCause failureCauseOf(ErrorCode code);
 
 /// Upper bounds (seconds) of the latency histogram buckets; one more bucket holds the rest.
@@ -51,10 +51,13 @@ struct TransportStats {
   std::uint64_t receives_succeeded = 0;
   std::array<std::uint64_t, kFailureCauseCount> receives_failed{};
   std::uint64_t records_received = 0;
-  std::uint64_t records_rejected = 0;  ///< malformed, or for no pending receive
-  std::uint64_t bytes_received = 0;    ///< KV bytes accepted as active messages (data path am)
-  std::uint64_t bytes_dropped = 0;     ///< KV bytes refused: request not expected, or outside every region
-  LatencyHistogram receive_latency;    ///< expect -> completion record delivered
+  std::uint64_t records_rejected = 0;  ///< malformed, for no pending receive, keyless or unsigned
+  /// Rejected (also counted there) because the record's HMAC tag is missing or does not verify
+  /// under this transport's cluster secret (UcxTransportOptions::auth).
+  std::uint64_t records_unauthenticated = 0;
+  std::uint64_t bytes_received = 0;  ///< KV bytes accepted as active messages (data path am)
+  std::uint64_t bytes_dropped = 0;   ///< KV bytes refused: request not expected, or outside every region
+  LatencyHistogram receive_latency;  ///< expect -> completion record delivered
   // Gauges.
   std::int64_t in_flight = 0;         ///< transfers begun and not yet reported
   std::int64_t pending_receives = 0;  ///< expects not yet resolved
@@ -91,6 +94,8 @@ class TransportMetrics {
   void receiveFailed(ErrorCode code);
   void recordReceived();
   void recordRejected();
+  /// A record refused for its tag; call recordRejected() too.
+  void recordUnauthenticated();
   void addBytesReceived(std::uint64_t bytes);
   void addBytesDropped(std::uint64_t bytes);
 
@@ -116,7 +121,7 @@ class TransportMetrics {
     std::array<metrics::Counter*, 2> started{};  // [send, receive]
     std::array<metrics::Counter*, 2> succeeded{};
     std::array<std::array<metrics::Counter*, kFailureCauseCount>, 2> failed{};
-    std::array<metrics::Counter*, 3> records{};  // [sent, received, rejected]
+    std::array<metrics::Counter*, 4> records{};  // [sent, received, rejected, unauthenticated]
     std::array<metrics::Histogram*, 2> latency{};
     metrics::Gauge* in_flight = nullptr;
     metrics::Gauge* pending_receives = nullptr;
@@ -143,6 +148,7 @@ class TransportMetrics {
   std::array<std::atomic<std::uint64_t>, kFailureCauseCount> receive_failed_{};
   std::atomic<std::uint64_t> records_received_{0};
   std::atomic<std::uint64_t> records_rejected_{0};
+  std::atomic<std::uint64_t> records_unauthenticated_{0};
   std::atomic<std::uint64_t> bytes_received_{0};
   std::atomic<std::uint64_t> bytes_dropped_{0};
   AtomicHistogram receive_latency_;

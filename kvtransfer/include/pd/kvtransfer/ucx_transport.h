@@ -20,6 +20,10 @@
 #include "pd/kvtransfer/kvtransfer_config.h"
 #include "pd/kvtransfer/transport.h"
 
+namespace pd {
+class InternalAuth;
+}  // namespace pd
+
 namespace pd::kvtransfer {
 
 /// How a sender moves KV bytes (docs/kv-transfer.md, "Data paths"). Receivers accept both.
@@ -63,6 +67,17 @@ struct UcxTransportOptions {
   /// RDMA hosts the device list would also drop the RDMA ports, so it stays open and a warning
   /// says so). Empty, 0.0.0.0 or :: : every interface. InvalidArgument when no interface has it.
   std::string host;
+  /// The cluster secret (internal_auth.h; may be null). When set, every completion and failure
+  /// record this transport sends carries HMAC-SHA-256 under the secret over the transfer key, the
+  /// delivered byte count and the record's bytes (its request id and contents); and every record
+  /// it receives must carry a valid one: a record with the request's transfer key but a missing
+  /// or wrong tag fails that receive (Unauthenticated), any other unsigned record is dropped;
+  /// both are counted (TransportStats::records_unauthenticated). With a secret the receiver also
+  /// takes KV data and records only for granted requests (Transport::grant): an authenticated
+  /// decode worker grants before the descriptor goes out, so anything else is a guess. Null:
+  /// records are sent untagged and received without a tag check, and ungranted expectations take
+  /// data in any registered region (an unauthenticated internal plane).
+  std::shared_ptr<const InternalAuth> auth;
 };
 
 /// The UCX settings (names without the UCX_ prefix) a transport with `options` applies on top of
