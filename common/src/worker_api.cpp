@@ -424,7 +424,9 @@ std::string toJson(const WorkerStatus& v) {
                            {"free_blocks", v.free_blocks},
                            {"total_blocks", v.total_blocks},
                            {"block_size", v.block_size},
-                           {"quarantined_blocks", v.quarantined_blocks}});
+                           {"quarantined_blocks", v.quarantined_blocks},
+                           {"drafts_proposed", v.drafts_proposed},
+                           {"drafts_accepted", v.drafts_accepted}});
 }
 
 Result<WorkerStatus> parseWorkerStatus(std::string_view text) {
@@ -445,6 +447,8 @@ Result<WorkerStatus> parseWorkerStatus(std::string_view text) {
   r.integer("total_blocks", v.total_blocks, false, 0);
   r.integer("block_size", v.block_size, false, 0);
   r.integer("quarantined_blocks", v.quarantined_blocks, false, 0);
+  r.integer("drafts_proposed", v.drafts_proposed, false, 0);
+  r.integer("drafts_accepted", v.drafts_accepted, false, 0);
   if (!r.ok()) return r.status().error();
   return v;
 }

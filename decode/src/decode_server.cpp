@@ -462,6 +462,8 @@ worker_api::WorkerStatus DecodeServer::Impl::status() const {
   s.quarantined_blocks = m.quarantined_blocks;
   s.total_blocks = m.total_blocks;
   s.block_size = options_.decode.block_size;
+  s.drafts_proposed = m.drafts_proposed;
+  s.drafts_accepted = m.drafts_accepted;
   return s;
 }
 

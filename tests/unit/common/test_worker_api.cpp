@@ -174,9 +174,13 @@ TEST(WorkerApi, StatusAndErrorsRoundTrip) {
   st.free_blocks = 10;
   st.total_blocks = 16;
   st.block_size = 64;
+  st.drafts_proposed = 1000;
+  st.drafts_accepted = 720;
   auto back = parseWorkerStatus(toJson(st));
   ASSERT_TRUE(back.ok());
   EXPECT_EQ(back->free_blocks, 10);
+  EXPECT_EQ(back->drafts_proposed, 1000);
+  EXPECT_EQ(back->drafts_accepted, 720);
   EXPECT_EQ(back->model_hash, st.model_hash);
   EXPECT_FALSE(back->busy);
   st.ready = false;
@@ -189,6 +193,8 @@ TEST(WorkerApi, StatusAndErrorsRoundTrip) {
   auto older = parseWorkerStatus(R"({"role":"prefill","ready":false})");
   ASSERT_TRUE(older.ok());
   EXPECT_FALSE(older->busy);
+  EXPECT_EQ(older->drafts_proposed, 0);
+  EXPECT_FALSE(parseWorkerStatus(R"({"role":"decode","ready":true,"drafts_accepted":-1})").ok());
   EXPECT_FALSE(parseWorkerStatus(R"({"role":"decode","ready":true,"busy":1})").ok());
   EXPECT_FALSE(parseWorkerStatus(R"({"role":"router","ready":true})").ok());
 

@@ -122,6 +122,10 @@ struct WorkerStatus {
   /// Decode, data path rma: blocks of ended requests held until their transfer is over (not in
   /// free_blocks). Optional in the JSON (0 when absent).
   std::int64_t quarantined_blocks = 0;
+  /// Decode: MTP drafts proposed and accepted since the worker started (acceptance = the ratio of
+  /// their increases). Optional in the JSON (0 when absent).
+  std::int64_t drafts_proposed = 0;
+  std::int64_t drafts_accepted = 0;
 };
 
 [[nodiscard]] std::string toJson(const DecodeOpen& value);
