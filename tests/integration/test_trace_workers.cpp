@@ -16,7 +16,9 @@
 #include "pd/common/http_server.h"
 #include "pd/common/worker_api.h"
 #include "pd/trace/trace_context.h"
+#include "support/cli_runner.h"
 #include "support/role_process.h"
+#include "support/test_files.h"
 
 namespace pd {
 namespace {
@@ -99,7 +101,11 @@ class OtlpReceiver {
 
 TEST(TraceAcrossWorkers, OneTraceIdAndParentLinksFromRouterToPrefillAndDecode) {
   OtlpReceiver receiver;
-  const std::vector<std::string> trace_flags = {"--trace.otlp_url=" + receiver.url(), "--trace.sample_ratio=0"};
+  test::TempDir dir;
+  // Both workers also write the same JSON lines file (each line one append).
+  const std::string file = (dir.path() / "spans.jsonl").string();
+  const std::vector<std::string> trace_flags = {"--trace.otlp_url=" + receiver.url(), "--trace.sample_ratio=0",
+                                                "--trace.file=" + file};
   std::vector<std::string> dflags = {"--model.path",           kModel,
                                      "--decode.port=0",        "--decode.threads=1",
                                      "--decode.num_blocks=32", "--decode.block_size=16",
@@ -222,6 +228,18 @@ TEST(TraceAcrossWorkers, OneTraceIdAndParentLinksFromRouterToPrefillAndDecode) {
   const double decode_phases = one("decode.admission").ms() + one("decode.kv_wait").ms() +
                                one("decode.first_step").ms() + one("decode.steps").ms();
   EXPECT_NEAR(decode_phases, d.ms(), 0.05 * d.ms());
+  // pdserve trace reads the file back as one table across both processes.
+  const test::CommandResult table = test::pdserve({"trace", open.request_id, "--file", file});
+  EXPECT_EQ(table.exit_code, 0) << table.err;
+  EXPECT_NE(table.out.find("trace " + trace_id.hex() + ": " + std::to_string(spans.size()) + " spans"),
+            std::string::npos)
+      << table.out;
+  for (const char* s : {"pdserve-prefill", "pdserve-decode", "prefill.request", "  prefill.chunk", "decode.kv_wait"}) {
+    EXPECT_NE(table.out.find(s), std::string::npos) << s << "\n" << table.out;
+  }
+  EXPECT_TRUE(table.err.empty()) << table.err;  // every line of the shared file is whole
+  EXPECT_NE(test::pdserve({"trace", "no-such-request", "--file", file}).exit_code, 0);
+  std::printf("%s", table.out.c_str());
   std::printf("prefill.request %.3f ms (phases %.3f), decode.request %.3f ms (phases %.3f), %zu spans\n", p.ms(),
               prefill_phases, d.ms(), decode_phases, spans.size());
 }

@@ -119,5 +119,7 @@ int runBenchComm(const std::vector<std::string>& args);
 int runBenchDecode(const std::vector<std::string>& args);
 /// pdserve bench serve: the OpenAI-API load generator of tools/bench_serve (cmd_bench_serve.cpp).
 int runBenchServe(const std::vector<std::string>& args);
+/// pdserve trace: one request's spans from a trace file as a table (cmd_trace.cpp).
+int runTrace(const std::vector<std::string>& args);
 
 }  // namespace pd::cli

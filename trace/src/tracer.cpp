@@ -64,7 +64,7 @@ Result<std::unique_ptr<Tracer>> Tracer::create(const TraceConfig& config, std::s
                                                metrics::Registry* registry) {
   PD_TRY(validate(config));
   Resource resource;
-  resource.service_name = config.service_name.empty() ? std::move(service_name) : config.service_name;
+  resource.service_name = config.service_name.empty() ? std::move(service_name) : std::string(config.service_name);
   resource.attributes.push_back({"process.pid", static_cast<std::int64_t>(::getpid())});
   std::vector<std::unique_ptr<SpanSink>> sinks;
   if (!config.otlp_url.empty()) {
