@@ -88,8 +88,9 @@ Result<std::unique_ptr<Tracer>> Tracer::create(const TraceConfig& config, std::s
 Span Tracer::startSpan(std::string name, const std::optional<SpanContext>& parent, SpanKind kind,
                        TimePoint start) const {
   const bool has_parent = parent && parent->valid();
-  // Tracing off: a caller's context passes through unchanged (no span of ours to point at).
-  if (!enabled() && has_parent) return Span(this, *parent, nullptr);
+  // Tracing off: a caller's context passes through unchanged (no span of ours to point at), and
+  // no new trace is started, so the next process decides for itself (and nothing is spent here).
+  if (!enabled()) return has_parent ? Span(this, *parent, nullptr) : Span();
   SpanContext ctx;
   ctx.trace_id = has_parent ? parent->trace_id : newTraceId();
   ctx.span_id = newSpanId();

@@ -104,9 +104,11 @@ TEST(Tracer, OffPassesTheCallersContextThrough) {
   Span s = off.startFromHeader("prefill.request", caller);
   EXPECT_FALSE(s.recording());
   EXPECT_EQ(s.traceparent(), caller);
+  // No trace of its own: the next process (which may trace) starts one.
   Span fresh = off.startFromHeader("router.request", "garbage");
-  EXPECT_TRUE(fresh.context().valid());
-  EXPECT_FALSE(fresh.context().sampled());
+  EXPECT_FALSE(fresh.context().valid());
+  EXPECT_TRUE(fresh.traceparent().empty());
+  EXPECT_TRUE(fresh.child("x").traceparent().empty());
   EXPECT_TRUE(Span().traceparent().empty());
 }
 

@@ -4,8 +4,9 @@
 /// A Span is a move-only handle on one timed operation. A *recording* span (its trace is
 /// sampled and tracing is on) collects a name, times, attributes and an error status, and is
 /// handed to the exporter when it ends — explicitly with end(), or when the handle is destroyed.
-/// A non-recording span costs nothing but still has a context, so `traceparent` propagates
-/// (with the sampled flag off) whether or not this process records anything.
+/// A non-recording span of a sampled-out trace still has a context, so `traceparent` propagates
+/// with the sampled flag off and the other processes skip the trace too. With tracing off a span
+/// passes its caller's context through unchanged, or has none (the next process decides).
 ///
 /// Typical use (a process's request handler):
 ///   Span span = tracer.startFromHeader("prefill", request.header(kTraceparentHeader), SpanKind::Server);
@@ -73,7 +74,7 @@ class Span {
 
 class Tracer {
  public:
-  /// Tracing off: nothing is recorded; contexts still propagate.
+  /// Tracing off: nothing is recorded; a caller's context passes through, no trace is started.
   Tracer();
   /// Records sampled spans into `exporter` (null: nothing is recorded).
   Tracer(Sampler sampler, std::unique_ptr<SpanExporter> exporter);
