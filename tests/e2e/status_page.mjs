@@ -1,13 +1,14 @@
-// The router's status page (GET /) in headless Chromium against a real `pdserve up`, driven
-// over the DevTools protocol with node's own WebSocket (no npm packages): the page loads, lists
-// the prefill and decode workers, draws its charts from /metrics, streams a chat answer, and
-// logs no console error. Checks read the DOM, never pixels. Waits are on DOM conditions (with a
+// The router's status page (GET /) in headless Chromium against a real `pdserve up` with an API
+// key, driven over the DevTools protocol with node's own WebSocket (no npm packages): without the
+// key the page shows nothing but the key prompt; with it, it lists the prefill and decode workers,
+// draws its charts from /metrics, streams a chat answer, and logs no console error (but the 401
+// of the keyless check). Checks read the DOM, never pixels. Waits are on DOM conditions (with a
 // deadline), never fixed sleeps.
 //
 // Usage: node --experimental-websocket status_page.mjs --pdserve BIN [--chromium BIN]
 // Exit: 0 pass, 1 fail, 77 skip (no chromium).
 import { spawn } from 'node:child_process';
-import { existsSync, mkdtempSync, rmSync } from 'node:fs';
+import { existsSync, mkdtempSync, rmSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import readline from 'node:readline';
@@ -104,8 +105,10 @@ class Cdp {
 }
 
 async function main() {
+  const key = 'sk-status-page-test-' + process.pid;
+  writeFileSync(join(tmp, 'keys'), key + '\n', { mode: 0o600 });
   const up = spawn(pdserve, ['up', '--router.port=0', '--log.level=warn', `--model.cache_dir=${join(tmp, 'cache')}`,
-                             '--router.health_interval_ms=300'],
+                             '--router.health_interval_ms=300', `--router.api_keys_file=${join(tmp, 'keys')}`],
                    { stdio: ['ignore', 'pipe', 'inherit'] });
   children.push(up);
   const router = await waitLine(up.stdout, /^PDSERVE_READY role=up url=(\S+)/, 300000, 'PDSERVE_READY from pdserve up');
@@ -154,7 +157,20 @@ async function main() {
   await cdp.send('Page.navigate', { url: router + '/' });
 
   await cdp.waitFor(`document.readyState === 'complete' && document.title === 'pdserve status'`, 30000, 'page load');
-  await cdp.waitFor(`!document.getElementById('main').hidden`, 30000, 'the page shows its panels (no key needed)');
+  // Without the key: the prompt, and nothing else.
+  await cdp.waitFor(`document.getElementById('notice').textContent.includes('API key')`, 30000, 'the key prompt');
+  if (!(await cdp.evaluate(`document.getElementById('main').hidden &&
+                             document.querySelectorAll('#workers tr.worker').length === 0`))) {
+    fail('the page shows its panels before the API key was given');
+  }
+  // The refused keyless check is the one console error expected.
+  const refused = consoleErrors.filter((e) => e.includes('401') && e.includes('/v1/models'));
+  if (refused.length !== 1) fail('expected one 401 from /v1/models, got: ' + JSON.stringify(consoleErrors));
+  consoleErrors.length = 0;
+  await cdp.evaluate(`(() => { document.getElementById('api-key').value = ${JSON.stringify(key)};
+                               document.getElementById('key-form').requestSubmit(); return true; })()`);
+  await cdp.waitFor(`!document.getElementById('main').hidden`, 30000, 'the page shows its panels with the key');
+  if (await cdp.evaluate(`document.body.innerText.includes(${JSON.stringify(key)})`)) fail('the page shows the key');
   const roles = await cdp.waitFor(
       `(() => { const r = [...document.querySelectorAll('#workers tr.worker')].map((t) => t.dataset.role);
                 return r.includes('prefill') && r.includes('decode') && r; })()`,
