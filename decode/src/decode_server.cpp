@@ -20,6 +20,7 @@
 #include "pd/decode/kv_pool.h"
 #include "pd/decode/tp_worker.h"
 #include "pd/kvtransfer/ucx_transport.h"
+#include "pd/trace/tracer.h"
 
 namespace pd::decode {
 namespace {
@@ -102,7 +103,19 @@ class DecodeServer::Impl {
     std::uint64_t transfer_id = 0;
     http::Exchange exchange;
     bool logprobs = false;
+    // Tracing: decode.request, and what its children need (written on the loop thread once the
+    // open is handed to the loop).
+    trace::Span span;
+    std::int64_t prompt_tokens = 0;
+    trace::TimePoint opened;
+    trace::TimePoint admitted;
+    trace::TimePoint first_event;   // the first token (the prefill worker's) arrived
+    trace::TimePoint second_event;  // the first decode step's tokens
+    std::int64_t token_events = 0;
+    std::int64_t early_tokens = 0;  // tokens of the first two events
   };
+  // The stream's spans at its last event `e` (loop thread).
+  void recordSpans(Stream& stream, const TokenEvent& e);
 
   void handleOpen(const http::Request& request, http::Exchange exchange);
   void handleAbort(const http::Request& request, http::Exchange exchange);
@@ -119,6 +132,7 @@ class DecodeServer::Impl {
   DecodeServerOptions options_;
   metrics::Registry registry_;  // first: everything below publishes into it
   DecodeMetrics metrics_;
+  std::unique_ptr<trace::Tracer> tracer_;  // before everything that holds spans (the loop's sinks)
   std::unique_ptr<model::Engine> engine_;
   std::unique_ptr<KvPool> pool_;
   std::unique_ptr<kvtransfer::Transport> transport_;
@@ -164,6 +178,7 @@ Result<std::unique_ptr<DecodeServer>> DecodeServer::start(std::unique_ptr<model:
 }
 
 Status DecodeServer::Impl::startParts() {
+  PD_ASSIGN_OR_RETURN(tracer_, trace::Tracer::create(options_.trace, "pdserve-decode", &registry_));
   const DecodeConfig& cfg = options_.decode;
   model::TpLeaderEngine* const tp = options_.tp_leader;
   const std::int64_t group_size = tp != nullptr ? tp->comm().size() : 1;
@@ -262,6 +277,9 @@ void DecodeServer::Impl::handleOpen(const http::Request& request, http::Exchange
   }
   worker_api::DecodeOpen& open = *parsed;
   auto stream = std::make_shared<Stream>(Stream{open.request_id, newTransferId(), exchange, open.logprobs});
+  stream->opened = trace::Clock::now();
+  stream->span = tracer_->startFromHeader("decode.request", open.traceparent, trace::SpanKind::Server, stream->opened);
+  stream->prompt_tokens = open.prompt_tokens;
   {
     std::lock_guard lock(mutex_);
     if (streams_.contains(open.request_id)) {
@@ -285,7 +303,15 @@ void DecodeServer::Impl::handleOpen(const http::Request& request, http::Exchange
   // Runs on the loop thread; Exchange::write only queues, so it never blocks the loop.
   r.sink = [this, stream](const TokenEvent& e) {
     if (!e.tokens.empty()) stream->exchange.write(worker_api::toJson(tokensEvent(e, stream->logprobs)) + "\n");
+    if (stream->span.recording() && !e.tokens.empty()) {
+      const trace::TimePoint now = trace::Clock::now();
+      if (stream->token_events == 0) stream->first_event = now;
+      if (stream->token_events == 1) stream->second_event = now;
+      if (stream->token_events < 2) stream->early_tokens += static_cast<std::int64_t>(e.tokens.size());
+      ++stream->token_events;
+    }
     if (!e.finish) return;
+    if (stream->span.recording()) recordSpans(*stream, e);
     stream->exchange.write(worker_api::toJson(lastEvent(e)) + "\n");
     stream->exchange.end();
     streamEnded(stream->request_id);
@@ -295,7 +321,10 @@ void DecodeServer::Impl::handleOpen(const http::Request& request, http::Exchange
   loop_->openStreamAsync(
       std::move(r), *transport_, compat_, targets_, static_cast<std::uint32_t>(kv_timeout_ms),
       [this, stream, loop](Result<kvtransfer::KvDescriptor> descriptor) {
+        stream->admitted = trace::Clock::now();
         if (!descriptor.ok()) {
+          stream->span.setError(descriptor.error().toString());
+          stream->span.end();
           refuse(stream->exchange, descriptor.error());
           streamEnded(stream->request_id);
           return;
@@ -314,6 +343,32 @@ void DecodeServer::Impl::handleOpen(const http::Request& request, http::Exchange
         const std::uint64_t id = stream->transfer_id;
         stream->exchange.onClientGone([loop, id] { loop->postAbort(id); });
       });
+}
+
+void DecodeServer::Impl::recordSpans(Stream& stream, const TokenEvent& e) {
+  const trace::TimePoint now = trace::Clock::now();
+  const trace::SpanContext parent = stream.span.context();
+  tracer_->record(parent, "decode.admission", stream.opened, stream.admitted);
+  const trace::TimePoint kv_end = stream.token_events > 0 ? stream.first_event : now;
+  tracer_->record(parent, "decode.kv_wait", stream.admitted, kv_end);
+  if (stream.token_events > 1) {
+    tracer_->record(parent, "decode.first_step", stream.first_event, stream.second_event);
+  }
+  if (stream.token_events > 2) {
+    // Each later token event is one decode step (its tokens: the accepted MTP drafts plus one).
+    const std::int64_t steps = stream.token_events - 2;
+    const std::int64_t tokens = e.completion_tokens - stream.early_tokens;
+    tracer_->record(parent, "decode.steps", stream.second_event, now,
+                    {{"pd.steps", steps},
+                     {"pd.tokens", tokens},
+                     {"pd.tokens_per_step", static_cast<double>(tokens) / static_cast<double>(steps)}});
+  }
+  stream.span.setAttribute("pd.request_id", stream.request_id);
+  stream.span.setAttribute("pd.prompt_tokens", stream.prompt_tokens);
+  stream.span.setAttribute("pd.completion_tokens", e.completion_tokens);
+  stream.span.setAttribute("pd.finish_reason", std::string(finishReasonName(*e.finish)));
+  if (e.error) stream.span.setError(e.error->toString());
+  stream.span.end(now);
 }
 
 void DecodeServer::Impl::handleAbort(const http::Request& request, http::Exchange exchange) {
@@ -410,6 +465,8 @@ worker_api::WorkerStatus DecodeServer::Impl::status() const {
   s.quarantined_blocks = m.quarantined_blocks;
   s.total_blocks = m.total_blocks;
   s.block_size = options_.decode.block_size;
+  s.drafts_proposed = m.drafts_proposed;
+  s.drafts_accepted = m.drafts_accepted;
   return s;
 }
 

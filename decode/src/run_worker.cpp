@@ -149,6 +149,7 @@ void drain(DecodeServer& server, const sigset_t& signals, std::chrono::milliseco
 Status validate(const DecodeWorkerConfig& cfg) {
   PD_TRY(kvtransfer::validate(cfg.kvtransfer));
   PD_TRY(validate(cfg.decode));
+  PD_TRY(trace::validate(cfg.trace));
   if (cfg.decode.tensor_parallel > 1 && cfg.rank_argv.empty()) {
     return makeError(ErrorCode::InvalidArgument, "decode.tensor_parallel > 1 needs the command line of a rank");
   }
@@ -186,6 +187,7 @@ Status runWorker(const DecodeWorkerConfig& cfg) {
   PD_ASSIGN_OR_RETURN(options.auth, loadInternalAuth(cfg.cluster_secret_file));
   options.decode = dec;
   options.kvtransfer = cfg.kvtransfer;
+  options.trace = cfg.trace;
   options.model_hash = hash;
   options.tp_leader = tp_leader;
   // The server owns the engine (and so the TpLeaderEngine); `group` outlives it (declared first).

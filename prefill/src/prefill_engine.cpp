@@ -273,9 +273,13 @@ bool PrefillEngine::step() {
     fo.sink = &sink;
     const auto t0 = Clock::now();
     Result<model::ForwardOutput> out = engine_.forward(batch, cache_.view(), fo);
+    const auto t1 = Clock::now();
+    for (std::size_t i = 0; i < rows.size(); ++i) {
+      rows[i]->request.sink->forwardTimed(batch[i].start_pos, takes[i], false, t0, t1);
+    }
     {
       std::lock_guard lock(mutex_);
-      stats_.compute_seconds += std::chrono::duration<double>(Clock::now() - t0).count();
+      stats_.compute_seconds += std::chrono::duration<double>(t1 - t0).count();
       if (out.ok()) stats_.prompt_tokens += options_.token_budget - budget;
     }
     if (!out.ok()) {
@@ -336,9 +340,11 @@ void PrefillEngine::finishPrompt(std::vector<Running*>& done) {
     fo.sink = &sink;
     const auto t0 = Clock::now();
     Result<model::ForwardOutput> out = engine_.forwardMtp(batch, cache_.view(), fo);
+    const auto t1 = Clock::now();
+    for (Running* r : done) r->request.sink->forwardTimed(0, r->size(), true, t0, t1);
     {
       std::lock_guard lock(mutex_);
-      stats_.compute_seconds += std::chrono::duration<double>(Clock::now() - t0).count();
+      stats_.compute_seconds += std::chrono::duration<double>(t1 - t0).count();
     }
     if (!out.ok()) {
       for (Running* r : done) failRunning(*r, out.error());

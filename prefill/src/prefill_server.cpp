@@ -22,12 +22,17 @@
 #include "pd/kvtransfer/wire.h"
 #include "pd/prefill/prefill_engine.h"
 #include "pd/prefill/transport_kv_sink.h"
+#include "pd/trace/tracer.h"
 
 namespace pd::prefill {
 namespace {
 
 namespace kvt = pd::kvtransfer;
 constexpr std::string_view kJson = "application/json";
+// Layers per prefill.layers span: enough detail to see a slow group, few spans per chunk.
+constexpr std::uint32_t kTraceLayerGroup = 8;
+// Forwards of one request that get prefill.layers spans: a very long prompt's trace stays small.
+constexpr std::size_t kTraceLayerForwards = 16;
 
 double msBetween(Clock::time_point a, Clock::time_point b) {
   return std::chrono::duration<double, std::milli>(b - a).count();
@@ -45,6 +50,7 @@ struct Call {
   std::int64_t prompt_tokens = 0;
   std::uint64_t kv_bytes = 0;
   Clock::time_point received;
+  trace::Span span;  // prefill.request; ended when answered
   std::shared_ptr<TransferTimeline> timeline = std::make_shared<TransferTimeline>();
 
   std::mutex mutex;
@@ -75,6 +81,7 @@ class PrefillServer::Impl {
   }
 
   Status start() {
+    PD_ASSIGN_OR_RETURN(tracer_, trace::Tracer::create(options_.trace, "pdserve-prefill", &registry_));
     PD_ASSIGN_OR_RETURN(prefill_, PrefillEngine::create(*model_, engineOptions(options_.prefill)));
     prefill_->start();
     http::ServerOptions so;
@@ -365,6 +372,11 @@ class PrefillServer::Impl {
     call->kv_bytes =
         std::uint64_t{desc->num_tokens} * desc->compat.num_layers * desc->compat.tokenBytes() * desc->targets.size();
     call->received = received;
+    // The span starts when the submission arrived, like its prefill.queue child.
+    const trace::TimePoint wall_received =
+        trace::Clock::now() - std::chrono::duration_cast<trace::Clock::duration>(Clock::now() - received);
+    call->span = tracer_->startFromHeader("prefill.request", sub.traceparent, trace::SpanKind::Server, wall_received);
+    call->timeline = std::make_shared<TransferTimeline>(call->span.recording());
     {
       std::lock_guard lock(mutex_);
       if (calls_.contains(sub.request_id)) {
@@ -500,6 +512,7 @@ class PrefillServer::Impl {
       ++answering_;
     }
     m_.requests->labels({outcomeLabel(failure)}).inc();
+    if (call->span.recording()) recordSpans(*call, timeline, now, failure);
     if (failure) {
       log::info("prefill", "request {} failed: {}", call->router_id, failure->toString());
       call->exchange.respond(errorResponse(*failure));
@@ -518,9 +531,63 @@ class PrefillServer::Impl {
     idle_.notify_all();
   }
 
+  // The call's spans from its timeline (steady clock) placed on the wall clock at `now`.
+  void recordSpans(Call& call, const TransferTimeline::Snapshot& t, Clock::time_point now,
+                   const std::optional<Error>& failure) {
+    const trace::TimePoint wall_now = trace::Clock::now();
+    const auto wall = [&](Clock::time_point at) {
+      return wall_now - std::chrono::duration_cast<trace::Clock::duration>(now - at);
+    };
+    const trace::SpanContext parent = call.span.context();
+    const Clock::time_point admitted = t.admitted.value_or(now);
+    tracer_->record(parent, "prefill.queue", wall(call.received), wall(admitted));
+    if (t.admitted) {
+      const Clock::time_point computed = t.computed.value_or(now);
+      const trace::SpanContext compute =
+          tracer_->record(parent, "prefill.compute", wall(admitted), wall(computed),
+                          {{"pd.forwards", static_cast<std::int64_t>(t.forwards.size())}});
+      for (std::size_t k = 0; k < t.forwards.size(); ++k) {
+        const TransferTimeline::Forward& f = t.forwards[k];
+        const trace::SpanContext fwd =
+            tracer_->record(compute, f.mtp ? "prefill.mtp" : "prefill.chunk", wall(f.start), wall(f.end),
+                            {{"pd.first_pos", f.first_pos}, {"pd.tokens", f.tokens}});
+        if (k >= kTraceLayerForwards && !f.mtp) continue;
+        // This forward's puts, by layer; each group spans from the previous group's last put.
+        std::vector<const TransferTimeline::Put*> puts;
+        for (const auto& p : t.puts) {
+          if (p.first_pos == f.first_pos && p.posted >= f.start && p.posted <= f.end) puts.push_back(&p);
+        }
+        std::sort(puts.begin(), puts.end(), [](const auto* a, const auto* b) { return a->layer < b->layer; });
+        Clock::time_point group_start = f.start;
+        for (std::size_t i = 0; i < puts.size();) {
+          std::size_t j = i;
+          const std::uint32_t group = puts[i]->layer / kTraceLayerGroup;
+          Clock::time_point last = puts[i]->posted;
+          while (j < puts.size() && puts[j]->layer / kTraceLayerGroup == group)
+            last = std::max(last, puts[j++]->posted);
+          tracer_->record(fwd, "prefill.layers", wall(group_start), wall(last),
+                          {{"pd.layer_first", static_cast<std::int64_t>(puts[i]->layer)},
+                           {"pd.layer_last", static_cast<std::int64_t>(puts[j - 1]->layer)}});
+          group_start = last;
+          i = j;
+        }
+      }
+      if (t.computed) {
+        tracer_->record(parent, "prefill.completion", wall(computed), wall(now),
+                        {{"pd.kv_bytes", static_cast<std::int64_t>(call.kv_bytes)}});
+      }
+    }
+    call.span.setAttribute("pd.request_id", call.router_id);
+    call.span.setAttribute("pd.prompt_tokens", call.prompt_tokens);
+    call.span.setAttribute("pd.outcome", outcomeLabel(failure));
+    if (failure) call.span.setError(failure->toString());
+    call.span.end(wall_now);
+  }
+
   const PrefillServerOptions options_;
   metrics::Registry registry_;  // first: transports publish to it until they go
   Metrics m_;
+  std::unique_ptr<trace::Tracer> tracer_;  // after the registry it reports to; before every call
   std::unique_ptr<model::Engine> model_;
 
   mutable std::mutex transports_mutex_;

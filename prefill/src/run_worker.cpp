@@ -55,6 +55,7 @@ void drain(PrefillServer& server, const sigset_t& signals, std::chrono::millisec
 Status validate(const PrefillWorkerConfig& cfg) {
   PD_TRY(kvtransfer::validate(cfg.kvtransfer));
   PD_TRY(validate(cfg.prefill));
+  PD_TRY(trace::validate(cfg.trace));
   if (cfg.prefill.tensor_parallel > 1 && cfg.rank_argv.empty()) {
     return makeError(ErrorCode::InvalidArgument, "prefill.tensor_parallel > 1 needs the command line of a rank");
   }
@@ -90,6 +91,7 @@ Status runWorker(const PrefillWorkerConfig& cfg) {
   PD_ASSIGN_OR_RETURN(options.auth, loadInternalAuth(cfg.cluster_secret_file));
   options.prefill = pre;
   options.kvtransfer = cfg.kvtransfer;
+  options.trace = cfg.trace;
   options.model_hash = *hash;
   if (tp_leader != nullptr) options.broken = [tp_leader] { return tp_leader->broken(); };
   // The server owns the engine (and so the TpLeaderEngine); `group` outlives it (declared first).

@@ -28,6 +28,19 @@ void TransferTimeline::failed(const Error& reason) {
   if (!state_.failure) state_.failure = reason;
 }
 
+void TransferTimeline::forward(Forward f) {
+  if (!detailed_) return;
+  std::lock_guard lock(mutex_);
+  state_.forwards.push_back(f);
+}
+
+void TransferTimeline::put(std::uint32_t layer, std::int64_t first_pos) {
+  if (!detailed_) return;
+  const Clock::time_point now = Clock::now();
+  std::lock_guard lock(mutex_);
+  state_.puts.push_back({layer, first_pos, now});
+}
+
 TransferTimeline::Snapshot TransferTimeline::snapshot() const {
   std::lock_guard lock(mutex_);
   return state_;
@@ -87,6 +100,12 @@ void TransportKvSink::admitted() {
   if (timeline_) timeline_->admitted();
 }
 
+void TransportKvSink::forwardTimed(std::int64_t first_pos, std::int64_t n, bool mtp,
+                                   std::chrono::steady_clock::time_point start,
+                                   std::chrono::steady_clock::time_point end) {
+  if (timeline_) timeline_->forward({first_pos, n, mtp, start, end});
+}
+
 Status TransportKvSink::putLayer(std::uint32_t layer, std::int64_t first_pos, std::span<const float> rows) {
   const kvtransfer::CompatInfo& c = descriptor_.compat;
   const auto dim = static_cast<std::int64_t>(c.kv_dim);
@@ -124,7 +143,9 @@ Status TransportKvSink::putLayer(std::uint32_t layer, std::int64_t first_pos, st
   const kvtransfer::LayerPut put{
       kvtransfer::LayerSlice{layer, static_cast<std::uint32_t>(first_pos), static_cast<std::uint32_t>(n)},
       staging_->region, layer * layer_bytes + static_cast<std::uint64_t>(first_pos) * c.tokenBytes()};
-  return transport_.put(descriptor_.request_id, std::span(&put, 1));
+  Status posted = transport_.put(descriptor_.request_id, std::span(&put, 1));
+  if (posted.ok() && timeline_) timeline_->put(layer, first_pos);
+  return posted;
 }
 
 void TransportKvSink::complete(kvtransfer::CompletionRecord record) {

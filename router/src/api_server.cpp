@@ -18,6 +18,7 @@
 #include "pd/router/json_text.h"
 #include "pd/router/key_limits.h"
 #include "pd/router/openai_request.h"
+#include "pd/router/status_page.h"
 
 namespace pd::router {
 namespace {
@@ -452,6 +453,7 @@ class ApiServer::Impl {
                       }});
     routes.push_back(
         {"GET", "/v1/models", [this](const http::Request& req, http::Exchange ex) { handleModels(req, ex); }});
+    for (http::Route& r : statusPageRoutes()) routes.push_back(std::move(r));  // GET /, /status.js
     http::addProbeRoutes(routes, {.format = http::Probes::Format::Json,
                                   .not_ready = [this] { return fe_->backend.ready() ? "" : std::string("not ready"); },
                                   .metrics = [this] { return fe_->registry.render(); }});

@@ -127,6 +127,17 @@ struct PolledWorker {
   std::int64_t sent_requests = 0;
   std::int64_t sent_tokens = 0;
   bool stop = false;
+  // Set once at creation (with RegistryOptions::metrics); the gauges are lock-free.
+  struct Gauges {
+    metrics::Gauge* in_rotation = nullptr;
+    metrics::Gauge* queued = nullptr;
+    metrics::Gauge* running = nullptr;
+    metrics::Gauge* blocks_free = nullptr;
+    metrics::Gauge* blocks_total = nullptr;
+    metrics::Gauge* drafts_proposed = nullptr;
+    metrics::Gauge* drafts_accepted = nullptr;
+  };
+  std::optional<Gauges> gauges;
   // The poller's own.
   http::Client client;
   std::thread thread;
@@ -204,6 +215,29 @@ class WorkerRegistry::Impl {
   void addWorker(const WorkerAddress& address, WorkerRole role, bool discovered) {
     auto w = std::make_unique<PolledWorker>(address, role, discovered);
     PolledWorker* raw = w.get();
+    if (metrics::Registry* m = options_.metrics; m != nullptr) {
+      const std::vector<std::string> labels = {"role", "worker"};
+      const std::vector<std::string> values = {std::string(roleName(role)), raw->key};
+      raw->gauges = PolledWorker::Gauges{
+          &m->gauge("pdserve_router_worker_in_rotation", "1 while the router sends this worker requests.", labels)
+               .labels(values),
+          &m->gauge("pdserve_router_worker_queued_requests", "Requests queued at the worker (last status poll).",
+                    labels)
+               .labels(values),
+          &m->gauge("pdserve_router_worker_running_requests", "Requests running at the worker (last status poll).",
+                    labels)
+               .labels(values),
+          &m->gauge("pdserve_router_worker_kv_blocks_free", "Free KV (decode) or local cache (prefill) blocks.", labels)
+               .labels(values),
+          &m->gauge("pdserve_router_worker_kv_blocks_total", "KV (decode) or local cache (prefill) blocks.", labels)
+               .labels(values),
+          &m->gauge("pdserve_router_worker_mtp_drafts_proposed",
+                    "MTP drafts the decode worker proposed since it started (last status poll).", labels)
+               .labels(values),
+          &m->gauge("pdserve_router_worker_mtp_drafts_accepted",
+                    "MTP drafts the decode worker accepted since it started (last status poll).", labels)
+               .labels(values)};
+    }
     {
       std::lock_guard lock(mu_);
       auto& map = workers(role);
@@ -216,6 +250,7 @@ class WorkerRegistry::Impl {
 
   /// Stops and joins the poller of a worker already taken out of the map.
   static void retire(std::unique_ptr<PolledWorker> w) {
+    if (w->gauges) w->gauges->in_rotation->set(0);
     w->client.cancel();
     if (w->thread.joinable()) w->thread.join();
   }
@@ -265,6 +300,7 @@ class WorkerRegistry::Impl {
       } else {
         failedLocked(w, "status poll failed: " + status.error().toString());
       }
+      publishLocked(w);
       cv_.wait_for(lock, options_.health_interval, [&] { return w.stop; });
     }
   }
@@ -293,6 +329,18 @@ class WorkerRegistry::Impl {
     w.status = std::move(status);
     const bool in = reason.empty();
     setRotationLocked(w, in, std::move(reason));
+  }
+
+  static void publishLocked(const PolledWorker& w) {
+    if (!w.gauges) return;
+    w.gauges->in_rotation->set(w.in_rotation ? 1 : 0);
+    if (!w.status) return;
+    w.gauges->queued->set(static_cast<double>(w.status->queued_requests));
+    w.gauges->running->set(static_cast<double>(w.status->running_requests));
+    w.gauges->blocks_free->set(static_cast<double>(w.status->free_blocks));
+    w.gauges->blocks_total->set(static_cast<double>(w.status->total_blocks));
+    w.gauges->drafts_proposed->set(static_cast<double>(w.status->drafts_proposed));
+    w.gauges->drafts_accepted->set(static_cast<double>(w.status->drafts_accepted));
   }
 
   void failedLocked(PolledWorker& w, const std::string& why) {

@@ -40,7 +40,8 @@ struct AllSections {
     registerUpOptions(up, up_cfg);
   }
   std::vector<config::OptionSet*> sets() {
-    return {&common_sets.log, &common_sets.model, &common_sets.cluster, &up, &router, &prefill, &decode, &kvtransfer};
+    return {&common_sets.log, &common_sets.model, &common_sets.cluster, &common_sets.trace, &up, &router, &prefill,
+            &decode,          &kvtransfer};
   }
 };
 
@@ -54,6 +55,7 @@ CommonOptions::CommonOptions(CommonConfig& cfg) {
       .add("cache_dir", &cfg.cache_dir, "folder the embedded default model is written to on first use");
   cluster.add("secret_file", &cfg.cluster_secret_file,
               "file holding the cluster secret that signs internal calls (docs/security.md); empty: unauthenticated");
+  trace::registerOptions(trace, cfg.trace);
 }
 
 bool takeCheckConfigFlag(std::vector<std::string>& args) {

@@ -16,6 +16,7 @@
 #include "pd/common/config.h"
 #include "pd/common/result.h"
 #include "pd/common/stop_signals.h"
+#include "pd/trace/trace_config.h"
 
 namespace pd::cli {
 
@@ -32,14 +33,17 @@ struct CommonConfig {
   /// The cluster secret file (section `cluster:`, docs/security.md); empty: the internal plane is
   /// unauthenticated.
   std::filesystem::path cluster_secret_file;
+  /// Tracing (section `trace:`, docs/observability.md).
+  trace::TraceConfig trace;
 };
 
-/// The `log:`, `model:` and `cluster:` sections, bound to `cfg`.
+/// The `log:`, `model:`, `cluster:` and `trace:` sections, bound to `cfg`.
 struct CommonOptions {
   explicit CommonOptions(CommonConfig& cfg);
   config::OptionSet log{"log"};
   config::OptionSet model{"model"};
   config::OptionSet cluster{"cluster"};
+  config::OptionSet trace{"trace"};
 };
 
 /// `pdserve up` settings (section `up:`).
@@ -115,5 +119,7 @@ int runBenchComm(const std::vector<std::string>& args);
 int runBenchDecode(const std::vector<std::string>& args);
 /// pdserve bench serve: the OpenAI-API load generator of tools/bench_serve (cmd_bench_serve.cpp).
 int runBenchServe(const std::vector<std::string>& args);
+/// pdserve trace: one request's spans from a trace file as a table (cmd_trace.cpp).
+int runTrace(const std::vector<std::string>& args);
 
 }  // namespace pd::cli

@@ -36,9 +36,10 @@ int runDecode(const std::vector<std::string>& raw_args) {
   config::OptionSet kv_set("kvtransfer");
   decode::registerOptions(decode_set, cfg.decode);
   kvtransfer::registerOptions(kv_set, cfg.kvtransfer);
-  auto loaded = loadCommandOptions(std::string(kUsage),
-                                   {&decode_set, &kv_set, &common_sets.log, &common_sets.model, &common_sets.cluster},
-                                   args, &common);
+  auto loaded = loadCommandOptions(
+      std::string(kUsage),
+      {&decode_set, &kv_set, &common_sets.log, &common_sets.model, &common_sets.cluster, &common_sets.trace}, args,
+      &common);
   if (!loaded.ok()) return reportFailure(loaded.error());
   if (loaded->help_requested) return 0;
   if (!loaded->positionals.empty()) {
@@ -49,6 +50,7 @@ int runDecode(const std::vector<std::string>& raw_args) {
   if (!self.ok()) return reportFailure(self.error());
   cfg.rank_argv = {*self, "decode"};
   cfg.rank_argv.insert(cfg.rank_argv.end(), args.begin(), args.end());  // --check-config already removed
+  cfg.trace = common.trace;
   if (Status s = decode::validate(cfg); !s.ok()) return reportFailure(s.error());
   if (check_only) return 0;
 

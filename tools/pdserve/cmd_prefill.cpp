@@ -34,9 +34,10 @@ int runPrefill(const std::vector<std::string>& raw_args) {
   config::OptionSet kv_set("kvtransfer");
   prefill::registerOptions(prefill_set, cfg.prefill);
   kvtransfer::registerOptions(kv_set, cfg.kvtransfer);
-  auto loaded = loadCommandOptions(std::string(kUsage),
-                                   {&prefill_set, &kv_set, &common_sets.log, &common_sets.model, &common_sets.cluster},
-                                   args, &common);
+  auto loaded = loadCommandOptions(
+      std::string(kUsage),
+      {&prefill_set, &kv_set, &common_sets.log, &common_sets.model, &common_sets.cluster, &common_sets.trace}, args,
+      &common);
   if (!loaded.ok()) return reportFailure(loaded.error());
   if (loaded->help_requested) return 0;
   if (!loaded->positionals.empty()) {
@@ -47,6 +48,7 @@ int runPrefill(const std::vector<std::string>& raw_args) {
   if (!self.ok()) return reportFailure(self.error());
   cfg.rank_argv = {*self, "prefill"};
   cfg.rank_argv.insert(cfg.rank_argv.end(), args.begin(), args.end());  // --check-config already removed
+  cfg.trace = common.trace;
   if (Status s = prefill::validate(cfg); !s.ok()) return reportFailure(s.error());
   if (check_only) return 0;
 

@@ -109,6 +109,7 @@ int runRouter(const std::vector<std::string>& raw_args) {
   if (!*auth) log::warn(kLog, "no cluster secret: calls to the workers are unsigned (docs/security.md)");
   registry_options->auth = *auth;
   metrics::Registry metrics;
+  registry_options->metrics = &metrics;  // per-worker gauges on /metrics (the status page reads them)
   auto registry = router::WorkerRegistry::start(std::move(registry_options).value());
   if (!registry.ok()) return reportFailure(registry.error());
   router::PdBackendOptions backend_options = router::pdBackendOptionsFromConfig(cfg);

@@ -163,8 +163,8 @@ int runUp(const std::vector<std::string>& raw_args) {
       "model), waits until they are ready and serves the OpenAI API on the router's port until Ctrl-C.\n"
       "Short flags: --model = --model.path, --prefill/--decode = --up.prefill/--up.decode,\n"
       "--tp = --decode.tensor_parallel, --mtp = --decode.num_speculative_tokens, --port = --router.port.",
-      {&common_sets.log, &common_sets.model, &common_sets.cluster, &up_set, &router_set, &prefill_set, &decode_set,
-       &kv_set},
+      {&common_sets.log, &common_sets.model, &common_sets.cluster, &common_sets.trace, &up_set, &router_set,
+       &prefill_set, &decode_set, &kv_set},
       expandAliases(raw_args), &common);
   if (!loaded.ok()) return reportFailure(loaded.error());
   if (loaded->help_requested) return 0;
@@ -217,7 +217,7 @@ int runUp(const std::vector<std::string>& raw_args) {
   }
   const auto config_file = run_dir / "config.yaml";
   if (auto s = writeResolvedConfig(config_file, {&common_sets.log, &common_sets.model, &common_sets.cluster,
-                                                 &router_set, &prefill_set, &decode_set, &kv_set});
+                                                 &common_sets.trace, &router_set, &prefill_set, &decode_set, &kv_set});
       !s.ok()) {
     return reportFailure(s.error());
   }

@@ -48,6 +48,7 @@ constexpr Command kCommands[] = {
     {"bench",
      "benchmarks vs ceilings measured in the same run: engine, kv, decode, prefill, router, comm; serve (load)",
      runBench, ""},
+    {"trace", "one request's timeline from a --trace.file (docs/observability.md)", pd::cli::runTrace, ""},
     {"plan", "capacity planner: decode tokens/s, TTFT, KV bytes, prefill:decode pools (docs/planner.md)",
      pd::cli::runPlan, ""},
 };

@@ -43,6 +43,7 @@ TEST(WorkerApi, DecodeOpenRoundTrips) {
   v.ignore_eos = true;
   v.kv_timeout_ms = 1234;
   v.prefill_attempts = 3;
+  v.traceparent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
   auto back = parseDecodeOpen(toJson(v));
   ASSERT_TRUE(back.ok()) << back.error().toString();
   EXPECT_EQ(back->request_id, v.request_id);
@@ -57,6 +58,11 @@ TEST(WorkerApi, DecodeOpenRoundTrips) {
   EXPECT_TRUE(back->ignore_eos);
   EXPECT_EQ(back->kv_timeout_ms, 1234);
   EXPECT_EQ(back->prefill_attempts, 3);
+  EXPECT_EQ(back->traceparent, v.traceparent);
+  // Optional: absent stays empty and is not written.
+  v.traceparent.clear();
+  EXPECT_EQ(toJson(v).find("traceparent"), std::string::npos);
+  EXPECT_TRUE(parseDecodeOpen(toJson(v))->traceparent.empty());
 }
 
 TEST(WorkerApi, DecodeOpenRefusesBadInputNamingTheField) {
@@ -81,6 +87,13 @@ TEST(WorkerApi, DecodeOpenRefusesBadInputNamingTheField) {
                 .find("prefill_attempts"),
             std::string::npos);
   EXPECT_NE(message(R"({"request_id":"","prompt_tokens":1,"max_tokens":1,"sampling":{}})").find("empty"),
+            std::string::npos);
+  EXPECT_NE(message(R"({"request_id":"a","prompt_tokens":1,"max_tokens":1,"sampling":{},"traceparent":7})")
+                .find("traceparent"),
+            std::string::npos);
+  EXPECT_NE(message(R"({"request_id":"a","prompt_tokens":1,"max_tokens":1,"sampling":{},"traceparent":")" +
+                    std::string(200, 'a') + R"("})")
+                .find("traceparent"),
             std::string::npos);
 }
 
@@ -136,8 +149,10 @@ TEST(WorkerApi, PrefillMessagesRoundTrip) {
   s.logprobs = true;
   s.kv_descriptor = std::string(100, '\x7f');
   s.timeout_ms = 5000;
+  s.traceparent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-00";
   auto back = parsePrefillSubmit(toJson(s));
   ASSERT_TRUE(back.ok()) << back.error().toString();
+  EXPECT_EQ(back->traceparent, s.traceparent);
   EXPECT_EQ(back->token_ids, s.token_ids);
   EXPECT_EQ(back->kv_descriptor, s.kv_descriptor);
   EXPECT_EQ(back->timeout_ms, 5000);
@@ -159,9 +174,13 @@ TEST(WorkerApi, StatusAndErrorsRoundTrip) {
   st.free_blocks = 10;
   st.total_blocks = 16;
   st.block_size = 64;
+  st.drafts_proposed = 1000;
+  st.drafts_accepted = 720;
   auto back = parseWorkerStatus(toJson(st));
   ASSERT_TRUE(back.ok());
   EXPECT_EQ(back->free_blocks, 10);
+  EXPECT_EQ(back->drafts_proposed, 1000);
+  EXPECT_EQ(back->drafts_accepted, 720);
   EXPECT_EQ(back->model_hash, st.model_hash);
   EXPECT_FALSE(back->busy);
   st.ready = false;
@@ -174,6 +193,8 @@ TEST(WorkerApi, StatusAndErrorsRoundTrip) {
   auto older = parseWorkerStatus(R"({"role":"prefill","ready":false})");
   ASSERT_TRUE(older.ok());
   EXPECT_FALSE(older->busy);
+  EXPECT_EQ(older->drafts_proposed, 0);
+  EXPECT_FALSE(parseWorkerStatus(R"({"role":"decode","ready":true,"drafts_accepted":-1})").ok());
   EXPECT_FALSE(parseWorkerStatus(R"({"role":"decode","ready":true,"busy":1})").ok());
   EXPECT_FALSE(parseWorkerStatus(R"({"role":"router","ready":true})").ok());
 

@@ -81,6 +81,27 @@ TEST(WorkerRegistryTest, PolledWorkerJoinsRotationWithItsStatus) {
   EXPECT_EQ(reg->ready(WorkerRole::Decode)[0].sent_tokens, 0);
 }
 
+TEST(WorkerRegistryTest, PublishesEachWorkersStateAsGauges) {
+  FakeDecodeWorker d;
+  worker_api::WorkerStatus st = d.status();
+  st.drafts_proposed = 50;
+  st.drafts_accepted = 36;
+  d.setStatus(st);
+  metrics::Registry metrics;
+  auto o = fastOptions();
+  o.health_interval = 50ms;
+  o.decode_workers = {addr(d.address())};
+  o.metrics = &metrics;
+  auto reg = WorkerRegistry::start(o).value();
+  const std::string labels = "{role=\"decode\",worker=\"" + d.address() + "\"}";
+  const auto has = [&](const std::string& sample) { return metrics.render().find(sample) != std::string::npos; };
+  ASSERT_TRUE(waitFor([&] { return has("pdserve_router_worker_in_rotation" + labels + " 1"); })) << metrics.render();
+  EXPECT_TRUE(has("pdserve_router_worker_kv_blocks_free" + labels + " 100")) << metrics.render();
+  EXPECT_TRUE(has("pdserve_router_worker_mtp_drafts_accepted" + labels + " 36"));
+  d.setStatusFails(true);
+  ASSERT_TRUE(waitFor([&] { return has("pdserve_router_worker_in_rotation" + labels + " 0"); })) << metrics.render();
+}
+
 TEST(WorkerRegistryTest, FailingWorkerLeavesRotationAfterNPollsAndComesBack) {
   FakeDecodeWorker d;
   auto o = fastOptions();

@@ -30,6 +30,8 @@ inline constexpr std::string_view kPrefillCancelPath = "/v1/internal/prefill/can
 
 /// Largest id or string field accepted, in bytes.
 inline constexpr std::size_t kMaxIdBytes = 256;
+/// Largest `traceparent` field accepted (a W3C version-00 value is 55 bytes).
+inline constexpr std::size_t kMaxTraceparentBytes = 128;
 
 /// POST kDecodeOpenPath: admit a request and stream its tokens (NDJSON DecodeEvent lines).
 struct DecodeOpen {
@@ -46,6 +48,9 @@ struct DecodeOpen {
   /// Prefill failure records the worker absorbs (keeping the blocks) before it ends the
   /// request: attempts - 1. At least 1.
   std::int64_t prefill_attempts = 1;
+  /// W3C traceparent of the caller's span (docs/observability.md); optional. Carried as text: the
+  /// worker parses it strictly and starts a new trace when it is malformed.
+  std::string traceparent;
 };
 
 enum class DecodeEventType { Descriptor, Tokens, Finish, Error };
@@ -86,6 +91,8 @@ struct PrefillSubmit {
   std::string kv_descriptor;      ///< as the decode worker's Descriptor event gave it (raw bytes)
   std::string kv_descriptor_tag;  ///< as the Descriptor event gave it (hex; empty without a secret)
   std::int64_t timeout_ms = 60000;
+  /// W3C traceparent of the caller's span; optional (see DecodeOpen::traceparent).
+  std::string traceparent;
 };
 
 struct PrefillOutcome {
@@ -115,6 +122,10 @@ struct WorkerStatus {
   /// Decode, data path rma: blocks of ended requests held until their transfer is over (not in
   /// free_blocks). Optional in the JSON (0 when absent).
   std::int64_t quarantined_blocks = 0;
+  /// Decode: MTP drafts proposed and accepted since the worker started (acceptance = the ratio of
+  /// their increases). Optional in the JSON (0 when absent).
+  std::int64_t drafts_proposed = 0;
+  std::int64_t drafts_accepted = 0;
 };
 
 [[nodiscard]] std::string toJson(const DecodeOpen& value);

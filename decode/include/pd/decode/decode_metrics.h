@@ -61,6 +61,8 @@ class DecodeMetrics {
     std::int64_t waiting_kv_tokens = 0;
     std::int64_t queued = 0;
     std::int64_t running = 0;
+    std::int64_t drafts_proposed = 0;  ///< since start
+    std::int64_t drafts_accepted = 0;  ///< since start
   };
   [[nodiscard]] Snapshot snapshot() const;
 

@@ -42,6 +42,7 @@
 #include "pd/engine/tp_engine.h"
 #include "pd/kvtransfer/kvtransfer_config.h"
 #include "pd/kvtransfer/transport.h"
+#include "pd/trace/trace_config.h"
 
 namespace pd::decode {
 
@@ -60,6 +61,10 @@ struct DecodeServerOptions {
   /// 401, and each descriptor handed out carries a tag the prefill worker checks. Null: an
   /// unauthenticated plane (a warning is logged at start).
   std::shared_ptr<InternalAuth> auth;
+  /// Tracing (docs/observability.md): each open is a decode.request span continuing the open's
+  /// traceparent, with children decode.admission, decode.kv_wait, decode.first_step and
+  /// decode.steps (the later steps together), recorded when the stream ends.
+  trace::TraceConfig trace;
 };
 
 class DecodeServer {

@@ -27,6 +27,7 @@
 #include "pd/common/result.h"
 #include "pd/decode/decode_config.h"
 #include "pd/kvtransfer/kvtransfer_config.h"
+#include "pd/trace/trace_config.h"
 
 namespace pd::decode {
 
@@ -44,6 +45,8 @@ struct DecodeWorkerConfig {
   std::function<void(const std::string& fields)> on_ready;
   /// The cluster secret file (docs/security.md); empty: an unauthenticated internal plane.
   std::filesystem::path cluster_secret_file;
+  /// The `trace:` section (docs/observability.md).
+  trace::TraceConfig trace;
 };
 
 /// Cross-field checks of the whole worker configuration (InvalidArgument naming the values).

@@ -12,6 +12,7 @@
 /// Thread rules: every method is called on the prefill engine thread only, and must not block on
 /// the network (post and return).
 
+#include <chrono>
 #include <cstdint>
 #include <span>
 
@@ -32,6 +33,14 @@ class KvSink {
   /// The engine admitted the request into its running set: its first forward comes next (the end
   /// of its queueing time). Called once, before any putLayer(); the default does nothing.
   virtual void admitted() {}
+  /// A forward over prompt positions [first_pos, first_pos + n) of this request ran from `start`
+  /// to `end` (its batch may hold other requests' rows); `mtp` for the MTP layer's pass over the
+  /// whole prompt. Called after the forward's putLayer() calls, whatever its outcome. For traces;
+  /// the default ignores it.
+  virtual void forwardTimed(std::int64_t first_pos, std::int64_t n, bool mtp,
+                            std::chrono::steady_clock::time_point start, std::chrono::steady_clock::time_point end) {
+    (void)first_pos, (void)n, (void)mtp, (void)start, (void)end;
+  }
   /// Latent KV of KV layer `layer` (main layers, then MTP) for prompt positions
   /// [first_pos, first_pos + n): `rows` is [n, latent_dim] float32 (normalized c_kv ‖ roped
   /// k_pe), valid only during the call — copy what must outlive it. An error fails the request

@@ -7,6 +7,11 @@
 ///   POST /v1/internal/prefill/cancel  {"request_id"} -> {"found": bool}
 ///   GET  /health, /ready, /metrics, /v1/internal/status (WorkerStatus)
 ///
+/// Traces (docs/observability.md): a submission is a `prefill.request` span continuing the
+/// submit's traceparent, with children prefill.queue, prefill.compute (prefill.chunk /
+/// prefill.mtp per forward, prefill.layers per layer group) and prefill.completion, recorded when
+/// the submission is answered.
+///
 /// Readiness: /ready answers 503 with the reason (and the status says ready false) while the
 /// worker drains, once its tensor-parallel group is broken, and while the engine's queue holds
 /// prefill.max_queued_requests prompts (the next submission would be refused Overloaded).
@@ -38,6 +43,7 @@
 #include "pd/engine/engine.h"
 #include "pd/kvtransfer/kvtransfer_config.h"
 #include "pd/prefill/prefill_config.h"
+#include "pd/trace/trace_config.h"
 
 namespace pd::prefill {
 
@@ -55,6 +61,8 @@ struct PrefillServerOptions {
   /// 401, and a KV descriptor must carry its decode worker's tag. Null: an unauthenticated plane
   /// (a warning is logged at start).
   std::shared_ptr<InternalAuth> auth;
+  /// Tracing (docs/observability.md): each submission's spans continue its `traceparent`.
+  trace::TraceConfig trace;
 };
 
 /// What the server holds right now (tests and the status endpoint).

@@ -22,6 +22,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <vector>
 
 #include "pd/common/result.h"
 #include "pd/kvtransfer/transport.h"
@@ -33,22 +34,46 @@ namespace pd::prefill {
 /// reason (fail()) is recorded before the sink aborts the transfer, so a done callback that
 /// reads it explains the end better than the transport's Cancelled that follows. Others (a
 /// cancel, a refused submit) record theirs with failed() too; the first reason wins.
+///
+/// A detailed timeline (a traced request) also keeps each forward's times and each layer put's
+/// posting time, for the request's spans (docs/observability.md).
 class TransferTimeline {
  public:
   using Clock = std::chrono::steady_clock;
+  struct Forward {
+    std::int64_t first_pos = 0;
+    std::int64_t tokens = 0;
+    bool mtp = false;
+    Clock::time_point start;
+    Clock::time_point end;
+  };
+  struct Put {
+    std::uint32_t layer = 0;
+    std::int64_t first_pos = 0;
+    Clock::time_point posted;
+  };
   struct Snapshot {
     std::optional<Clock::time_point> admitted;
     std::optional<Clock::time_point> computed;
     std::int32_t first_token = 0;
     std::optional<Error> failure;
+    std::vector<Forward> forwards;  ///< detailed only
+    std::vector<Put> puts;          ///< detailed only
   };
+
+  explicit TransferTimeline(bool detailed = false) : detailed_(detailed) {}
 
   void admitted();
   void computed(std::int32_t first_token);
   void failed(const Error& reason);
+  /// Detailed timelines only (otherwise no-ops).
+  void forward(Forward f);
+  void put(std::uint32_t layer, std::int64_t first_pos);
+  [[nodiscard]] bool detailed() const { return detailed_; }
   [[nodiscard]] Snapshot snapshot() const;
 
  private:
+  const bool detailed_;
   mutable std::mutex mutex_;
   Snapshot state_;  // guarded by mutex_
 };
@@ -73,6 +98,8 @@ class TransportKvSink final : public KvSink {
   /// InvalidArgument for a layer or positions outside the descriptor or rows of the wrong width;
   /// the transport's error when the put is refused (NotFound once the transfer has ended).
   void admitted() override;
+  void forwardTimed(std::int64_t first_pos, std::int64_t n, bool mtp, std::chrono::steady_clock::time_point start,
+                    std::chrono::steady_clock::time_point end) override;
   [[nodiscard]] Status putLayer(std::uint32_t layer, std::int64_t first_pos, std::span<const float> rows) override;
   void complete(kvtransfer::CompletionRecord record) override;
   void fail(const Error& reason) override;

@@ -33,6 +33,7 @@
 #include <vector>
 
 #include "pd/common/internal_auth.h"
+#include "pd/common/metrics.h"
 #include "pd/common/result.h"
 #include "pd/common/worker_api.h"
 #include "pd/router/router_config.h"
@@ -91,6 +92,13 @@ struct RegistryOptions {
   std::string model_hash;  ///< empty: pinned to the first one a ready worker reports
   /// Signs the status polls (internal_auth.h); null: unsigned (an unauthenticated plane).
   std::shared_ptr<InternalAuth> auth;
+  /// Where each worker's state goes after every poll (may be null; must outlive the registry),
+  /// labelled {role, worker="host:port"}: pdserve_router_worker_in_rotation (1 or 0),
+  /// pdserve_router_worker_queued_requests, pdserve_router_worker_running_requests,
+  /// pdserve_router_worker_kv_blocks_free, pdserve_router_worker_kv_blocks_total and
+  /// pdserve_router_worker_mtp_drafts_{proposed,accepted} (from the last good poll). A worker that
+  /// leaves (discovery) reads 0 in rotation.
+  metrics::Registry* metrics = nullptr;
 };
 
 /// The registry options of the router section. InvalidArgument for a malformed address.
