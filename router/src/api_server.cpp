@@ -13,6 +13,7 @@
 #include "json_writer.h"
 #include "openai_response.h"
 #include "pd/common/http_message.h"
+#include "pd/common/io_threads.h"
 #include "pd/common/log.h"
 #include "pd/common/probe_routes.h"
 #include "pd/router/json_text.h"
@@ -163,8 +164,8 @@ ApiError fromBackendError(const Error& e) {
 /// One generation request from admission to its last byte: the backend's TokenSink, and the
 /// target of the client-gone and deadline callbacks.
 ///
-/// Thread rules: the backend calls the sink methods serially; clientGone() comes from an io
-/// thread and deadlinePassed() from the scheduler thread, concurrently with them. `mu_` guards
+/// Thread rules: the backend calls the sink methods serially; clientGone() and deadlinePassed()
+/// come from io threads, concurrently with them. `mu_` guards
 /// everything; the backend's abort() and the scheduler's cancel() are called without it (either
 /// may call back into this object).
 class RequestState final : public TokenSink, public std::enable_shared_from_this<RequestState> {
@@ -291,7 +292,7 @@ class RequestState final : public TokenSink, public std::enable_shared_from_this
     abortBackend();
   }
 
-  /// The request's deadline passed (on the scheduler thread, so no cancel() here).
+  /// The request's deadline passed (its timer's callback: the deadline is no longer pending).
   void deadlinePassed() {
     {
       std::lock_guard lock(mu_);
@@ -414,10 +415,7 @@ class ApiServer::Impl {
  public:
   Impl(const ApiServerOptions& options, CompletionBackend& backend, const PromptRenderer& renderer,
        metrics::Registry& registry)
-      : fe_(std::make_shared<FrontEnd>(options, backend, renderer, registry)),
-        deadlines_(std::make_shared<DeadlineScheduler>()) {
-    fe_->deadlines = deadlines_;
-  }
+      : fe_(std::make_shared<FrontEnd>(options, backend, renderer, registry)) {}
   Impl(const Impl&) = delete;
   Impl& operator=(const Impl&) = delete;
   Impl(Impl&&) = delete;
@@ -431,6 +429,14 @@ class ApiServer::Impl {
   }
 
   Status startHttp(http::ServerOptions options) {
+    // One io_context for the router: the backend's when it has one, else our own.
+    if (!options.io) options.io = fe_->backend.ioThreads();
+    if (!options.io) {
+      PD_ASSIGN_OR_RETURN(own_io_, http::IoThreads::start(options.io_threads, std::string(kLog)));
+      options.io = own_io_;
+    }
+    deadlines_ = std::make_shared<DeadlineScheduler>(options.io->executor());
+    fe_->deadlines = deadlines_;
     metrics::Family<metrics::Counter>* requests = &fe_->metrics.requests;
     const auto retry_after = fe_->retry_after;
     // Errors the HTTP layer answers itself (malformed HTTP, unknown path, 413, ...) in OpenAI's shape.
@@ -464,7 +470,8 @@ class ApiServer::Impl {
 
   void stop(std::chrono::milliseconds drain) {
     if (http_) http_->stop(drain);  // cuts remaining clients: their generations are aborted
-    deadlines_.reset();             // joins the scheduler thread
+    deadlines_.reset();             // cancels the deadlines left
+    if (own_io_) own_io_->stop();
   }
 
  private:
@@ -631,7 +638,7 @@ class ApiServer::Impl {
     ex.onClientGone([weak] {
       if (auto s = weak.lock()) s->clientGone();
     });
-    if (auto scheduler = deadlines_) {
+    if (auto scheduler = fe_->deadlines.lock()) {
       state->setDeadline(scheduler->schedule(g.deadline, [weak] {
         if (auto s = weak.lock()) s->deadlinePassed();
       }));
@@ -642,6 +649,7 @@ class ApiServer::Impl {
   }
 
   std::shared_ptr<FrontEnd> fe_;
+  std::shared_ptr<http::IoThreads> own_io_;       // when the backend has no io threads to share
   std::shared_ptr<DeadlineScheduler> deadlines_;  // shared only so requests can hold it weakly
   std::unique_ptr<http::Server> http_;
 };

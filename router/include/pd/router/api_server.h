@@ -8,9 +8,15 @@
 ///
 /// Errors: start() fails with Io / InvalidArgument when the HTTP server cannot bind.
 ///
-/// Thread rules: start() and stop() from one control thread (main). The backend, the renderer
-/// and the registry must outlive the ApiServer and every generation it started (the backend
-/// joins its threads in its destructor, after the ApiServer is gone).
+/// Threads: HTTP is served on the backend's io threads (CompletionBackend::ioThreads(); the
+/// router has one io_context for its server and its calls to the workers), or on io threads of
+/// its own when the backend has none. Request deadlines are asio timers on the same io_context
+/// (DeadlineScheduler).
+///
+/// Thread rules: start() and stop() from one control thread (main), never an io thread. The
+/// backend, the renderer and the registry must outlive the ApiServer and every generation it
+/// started (the backend waits for its generations in its destructor, after the ApiServer is
+/// stopped).
 
 #include <chrono>
 #include <cstdint>
@@ -28,7 +34,9 @@
 namespace pd::router {
 
 struct ApiServerOptions {
-  http::ServerOptions http;  ///< host, port, io threads, body limit, HTTP deadlines
+  /// host, port, body limit, HTTP deadlines; io_threads only when neither `http.io` nor the
+  /// backend gives io threads to share
+  http::ServerOptions http;
   std::string served_model_name = "pdserve-default";
   std::int64_t max_model_len = 4096;  ///< the context: prompt + max_tokens must fit
   /// /v1/completions without max_tokens generates this many (OpenAI's legacy default);

@@ -44,6 +44,7 @@ struct RouterConfig {
   std::int64_t stream_stall_timeout_ms = 30000;
   std::int64_t abort_timeout_ms = 2000;
   std::int64_t max_generations = 4096;
+  std::int64_t pool_idle_ms = 55000;
 };
 
 void registerOptions(config::OptionSet& set, RouterConfig& cfg);
