@@ -6,12 +6,12 @@
 #include <atomic>
 #include <mutex>
 #include <optional>
-#include <random>
 #include <utility>
 
 #include "deadline_scheduler.h"
 #include "json_writer.h"
 #include "openai_response.h"
+#include "pd/common/crypto.h"
 #include "pd/common/http_message.h"
 #include "pd/common/io_threads.h"
 #include "pd/common/log.h"
@@ -95,10 +95,7 @@ struct FrontEnd {
         renderer(pr),
         registry(r),
         metrics(r),
-        started_at(unixSeconds()) {
-    std::random_device rd;
-    id_salt = fmt::format("{:08x}{:08x}", rd(), rd());
-  }
+        started_at(unixSeconds()) {}
 
   void countRequest(std::string_view endpoint, int status) {
     metrics.requests.labels({std::string(endpoint), std::to_string(status)}).inc();
@@ -124,10 +121,8 @@ struct FrontEnd {
   metrics::Registry& registry;
   FrontEndMetrics metrics;
   const std::int64_t started_at;
-  std::string id_salt;
   std::atomic<std::int64_t> waiting{0};
   std::atomic<std::int64_t> in_flight{0};
-  std::atomic<std::uint64_t> next_id{0};
   /// Weak: the ApiServer owns the scheduler; a late event after it is gone just skips the cancel.
   std::weak_ptr<DeadlineScheduler> deadlines;
 };
@@ -616,8 +611,9 @@ class ApiServer::Impl {
     fe_->metrics.in_flight.set(static_cast<double>(++fe_->in_flight));
     fe_->metrics.prompt_tokens.inc(static_cast<double>(prompt_len));
 
-    const std::string id = fmt::format("{}-{}{:x}", endpoint == Endpoint::ChatCompletions ? "chatcmpl" : "cmpl",
-                                       fe_->id_salt, fe_->next_id.fetch_add(1));
+    // 128 bits from the CSPRNG: an id names a request to the workers (abort), so it must not be guessable.
+    const std::string id =
+        fmt::format("{}-{}", endpoint == Endpoint::ChatCompletions ? "chatcmpl" : "cmpl", crypto::randomHex128());
     GenerationRequest g;
     g.request_id = id;
     g.prompt_token_ids = prompt_ids;
