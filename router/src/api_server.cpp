@@ -8,6 +8,7 @@
 #include <optional>
 #include <utility>
 
+#include "cpu_pool.h"
 #include "deadline_scheduler.h"
 #include "json_writer.h"
 #include "openai_response.h"
@@ -59,7 +60,13 @@ struct FrontEndMetrics {
         generation_tokens(r.counter("pdserve_router_generation_tokens_total", "Tokens generated for clients.").get()),
         rate_limited(r.counter("pdserve_router_rate_limited_total",
                                "Requests refused with 429 by their API key's limits, by limit (concurrent or tokens).",
-                               {"limit"})) {
+                               {"limit"})),
+        cpu_queue(r.gauge("pdserve_router_cpu_queue_depth",
+                          "Requests waiting for a CPU thread to parse, template and tokenize them.")
+                      .get()),
+        cpu_rejected(r.counter("pdserve_router_cpu_queue_rejected_total",
+                               "Requests refused with 503 because the CPU queue was full.")
+                         .get()) {
     // Retries happen in the backend, which increments these on the same registry.
     auto& retries = r.counter("pdserve_router_retries_total",
                               "Generation legs retried on another worker, by leg (prefill or decode).", {"leg"});
@@ -76,6 +83,8 @@ struct FrontEndMetrics {
   metrics::Counter& prompt_tokens;
   metrics::Counter& generation_tokens;
   metrics::Family<metrics::Counter>& rate_limited;
+  metrics::Gauge& cpu_queue;
+  metrics::Counter& cpu_rejected;
 };
 
 /// What every request of one server shares. Each request holds it (shared_ptr: a backend may
@@ -423,7 +432,11 @@ class ApiServer::Impl {
     }
   }
 
-  Status startHttp(http::ServerOptions options) {
+  Status startHttp(http::ServerOptions options, int cpu_threads, std::size_t cpu_queue) {
+    if (cpu_threads < 1 || cpu_queue < 1) {
+      return makeError(ErrorCode::InvalidArgument, "cpu_threads and cpu_queue must be at least 1");
+    }
+    cpu_ = std::make_unique<CpuPool>(cpu_threads, cpu_queue);
     // One io_context for the router: the backend's when it has one, else our own.
     if (!options.io) options.io = fe_->backend.ioThreads();
     if (!options.io) {
@@ -445,11 +458,11 @@ class ApiServer::Impl {
       return r;
     };
     std::vector<http::Route> routes;
-    routes.push_back({"POST", "/v1/chat/completions", [this](const http::Request& req, http::Exchange ex) {
-                        handleCompletion(Endpoint::ChatCompletions, req, std::move(ex));
+    routes.push_back({"POST", "/v1/chat/completions", [this](http::Request req, http::Exchange ex) {
+                        handleCompletion(Endpoint::ChatCompletions, std::move(req), std::move(ex));
                       }});
-    routes.push_back({"POST", "/v1/completions", [this](const http::Request& req, http::Exchange ex) {
-                        handleCompletion(Endpoint::Completions, req, std::move(ex));
+    routes.push_back({"POST", "/v1/completions", [this](http::Request req, http::Exchange ex) {
+                        handleCompletion(Endpoint::Completions, std::move(req), std::move(ex));
                       }});
     routes.push_back(
         {"GET", "/v1/models", [this](const http::Request& req, http::Exchange ex) { handleModels(req, ex); }});
@@ -465,6 +478,7 @@ class ApiServer::Impl {
 
   void stop(std::chrono::milliseconds drain) {
     if (http_) http_->stop(drain);  // cuts remaining clients: their generations are aborted
+    if (cpu_) cpu_->stop();         // no handler runs now: nothing is queued after this
     deadlines_.reset();             // cancels the deadlines left
     if (own_io_) own_io_->stop();
   }
@@ -533,11 +547,32 @@ class ApiServer::Impl {
     return fe_->renderer.tokenize(*p.prompt_text);
   }
 
-  void handleCompletion(Endpoint endpoint, const http::Request& req, http::Exchange ex) {
+  /// On an io thread: authorizes, then hands the request to the CPU pool (parsing, templating and
+  /// tokenizing a large body must not hold an io thread); a full queue answers 503 + Retry-After.
+  void handleCompletion(Endpoint endpoint, http::Request req, http::Exchange ex) {
     const auto received = Clock::now();
     const std::string_view label = endpointLabel(endpoint);
     const std::optional<Caller> caller = authorize(req, ex, label);
     if (!caller) return;
+    const bool queued =
+        cpu_->trySubmit([this, endpoint, req = std::move(req), ex, received, caller = *caller]() mutable {
+          fe_->metrics.cpu_queue.set(static_cast<double>(cpu_->queued()));
+          admitCompletion(endpoint, req, std::move(ex), received, caller);
+        });
+    if (!queued) {
+      fe_->metrics.cpu_rejected.inc();
+      return reject(
+          ex, label,
+          serverError(503, "service_unavailable", "the router is busy preparing other requests; retry later"));
+    }
+    fe_->metrics.cpu_queue.set(static_cast<double>(cpu_->queued()));
+  }
+
+  /// On a CPU thread: parses, renders and validates the request, then starts its generation.
+  void admitCompletion(Endpoint endpoint, const http::Request& req, http::Exchange ex, Clock::time_point received,
+                       const Caller& caller) {
+    const std::string_view label = endpointLabel(endpoint);
+    if (ex.clientGone()) return fe_->countRequest(label, 499);  // hung up while queued: skip the work
 
     auto parsed = parseCompletionRequest(endpoint, req.body);
     if (!parsed.ok()) return reject(ex, label, invalidRequest(parsed.error().message));
@@ -595,8 +630,8 @@ class ApiServer::Impl {
                     serverError(503, "service_unavailable", "no prefill and decode workers are ready; retry later"));
     }
     KeyLimiter::Lease lease;
-    if (caller->key) {
-      KeyLimiter::Admission admission = fe_->key_limiter.admit(*caller->key, prompt_len + max_tokens);
+    if (caller.key) {
+      KeyLimiter::Admission admission = fe_->key_limiter.admit(*caller.key, prompt_len + max_tokens);
       if (!admission.lease) return rejectLimited(ex, label, admission);
       lease = std::move(*admission.lease);
     }
@@ -647,6 +682,7 @@ class ApiServer::Impl {
   std::shared_ptr<FrontEnd> fe_;
   std::shared_ptr<http::IoThreads> own_io_;       // when the backend has no io threads to share
   std::shared_ptr<DeadlineScheduler> deadlines_;  // shared only so requests can hold it weakly
+  std::unique_ptr<CpuPool> cpu_;                  // before http_: handlers queue on it
   std::unique_ptr<http::Server> http_;
 };
 
@@ -655,6 +691,8 @@ Result<ApiServerOptions> apiServerOptionsFromConfig(const RouterConfig& config, 
   o.http.host = config.host;
   o.http.port = static_cast<std::uint16_t>(config.port);
   o.http.io_threads = static_cast<int>(config.io_threads);
+  o.cpu_threads = static_cast<int>(config.cpu_threads);
+  o.cpu_queue = static_cast<std::size_t>(config.cpu_queue);
   o.http.max_body_bytes = static_cast<std::size_t>(config.max_body_bytes);
   o.served_model_name = config.served_model_name;
   o.max_model_len = max_model_len;
@@ -672,7 +710,7 @@ Result<std::unique_ptr<ApiServer>> ApiServer::start(ApiServerOptions options, Co
   if (options.max_model_len < 2) return makeError(ErrorCode::InvalidArgument, "max_model_len must be at least 2");
   const std::string host = options.http.host;
   auto impl = std::make_unique<Impl>(options, backend, renderer, registry);
-  PD_TRY(impl->startHttp(std::move(options.http)));
+  PD_TRY(impl->startHttp(std::move(options.http), options.cpu_threads, options.cpu_queue));
   log::info(kLog, "OpenAI API for model '{}' on http://{}:{}", options.served_model_name, host, impl->port());
   return std::unique_ptr<ApiServer>(new ApiServer(std::move(impl)));
 }

@@ -7,6 +7,10 @@ void registerOptions(config::OptionSet& set, RouterConfig& cfg) {
       .add("port", &cfg.port, "HTTP port (0 = any free port, printed at startup)", 0, 65535)
       .add("io_threads", &cfg.io_threads, "io_context threads shared by the HTTP server and the calls to the workers",
            1, 256)
+      .add("cpu_threads", &cfg.cpu_threads, "threads that parse, template and tokenize requests (off the io threads)",
+           1, 256)
+      .add("cpu_queue", &cfg.cpu_queue, "requests waiting for a CPU thread; more are refused with 503 and Retry-After",
+           1, 1 << 20)
       .add("max_body_bytes", &cfg.max_body_bytes, "largest accepted request body; larger is 413", 1024, 1LL << 30)
       .add("max_queued_requests", &cfg.max_queued_requests, "requests waiting for a worker before 429", 1, 1 << 20)
       .add("request_timeout_ms", &cfg.request_timeout_ms, "end-to-end deadline of one request", 100, 86400000)

@@ -10,8 +10,10 @@
 ///
 /// Threads: HTTP is served on the backend's io threads (CompletionBackend::ioThreads(); the
 /// router has one io_context for its server and its calls to the workers), or on io threads of
-/// its own when the backend has none. Request deadlines are asio timers on the same io_context
-/// (DeadlineScheduler).
+/// its own when the backend has none. Handlers only authorize and hand a generation request to a
+/// bounded CPU pool (`cpu_threads`), which parses the body, renders the chat template,
+/// tokenizes, validates and starts the generation; a full pool queue (`cpu_queue`) answers 503
+/// with Retry-After. Request deadlines are asio timers on the io_context (DeadlineScheduler).
 ///
 /// Thread rules: start() and stop() from one control thread (main), never an io thread. The
 /// backend, the renderer and the registry must outlive the ApiServer and every generation it
@@ -47,6 +49,10 @@ struct ApiServerOptions {
   std::chrono::milliseconds request_timeout{600000};
   std::chrono::seconds retry_after{1};  ///< the Retry-After of 429 and 503
   ApiKeySet api_keys;                   ///< empty: no authentication
+  /// Threads that parse, template and tokenize requests, off the io threads.
+  int cpu_threads = 2;
+  /// Requests waiting for a CPU thread; more are refused with 503 + Retry-After.
+  std::size_t cpu_queue = 1024;
 };
 
 /// Options from the router's config section; reads the API key file if one is set.
