@@ -11,6 +11,8 @@ void registerOptions(config::OptionSet& set, RouterConfig& cfg) {
            1, 256)
       .add("cpu_queue", &cfg.cpu_queue, "requests waiting for a CPU thread; more are refused with 503 and Retry-After",
            1, 1 << 20)
+      .add("cpu_inline_bytes", &cfg.cpu_inline_bytes,
+           "request bodies up to this size are prepared on the io thread (0: all go to the CPU threads)", 0, 1 << 20)
       .add("max_body_bytes", &cfg.max_body_bytes, "largest accepted request body; larger is 413", 1024, 1LL << 30)
       .add("max_queued_requests", &cfg.max_queued_requests, "requests waiting for a worker before 429", 1, 1 << 20)
       .add("request_timeout_ms", &cfg.request_timeout_ms, "end-to-end deadline of one request", 100, 86400000)

@@ -10,10 +10,11 @@
 ///
 /// Threads: HTTP is served on the backend's io threads (CompletionBackend::ioThreads(); the
 /// router has one io_context for its server and its calls to the workers), or on io threads of
-/// its own when the backend has none. Handlers only authorize and hand a generation request to a
-/// bounded CPU pool (`cpu_threads`), which parses the body, renders the chat template,
-/// tokenizes, validates and starts the generation; a full pool queue (`cpu_queue`) answers 503
-/// with Retry-After. Request deadlines are asio timers on the io_context (DeadlineScheduler).
+/// its own when the backend has none. Handlers only authorize and hand a generation request larger
+/// than `cpu_inline_bytes` to a bounded CPU pool (`cpu_threads`), which parses the body, renders
+/// the chat template, tokenizes, validates and starts the generation; a full pool queue
+/// (`cpu_queue`) answers 503 with Retry-After. Small bodies are prepared on the io thread. Request deadlines are asio
+/// timers on the io_context (DeadlineScheduler).
 ///
 /// Thread rules: start() and stop() from one control thread (main), never an io thread. The
 /// backend, the renderer and the registry must outlive the ApiServer and every generation it
@@ -53,6 +54,9 @@ struct ApiServerOptions {
   int cpu_threads = 2;
   /// Requests waiting for a CPU thread; more are refused with 503 + Retry-After.
   std::size_t cpu_queue = 1024;
+  /// A body of at most this many bytes is prepared on its io thread (microseconds of work, less
+  /// than the pool's two thread hand-offs); 0: every request goes through the pool.
+  std::size_t cpu_inline_bytes = 4096;
 };
 
 /// Options from the router's config section; reads the API key file if one is set.

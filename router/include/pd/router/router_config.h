@@ -16,6 +16,7 @@ struct RouterConfig {
   std::int64_t io_threads = 2;
   std::int64_t cpu_threads = 2;
   std::int64_t cpu_queue = 1024;
+  std::int64_t cpu_inline_bytes = 4096;
   std::int64_t max_body_bytes = 8 << 20;
   std::int64_t max_queued_requests = 256;
   std::int64_t request_timeout_ms = 600000;
