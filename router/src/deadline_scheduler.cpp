@@ -3,10 +3,13 @@
 #include <boost/asio/post.hpp>
 #include <boost/asio/steady_timer.hpp>
 #include <boost/asio/strand.hpp>
+#include <exception>
 #include <mutex>
 #include <unordered_map>
 #include <utility>
 #include <vector>
+
+#include "pd/common/log.h"
 
 namespace pd::router {
 
@@ -53,13 +56,18 @@ DeadlineScheduler::DeadlineScheduler(net::any_io_executor executor)
     : state_(std::make_shared<State>(std::move(executor))) {}
 
 DeadlineScheduler::~DeadlineScheduler() {
-  std::unordered_map<Id, std::shared_ptr<Pending>> all;
-  {
-    std::lock_guard lock(state_->mu);
-    state_->closed = true;
-    all.swap(state_->pending);
+  try {
+    std::unordered_map<Id, std::shared_ptr<Pending>> all;
+    {
+      std::lock_guard lock(state_->mu);
+      state_->closed = true;
+      all.swap(state_->pending);
+    }
+    for (auto& [id, p] : all) cancelTimer(p);
+  } catch (const std::exception& e) {
+    // A timer left armed only fires into a closed scheduler (its handler holds it weakly).
+    log::error("router", "cancelling the pending deadlines failed: {}", e.what());
   }
-  for (auto& [id, p] : all) cancelTimer(p);
 }
 
 DeadlineScheduler::Id DeadlineScheduler::schedule(Clock::time_point when, std::function<void()> fn) {

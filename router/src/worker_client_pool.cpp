@@ -3,7 +3,10 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <exception>
 #include <utility>
+
+#include "pd/common/log.h"
 
 namespace pd::router {
 
@@ -24,7 +27,11 @@ WorkerClientPool::WorkerClientPool(boost::asio::any_io_executor executor, Worker
     : executor_(std::move(executor)), options_(options), sweep_(executor_) {}
 
 WorkerClientPool::~WorkerClientPool() {
-  close();
+  try {
+    close();
+  } catch (const std::exception& e) {
+    log::error("router", "closing the worker connection pool failed: {}", e.what());
+  }
 }
 
 std::unique_ptr<http::AsyncClient> WorkerClientPool::acquire(const std::string& host, std::uint16_t port) {

@@ -36,7 +36,7 @@ std::unique_ptr<http::Server> whoServer(std::chrono::milliseconds idle_timeout) 
   o.io_threads = 1;
   o.idle_timeout = idle_timeout;
   std::vector<http::Route> routes;
-  routes.push_back({"GET", "/who", [](http::Request r, http::Exchange ex) {
+  routes.push_back({"GET", "/who", [](const http::Request& r, http::Exchange ex) {
                       ex.respond(http::Response::withBody(200, "text/plain", r.remote));
                     }});
   auto s = http::Server::start(std::move(o), std::move(routes));
