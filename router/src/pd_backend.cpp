@@ -520,7 +520,8 @@ class Generation : public std::enable_shared_from_this<Generation> {
   void prefillAttempt() {
     std::unique_lock lock(mu_);
     PrefillLeg& leg = a_->leg;
-    if (aborted_ || leg.stop) return endPrefill(lock);
+    // No new attempt once D's stream is over (it finished: the prefill's work is done anyway).
+    if (aborted_ || leg.stop || a_->decode_done) return endPrefill(lock);
     if (leg.attempts > 0 && (!prefillRetryable(leg.last.code) || Clock::now() >= req_.deadline)) {
       return prefillFailed(lock);
     }
