@@ -6,13 +6,15 @@
 #include <atomic>
 #include <mutex>
 #include <optional>
-#include <random>
 #include <utility>
 
+#include "cpu_pool.h"
 #include "deadline_scheduler.h"
 #include "json_writer.h"
 #include "openai_response.h"
+#include "pd/common/crypto.h"
 #include "pd/common/http_message.h"
+#include "pd/common/io_threads.h"
 #include "pd/common/log.h"
 #include "pd/common/probe_routes.h"
 #include "pd/router/json_text.h"
@@ -59,7 +61,13 @@ struct FrontEndMetrics {
         generation_tokens(r.counter("pdserve_router_generation_tokens_total", "Tokens generated for clients.").get()),
         rate_limited(r.counter("pdserve_router_rate_limited_total",
                                "Requests refused with 429 by their API key's limits, by limit (concurrent or tokens).",
-                               {"limit"})) {
+                               {"limit"})),
+        cpu_queue(r.gauge("pdserve_router_cpu_queue_depth",
+                          "Requests waiting for a CPU thread to parse, template and tokenize them.")
+                      .get()),
+        cpu_rejected(r.counter("pdserve_router_cpu_queue_rejected_total",
+                               "Requests refused with 503 because the CPU queue was full.")
+                         .get()) {
     // Retries happen in the backend, which increments these on the same registry.
     auto& retries = r.counter("pdserve_router_retries_total",
                               "Generation legs retried on another worker, by leg (prefill or decode).", {"leg"});
@@ -76,6 +84,8 @@ struct FrontEndMetrics {
   metrics::Counter& prompt_tokens;
   metrics::Counter& generation_tokens;
   metrics::Family<metrics::Counter>& rate_limited;
+  metrics::Gauge& cpu_queue;
+  metrics::Counter& cpu_rejected;
 };
 
 /// What every request of one server shares. Each request holds it (shared_ptr: a backend may
@@ -95,10 +105,7 @@ struct FrontEnd {
         renderer(pr),
         registry(r),
         metrics(r),
-        started_at(unixSeconds()) {
-    std::random_device rd;
-    id_salt = fmt::format("{:08x}{:08x}", rd(), rd());
-  }
+        started_at(unixSeconds()) {}
 
   void countRequest(std::string_view endpoint, int status) {
     metrics.requests.labels({std::string(endpoint), std::to_string(status)}).inc();
@@ -124,10 +131,8 @@ struct FrontEnd {
   metrics::Registry& registry;
   FrontEndMetrics metrics;
   const std::int64_t started_at;
-  std::string id_salt;
   std::atomic<std::int64_t> waiting{0};
   std::atomic<std::int64_t> in_flight{0};
-  std::atomic<std::uint64_t> next_id{0};
   /// Weak: the ApiServer owns the scheduler; a late event after it is gone just skips the cancel.
   std::weak_ptr<DeadlineScheduler> deadlines;
 };
@@ -164,8 +169,8 @@ ApiError fromBackendError(const Error& e) {
 /// One generation request from admission to its last byte: the backend's TokenSink, and the
 /// target of the client-gone and deadline callbacks.
 ///
-/// Thread rules: the backend calls the sink methods serially; clientGone() comes from an io
-/// thread and deadlinePassed() from the scheduler thread, concurrently with them. `mu_` guards
+/// Thread rules: the backend calls the sink methods serially; clientGone() and deadlinePassed()
+/// come from io threads, concurrently with them. `mu_` guards
 /// everything; the backend's abort() and the scheduler's cancel() are called without it (either
 /// may call back into this object).
 class RequestState final : public TokenSink, public std::enable_shared_from_this<RequestState> {
@@ -292,7 +297,7 @@ class RequestState final : public TokenSink, public std::enable_shared_from_this
     abortBackend();
   }
 
-  /// The request's deadline passed (on the scheduler thread, so no cancel() here).
+  /// The request's deadline passed (its timer's callback: the deadline is no longer pending).
   void deadlinePassed() {
     {
       std::lock_guard lock(mu_);
@@ -415,10 +420,7 @@ class ApiServer::Impl {
  public:
   Impl(const ApiServerOptions& options, CompletionBackend& backend, const PromptRenderer& renderer,
        metrics::Registry& registry)
-      : fe_(std::make_shared<FrontEnd>(options, backend, renderer, registry)),
-        deadlines_(std::make_shared<DeadlineScheduler>()) {
-    fe_->deadlines = deadlines_;
-  }
+      : fe_(std::make_shared<FrontEnd>(options, backend, renderer, registry)) {}
   Impl(const Impl&) = delete;
   Impl& operator=(const Impl&) = delete;
   Impl(Impl&&) = delete;
@@ -431,7 +433,20 @@ class ApiServer::Impl {
     }
   }
 
-  Status startHttp(http::ServerOptions options) {
+  Status startHttp(http::ServerOptions options, int cpu_threads, std::size_t cpu_queue, std::size_t cpu_inline_bytes) {
+    if (cpu_threads < 1 || cpu_queue < 1) {
+      return makeError(ErrorCode::InvalidArgument, "cpu_threads and cpu_queue must be at least 1");
+    }
+    cpu_ = std::make_unique<CpuPool>(cpu_threads, cpu_queue);
+    cpu_inline_bytes_ = cpu_inline_bytes;
+    // One io_context for the router: the backend's when it has one, else our own.
+    if (!options.io) options.io = fe_->backend.ioThreads();
+    if (!options.io) {
+      PD_ASSIGN_OR_RETURN(own_io_, http::IoThreads::start(options.io_threads, std::string(kLog)));
+      options.io = own_io_;
+    }
+    deadlines_ = std::make_shared<DeadlineScheduler>(options.io->executor());
+    fe_->deadlines = deadlines_;
     metrics::Family<metrics::Counter>* requests = &fe_->metrics.requests;
     const auto retry_after = fe_->retry_after;
     // Errors the HTTP layer answers itself (malformed HTTP, unknown path, 413, ...) in OpenAI's shape.
@@ -445,11 +460,11 @@ class ApiServer::Impl {
       return r;
     };
     std::vector<http::Route> routes;
-    routes.push_back({"POST", "/v1/chat/completions", [this](const http::Request& req, http::Exchange ex) {
-                        handleCompletion(Endpoint::ChatCompletions, req, std::move(ex));
+    routes.push_back({"POST", "/v1/chat/completions", [this](http::Request req, http::Exchange ex) {
+                        handleCompletion(Endpoint::ChatCompletions, std::move(req), std::move(ex));
                       }});
-    routes.push_back({"POST", "/v1/completions", [this](const http::Request& req, http::Exchange ex) {
-                        handleCompletion(Endpoint::Completions, req, std::move(ex));
+    routes.push_back({"POST", "/v1/completions", [this](http::Request req, http::Exchange ex) {
+                        handleCompletion(Endpoint::Completions, std::move(req), std::move(ex));
                       }});
     routes.push_back(
         {"GET", "/v1/models", [this](const http::Request& req, http::Exchange ex) { handleModels(req, ex); }});
@@ -466,7 +481,9 @@ class ApiServer::Impl {
 
   void stop(std::chrono::milliseconds drain) {
     if (http_) http_->stop(drain);  // cuts remaining clients: their generations are aborted
-    deadlines_.reset();             // joins the scheduler thread
+    if (cpu_) cpu_->stop();         // no handler runs now: nothing is queued after this
+    deadlines_.reset();             // cancels the deadlines left
+    if (own_io_) own_io_->stop();
   }
 
  private:
@@ -533,11 +550,36 @@ class ApiServer::Impl {
     return fe_->renderer.tokenize(*p.prompt_text);
   }
 
-  void handleCompletion(Endpoint endpoint, const http::Request& req, http::Exchange ex) {
+  /// On an io thread: authorizes, then hands the request to the CPU pool (parsing, templating and
+  /// tokenizing a large body must not hold an io thread); a full queue answers 503 + Retry-After.
+  /// A body of at most cpu_inline_bytes is prepared right here: its work is linear in its size and
+  /// takes microseconds, less than the two thread hand-offs the pool would add to its latency.
+  void handleCompletion(Endpoint endpoint, http::Request req, http::Exchange ex) {
     const auto received = Clock::now();
     const std::string_view label = endpointLabel(endpoint);
     const std::optional<Caller> caller = authorize(req, ex, label);
     if (!caller) return;
+    if (req.body.size() <= cpu_inline_bytes_) return admitCompletion(endpoint, req, std::move(ex), received, *caller);
+    const bool queued =
+        cpu_->trySubmit([this, endpoint, req = std::move(req), ex, received, caller = *caller]() mutable {
+          fe_->metrics.cpu_queue.set(static_cast<double>(cpu_->queued()));
+          admitCompletion(endpoint, req, std::move(ex), received, caller);
+        });
+    if (!queued) {
+      fe_->metrics.cpu_rejected.inc();
+      return reject(
+          ex, label,
+          serverError(503, "service_unavailable", "the router is busy preparing other requests; retry later"));
+    }
+    fe_->metrics.cpu_queue.set(static_cast<double>(cpu_->queued()));
+  }
+
+  /// On a CPU thread (or an io thread for a small body): parses, renders and validates the request,
+  /// then starts its generation.
+  void admitCompletion(Endpoint endpoint, const http::Request& req, http::Exchange ex, Clock::time_point received,
+                       const Caller& caller) {
+    const std::string_view label = endpointLabel(endpoint);
+    if (ex.clientGone()) return fe_->countRequest(label, 499);  // hung up while queued: skip the work
 
     auto parsed = parseCompletionRequest(endpoint, req.body);
     if (!parsed.ok()) return reject(ex, label, invalidRequest(parsed.error().message));
@@ -595,8 +637,8 @@ class ApiServer::Impl {
                     serverError(503, "service_unavailable", "no prefill and decode workers are ready; retry later"));
     }
     KeyLimiter::Lease lease;
-    if (caller->key) {
-      KeyLimiter::Admission admission = fe_->key_limiter.admit(*caller->key, prompt_len + max_tokens);
+    if (caller.key) {
+      KeyLimiter::Admission admission = fe_->key_limiter.admit(*caller.key, prompt_len + max_tokens);
       if (!admission.lease) return rejectLimited(ex, label, admission);
       lease = std::move(*admission.lease);
     }
@@ -611,8 +653,9 @@ class ApiServer::Impl {
     fe_->metrics.in_flight.set(static_cast<double>(++fe_->in_flight));
     fe_->metrics.prompt_tokens.inc(static_cast<double>(prompt_len));
 
-    const std::string id = fmt::format("{}-{}{:x}", endpoint == Endpoint::ChatCompletions ? "chatcmpl" : "cmpl",
-                                       fe_->id_salt, fe_->next_id.fetch_add(1));
+    // 128 bits from the CSPRNG: an id names a request to the workers (abort), so it must not be guessable.
+    const std::string id =
+        fmt::format("{}-{}", endpoint == Endpoint::ChatCompletions ? "chatcmpl" : "cmpl", crypto::randomHex128());
     GenerationRequest g;
     g.request_id = id;
     g.prompt_token_ids = prompt_ids;
@@ -633,7 +676,7 @@ class ApiServer::Impl {
     ex.onClientGone([weak] {
       if (auto s = weak.lock()) s->clientGone();
     });
-    if (auto scheduler = deadlines_) {
+    if (auto scheduler = fe_->deadlines.lock()) {
       state->setDeadline(scheduler->schedule(g.deadline, [weak] {
         if (auto s = weak.lock()) s->deadlinePassed();
       }));
@@ -644,7 +687,10 @@ class ApiServer::Impl {
   }
 
   std::shared_ptr<FrontEnd> fe_;
+  std::shared_ptr<http::IoThreads> own_io_;       // when the backend has no io threads to share
   std::shared_ptr<DeadlineScheduler> deadlines_;  // shared only so requests can hold it weakly
+  std::unique_ptr<CpuPool> cpu_;                  // before http_: handlers queue on it
+  std::size_t cpu_inline_bytes_ = 0;              // set before http_ starts
   std::unique_ptr<http::Server> http_;
 };
 
@@ -653,6 +699,9 @@ Result<ApiServerOptions> apiServerOptionsFromConfig(const RouterConfig& config, 
   o.http.host = config.host;
   o.http.port = static_cast<std::uint16_t>(config.port);
   o.http.io_threads = static_cast<int>(config.io_threads);
+  o.cpu_threads = static_cast<int>(config.cpu_threads);
+  o.cpu_queue = static_cast<std::size_t>(config.cpu_queue);
+  o.cpu_inline_bytes = static_cast<std::size_t>(config.cpu_inline_bytes);
   o.http.max_body_bytes = static_cast<std::size_t>(config.max_body_bytes);
   o.served_model_name = config.served_model_name;
   o.max_model_len = max_model_len;
@@ -670,7 +719,7 @@ Result<std::unique_ptr<ApiServer>> ApiServer::start(ApiServerOptions options, Co
   if (options.max_model_len < 2) return makeError(ErrorCode::InvalidArgument, "max_model_len must be at least 2");
   const std::string host = options.http.host;
   auto impl = std::make_unique<Impl>(options, backend, renderer, registry);
-  PD_TRY(impl->startHttp(std::move(options.http)));
+  PD_TRY(impl->startHttp(std::move(options.http), options.cpu_threads, options.cpu_queue, options.cpu_inline_bytes));
   log::info(kLog, "OpenAI API for model '{}' on http://{}:{}", options.served_model_name, host, impl->port());
   return std::unique_ptr<ApiServer>(new ApiServer(std::move(impl)));
 }

@@ -1,66 +1,111 @@
 #include "deadline_scheduler.h"
 
-#include "pd/common/check.h"
+#include <boost/asio/post.hpp>
+#include <boost/asio/steady_timer.hpp>
+#include <boost/asio/strand.hpp>
+#include <exception>
+#include <mutex>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
 #include "pd/common/log.h"
 
 namespace pd::router {
 
-DeadlineScheduler::DeadlineScheduler() : thread_([this] { run(); }) {}
+namespace net = boost::asio;
+
+namespace {
+/// One deadline: its timer (touched on its strand only) and its callback.
+struct Pending {
+  explicit Pending(const net::any_io_executor& executor) : timer(net::make_strand(executor)) {}
+  net::steady_timer timer;
+  std::function<void()> fn;
+};
+}  // namespace
+
+struct DeadlineScheduler::State {
+  explicit State(net::any_io_executor e) : executor(std::move(e)) {}
+  const net::any_io_executor executor;
+  std::mutex mu;
+  std::unordered_map<Id, std::shared_ptr<Pending>> pending;  // guarded by mu
+  Id next_id = 1;                                            // guarded by mu
+  bool closed = false;                                       // guarded by mu
+
+  /// Whoever takes the entry out of `pending` decides: the timer (runs it) or cancel (drops it).
+  void fire(Id id) {
+    std::function<void()> fn;
+    {
+      std::lock_guard lock(mu);
+      auto it = pending.find(id);
+      if (it == pending.end()) return;
+      fn = std::move(it->second->fn);
+      pending.erase(it);
+    }
+    fn();
+  }
+};
+
+namespace {
+void cancelTimer(const std::shared_ptr<Pending>& p) {
+  net::post(p->timer.get_executor(), [p] { p->timer.cancel(); });
+}
+}  // namespace
+
+DeadlineScheduler::DeadlineScheduler(net::any_io_executor executor)
+    : state_(std::make_shared<State>(std::move(executor))) {}
 
 DeadlineScheduler::~DeadlineScheduler() {
-  {
-    std::lock_guard lock(mu_);
-    stopping_ = true;
-    pending_.clear();
-    when_.clear();
-  }
-  cv_.notify_all();
-  PD_CHECK_MSG(thread_.get_id() != std::this_thread::get_id(), "DeadlineScheduler destroyed by its own callback");
   try {
-    thread_.join();
+    std::unordered_map<Id, std::shared_ptr<Pending>> all;
+    {
+      std::lock_guard lock(state_->mu);
+      state_->closed = true;
+      all.swap(state_->pending);
+    }
+    for (auto& [id, p] : all) cancelTimer(p);
   } catch (const std::exception& e) {
-    log::error("router", "joining the deadline thread failed: {}", e.what());
+    // A timer left armed only fires into a closed scheduler (its handler holds it weakly).
+    log::error("router", "cancelling the pending deadlines failed: {}", e.what());
   }
 }
 
 DeadlineScheduler::Id DeadlineScheduler::schedule(Clock::time_point when, std::function<void()> fn) {
-  std::lock_guard lock(mu_);
-  const Id id = next_id_++;
-  pending_.emplace(std::make_pair(when, id), std::move(fn));
-  when_.emplace(id, when);
-  cv_.notify_all();
+  auto p = std::make_shared<Pending>(state_->executor);
+  p->fn = std::move(fn);
+  Id id = 0;
+  {
+    std::lock_guard lock(state_->mu);
+    if (state_->closed) return 0;
+    id = state_->next_id++;
+    state_->pending.emplace(id, p);
+  }
+  // Armed on the timer's strand, where a later cancel() is queued behind it.
+  net::post(p->timer.get_executor(), [p, when, id, weak = std::weak_ptr<State>(state_)] {
+    p->timer.expires_at(when);
+    p->timer.async_wait([id, weak](const boost::system::error_code& ec) {
+      if (ec) return;
+      if (auto state = weak.lock()) state->fire(id);
+    });
+  });
   return id;
 }
 
 void DeadlineScheduler::cancel(Id id) {
-  std::lock_guard lock(mu_);
-  const auto it = when_.find(id);
-  if (it == when_.end()) return;
-  pending_.erase({it->second, id});
-  when_.erase(it);
+  std::shared_ptr<Pending> p;
+  {
+    std::lock_guard lock(state_->mu);
+    auto it = state_->pending.find(id);
+    if (it == state_->pending.end()) return;
+    p = std::move(it->second);
+    state_->pending.erase(it);
+  }
+  cancelTimer(p);
 }
 
-void DeadlineScheduler::run() {
-  std::unique_lock lock(mu_);
-  while (!stopping_) {
-    if (pending_.empty()) {
-      cv_.wait(lock);
-      continue;
-    }
-    const auto next = pending_.begin();
-    const Clock::time_point due = next->first.first;  // a copy: the entry may go while we wait
-    if (Clock::now() < due) {
-      cv_.wait_until(lock, due);
-      continue;
-    }
-    std::function<void()> fn = std::move(next->second);
-    when_.erase(next->first.second);
-    pending_.erase(next);
-    lock.unlock();
-    fn();
-    fn = nullptr;  // drop captured state before taking the lock again
-    lock.lock();
-  }
+std::size_t DeadlineScheduler::pending() const {
+  std::lock_guard lock(state_->mu);
+  return state_->pending.size();
 }
 
 }  // namespace pd::router

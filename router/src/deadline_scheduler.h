@@ -1,18 +1,18 @@
 #pragma once
-/// Runs callbacks at deadlines on one background thread: the router's per-request timeouts
-/// (every wait has a deadline, even when a backend never answers).
-/// Thread rules: thread-safe. Callbacks run on the scheduler's thread, one at a time, without
-/// the scheduler's lock held; they must be short and must not call cancel() on themselves.
+/// Runs callbacks at deadlines on the router's io_context: one asio steady_timer per deadline,
+/// each on its own strand. With the legs' timers in pd_backend.cpp it is the router's one
+/// deadline mechanism (every wait has a deadline, even when a backend never answers); there is
+/// no scheduler thread.
+///
+/// Thread rules: thread-safe. Callbacks run on an io thread without the scheduler's lock held,
+/// at most once each, never after cancel() of their id returned; they must not block. The
+/// io_context must keep running while callbacks are pending (or the scheduler is destroyed).
 
+#include <boost/asio/any_io_executor.hpp>
 #include <chrono>
-#include <condition_variable>
 #include <cstdint>
 #include <functional>
-#include <map>
-#include <mutex>
-#include <thread>
-#include <unordered_map>
-#include <utility>
+#include <memory>
 
 namespace pd::router {
 
@@ -21,30 +21,25 @@ class DeadlineScheduler {
   using Clock = std::chrono::steady_clock;
   using Id = std::uint64_t;
 
-  DeadlineScheduler();
+  explicit DeadlineScheduler(boost::asio::any_io_executor executor);
   DeadlineScheduler(const DeadlineScheduler&) = delete;
   DeadlineScheduler& operator=(const DeadlineScheduler&) = delete;
   DeadlineScheduler(DeadlineScheduler&&) = delete;
   DeadlineScheduler& operator=(DeadlineScheduler&&) = delete;
-  /// Drops pending callbacks and joins the thread. Must not run on the scheduler's own thread
-  /// (so callbacks must not hold the last reference to it).
+  /// Cancels every pending callback.
   ~DeadlineScheduler();
 
-  /// Runs `fn` at `when` (at once if it has passed) unless cancelled first.
+  /// Runs `fn` at `when` (soon, if it has passed) unless cancelled first.
   Id schedule(Clock::time_point when, std::function<void()> fn);
-  /// Forgets a pending callback; no effect once it has run.
+  /// Forgets a pending callback; no effect once it has begun.
   void cancel(Id id);
+  /// Callbacks scheduled and neither run nor cancelled (for tests).
+  [[nodiscard]] std::size_t pending() const;
+
+  struct State;
 
  private:
-  void run();
-
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::map<std::pair<Clock::time_point, Id>, std::function<void()>> pending_;
-  std::unordered_map<Id, Clock::time_point> when_;
-  Id next_id_ = 1;
-  bool stopping_ = false;
-  std::thread thread_;  // last: starts after everything it reads
+  std::shared_ptr<State> state_;  // shared with the timers' handlers, which may outlive this
 };
 
 }  // namespace pd::router

@@ -4,21 +4,25 @@
 
 #include <algorithm>
 #include <atomic>
+#include <boost/asio/post.hpp>
+#include <boost/asio/steady_timer.hpp>
 #include <condition_variable>
-#include <list>
-#include <map>
+#include <functional>
 #include <mutex>
 #include <optional>
 #include <random>
 #include <set>
-#include <thread>
+#include <unordered_map>
 #include <utility>
 
+#include "pd/common/async_http_client.h"
 #include "pd/common/http_client.h"
+#include "pd/common/io_threads.h"
 #include "pd/common/log.h"
 #include "pd/common/worker_api.h"
 #include "pd/router/worker_policy.h"
 #include "token_relay.h"
+#include "worker_client_pool.h"
 
 namespace pd::router {
 namespace {
@@ -122,48 +126,13 @@ PdBackendOptions pdBackendOptionsFromConfig(const RouterConfig& config) {
   o.stream_stall_timeout = milliseconds{config.stream_stall_timeout_ms};
   o.abort_timeout = milliseconds{config.abort_timeout_ms};
   o.max_generations = config.max_generations;
+  o.io_threads = static_cast<int>(config.io_threads);
+  o.pool_idle_age = milliseconds{config.pool_idle_ms};
   return o;
 }
 
-/// Idle keep-alive connections to workers, reused by later generations: a leg then costs no TCP
-/// connect. A client goes back only after an exchange that ended normally and was never
-/// cancelled; one idle for more than kMaxIdle is dropped (workers close idle connections after
-/// their own idle timeout, 60 s by default; a reused connection the worker did close is retried
-/// once on a fresh one by http::Client).
-class ClientPool {
- public:
-  std::unique_ptr<http::Client> acquire(const WorkerAddress& worker) {
-    {
-      std::lock_guard lock(mu_);
-      auto it = idle_.find(worker.key());
-      const auto now = Clock::now();
-      while (it != idle_.end() && !it->second.empty()) {
-        Entry e = std::move(it->second.back());
-        it->second.pop_back();
-        if (now - e.since < kMaxIdle) return std::move(e.client);
-      }
-    }
-    return std::make_unique<http::Client>(worker.host, worker.port);
-  }
-  void release(const WorkerAddress& worker, std::unique_ptr<http::Client> client) {
-    if (!client || client->cancelled()) return;
-    std::lock_guard lock(mu_);
-    auto& idle = idle_[worker.key()];
-    if (idle.size() < kMaxIdlePerWorker) idle.push_back(Entry{std::move(client), Clock::now()});
-  }
-
- private:
-  static constexpr std::chrono::seconds kMaxIdle{5};
-  static constexpr std::size_t kMaxIdlePerWorker = 256;
-  struct Entry {
-    std::unique_ptr<http::Client> client;
-    Clock::time_point since;
-  };
-  std::mutex mu_;
-  std::map<std::string, std::vector<Entry>> idle_;  // guarded by mu_: by worker key
-};
-
-/// What every generation shares: options, the registry, policies, metrics.
+/// What every generation shares: options, the registry, policies, metrics, the io threads and
+/// the pool of worker connections.
 struct Shared {
   PdBackendOptions options;
   WorkerRegistry& registry;
@@ -172,7 +141,9 @@ struct Shared {
   std::unique_ptr<WorkerPolicy> decode_policy;
   metrics::Counter& prefill_retries;
   metrics::Counter& decode_retries;
-  std::shared_ptr<ClientPool> clients = std::make_shared<ClientPool>();
+  std::shared_ptr<http::IoThreads> io;
+  bool owns_io = false;
+  std::shared_ptr<WorkerClientPool> clients;
 
   /// A worker of `role` by policy, preferring those not in `tried`; nullopt when none is ready.
   std::optional<WorkerAddress> pick(WorkerRole role, const std::set<std::string>& tried) const {
@@ -187,106 +158,150 @@ struct Shared {
     return pool[policy.choose(pool)].address;
   }
 
-  /// Best-effort abort/cancel call to a worker (its answer only matters for the log).
-  void tellAbort(const WorkerAddress& worker, std::string_view path, const std::string& request_id) const {
-    http::Client client(worker.host, worker.port);
-    auto r = client.send(postJson(options.auth.get(), path, worker_api::toJson(worker_api::AbortRequest{request_id})),
-                         options.abort_timeout);
-    if (!r.ok() || r.value().status != 200) {
-      log::debug(kLog, "{}: {} at {} failed: {}", request_id, path, worker.key(),
-                 r.ok() ? fmt::format("status {}", r.value().status) : r.error().toString());
-    }
+  std::unique_ptr<http::AsyncClient> acquire(const WorkerAddress& w) const { return clients->acquire(w.host, w.port); }
+  void release(const WorkerAddress& w, std::unique_ptr<http::AsyncClient> client) const {
+    clients->release(w.host, w.port, std::move(client));
+  }
+
+  /// Best-effort abort/cancel call to a worker (its answer only matters for the log); `then` runs
+  /// once it answered or failed, on an io thread.
+  void tellAbort(const WorkerAddress& worker, std::string_view path, const std::string& request_id,
+                 std::function<void()> then) const {
+    auto client = std::make_shared<http::AsyncClient>(io->executor(), worker.host, worker.port);
+    // The callback holds the client until the exchange is over (then both go).
+    client->send(postJson(options.auth.get(), path, worker_api::toJson(worker_api::AbortRequest{request_id})),
+                 options.abort_timeout,
+                 [client, path = std::string(path), key = worker.key(), request_id,
+                  then = std::move(then)](Result<http::ClientResponse> r) mutable {
+                   if (!r.ok() || r.value().status != 200) {
+                     log::debug(kLog, "{}: {} at {} failed: {}", request_id, path, key,
+                                r.ok() ? fmt::format("status {}", r.value().status) : r.error().toString());
+                   }
+                   client.reset();
+                   if (then) then();
+                 });
   }
 };
 
-/// One generation: the sink, both legs, and the state abort() and the watchdog touch.
+class Generation;
+
+/// The generations alive (not destroyed yet: their last callback has not run). The backend's
+/// destructor aborts them and waits for the set to empty.
+struct LiveSet {
+  std::mutex mu;
+  std::condition_variable cv;
+  std::unordered_map<const Generation*, std::weak_ptr<Generation>> live;  // guarded by mu
+  bool stopping = false;                                                  // guarded by mu
+};
+
+/// One generation: a state machine driven by the callbacks of its clients and its timer, on the
+/// backend's io threads. No thread of its own, and no callback ever blocks.
 ///
-/// Thread rules: run() and the prefill leg run on their own threads; abort() and watch() come
-/// from any thread. `mu_` guards the fields marked so; the sink is called only from the run()
-/// thread.
+/// A decode attempt streams D's events (onDecodeLine, then onDecodeDone); its descriptor starts
+/// the prefill leg, whose attempts (prefillAttempt, onPrefillDone) run beside it. The attempt
+/// ends (endAttempt) once both legs are over, whichever ends last; a failed one is then retried
+/// on another D or ends the generation.
+///
+/// Thread rules: callbacks arrive on any io thread; `mu_` guards the state marked so. The sink
+/// and the relay are used without `mu_`, by one chain of callbacks at a time by construction:
+/// D's line callbacks and its done callback (one client's strand, in order), then the single
+/// caller of endAttempt(), then the next attempt. abort() comes from any thread. Clients are
+/// owned here and reached by abort() only under `mu_` while stored, so a cancelled or refused leg
+/// can never leave abort() a dangling client.
 class Generation : public std::enable_shared_from_this<Generation> {
  public:
-  Generation(const Shared& shared, GenerationRequest request, std::shared_ptr<TokenSink> sink)
-      : s_(shared), req_(std::move(request)), sink_(std::move(sink)), relay_(shared.tokenizer, req_) {
+  Generation(const Shared& shared, LiveSet& live, GenerationRequest request, std::shared_ptr<TokenSink> sink)
+      : s_(shared),
+        live_(live),
+        req_(std::move(request)),
+        sink_(std::move(sink)),
+        relay_(shared.tokenizer, req_),
+        watch_(shared.io->executor()) {
     req_.sampling.seed = req_.seed ? static_cast<std::uint64_t>(*req_.seed) : randomSeed();
     if (!req_.logprobs) req_.sampling.top_logprobs = 0;
   }
-
-  void startThread() {
-    thread_ = std::thread([self = shared_from_this()] { self->run(); });
+  Generation(const Generation&) = delete;
+  Generation& operator=(const Generation&) = delete;
+  Generation(Generation&&) = delete;
+  Generation& operator=(Generation&&) = delete;
+  ~Generation() {
+    std::lock_guard lock(live_.mu);
+    live_.live.erase(this);
+    live_.cv.notify_all();
   }
-  void join() {
-    if (thread_.joinable()) thread_.join();
-  }
-  [[nodiscard]] bool finished() const { return finished_.load(); }
 
-  /// Cuts both legs now; run() then tells the workers and ends with Cancelled.
+  /// Starts the first decode attempt on an io thread.
+  void begin() {
+    boost::asio::post(s_.io->executor(), [self = shared_from_this()] { self->nextDecodeAttempt(); });
+  }
+
+  /// Cuts both legs now; the generation then tells the workers and ends with Cancelled.
   void abort() {
     std::lock_guard lock(mu_);
     if (aborted_) return;
     aborted_ = true;
-    if (decode_client_ != nullptr) decode_client_->cancel();
-    if (prefill_client_ != nullptr) prefill_client_->cancel();
-  }
-
-  /// Called by the watchdog: fires a leg's deadline that has passed.
-  void watch(Clock::time_point now) {
-    std::lock_guard lock(mu_);
-    if (!watch_deadline_ || now < *watch_deadline_) return;
-    watch_deadline_.reset();
-    timed_out_ = watch_reason_;
-    if (decode_client_ != nullptr) decode_client_->cancel();
+    if (a_) {
+      if (a_->client) a_->client->cancel();
+      if (a_->leg.client) a_->leg.client->cancel();
+    }
   }
 
  private:
-  enum class Outcome { Done, Retry, Fail };
+  enum class Outcome { Retry, Fail };
 
-  /// The prefill leg of one decode attempt.
+  /// The prefill leg of one decode attempt. Guarded by mu_.
   struct PrefillLeg {
-    std::thread thread;
-    bool stop = false;    // guarded by mu_
-    bool failed = false;  // guarded by mu_
-    Error error;          // guarded by mu_
+    bool running = false;  // an attempt in flight, or an abort call before the next
+    bool stop = false;     // ended by us (the decode leg is over, or the generation aborted)
+    bool failed = false;   // ended on its own: every attempt failed
+    Error error;           // when failed
+    Error last;            // the latest attempt's failure
+    std::int64_t attempts = 0;
+    std::set<std::string> tried;
+    worker_api::PrefillSubmit submit;
+    std::optional<WorkerAddress> worker;        // of the attempt in flight
+    std::unique_ptr<http::AsyncClient> client;  // of the attempt in flight
   };
 
-  void run() {
-    Error last = makeError(ErrorCode::Overloaded, "no decode worker is ready");
-    std::set<std::string> tried;
-    bool done = false;
-    for (std::int64_t attempt = 0; attempt <= s_.options.decode_retries && !done; ++attempt) {
-      if (isAborted()) break;
-      if (Clock::now() >= req_.deadline) {
-        last = makeError(ErrorCode::Timeout, "the request's deadline passed");
-        break;
-      }
-      auto d = s_.pick(WorkerRole::Decode, tried);
-      if (!d) {
-        if (attempt == 0) last = makeError(ErrorCode::Overloaded, "no decode worker is ready");
-        break;
-      }
-      if (attempt > 0) {
-        s_.decode_retries.inc();
-        log::info(kLog, "{}: retrying on decode worker {} after: {}", req_.request_id, d->key(), last.toString());
-      }
-      tried.insert(d->key());
-      Error error;
-      const Outcome outcome = decodeAttempt(*d, attempt, error);
-      if (outcome == Outcome::Done) {
-        done = true;
-      } else {
-        last = std::move(error);
-        if (outcome == Outcome::Fail) break;
-      }
-    }
-    if (!done) {
-      if (isAborted()) last = makeError(ErrorCode::Cancelled, "the generation was aborted");
-      sink_->onError(std::move(last));
-    }
-    finished_.store(true);
-  }
+  /// One decode attempt. Guarded by mu_ (the fields D's callbacks alone touch too, for clarity).
+  struct Attempt {
+    std::int64_t index = 0;
+    std::string id;  // the worker request id
+    WorkerAddress worker;
+    std::unique_ptr<http::AsyncClient> client;  // while D's stream is open
+    bool got_descriptor = false;
+    bool stop_hit = false;
+    std::optional<worker_api::DecodeEvent> finish;
+    std::optional<Error> stream_error;  // D's error event
+    std::optional<Error> protocol_error;
+    bool decode_done = false;
+    bool succeeded = false;
+    std::optional<Result<http::ClientResponse>> response;
+    std::optional<std::string> timed_out;
+    bool ended = false;
+    PrefillLeg leg;
+  };
 
-  Outcome decodeAttempt(const WorkerAddress& d, std::int64_t attempt, Error& error) {
-    const std::string id = attempt == 0 ? req_.request_id : fmt::format("{}-retry{}", req_.request_id, attempt);
+  // ---- the decode leg ----
+
+  void nextDecodeAttempt() {
+    if (isAborted()) return fail();
+    if (attempt_ > s_.options.decode_retries) return fail();
+    if (Clock::now() >= req_.deadline) {
+      last_ = makeError(ErrorCode::Timeout, "the request's deadline passed");
+      return fail();
+    }
+    auto d = s_.pick(WorkerRole::Decode, tried_);
+    if (!d) {
+      if (attempt_ == 0) last_ = makeError(ErrorCode::Overloaded, "no decode worker is ready");
+      return fail();
+    }
+    if (attempt_ > 0) {
+      s_.decode_retries.inc();
+      log::info(kLog, "{}: retrying on decode worker {} after: {}", req_.request_id, d->key(), last_.toString());
+    }
+    tried_.insert(d->key());
+    const std::string id = attempt_ == 0 ? req_.request_id : fmt::format("{}-retry{}", req_.request_id, attempt_);
     const auto prompt_tokens = static_cast<std::int64_t>(req_.prompt_token_ids.size());
     worker_api::DecodeOpen open;
     open.request_id = id;
@@ -299,250 +314,330 @@ class Generation : public std::enable_shared_from_this<Generation> {
     open.kv_timeout_ms = std::min(s_.options.kv_timeout, remainingUntil(req_.deadline)).count();
     open.prefill_attempts = s_.options.prefill_retries + 1;
 
-    auto client_owner = s_.clients->acquire(d);
-    http::Client& client = *client_owner;
-    if (!setDecodeClient(&client)) {
-      error = makeError(ErrorCode::Cancelled, "aborted");
-      return Outcome::Fail;
+    auto client = s_.acquire(*d);
+    std::unique_lock lock(mu_);
+    if (aborted_) {
+      lock.unlock();
+      return fail();  // the client never went out: abort() never saw it
     }
-    s_.registry.noteSent(WorkerRole::Decode, d.key(), prompt_tokens + req_.max_tokens);
-    setWatch(s_.options.decode_open_timeout, fmt::format("decode worker {} sent no KV descriptor within {} ms", d.key(),
-                                                         s_.options.decode_open_timeout.count()));
+    a_ = std::make_unique<Attempt>();
+    a_->index = attempt_;
+    a_->id = id;
+    a_->worker = *d;
+    a_->client = std::move(client);
+    s_.registry.noteSent(WorkerRole::Decode, d->key(), prompt_tokens + req_.max_tokens);
+    armWatchLocked(s_.options.decode_open_timeout, fmt::format("decode worker {} sent no KV descriptor within {} ms",
+                                                               d->key(), s_.options.decode_open_timeout.count()));
+    a_->client->streamLines(
+        postJson(s_.options.auth.get(), worker_api::kDecodeOpenPath, worker_api::toJson(open)),
+        remainingUntil(req_.deadline),
+        [self = shared_from_this()](std::string_view line) { return self->onDecodeLine(line); },
+        [self = shared_from_this()](Result<http::ClientResponse> r) { self->onDecodeDone(std::move(r)); });
+  }
 
-    bool got_descriptor = false;
-    bool stop_hit = false;
-    std::optional<worker_api::DecodeEvent> finish;
-    std::optional<Error> stream_error;  // D's error event
-    std::optional<Error> protocol_error;
-    PrefillLeg leg;
-    const auto on_line = [&](std::string_view line) -> bool {
-      if (line.empty()) return true;
-      auto parsed = worker_api::parseDecodeEvent(line);
-      if (!parsed.ok()) {
-        protocol_error = makeError(ErrorCode::Corrupt, fmt::format("decode worker {} sent a malformed event: {}",
-                                                                   d.key(), parsed.error().message));
+  /// One line of D's stream (D's client strand). False stops reading (the stream is then cut).
+  bool onDecodeLine(std::string_view line) {
+    if (line.empty()) return true;
+    auto parsed = worker_api::parseDecodeEvent(line);
+    std::unique_lock lock(mu_);
+    Attempt& a = *a_;
+    if (!parsed.ok()) {
+      a.protocol_error = makeError(ErrorCode::Corrupt, fmt::format("decode worker {} sent a malformed event: {}",
+                                                                   a.worker.key(), parsed.error().message));
+      return false;
+    }
+    auto& ev = parsed.value();
+    if (a.finish || a.stream_error) return true;  // nothing may follow the last event
+    if (ev.type == worker_api::DecodeEventType::Error) {
+      a.stream_error = fromWorker(Error{ev.code, ev.message}, "decode", a.worker);
+      return true;
+    }
+    if (!a.got_descriptor) {
+      if (ev.type != worker_api::DecodeEventType::Descriptor) {
+        a.protocol_error = makeError(ErrorCode::Corrupt,
+                                     fmt::format("decode worker {} did not start with a descriptor", a.worker.key()));
         return false;
       }
-      auto& ev = parsed.value();
-      if (finish || stream_error) return true;  // nothing may follow the last event
-      if (ev.type == worker_api::DecodeEventType::Error) {
-        stream_error = fromWorker(Error{ev.code, ev.message}, "decode", d);
+      a.got_descriptor = true;
+      armWatchLocked(s_.options.kv_timeout + s_.options.stream_stall_timeout,
+                     fmt::format("no token from decode worker {} within {} ms of its descriptor", a.worker.key(),
+                                 (s_.options.kv_timeout + s_.options.stream_stall_timeout).count()));
+      PrefillLeg& leg = a.leg;
+      leg.running = true;
+      leg.submit.request_id = a.id;
+      leg.submit.token_ids = req_.prompt_token_ids;
+      leg.submit.sampling = req_.sampling;
+      leg.submit.logprobs = req_.logprobs;
+      leg.submit.kv_descriptor = std::move(ev.kv_descriptor);
+      leg.submit.kv_descriptor_tag = std::move(ev.kv_descriptor_tag);
+      lock.unlock();
+      prefillAttempt();
+      return true;
+    }
+    switch (ev.type) {
+      case worker_api::DecodeEventType::Tokens: {
+        armWatchLocked(s_.options.stream_stall_timeout,
+                       fmt::format("decode worker {} went silent for {} ms", a.worker.key(),
+                                   s_.options.stream_stall_timeout.count()));
+        lock.unlock();
+        auto step = relay_.push(ev.token_ids, ev.logprobs);
+        if (step.delta) sink_->onTokens(std::move(*step.delta));
+        lock.lock();
+        a.stop_hit = step.stop_matched;
+        return !step.stop_matched;
+      }
+      case worker_api::DecodeEventType::Finish:
+        a.finish = std::move(ev);
         return true;
-      }
-      if (!got_descriptor) {
-        if (ev.type != worker_api::DecodeEventType::Descriptor) {
-          protocol_error =
-              makeError(ErrorCode::Corrupt, fmt::format("decode worker {} did not start with a descriptor", d.key()));
-          return false;
-        }
-        got_descriptor = true;
-        setWatch(s_.options.kv_timeout + s_.options.stream_stall_timeout,
-                 fmt::format("no token from decode worker {} within {} ms of its descriptor", d.key(),
-                             (s_.options.kv_timeout + s_.options.stream_stall_timeout).count()));
-        leg.thread = std::thread([this, &leg, id, kv = std::move(ev.kv_descriptor),
-                                  tag = std::move(ev.kv_descriptor_tag)] { runPrefill(leg, id, kv, tag); });
-        return true;
-      }
-      switch (ev.type) {
-        case worker_api::DecodeEventType::Tokens:
-          setWatch(s_.options.stream_stall_timeout, fmt::format("decode worker {} went silent for {} ms", d.key(),
-                                                                s_.options.stream_stall_timeout.count()));
-          stop_hit = relayTokens(ev);
-          return !stop_hit;
-        case worker_api::DecodeEventType::Finish:
-          finish = std::move(ev);
-          return true;
-        default:
-          protocol_error =
-              makeError(ErrorCode::Corrupt, fmt::format("decode worker {} sent a second descriptor", d.key()));
-          return false;
-      }
-    };
-    auto response =
-        client.streamLines(postJson(s_.options.auth.get(), worker_api::kDecodeOpenPath, worker_api::toJson(open)),
-                           remainingUntil(req_.deadline), on_line);
-    clearWatch();
-    setDecodeClient(nullptr);
-    const std::optional<std::string> timed_out = takeTimeout();
+      default:
+        a.protocol_error =
+            makeError(ErrorCode::Corrupt, fmt::format("decode worker {} sent a second descriptor", a.worker.key()));
+        return false;
+    }
+  }
 
-    // The normal ends: the decode worker finished, or a stop string matched.
-    if (stop_hit || (finish && response.ok() && !isAborted())) {
+  /// D's stream ended (D's client strand): a normal end delivers the finish; anything else ends
+  /// the prefill leg too, and the attempt is judged in endAttempt().
+  void onDecodeDone(Result<http::ClientResponse> response) {
+    std::unique_lock lock(mu_);
+    Attempt& a = *a_;
+    cancelWatchLocked();
+    std::unique_ptr<http::AsyncClient> client = std::move(a.client);  // abort() cannot reach it from here on
+    a.timed_out = std::exchange(timed_out_, std::nullopt);
+    const bool success = a.stop_hit || (a.finish && response.ok() && !aborted_);
+    if (success) {
       // A finished, uncut stream leaves the connection reusable (a stop string cut it).
-      if (!stop_hit && !timed_out && response.value().complete) s_.clients->release(d, std::move(client_owner));
+      if (!a.stop_hit && !a.timed_out && response.value().complete) s_.release(a.worker, std::move(client));
+      const bool stop_hit = a.stop_hit;
+      const auto reason = stop_hit ? FinishReason::Stop : a.finish->finish_reason;
+      lock.unlock();
       FinishEvent end = TokenRelay::stopped();
+      bool cut = stop_hit;
       if (!stop_hit) {
-        auto tail = relay_.finish(finish->finish_reason);
-        stop_hit = tail.stop_matched;
+        auto tail = relay_.finish(reason);
+        cut = tail.stop_matched;
         end = std::move(tail.event);
       }
       sink_->onFinish(std::move(end));
+      lock.lock();
+      a.succeeded = true;
+      a.decode_done = true;
       // A stop string closed the stream, which aborts the request at D; the explicit abort also
       // covers a worker that has not noticed yet. The prefill is over (its first token came).
-      stopPrefill(leg, /*cancel=*/stop_hit, id);
-      if (stop_hit) s_.tellAbort(d, worker_api::kDecodeAbortPath, id);
-      return Outcome::Done;
+      if (cut && a.leg.running) stopPrefillLocked();
+      if (cut) s_.tellAbort(a.worker, worker_api::kDecodeAbortPath, a.id, [self = shared_from_this()] {});
+      lock.unlock();
+      maybeEndAttempt();
+      return;
     }
-
-    // Everything else is a failure of this attempt. Make sure both legs are over first.
-    const bool prefill_failed = stopPrefill(leg, /*cancel=*/true, id);
-    const bool ended_by_worker = stream_error.has_value() && response.ok();
-    if (got_descriptor && !ended_by_worker) s_.tellAbort(d, worker_api::kDecodeAbortPath, id);
-    if (isAborted()) {
-      error = makeError(ErrorCode::Cancelled, "the generation was aborted");
-      return Outcome::Fail;
-    }
-    if (prefill_failed) {
-      std::lock_guard lock(mu_);
-      error = leg.error;
-      return Outcome::Fail;
-    }
-    if (timed_out) {
-      error = makeError(ErrorCode::Timeout, *timed_out);
-    } else if (!response.ok()) {
-      error = response.error();
-      if (workerUnreachable(error.code) && !ownDeadline(error.code)) {
-        s_.registry.reportFailure(WorkerRole::Decode, d.key(), error.message);
-      }
-    } else if (response.value().status != 200) {
-      error = fromWorker(worker_api::parseErrorJson(response.value().status, response.value().body), "decode", d);
-    } else if (protocol_error) {
-      error = *protocol_error;
-    } else if (stream_error) {
-      error = *stream_error;
-    } else {
-      error = makeError(ErrorCode::PeerFailed,
-                        fmt::format("the stream of decode worker {} ended without a finish event", d.key()));
-    }
-    if (relay_.committed()) return Outcome::Fail;
-    if (Clock::now() >= req_.deadline) return Outcome::Fail;
-    return decodeRetryable(error.code) ? Outcome::Retry : Outcome::Fail;
+    a.response = std::move(response);
+    a.decode_done = true;
+    if (a.leg.running && !a.leg.failed) stopPrefillLocked();
+    lock.unlock();
+    maybeEndAttempt();
   }
 
-  /// Hands a tokens event to the sink through the relay. True when a stop string matched (the
-  /// generation ends here).
-  bool relayTokens(const worker_api::DecodeEvent& ev) {
-    auto step = relay_.push(ev.token_ids, ev.logprobs);
-    if (step.delta) sink_->onTokens(std::move(*step.delta));
-    return step.stop_matched;
-  }
-
-  /// The prefill leg: attempts on prefill workers until one succeeds, the attempts run out, or
-  /// the leg is stopped. On failure it cuts the decode stream (run() then aborts it at D).
-  void runPrefill(PrefillLeg& leg, const std::string& id, const std::string& kv_descriptor,
-                  const std::string& kv_descriptor_tag) {
-    worker_api::PrefillSubmit submit;
-    submit.request_id = id;
-    submit.token_ids = req_.prompt_token_ids;
-    submit.sampling = req_.sampling;
-    submit.logprobs = req_.logprobs;
-    submit.kv_descriptor = kv_descriptor;
-    submit.kv_descriptor_tag = kv_descriptor_tag;
-    const auto prompt_tokens = static_cast<std::int64_t>(req_.prompt_token_ids.size());
-
-    std::set<std::string> tried;
-    Error last = makeError(ErrorCode::Overloaded, "no prefill worker is ready");
-    for (std::int64_t attempt = 0; attempt <= s_.options.prefill_retries; ++attempt) {
-      auto p = s_.pick(WorkerRole::Prefill, tried);
-      if (!p) {
-        if (attempt == 0) last = makeError(ErrorCode::Overloaded, "no prefill worker is ready");
-        break;
-      }
-      if (attempt > 0) {
-        s_.prefill_retries.inc();
-        log::info(kLog, "{}: retrying the prefill on {} after: {}", id, p->key(), last.toString());
-      }
-      tried.insert(p->key());
-      const milliseconds budget = std::min(s_.options.prefill_timeout, remainingUntil(req_.deadline));
-      submit.timeout_ms = budget.count();
-      auto client_owner = s_.clients->acquire(*p);
-      http::Client& client = *client_owner;
-      if (!setPrefillClient(leg, &client)) return;
-      s_.registry.noteSent(WorkerRole::Prefill, p->key(), prompt_tokens);
-      // The worker answers by its own deadline; the margin lets its answer arrive.
-      auto response = client.send(postJson(s_.options.auth.get(), worker_api::kPrefillPath, worker_api::toJson(submit)),
-                                  budget + s_.options.abort_timeout);
-      const bool stopped = !setPrefillClient(leg, nullptr);
-      if (!stopped && response.ok()) s_.clients->release(*p, std::move(client_owner));
-      if (stopped) {
-        // Cut by us: closing the connection cancels at P; say it explicitly too.
-        if (!response.ok()) s_.tellAbort(*p, worker_api::kPrefillCancelPath, id);
-        return;
-      }
-      if (response.ok() && response.value().status == 200) {
-        auto outcome = worker_api::parsePrefillOutcome(response.value().body);
-        if (outcome.ok()) {
-          log::debug(kLog, "{}: prefilled on {}: queue {:.1f} ms, compute {:.1f} ms, transfer {:.1f} ms", id, p->key(),
-                     outcome.value().queue_ms, outcome.value().compute_ms, outcome.value().transfer_ms);
-          return;
-        }
-        last = makeError(ErrorCode::Corrupt,
-                         fmt::format("prefill worker {} answered malformed: {}", p->key(), outcome.error().message));
-      } else {
-        last = fromWorker(responseError(response), "prefill", *p);
-        if (!response.ok() && workerUnreachable(last.code) && !ownDeadline(last.code)) {
-          s_.registry.reportFailure(WorkerRole::Prefill, p->key(), last.message);
-          s_.tellAbort(*p, worker_api::kPrefillCancelPath, id);
-        }
-      }
-      if (!prefillRetryable(last.code) || Clock::now() >= req_.deadline) break;
-    }
-    log::warn(kLog, "{}: prefill failed: {}", id, last.toString());
+  /// Ends the attempt once both legs are over; runs its end exactly once.
+  void maybeEndAttempt() {
     {
       std::lock_guard lock(mu_);
-      if (leg.stop) return;
-      leg.failed = true;
-      leg.error = std::move(last);
-      // End the decode stream now: D would otherwise wait for attempts that will not come.
-      if (decode_client_ != nullptr) decode_client_->cancel();
+      if (!a_->decode_done || a_->leg.running || a_->ended) return;
+      a_->ended = true;
+      if (a_->succeeded) return;  // the sink has its finish: the generation is over
+    }
+    endFailedAttempt();
+  }
+
+  /// A failed attempt: tell D (its blocks), then judge the failure.
+  void endFailedAttempt() {
+    bool tell = false;
+    WorkerAddress d;
+    std::string id;
+    {
+      std::lock_guard lock(mu_);
+      const bool ended_by_worker = a_->stream_error.has_value() && a_->response->ok();
+      tell = a_->got_descriptor && !ended_by_worker;
+      d = a_->worker;
+      id = a_->id;
+    }
+    if (tell) {
+      s_.tellAbort(d, worker_api::kDecodeAbortPath, id, [self = shared_from_this()] { self->judgeFailedAttempt(); });
+    } else {
+      judgeFailedAttempt();
     }
   }
 
-  /// Ends the prefill leg (cancelling it if asked) and joins it. True if it failed on its own.
-  bool stopPrefill(PrefillLeg& leg, bool cancel, const std::string& /*id*/) {
-    if (!leg.thread.joinable()) return false;
-    if (cancel) {
+  void judgeFailedAttempt() {
+    Outcome outcome = Outcome::Fail;
+    {
       std::lock_guard lock(mu_);
-      if (!leg.failed) {
-        leg.stop = true;
-        if (prefill_client_ != nullptr) prefill_client_->cancel();
+      Attempt& a = *a_;
+      Error error;
+      if (aborted_) {
+        error = makeError(ErrorCode::Cancelled, "the generation was aborted");
+      } else if (a.leg.failed) {
+        error = a.leg.error;
+      } else {
+        const auto& response = *a.response;
+        if (a.timed_out) {
+          error = makeError(ErrorCode::Timeout, *a.timed_out);
+        } else if (!response.ok()) {
+          error = response.error();
+          if (workerUnreachable(error.code) && !ownDeadline(error.code)) {
+            s_.registry.reportFailure(WorkerRole::Decode, a.worker.key(), error.message);
+          }
+        } else if (response.value().status != 200) {
+          error = fromWorker(worker_api::parseErrorJson(response.value().status, response.value().body), "decode",
+                             a.worker);
+        } else if (a.protocol_error) {
+          error = *a.protocol_error;
+        } else if (a.stream_error) {
+          error = *a.stream_error;
+        } else {
+          error = makeError(ErrorCode::PeerFailed,
+                            fmt::format("the stream of decode worker {} ended without a finish event", a.worker.key()));
+        }
+        if (!relay_.committed() && Clock::now() < req_.deadline && decodeRetryable(error.code)) {
+          outcome = Outcome::Retry;
+        }
+      }
+      last_ = std::move(error);
+    }
+    if (outcome == Outcome::Fail) return fail();
+    ++attempt_;
+    nextDecodeAttempt();
+  }
+
+  /// The terminal error (the last failure, or Cancelled after abort()).
+  void fail() {
+    if (isAborted()) last_ = makeError(ErrorCode::Cancelled, "the generation was aborted");
+    sink_->onError(std::move(last_));
+  }
+
+  // ---- the prefill leg ----
+
+  /// The next prefill attempt, or the leg's end (stopped, failed, or out of attempts).
+  void prefillAttempt() {
+    std::unique_lock lock(mu_);
+    PrefillLeg& leg = a_->leg;
+    // No new attempt once D's stream is over (it finished: the prefill's work is done anyway).
+    if (aborted_ || leg.stop || a_->decode_done) return endPrefill(lock);
+    if (leg.attempts > 0 && (!prefillRetryable(leg.last.code) || Clock::now() >= req_.deadline)) {
+      return prefillFailed(lock);
+    }
+    if (leg.attempts > s_.options.prefill_retries) return prefillFailed(lock);
+    auto p = s_.pick(WorkerRole::Prefill, leg.tried);
+    if (!p) {
+      if (leg.attempts == 0) leg.last = makeError(ErrorCode::Overloaded, "no prefill worker is ready");
+      return prefillFailed(lock);
+    }
+    if (leg.attempts > 0) {
+      s_.prefill_retries.inc();
+      log::info(kLog, "{}: retrying the prefill on {} after: {}", leg.submit.request_id, p->key(), leg.last.toString());
+    }
+    ++leg.attempts;
+    leg.tried.insert(p->key());
+    const milliseconds budget = std::min(s_.options.prefill_timeout, remainingUntil(req_.deadline));
+    leg.submit.timeout_ms = budget.count();
+    leg.worker = *p;
+    leg.client = s_.acquire(*p);
+    s_.registry.noteSent(WorkerRole::Prefill, p->key(), static_cast<std::int64_t>(req_.prompt_token_ids.size()));
+    // The worker answers by its own deadline; the margin lets its answer arrive.
+    leg.client->send(postJson(s_.options.auth.get(), worker_api::kPrefillPath, worker_api::toJson(leg.submit)),
+                     budget + s_.options.abort_timeout, [self = shared_from_this()](Result<http::ClientResponse> r) {
+                       self->onPrefillDone(std::move(r));
+                     });
+  }
+
+  void onPrefillDone(Result<http::ClientResponse> response) {
+    std::unique_lock lock(mu_);
+    PrefillLeg& leg = a_->leg;
+    std::unique_ptr<http::AsyncClient> client = std::move(leg.client);
+    const WorkerAddress p = *leg.worker;
+    const std::string id = leg.submit.request_id;
+    const bool stopped = leg.stop || aborted_;
+    if (!stopped && response.ok()) s_.release(p, std::move(client));
+    if (stopped) {
+      if (response.ok()) return endPrefill(lock);
+      // Cut by us: closing the connection cancels at P; say it explicitly too.
+      lock.unlock();
+      s_.tellAbort(p, worker_api::kPrefillCancelPath, id, [self = shared_from_this()] {
+        std::unique_lock relock(self->mu_);
+        self->endPrefill(relock);
+      });
+      return;
+    }
+    bool cancel_at_p = false;
+    if (response.ok() && response.value().status == 200) {
+      auto outcome = worker_api::parsePrefillOutcome(response.value().body);
+      if (outcome.ok()) {
+        log::debug(kLog, "{}: prefilled on {}: queue {:.1f} ms, compute {:.1f} ms, transfer {:.1f} ms", id, p.key(),
+                   outcome.value().queue_ms, outcome.value().compute_ms, outcome.value().transfer_ms);
+        return endPrefill(lock);
+      }
+      leg.last = makeError(ErrorCode::Corrupt,
+                           fmt::format("prefill worker {} answered malformed: {}", p.key(), outcome.error().message));
+    } else {
+      leg.last = fromWorker(responseError(response), "prefill", p);
+      if (!response.ok() && workerUnreachable(leg.last.code) && !ownDeadline(leg.last.code)) {
+        s_.registry.reportFailure(WorkerRole::Prefill, p.key(), leg.last.message);
+        cancel_at_p = true;
       }
     }
-    leg.thread.join();
-    std::lock_guard lock(mu_);
-    return leg.failed;
+    lock.unlock();
+    if (cancel_at_p) {
+      s_.tellAbort(p, worker_api::kPrefillCancelPath, id, [self = shared_from_this()] { self->prefillAttempt(); });
+    } else {
+      prefillAttempt();
+    }
   }
 
-  /// Registers the decode leg's client; false when the generation was aborted. A refused client
-  /// is not stored: its owner is about to destroy it, and abort() must never reach it.
-  bool setDecodeClient(http::Client* client) {
-    std::lock_guard lock(mu_);
-    const bool go = !aborted_;
-    decode_client_ = go ? client : nullptr;
-    return go;
+  /// Every attempt failed: the generation fails with the last error; D's stream is cut now (D
+  /// would otherwise wait for attempts that will not come).
+  void prefillFailed(std::unique_lock<std::mutex>& lock) {
+    PrefillLeg& leg = a_->leg;
+    if (!leg.stop) {
+      log::warn(kLog, "{}: prefill failed: {}", leg.submit.request_id, leg.last.toString());
+      leg.failed = true;
+      leg.error = leg.last;
+      if (a_->client) a_->client->cancel();
+    }
+    endPrefill(lock);
   }
 
-  /// Registers the prefill leg's client; false when the leg must stop (stopped or aborted), and
-  /// then the client is not stored (as setDecodeClient).
-  bool setPrefillClient(PrefillLeg& leg, http::Client* client) {
-    std::lock_guard lock(mu_);
-    const bool go = !aborted_ && !leg.stop;
-    prefill_client_ = go ? client : nullptr;
-    return go;
+  void endPrefill(std::unique_lock<std::mutex>& lock) {
+    a_->leg.running = false;
+    lock.unlock();
+    maybeEndAttempt();
   }
 
-  void setWatch(milliseconds after, std::string reason) {
-    std::lock_guard lock(mu_);
-    watch_deadline_ = std::min(Clock::now() + after, req_.deadline);
+  void stopPrefillLocked() {
+    a_->leg.stop = true;
+    if (a_->leg.client) a_->leg.client->cancel();
+  }
+
+  // ---- deadlines of the legs: one timer on the io_context, re-armed as the stream advances ----
+
+  void armWatchLocked(milliseconds after, std::string reason) {
+    watch_.expires_at(std::min(Clock::now() + after, req_.deadline));  // cancels the previous wait
     watch_reason_ = std::move(reason);
+    const std::uint64_t armed = ++watch_armed_;
+    watch_.async_wait([self = shared_from_this(), armed](const boost::system::error_code& ec) {
+      if (ec) return;
+      self->watchFired(armed);
+    });
   }
-  void clearWatch() {
+  void cancelWatchLocked() {
+    ++watch_armed_;
+    watch_.cancel();
+  }
+  void watchFired(std::uint64_t armed) {
     std::lock_guard lock(mu_);
-    watch_deadline_.reset();
+    if (armed != watch_armed_) return;  // re-armed or cancelled since
+    timed_out_ = watch_reason_;
+    if (a_ && a_->client) a_->client->cancel();
   }
-  std::optional<std::string> takeTimeout() {
-    std::lock_guard lock(mu_);
-    return std::exchange(timed_out_, std::nullopt);
-  }
+
   bool isAborted() {
     std::lock_guard lock(mu_);
     return aborted_;
@@ -552,20 +647,22 @@ class Generation : public std::enable_shared_from_this<Generation> {
   bool ownDeadline(ErrorCode code) const { return code == ErrorCode::Timeout && Clock::now() >= req_.deadline; }
 
   const Shared& s_;
+  LiveSet& live_;
   GenerationRequest req_;
   std::shared_ptr<TokenSink> sink_;
-  // The run() thread's own.
+  // The driving chain's own (see the thread rules).
   TokenRelay relay_;
-  std::thread thread_;
-  std::atomic<bool> finished_{false};
+  std::int64_t attempt_ = 0;
+  std::set<std::string> tried_;
+  Error last_ = makeError(ErrorCode::Overloaded, "no decode worker is ready");
 
   std::mutex mu_;
-  bool aborted_ = false;                             // guarded by mu_
-  http::Client* decode_client_ = nullptr;            // guarded by mu_
-  http::Client* prefill_client_ = nullptr;           // guarded by mu_
-  std::optional<Clock::time_point> watch_deadline_;  // guarded by mu_
-  std::string watch_reason_;                         // guarded by mu_
-  std::optional<std::string> timed_out_;             // guarded by mu_
+  bool aborted_ = false;                  // guarded by mu_
+  std::unique_ptr<Attempt> a_;            // guarded by mu_: the current decode attempt
+  boost::asio::steady_timer watch_;       // guarded by mu_
+  std::uint64_t watch_armed_ = 0;         // guarded by mu_
+  std::string watch_reason_;              // guarded by mu_
+  std::optional<std::string> timed_out_;  // guarded by mu_
 };
 
 namespace {
@@ -585,36 +682,46 @@ class Control final : public GenerationControl {
 
 class PdBackend::Impl {
  public:
-  explicit Impl(Shared shared) : shared_(std::move(shared)), watchdog_([this] { watchLoop(); }) {}
+  explicit Impl(Shared shared) : shared_(std::move(shared)) {}
   Impl(const Impl&) = delete;
   Impl& operator=(const Impl&) = delete;
+  Impl(Impl&&) = delete;
+  Impl& operator=(Impl&&) = delete;
 
   ~Impl() {
-    std::list<std::shared_ptr<Generation>> all;
+    std::vector<std::shared_ptr<Generation>> all;
     {
-      std::lock_guard lock(mu_);
-      stopping_ = true;
-      all = live_;
+      std::lock_guard lock(live_.mu);
+      live_.stopping = true;
+      for (auto& [p, weak] : live_.live) {
+        if (auto g = weak.lock()) all.push_back(std::move(g));
+      }
     }
-    cv_.notify_all();
-    watchdog_.join();
     for (auto& g : all) g->abort();
-    for (auto& g : all) g->join();
+    all.clear();
+    {
+      // Every generation ends within its abort calls' deadline once aborted.
+      std::unique_lock lock(live_.mu);
+      live_.cv.wait(lock, [&] { return live_.live.empty(); });
+    }
+    shared_.clients->close();
+    if (shared_.owns_io) shared_.io->stop();
   }
 
   Result<std::unique_ptr<GenerationControl>> start(GenerationRequest request, std::shared_ptr<TokenSink> sink) {
     if (draining_.load()) return makeError(ErrorCode::Overloaded, "the router is draining");
     if (!ready()) return makeError(ErrorCode::Overloaded, "no prefill and decode workers are ready");
-    auto g = std::make_shared<Generation>(shared_, std::move(request), std::move(sink));
+    auto g = std::make_shared<Generation>(shared_, live_, std::move(request), std::move(sink));
     {
-      std::lock_guard lock(mu_);
-      if (stopping_) return makeError(ErrorCode::Overloaded, "the router is shutting down");
-      if (static_cast<std::int64_t>(live_.size()) >= shared_.options.max_generations) {
+      std::lock_guard lock(live_.mu);
+      if (live_.stopping) return makeError(ErrorCode::Overloaded, "the router is shutting down");
+      // `g` is not in the set yet: its destructor must not count here.
+      if (static_cast<std::int64_t>(live_.live.size()) >= shared_.options.max_generations) {
         return makeError(ErrorCode::Overloaded, "too many generations are running");
       }
-      live_.push_back(g);
-      g->startThread();
+      live_.live.emplace(g.get(), g);
     }
+    g->begin();
     return std::unique_ptr<GenerationControl>(std::make_unique<Control>(g));
   }
 
@@ -626,43 +733,16 @@ class PdBackend::Impl {
   }
 
   std::int64_t running() const {
-    std::lock_guard lock(mu_);
-    std::int64_t n = 0;
-    for (const auto& g : live_) n += g->finished() ? 0 : 1;
-    return n;
+    std::lock_guard lock(live_.mu);
+    return static_cast<std::int64_t>(live_.live.size());
   }
+
+  std::shared_ptr<http::IoThreads> ioThreads() const { return shared_.io; }
 
  private:
-  /// Fires legs' deadlines and joins the threads of finished generations.
-  void watchLoop() {
-    std::unique_lock lock(mu_);
-    while (!stopping_) {
-      cv_.wait_for(lock, milliseconds{10});
-      const auto now = Clock::now();
-      std::vector<std::shared_ptr<Generation>> done;
-      for (auto it = live_.begin(); it != live_.end();) {
-        if ((*it)->finished()) {
-          done.push_back(std::move(*it));
-          it = live_.erase(it);
-        } else {
-          (*it)->watch(now);
-          ++it;
-        }
-      }
-      lock.unlock();
-      for (auto& g : done) g->join();
-      done.clear();
-      lock.lock();
-    }
-  }
-
   Shared shared_;
-  mutable std::mutex mu_;
-  std::condition_variable cv_;
-  std::list<std::shared_ptr<Generation>> live_;
-  bool stopping_ = false;
+  mutable LiveSet live_;
   std::atomic<bool> draining_{false};
-  std::thread watchdog_;
 };
 
 PdBackend::PdBackend(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
@@ -675,6 +755,15 @@ Result<std::unique_ptr<PdBackend>> PdBackend::create(PdBackendOptions options, W
   if (options.prefill_retries < 0 || options.decode_retries < 0 || options.max_generations < 1) {
     return makeError(ErrorCode::InvalidArgument, "retries must be >= 0 and max_generations >= 1");
   }
+  if (options.pool_idle_age <= milliseconds{0}) {
+    return makeError(ErrorCode::InvalidArgument, "pool_idle_age must be positive");
+  }
+  std::shared_ptr<http::IoThreads> io = options.io;
+  const bool owns_io = !io;
+  if (owns_io) {
+    PD_ASSIGN_OR_RETURN(io, http::IoThreads::start(options.io_threads, std::string(kLog)));
+  }
+  auto clients = WorkerClientPool::create(io->executor(), {.idle_age = options.pool_idle_age});
   auto& retries = metrics.counter("pdserve_router_retries_total",
                                   "Generation legs retried on another worker, by leg (prefill or decode).", {"leg"});
   Shared shared{std::move(options),
@@ -683,7 +772,10 @@ Result<std::unique_ptr<PdBackend>> PdBackend::create(PdBackendOptions options, W
                 std::move(prefill_policy),
                 makeMostFreeBlocksPolicy(),
                 retries.labels({"prefill"}),
-                retries.labels({"decode"})};
+                retries.labels({"decode"}),
+                std::move(io),
+                owns_io,
+                std::move(clients)};
   return std::unique_ptr<PdBackend>(new PdBackend(std::make_unique<Impl>(std::move(shared))));
 }
 
@@ -699,6 +791,9 @@ std::int64_t PdBackend::running() const {
 }
 void PdBackend::beginDrain() {
   impl_->beginDrain();
+}
+std::shared_ptr<http::IoThreads> PdBackend::ioThreads() const {
+  return impl_->ioThreads();
 }
 
 }  // namespace pd::router

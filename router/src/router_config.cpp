@@ -5,7 +5,14 @@ namespace pd::router {
 void registerOptions(config::OptionSet& set, RouterConfig& cfg) {
   set.add("host", &cfg.host, "address the OpenAI-compatible HTTP server binds")
       .add("port", &cfg.port, "HTTP port (0 = any free port, printed at startup)", 0, 65535)
-      .add("io_threads", &cfg.io_threads, "HTTP io_context threads", 1, 256)
+      .add("io_threads", &cfg.io_threads, "io_context threads shared by the HTTP server and the calls to the workers",
+           1, 256)
+      .add("cpu_threads", &cfg.cpu_threads, "threads that parse, template and tokenize requests (off the io threads)",
+           1, 256)
+      .add("cpu_queue", &cfg.cpu_queue, "requests waiting for a CPU thread; more are refused with 503 and Retry-After",
+           1, 1 << 20)
+      .add("cpu_inline_bytes", &cfg.cpu_inline_bytes,
+           "request bodies up to this size are prepared on the io thread (0: all go to the CPU threads)", 0, 1 << 20)
       .add("max_body_bytes", &cfg.max_body_bytes, "largest accepted request body; larger is 413", 1024, 1LL << 30)
       .add("max_queued_requests", &cfg.max_queued_requests, "requests waiting for a worker before 429", 1, 1 << 20)
       .add("request_timeout_ms", &cfg.request_timeout_ms, "end-to-end deadline of one request", 100, 86400000)
@@ -39,7 +46,10 @@ void registerOptions(config::OptionSet& set, RouterConfig& cfg) {
       .add("stream_stall_timeout_ms", &cfg.stream_stall_timeout_ms,
            "longest silence of a decode stream once its tokens flow", 10, 3600000)
       .add("abort_timeout_ms", &cfg.abort_timeout_ms, "deadline of the abort/cancel calls to workers", 10, 60000)
-      .add("max_generations", &cfg.max_generations, "generations running at once; more are refused (503)", 1, 1 << 20);
+      .add("max_generations", &cfg.max_generations, "generations running at once; more are refused (503)", 1, 1 << 20)
+      .add("pool_idle_ms", &cfg.pool_idle_ms,
+           "a pooled connection to a worker idle this long is closed (keep it below the workers' idle timeout)", 1,
+           3600000);
 }
 
 }  // namespace pd::router

@@ -10,6 +10,8 @@
 
 #include <boost/json.hpp>
 #include <chrono>
+#include <cstdio>
+#include <cstdlib>
 #include <deque>
 #include <fstream>
 #include <future>
@@ -121,7 +123,16 @@ template <class Pred>
   return ::testing::AssertionSuccess();
 }
 
+/// How many times over the hang-up stages run: PD_TEST_HANGUP_ROUNDS (default 1, about 3,100
+/// hang-ups; 4 gives the 10,000+ once, outside CI).
+int hangUpRounds() {
+  const char* v = std::getenv("PD_TEST_HANGUP_ROUNDS");
+  const int n = v != nullptr ? std::atoi(v) : 1;
+  return n >= 1 ? n : 1;
+}
+
 TEST(RouterProcess, SurvivesClientsHangingUpAtEveryStage) {
+  const int rounds = hangUpRounds();
   RouterWithFakes c;
   fakes::DecodeScript script;
   script.tokens = {{19923}, {14}, {2058}, {3}};  // "Hello, world!"
@@ -131,48 +142,54 @@ TEST(RouterProcess, SurvivesClientsHangingUpAtEveryStage) {
   const std::string whole = chatRequest(false);
   std::size_t hangups = 0;
 
-  // 1. Before the body: headers and half the body, then gone (no generation starts).
-  for (int i = 0; i < 1000; ++i, ++hangups) {
-    fakes::RawHttpPeer peer(c.port);
-    ASSERT_TRUE(peer.send(whole.substr(0, whole.size() - 20)));
+  for (int round = 0; round < rounds; ++round) {
+    script.tokens = {{19923}, {14}, {2058}, {3}};
+    script.token_delay = 0ms;
+    c.d.setScript(script);
+    // 1. Before the body: headers and half the body, then gone (no generation starts).
+    for (int i = 0; i < 1000; ++i, ++hangups) {
+      fakes::RawHttpPeer peer(c.port);
+      ASSERT_TRUE(peer.send(whole.substr(0, whole.size() - 20)));
+    }
+    // 2. Right after sending: the router is anywhere from parsing to opening the legs.
+    for (int i = 0; i < 600; ++i, ++hangups) {
+      fakes::RawHttpPeer peer(c.port);
+      ASSERT_TRUE(peer.send(whole));
+    }
+    ASSERT_TRUE(waitFor([&] { return c.d.live() == 0; }, 20s)) << c.d.live() << " decode requests still held";
+    // 3. During the prefill leg: the prefill hangs until cancelled.
+    c.p.setBehaviour(fakes::PrefillBehaviour::Hang);
+    for (int batch = 0; batch < 10; ++batch, hangups += 50) {
+      const std::size_t before = c.p.submits().size();
+      ASSERT_TRUE(hangUpBatch(c.port, 50, whole, [&] { return c.p.submits().size() >= before + 50; }));
+    }
+    ASSERT_TRUE(waitFor([&] { return c.d.live() == 0; }, 20s)) << c.d.live() << " decode requests still held";
+    // 4. Between the descriptor and the first token: KV arrived, the first token is slow.
+    c.p.setBehaviour(fakes::PrefillBehaviour::Ok);
+    script.token_delay = 10s;
+    c.d.setScript(script);
+    for (int batch = 0; batch < 10; ++batch, hangups += 50) {
+      const std::size_t before = c.p.submits().size();
+      ASSERT_TRUE(hangUpBatch(c.port, 50, whole, [&] { return c.p.submits().size() >= before + 50; }));
+    }
+    ASSERT_TRUE(waitFor([&] { return c.d.live() == 0; }, 20s)) << c.d.live() << " decode requests still held";
+    // 5. Mid-stream: the first chunk arrived, more are coming.
+    script.tokens = std::vector<std::vector<pd::TokenId>>(200, std::vector<pd::TokenId>{14});
+    script.token_delay = 5ms;
+    c.d.setScript(script);
+    const std::string streamed = chatRequest(true);
+    for (int i = 0; i < 500; ++i, ++hangups) {
+      fakes::RawHttpPeer peer(c.port);
+      ASSERT_TRUE(peer.send(streamed));
+      const std::string got = peer.readUntil("\"content\":\",\"");
+      ASSERT_NE(got.find("\"content\":\",\""), std::string::npos) << got;
+    }
+    ASSERT_TRUE(waitFor([&] { return c.d.live() == 0; }, 20s)) << c.d.live() << " decode requests still held";
   }
-  // 2. Right after sending: the router is anywhere from parsing to opening the legs.
-  for (int i = 0; i < 600; ++i, ++hangups) {
-    fakes::RawHttpPeer peer(c.port);
-    ASSERT_TRUE(peer.send(whole));
-  }
-  ASSERT_TRUE(waitFor([&] { return c.d.live() == 0; }, 20s)) << c.d.live() << " decode requests still held";
-  // 3. During the prefill leg: the prefill hangs until cancelled.
-  c.p.setBehaviour(fakes::PrefillBehaviour::Hang);
-  for (int batch = 0; batch < 10; ++batch, hangups += 50) {
-    const std::size_t before = c.p.submits().size();
-    ASSERT_TRUE(hangUpBatch(c.port, 50, whole, [&] { return c.p.submits().size() >= before + 50; }));
-  }
-  ASSERT_TRUE(waitFor([&] { return c.d.live() == 0; }, 20s)) << c.d.live() << " decode requests still held";
-  // 4. Between the descriptor and the first token: KV arrived, the first token is slow.
-  c.p.setBehaviour(fakes::PrefillBehaviour::Ok);
-  script.token_delay = 10s;
-  c.d.setScript(script);
-  for (int batch = 0; batch < 10; ++batch, hangups += 50) {
-    const std::size_t before = c.p.submits().size();
-    ASSERT_TRUE(hangUpBatch(c.port, 50, whole, [&] { return c.p.submits().size() >= before + 50; }));
-  }
-  ASSERT_TRUE(waitFor([&] { return c.d.live() == 0; }, 20s)) << c.d.live() << " decode requests still held";
-  // 5. Mid-stream: the first chunk arrived, more are coming.
-  script.tokens = std::vector<std::vector<pd::TokenId>>(200, std::vector<pd::TokenId>{14});
-  script.token_delay = 5ms;
-  c.d.setScript(script);
-  const std::string streamed = chatRequest(true);
-  for (int i = 0; i < 500; ++i, ++hangups) {
-    fakes::RawHttpPeer peer(c.port);
-    ASSERT_TRUE(peer.send(streamed));
-    const std::string got = peer.readUntil("\"content\":\",\"");
-    ASSERT_NE(got.find("\"content\":\",\""), std::string::npos) << got;
-  }
-  ASSERT_TRUE(waitFor([&] { return c.d.live() == 0; }, 20s)) << c.d.live() << " decode requests still held";
 
   // The router is alive and serves.
-  EXPECT_GE(hangups, 3000U);
+  EXPECT_GE(hangups, 3000U * static_cast<std::size_t>(rounds));
+  std::printf("hang-ups: %zu in %d round(s)\n", hangups, rounds);
   EXPECT_EQ(status(c.port, "/health"), std::optional<int>(200));
   script.tokens = {{19923}, {14}, {2058}, {3}};
   script.token_delay = 0ms;

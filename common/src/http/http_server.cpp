@@ -9,6 +9,7 @@
 #include <boost/beast/http.hpp>
 #include <condition_variable>
 #include <exception>
+#include <future>
 #include <map>
 #include <mutex>
 #include <optional>
@@ -16,6 +17,7 @@
 #include <unordered_map>
 #include <utility>
 
+#include "pd/common/io_threads.h"
 #include "pd/common/log.h"
 
 namespace pd::http {
@@ -90,7 +92,8 @@ class Session;
 /// so the io_context outlives every socket and timer, even a session kept alive by an Exchange
 /// copy after the server is gone.
 struct ServerState {
-  explicit ServerState(ServerOptions opts) : options(std::move(opts)) {}
+  ServerState(ServerOptions opts, std::shared_ptr<IoThreads> io_threads, bool owns)
+      : io(std::move(io_threads)), owns_io(owns), options(std::move(opts)) {}
 
   Response errorResponse(int status, std::string_view message) const {
     return options.error_responder ? options.error_responder(status, message) : defaultErrorResponse(status, message);
@@ -108,7 +111,8 @@ struct ServerState {
     cv.notify_all();
   }
 
-  net::io_context ioc;
+  std::shared_ptr<IoThreads> io;  // first: every socket and timer of the server lives on it
+  const bool owns_io;             // the server started `io` (and stops it) rather than sharing one
   const ServerOptions options;
   std::map<std::string, std::map<std::string, Handler>> routes;  // path -> method -> handler
   mutable std::mutex mu;
@@ -682,9 +686,8 @@ class Server::Impl {
  public:
   explicit Impl(std::shared_ptr<detail::ServerState> state)
       : state_(std::move(state)),
-        acceptor_(net::make_strand(state_->ioc)),
-        backoff_(acceptor_.get_executor()),
-        work_(net::make_work_guard(state_->ioc)) {}
+        acceptor_(net::make_strand(state_->io->context())),
+        backoff_(acceptor_.get_executor()) {}
   Impl(const Impl&) = delete;
   Impl& operator=(const Impl&) = delete;
   Impl(Impl&&) = delete;
@@ -702,7 +705,7 @@ class Server::Impl {
     beast::error_code ec;
     net::ip::address address = net::ip::make_address(o.host, ec);
     if (ec) {
-      tcp::resolver resolver(state_->ioc);
+      tcp::resolver resolver(state_->io->context());
       auto results = resolver.resolve(o.host, std::to_string(o.port), ec);
       if (ec || results.empty()) {
         return makeError(ErrorCode::InvalidArgument, fmt::format("cannot resolve listen host '{}'", o.host));
@@ -728,21 +731,7 @@ class Server::Impl {
   }
 
   void run() {
-    accept();
-    const int n = std::max(1, state_->options.io_threads);
-    threads_.reserve(static_cast<std::size_t>(n));
-    for (int i = 0; i < n; ++i) {
-      threads_.emplace_back([this] {
-        for (;;) {
-          try {
-            state_->ioc.run();
-            return;
-          } catch (const std::exception& e) {
-            log::error(kLog, "io thread: unexpected exception: {}", e.what());
-          }
-        }
-      });
-    }
+    net::post(acceptor_.get_executor(), [this] { accept(); });
   }
 
   void stop(std::chrono::milliseconds drain) {
@@ -751,11 +740,22 @@ class Server::Impl {
       std::lock_guard lock(state_->mu);
       state_->stopping = true;
     }
-    net::post(acceptor_.get_executor(), [this] {
+    // Closed on its strand, and waited for: with a shared io_context the threads go on after
+    // stop(), so nothing may still be about to touch this object when it is destroyed.
+    // The promise is kept in a second post: it runs after the completions close() queued.
+    std::promise<void> closed;
+    net::post(acceptor_.get_executor(), [this, &closed] {
       beast::error_code ec;
       acceptor_.close(ec);
       backoff_.cancel();
+      net::post(acceptor_.get_executor(), [&closed] { closed.set_value(); });
     });
+    if (state_->io->context().stopped()) {
+      beast::error_code ec;  // no thread runs the loop any more: nothing else touches the acceptor
+      acceptor_.close(ec);
+    } else {
+      closed.get_future().wait();
+    }
     forEachSession([](const std::shared_ptr<detail::Session>& s) { s->shutdownGracefully(); });
     {
       std::unique_lock lock(state_->mu);
@@ -766,10 +766,10 @@ class Server::Impl {
       std::unique_lock lock(state_->mu);
       if (state_->cv.wait_for(lock, std::chrono::milliseconds(200), [&] { return state_->sessions.empty(); })) break;
     }
-    work_.reset();
-    for (auto& t : threads_) t.join();
-    threads_.clear();
+    if (state_->owns_io) state_->io->stop();
   }
+
+  net::any_io_executor executor() const { return state_->io->executor(); }
 
   std::uint16_t port() const { return port_; }
   std::size_t connectionCount() const {
@@ -779,7 +779,7 @@ class Server::Impl {
 
  private:
   void accept() {
-    acceptor_.async_accept(net::make_strand(state_->ioc), [this](beast::error_code ec, tcp::socket socket) {
+    acceptor_.async_accept(net::make_strand(state_->io->context()), [this](beast::error_code ec, tcp::socket socket) {
       if (ec == net::error::operation_aborted || !acceptor_.is_open()) return;
       if (!ec) {
         if (connectionCount() >= state_->options.max_connections) {
@@ -833,8 +833,6 @@ class Server::Impl {
   net::steady_timer backoff_;          // on the acceptor's strand: the pause after an fd-limit failure
   std::uint64_t accept_failures_ = 0;  // acceptor strand only
   std::chrono::steady_clock::time_point last_accept_log_;  // acceptor strand only
-  net::executor_work_guard<net::io_context::executor_type> work_;
-  std::vector<std::thread> threads_;
   std::uint16_t port_ = 0;
   std::atomic<bool> stopped_{false};
 };
@@ -861,7 +859,13 @@ Result<std::unique_ptr<Server>> Server::start(ServerOptions options, std::vector
   raiseFdLimit();
   if (options.io_threads < 1) return makeError(ErrorCode::InvalidArgument, "io_threads must be at least 1");
   if (options.max_body_bytes == 0) return makeError(ErrorCode::InvalidArgument, "max_body_bytes must be positive");
-  auto state = std::make_shared<detail::ServerState>(std::move(options));
+  std::shared_ptr<IoThreads> io = options.io;
+  const bool owns_io = !io;
+  if (owns_io) {
+    PD_ASSIGN_OR_RETURN(io, IoThreads::start(options.io_threads, std::string(kLog)));
+  }
+  options.io.reset();  // the state holds it once, first among its members
+  auto state = std::make_shared<detail::ServerState>(std::move(options), std::move(io), owns_io);
   for (auto& r : routes) {
     if (!r.handler)
       return makeError(ErrorCode::InvalidArgument, fmt::format("route {} {} has no handler", r.method, r.path));
@@ -887,6 +891,9 @@ std::size_t Server::connectionCount() const {
 }
 void Server::stop(std::chrono::milliseconds drain) {
   impl_->stop(drain);
+}
+boost::asio::any_io_executor Server::executor() const {
+  return impl_->executor();
 }
 
 }  // namespace pd::http

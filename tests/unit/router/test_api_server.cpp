@@ -8,9 +8,11 @@
 #include <atomic>
 #include <boost/json.hpp>
 #include <chrono>
+#include <condition_variable>
 #include <filesystem>
 #include <fstream>
 #include <limits>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <thread>
@@ -903,3 +905,99 @@ TEST(ApiKeySet, LoadsAKeyFile) {
 }
 
 }  // namespace
+
+namespace pd::router {
+namespace {
+
+/// A renderer whose renderChat() parks until released: the stand-in for a chat template and
+/// tokenizer busy with a huge prompt. Thread rules: thread-safe.
+class ParkingRenderer final : public PromptRenderer {
+ public:
+  [[nodiscard]] Result<std::vector<TokenId>> renderChat(const ChatConversation& conversation) const override {
+    std::unique_lock lock(mu_);
+    ++entered_;
+    cv_.notify_all();
+    cv_.wait(lock, [&] { return released_; });
+    return inner_.renderChat(conversation);
+  }
+  [[nodiscard]] Result<std::vector<TokenId>> tokenize(std::string_view text) const override {
+    return inner_.tokenize(text);
+  }
+  [[nodiscard]] std::size_t vocabSize() const override { return inner_.vocabSize(); }
+
+  bool waitEntered(int n) const {
+    std::unique_lock lock(mu_);
+    return cv_.wait_for(lock, 10s, [&] { return entered_ >= n; });
+  }
+  void release() {
+    std::lock_guard lock(mu_);
+    released_ = true;
+    cv_.notify_all();
+  }
+
+ private:
+  FakePromptRenderer inner_;
+  mutable std::mutex mu_;
+  mutable std::condition_variable cv_;
+  mutable int entered_ = 0;
+  bool released_ = false;
+};
+
+double metricValue(const std::string& text, const std::string& name) {
+  const auto at = text.find("\n" + name + " ");
+  if (at == std::string::npos) return -1;
+  return std::stod(text.substr(at + name.size() + 2));
+}
+
+// Issue 21: 8 large requests being templated stalled /health for 2.6 s. Templating now runs on
+// the CPU pool: with its only thread parked inside a template and its queue full, the probes
+// and /metrics still answer from the io threads, and one request more gets 503 + Retry-After.
+TEST(ApiServerCpuPool, ProbesAnswerWhileTemplatingBlocksAndAFullQueueIs503) {
+  pd::metrics::Registry registry;
+  FakeCompletionBackend backend;
+  backend.setScript(Script::fromPieces({"ok"}));
+  ParkingRenderer renderer;
+  ApiServerOptions o;
+  o.served_model_name = std::string(kModel);
+  o.max_model_len = 2 << 20;  // room for the ~1M-token prompts of the fake renderer
+  o.http.io_threads = 2;
+  o.http.max_body_bytes = 4 << 20;
+  o.cpu_threads = 1;
+  o.cpu_queue = 1;
+  o.cpu_inline_bytes = 4096;  // the default: a small body is prepared on its io thread
+  auto server = ApiServer::start(o, backend, renderer, registry);
+  ASSERT_TRUE(server.ok()) << server.error().toString();
+  const std::uint16_t port = server.value()->port();
+  const auto call = [port](std::string method, std::string path, std::string body = {}) {
+    pd::http::Client client("127.0.0.1", port);
+    auto r = client.send({std::move(method), std::move(path), kJsonHeaders, std::move(body)}, 20s);
+    EXPECT_TRUE(r.ok()) << r.error().toString();
+    return r.ok() ? std::move(r).value() : ClientResponse{};
+  };
+  const std::string big = chatBody({}, std::string(1 << 20, 'a'));  // a ~1 MB prompt
+
+  std::vector<std::thread> clients;
+  std::vector<int> statuses(2, 0);
+  clients.emplace_back([&] { statuses[0] = call("POST", "/v1/chat/completions", big).status; });
+  ASSERT_TRUE(renderer.waitEntered(1));  // the pool's thread is parked in the template
+  clients.emplace_back([&] { statuses[1] = call("POST", "/v1/chat/completions", big).status; });
+  // The second waits in the queue: /metrics (an io thread) says so.
+  ASSERT_TRUE(eventually(
+      [&] { return metricValue(call("GET", "/metrics").body, "pdserve_router_cpu_queue_depth") == 1.0; }, 10s));
+  EXPECT_EQ(call("GET", "/health").status, 200);
+  const ClientResponse refused = call("POST", "/v1/chat/completions", big);
+  EXPECT_EQ(refused.status, 503) << refused.body;
+  EXPECT_EQ(refused.header("Retry-After"), "1");
+  EXPECT_EQ(metricValue(call("GET", "/metrics").body, "pdserve_router_cpu_queue_rejected_total"), 1.0);
+  // A small body does not wait for the pool (its tokens take microseconds); the fake renderer's
+  // completions path (tokenize) does not park.
+  EXPECT_EQ(call("POST", "/v1/completions", completionBody("\"Hi\"")).status, 200);
+
+  renderer.release();
+  for (auto& t : clients) t.join();
+  EXPECT_EQ(statuses[0], 200);
+  EXPECT_EQ(statuses[1], 200);
+}
+
+}  // namespace
+}  // namespace pd::router

@@ -2,7 +2,9 @@
 /// An HTTP/1.1 server (Boost.Beast underneath, kept out of this header) for the router's public
 /// API and the workers' internal APIs.
 ///
-/// - N io threads run one io_context; each connection is serialized on its own strand.
+/// - N io threads run one io_context; each connection is serialized on its own strand. The
+///   io_context is the server's own, or one shared with the caller (ServerOptions::io: the router
+///   runs its HTTP server and its clients to the workers on the same threads).
 /// - Keep-alive; one request at a time per connection (pipelined bytes wait their turn).
 /// - Limits enforced while reading: header bytes (431), body bytes (413, also when the
 ///   Content-Length announces too much, before reading it), deadlines for the idle wait between
@@ -21,8 +23,10 @@
 ///   drain deadline, then closes the rest (their handlers see onClientGone) and joins the threads.
 ///
 /// Thread rules: create() and stop() from a thread that is not one of the server's io threads.
-/// Handlers run on io threads and must not block; Exchange is thread-safe.
+/// Handlers run on io threads and must not block; Exchange is thread-safe. A shared io_context
+/// must keep running until stop() returned (stop() waits on it).
 
+#include <boost/asio/any_io_executor.hpp>
 #include <chrono>
 #include <cstdint>
 #include <functional>
@@ -34,6 +38,8 @@
 #include "pd/common/result.h"
 
 namespace pd::http {
+
+class IoThreads;
 
 namespace detail {
 class ExchangeCore;
@@ -99,7 +105,10 @@ using ErrorResponder = std::function<Response(int status, std::string_view messa
 struct ServerOptions {
   std::string host = "127.0.0.1";  ///< numeric address or a resolvable name
   std::uint16_t port = 0;          ///< 0: any free port; see Server::port()
-  int io_threads = 2;
+  int io_threads = 2;              ///< threads of the server's own io_context (unused with `io`)
+  /// Run on these shared threads instead of starting its own; stop() then leaves them running
+  /// (their owner stops them after the server).
+  std::shared_ptr<IoThreads> io;
   std::size_t max_body_bytes = 8 << 20;
   std::size_t max_header_bytes = 16 << 10;
   std::size_t max_connections = 10000;              ///< more are closed at accept
@@ -129,8 +138,11 @@ class Server {
   [[nodiscard]] std::uint16_t port() const;
   /// Open connections right now (for tests and metrics).
   [[nodiscard]] std::size_t connectionCount() const;
-  /// Graceful stop; see the file comment. Idempotent; blocks until the io threads are joined.
+  /// Graceful stop; see the file comment. Idempotent; blocks until every connection is closed
+  /// and, when the server owns its io threads, until they are joined.
   void stop(std::chrono::milliseconds drain = std::chrono::milliseconds{0});
+  /// The executor of the server's io_context (for timers and clients on the same threads).
+  [[nodiscard]] boost::asio::any_io_executor executor() const;
 
   class Impl;
 

@@ -8,9 +8,18 @@
 ///
 /// Errors: start() fails with Io / InvalidArgument when the HTTP server cannot bind.
 ///
-/// Thread rules: start() and stop() from one control thread (main). The backend, the renderer
-/// and the registry must outlive the ApiServer and every generation it started (the backend
-/// joins its threads in its destructor, after the ApiServer is gone).
+/// Threads: HTTP is served on the backend's io threads (CompletionBackend::ioThreads(); the
+/// router has one io_context for its server and its calls to the workers), or on io threads of
+/// its own when the backend has none. Handlers only authorize and hand a generation request larger
+/// than `cpu_inline_bytes` to a bounded CPU pool (`cpu_threads`), which parses the body, renders
+/// the chat template, tokenizes, validates and starts the generation; a full pool queue
+/// (`cpu_queue`) answers 503 with Retry-After. Small bodies are prepared on the io thread. Request deadlines are asio
+/// timers on the io_context (DeadlineScheduler).
+///
+/// Thread rules: start() and stop() from one control thread (main), never an io thread. The
+/// backend, the renderer and the registry must outlive the ApiServer and every generation it
+/// started (the backend waits for its generations in its destructor, after the ApiServer is
+/// stopped).
 
 #include <chrono>
 #include <cstdint>
@@ -28,7 +37,9 @@
 namespace pd::router {
 
 struct ApiServerOptions {
-  http::ServerOptions http;  ///< host, port, io threads, body limit, HTTP deadlines
+  /// host, port, body limit, HTTP deadlines; io_threads only when neither `http.io` nor the
+  /// backend gives io threads to share
+  http::ServerOptions http;
   std::string served_model_name = "pdserve-default";
   std::int64_t max_model_len = 4096;  ///< the context: prompt + max_tokens must fit
   /// /v1/completions without max_tokens generates this many (OpenAI's legacy default);
@@ -39,6 +50,13 @@ struct ApiServerOptions {
   std::chrono::milliseconds request_timeout{600000};
   std::chrono::seconds retry_after{1};  ///< the Retry-After of 429 and 503
   ApiKeySet api_keys;                   ///< empty: no authentication
+  /// Threads that parse, template and tokenize requests, off the io threads.
+  int cpu_threads = 2;
+  /// Requests waiting for a CPU thread; more are refused with 503 + Retry-After.
+  std::size_t cpu_queue = 1024;
+  /// A body of at most this many bytes is prepared on its io thread (microseconds of work, less
+  /// than the pool's two thread hand-offs); 0: every request goes through the pool.
+  std::size_t cpu_inline_bytes = 4096;
 };
 
 /// Options from the router's config section; reads the API key file if one is set.

@@ -31,6 +31,10 @@
 #include "pd/common/generation.h"
 #include "pd/common/result.h"
 
+namespace pd::http {
+class IoThreads;
+}  // namespace pd::http
+
 namespace pd::router {
 
 // The generation vocabulary (pd/common/generation.h): TokenId, SamplingParams, SampledToken,
@@ -117,8 +121,9 @@ class GenerationControl {
 };
 
 /// Something that turns token ids into more token ids.
-/// Thread rules: thread-safe; start() and ready() are called from the HTTP io threads and must
-/// not block. The backend outlives the front end and joins its threads before it is destroyed.
+/// Thread rules: thread-safe; start() and ready() are called from the HTTP io threads or the
+/// front end's CPU pool, and must not block. The backend outlives the front end and joins its threads before it is
+/// destroyed.
 class CompletionBackend {
  public:
   CompletionBackend() = default;
@@ -136,6 +141,10 @@ class CompletionBackend {
   /// True when a request could be served now (at least one ready prefill and decode worker);
   /// drives /ready. A request that arrives while false gets 503.
   [[nodiscard]] virtual bool ready() const = 0;
+  /// The io threads the backend runs on, when it has any: the front end then serves HTTP on the
+  /// same threads (one io_context for the router). Null (the default): the front end starts its
+  /// own.
+  [[nodiscard]] virtual std::shared_ptr<http::IoThreads> ioThreads() const { return nullptr; }
 };
 
 }  // namespace pd::router

@@ -2,12 +2,17 @@
 /// The P/D orchestrator: the CompletionBackend that serves a generation with one decode worker
 /// and one prefill worker (DESIGN §3, docs/internal-api.md).
 ///
-/// Per generation, on its own thread: pick D (most free KV blocks), open its decode stream
-/// (NDJSON) and read the KV descriptor; on a second thread pick P (least queued tokens, or round
-/// robin) and submit the prefill with that descriptor; relay D's tokens to the sink, detokenized
-/// incrementally and cut at stop strings (the stream is then closed, which aborts it at D).
-/// The router always sends a seed (a random one when the client gave none) and the same
-/// sampling to both legs.
+/// Per generation: pick D (most free KV blocks), open its decode stream (NDJSON) and read the KV
+/// descriptor; then pick P (least queued tokens, or round robin) and submit the prefill with that
+/// descriptor; relay D's tokens to the sink, detokenized incrementally and cut at stop strings
+/// (the stream is then closed, which aborts it at D). The router always sends a seed (a random
+/// one when the client gave none) and the same sampling to both legs.
+///
+/// Both legs are asynchronous state machines on the router's io threads (http::IoThreads, the
+/// same threads as the HTTP server's when the ApiServer runs on ioThreads()): http::AsyncClient
+/// calls to the workers from a per-worker pool of keep-alive connections (idle ones closed after
+/// `pool_idle_age`), and one asio steady_timer per generation for the legs' deadlines. No thread
+/// per request or per leg, and no watchdog thread.
 ///
 /// Failures:
 ///   - a prefill attempt fails (Overloaded, PeerFailed, Timeout, Io, Corrupt, Cancelled by the
@@ -29,9 +34,11 @@
 /// cut at once, then POST /v1/internal/decode/abort and /v1/internal/prefill/cancel tell the
 /// workers, and the sink gets onError(Cancelled).
 ///
-/// Thread rules: thread-safe. start() never blocks; each generation runs on its own thread (two
-/// while its prefill is in flight). The registry, tokenizer and metrics registry must outlive
-/// the backend; the destructor aborts what still runs and joins every thread.
+/// Thread rules: thread-safe. start() never blocks; generations run as callbacks on the io
+/// threads, and the sink is called from them (serially per generation). The registry, tokenizer
+/// and metrics registry must outlive the backend, and a server sharing ioThreads() must be
+/// stopped before it. The destructor (not on an io thread) aborts what still runs, waits for
+/// every generation to end (their abort calls included) and stops io threads it started.
 
 #include <chrono>
 #include <cstdint>
@@ -39,6 +46,7 @@
 #include <string>
 
 #include "pd/common/internal_auth.h"
+#include "pd/common/io_threads.h"
 #include "pd/common/metrics.h"
 #include "pd/common/result.h"
 #include "pd/router/completion_backend.h"
@@ -58,6 +66,12 @@ struct PdBackendOptions {
   std::chrono::milliseconds stream_stall_timeout{30000};
   std::chrono::milliseconds abort_timeout{2000};  ///< the abort/cancel calls
   std::int64_t max_generations = 4096;            ///< more at once: Overloaded
+  int io_threads = 2;                             ///< threads of the backend's own io_context (unused with `io`)
+  /// Run on these io threads (shared with the HTTP server) instead of starting its own.
+  std::shared_ptr<http::IoThreads> io;
+  /// A pooled keep-alive connection to a worker idle this long is closed (the workers close theirs
+  /// after 60 s: a few seconds less keeps them from closing first).
+  std::chrono::milliseconds pool_idle_age{55000};
   /// Signs every call to a worker (internal_auth.h); null: unsigned (an unauthenticated plane).
   std::shared_ptr<InternalAuth> auth;
 };
@@ -82,8 +96,10 @@ class PdBackend final : public CompletionBackend {
                                                                  std::shared_ptr<TokenSink> sink) override;
   /// At least one prefill and one decode worker in rotation, and not draining.
   [[nodiscard]] bool ready() const override;
-  /// Generations whose threads have not ended yet.
+  /// Generations that have not ended yet (their calls to the workers, abort calls included).
   [[nodiscard]] std::int64_t running() const;
+  /// The io threads the generations run on; the ApiServer serves HTTP on them too.
+  [[nodiscard]] std::shared_ptr<http::IoThreads> ioThreads() const override;
   /// From now on ready() is false and start() refuses (Overloaded "draining"); running
   /// generations go on. Idempotent.
   void beginDrain();

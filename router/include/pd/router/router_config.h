@@ -14,6 +14,9 @@ struct RouterConfig {
   std::string host = "127.0.0.1";
   std::int64_t port = 8000;
   std::int64_t io_threads = 2;
+  std::int64_t cpu_threads = 2;
+  std::int64_t cpu_queue = 1024;
+  std::int64_t cpu_inline_bytes = 4096;
   std::int64_t max_body_bytes = 8 << 20;
   std::int64_t max_queued_requests = 256;
   std::int64_t request_timeout_ms = 600000;
@@ -44,6 +47,7 @@ struct RouterConfig {
   std::int64_t stream_stall_timeout_ms = 30000;
   std::int64_t abort_timeout_ms = 2000;
   std::int64_t max_generations = 4096;
+  std::int64_t pool_idle_ms = 55000;
 };
 
 void registerOptions(config::OptionSet& set, RouterConfig& cfg);
