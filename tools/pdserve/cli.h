@@ -42,20 +42,6 @@ struct CommonOptions {
   config::OptionSet cluster{"cluster"};
 };
 
-/// `pdserve up` settings (section `up:`).
-struct UpConfig {
-  std::int64_t prefill_workers = 1;
-  std::int64_t decode_workers = 1;
-  std::int64_t ready_timeout_ms = 600000;
-  std::int64_t stop_timeout_ms = 40000;
-  std::int64_t restart_backoff_ms = 500;
-  std::int64_t restart_backoff_max_ms = 10000;
-  std::int64_t restart_budget = 5;
-  std::int64_t restart_window_ms = 600000;
-  bool smoke = false;
-};
-void registerUpOptions(config::OptionSet& set, UpConfig& cfg);
-
 /// Removes `--check-config` (or `--check_config`) from `args`; true when it was there. The role
 /// commands then validate their configuration and exit without loading the model.
 bool takeCheckConfigFlag(std::vector<std::string>& args);
