@@ -99,7 +99,7 @@ int runBenchComm(const std::vector<std::string>& args);
 /// pdserve bench decode: DecodeEngine step time, MBU per batch size, MTP speedup vs ideal
 /// (cmd_bench_decode.cpp).
 int runBenchDecode(const std::vector<std::string>& args);
-/// pdserve bench serve: the OpenAI-API load generator of tools/bench_serve (cmd_bench_serve.cpp).
+/// pdserve bench serve: the OpenAI-API load generator of tools/bench/serve (cmd_bench_serve.cpp).
 int runBenchServe(const std::vector<std::string>& args);
 
 }  // namespace pd::cli
