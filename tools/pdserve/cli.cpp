@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <ctime>
 
+#include "cluster/local_cluster.h"
 #include "pd/common/log.h"
 #include "pd/common/role_process.h"
 #include "pd/decode/decode_config.h"
@@ -24,7 +25,7 @@ struct AllSections {
   prefill::PrefillConfig prefill_cfg;
   decode::DecodeConfig decode_cfg;
   kvtransfer::KvTransferConfig kv_cfg;
-  UpConfig up_cfg;
+  cluster::UpConfig up_cfg;
   CommonOptions common_sets{common};
   config::OptionSet up{"up"};
   config::OptionSet router{"router"};
@@ -37,7 +38,7 @@ struct AllSections {
     prefill::registerOptions(prefill, prefill_cfg);
     decode::registerOptions(decode, decode_cfg);
     kvtransfer::registerOptions(kvtransfer, kv_cfg);
-    registerUpOptions(up, up_cfg);
+    cluster::registerUpOptions(up, up_cfg);
   }
   std::vector<config::OptionSet*> sets() {
     return {&common_sets.log, &common_sets.model, &common_sets.cluster, &common_sets.trace, &up, &router, &prefill,

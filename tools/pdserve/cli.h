@@ -46,20 +46,6 @@ struct CommonOptions {
   config::OptionSet trace{"trace"};
 };
 
-/// `pdserve up` settings (section `up:`).
-struct UpConfig {
-  std::int64_t prefill_workers = 1;
-  std::int64_t decode_workers = 1;
-  std::int64_t ready_timeout_ms = 600000;
-  std::int64_t stop_timeout_ms = 40000;
-  std::int64_t restart_backoff_ms = 500;
-  std::int64_t restart_backoff_max_ms = 10000;
-  std::int64_t restart_budget = 5;
-  std::int64_t restart_window_ms = 600000;
-  bool smoke = false;
-};
-void registerUpOptions(config::OptionSet& set, UpConfig& cfg);
-
 /// Removes `--check-config` (or `--check_config`) from `args`; true when it was there. The role
 /// commands then validate their configuration and exit without loading the model.
 bool takeCheckConfigFlag(std::vector<std::string>& args);
@@ -117,7 +103,7 @@ int runBenchComm(const std::vector<std::string>& args);
 /// pdserve bench decode: DecodeEngine step time, MBU per batch size, MTP speedup vs ideal
 /// (cmd_bench_decode.cpp).
 int runBenchDecode(const std::vector<std::string>& args);
-/// pdserve bench serve: the OpenAI-API load generator of tools/bench_serve (cmd_bench_serve.cpp).
+/// pdserve bench serve: the OpenAI-API load generator of tools/bench/serve (cmd_bench_serve.cpp).
 int runBenchServe(const std::vector<std::string>& args);
 /// pdserve trace: one request's spans from a trace file as a table (cmd_trace.cpp).
 int runTrace(const std::vector<std::string>& args);

@@ -1,145 +1,25 @@
 // pdserve up: a whole local cluster (router + prefill + decode workers) on one machine, as child
-// processes of this one (ClusterSupervisor, cluster_supervisor.h). Workers start first (any free
+// processes of this one (tools/cluster: local_cluster.h, cluster_supervisor.h). Workers start first (any free
 // port each); the router starts once every worker printed its PDSERVE_READY line, with their
 // addresses as its static worker lists. A worker that exits is restarted on its port with backoff
 // and a restart budget (up.restart_*); the router's exit or a spent budget stops the cluster and
 // `up` exits 1. Ctrl-C / SIGTERM stops the router first (it drains), then the workers; exit 0.
-#include <fcntl.h>
-#include <signal.h>
-#include <unistd.h>
-
-#include <atomic>
-#include <chrono>
-#include <cstdio>
-#include <fstream>
 #include <string>
 #include <vector>
 
 #include "cli.h"
-#include "cluster_supervisor.h"
-#include "pd/common/http_client.h"
-#include "pd/common/internal_auth.h"
-#include "pd/common/log.h"
-#include "pd/common/role_process.h"
+#include "cluster/local_cluster.h"
 #include "pd/common/subprocess.h"
 #include "pd/decode/decode_config.h"
-#include "pd/engine/model_config.h"
-#include "pd/engine/safetensors.h"
 #include "pd/kvtransfer/kvtransfer_config.h"
 #include "pd/prefill/prefill_config.h"
 #include "pd/router/router_config.h"
 
 namespace pd::cli {
 
-void registerUpOptions(config::OptionSet& set, UpConfig& cfg) {
-  set.add("prefill", &cfg.prefill_workers, "prefill worker processes", 1, 64)
-      .add("decode", &cfg.decode_workers, "decode worker processes", 1, 64)
-      .add("ready_timeout_ms", &cfg.ready_timeout_ms, "how long each process may take to become ready", 1000,
-           std::int64_t{3600} * 1000)
-      .add("stop_timeout_ms", &cfg.stop_timeout_ms,
-           "after Ctrl-C, how long each process may take to drain and exit before SIGKILL", 100,
-           std::int64_t{3600} * 1000)
-      .add("restart_backoff_ms", &cfg.restart_backoff_ms, "delay before restarting a worker that exited (doubles)", 0,
-           std::int64_t{3600} * 1000)
-      .add("restart_backoff_max_ms", &cfg.restart_backoff_max_ms, "the restart delay doubles up to this", 0,
-           std::int64_t{3600} * 1000)
-      .add("restart_budget", &cfg.restart_budget,
-           "restarts per worker within up.restart_window_ms before the cluster stops (0: never restart)", 0, 1000000)
-      .add("restart_window_ms", &cfg.restart_window_ms, "the window of up.restart_budget", 1000, 7LL * 86400 * 1000)
-      .add("smoke", &cfg.smoke,
-           "start, send one chat completion through the router, print the answer, stop (CI's check)");
-}
-
-namespace {
-
-using namespace std::chrono_literals;
-
-// Ctrl-C and SIGTERM reach the supervisor loop through this pipe.
-int g_signal_pipe[2] = {-1, -1};
-std::atomic<int> g_signals{0};
-
-void onSignal(int /*signal*/) {
-  g_signals.fetch_add(1);
-  const char byte = 1;
-  [[maybe_unused]] const auto n = ::write(g_signal_pipe[1], &byte, 1);
-}
-
-// Sends one chat completion through the router and prints the answer (the --up.smoke check).
-Status smokeRequest(const std::string& router_url, const std::string& model_name) {
-  const std::string hp = proc::hostPortOf(router_url);
-  const auto colon = hp.rfind(':');
-  http::Client client(hp.substr(0, colon), static_cast<std::uint16_t>(std::stoi(hp.substr(colon + 1))));
-  http::ClientRequest req;
-  req.method = "POST";
-  req.target = "/v1/chat/completions";
-  req.headers.push_back({"Content-Type", "application/json"});
-  req.body = R"({"model":")" + model_name +
-             R"(","messages":[{"role":"user","content":"What is a river?"}],"max_tokens":32,"temperature":0})";
-  PD_ASSIGN_OR_RETURN(auto response, client.send(req, 120s));
-  std::printf("smoke: POST /v1/chat/completions -> HTTP %d\n%s\n", response.status, response.body.c_str());
-  std::fflush(stdout);
-  if (response.status != 200) {
-    return makeError(ErrorCode::PeerFailed, "smoke request answered HTTP " + std::to_string(response.status));
-  }
-  return okStatus();
-}
-
-// The short flags `pdserve up` accepts, as the config's long names.
-std::vector<std::string> expandAliases(const std::vector<std::string>& args) {
-  static const std::vector<std::pair<std::string, std::string>> aliases = {
-      {"--model", "--model.path"},
-      {"--prefill", "--up.prefill"},
-      {"--decode", "--up.decode"},
-      {"--tp", "--decode.tensor_parallel"},
-      {"--port", "--router.port"},
-      {"--smoke", "--up.smoke"},
-      {"--mtp", "--decode.num_speculative_tokens"},
-  };
-  std::vector<std::string> out;
-  for (const auto& a : args) {
-    std::string arg = a;
-    for (const auto& [alias, name] : aliases) {
-      if (arg == alias) {
-        arg = name;
-      } else if (arg.starts_with(alias + "=")) {
-        arg.replace(0, alias.size(), name);
-      }
-    }
-    out.push_back(std::move(arg));
-  }
-  return out;
-}
-
-// One YAML file holding every resolved setting (defaults < file < env < flags, as `up` saw
-// them), so each child reads exactly what `up` validated.
-Status writeResolvedConfig(const std::filesystem::path& file, const std::vector<config::OptionSet*>& sets) {
-  std::ofstream out(file);
-  if (!out) return makeError(ErrorCode::Io, "cannot write " + file.string());
-  for (const auto* set : sets) {
-    out << set->section() << ":\n";
-    for (const auto& line : set->describeValues()) {
-      const auto eq = line.find('=');
-      const auto dot = line.find('.');
-      std::string value = line.substr(eq + 1);
-      std::string quoted = "\"";
-      for (char ch : value) {
-        if (ch == '"' || ch == '\\') quoted += '\\';
-        quoted += ch;
-      }
-      quoted += '"';
-      out << "  " << line.substr(dot + 1, eq - dot - 1) << ": " << quoted << "\n";
-    }
-  }
-  out.close();
-  if (!out) return makeError(ErrorCode::Io, "cannot write " + file.string());
-  return okStatus();
-}
-
-}  // namespace
-
 int runUp(const std::vector<std::string>& raw_args) {
   CommonConfig common;
-  UpConfig up_cfg;
+  cluster::UpConfig up_cfg;
   router::RouterConfig router_cfg;
   prefill::PrefillConfig prefill_cfg;
   decode::DecodeConfig decode_cfg;
@@ -150,7 +30,7 @@ int runUp(const std::vector<std::string>& raw_args) {
   config::OptionSet prefill_set("prefill");
   config::OptionSet decode_set("decode");
   config::OptionSet kv_set("kvtransfer");
-  registerUpOptions(up_set, up_cfg);
+  cluster::registerUpOptions(up_set, up_cfg);
   router::registerOptions(router_set, router_cfg);
   prefill::registerOptions(prefill_set, prefill_cfg);
   decode::registerOptions(decode_set, decode_cfg);
@@ -165,114 +45,34 @@ int runUp(const std::vector<std::string>& raw_args) {
       "--tp = --decode.tensor_parallel, --mtp = --decode.num_speculative_tokens, --port = --router.port.",
       {&common_sets.log, &common_sets.model, &common_sets.cluster, &common_sets.trace, &up_set, &router_set,
        &prefill_set, &decode_set, &kv_set},
-      expandAliases(raw_args), &common);
+      cluster::expandUpAliases(raw_args), &common);
   if (!loaded.ok()) return reportFailure(loaded.error());
   if (loaded->help_requested) return 0;
   if (!loaded->positionals.empty()) {
     return reportFailure(
         makeError(ErrorCode::InvalidArgument, "up takes no positional arguments: " + loaded->positionals[0]));
   }
-  if (up_cfg.prefill_workers > 1 && prefill_cfg.port != 0) {
-    return reportFailure(
-        makeError(ErrorCode::InvalidArgument, "prefill.port must be 0 (any) with several prefill workers"));
-  }
-  if (up_cfg.decode_workers > 1 && decode_cfg.port != 0) {
-    return reportFailure(
-        makeError(ErrorCode::InvalidArgument, "decode.port must be 0 (any) with several decode workers"));
+  if (auto valid = cluster::validateUpConfig(up_cfg, prefill_cfg.port, decode_cfg.port); !valid.ok()) {
+    return reportFailure(valid.error());
   }
 
   auto model_dir = resolveModelDir(common);
   if (!model_dir.ok()) return reportFailure(model_dir.error());
   common.model_path = *model_dir;  // the children use the same folder, created once here
-  auto model_config = ModelConfig::load(*model_dir);
-  if (!model_config.ok()) return reportFailure(model_config.error());
-  auto checkpoint = Checkpoint::open(*model_dir);
-  if (!checkpoint.ok()) return reportFailure(checkpoint.error());
-  if (auto valid = validateCheckpoint(*model_config, *checkpoint); !valid.ok()) return reportFailure(valid.error());
-  log::info("up", "model {}: {} layers (+{} MTP), hidden {}, vocab {}", model_dir->string(),
-            model_config->num_hidden_layers, model_config->num_nextn_predict_layers, model_config->hidden_size,
-            model_config->vocab_size);
-
   auto exe = proc::selfExecutable();
   if (!exe.ok()) return reportFailure(exe.error());
-  const auto run_dir = common.cache_dir / "run" / ("up-" + std::to_string(::getpid()));
-  std::error_code ec;
-  std::filesystem::create_directories(run_dir, ec);
-  if (ec) return reportFailure(makeError(ErrorCode::Io, "cannot create " + run_dir.string() + ": " + ec.message()));
-  // The run folder goes on every way out.
-  struct RemoveOnExit {
-    std::filesystem::path dir;
-    explicit RemoveOnExit(std::filesystem::path d) : dir(std::move(d)) {}
-    RemoveOnExit(const RemoveOnExit&) = delete;
-    RemoveOnExit& operator=(const RemoveOnExit&) = delete;
-    ~RemoveOnExit() {
-      std::error_code ignored;
-      std::filesystem::remove_all(dir, ignored);
-    }
-  } remove_run_dir{run_dir};
-  // Every local cluster signs its internal calls with a fresh secret unless one is given.
-  if (common.cluster_secret_file.empty()) {
-    common.cluster_secret_file = run_dir / "cluster-secret";
-    if (auto s = writeNewClusterSecret(common.cluster_secret_file); !s.ok()) return reportFailure(s.error());
-  }
-  const auto config_file = run_dir / "config.yaml";
-  if (auto s = writeResolvedConfig(config_file, {&common_sets.log, &common_sets.model, &common_sets.cluster,
-                                                 &common_sets.trace, &router_set, &prefill_set, &decode_set, &kv_set});
-      !s.ok()) {
-    return reportFailure(s.error());
-  }
 
-  if (::pipe2(g_signal_pipe, O_CLOEXEC | O_NONBLOCK) != 0) {
-    return reportFailure(makeError(ErrorCode::Io, "cannot create the signal pipe"));
-  }
-  struct sigaction sa = {};
-  sa.sa_handler = onSignal;
-  sigemptyset(&sa.sa_mask);
-  ::sigaction(SIGINT, &sa, nullptr);
-  ::sigaction(SIGTERM, &sa, nullptr);
-  ::signal(SIGPIPE, SIG_IGN);
-
-  ClusterOptions options;
-  options.executable = *exe;
-  options.common_flags = {"--config", config_file.string()};
-  options.prefill_workers = up_cfg.prefill_workers;
-  options.decode_workers = up_cfg.decode_workers;
-  options.ready_timeout = std::chrono::milliseconds{up_cfg.ready_timeout_ms};
-  options.stop_timeout = std::chrono::milliseconds{up_cfg.stop_timeout_ms};
-  options.restart.backoff_initial = std::chrono::milliseconds{up_cfg.restart_backoff_ms};
-  options.restart.backoff_max = std::chrono::milliseconds{up_cfg.restart_backoff_max_ms};
-  options.restart.budget = up_cfg.restart_budget;
-  options.restart.window = std::chrono::milliseconds{up_cfg.restart_window_ms};
-  ClusterSupervisor cluster(std::move(options), g_signals, g_signal_pipe[0]);
-  int exit_code = 0;
-  if (auto url = cluster.start(); !url.ok()) {
-    log::error("up", "{}", url.error().toString());
-    exit_code = 1;
-  } else {
-    std::printf("PDSERVE_READY role=up url=%s\n", url->c_str());
-    std::fflush(stdout);
-    if (up_cfg.smoke) {
-      auto s = smokeRequest(*url, router_cfg.served_model_name);
-      if (!s.ok()) log::error("up", "smoke: {}", s.error().toString());
-      exit_code = s.ok() ? 0 : 1;
-    } else {
-      std::printf(
-          "\npdserve is serving %s on %s (OpenAI API; Ctrl-C stops it)\n\n"
-          "  curl %s/v1/chat/completions -H 'Content-Type: application/json' \\\n"
-          "    -d '{\"model\": \"%s\", \"messages\": [{\"role\": \"user\", \"content\": \"What is a river?\"}], "
-          "\"max_tokens\": 32}'\n\n",
-          router_cfg.served_model_name.c_str(), url->c_str(), url->c_str(), router_cfg.served_model_name.c_str());
-      std::fflush(stdout);
-      if (Status s = cluster.superviseUntilStopped(); !s.ok()) {
-        log::error("up", "{}: stopping the cluster", s.error().toString());
-        exit_code = 1;
-      } else {
-        log::info("up", "stopping: router first, then the workers");
-      }
-    }
-  }
-  cluster.stopAll();
-  return exit_code;
+  cluster::LocalClusterConfig cfg;
+  cfg.up = up_cfg;
+  cfg.executable = *exe;
+  cfg.model_dir = *model_dir;
+  cfg.cache_dir = common.cache_dir;
+  cfg.cluster_secret_file = common.cluster_secret_file;
+  cfg.served_model_name = router_cfg.served_model_name;
+  cfg.child_settings = {&common_sets.log, &common_sets.model, &common_sets.cluster, &common_sets.trace,
+                        &router_set,      &prefill_set,       &decode_set,          &kv_set};
+  auto exit_code = cluster::runLocalCluster(cfg);
+  return exit_code.ok() ? *exit_code : reportFailure(exit_code.error());
 }
 
 }  // namespace pd::cli

@@ -11,6 +11,7 @@
 #include <limits>
 #include <set>
 
+#include "model_tools/checkpoint_summary.h"
 #include "pd/common/dtype.h"
 #include "pd/engine/model_factory.h"
 
@@ -18,15 +19,6 @@ namespace pd::plan {
 namespace {
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
-
-std::int64_t layerOf(std::string_view name) {
-  constexpr std::string_view kPrefix = "model.layers.";
-  if (!name.starts_with(kPrefix)) return -1;
-  name.remove_prefix(kPrefix.size());
-  std::int64_t layer = -1;
-  const auto res = std::from_chars(name.data(), name.data() + name.size(), layer);
-  return res.ec == std::errc() ? layer : -1;
-}
 
 double asDouble(std::int64_t v) {
   return static_cast<double>(v);
@@ -286,7 +278,7 @@ Result<ModelShape> shapeFromConfig(const ModelConfig& config, std::string name) 
     s.total_weight_bytes += bytes;
     if (!spec.is_scale) s.total_params += numel;
     const std::string_view n = spec.name;
-    const bool mtp = layerOf(n) >= config.num_hidden_layers;
+    const bool mtp = tools::layerOf(n) >= config.num_hidden_layers;
     if (n.find(".mlp.experts.") != std::string_view::npos) {
       if (!mtp) {
         routed_bytes += bytes;

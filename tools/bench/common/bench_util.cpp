@@ -53,21 +53,27 @@ double measureReadBandwidth(model::ThreadPool& pool, const model::KernelTable& k
   return best;
 }
 
-Result<std::vector<std::int64_t>> parsePositiveList(const std::string& text, const std::string& option) {
+Result<std::vector<std::int64_t>> positiveIntegers(std::string_view text) {
   std::vector<std::int64_t> out;
   std::size_t pos = 0;
   while (pos <= text.size()) {
     std::size_t end = text.find(',', pos);
-    if (end == std::string::npos) end = text.size();
+    if (end == std::string_view::npos) end = text.size();
     std::int64_t v = 0;
     const auto res = std::from_chars(text.data() + pos, text.data() + end, v);
     if (res.ec != std::errc() || res.ptr != text.data() + end || v < 1) {
-      return makeError(ErrorCode::InvalidArgument, fmt::format("{}: bad list '{}'", option, text));
+      return makeError(ErrorCode::InvalidArgument, std::string(text.substr(pos, end - pos)));
     }
     out.push_back(v);
     pos = end + 1;
   }
   return out;
+}
+
+Result<std::vector<std::int64_t>> parsePositiveList(const std::string& text, const std::string& option) {
+  auto list = positiveIntegers(text);
+  if (!list.ok()) return makeError(ErrorCode::InvalidArgument, fmt::format("{}: bad list '{}'", option, text));
+  return list;
 }
 
 std::optional<pid_t> spawnWithUcxEnv(const std::vector<std::string>& argv, const UcxEnv& ucx, int stdout_fd) {

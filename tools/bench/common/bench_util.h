@@ -34,7 +34,11 @@ using BenchClock = std::chrono::steady_clock;
 /// bytes/s (one read of each cache line, first-touched by the threads that read it).
 [[nodiscard]] double measureReadBandwidth(model::ThreadPool& pool, const model::KernelTable& k, std::size_t bytes);
 
-/// "1,4,16" -> {1, 4, 16}; every entry >= 1. InvalidArgument naming `option` otherwise.
+/// "1,4,16" -> {1, 4, 16}; every entry an integer >= 1. InvalidArgument whose message is the
+/// first bad entry otherwise.
+[[nodiscard]] Result<std::vector<std::int64_t>> positiveIntegers(std::string_view text);
+
+/// positiveIntegers(text), or InvalidArgument naming `option` and the whole list.
 [[nodiscard]] Result<std::vector<std::int64_t>> parsePositiveList(const std::string& text, const std::string& option);
 
 /// Environment entries for a child, as UCX_<name>=<value> (e.g. {"TLS", "tcp,sm"}).

@@ -6,8 +6,7 @@
 ///  - measured speedup = speculative tokens/s / plain tokens/s;
 ///  - ideal speedup = (1 + accepted per step) / (1 + relative cost), what the measured acceptance
 ///    allows at the measured cost; over ideal = measured / ideal.
-/// The run itself (the decode engine, the bench-only draft override) stays in
-/// tools/pdserve/cmd_bench_decode.cpp until the MTP drafter seam lands.
+/// The run itself (the decode engine, the bench-only draft override) is decode_bench.h's.
 ///
 /// Thread rules: pure functions.
 

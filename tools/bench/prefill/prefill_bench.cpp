@@ -18,6 +18,7 @@
 #include <string>
 #include <vector>
 
+#include "bench/common/bench_util.h"
 #include "pd/common/check.h"
 #include "pd/common/subprocess.h"
 #include "pd/common/worker_api.h"
@@ -223,21 +224,12 @@ class Bench {
 }  // namespace
 
 Result<std::vector<std::int64_t>> parsePrefillLengths(const std::string& text) {
-  std::vector<std::int64_t> out;
-  std::size_t pos = 0;
-  while (pos <= text.size()) {
-    std::size_t end = text.find(',', pos);
-    if (end == std::string::npos) end = text.size();
-    std::int64_t v = 0;
-    const auto r = std::from_chars(text.data() + pos, text.data() + end, v);
-    if (r.ec != std::errc() || r.ptr != text.data() + end || v <= 0) {
-      return makeError(ErrorCode::InvalidArgument,
-                       fmt::format("--lengths: '{}' is not a positive token count", text.substr(pos, end - pos)));
-    }
-    out.push_back(v);
-    pos = end + 1;
+  auto lengths = positiveIntegers(text);
+  if (!lengths.ok()) {
+    return makeError(ErrorCode::InvalidArgument,
+                     fmt::format("--lengths: '{}' is not a positive token count", lengths.error().message));
   }
-  return out;
+  return lengths;
 }
 
 Result<std::vector<std::int64_t>> fitPrefillLengths(const std::vector<std::int64_t>& requested, std::int64_t context) {

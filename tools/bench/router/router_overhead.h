@@ -2,7 +2,7 @@
 /// The arithmetic of `pdserve bench router`: what the router adds to a request's latency is the
 /// difference of the latency percentiles of the same requests through the router and sent
 /// straight to the workers' internal API, at each concurrency. The run itself (child processes,
-/// the two ways of sending) stays in tools/pdserve/cmd_bench_router.cpp.
+/// the two ways of sending) is router_bench.h's.
 ///
 /// Thread rules: pure functions.
 

@@ -23,7 +23,7 @@
 #include "pd/common/result.h"
 #include "pd/common/role_process.h"
 
-namespace pd::cli {
+namespace pd::cluster {
 
 /// When and how often an exited worker is started again.
 struct RestartPolicy {
@@ -103,4 +103,4 @@ class ClusterSupervisor {
   std::vector<std::unique_ptr<Child>> children_;
 };
 
-}  // namespace pd::cli
+}  // namespace pd::cluster

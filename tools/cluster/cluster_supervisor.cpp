@@ -1,5 +1,5 @@
 // The self-healing supervisor of `pdserve up` (cluster_supervisor.h).
-#include "cluster_supervisor.h"
+#include "cluster/cluster_supervisor.h"
 
 #include <fmt/format.h>
 #include <poll.h>
@@ -12,7 +12,7 @@
 #include "pd/common/http_client.h"
 #include "pd/common/log.h"
 
-namespace pd::cli {
+namespace pd::cluster {
 namespace {
 
 using Clock = std::chrono::steady_clock;
@@ -239,4 +239,4 @@ void ClusterSupervisor::stopAll() {
   stopGroup("decode");
 }
 
-}  // namespace pd::cli
+}  // namespace pd::cluster
