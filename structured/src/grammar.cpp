@@ -1,0 +1,222 @@
+#include "pd/structured/grammar.h"
+
+#include <algorithm>
+#include <boost/json.hpp>
+
+#include "grammar_impl.h"
+#include "schema_compiler.h"
+#include "vocabulary_impl.h"
+
+namespace pd::structured {
+
+using detail::Automaton;
+using detail::Frame;
+using detail::Stack;
+using detail::StateSet;
+using detail::TokenTrie;
+
+namespace {
+
+Result<std::shared_ptr<const Grammar>> fail(Error e) {
+  return e;
+}
+
+}  // namespace
+
+Grammar::Grammar(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+Grammar::~Grammar() = default;
+
+const TokenVocabulary& Grammar::vocabulary() const {
+  return *impl_->vocabulary;
+}
+
+Result<std::shared_ptr<const Grammar>> Grammar::fromJsonSchema(std::string_view schema_json,
+                                                               std::shared_ptr<const TokenVocabulary> vocabulary,
+                                                               GrammarOptions options) {
+  PD_CHECK(vocabulary != nullptr);
+  boost::system::error_code ec;
+  const boost::json::value schema = boost::json::parse(schema_json, ec);
+  if (ec) return fail(makeError(ErrorCode::InvalidArgument, "response schema: not JSON: " + ec.message()));
+  PD_ASSIGN_OR_RETURN(auto automaton, detail::compileJsonSchema(schema, options));
+  auto impl = std::make_unique<Impl>();
+  impl->vocabulary = std::move(vocabulary);
+  impl->automaton = std::move(automaton);
+  impl->options = options;
+  return std::shared_ptr<const Grammar>(new Grammar(std::move(impl)));
+}
+
+Result<std::shared_ptr<const Grammar>> Grammar::anyJsonObject(std::shared_ptr<const TokenVocabulary> vocabulary,
+                                                              GrammarOptions options) {
+  PD_CHECK(vocabulary != nullptr);
+  PD_ASSIGN_OR_RETURN(auto automaton, detail::compileAnyJsonObject(options));
+  auto impl = std::make_unique<Impl>();
+  impl->vocabulary = std::move(vocabulary);
+  impl->automaton = std::move(automaton);
+  impl->options = options;
+  return std::shared_ptr<const Grammar>(new Grammar(std::move(impl)));
+}
+
+class Matcher::Impl {
+ public:
+  explicit Impl(std::shared_ptr<const Grammar> g)
+      : grammar(std::move(g)),
+        automaton(grammar->impl().automaton),
+        vocab(grammar->vocabulary().impl()),
+        levels(std::max(vocab.all.max_depth, vocab.unplain.max_depth) + 2) {
+    current.push_back(automaton.initial());
+  }
+
+  // The states after feeding `bytes` to `from`; empty when some byte is not allowed.
+  StateSet advance(const StateSet& from, std::string_view bytes) const {
+    StateSet cur = from;
+    StateSet next;
+    for (const char c : bytes) {
+      next.clear();
+      for (const Stack& s : cur) automaton.feed(s, static_cast<std::uint8_t>(c), next);
+      if (next.empty()) return next;
+      std::swap(cur, next);
+    }
+    return cur;
+  }
+
+  [[nodiscard]] bool complete() const {
+    return std::any_of(current.begin(), current.end(), [&](const Stack& s) { return automaton.complete(s); });
+  }
+
+  // Sets the bit of every token under trie node `node` whose bytes some state in levels[depth] takes.
+  void walk(const TokenTrie& t, std::uint32_t node, std::size_t depth, MaskWord* mask) {
+    for (std::uint32_t c = node + 1; c < t.end[node]; c = t.end[c]) {
+      StateSet& next = levels[depth + 1];
+      next.clear();
+      for (const Stack& s : levels[depth]) automaton.feed(s, t.byte[c], next);
+      if (next.empty()) continue;  // no token below c can be taken: skip the subtree
+      if (t.token[c] >= 0) {
+        detail::setBit(mask, t.token[c]);
+        if (t.has_twins[c] != 0) {
+          for (const auto& [n, id] : t.twins) {
+            if (n == c) detail::setBit(mask, id);
+          }
+        }
+      }
+      if (t.end[c] > c + 1) walk(t, c, depth + 1, mask);
+    }
+  }
+
+  void fillMask(std::span<MaskWord> mask) {
+    PD_CHECK_MSG(mask.size() == vocab.mask_words, "mask size does not match the vocabulary");
+    std::fill(mask.begin(), mask.end(), 0);
+    if (!terminated) {
+      general.clear();
+      for (const Stack& s : current) {
+        std::uint32_t room = 0;
+        if (!automaton.plainStringRoom(s, &room)) {
+          general.push_back(s);
+          continue;
+        }
+        // Inside a free string: plain tokens by their length, the rest by a walk of their own trie.
+        const auto& plain = vocab.plain_upto[std::min(room, vocab.max_plain_chars)];
+        for (std::size_t i = 0; i < mask.size(); ++i) mask[i] |= plain[i];
+        levels[0].clear();
+        levels[0].push_back(s);
+        walk(vocab.unplain, 0, 0, mask.data());
+      }
+      if (!general.empty()) {
+        levels[0] = general;
+        walk(vocab.all, 0, 0, mask.data());
+      }
+      if (!complete()) return;
+    }
+    for (const TokenId id : vocab.stops) detail::setBit(mask.data(), id);
+  }
+
+  struct Snapshot {
+    std::vector<std::uint32_t> sizes;
+    std::vector<Frame> frames;
+    bool terminated = false;
+  };
+
+  void remember() {
+    Snapshot snap;
+    snap.terminated = terminated;
+    for (const Stack& s : current) {
+      snap.sizes.push_back(s.size);
+      snap.frames.insert(snap.frames.end(), s.frames.begin(), s.frames.begin() + s.size);
+    }
+    history.push_back(std::move(snap));
+  }
+
+  void restore(const Snapshot& snap) {
+    terminated = snap.terminated;
+    current.clear();
+    std::size_t at = 0;
+    for (const std::uint32_t size : snap.sizes) {
+      Stack s;
+      s.size = size;
+      std::copy(snap.frames.begin() + static_cast<std::ptrdiff_t>(at),
+                snap.frames.begin() + static_cast<std::ptrdiff_t>(at + size), s.frames.begin());
+      at += size;
+      current.push_back(s);
+    }
+  }
+
+  std::shared_ptr<const Grammar> grammar;
+  const Automaton& automaton;
+  const TokenVocabulary::Impl& vocab;
+  StateSet current;
+  bool terminated = false;
+  std::vector<Snapshot> history;  // the state before each accepted token
+  std::vector<StateSet> levels;   // walk scratch: the states after each trie depth
+  StateSet general;               // fillMask scratch: the states outside free strings
+};
+
+Matcher::Matcher(std::shared_ptr<const Grammar> grammar) : impl_(std::make_unique<Impl>(std::move(grammar))) {}
+Matcher::Matcher(Matcher&&) noexcept = default;
+Matcher& Matcher::operator=(Matcher&&) noexcept = default;
+Matcher::~Matcher() = default;
+
+void Matcher::fillMask(std::span<MaskWord> mask) {
+  impl_->fillMask(mask);
+}
+
+Status Matcher::accept(TokenId token) {
+  Impl& m = *impl_;
+  if (m.terminated) return makeError(ErrorCode::InvalidArgument, "grammar: token after the stop token");
+  if (m.grammar->vocabulary().isStopToken(token)) {
+    if (!m.complete()) {
+      return makeError(ErrorCode::InvalidArgument,
+                       "grammar: stop token " + std::to_string(token) + " before the value is complete");
+    }
+    m.remember();
+    m.terminated = true;
+    return okStatus();
+  }
+  const auto bytes = m.grammar->vocabulary().tokenBytes(token);
+  if (!bytes) return makeError(ErrorCode::InvalidArgument, "grammar: token " + std::to_string(token) + " is not text");
+  StateSet next = m.advance(m.current, *bytes);
+  if (next.empty()) {
+    return makeError(ErrorCode::InvalidArgument, "grammar: token " + std::to_string(token) + " is not allowed here");
+  }
+  m.remember();
+  m.current = std::move(next);
+  return okStatus();
+}
+
+void Matcher::rollback(std::size_t n) {
+  Impl& m = *impl_;
+  PD_CHECK_MSG(n <= m.history.size(), "rollback past the first token");
+  if (n == 0) return;
+  m.restore(m.history[m.history.size() - n]);
+  m.history.resize(m.history.size() - n);
+}
+
+bool Matcher::isComplete() const {
+  return !impl_->terminated && impl_->complete();
+}
+bool Matcher::isTerminated() const {
+  return impl_->terminated;
+}
+std::size_t Matcher::acceptedCount() const {
+  return impl_->history.size();
+}
+
+}  // namespace pd::structured
