@@ -6,6 +6,7 @@
 #include <cmath>
 #include <limits>
 #include <numeric>
+#include <utility>
 
 #include "pd/common/check.h"
 
@@ -20,7 +21,7 @@ std::int32_t argmax(std::span<const float> logits) {
   return static_cast<std::int32_t>(best);
 }
 
-Sampler::Sampler(SamplingParams params) : params_(params), rng_state_(params.seed) {
+Sampler::Sampler(SamplingParams params) : params_(std::move(params)), rng_state_(params_.seed) {
   PD_CHECK_MSG(validate(params_).ok(), "Sampler: invalid SamplingParams");
 }
 

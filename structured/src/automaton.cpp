@@ -9,14 +9,12 @@ namespace {
 
 // String frame: s0 = phase | (utf8 bytes still due << 4) | (utf8 sequence length << 6) |
 // (code point or \u value so far << 9); s1 = characters so far; s2 = pattern DFA state.
-enum StringPhase : std::uint32_t {
-  kOpen = 0,
-  kContent = 1,
-  kEscape = 2,
-  kHex0 = 3,  // kHex0 + k: k hex digits of a \u escape read
-  kUtf8 = 7,
-  kDone = 8,
-};
+constexpr std::uint32_t kOpen = 0;
+constexpr std::uint32_t kContent = 1;
+constexpr std::uint32_t kEscape = 2;
+constexpr std::uint32_t kHex0 = 3;  // kHex0 + k: k hex digits of a \u escape read
+constexpr std::uint32_t kUtf8 = 7;
+constexpr std::uint32_t kDone = 8;
 constexpr std::uint32_t phaseOf(std::uint32_t s0) {
   return s0 & 0xFU;
 }
@@ -34,17 +32,15 @@ constexpr std::uint32_t packString(std::uint32_t phase, std::uint32_t due, std::
 }
 
 // Number frame: s0 = phase, s1 = digits in the current digit run.
-enum NumberPhase : std::uint32_t {
-  kNumStart = 0,
-  kNumMinus = 1,
-  kNumZero = 2,
-  kNumInt = 3,
-  kNumDot = 4,
-  kNumFrac = 5,
-  kNumExp = 6,
-  kNumExpSign = 7,
-  kNumExpDigits = 8,
-};
+constexpr std::uint32_t kNumStart = 0;
+constexpr std::uint32_t kNumMinus = 1;
+constexpr std::uint32_t kNumZero = 2;
+constexpr std::uint32_t kNumInt = 3;
+constexpr std::uint32_t kNumDot = 4;
+constexpr std::uint32_t kNumFrac = 5;
+constexpr std::uint32_t kNumExp = 6;
+constexpr std::uint32_t kNumExpSign = 7;
+constexpr std::uint32_t kNumExpDigits = 8;
 
 // List and Object frames: s0 = phase; kListDone when closed.
 constexpr std::uint32_t kListDone = 9;

@@ -29,7 +29,7 @@ struct Re {
 };
 
 // Sorts, merges and removes surrogates (which no JSON string character can be).
-std::vector<Range> normalize(std::vector<Range> in) {
+std::vector<Range> normalize(const std::vector<Range>& in) {
   std::vector<Range> split;
   for (const auto& r : in) {
     if (r.lo > r.hi) continue;
@@ -64,10 +64,10 @@ std::vector<Range> complement(const std::vector<Range>& in) {
   return normalize(out);
 }
 
-Re setOf(std::vector<Range> ranges) {
+Re setOf(const std::vector<Range>& ranges) {
   Re re;
   re.kind = Re::Kind::Set;
-  re.ranges = normalize(std::move(ranges));
+  re.ranges = normalize(ranges);
   return re;
 }
 Re anyChar() {
@@ -347,7 +347,7 @@ class Parser {
         return setOf(complement({{'\n', '\n'}, {'\r', '\r'}, {0x2028, 0x2029}}));
       case '\\': {
         PD_ASSIGN_OR_RETURN(auto ranges, parseEscape(false));
-        return setOf(std::move(ranges));
+        return setOf(ranges);
       }
       case '^':
         return unsupported("the anchor '^' inside the pattern");

@@ -371,7 +371,10 @@ class SchemaCompiler {
     if (props != nullptr) {
       for (const auto& kv : props->as_object()) {
         const std::string name(kv.key());
-        PD_ASSIGN_OR_RETURN(auto value, compile(kv.value(), path + "/properties/" + name));
+        std::string member_path = path;
+        member_path += "/properties/";
+        member_path += name;
+        PD_ASSIGN_OR_RETURN(auto value, compile(kv.value(), member_path));
         const std::uint32_t member =
             seq({literal(json::serialize(json::string(kv.key()))), a_.whitespace, literal(":"), a_.whitespace, value});
         n.children.push_back(member);

@@ -83,7 +83,7 @@ ToolParseResult ToolCallParser::parseAll(ToolCallFormat format, std::string id_p
 
 ToolParseDelta ToolCallParser::drain(bool final) {
   ToolParseDelta out;
-  auto argumentsOf = [&](std::string text) {
+  auto arguments_of = [&](std::string text) {
     if (text.empty()) return;
     if (!out.tool_calls.empty() && out.tool_calls.back().index == calls_ - 1) {
       out.tool_calls.back().arguments += text;
@@ -173,7 +173,7 @@ ToolParseDelta ToolCallParser::drain(bool final) {
               }
             }
           }
-          argumentsOf(std::string(args));
+          arguments_of(std::string(args));
           pending_.erase(0, at + kCallEnd.size());
           state_ = State::BetweenCalls;
           continue;
@@ -189,7 +189,7 @@ ToolParseDelta ToolCallParser::drain(bool final) {
             }
           }
         }
-        argumentsOf(pending_.substr(0, pending_.size() - hold));
+        arguments_of(pending_.substr(0, pending_.size() - hold));
         pending_.erase(0, pending_.size() - hold);
         return out;
       }
