@@ -45,20 +45,20 @@ constexpr std::uint32_t kNumExpDigits = 8;
 // List and Object frames: s0 = phase; kListDone when closed.
 constexpr std::uint32_t kListDone = 9;
 
-bool isWhitespace(std::uint8_t b) {
+bool isWhitespace(std::uint32_t b) {
   return b == ' ' || b == '\n' || b == '\t';
 }
-bool isDigit(std::uint8_t b) {
+bool isDigit(std::uint32_t b) {
   return b >= '0' && b <= '9';
 }
-int hexValue(std::uint8_t b) {
+int hexValue(std::uint32_t b) {
   if (b >= '0' && b <= '9') return b - '0';
   if (b >= 'a' && b <= 'f') return b - 'a' + 10;
   if (b >= 'A' && b <= 'F') return b - 'A' + 10;
   return -1;
 }
 // The code point a one-letter escape stands for, or -1.
-int simpleEscape(std::uint8_t b) {
+int simpleEscape(std::uint32_t b) {
   switch (b) {
     case '"':
       return '"';
@@ -89,7 +89,7 @@ constexpr std::uint32_t utf8Max(std::uint32_t length) {
   return length == 2 ? 0x7FFU : length == 3 ? 0xFFFFU : 0x10FFFFU;
 }
 
-bool numberStep(std::uint32_t& phase, std::uint32_t& digits, std::uint8_t b, bool integer) {
+bool numberStep(std::uint32_t& phase, std::uint32_t& digits, std::uint32_t b, bool integer) {
   const bool digit = isDigit(b);
   const bool exp_mark = !integer && (b == 'e' || b == 'E');
   switch (phase) {
@@ -227,7 +227,8 @@ bool Automaton::utf8PrefixAllowed(const Node& n, const Frame& f, std::uint32_t v
   return false;
 }
 
-void Automaton::feedString(Stack& s, std::uint8_t b, StateSet& out) const {
+void Automaton::feedString(Stack& s, std::uint32_t b, StateSet& out) const {
+  if (b > 0xFF) return;  // a marker token never continues a string
   Frame& f = s.top();
   const Node& n = nodes[f.node];
   const std::uint32_t phase = phaseOf(f.s0);
@@ -347,7 +348,7 @@ void Automaton::feedString(Stack& s, std::uint8_t b, StateSet& out) const {
   }
 }
 
-void Automaton::feed(Stack s, std::uint8_t b, StateSet& out) const {
+void Automaton::feed(Stack s, std::uint32_t b, StateSet& out) const {
   while (s.size > 0) {
     Frame& f = s.top();
     const Node& n = nodes[f.node];
@@ -374,7 +375,22 @@ void Automaton::feed(Stack s, std::uint8_t b, StateSet& out) const {
           --s.size;
           continue;
         }
+        if (f.s0 + 1 == n.children.size()) {
+          // The last child replaces the sequence (nothing follows it), so repetition built from
+          // nested sequences does not grow the stack.
+          f = Frame{n.children[f.s0], 0, 0, 0};
+          continue;
+        }
         push(s, n.children[f.s0++]);
+        continue;
+      case NodeKind::Marker:
+        if (f.s0 == 0) {
+          if (b != kMarkerSymbol + n.item) return;
+          f.s0 = 1;
+          addUnique(out, s);
+          return;
+        }
+        --s.size;
         continue;
       case NodeKind::Choice: {
         --s.size;
@@ -517,6 +533,8 @@ bool Automaton::frameComplete(const Frame& f) const {
     case NodeKind::List:
     case NodeKind::Object:
       return f.s0 == kListDone;
+    case NodeKind::Marker:
+      return f.s0 == 1;
   }
   return false;
 }

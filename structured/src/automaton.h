@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "pd/common/generation.h"
 #include "regex_dfa.h"
 
 namespace pd::structured::detail {
@@ -33,7 +34,11 @@ enum class NodeKind : std::uint8_t {
   Number,      // a JSON number (integer: no fraction or exponent)
   List,        // open item (, item)* close with min..max items: arrays and generic objects
   Object,      // { member (, member)* } with members in schema order, required ones mandatory
+  Marker,      // one added token (a tool-call marker), fed as the symbol kMarkerSymbol + item
 };
+
+/// The automaton's alphabet: bytes 0..255, then one symbol per marker token of the grammar.
+inline constexpr std::uint32_t kMarkerSymbol = 256;
 
 struct Node {
   NodeKind kind = NodeKind::Literal;
@@ -93,11 +98,13 @@ struct Automaton {
   std::vector<RegexDfa> patterns;
   std::uint32_t root = 0;
   std::uint32_t whitespace = 0;  // the one Whitespace node every gap pushes
+  std::vector<TokenId> markers;  // marker index -> its token id (symbol kMarkerSymbol + index)
 
   /// The state before any byte.
   [[nodiscard]] Stack initial() const;
-  /// Every stack `s` becomes after byte `b` (none: `b` is not allowed), added to `out`.
-  void feed(Stack s, std::uint8_t b, StateSet& out) const;
+  /// Every stack `s` becomes after symbol `b` (a byte, or kMarkerSymbol + a marker's index; none
+  /// when `b` is not allowed), added to `out`.
+  void feed(Stack s, std::uint32_t b, StateSet& out) const;
   /// True when `s` can end here (every frame can complete).
   [[nodiscard]] bool complete(const Stack& s) const;
   /// When the top of `s` is inside a pattern-free string at a character boundary, the characters
@@ -107,7 +114,7 @@ struct Automaton {
  private:
   [[nodiscard]] bool frameComplete(const Frame& f) const;
   void push(Stack& s, std::uint32_t node) const;
-  void feedString(Stack& s, std::uint8_t b, StateSet& out) const;
+  void feedString(Stack& s, std::uint32_t b, StateSet& out) const;
   [[nodiscard]] bool charAllowed(const Node& n, const Frame& f, std::uint32_t cp, std::uint32_t* next_state) const;
   [[nodiscard]] bool rangeAllowed(const Node& n, const Frame& f, std::uint32_t lo, std::uint32_t hi) const;
   [[nodiscard]] bool utf8PrefixAllowed(const Node& n, const Frame& f, std::uint32_t value, std::uint32_t due,

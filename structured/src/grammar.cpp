@@ -45,6 +45,31 @@ Result<std::shared_ptr<const Grammar>> Grammar::fromJsonSchema(std::string_view 
   return std::shared_ptr<const Grammar>(new Grammar(std::move(impl)));
 }
 
+Result<std::shared_ptr<const Grammar>> Grammar::forToolCalls(std::span<const ToolSpec> tools, ToolCallFormat format,
+                                                             bool parallel,
+                                                             std::shared_ptr<const TokenVocabulary> vocabulary,
+                                                             GrammarOptions options) {
+  PD_CHECK(vocabulary != nullptr);
+  // In the order of detail::k*Marker.
+  constexpr std::string_view kMarkers[] = {"<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>",
+                                           "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"};
+  std::vector<TokenId> ids;
+  for (const auto marker : kMarkers) {
+    const auto id = vocabulary->addedToken(marker);
+    if (!id) {
+      return fail(
+          makeError(ErrorCode::Unsupported, "tool calls: the tokenizer has no " + std::string(marker) + " token"));
+    }
+    ids.push_back(*id);
+  }
+  PD_ASSIGN_OR_RETURN(auto automaton, detail::compileToolCalls(tools, format, parallel, std::move(ids), options));
+  auto impl = std::make_unique<Impl>();
+  impl->vocabulary = std::move(vocabulary);
+  impl->automaton = std::move(automaton);
+  impl->options = options;
+  return std::shared_ptr<const Grammar>(new Grammar(std::move(impl)));
+}
+
 Result<std::shared_ptr<const Grammar>> Grammar::anyJsonObject(std::shared_ptr<const TokenVocabulary> vocabulary,
                                                               GrammarOptions options) {
   PD_CHECK(vocabulary != nullptr);
@@ -123,6 +148,13 @@ class Matcher::Impl {
       if (!general.empty()) {
         levels[0] = general;
         walk(vocab.all, 0, 0, mask.data());
+        // Marker tokens are symbols of their own, outside the byte trie.
+        StateSet& next = levels[1];
+        for (std::size_t k = 0; k < automaton.markers.size(); ++k) {
+          next.clear();
+          for (const Stack& s : general) automaton.feed(s, detail::kMarkerSymbol + static_cast<std::uint32_t>(k), next);
+          if (!next.empty()) detail::setBit(mask.data(), automaton.markers[k]);
+        }
       }
       if (!complete()) return;
     }
@@ -190,9 +222,17 @@ Status Matcher::accept(TokenId token) {
     m.terminated = true;
     return okStatus();
   }
-  const auto bytes = m.grammar->vocabulary().tokenBytes(token);
-  if (!bytes) return makeError(ErrorCode::InvalidArgument, "grammar: token " + std::to_string(token) + " is not text");
-  StateSet next = m.advance(m.current, *bytes);
+  StateSet next;
+  const auto& markers = m.automaton.markers;
+  if (const auto it = std::find(markers.begin(), markers.end(), token); it != markers.end()) {
+    const auto symbol = detail::kMarkerSymbol + static_cast<std::uint32_t>(it - markers.begin());
+    for (const Stack& s : m.current) m.automaton.feed(s, symbol, next);
+  } else {
+    const auto bytes = m.grammar->vocabulary().tokenBytes(token);
+    if (!bytes)
+      return makeError(ErrorCode::InvalidArgument, "grammar: token " + std::to_string(token) + " is not text");
+    next = m.advance(m.current, *bytes);
+  }
   if (next.empty()) {
     return makeError(ErrorCode::InvalidArgument, "grammar: token " + std::to_string(token) + " is not allowed here");
   }

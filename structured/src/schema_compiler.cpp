@@ -175,6 +175,36 @@ class SchemaCompiler {
 
   std::uint32_t anyObject() { return map(anyValue()); }
 
+  /// Compiles `schema` with its own document as the root of its $refs (a tool's parameters).
+  Result<std::uint32_t> compileDocument(const json::value& schema, const std::string& path) {
+    const json::value* saved = root_;
+    root_ = &schema;
+    auto compiled = compile(schema, path);
+    root_ = saved;
+    return compiled;
+  }
+  std::uint32_t text(std::string bytes) { return literal(std::move(bytes)); }
+  std::uint32_t sequence(std::vector<std::uint32_t> kids) { return seq(std::move(kids)); }
+  std::uint32_t oneOf(std::vector<std::uint32_t> kids) { return choice(std::move(kids)); }
+  std::uint32_t marker(std::uint32_t index) {
+    Node n;
+    n.kind = NodeKind::Marker;
+    n.item = index;
+    return add(std::move(n));
+  }
+  void setMarkers(std::vector<TokenId> markers) { a_.markers = std::move(markers); }
+  /// The automaton without the whitespace around the root (a tool-call section starts with its
+  /// marker token).
+  Result<Automaton> finishBare(std::uint32_t value) {
+    a_.root = value;
+    computeNullable();
+    std::vector<std::uint32_t> memo(a_.nodes.size(), kNoNode);
+    if (depth(a_.root, memo) > kGuardDepth) {
+      return unsupported("#", "nesting deeper than " + std::to_string(kGuardDepth / 2) + " levels");
+    }
+    return std::move(a_);
+  }
+
  private:
   std::uint32_t add(Node n) {
     a_.nodes.push_back(std::move(n));
@@ -419,6 +449,10 @@ class SchemaCompiler {
     std::uint32_t d = 1;
     switch (n.kind) {
       case NodeKind::Sequence:
+        // The last child replaces the sequence's frame (Automaton::feed).
+        for (std::size_t i = 0; i + 1 < n.children.size(); ++i) d = std::max(d, 1 + depth(n.children[i], memo));
+        if (!n.children.empty()) d = std::max(d, depth(n.children.back(), memo));
+        break;
       case NodeKind::Object:
         for (const auto c : n.children) d = std::max(d, 1 + depth(c, memo));
         break;
@@ -455,6 +489,57 @@ Result<Automaton> compileJsonSchema(const json::value& schema, const GrammarOpti
   SchemaCompiler compiler(&schema, options);
   PD_ASSIGN_OR_RETURN(auto value, compiler.compile(schema, "#"));
   return compiler.finish(value);
+}
+
+Result<Automaton> compileToolCalls(std::span<const ToolSpec> tools, ToolCallFormat format, bool parallel,
+                                   std::vector<TokenId> markers, const GrammarOptions& options) {
+  if (tools.empty()) return invalid("tools", "no tool to call");
+  const json::value empty;
+  SchemaCompiler c(&empty, options);
+  c.setMarkers(std::move(markers));
+  const std::uint32_t calls_begin = c.marker(kCallsBeginMarker);
+  const std::uint32_t calls_end = c.marker(kCallsEndMarker);
+  std::vector<std::uint32_t> named;  // per tool: its name and its arguments
+  for (std::size_t i = 0; i < tools.size(); ++i) {
+    const ToolSpec& tool = tools[i];
+    const std::string path = "tools[" + std::to_string(i) + "]";
+    if (tool.name.empty()) return invalid(path, "a tool needs a name");
+    std::uint32_t args = 0;
+    if (tool.parameters_json.empty()) {
+      args = c.anyObject();
+    } else {
+      boost::system::error_code ec;
+      const json::value schema = json::parse(tool.parameters_json, ec);
+      if (ec) return invalid(path, "parameters are not JSON: " + ec.message());
+      PD_ASSIGN_OR_RETURN(args, c.compileDocument(schema, path + ".parameters"));
+    }
+    if (format == ToolCallFormat::DeepSeekV3) {
+      // function<｜tool▁sep｜>NAME\n```json\nARGS\n```
+      named.push_back(c.sequence({c.text(tool.name + "\n```json\n"), args, c.text("\n```")}));
+    } else {
+      // NAME<｜tool▁sep｜>ARGS
+      named.push_back(c.sequence({c.text(tool.name), c.marker(kToolSepMarker), args}));
+    }
+  }
+  std::uint32_t call = 0;
+  if (format == ToolCallFormat::DeepSeekV3) {
+    call = c.sequence({c.marker(kCallBeginMarker), c.text("function"), c.marker(kToolSepMarker), c.oneOf(named),
+                       c.marker(kCallEndMarker)});
+  } else {
+    call = c.sequence({c.marker(kCallBeginMarker), c.oneOf(named), c.marker(kCallEndMarker)});
+  }
+  // Further calls: up to kMaxParallelToolCalls in all, separated as the chat template does.
+  std::uint32_t rest = calls_end;
+  if (parallel) {
+    for (std::uint32_t k = 1; k < kMaxParallelToolCalls; ++k) {
+      std::vector<std::uint32_t> more;
+      if (format == ToolCallFormat::DeepSeekV3) more.push_back(c.text("\n"));
+      more.push_back(call);
+      more.push_back(rest);
+      rest = c.oneOf({calls_end, c.sequence(std::move(more))});
+    }
+  }
+  return c.finishBare(c.sequence({calls_begin, call, rest}));
 }
 
 Result<Automaton> compileAnyJsonObject(const GrammarOptions& options) {

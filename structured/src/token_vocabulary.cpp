@@ -94,8 +94,8 @@ TokenVocabulary::TokenVocabulary(std::unique_ptr<Impl> impl) : impl_(std::move(i
 TokenVocabulary::~TokenVocabulary() = default;
 
 Result<std::shared_ptr<const TokenVocabulary>> TokenVocabulary::fromTokenBytes(
-    std::vector<std::optional<std::string>> token_bytes, std::size_t model_vocab_size,
-    std::vector<TokenId> stop_tokens) {
+    std::vector<std::optional<std::string>> token_bytes, std::size_t model_vocab_size, std::vector<TokenId> stop_tokens,
+    std::vector<std::pair<std::string, TokenId>> added_tokens) {
   if (model_vocab_size < token_bytes.size()) {
     return makeError(ErrorCode::InvalidArgument, "token vocabulary: model vocabulary size " +
                                                      std::to_string(model_vocab_size) + " < " +
@@ -113,6 +113,15 @@ Result<std::shared_ptr<const TokenVocabulary>> TokenVocabulary::fromTokenBytes(
     }
     token_bytes[static_cast<std::size_t>(id)].reset();  // a stop token never stands for text
   }
+  for (const auto& [content, id] : added_tokens) {
+    if (id < 0 || static_cast<std::size_t>(id) >= model_vocab_size) {
+      return makeError(ErrorCode::InvalidArgument,
+                       "token vocabulary: added token " + std::to_string(id) + " out of range");
+    }
+    token_bytes[static_cast<std::size_t>(id)].reset();  // named whole by a grammar, never text
+  }
+  std::sort(added_tokens.begin(), added_tokens.end());
+  impl->added = std::move(added_tokens);
   std::sort(stop_tokens.begin(), stop_tokens.end());
   stop_tokens.erase(std::unique(stop_tokens.begin(), stop_tokens.end()), stop_tokens.end());
   impl->stops = std::move(stop_tokens);
@@ -152,9 +161,14 @@ Result<std::shared_ptr<const TokenVocabulary>> TokenVocabulary::fromTokenizer(co
                                                                               std::size_t model_vocab_size,
                                                                               std::vector<TokenId> stop_tokens) {
   std::vector<std::optional<std::string>> bytes(tokenizer.vocabSize());
+  std::vector<std::pair<std::string, TokenId>> added;
   for (std::size_t i = 0; i < bytes.size(); ++i) {
     const auto id = static_cast<TokenId>(i);
-    if (!tokenizer.isKnownId(id) || tokenizer.isAddedToken(id)) continue;
+    if (!tokenizer.isKnownId(id)) continue;
+    if (tokenizer.isAddedToken(id)) {
+      if (const auto content = tokenizer.tokenString(id)) added.emplace_back(std::string(*content), id);
+      continue;
+    }
     if (const auto b = tokenizer.tokenBytes(id)) bytes[i] = std::string(*b);
   }
   if (stop_tokens.empty()) {
@@ -163,7 +177,7 @@ Result<std::shared_ptr<const TokenVocabulary>> TokenVocabulary::fromTokenizer(co
     stop_tokens.push_back(*tokenizer.eosId());
   }
   return fromTokenBytes(std::move(bytes), model_vocab_size == 0 ? tokenizer.vocabSize() : model_vocab_size,
-                        std::move(stop_tokens));
+                        std::move(stop_tokens), std::move(added));
 }
 
 std::size_t TokenVocabulary::size() const {
@@ -178,6 +192,13 @@ std::span<const TokenId> TokenVocabulary::stopTokens() const {
 bool TokenVocabulary::isStopToken(TokenId id) const {
   return std::binary_search(impl_->stops.begin(), impl_->stops.end(), id);
 }
+std::optional<TokenId> TokenVocabulary::addedToken(std::string_view content) const {
+  const auto it = std::lower_bound(impl_->added.begin(), impl_->added.end(), content,
+                                   [](const auto& entry, std::string_view key) { return entry.first < key; });
+  if (it == impl_->added.end() || it->first != content) return std::nullopt;
+  return it->second;
+}
+
 std::optional<std::string_view> TokenVocabulary::tokenBytes(TokenId id) const {
   if (id < 0 || static_cast<std::size_t>(id) >= impl_->bytes.size() || !impl_->bytes[static_cast<std::size_t>(id)]) {
     return std::nullopt;

@@ -1,6 +1,7 @@
 #pragma once
 // TokenVocabulary's prepared tables, shared with the Matcher. Private to pd_structured.
 
+#include <algorithm>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -40,7 +41,8 @@ class TokenVocabulary::Impl {
   std::size_t mask_words = 0;
   std::vector<std::optional<std::string>> bytes;  // indexed by id; nullopt: never text
   std::vector<TokenId> stops;
-  detail::TokenTrie all;  // every text token
+  std::vector<std::pair<std::string, TokenId>> added;  // sorted by content
+  detail::TokenTrie all;                               // every text token
   // Tokens that are not "plain string text": plain = no '"', no '\\', no control byte, whole UTF-8
   // characters only. Inside a pattern-free string a plain token of at most `room` characters is
   // always allowed, so only the other tokens need a walk.

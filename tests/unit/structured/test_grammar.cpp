@@ -280,3 +280,129 @@ TEST(Grammar, UnboundedStringCap) {
 }
 }  // namespace
 }  // namespace pd::structured
+namespace pd::structured {
+namespace {
+
+// Byte tokens 0..255, the five tool-call markers as added tokens 256..260, the stop token 261.
+const std::vector<std::string> kMarkers = {"<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>",
+                                           "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"};
+constexpr TokenId kCallsBegin = 256;
+constexpr TokenId kCallsEnd = 257;
+constexpr TokenId kCallBegin = 258;
+constexpr TokenId kCallEnd = 259;
+constexpr TokenId kSep = 260;
+constexpr TokenId kStop = 261;
+
+std::shared_ptr<const TokenVocabulary> markerVocabulary() {
+  std::vector<std::optional<std::string>> bytes;
+  for (int b = 0; b < 256; ++b) bytes.emplace_back(std::string(1, static_cast<char>(b)));
+  std::vector<std::pair<std::string, TokenId>> added;
+  for (std::size_t i = 0; i < kMarkers.size(); ++i) {
+    bytes.emplace_back(kMarkers[i]);  // the text is dropped: an added token is never text
+    added.emplace_back(kMarkers[i], static_cast<TokenId>(256 + i));
+  }
+  auto vocab = TokenVocabulary::fromTokenBytes(std::move(bytes), kStop + 1, {kStop}, std::move(added));
+  EXPECT_TRUE(vocab.ok());
+  return std::move(vocab).value();
+}
+
+const std::vector<ToolSpec> kTools = {
+    {"get_weather", R"({"type":"object","properties":{"city":{"type":"string"}},"required":["city"],)"
+                    R"("additionalProperties":false})"},
+    {"get_time", ""}};
+
+bool acceptsTokens(Matcher& m, const std::vector<TokenId>& ids) {
+  for (const TokenId t : ids) {
+    if (!m.accept(t).ok()) return false;
+  }
+  return true;
+}
+std::vector<TokenId> bytesOf(std::string_view s) {
+  std::vector<TokenId> ids;
+  for (const char c : s) ids.push_back(static_cast<unsigned char>(c));
+  return ids;
+}
+std::vector<TokenId> cat(std::initializer_list<std::vector<TokenId>> parts) {
+  std::vector<TokenId> out;
+  for (const auto& p : parts) out.insert(out.end(), p.begin(), p.end());
+  return out;
+}
+
+TEST(ToolCallGrammar, DeepSeekV3RequiredCall) {
+  auto vocab = markerVocabulary();
+  auto g = Grammar::forToolCalls(kTools, ToolCallFormat::DeepSeekV3, /*parallel=*/false, vocab);
+  ASSERT_TRUE(g.ok()) << g.error().toString();
+  Matcher m(g.value());
+  std::vector<MaskWord> mask(vocab->maskWords());
+  m.fillMask(mask);
+  EXPECT_EQ(countAllowed(mask), 1U);
+  EXPECT_TRUE(allowed(mask, kCallsBegin)) << "the section must start at once";
+  const auto call = cat({{kCallsBegin, kCallBegin},
+                         bytesOf("function"),
+                         {kSep},
+                         bytesOf("get_weather\n```json\n{\"city\": \"Oslo\"}\n```"),
+                         {kCallEnd}});
+  ASSERT_TRUE(acceptsTokens(m, call));
+  m.fillMask(mask);
+  EXPECT_EQ(countAllowed(mask), 1U);
+  EXPECT_TRUE(allowed(mask, kCallsEnd)) << "one call only without parallel_tool_calls";
+  ASSERT_TRUE(m.accept(kCallsEnd).ok());
+  EXPECT_TRUE(m.isComplete());
+  ASSERT_TRUE(m.accept(kStop).ok());
+
+  Matcher bad_name(g.value());
+  EXPECT_FALSE(
+      acceptsTokens(bad_name, cat({{kCallsBegin, kCallBegin}, bytesOf("function"), {kSep}, bytesOf("rm_rf")})));
+  Matcher bad_args(g.value());
+  EXPECT_FALSE(acceptsTokens(
+      bad_args,
+      cat({{kCallsBegin, kCallBegin}, bytesOf("function"), {kSep}, bytesOf("get_weather\n```json\n{\"town\"")})));
+  Matcher marker_text(g.value());
+  EXPECT_FALSE(acceptsTokens(marker_text, bytesOf("<｜tool▁calls▁begin｜>"))) << "the marker's text is not the marker";
+}
+
+TEST(ToolCallGrammar, DeepSeekV31ParallelCalls) {
+  auto vocab = markerVocabulary();
+  auto g = Grammar::forToolCalls(kTools, ToolCallFormat::DeepSeekV31, /*parallel=*/true, vocab);
+  ASSERT_TRUE(g.ok()) << g.error().toString();
+  Matcher m(g.value());
+  ASSERT_TRUE(acceptsTokens(m, cat({{kCallsBegin, kCallBegin},
+                                    bytesOf("get_time"),
+                                    {kSep},
+                                    bytesOf("{}"),
+                                    {kCallEnd},
+                                    {kCallBegin},
+                                    bytesOf("get_weather"),
+                                    {kSep},
+                                    bytesOf(R"({"city":"Rome"})"),
+                                    {kCallEnd}})));
+  std::vector<MaskWord> mask(vocab->maskWords());
+  m.fillMask(mask);
+  EXPECT_TRUE(allowed(mask, kCallBegin));
+  EXPECT_TRUE(allowed(mask, kCallsEnd));
+  EXPECT_FALSE(allowed(mask, kStop));
+  ASSERT_TRUE(m.accept(kCallsEnd).ok());
+  EXPECT_TRUE(m.isComplete());
+  // A named function: only that one.
+  const std::vector<ToolSpec> only = {kTools[1]};
+  auto named = Grammar::forToolCalls(only, ToolCallFormat::DeepSeekV31, false, vocab);
+  ASSERT_TRUE(named.ok());
+  Matcher n(named.value());
+  EXPECT_FALSE(acceptsTokens(n, cat({{kCallsBegin, kCallBegin}, bytesOf("get_weather")})));
+}
+
+TEST(ToolCallGrammar, RefusesWhatItCannotBuild) {
+  auto no_markers = byteVocabulary();
+  auto g = Grammar::forToolCalls(kTools, ToolCallFormat::DeepSeekV3, false, no_markers);
+  ASSERT_FALSE(g.ok());
+  EXPECT_EQ(g.error().code, ErrorCode::Unsupported);
+  const std::vector<ToolSpec> bad = {{"f", R"({"type":"object","properties":{"n":{"type":"integer","minimum":1}}})"}};
+  auto b = Grammar::forToolCalls(bad, ToolCallFormat::DeepSeekV3, false, markerVocabulary());
+  ASSERT_FALSE(b.ok());
+  EXPECT_NE(b.error().message.find("tools[0].parameters"), std::string::npos) << b.error().message;
+  EXPECT_NE(b.error().message.find("'minimum'"), std::string::npos) << b.error().message;
+  EXPECT_FALSE(Grammar::forToolCalls({}, ToolCallFormat::DeepSeekV3, false, markerVocabulary()).ok());
+}
+
+}  // namespace
+}  // namespace pd::structured

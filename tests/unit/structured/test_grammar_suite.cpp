@@ -7,6 +7,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <boost/json.hpp>
 #include <cstdlib>
 #include <filesystem>
@@ -17,6 +18,7 @@
 
 #include "grammar_test_support.h"
 #include "pd/structured/grammar.h"
+#include "pd/structured/tool_call_parser.h"
 #include "unit/tokenizer/tokenizer_test_support.h"
 
 namespace pd::structured {
@@ -149,6 +151,100 @@ TEST_P(GrammarSuite, RandomGenerationsValidate) {
   EXPECT_EQ(rc, 0) << cmd;
   std::filesystem::remove_all(dir);
 }
+
+// Tool-call grammars (tool_choice "required") in both DeepSeek formats, sampled at random over the
+// real vocabulary: the output, parsed back by ToolCallParser, is one call (or 1..8 with parallel)
+// of a listed tool whose arguments validate against its parameters.
+struct ToolCase {
+  ToolCallFormat format;
+  bool parallel;
+};
+
+class ToolCallSuite : public ::testing::TestWithParam<ToolCase> {};
+
+TEST_P(ToolCallSuite, RandomCallsParseAndValidate) {
+  PD_REQUIRE_TOKENIZER(tok);
+  const auto* vocab_ptr = sharedVocabulary(tok);
+  ASSERT_NE(vocab_ptr, nullptr);
+  const auto& vocab = *vocab_ptr;
+  const std::vector<ToolSpec> tools = {
+      {"get_weather", R"({"type":"object","properties":{"city":{"type":"string","maxLength":20},)"
+                      R"("unit":{"enum":["celsius","fahrenheit"]}},"required":["city"],"additionalProperties":false})"},
+      {"add", R"({"type":"object","properties":{"a":{"type":"integer"},"b":{"type":"number"}},"required":["a","b"],)"
+              R"("additionalProperties":false})"},
+      {"anything", ""}};
+  GrammarOptions options;
+  options.unbounded_string_chars = kUnboundedStringChars;
+  const ToolCase c = GetParam();
+  auto grammar = Grammar::forToolCalls(tools, c.format, c.parallel, vocab, options);
+  ASSERT_TRUE(grammar.ok()) << grammar.error().toString();
+
+  const auto dir = std::filesystem::path(::testing::TempDir()) /
+                   ("tool_suite_" + std::string(toolCallFormatName(c.format)) + (c.parallel ? "_parallel" : ""));
+  std::filesystem::create_directories(dir);
+  const auto out_path = dir / "arguments.jsonl";
+  std::ofstream out(out_path);
+  std::mt19937_64 rng(0x700150000U + static_cast<unsigned>(c.format) * 2 + (c.parallel ? 1 : 0));
+  std::vector<MaskWord> mask(vocab->maskWords());
+  std::size_t calls_seen = 0;
+  std::size_t max_calls = 0;
+  constexpr int kToolGenerations = 200;
+  for (int g = 0; g < kToolGenerations; ++g) {
+    Matcher m(grammar.value());
+    std::string text;
+    bool stopped = false;
+    for (std::size_t step = 0; step < kMaxTokens; ++step) {
+      m.fillMask(mask);
+      const std::size_t n = countAllowed(mask);
+      ASSERT_GT(n, 0U) << "empty mask after " << text;
+      const TokenId t = nthAllowed(mask, rng() % n);
+      ASSERT_TRUE(m.accept(t).ok());
+      if (vocab->isStopToken(t)) {
+        stopped = true;
+        break;
+      }
+      const auto bytes = vocab->tokenBytes(t);
+      text += bytes ? std::string(*bytes) : std::string(*tok.tokenString(t));  // a marker: its content
+    }
+    ASSERT_TRUE(stopped) << text.substr(0, 300);
+    const auto parsed = ToolCallParser::parseAll(c.format, "call_", text);
+    EXPECT_EQ(parsed.content, "") << text;
+    ASSERT_FALSE(parsed.tool_calls.empty()) << text;
+    if (!c.parallel) {
+      ASSERT_EQ(parsed.tool_calls.size(), 1U) << text;
+    }
+    calls_seen += parsed.tool_calls.size();
+    max_calls = std::max(max_calls, parsed.tool_calls.size());
+    for (const auto& call : parsed.tool_calls) {
+      const auto tool =
+          std::find_if(tools.begin(), tools.end(), [&](const ToolSpec& s) { return s.name == call.name; });
+      ASSERT_NE(tool, tools.end()) << call.name;
+      boost::json::object row;
+      row["schema"] =
+          boost::json::parse(tool->parameters_json.empty() ? R"({"type":"object"})" : tool->parameters_json);
+      row["output"] = call.arguments;
+      row["duplicate_keys"] = tool->parameters_json.empty();
+      out << boost::json::serialize(row) << "\n";
+    }
+  }
+  out.close();
+  std::cout << toolCallFormatName(c.format) << (c.parallel ? " parallel" : "") << ": " << kToolGenerations
+            << " sections, " << calls_seen << " calls, at most " << max_calls << " in one\n";
+  if (c.parallel) {
+    EXPECT_GT(max_calls, 1U);
+  }
+  const std::string cmd = "python3 '" + std::string(PD_STRUCTURED_CHECKER) + "' '" + out_path.string() + "'";
+  EXPECT_EQ(std::system(cmd.c_str()), 0) << cmd;
+  std::filesystem::remove_all(dir);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Formats, ToolCallSuite,
+    ::testing::Values(ToolCase{ToolCallFormat::DeepSeekV3, false}, ToolCase{ToolCallFormat::DeepSeekV3, true},
+                      ToolCase{ToolCallFormat::DeepSeekV31, false}, ToolCase{ToolCallFormat::DeepSeekV31, true}),
+    [](const ::testing::TestParamInfo<ToolCase>& param) {
+      return std::string(toolCallFormatName(param.param.format)) + (param.param.parallel ? "_parallel" : "_single");
+    });
 
 INSTANTIATE_TEST_SUITE_P(Suite, GrammarSuite, ::testing::ValuesIn(loadSuite()),
                          [](const ::testing::TestParamInfo<SuiteEntry>& param) { return param.param.name; });

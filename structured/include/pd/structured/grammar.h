@@ -27,12 +27,14 @@
 #include <cstdint>
 #include <memory>
 #include <span>
+#include <string>
 #include <string_view>
 #include <vector>
 
 #include "pd/common/generation.h"
 #include "pd/common/result.h"
 #include "pd/structured/token_vocabulary.h"
+#include "pd/structured/tool_call_parser.h"
 
 namespace pd::structured {
 
@@ -45,6 +47,12 @@ struct GrammarOptions {
   std::uint32_t unbounded_string_chars = 0;
 };
 
+/// One function a tool-call grammar may call: its name and its parameters' JSON Schema.
+struct ToolSpec {
+  std::string name;
+  std::string parameters_json;  ///< "" = any JSON object
+};
+
 class Grammar {
  public:
   /// Compiles a JSON Schema (the subset of docs/structured-outputs.md): type (one or a list),
@@ -55,6 +63,16 @@ class Grammar {
   /// or `true`) is any JSON value; `{"type": "object"}` without properties is any JSON object.
   [[nodiscard]] static Result<std::shared_ptr<const Grammar>> fromJsonSchema(
       std::string_view schema_json, std::shared_ptr<const TokenVocabulary> vocabulary, GrammarOptions options = {});
+
+  /// A tool-call section in the model's own format (tool_call_parser.h), for `tool_choice`
+  /// "required" (all tools) or a named function (just that one): `<｜tool▁calls▁begin｜>`, one call
+  /// (or, with `parallel`, one to eight calls), `<｜tool▁calls▁end｜>`, then a stop token. Each call
+  /// names one of `tools` and carries arguments valid for its parameters schema (the subset above;
+  /// empty `parameters_json` = any object). The markers are the vocabulary's added tokens:
+  /// Unsupported when it lacks one. Errors name the tool (`tools[i].parameters`).
+  [[nodiscard]] static Result<std::shared_ptr<const Grammar>> forToolCalls(
+      std::span<const ToolSpec> tools, ToolCallFormat format, bool parallel,
+      std::shared_ptr<const TokenVocabulary> vocabulary, GrammarOptions options = {});
 
   /// Any JSON object (OpenAI `response_format: {"type": "json_object"}`).
   [[nodiscard]] static Result<std::shared_ptr<const Grammar>> anyJsonObject(

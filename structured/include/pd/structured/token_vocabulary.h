@@ -20,6 +20,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "pd/common/generation.h"
@@ -40,9 +41,11 @@ class TokenVocabulary {
   /// for, nullopt for ids that never appear in constrained text. `model_vocab_size` (>= the table's
   /// size) sizes the masks. `stop_tokens` are the ids that end a sequence (at least one).
   /// InvalidArgument for an empty stop list, a stop id out of range, or empty token bytes.
+  /// `added_tokens` (content, id) are the tokens a grammar may name whole, such as the
+  /// tool-call markers; they are never text.
   [[nodiscard]] static Result<std::shared_ptr<const TokenVocabulary>> fromTokenBytes(
       std::vector<std::optional<std::string>> token_bytes, std::size_t model_vocab_size,
-      std::vector<TokenId> stop_tokens);
+      std::vector<TokenId> stop_tokens, std::vector<std::pair<std::string, TokenId>> added_tokens = {});
 
   /// The same from a loaded tokenizer: added tokens are excluded, stop tokens default to the
   /// tokenizer's EOS when `stop_tokens` is empty. `model_vocab_size` 0 means the tokenizer's size.
@@ -60,6 +63,8 @@ class TokenVocabulary {
   [[nodiscard]] std::size_t maskWords() const;
   [[nodiscard]] std::span<const TokenId> stopTokens() const;
   [[nodiscard]] bool isStopToken(TokenId id) const;
+  /// The id of an added token by its content (e.g. "<｜tool▁calls▁begin｜>"); nullopt if none.
+  [[nodiscard]] std::optional<TokenId> addedToken(std::string_view content) const;
   /// The bytes of a token usable in constrained text; nullopt for stop, added and padding ids.
   [[nodiscard]] std::optional<std::string_view> tokenBytes(TokenId id) const;
 
