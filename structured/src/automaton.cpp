@@ -546,6 +546,18 @@ bool Automaton::complete(const Stack& s) const {
   return true;
 }
 
+bool Automaton::patternStringState(const Stack& s, std::int32_t* pattern, std::uint32_t* state,
+                                   std::uint32_t* room) const {
+  if (s.size == 0) return false;
+  const Frame& f = s.top();
+  const Node& n = nodes[f.node];
+  if (n.kind != NodeKind::String || n.pattern < 0 || phaseOf(f.s0) != kContent) return false;
+  *pattern = n.pattern;
+  *state = f.s2;
+  *room = n.max == kUnbounded ? kUnbounded : n.max - f.s1;
+  return true;
+}
+
 bool Automaton::plainStringRoom(const Stack& s, std::uint32_t* room) const {
   if (s.size == 0) return false;
   const Frame& f = s.top();

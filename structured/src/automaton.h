@@ -110,6 +110,10 @@ struct Automaton {
   /// When the top of `s` is inside a pattern-free string at a character boundary, the characters
   /// it may still take (kUnbounded for no limit); otherwise false.
   [[nodiscard]] bool plainStringRoom(const Stack& s, std::uint32_t* room) const;
+  /// When the top of `s` is inside a string with a pattern, at a character boundary: the pattern,
+  /// its DFA state and the characters the string may still take (kUnbounded for no limit).
+  [[nodiscard]] bool patternStringState(const Stack& s, std::int32_t* pattern, std::uint32_t* state,
+                                        std::uint32_t* room) const;
 
  private:
   [[nodiscard]] bool frameComplete(const Frame& f) const;

@@ -23,6 +23,40 @@ Result<std::shared_ptr<const Grammar>> fail(Error e) {
 
 }  // namespace
 
+std::shared_ptr<const PatternStateMask> Grammar::Impl::patternMask(std::int32_t pattern, std::uint32_t state) const {
+  {
+    const std::lock_guard<std::mutex> lock(cache_mutex_);
+    if (const auto it = cache_.find({pattern, state}); it != cache_.end()) return it->second;
+  }
+  // Computed outside the lock: two threads may both compute it once; either result is the same.
+  const auto& v = vocabulary->impl();
+  const detail::RegexDfa& dfa = automaton.patterns[static_cast<std::size_t>(pattern)];
+  auto m = std::make_shared<PatternStateMask>();
+  m->all.assign(v.mask_words, 0);
+  std::vector<std::pair<std::uint32_t, TokenId>> needs;
+  for (std::size_t i = 0; i < v.plain_ids.size(); ++i) {
+    std::uint32_t q = state;
+    for (std::uint32_t k = v.plain_begin[i]; k < v.plain_begin[i + 1] && q != detail::RegexDfa::kNone; ++k) {
+      q = dfa.next(q, v.plain_cps[k]);
+    }
+    if (q == detail::RegexDfa::kNone || dfa.dist[q] == detail::RegexDfa::kNone) continue;
+    needs.emplace_back(v.plain_begin[i + 1] - v.plain_begin[i] + dfa.dist[q], v.plain_ids[i]);
+    detail::setBit(m->all.data(), v.plain_ids[i]);
+  }
+  // A counting sort by need (needs are small: a token's characters plus a distance in the DFA).
+  std::uint32_t max_need = 0;
+  for (const auto& [need, id] : needs) max_need = std::max(max_need, need);
+  m->need_end.assign(max_need + 1, 0);
+  for (const auto& [need, id] : needs) ++m->need_end[need];
+  for (std::uint32_t k = 1; k <= max_need; ++k) m->need_end[k] += m->need_end[k - 1];
+  m->by_need.resize(needs.size());
+  std::vector<std::uint32_t> next(m->need_end.size(), 0);
+  for (std::uint32_t k = 1; k <= max_need; ++k) next[k] = m->need_end[k - 1];
+  for (const auto& [need, id] : needs) m->by_need[next[need]++] = id;
+  const std::lock_guard<std::mutex> lock(cache_mutex_);
+  return cache_.emplace(std::make_pair(pattern, state), std::move(m)).first->second;
+}
+
 Grammar::Grammar(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 Grammar::~Grammar() = default;
 
@@ -134,6 +168,21 @@ class Matcher::Impl {
       general.clear();
       for (const Stack& s : current) {
         std::uint32_t room = 0;
+        std::int32_t pattern = -1;
+        std::uint32_t state = 0;
+        if (automaton.patternStringState(s, &pattern, &state, &room)) {
+          // Inside a pattern string: the state's plain tokens from its cached mask, the rest by a walk.
+          const auto pm = grammar->impl().patternMask(pattern, state);
+          if (room >= pm->need_end.size()) {
+            for (std::size_t i = 0; i < mask.size(); ++i) mask[i] |= pm->all[i];
+          } else {
+            for (std::uint32_t i = 0; i < pm->need_end[room]; ++i) detail::setBit(mask.data(), pm->by_need[i]);
+          }
+          levels[0].clear();
+          levels[0].push_back(s);
+          walk(vocab.unplain, 0, 0, mask.data());
+          continue;
+        }
         if (!automaton.plainStringRoom(s, &room)) {
           general.push_back(s);
           continue;

@@ -48,6 +48,28 @@ TokenTrie TokenTrie::build(std::vector<std::pair<std::string_view, TokenId>> tok
 
 namespace {
 
+// The code points of valid UTF-8 (a plain token), appended to `out`.
+void appendCodePoints(std::string_view bytes, std::vector<std::uint32_t>& out) {
+  for (std::size_t i = 0; i < bytes.size();) {
+    const auto b = static_cast<std::uint8_t>(bytes[i]);
+    std::size_t len = 1;
+    std::uint32_t cp = b;
+    if (b >= 0xF0) {
+      len = 4;
+      cp = b & 0x07U;
+    } else if (b >= 0xE0) {
+      len = 3;
+      cp = b & 0x0FU;
+    } else if (b >= 0xC0) {
+      len = 2;
+      cp = b & 0x1FU;
+    }
+    for (std::size_t k = 1; k < len; ++k) cp = (cp << 6U) | (static_cast<std::uint8_t>(bytes[i + k]) & 0x3FU);
+    out.push_back(cp);
+    i += len;
+  }
+}
+
 // Characters of a plain token (see TokenVocabulary::Impl::unplain), or nullopt if it is not plain.
 std::optional<std::uint32_t> plainChars(std::string_view bytes) {
   std::uint32_t chars = 0;
@@ -140,10 +162,14 @@ Result<std::shared_ptr<const TokenVocabulary>> TokenVocabulary::fromTokenBytes(
     if (const auto chars = detail::plainChars(b)) {
       plain.emplace_back(*chars, id);
       impl->max_plain_chars = std::max(impl->max_plain_chars, *chars);
+      impl->plain_ids.push_back(id);
+      impl->plain_begin.push_back(static_cast<std::uint32_t>(impl->plain_cps.size()));
+      detail::appendCodePoints(b, impl->plain_cps);
     } else {
       unplain.emplace_back(b, id);
     }
   }
+  impl->plain_begin.push_back(static_cast<std::uint32_t>(impl->plain_cps.size()));
   impl->all = detail::TokenTrie::build(std::move(all));
   impl->unplain = detail::TokenTrie::build(std::move(unplain));
   std::sort(plain.begin(), plain.end());

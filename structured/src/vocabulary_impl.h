@@ -49,6 +49,11 @@ class TokenVocabulary::Impl {
   detail::TokenTrie unplain;
   std::vector<std::vector<MaskWord>> plain_upto;  // [k]: plain tokens of at most k characters
   std::uint32_t max_plain_chars = 0;
+  // Every plain token with its code points (plain_cps[plain_begin[i] .. plain_begin[i + 1])), for
+  // the per-pattern-state masks (Grammar::Impl::patternMask).
+  std::vector<TokenId> plain_ids;
+  std::vector<std::uint32_t> plain_begin;
+  std::vector<std::uint32_t> plain_cps;
 };
 
 }  // namespace pd::structured

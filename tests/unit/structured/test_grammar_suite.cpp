@@ -94,6 +94,7 @@ TEST_P(GrammarSuite, RandomGenerationsValidate) {
   std::vector<MaskWord> again(vocab->maskWords());
   std::size_t total_tokens = 0;
   std::size_t rollbacks = 0;
+  std::size_t brute_checks = 0;
   for (int g = 0; g < kGenerations; ++g) {
     Matcher m(grammar.value());
     std::string text;
@@ -102,6 +103,18 @@ TEST_P(GrammarSuite, RandomGenerationsValidate) {
       m.fillMask(mask);
       const std::size_t n = countAllowed(mask);
       ASSERT_GT(n, 0U) << entry.name << ": empty mask after " << boost::json::serialize(boost::json::string(text));
+      // Now and then the whole mask against brute force: exactly the tokens accept() takes.
+      if (brute_checks < 2 && step % 3 == 2) {
+        std::vector<MaskWord> brute(vocab->maskWords(), 0);
+        for (std::size_t id = 0; id < kModelVocab; ++id) {
+          if (m.accept(static_cast<TokenId>(id)).ok()) {
+            brute[id / 64] |= MaskWord{1} << (id % 64);
+            m.rollback(1);
+          }
+        }
+        ASSERT_EQ(brute, mask) << entry.name << ": the mask differs from the tokens accept() takes after " << text;
+        ++brute_checks;
+      }
       // A token outside the mask is refused (and leaves the state alone).
       const auto probe = static_cast<TokenId>(rng() % kModelVocab);
       if (!allowed(mask, probe)) {
@@ -145,7 +158,7 @@ TEST_P(GrammarSuite, RandomGenerationsValidate) {
   out.close();
   RecordProperty("tokens", static_cast<int>(total_tokens));
   std::cout << entry.name << ": " << kGenerations << " generations, " << total_tokens << " tokens, " << rollbacks
-            << " rollback checks\n";
+            << " rollback checks, " << brute_checks << " brute-force mask checks\n";
   const std::string cmd = "python3 '" + std::string(PD_STRUCTURED_CHECKER) + "' '" + out_path.string() + "'";
   const int rc = std::system(cmd.c_str());
   EXPECT_EQ(rc, 0) << cmd;
