@@ -116,6 +116,11 @@ class Matcher {
 
   /// Undoes the last `n` accepted tokens (MTP drafts the verifier rejected). PD_CHECKs
   /// n <= acceptedCount(). A mask after accept + rollback equals the mask before the accepts.
+  /// The Matcher keeps one snapshot of its state per accepted token (tens of bytes each) for this.
+  ///
+  /// With MTP: accept the drafts one by one (a draft the grammar refuses ends the draft run),
+  /// calling fillMask before each to get the mask the verifier samples that position with; then
+  /// rollback the drafts the verifier rejected.
   void rollback(std::size_t n);
 
   /// True when the output so far is a complete value (a stop token is allowed now).
