@@ -27,6 +27,7 @@ std::shared_ptr<const PatternStateMask> Grammar::Impl::patternMask(std::int32_t 
   {
     const std::lock_guard<std::mutex> lock(cache_mutex_);
     if (const auto it = cache_.find({pattern, state}); it != cache_.end()) return it->second;
+    if (cache_.size() >= kMaxCachedStates) return nullptr;
   }
   // Computed outside the lock: two threads may both compute it once; either result is the same.
   const auto& v = vocabulary->impl();
@@ -173,6 +174,10 @@ class Matcher::Impl {
         if (automaton.patternStringState(s, &pattern, &state, &room)) {
           // Inside a pattern string: the state's plain tokens from its cached mask, the rest by a walk.
           const auto pm = grammar->impl().patternMask(pattern, state);
+          if (pm == nullptr) {
+            general.push_back(s);  // past the cache's bound: the plain walk
+            continue;
+          }
           if (room >= pm->need_end.size()) {
             for (std::size_t i = 0; i < mask.size(); ++i) mask[i] |= pm->all[i];
           } else {

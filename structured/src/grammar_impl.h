@@ -30,10 +30,13 @@ class Grammar::Impl {
   GrammarOptions options;
 
   /// The mask of (pattern, DFA state), computed on first use (a pass over the plain tokens, a few
-  /// milliseconds) and kept for every Matcher of this grammar. Thread-safe.
+  /// milliseconds) and kept for every Matcher of this grammar; nullptr once kMaxCachedStates are
+  /// kept (a schema from the network must not grow this without bound: the caller then walks the
+  /// trie instead). Thread-safe.
   std::shared_ptr<const PatternStateMask> patternMask(std::int32_t pattern, std::uint32_t state) const;
 
  private:
+  static constexpr std::size_t kMaxCachedStates = 64;
   mutable std::mutex cache_mutex_;
   mutable std::map<std::pair<std::int32_t, std::uint32_t>, std::shared_ptr<const PatternStateMask>> cache_;
 };

@@ -13,6 +13,7 @@ constexpr std::uint32_t kMaxCodePoint = 0x10FFFF;
 constexpr std::uint32_t kMaxRepeat = 1000;     // largest {m,n} bound
 constexpr std::size_t kMaxNfaStates = 100000;  // after expanding {m,n}
 constexpr std::size_t kMaxDfaStates = 10000;
+constexpr std::size_t kMaxSubsetElements = 4'000'000;  // NFA states summed over all DFA states
 
 struct Range {
   std::uint32_t lo;
@@ -478,14 +479,20 @@ Result<RegexDfa> compileRegex(std::string_view pattern) {
   RegexDfa dfa;
   std::map<std::vector<std::uint32_t>, std::uint32_t> ids;
   std::vector<std::vector<std::uint32_t>> sets;
+  std::size_t subset_elements = 0;
   auto intern = [&](std::vector<std::uint32_t> set) -> std::uint32_t {
     auto [it, fresh] = ids.emplace(std::move(set), static_cast<std::uint32_t>(sets.size()));
-    if (fresh) sets.push_back(it->first);
+    if (fresh) {
+      subset_elements += it->first.size();
+      sets.push_back(it->first);
+    }
     return it->second;
   };
   dfa.start = intern(closure(nfa, {frag.start}));
   for (std::size_t q = 0; q < sets.size(); ++q) {
-    if (sets.size() > kMaxDfaStates) return unsupported("a pattern whose automaton has this many states");
+    if (sets.size() > kMaxDfaStates || subset_elements > kMaxSubsetElements) {
+      return unsupported("a pattern whose automaton has this many states");
+    }
     const std::vector<std::uint32_t> set = sets[q];  // copy: intern() may grow `sets`
     std::vector<std::uint32_t> points;
     for (const auto s : set) {

@@ -406,3 +406,28 @@ TEST(ToolCallGrammar, RefusesWhatItCannotBuild) {
 
 }  // namespace
 }  // namespace pd::structured
+namespace pd::structured {
+namespace {
+
+TEST(Grammar, PatternStateMasksStayExactPastTheirCacheBound) {
+  // Every 'a' moves the DFA to a new state: past the first 64 the masks come from the walk.
+  auto vocab = byteVocabulary({"aa", "aaaa"});
+  Matcher m(compile(R"({"type":"string","pattern":"^a{0,100}$"})", vocab));
+  ASSERT_TRUE(m.accept('"').ok());
+  std::vector<MaskWord> mask(vocab->maskWords());
+  for (int i = 0; i < 100; ++i) {
+    m.fillMask(mask);
+    EXPECT_TRUE(allowed(mask, '"')) << i;
+    EXPECT_TRUE(allowed(mask, 'a')) << i;
+    EXPECT_EQ(allowed(mask, 256), i <= 98) << i;
+    EXPECT_EQ(allowed(mask, 257), i <= 96) << i;
+    EXPECT_EQ(countAllowed(mask), 2U + (i <= 98 ? 1U : 0U) + (i <= 96 ? 1U : 0U)) << i;
+    ASSERT_TRUE(m.accept('a').ok());
+  }
+  m.fillMask(mask);
+  EXPECT_EQ(countAllowed(mask), 1U);
+  EXPECT_TRUE(allowed(mask, '"'));
+}
+
+}  // namespace
+}  // namespace pd::structured
