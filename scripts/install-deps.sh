@@ -10,7 +10,7 @@ packages=(
   libyaml-cpp-dev libpcre2-dev libfmt-dev libssl-dev
   libgtest-dev libgmock-dev libbenchmark-dev
   clang-format clang-tidy
-  python3 python3-yaml
+  python3 python3-yaml python3-jsonschema
   # promtool (Debian ships it in the prometheus package): checks the alert and dashboard PromQL
   # (tests/deploy/check_observability.py); chromium: the status page's headless browser test.
   prometheus chromium

@@ -15,6 +15,17 @@ Status validate(const SamplingParams& p) {
   if (!(p.presence_penalty >= -2.0 && p.presence_penalty <= 2.0)) return bad("presence_penalty must be in [-2, 2]");
   if (!(p.frequency_penalty >= -2.0 && p.frequency_penalty <= 2.0)) return bad("frequency_penalty must be in [-2, 2]");
   if (p.top_logprobs < 0 || p.top_logprobs > 20) return bad("top_logprobs must be in [0, 20]");
+  if (p.logit_bias.size() > kMaxLogitBias) {
+    return bad("logit_bias may hold at most " + std::to_string(kMaxLogitBias) + " tokens");
+  }
+  for (std::size_t i = 0; i < p.logit_bias.size(); ++i) {
+    const LogitBias& b = p.logit_bias[i];
+    if (b.token < 0) return bad("logit_bias token ids must be >= 0");
+    if (!(b.bias >= -100.0F && b.bias <= 100.0F)) return bad("logit_bias values must be in [-100, 100]");
+    for (std::size_t j = 0; j < i; ++j) {
+      if (p.logit_bias[j].token == b.token) return bad("logit_bias names token " + std::to_string(b.token) + " twice");
+    }
+  }
   return okStatus();
 }
 

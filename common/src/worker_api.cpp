@@ -133,14 +133,20 @@ Result<json::object> parseObject(std::string_view text, std::string_view what) {
 }
 
 json::object samplingJson(const pd::SamplingParams& s) {
-  return json::object{{"temperature", s.temperature},
-                      {"top_k", s.top_k},
-                      {"top_p", s.top_p},
-                      {"min_p", s.min_p},
-                      {"presence_penalty", s.presence_penalty},
-                      {"frequency_penalty", s.frequency_penalty},
-                      {"seed", s.seed},
-                      {"top_logprobs", s.top_logprobs}};
+  json::object o{{"temperature", s.temperature},
+                 {"top_k", s.top_k},
+                 {"top_p", s.top_p},
+                 {"min_p", s.min_p},
+                 {"presence_penalty", s.presence_penalty},
+                 {"frequency_penalty", s.frequency_penalty},
+                 {"seed", s.seed},
+                 {"top_logprobs", s.top_logprobs}};
+  if (!s.logit_bias.empty()) {
+    json::array bias;  // [[token, bias], ...]
+    for (const auto& b : s.logit_bias) bias.push_back(json::array{b.token, static_cast<double>(b.bias)});
+    o["logit_bias"] = std::move(bias);
+  }
+  return o;
 }
 
 void readSampling(Reader& parent, pd::SamplingParams& out) {
@@ -155,6 +161,22 @@ void readSampling(Reader& parent, pd::SamplingParams& out) {
   r.number("frequency_penalty", out.frequency_penalty, false);
   r.unsignedInt("seed", out.seed, false);
   r.integer("top_logprobs", out.top_logprobs, false, 0, 20);
+  if (const json::array* bias = r.array("logit_bias", false); bias != nullptr) {
+    if (bias->size() > pd::kMaxLogitBias) {
+      parent.fail("sampling", "is invalid: too many logit_bias entries");
+      return;
+    }
+    for (const auto& e : *bias) {
+      const auto* pair = e.if_array();
+      if (pair == nullptr || pair->size() != 2 || !(*pair)[0].is_int64() || !(*pair)[1].is_number() ||
+          (*pair)[0].get_int64() < 0 || (*pair)[0].get_int64() > INT32_MAX) {
+        parent.fail("sampling", "is invalid: logit_bias entries must be [token id, bias]");
+        return;
+      }
+      out.logit_bias.push_back(
+          {static_cast<pd::TokenId>((*pair)[0].get_int64()), static_cast<float>((*pair)[1].to_number<double>())});
+    }
+  }
   if (!r.ok()) {
     const Status s = r.status();
     parent.fail("sampling", "is invalid: " + s.error().message);

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <limits>
 #include <numeric>
+#include <utility>
 
 #include "pd/common/check.h"
 
@@ -20,7 +21,7 @@ std::int32_t argmax(std::span<const float> logits) {
   return static_cast<std::int32_t>(best);
 }
 
-Sampler::Sampler(SamplingParams params) : params_(params), rng_state_(params.seed) {
+Sampler::Sampler(SamplingParams params) : params_(std::move(params)), rng_state_(params_.seed) {
   PD_CHECK_MSG(validate(params_).ok(), "Sampler: invalid SamplingParams");
 }
 
@@ -38,7 +39,7 @@ void Sampler::observe(std::int32_t token) {
   ++counts_[token];
 }
 
-SampledToken Sampler::sample(std::span<const float> logits) {
+SampledToken Sampler::sample(std::span<const float> logits, std::span<const std::uint64_t> allowed) {
   PD_CHECK(!logits.empty());
   const auto vocab = static_cast<std::int64_t>(logits.size());
   work_.assign(logits.begin(), logits.end());
@@ -48,6 +49,21 @@ SampledToken Sampler::sample(std::span<const float> logits) {
       work_[static_cast<std::size_t>(token)] -=
           static_cast<float>(params_.presence_penalty + params_.frequency_penalty * static_cast<double>(count));
     }
+  }
+  for (const auto& b : params_.logit_bias) {
+    if (b.token < vocab) work_[static_cast<std::size_t>(b.token)] += b.bias;
+  }
+  if (!allowed.empty()) {
+    PD_CHECK_MSG(allowed.size() * 64 >= logits.size(), "Sampler: the allowed-token mask is shorter than the logits");
+    bool any = false;
+    for (std::size_t i = 0; i < work_.size(); ++i) {
+      if (((allowed[i / 64] >> (i % 64)) & 1U) == 0) {
+        work_[i] = -std::numeric_limits<float>::infinity();
+      } else {
+        any = true;
+      }
+    }
+    PD_CHECK_MSG(any, "Sampler: the allowed-token mask allows no token");
   }
   SampledToken out;
   if (params_.temperature == 0.0) {
@@ -62,14 +78,18 @@ SampledToken Sampler::sample(std::span<const float> logits) {
       for (const float v : work_) total += std::exp((static_cast<double>(v) - mx) * inv_t);
       const double target = nextUniform() * total;
       double acc = 0.0;
-      out.token = static_cast<std::int32_t>(vocab - 1);
+      out.token = -1;
+      std::int32_t last_possible = 0;  // where rounding leaves acc <= target: the last token with weight
       for (std::int64_t i = 0; i < vocab; ++i) {
-        acc += std::exp((static_cast<double>(work_[static_cast<std::size_t>(i)]) - mx) * inv_t);
+        const double w = std::exp((static_cast<double>(work_[static_cast<std::size_t>(i)]) - mx) * inv_t);
+        if (w > 0.0) last_possible = static_cast<std::int32_t>(i);
+        acc += w;
         if (acc > target) {
           out.token = static_cast<std::int32_t>(i);
           break;
         }
       }
+      if (out.token < 0) out.token = last_possible;
     } else {
       order_.resize(static_cast<std::size_t>(vocab));
       std::iota(order_.begin(), order_.end(), 0);
@@ -111,6 +131,7 @@ SampledToken Sampler::sample(std::span<const float> logits) {
       for (std::int64_t i = 0; i < keep; ++i) total += prob[static_cast<std::size_t>(i)];
       const double target = nextUniform() * total;
       double acc = 0.0;
+      while (keep > 1 && prob[static_cast<std::size_t>(keep - 1)] == 0.0) --keep;  // masked tokens have no weight
       out.token = order_[static_cast<std::size_t>(keep - 1)];
       for (std::int64_t i = 0; i < keep; ++i) {
         acc += prob[static_cast<std::size_t>(i)];

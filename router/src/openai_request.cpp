@@ -135,10 +135,6 @@ Status refuseUnsupported(const json::object& o, Endpoint endpoint) {
     if (!v->is_string()) return bad("'suffix' must be a string");
     if (!v->get_string().empty()) return bad("'suffix' is not supported");
   }
-  if (const auto* v = field(o, "logit_bias")) {
-    if (!v->is_object()) return bad("'logit_bias' must be an object");
-    if (!v->get_object().empty()) return bad("'logit_bias' is not supported");
-  }
   for (std::string_view name : {"tools", "functions"}) {
     if (const auto* v = field(o, name)) {
       if (!v->is_array()) return bad(fmt::format("'{}' must be an array", name));
@@ -287,6 +283,36 @@ Status parseStop(const json::object& o, CompletionParams& p) {
   return okStatus();
 }
 
+// OpenAI's logit_bias: {"<token id>": bias in [-100, 100], ...}; ids the model's vocabulary does
+// not have are ignored by the sampler, as OpenAI ignores them.
+Status parseLogitBias(const json::object& o, CompletionParams& p) {
+  const json::value* v = field(o, "logit_bias");
+  if (v == nullptr || v->is_null()) return okStatus();
+  if (!v->is_object()) return bad("'logit_bias' must be an object mapping token ids to numbers");
+  const json::object& map = v->get_object();
+  if (map.size() > kMaxLogitBias) return bad(fmt::format("'logit_bias' may hold at most {} tokens", kMaxLogitBias));
+  for (const auto& kv : map) {
+    const std::string_view key = kv.key();
+    std::int64_t id = 0;
+    bool digits = !key.empty() && key.size() <= 10;
+    for (const char c : key) {
+      digits = digits && c >= '0' && c <= '9';
+      if (digits) id = id * 10 + (c - '0');
+    }
+    if (!digits || id > std::numeric_limits<TokenId>::max()) {
+      return bad("'logit_bias' keys must be token ids (non-negative integers)");
+    }
+    if (!kv.value().is_number()) return bad("'logit_bias' values must be numbers between -100 and 100");
+    const double bias = kv.value().to_number<double>();
+    if (!(bias >= -100.0 && bias <= 100.0)) return bad("'logit_bias' values must be numbers between -100 and 100");
+    for (const auto& seen : p.sampling.logit_bias) {
+      if (seen.token == id) return bad(fmt::format("'logit_bias' names token {} twice", id));
+    }
+    p.sampling.logit_bias.push_back({static_cast<TokenId>(id), static_cast<float>(bias)});
+  }
+  return okStatus();
+}
+
 Status parseSampling(const json::object& o, CompletionParams& p) {
   PD_ASSIGN_OR_RETURN(auto temperature, getNumber(o, "temperature", 0.0, 2.0));
   PD_ASSIGN_OR_RETURN(auto top_p, getNumber(o, "top_p", 0.0, 1.0, /*lo_open=*/true));
@@ -301,7 +327,9 @@ Status parseSampling(const json::object& o, CompletionParams& p) {
   p.seed = seed;
   if (presence) p.sampling.presence_penalty = *presence;
   if (frequency) p.sampling.frequency_penalty = *frequency;
-  return okStatus();
+  PD_ASSIGN_OR_RETURN(auto min_p, getNumber(o, "min_p", 0.0, 1.0));
+  if (min_p) p.sampling.min_p = *min_p;
+  return parseLogitBias(o, p);
 }
 
 Status parseLogprobs(const json::object& o, Endpoint endpoint, CompletionParams& p) {

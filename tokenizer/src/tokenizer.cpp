@@ -109,6 +109,7 @@ class Tokenizer::Impl {
     std::string string;  // vocabulary string or added-token content
     bool known = false;
     bool special = false;
+    bool added = false;  // an added token (matched before BPE), special or not
   };
   std::vector<Entry> entries;
   detail::WordTable vocab_ids;  // vocabulary string -> id
@@ -301,6 +302,7 @@ Result<std::unique_ptr<Tokenizer::Impl>> Tokenizer::Impl::build(std::string_view
       e.bytes = byteLevelDecode(content, to_byte, bytes) ? bytes : content;
       const auto* special = tok.if_contains("special");
       e.special = special != nullptr && special->is_bool() && special->as_bool();
+      e.added = true;
       added.emplace_back(content, id);
       const auto* normalized = tok.if_contains("normalized");
       const bool is_normalized = normalized != nullptr && normalized->is_bool() && normalized->as_bool();
@@ -487,6 +489,9 @@ std::optional<TokenId> Tokenizer::tokenToId(std::string_view token) const {
 bool Tokenizer::isKnownId(TokenId id) const {
   return id >= 0 && static_cast<std::size_t>(id) < impl_->entries.size() &&
          impl_->entries[static_cast<std::size_t>(id)].known;
+}
+bool Tokenizer::isAddedToken(TokenId id) const {
+  return isKnownId(id) && impl_->entries[id].added;
 }
 bool Tokenizer::isSpecial(TokenId id) const {
   return isKnownId(id) && impl_->entries[id].special;

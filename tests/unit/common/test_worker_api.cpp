@@ -38,6 +38,8 @@ TEST(WorkerApi, DecodeOpenRoundTrips) {
   v.sampling.top_k = 40;
   v.sampling.seed = 0xFFFFFFFFFFFFFFF0ULL;
   v.sampling.top_logprobs = 3;
+  v.sampling.min_p = 0.25;
+  v.sampling.logit_bias = {{5, -100.0F}, {128000, 2.5F}};
   v.logprobs = true;
   v.stop_token_ids = {1, 2};
   v.ignore_eos = true;
@@ -53,6 +55,8 @@ TEST(WorkerApi, DecodeOpenRoundTrips) {
   EXPECT_EQ(back->sampling.top_k, 40);
   EXPECT_EQ(back->sampling.seed, v.sampling.seed);
   EXPECT_EQ(back->sampling.top_logprobs, 3);
+  EXPECT_DOUBLE_EQ(back->sampling.min_p, 0.25);
+  EXPECT_EQ(back->sampling.logit_bias, v.sampling.logit_bias);
   EXPECT_TRUE(back->logprobs);
   EXPECT_EQ(back->stop_token_ids, v.stop_token_ids);
   EXPECT_TRUE(back->ignore_eos);
@@ -77,6 +81,12 @@ TEST(WorkerApi, DecodeOpenRefusesBadInputNamingTheField) {
   EXPECT_NE(message(R"({"request_id":"a","prompt_tokens":0,"max_tokens":1,"sampling":{}})").find("prompt_tokens"),
             std::string::npos);
   EXPECT_NE(message(R"({"request_id":"a","prompt_tokens":1,"max_tokens":1.5,"sampling":{}})").find("max_tokens"),
+            std::string::npos);
+  EXPECT_NE(message(R"({"request_id":"a","prompt_tokens":1,"max_tokens":1,"sampling":{"logit_bias":[[1]]}})")
+                .find("logit_bias"),
+            std::string::npos);
+  EXPECT_NE(message(R"({"request_id":"a","prompt_tokens":1,"max_tokens":1,"sampling":{"logit_bias":[[1,200]]}})")
+                .find("logit_bias"),
             std::string::npos);
   EXPECT_NE(message(R"({"request_id":"a","prompt_tokens":1,"max_tokens":1,"sampling":{"top_p":0}})").find("sampling"),
             std::string::npos);

@@ -2,6 +2,7 @@
 // the thread pool and the sampler.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstring>
@@ -339,6 +340,59 @@ TEST(Sampling, LogprobsAreRawLogSoftmax) {
   for (std::size_t i = 1; i < t.top.size(); ++i) EXPECT_GE(t.top[i - 1].logprob, t.top[i].logprob);
 }
 
+TEST(Sampling, LogitBiasShiftsTheLogitsBeforeSampling) {
+  const std::vector<float> l{0.0F, 3.0F, -1.0F, 2.0F};
+  SamplingParams p;
+  p.logit_bias = {{1, -100.0F}};
+  Sampler greedy(p);
+  EXPECT_EQ(greedy.sample(l).token, 3) << "the best token biased away";
+  p.logit_bias = {{2, 4.5F}, {99, 100.0F}};  // id 99 is past the vocabulary: ignored
+  Sampler boost(p);
+  const SampledToken t = boost.sample(l);
+  EXPECT_EQ(t.token, 2);
+  double z = 0.0;
+  for (const float v : l) z += std::exp(static_cast<double>(v));
+  EXPECT_NEAR(t.logprob, -1.0 - std::log(z), 1e-5) << "logprobs stay those of the raw model";
+  p.temperature = 1.0;
+  p.seed = 11;
+  p.logit_bias = {{0, -100.0F}, {1, -100.0F}, {2, -100.0F}};
+  Sampler hot(p);
+  for (int i = 0; i < 200; ++i) EXPECT_EQ(hot.sample(l).token, 3);
+}
+
+TEST(Sampling, AllowedMaskRestrictsEveryMode) {
+  const std::vector<float> l = someLogits();  // 500 tokens: 8 mask words
+  std::vector<std::uint64_t> mask(8, 0);
+  const std::vector<std::int32_t> allowed_ids{3, 77, 130, 499};
+  for (const auto id : allowed_ids) mask[static_cast<std::size_t>(id) / 64] |= std::uint64_t{1} << (id % 64);
+  auto isAllowed = [&](std::int32_t t) {
+    return std::find(allowed_ids.begin(), allowed_ids.end(), t) != allowed_ids.end();
+  };
+  SamplingParams p;
+  Sampler greedy(p);
+  std::int32_t best = allowed_ids[0];
+  for (const auto id : allowed_ids) {
+    if (l[static_cast<std::size_t>(id)] > l[static_cast<std::size_t>(best)]) best = id;
+  }
+  EXPECT_EQ(greedy.sample(l, mask).token, best);
+  p.temperature = 5.0;
+  p.seed = 2;
+  Sampler flat(p);
+  p.top_k = 50;
+  p.top_p = 0.9;
+  p.min_p = 0.01;
+  Sampler filtered(p);
+  std::map<std::int32_t, int> seen;
+  for (int i = 0; i < 400; ++i) {
+    const auto a = flat.sample(l, mask).token;
+    EXPECT_TRUE(isAllowed(a)) << a;
+    ++seen[a];
+    const auto b = filtered.sample(l, mask).token;
+    EXPECT_TRUE(isAllowed(b)) << b;
+  }
+  EXPECT_EQ(seen.size(), allowed_ids.size()) << "at temperature 5 every allowed token comes out";
+}
+
 TEST(Sampling, ValidateRejectsOutOfRange) {
   SamplingParams p;
   EXPECT_TRUE(validate(p).ok());
@@ -353,6 +407,15 @@ TEST(Sampling, ValidateRejectsOutOfRange) {
   p = {};
   p.min_p = 1.5;
   EXPECT_FALSE(validate(p).ok());
+  p = {};
+  p.logit_bias = {{1, 100.5F}};
+  EXPECT_FALSE(validate(p).ok());
+  p.logit_bias = {{1, 1.0F}, {1, 2.0F}};
+  EXPECT_FALSE(validate(p).ok());
+  p.logit_bias = {{-1, 1.0F}};
+  EXPECT_FALSE(validate(p).ok());
+  p.logit_bias = {{1, -100.0F}, {2, 100.0F}};
+  EXPECT_TRUE(validate(p).ok());
 }
 
 }  // namespace

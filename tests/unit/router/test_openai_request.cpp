@@ -53,6 +53,20 @@ TEST(OpenAiRequest, ChatBodyAsTheOpenAiPythonSdkSendsIt) {
   EXPECT_EQ(p.user, "u-1");
 }
 
+TEST(OpenAiRequest, MinPAndLogitBiasReachTheSamplingParams) {
+  const auto p =
+      parseOk(Endpoint::ChatCompletions, R"({"model":"m","messages":[{"role":"user","content":"Hi"}],"min_p":0.05,)"
+                                         R"("logit_bias":{"128798":-100,"7":2.5}})");
+  EXPECT_EQ(p.sampling.min_p, 0.05);
+  ASSERT_EQ(p.sampling.logit_bias.size(), 2u);
+  EXPECT_EQ(p.sampling.logit_bias[0], (pd::LogitBias{128798, -100.0F}));
+  EXPECT_EQ(p.sampling.logit_bias[1], (pd::LogitBias{7, 2.5F}));
+  EXPECT_TRUE(pd::validate(p.sampling).ok());
+  const auto none = parseOk(Endpoint::Completions, R"({"model":"m","prompt":"x","logit_bias":{}})");
+  EXPECT_TRUE(none.sampling.logit_bias.empty());
+  EXPECT_EQ(none.sampling.min_p, 0.0);
+}
+
 TEST(OpenAiRequest, ContentPartsNullsAndExtensions) {
   const auto p = parseOk(
       Endpoint::ChatCompletions,
@@ -135,7 +149,13 @@ TEST(OpenAiRequest, RefusesWhatItCannotDo) {
   EXPECT_NE(chat(R"("stop_token_ids":[-1])").find("'stop_token_ids'"), std::string::npos);
   EXPECT_NE(chat(R"("tools":[{"type":"function"}])").find("not supported"), std::string::npos);
   EXPECT_NE(chat(R"("tool_choice":"required")").find("not supported"), std::string::npos);
-  EXPECT_NE(chat(R"("logit_bias":{"1":5})").find("not supported"), std::string::npos);
+  EXPECT_NE(chat(R"("logit_bias":{"x":5})").find("token ids"), std::string::npos);
+  EXPECT_NE(chat(R"("logit_bias":{"-1":5})").find("token ids"), std::string::npos);
+  EXPECT_NE(chat(R"("logit_bias":{"3":101})").find("between -100 and 100"), std::string::npos);
+  EXPECT_NE(chat(R"("logit_bias":{"3":"a"})").find("between -100 and 100"), std::string::npos);
+  EXPECT_NE(chat(R"("logit_bias":{"3":1,"03":2})").find("twice"), std::string::npos);
+  EXPECT_NE(chat(R"("logit_bias":[1])").find("'logit_bias' must be an object"), std::string::npos);
+  EXPECT_NE(chat(R"("min_p":1.5)").find("'min_p'"), std::string::npos);
   EXPECT_NE(chat(R"("response_format":{"type":"json_object"})").find("not supported"), std::string::npos);
   EXPECT_NE(chat(R"("seed":"ZQX-secret-input")").find("'seed' must be an integer"), std::string::npos);
   EXPECT_NE(chat(R"("seed":18446744073709551615)").find("'seed'"), std::string::npos);

@@ -7,6 +7,7 @@
 ///
 /// Thread rules: plain values and pure functions.
 
+#include <cstddef>
 #include <cstdint>
 #include <optional>
 #include <string_view>
@@ -20,6 +21,15 @@ namespace pd {
 /// id is >= 0 (decoders reject negative ones).
 using TokenId = std::int32_t;
 
+/// One `logit_bias` entry (OpenAI): `bias` is added to the token's logit before sampling.
+struct LogitBias {
+  TokenId token = 0;
+  float bias = 0.0F;  ///< [-100, 100]
+  friend bool operator==(const LogitBias&, const LogitBias&) = default;
+};
+/// Most logit_bias entries one request may carry.
+inline constexpr std::size_t kMaxLogitBias = 1024;
+
 struct SamplingParams {
   double temperature = 0.0;        ///< 0 = greedy
   std::int64_t top_k = 0;          ///< 0 = no limit
@@ -29,6 +39,9 @@ struct SamplingParams {
   double frequency_penalty = 0.0;  ///< [-2, 2]
   std::uint64_t seed = 0;
   std::int64_t top_logprobs = 0;  ///< how many alternatives to report per token (0..20)
+  /// Added to the logits after the penalties, before temperature and the filters; distinct tokens,
+  /// at most kMaxLogitBias. Ids past the model's vocabulary are ignored by the sampler.
+  std::vector<LogitBias> logit_bias;
 };
 
 /// InvalidArgument naming the field when a value is out of range.

@@ -4,10 +4,11 @@
 /// top-n logprobs.
 ///
 /// Order of operations (as vLLM): penalties on the raw logits (from the tokens this sampler has
-/// produced so far), then temperature; greedy when temperature == 0 (argmax, lowest id on ties);
-/// otherwise top-k, then top-p over the remaining probability mass, then min-p relative to the
-/// most likely token, then one uniform draw from the RNG. Logprobs are those of the raw model
-/// distribution (log_softmax of the logits, before penalties and temperature).
+/// produced so far), then logit_bias, then the allowed-token mask (grammar-constrained decoding:
+/// tokens outside it get -inf), then temperature; greedy when temperature == 0 (argmax, lowest id
+/// on ties); otherwise top-k, then top-p over the remaining probability mass, then min-p relative
+/// to the most likely token, then one uniform draw from the RNG. Logprobs are those of the raw
+/// model distribution (log_softmax of the logits, before penalties, bias, mask and temperature).
 ///
 /// Thread rules: a Sampler belongs to one request and is used by one thread at a time.
 
@@ -31,8 +32,11 @@ class Sampler {
   explicit Sampler(SamplingParams params);
 
   /// Picks the next token from one row of logits and records it for the penalties. Consumes
-  /// exactly one RNG draw when temperature > 0, none when greedy.
-  SampledToken sample(std::span<const float> logits);
+  /// exactly one RNG draw when temperature > 0, none when greedy. `allowed`, when not empty, is a
+  /// bitset over token ids (bit t of word t / 64; pd::structured::Matcher::fillMask writes one):
+  /// only tokens whose bit is set can be sampled. PD_CHECKs that it covers the logits and allows at
+  /// least one of them.
+  SampledToken sample(std::span<const float> logits, std::span<const std::uint64_t> allowed = {});
 
   /// Records a token produced elsewhere (e.g. the first token sampled by a prefill worker) for
   /// the penalties, without sampling.

@@ -73,6 +73,9 @@ class Tokenizer {
   [[nodiscard]] std::optional<TokenId> tokenToId(std::string_view token) const;
 
   [[nodiscard]] bool isKnownId(TokenId id) const;
+  /// True for added tokens (tokenizer.json `added_tokens`: BOS, EOS, the chat-format and tool-call
+  /// markers, ...), special or not; the grammar engine keeps them out of constrained text.
+  [[nodiscard]] bool isAddedToken(TokenId id) const;
   /// True for ids that decode(..., skip_special_tokens=true) drops.
   [[nodiscard]] bool isSpecial(TokenId id) const;
   /// One past the largest id (128815 for DeepSeek-V3).
