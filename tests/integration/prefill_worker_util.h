@@ -43,7 +43,7 @@ class DecodeSide {
     kvt::UcxTransportOptions o;
     o.ucx_tls = std::move(ucx_tls);
     o.compat = d->compat_;
-    o.connect_timeout = 2s;
+    o.connect_timeout = kvt::testutil::kHangGuard;
     o.spin_time = std::chrono::microseconds(50);
     o.name = "decode-side";
     PD_ASSIGN_OR_RETURN(d->transport_, kvt::createUcxTransport(o));

@@ -123,13 +123,20 @@ TEST(DecodeWorkerProcess, ServesThenDrainsOnSigtermAndExitsZero) {
     auto s = api::parseWorkerStatus(send(port, "GET", std::string(api::kStatusPath)).body);
     return s.ok() ? s->queued_requests : -1;
   };
-  for (int i = 0; i < 500 && queued() != 1; ++i) std::this_thread::sleep_for(10ms);
+  for (const auto until = Clock::now() + 60s; queued() != 1 && Clock::now() < until;) {
+    std::this_thread::sleep_for(10ms);
+  }
   EXPECT_EQ(queued(), 1) << "the stream was not admitted";
 
   const auto signalled = Clock::now();
   EXPECT_TRUE(p->signal(SIGTERM));
-  std::this_thread::sleep_for(200ms);
-  EXPECT_EQ(send(port, "GET", "/ready").status, 503);
+  // Ordered by the event, not a sleep: /ready turns 503 once the worker has taken the signal.
+  int ready_status = 0;
+  for (const auto until = Clock::now() + kDrain; ready_status != 503 && Clock::now() < until;) {
+    ready_status = send(port, "GET", "/ready").status;
+    if (ready_status != 503) std::this_thread::sleep_for(5ms);
+  }
+  EXPECT_EQ(ready_status, 503);
   const http::ClientResponse refused = send(port, "POST", std::string(api::kDecodeOpenPath), openBody("cmpl-late"));
   EXPECT_EQ(refused.status, 503);
   EXPECT_EQ(api::parseErrorJson(refused.status, refused.body).code, ErrorCode::Overloaded) << refused.body;

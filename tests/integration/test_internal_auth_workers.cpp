@@ -97,7 +97,7 @@ TEST(InternalAuthWorkers, PrefillWorkerRefusesForgedCallsAndDescriptorsAndServes
   auto served = client.send(good, 30s);
   ASSERT_TRUE(served.ok());
   EXPECT_EQ(served->status, 200) << served->body;
-  const auto arrived = (*side)->outcomes().waitArrival(41, 10s);
+  const auto arrived = (*side)->outcomes().waitArrival(41, kvt::testutil::kHangGuard);
   ASSERT_TRUE(arrived.has_value());
   EXPECT_TRUE(arrived->ok()) << arrived->error().toString();
   auto replayed = client.send(good, 30s);

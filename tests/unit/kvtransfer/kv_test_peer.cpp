@@ -50,7 +50,7 @@ std::unique_ptr<Transport> transport(const std::map<std::string, std::string>& f
   options.ucx_tls = flags.count("--tls") != 0 ? flags.at("--tls") : "tcp";
   options.data_path = parseKvDataPath(flags.count("--path") != 0 ? flags.at("--path") : "auto").value();
   options.compat = compat;
-  options.connect_timeout = 2s;
+  options.connect_timeout = testutil::kHangGuard;
   options.spin_time = 50us;
   options.name = "peer";
   auto t = createUcxTransport(options);

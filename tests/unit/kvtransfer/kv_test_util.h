@@ -22,12 +22,29 @@
 #include <optional>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "pd/kvtransfer/transport.h"
 #include "pd/kvtransfer/wire.h"
 
 namespace pd::kvtransfer::testutil {
+
+/// Deadline for waits on an event that must happen (a connect, a transfer, an arrival): it exists
+/// only to end a hung test, never to order events, so it is long enough for a loaded machine.
+inline constexpr std::chrono::seconds kHangGuard{60};
+/// kHangGuard as a descriptor's timeout_ms (which caps the sender's deadline).
+inline constexpr std::uint32_t kHangGuardMs = 60000;
+
+/// Polls `done` (1 ms apart) until it holds or kHangGuard passes; true if it held.
+template <typename Pred>
+bool eventually(Pred done) {
+  for (const auto until = std::chrono::steady_clock::now() + kHangGuard; !done();) {
+    if (std::chrono::steady_clock::now() >= until) return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  return true;
+}
 
 inline constexpr std::byte kUntouched{0xEE};
 

@@ -46,7 +46,7 @@ class CrossProcessTest : public ::testing::TestWithParam<Variant> {
     options.ucx_tls = GetParam().tls;
     options.data_path = parseKvDataPath(GetParam().path).value();
     options.compat = compat;
-    options.connect_timeout = 2s;
+    options.connect_timeout = testutil::kHangGuard;
     options.peer_suspect_time = 5s;
     options.spin_time = 50us;
     options.name = "test";
@@ -63,7 +63,7 @@ class CrossProcessTest : public ::testing::TestWithParam<Variant> {
   /// Starts a receiving peer and returns its descriptor.
   std::optional<KvDescriptor> startReceiver(ChildProcess& peer) {
     EXPECT_TRUE(peer.started());
-    const auto hex = peer.readLine("DESCRIPTOR ", 10s);
+    const auto hex = peer.readLine("DESCRIPTOR ", testutil::kHangGuard);
     if (!hex) return std::nullopt;
     const auto bytes = testutil::fromHex(*hex);
     if (!bytes) return std::nullopt;
@@ -82,7 +82,7 @@ TEST_P(CrossProcessTest, SendsToAnotherProcessByteForByte) {
   ASSERT_TRUE(desc.has_value());
   SourceKv source(testutil::realCompat(), desc->num_tokens, 21);
   ScopedRegion src(*transport_, source.bytes);
-  ASSERT_TRUE(transport_->beginTransfer(*desc, Clock::now() + 10s, out_.onDone()).ok());
+  ASSERT_TRUE(transport_->beginTransfer(*desc, Clock::now() + testutil::kHangGuard, out_.onDone()).ok());
   for (std::uint32_t first = 0; first < desc->num_tokens; first += 64) {
     ASSERT_TRUE(
         transport_->put(desc->request_id, source.chunkPuts(src.id(), first, std::min(64U, desc->num_tokens - first)))
@@ -92,25 +92,25 @@ TEST_P(CrossProcessTest, SendsToAnotherProcessByteForByte) {
   rec.request_id = desc->request_id;
   rec.first_token = 31337;
   ASSERT_TRUE(transport_->finish(rec).ok());
-  const auto done = out_.waitDone(desc->request_id, 10s);
+  const auto done = out_.waitDone(desc->request_id, testutil::kHangGuard);
   ASSERT_TRUE(done && done->ok()) << (done ? done->error().toString() : "no callback");
-  EXPECT_EQ(peer.readLine("RESULT ", 10s), "ok first_token=31337");
+  EXPECT_EQ(peer.readLine("RESULT ", testutil::kHangGuard), "ok first_token=31337");
 }
 
 TEST_P(CrossProcessTest, ReceivesFromAnotherProcessByteForByte) {
   const CompatInfo compat = testutil::realCompat();
   KvPool pool(*transport_, compat, 5);
-  auto desc = pool.descriptor(22, 200, testutil::shuffledBlocks(5, 4, 22), 10000);
+  auto desc = pool.descriptor(22, 200, testutil::shuffledBlocks(5, 4, 22), testutil::kHangGuardMs);
   ASSERT_TRUE(desc.ok());
-  ASSERT_TRUE(transport_->expect(22, Clock::now() + 10s, out_.onArrival()).ok());
+  ASSERT_TRUE(transport_->expect(22, Clock::now() + testutil::kHangGuard, out_.onArrival()).ok());
   ChildProcess peer(peerArgs({"send", "--seed", "22"}));
   ASSERT_TRUE(peer.writeLine("DESCRIPTOR " + testutil::toHex(encode(desc.value()))));
-  const auto arrived = out_.waitArrival(22, 10s);
+  const auto arrived = out_.waitArrival(22, testutil::kHangGuard);
   ASSERT_TRUE(arrived.has_value());
   ASSERT_TRUE(arrived->ok()) << arrived->error().toString();
   EXPECT_EQ(arrived->value().first_token, 4242);
   EXPECT_EQ(pool.verify(desc.value(), 22), "");
-  EXPECT_EQ(peer.readLine("RESULT ", 10s), "ok");
+  EXPECT_EQ(peer.readLine("RESULT ", testutil::kHangGuard), "ok");
 }
 
 // The receiver dies while 72 MB of puts are in flight: the sender reports PeerFailed from UCX's
@@ -157,7 +157,7 @@ TEST_P(CrossProcessTest, SenderKilledMidTransferExpiresTheReceive) {
                   .ok());
   ChildProcess peer(peerArgs({"send", "--seed", "24", "--stall-after-layers", "10"}));
   ASSERT_TRUE(peer.writeLine("DESCRIPTOR " + testutil::toHex(encode(desc.value()))));
-  ASSERT_TRUE(peer.readLine("POSTED", 10s).has_value());
+  ASSERT_TRUE(peer.readLine("POSTED", testutil::kHangGuard).has_value());
   peer.signal(SIGKILL);
   const auto arrived = out_.waitArrival(24, 10s);
   ASSERT_TRUE(arrived.has_value());

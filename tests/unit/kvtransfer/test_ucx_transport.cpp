@@ -15,6 +15,7 @@ namespace pd::kvtransfer {
 namespace {
 
 using namespace std::chrono_literals;
+using testutil::kHangGuard;
 using testutil::KvPool;
 using testutil::Outcomes;
 using testutil::ScopedRegion;
@@ -29,12 +30,13 @@ void PrintTo(const Variant& v, std::ostream* os) {  // NOLINT(readability-identi
   *os << v.tls << "/" << kvDataPathName(v.path);
 }
 
-std::unique_ptr<Transport> makeTransport(const Variant& v, const CompatInfo& compat, const std::string& name) {
+std::unique_ptr<Transport> makeTransport(const Variant& v, const CompatInfo& compat, const std::string& name,
+                                         std::chrono::milliseconds connect_timeout = kHangGuard) {
   UcxTransportOptions options;
   options.ucx_tls = v.tls;
   options.data_path = v.path;
   options.compat = compat;
-  options.connect_timeout = 2s;
+  options.connect_timeout = connect_timeout;
   options.peer_suspect_time = 5s;
   options.spin_time = 50us;
   options.name = name;
@@ -88,24 +90,24 @@ TEST_P(UcxTransportTest, RealLayoutTransfersByteForByte) {
   SourceKv source(compat_, kTokens, 11);
   ScopedRegion src(*sender_, source.bytes);
   ASSERT_TRUE(src.ok());
-  auto desc = pool.descriptor(1, kTokens, testutil::shuffledBlocks(6, 3, 4), 10000);
+  auto desc = pool.descriptor(1, kTokens, testutil::shuffledBlocks(6, 3, 4), testutil::kHangGuardMs);
   ASSERT_TRUE(desc.ok()) << desc.error().toString();
   // The descriptor travels as bytes, as it would through the router.
   auto wire = decodeKvDescriptor(encode(desc.value()));
   ASSERT_TRUE(wire.ok());
 
-  ASSERT_TRUE(receiver_->expect(1, Clock::now() + 10s, out_.onArrival()).ok());
-  ASSERT_TRUE(sender_->beginTransfer(wire.value(), Clock::now() + 10s, out_.onDone()).ok());
+  ASSERT_TRUE(receiver_->expect(1, Clock::now() + kHangGuard, out_.onArrival()).ok());
+  ASSERT_TRUE(sender_->beginTransfer(wire.value(), Clock::now() + kHangGuard, out_.onDone()).ok());
   for (std::uint32_t first = 0; first < kTokens; first += 48) {
     ASSERT_TRUE(sender_->put(1, source.chunkPuts(src.id(), first, std::min(48U, kTokens - first))).ok());
   }
   const CompletionRecord sent = sampleRecord(1, kTokens);
   ASSERT_TRUE(sender_->finish(sent).ok());
 
-  const auto done = out_.waitDone(1, 10s);
+  const auto done = out_.waitDone(1, kHangGuard);
   ASSERT_TRUE(done.has_value());
   ASSERT_TRUE(done->ok()) << done->error().toString();
-  const auto arrived = out_.waitArrival(1, 10s);
+  const auto arrived = out_.waitArrival(1, kHangGuard);
   ASSERT_TRUE(arrived.has_value());
   ASSERT_TRUE(arrived->ok()) << arrived->error().toString();
   CompletionRecord expected = sent;
@@ -138,27 +140,25 @@ TEST_P(UcxTransportTest, DataOfAnExpiredReceiveIsDropped) {
   KvPool pool(*receiver_, compat_, 8);
   SourceKv source(compat_, 6, 1);
   ScopedRegion src(*sender_, source.bytes);
-  auto d = pool.descriptor(13, 6, {4, 1}, 10000);
+  auto d = pool.descriptor(13, 6, {4, 1}, testutil::kHangGuardMs);
   ASSERT_TRUE(receiver_->expect(13, Clock::now() + 50ms, out_.onArrival()).ok());
-  const auto expired = out_.waitArrival(13, 5s);
+  const auto expired = out_.waitArrival(13, kHangGuard);
   ASSERT_TRUE(expired.has_value());
   EXPECT_EQ(expired->error().code, ErrorCode::Timeout);
 
-  ASSERT_TRUE(sender_->beginTransfer(d.value(), Clock::now() + 5s, out_.onDone()).ok());
+  ASSERT_TRUE(sender_->beginTransfer(d.value(), Clock::now() + kHangGuard, out_.onDone()).ok());
   ASSERT_TRUE(sender_->put(13, source.chunkPuts(src.id(), 0, 6)).ok());
   CompletionRecord r;
   r.request_id = 13;
   ASSERT_TRUE(sender_->finish(r).ok());
-  const auto done = out_.waitDone(13, 5s);
+  const auto done = out_.waitDone(13, kHangGuard);
   ASSERT_TRUE(done && done->ok());
   // The record left the sender; the receiver handles it on its own thread.
   const auto settled = [&] {
     const auto st = receiver_->stats();
     return st.records_rejected == 1 && st.bytes_dropped == 3ULL * 6 * 16;
   };
-  for (auto until = Clock::now() + 5s; !settled() && Clock::now() < until;) {
-    std::this_thread::sleep_for(1ms);
-  }
+  ASSERT_TRUE(testutil::eventually(settled)) << "the receiver never settled the expired request's data";
   const auto stats = receiver_->stats();
   EXPECT_EQ(stats.bytes_dropped, 3U * 6 * 16);
   EXPECT_EQ(stats.bytes_received, 0U);
@@ -183,11 +183,11 @@ TEST_P(UcxTransportTest, ConcurrentSmallTransfersAllLand) {
     sources.push_back(std::make_unique<SourceKv>(compat_, 7, id));
     regions.push_back(std::make_unique<ScopedRegion>(*sender_, sources.back()->bytes));
     const auto first = static_cast<std::size_t>(i) * 2;
-    auto d = pool.descriptor(id, 7, {blocks[first], blocks[first + 1]}, 10000);
+    auto d = pool.descriptor(id, 7, {blocks[first], blocks[first + 1]}, testutil::kHangGuardMs);
     ASSERT_TRUE(d.ok());
     descs.push_back(d.value());
-    ASSERT_TRUE(receiver_->expect(id, Clock::now() + 10s, out_.onArrival()).ok());
-    ASSERT_TRUE(sender_->beginTransfer(descs.back(), Clock::now() + 10s, out_.onDone()).ok());
+    ASSERT_TRUE(receiver_->expect(id, Clock::now() + kHangGuard, out_.onArrival()).ok());
+    ASSERT_TRUE(sender_->beginTransfer(descs.back(), Clock::now() + kHangGuard, out_.onDone()).ok());
   }
   // Interleave: first halves of every request, then second halves, then the records.
   for (int i = 0; i < kRequests; ++i)
@@ -202,9 +202,9 @@ TEST_P(UcxTransportTest, ConcurrentSmallTransfersAllLand) {
   }
   for (int i = 0; i < kRequests; ++i) {
     const auto id = descs[i].request_id;
-    const auto done = out_.waitDone(id, 10s);
+    const auto done = out_.waitDone(id, kHangGuard);
     ASSERT_TRUE(done && done->ok());
-    const auto arrived = out_.waitArrival(id, 10s);
+    const auto arrived = out_.waitArrival(id, kHangGuard);
     ASSERT_TRUE(arrived && arrived->ok());
     EXPECT_EQ(arrived->value().first_token, i);
     EXPECT_EQ(pool.verify(descs[i], id).find("differs"), std::string::npos) << pool.verify(descs[i], id);
@@ -228,7 +228,7 @@ TEST_P(UcxTransportTest, CompatibilityMismatchIsAClearErrorAtBegin) {
 TEST_P(UcxTransportTest, ReceiveDeadlineFiresOnTheTimer) {
   const auto start = Clock::now();
   ASSERT_TRUE(receiver_->expect(3, start + 150ms, out_.onArrival()).ok());
-  const auto arrived = out_.waitArrival(3, 5s);
+  const auto arrived = out_.waitArrival(3, kHangGuard);
   const auto elapsed = Clock::now() - start;
   ASSERT_TRUE(arrived.has_value());
   ASSERT_FALSE(arrived->ok());
@@ -238,8 +238,10 @@ TEST_P(UcxTransportTest, ReceiveDeadlineFiresOnTheTimer) {
   EXPECT_EQ(receiver_->stats().receives_failed[static_cast<std::size_t>(FailureCause::Timeout)], 1U);
 }
 
-// A sender that never finishes (its prefill stalled) times out; its puts had completed, so the
-// peer is not condemned and the next transfer to it works.
+// A sender that never finishes (its prefill stalled before its first layer) times out; with no
+// put outstanding the network is not to blame, so the peer is not condemned and the next transfer
+// to it works. No put is posted: whether a posted put completes within a short deadline depends
+// on the machine's load, and only the outstanding puts decide the peer's fate.
 TEST_P(UcxTransportTest, UnfinishedTransferTimesOutWithoutCondemningThePeer) {
   compat_ = testutil::smallCompat();
   sender_ = makeTransport(GetParam(), compat_, "prefill");
@@ -247,24 +249,23 @@ TEST_P(UcxTransportTest, UnfinishedTransferTimesOutWithoutCondemningThePeer) {
   KvPool pool(*receiver_, compat_, 8);
   SourceKv source(compat_, 4, 1);
   ScopedRegion src(*sender_, source.bytes);
-  auto d4 = pool.descriptor(4, 4, {1}, 10000);
+  auto d4 = pool.descriptor(4, 4, {1}, testutil::kHangGuardMs);
   ASSERT_TRUE(sender_->beginTransfer(d4.value(), Clock::now() + 200ms, out_.onDone()).ok());
-  ASSERT_TRUE(sender_->put(4, source.chunkPuts(src.id(), 0, 4)).ok());
-  const auto done = out_.waitDone(4, 5s);
+  const auto done = out_.waitDone(4, kHangGuard);
   ASSERT_TRUE(done.has_value());
   EXPECT_EQ(done->error().code, ErrorCode::Timeout);
   EXPECT_EQ(sender_->stats().suspect_peers, 0);
 
-  auto d5 = pool.descriptor(5, 4, {2}, 10000);
-  ASSERT_TRUE(receiver_->expect(5, Clock::now() + 5s, out_.onArrival()).ok());
-  ASSERT_TRUE(sender_->beginTransfer(d5.value(), Clock::now() + 5s, out_.onDone()).ok());
+  auto d5 = pool.descriptor(5, 4, {2}, testutil::kHangGuardMs);
+  ASSERT_TRUE(receiver_->expect(5, Clock::now() + kHangGuard, out_.onArrival()).ok());
+  ASSERT_TRUE(sender_->beginTransfer(d5.value(), Clock::now() + kHangGuard, out_.onDone()).ok());
   ASSERT_TRUE(sender_->put(5, source.chunkPuts(src.id(), 0, 4)).ok());
   CompletionRecord r;
   r.request_id = 5;
   ASSERT_TRUE(sender_->finish(r).ok());
-  const auto ok = out_.waitDone(5, 5s);
+  const auto ok = out_.waitDone(5, kHangGuard);
   ASSERT_TRUE(ok && ok->ok());
-  ASSERT_TRUE(out_.waitArrival(5, 5s).has_value());
+  ASSERT_TRUE(out_.waitArrival(5, kHangGuard).has_value());
 }
 
 TEST_P(UcxTransportTest, AbortDeliversTheFailureToTheReceiver) {
@@ -274,15 +275,15 @@ TEST_P(UcxTransportTest, AbortDeliversTheFailureToTheReceiver) {
   KvPool pool(*receiver_, compat_, 8);
   SourceKv source(compat_, 4, 1);
   ScopedRegion src(*sender_, source.bytes);
-  auto d = pool.descriptor(6, 4, {3}, 10000);
-  ASSERT_TRUE(receiver_->expect(6, Clock::now() + 5s, out_.onArrival()).ok());
-  ASSERT_TRUE(sender_->beginTransfer(d.value(), Clock::now() + 5s, out_.onDone()).ok());
+  auto d = pool.descriptor(6, 4, {3}, testutil::kHangGuardMs);
+  ASSERT_TRUE(receiver_->expect(6, Clock::now() + kHangGuard, out_.onArrival()).ok());
+  ASSERT_TRUE(sender_->beginTransfer(d.value(), Clock::now() + kHangGuard, out_.onDone()).ok());
   ASSERT_TRUE(sender_->put(6, source.chunkPuts(src.id(), 0, 4)).ok());
   ASSERT_TRUE(sender_->abort(6, ErrorCode::Overloaded, "prefill queue full").ok());
-  const auto done = out_.waitDone(6, 5s);
+  const auto done = out_.waitDone(6, kHangGuard);
   ASSERT_TRUE(done.has_value());
   EXPECT_EQ(done->error().code, ErrorCode::Cancelled);
-  const auto arrived = out_.waitArrival(6, 5s);
+  const auto arrived = out_.waitArrival(6, kHangGuard);
   ASSERT_TRUE(arrived.has_value());
   ASSERT_FALSE(arrived->ok());
   EXPECT_EQ(arrived->error().code, ErrorCode::Overloaded);
@@ -322,10 +323,12 @@ TEST_P(UcxTransportTest, UnreachablePeerFailsWithinTheConnectTimeout) {
     KvPool pool(*gone, compat_, 2);
     d = pool.descriptor(8, 10, {1}, 30000).value();
   }
+  sender_ = makeTransport(GetParam(), compat_, "prefill", 2s);  // the timeout under test
+  ASSERT_TRUE(sender_);
   const auto start = Clock::now();
   const Status begun = sender_->beginTransfer(d, Clock::now() + 30s, out_.onDone());
   if (begun.ok()) {
-    const auto done = out_.waitDone(8, 10s);
+    const auto done = out_.waitDone(8, kHangGuard);
     ASSERT_TRUE(done.has_value());
     ASSERT_FALSE(done->ok());
     EXPECT_EQ(done->error().code, ErrorCode::PeerFailed) << done->error().toString();
@@ -351,9 +354,9 @@ TEST_P(UcxTransportTest, MisuseIsReportedAsErrors) {
   KvPool pool(*receiver_, compat_, 2);
   SourceKv source(compat_, 10, 1);
   ScopedRegion src(*sender_, source.bytes);
-  auto d = pool.descriptor(9, 10, {1}, 10000);
-  ASSERT_TRUE(sender_->beginTransfer(d.value(), Clock::now() + 10s, out_.onDone()).ok());
-  EXPECT_EQ(sender_->beginTransfer(d.value(), Clock::now() + 10s, out_.onDone()).error().code,
+  auto d = pool.descriptor(9, 10, {1}, testutil::kHangGuardMs);
+  ASSERT_TRUE(sender_->beginTransfer(d.value(), Clock::now() + kHangGuard, out_.onDone()).ok());
+  EXPECT_EQ(sender_->beginTransfer(d.value(), Clock::now() + kHangGuard, out_.onDone()).error().code,
             ErrorCode::InvalidArgument);
   EXPECT_EQ(sender_->put(9, source.chunkPuts(src.id(), 5, 6)).error().code, ErrorCode::InvalidArgument);  // > 10
   const LayerPut past_local{LayerSlice{0, 0, 10}, src.id(), source.bytes.size() - 100};
@@ -361,10 +364,11 @@ TEST_P(UcxTransportTest, MisuseIsReportedAsErrors) {
   ASSERT_TRUE(sender_->put(9, source.chunkPuts(src.id(), 0, 10)).ok());
   EXPECT_EQ(sender_->deregisterRegion(src.id()).error().code, ErrorCode::InvalidArgument);  // in use
   ASSERT_TRUE(sender_->abort(9, ErrorCode::Cancelled, "test over").ok());
-  ASSERT_TRUE(out_.waitDone(9, 5s).has_value());
+  ASSERT_TRUE(out_.waitDone(9, kHangGuard).has_value());
 
-  ASSERT_TRUE(receiver_->expect(10, Clock::now() + 10s, out_.onArrival()).ok());
-  EXPECT_EQ(receiver_->expect(10, Clock::now() + 10s, out_.onArrival()).error().code, ErrorCode::InvalidArgument);
+  ASSERT_TRUE(receiver_->expect(10, Clock::now() + kHangGuard, out_.onArrival()).ok());
+  EXPECT_EQ(receiver_->expect(10, Clock::now() + kHangGuard, out_.onArrival()).error().code,
+            ErrorCode::InvalidArgument);
   EXPECT_TRUE(receiver_->cancelExpect(10));
   EXPECT_FALSE(receiver_->cancelExpect(10));
   const auto cancelled = out_.waitArrival(10, 1s);
