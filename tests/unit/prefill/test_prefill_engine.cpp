@@ -292,8 +292,8 @@ TEST_P(PrefillGolden, DeadlinesEndRunningAndQueuedRequests) {
 }
 
 TEST_P(PrefillGolden, SubmitRefusesWhatCannotRun) {
+  Shipped s;  // before the engine: its destructor fails the queued request into this sink
   auto p = makePrefill({.max_queued_requests = 1, .cache_blocks = 2, .block_size = 4});
-  Shipped s;
   auto code = [&](PrefillRequest r) {
     Status st = p->submit(std::move(r));
     return st.ok() ? std::optional<ErrorCode>() : std::optional<ErrorCode>(st.error().code);
@@ -372,6 +372,10 @@ struct LoopbackPair {
     return std::move(sink).value();
   }
 
+  // Declared before the transports, which outlive them: a transport's destructor cancels what
+  // is still pending into these.
+  std::optional<Result<kvt::CompletionRecord>> arrived;
+  std::optional<Status> sent;
   kvt::CompatInfo compat;
   std::shared_ptr<kvt::fakes::LoopbackFabric> fabric;
   kvt::fakes::LoopbackTransport decode;
@@ -379,8 +383,6 @@ struct LoopbackPair {
   std::uint64_t block_bytes;
   std::vector<std::byte> pool;
   kvt::RegionId region = 0;
-  std::optional<Result<kvt::CompletionRecord>> arrived;
-  std::optional<Status> sent;
 };
 
 // The loopback transport: a decode-side pool filled by the prefill engine through

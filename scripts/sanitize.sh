@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# The unit tests under AddressSanitizer + UndefinedBehaviorSanitizer, in their own build folder
+# (build-asan/, or $PD_ASAN_BUILD_DIR). Builds only what `ctest -L unit` runs (the pd_unit_tests
+# target), at -O1 -g1 so that the 2-core CI machine builds it in minutes, without the CUDA
+# kernels (the unit tests run on the CPU). Any report fails the step: halt_on_error for ASan,
+# -fno-sanitize-recover=all for UBSan (cmake/PdTargets.cmake), and leaks are errors.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+build_dir=${PD_ASAN_BUILD_DIR:-build-asan}
+cmake -S . -B "$build_dir" -G Ninja -DPD_SANITIZE=address,undefined -DPD_WITH_CUDA=OFF \
+  -DCMAKE_BUILD_TYPE=Debug "-DCMAKE_CXX_FLAGS_DEBUG=-O1 -g1" "-DCMAKE_C_FLAGS_DEBUG=-O1 -g1" "$@"
+cmake --build "$build_dir" --target pd_unit_tests -j "${PD_JOBS:-$(nproc)}"
+export ASAN_OPTIONS="halt_on_error=1:abort_on_error=1:detect_leaks=1:strict_string_checks=1:detect_stack_use_after_return=1${ASAN_OPTIONS:+:$ASAN_OPTIONS}"
+export UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1${UBSAN_OPTIONS:+:$UBSAN_OPTIONS}"
+ctest --test-dir "$build_dir" --output-on-failure -L unit -j "${PD_JOBS:-$(nproc)}"
