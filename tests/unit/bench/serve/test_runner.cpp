@@ -60,24 +60,29 @@ TEST(BenchServeRunner, MeasuresTheScriptedTimetable) {
   EXPECT_EQ(progress.failed.load(), 0);
   EXPECT_EQ(server.answered(), 8);  // warm-up included
 
-  // Sleeps only ever run long, so the scripted times are lower bounds; upper bounds would measure
-  // the machine's load, not the runner. What must hold whatever the load: every measured piece
+  // Sleeps only ever run long, so the scripted times are lower bounds of what the client sees from
+  // its send: the first chunk no earlier than TTFT, the last no earlier than TTFT + the streaming
+  // part. The gaps between chunks have no lower bound (a late first chunk shortens them), and no
+  // upper bound holds on a loaded machine. What must hold whatever the load: every measured piece
   // fits inside the request it belongs to, and the summary's figures are the results' arithmetic.
   const double ttft = script.ttft_ms / 1e3;
   const double stream = static_cast<double>(script.chunk_tokens.size() - 1) * script.gap_ms / 1e3;
   const std::int64_t later_tokens = server.totalTokens() - script.chunk_tokens[0];
   ASSERT_EQ(run.results.size(), 6u);
   double e2e_sum = 0;
+  double itl_total = 0;
+  std::size_t itl_count = 0;
   for (const auto& r : run.results) {
     ASSERT_TRUE(r.ok) << r.error;
     EXPECT_EQ(r.output_tokens, 8);  // from usage
     EXPECT_EQ(r.prompt_tokens, script.prompt_tokens);
     EXPECT_EQ(r.chunks, 5);
     EXPECT_GE(r.ttft_s, ttft * 0.95);
+    EXPECT_GE(r.e2e_s, (ttft + stream) * 0.95);
     // One ITL entry per token after the first chunk; together they span the streaming part.
     ASSERT_EQ(static_cast<std::int64_t>(r.itl_s.size()), later_tokens);
     const double itl_sum = std::accumulate(r.itl_s.begin(), r.itl_s.end(), 0.0);
-    EXPECT_GE(itl_sum, stream * 0.8);
+    EXPECT_GE(itl_sum, 0.0);
     // The 2-token chunk's gap is split evenly: its two entries are equal.
     EXPECT_DOUBLE_EQ(r.itl_s[0], r.itl_s[1]);
     EXPECT_DOUBLE_EQ(r.itl_s[3], r.itl_s[4]);
@@ -85,14 +90,15 @@ TEST(BenchServeRunner, MeasuresTheScriptedTimetable) {
     EXPECT_GE(r.e2e_s, r.ttft_s + itl_sum - 1e-9);
     EXPECT_LE(r.e2e_s, run.duration_s + 1e-9);
     e2e_sum += r.e2e_s;
+    itl_total += itl_sum;
+    itl_count += r.itl_s.size();
   }
   const auto s = summarize(run.results, run.duration_s, Slo{});
   EXPECT_EQ(s.completed, 6);
   EXPECT_EQ(s.failed, 0);
-  // TPOT = (e2e - TTFT) / 7 >= the scripted 45 ms / 7; ITL mean = the streaming part / 7 as well.
-  const double tpot_ms = stream * 1e3 / 7;
-  EXPECT_GE(s.tpot_ms.p50, tpot_ms * 0.8);
-  EXPECT_GE(s.itl_ms.mean, tpot_ms * 0.8);
+  EXPECT_EQ(s.itl_ms.count, static_cast<std::int64_t>(itl_count));
+  EXPECT_NEAR(s.itl_ms.mean, 1e3 * itl_total / static_cast<double>(itl_count), 1e-6);
+  EXPECT_GE(s.tpot_ms.p50, 0.0);
   // Three rounds of two concurrent requests, each at least TTFT + stream long; two workers never
   // run more than two requests at once, so the six requests' time is at most twice the run's.
   const double round = ttft + stream;
