@@ -1,0 +1,464 @@
+#pragma once
+/// The arithmetic of the CUDA kernels, as small __host__ __device__ functions: the kernels in
+/// engine/cuda/*.cu call them, and host unit tests (tests/unit/engine_cuda) call the very same
+/// functions compiled by the host compiler and check them against the CPU engine. A kernel's
+/// __global__ function then only maps threads to data (docs/gpu.md).
+///
+/// What lives here: float8 e4m3 decode with 128x128 block scales and BF16 conversion; the YaRN
+/// inverse frequencies and the interleaved RoPE rotation; noaux_tc grouped top-k routing with the
+/// CPU engine's tie order; the merge of split-KV softmax partials; the sampling transforms
+/// (penalties, temperature weights, top-k / top-p / min-p cut-offs, the draw) and the
+/// counter-based generator; the FP8 GEMV's per-lane accumulation and its butterfly reduction.
+///
+/// Compiles as C++17 under nvcc and as C++20 under the host compiler; no allocation, no library
+/// calls but the math functions. Thread rules: pure functions.
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__CUDACC__)
+#define PD_HD __host__ __device__ inline
+#else
+#define PD_HD inline
+#endif
+
+namespace pd::gpu::math {
+
+// ---------------------------------------------------------------------------------------------
+// Math functions: the device's single-precision intrinsics on the GPU, <cmath> on the host (the
+// CPU engine calls the same <cmath> functions, so host results are bit-identical to it).
+
+PD_HD float expF(float x) {
+#if defined(__CUDA_ARCH__)
+  return expf(x);
+#else
+  return std::exp(x);
+#endif
+}
+PD_HD double expD(double x) {
+#if defined(__CUDA_ARCH__)
+  return exp(x);
+#else
+  return std::exp(x);
+#endif
+}
+PD_HD float sqrtF(float x) {
+#if defined(__CUDA_ARCH__)
+  return sqrtf(x);
+#else
+  return std::sqrt(x);
+#endif
+}
+PD_HD float fmaF(float a, float b, float c) {
+#if defined(__CUDA_ARCH__)
+  return fmaf(a, b, c);
+#else
+  return std::fma(a, b, c);
+#endif
+}
+PD_HD float cosF(float x) {
+#if defined(__CUDA_ARCH__)
+  return cosf(x);
+#else
+  return std::cos(x);
+#endif
+}
+PD_HD float sinF(float x) {
+#if defined(__CUDA_ARCH__)
+  return sinf(x);
+#else
+  return std::sin(x);
+#endif
+}
+PD_HD float powF(float x, float y) {
+#if defined(__CUDA_ARCH__)
+  return powf(x, y);
+#else
+  return std::pow(x, y);
+#endif
+}
+PD_HD double logD(double x) {
+#if defined(__CUDA_ARCH__)
+  return log(x);
+#else
+  return std::log(x);
+#endif
+}
+
+PD_HD float bitsToFloat(std::uint32_t bits) {
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(bits);
+#else
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+#endif
+}
+PD_HD std::uint32_t floatToBits(float f) {
+#if defined(__CUDA_ARCH__)
+  return __float_as_uint(f);
+#else
+  std::uint32_t bits;
+  std::memcpy(&bits, &f, sizeof bits);
+  return bits;
+#endif
+}
+
+PD_HD float negInfF() {
+  return bitsToFloat(0xFF800000U);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Value decode.
+
+/// float8 e4m3fn -> float32, exact: the same bit construction as pd::fp8e4m3ToFloat (0x7F and
+/// 0xFF are NaN, no infinities, subnormals m * 2^-9).
+PD_HD float fp8e4m3Decode(std::uint8_t code) {
+  const std::uint32_t sign = (static_cast<std::uint32_t>(code) & 0x80U) << 24;
+  const std::uint32_t exponent = (static_cast<std::uint32_t>(code) >> 3) & 0xFU;
+  const std::uint32_t mantissa = static_cast<std::uint32_t>(code) & 0x7U;
+  if (exponent == 0xFU && mantissa == 0x7U) return bitsToFloat(sign | 0x7FC00000U);
+  if (exponent != 0) return bitsToFloat(sign | ((exponent + 127U - 7U) << 23) | (mantissa << 20));
+  // Zero or subnormal: m * 2^-9 is exact in float32.
+  return bitsToFloat(sign | floatToBits(static_cast<float>(mantissa) * 0x1p-9F));
+}
+
+/// Where an FP8 weight's scale sits in a [ceil(rows / block_rows), scale_cols] scale matrix.
+PD_HD std::int64_t fp8ScaleIndex(std::int64_t row, std::int64_t col, std::int64_t scale_cols, std::int64_t block_rows,
+                                 std::int64_t block_cols) {
+  return (row / block_rows) * scale_cols + col / block_cols;
+}
+
+/// W[row][col] of a block-scaled FP8 matrix as float32: e4m3(q) * scale_inv, one rounding, as the
+/// CPU engine's dequantizeRow computes it.
+PD_HD float fp8BlockScaledValue(std::uint8_t q, float scale_inv) {
+  return fp8e4m3Decode(q) * scale_inv;
+}
+
+/// bfloat16 -> float32 (exact).
+PD_HD float bf16Decode(std::uint16_t bits) {
+  return bitsToFloat(static_cast<std::uint32_t>(bits) << 16);
+}
+
+/// float32 -> bfloat16, round to nearest even, NaN kept NaN: pd::floatToBf16's rule.
+PD_HD std::uint16_t bf16Encode(float value) {
+  const std::uint32_t bits = floatToBits(value);
+  if ((bits & 0x7F800000U) == 0x7F800000U && (bits & 0x007FFFFFU) != 0) {
+    return static_cast<std::uint16_t>((bits >> 16) | 0x0040U);
+  }
+  const std::uint32_t lsb = (bits >> 16) & 1U;
+  return static_cast<std::uint16_t>((bits + 0x7FFFU + lsb) >> 16);
+}
+
+// ---------------------------------------------------------------------------------------------
+// RMSNorm: the CPU engine sums squares in double, takes the mean in float, then
+// out = (x * inv) * w.
+
+/// 1 / sqrt(mean(x^2) + eps) from the sum of squares of n values.
+PD_HD float rmsInverse(double sum_squares, std::int64_t n, float eps) {
+  const float mean = static_cast<float>(sum_squares / static_cast<double>(n));
+  return 1.0F / sqrtF(mean + eps);
+}
+PD_HD float rmsNormValue(float x, float inv, float weight) {
+  return (x * inv) * weight;
+}
+
+// ---------------------------------------------------------------------------------------------
+// RoPE (DeepSeek's interleaved pairs, YaRN frequencies).
+
+/// f_j = 1 / theta^(2j / dim) in float32 (pair j of a rotary dimension dim).
+PD_HD float ropeBaseFrequency(std::int64_t j, std::int64_t dim, float theta) {
+  return 1.0F / powF(theta, static_cast<float>(2 * j) / static_cast<float>(dim));
+}
+
+/// YaRN's correction range [low, high] over pair indices, in double as the reference computes it
+/// with Python floats (model/rope.cpp).
+PD_HD void yarnCorrectionRange(std::int64_t dim, double theta, std::int64_t original_max_positions, double beta_fast,
+                               double beta_slow, double& low, double& high) {
+  const double pi = 3.14159265358979323846;
+  const double d = static_cast<double>(dim);
+  const double orig = static_cast<double>(original_max_positions);
+  const double lo = d * logD(orig / (beta_fast * 2.0 * pi)) / (2.0 * logD(theta));
+  const double hi = d * logD(orig / (beta_slow * 2.0 * pi)) / (2.0 * logD(theta));
+  low = ::floor(lo);
+  low = low > 0.0 ? low : 0.0;
+  high = ::ceil(hi);
+  high = high < d - 1.0 ? high : d - 1.0;
+  if (low == high) high += 0.001;
+}
+
+/// The YaRN correction of base frequency `freq` of pair j, given the correction range [low, high]
+/// (computed in double on the host, model/rope.cpp) and the scaling factor.
+PD_HD float yarnFrequency(float freq, std::int64_t j, double low, double high, float factor) {
+  float ramp = (static_cast<float>(j) - static_cast<float>(low)) / static_cast<float>(high - low);
+  ramp = ramp < 0.0F ? 0.0F : (ramp > 1.0F ? 1.0F : ramp);
+  const float smooth = 1.0F - ramp;
+  return freq / factor * (1.0F - smooth) + freq * smooth;
+}
+
+/// The rotation angle of pair j at position pos: float32(pos) * inv_freq[j].
+PD_HD float ropeAngle(std::int64_t pos, float inv_freq) {
+  return static_cast<float>(pos) * inv_freq;
+}
+
+/// Rotates one interleaved pair (a, b) by the angle whose cosine and sine are c and s.
+PD_HD void ropeRotatePair(float& a, float& b, float c, float s) {
+  const float x = a;
+  const float y = b;
+  a = x * c - y * s;
+  b = x * s + y * c;
+}
+
+// ---------------------------------------------------------------------------------------------
+// MoE routing: noaux_tc (sigmoid scores, e_score_correction_bias for selection only, group-limited
+// top-k, weights renormalized over the chosen experts and scaled).
+
+PD_HD float sigmoidF(float x) {
+  return 1.0F / (1.0F + expF(-x));
+}
+
+/// Sizes the routing scratch must hold; the host validates the model against them.
+constexpr std::int64_t kMaxRoutedExperts = 512;
+constexpr std::int64_t kMaxExpertGroups = 64;
+
+struct RoutingShape {
+  std::int64_t experts = 0;     ///< n_routed_experts (<= kMaxRoutedExperts)
+  std::int64_t groups = 1;      ///< n_group (divides experts, <= kMaxExpertGroups)
+  std::int64_t topk_group = 1;  ///< groups kept
+  std::int64_t top_k = 1;       ///< experts per token
+  float routed_scaling = 1.0F;
+};
+
+/// Whether a candidate (value va, index a) ranks before (vb, b): larger value first, lower index
+/// on ties (the CPU engine's partial_sort comparator; its stable_sort of groups gives the same).
+PD_HD bool ranksBefore(float va, std::int64_t a, float vb, std::int64_t b) {
+  return va > vb || (va == vb && a < b);
+}
+
+/// Routes one token. `logits` [experts]; `bias` [experts] or null; scratch `score`, `biased`
+/// [experts] and `group_score` [groups]; out_idx/out_weight [top_k] in descending biased score.
+/// The same selections, tie order and float operations as the CPU engine's moe().
+PD_HD void routeNoauxTc(const float* logits, const float* bias, const RoutingShape& shape, float* score, float* biased,
+                        float* group_score, std::int32_t* out_idx, float* out_weight) {
+  const std::int64_t n = shape.experts;
+  const std::int64_t per_group = n / shape.groups;
+  for (std::int64_t e = 0; e < n; ++e) {
+    score[e] = sigmoidF(logits[e]);
+    biased[e] = bias == nullptr ? score[e] : score[e] + bias[e];
+  }
+  if (shape.groups > 1) {
+    for (std::int64_t g = 0; g < shape.groups; ++g) {
+      const float* gb = biased + g * per_group;
+      float a = negInfF();
+      float b = negInfF();  // the two largest
+      for (std::int64_t i = 0; i < per_group; ++i) {
+        if (gb[i] > a) {
+          b = a;
+          a = gb[i];
+        } else if (gb[i] > b) {
+          b = gb[i];
+        }
+      }
+      // Without a bias the reference scores a group by its maximum, with one by its top two.
+      group_score[g] = (bias == nullptr || per_group == 1) ? a : a + b;
+    }
+    // Keep the topk_group best groups (ties: lower group first); mask the rest with -inf.
+    std::uint64_t kept = 0;  // bit g: group g kept
+    for (std::int64_t k = 0; k < shape.topk_group; ++k) {
+      std::int64_t best = -1;
+      for (std::int64_t g = 0; g < shape.groups; ++g) {
+        if (((kept >> g) & 1U) != 0) continue;
+        if (best < 0 || ranksBefore(group_score[g], g, group_score[best], best)) best = g;
+      }
+      kept |= std::uint64_t{1} << best;
+    }
+    for (std::int64_t g = 0; g < shape.groups; ++g) {
+      if (((kept >> g) & 1U) == 0) {
+        for (std::int64_t i = 0; i < per_group; ++i) biased[g * per_group + i] = negInfF();
+      }
+    }
+  }
+  // Top-k by repeated best-of-the-rest (larger first, lower id on ties).
+  for (std::int64_t k = 0; k < shape.top_k; ++k) {
+    std::int64_t best = -1;
+    for (std::int64_t e = 0; e < n; ++e) {
+      bool taken = false;
+      for (std::int64_t j = 0; j < k; ++j) taken = taken || out_idx[j] == e;
+      if (taken) continue;
+      if (best < 0 || ranksBefore(biased[e], e, biased[best], best)) best = e;
+    }
+    out_idx[k] = static_cast<std::int32_t>(best);
+  }
+  float sum = 0.0F;
+  for (std::int64_t k = 0; k < shape.top_k; ++k) sum += score[out_idx[k]];
+  for (std::int64_t k = 0; k < shape.top_k; ++k) out_weight[k] = score[out_idx[k]] / sum * shape.routed_scaling;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Split-KV attention: each split of the context yields a partial softmax (its maximum score m,
+// its sum l of exp(s - m), and o = sum exp(s - m) v unnormalized); partials merge exactly
+// (log-sum-exp), in split order.
+
+struct SoftmaxPartial {
+  float max = negInfF();  ///< -inf: an empty split
+  float sum = 0.0F;
+};
+
+/// The factor that moves a partial with maximum `part_max` onto the common maximum `total_max`
+/// (0 for an empty partial).
+PD_HD float mergeFactor(float part_max, float total_max) {
+  return part_max == negInfF() ? 0.0F : expF(part_max - total_max);
+}
+
+/// Combines partials [0, n) into the common maximum and normalizer: out.max = max of the maxima,
+/// out.sum = sum_i sum_i * mergeFactor(max_i, out.max), accumulated in split order.
+PD_HD SoftmaxPartial mergePartials(const SoftmaxPartial* parts, std::int64_t n) {
+  SoftmaxPartial out;
+  for (std::int64_t i = 0; i < n; ++i) out.max = parts[i].max > out.max ? parts[i].max : out.max;
+  for (std::int64_t i = 0; i < n; ++i) out.sum += parts[i].sum * mergeFactor(parts[i].max, out.max);
+  return out;
+}
+
+/// One output value of the merged attention: sum_i o_i * factor_i / total.sum, in split order.
+/// `o` points at split 0's value; consecutive splits are `stride` apart.
+PD_HD float mergedOutput(const float* o, std::int64_t stride, const SoftmaxPartial* parts, std::int64_t n,
+                         SoftmaxPartial total) {
+  float acc = 0.0F;
+  for (std::int64_t i = 0; i < n; ++i) acc += o[i * stride] * mergeFactor(parts[i].max, total.max);
+  return acc / total.sum;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Sampling (the CPU Sampler's order: penalties, temperature, top-k, top-p, min-p, one draw).
+
+/// The n-th uniform draw in [0, 1) (53 bits) of a request seeded `seed`: splitmix64 of
+/// seed + (n + 1) * golden gamma. Counter-based, so draw n needs no state, and it equals the
+/// CPU Sampler's n-th draw (n counts the non-greedy tokens sampled so far).
+PD_HD double uniformAt(std::uint64_t seed, std::uint64_t n) {
+  std::uint64_t z = seed + (n + 1) * 0x9E3779B97F4A7C15ULL;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+  z ^= z >> 31;
+  return static_cast<double>(z >> 11) * 0x1.0p-53;
+}
+
+/// A logit after presence / frequency penalties for a token generated `count` (> 0) times.
+PD_HD float penalizedLogit(float logit, std::int64_t count, double presence, double frequency) {
+  return logit - static_cast<float>(presence + frequency * static_cast<double>(count));
+}
+
+/// The unnormalized probability of a logit at temperature 1 / inv_t, relative to the maximum.
+PD_HD double temperatureWeight(float logit, float max_logit, double inv_t) {
+  return expD((static_cast<double>(logit) - max_logit) * inv_t);
+}
+
+struct SamplingTransform {
+  double inv_temperature = 1.0;  ///< > 0 (greedy does not come here)
+  std::int64_t top_k = 0;        ///< 0 = none
+  double top_p = 1.0;
+  double min_p = 0.0;
+  [[nodiscard]] PD_HD bool filtered() const { return top_k > 0 || top_p < 1.0 || min_p > 0.0; }
+};
+
+/// Draws a token from `logits` [vocab] (penalties already applied) with uniform `u`. Without
+/// filters `order` is unused and tokens are scanned in id order; with filters `order` [vocab] is
+/// the ids sorted by descending logit (lower id on ties). Serial by design: the same additions in
+/// the same order as the CPU Sampler, so both pick the same token for the same u.
+PD_HD std::int32_t drawToken(const float* logits, std::int64_t vocab, const std::int32_t* order,
+                             const SamplingTransform& t, double u) {
+  if (!t.filtered()) {
+    float mx = logits[0];
+    for (std::int64_t i = 1; i < vocab; ++i) mx = logits[i] > mx ? logits[i] : mx;
+    double total = 0.0;
+    for (std::int64_t i = 0; i < vocab; ++i) total += temperatureWeight(logits[i], mx, t.inv_temperature);
+    const double target = u * total;
+    double acc = 0.0;
+    std::int32_t last_possible = 0;  // where rounding leaves acc <= target: the last token with weight
+    for (std::int64_t i = 0; i < vocab; ++i) {
+      const double w = temperatureWeight(logits[i], mx, t.inv_temperature);
+      if (w > 0.0) last_possible = static_cast<std::int32_t>(i);
+      acc += w;
+      if (acc > target) return static_cast<std::int32_t>(i);
+    }
+    return last_possible;
+  }
+  const float mx = logits[order[0]];
+  const auto prob = [&](std::int64_t i) { return temperatureWeight(logits[order[i]], mx, t.inv_temperature); };
+  std::int64_t keep = (t.top_k > 0 && t.top_k < vocab) ? t.top_k : vocab;
+  if (t.top_p < 1.0) {
+    double total = 0.0;
+    for (std::int64_t i = 0; i < keep; ++i) total += prob(i);
+    double acc = 0.0;
+    std::int64_t i = 0;
+    for (; i < keep; ++i) {
+      acc += prob(i);
+      if (acc >= t.top_p * total) break;
+    }
+    keep = keep < i + 1 ? keep : i + 1;
+  }
+  if (t.min_p > 0.0) {
+    const double min_weight = t.min_p * prob(0);
+    std::int64_t i = 1;
+    while (i < keep && prob(i) >= min_weight) ++i;
+    keep = i;
+  }
+  double total = 0.0;
+  for (std::int64_t i = 0; i < keep; ++i) total += prob(i);
+  const double target = u * total;
+  while (keep > 1 && prob(keep - 1) == 0.0) --keep;  // masked tokens have no weight
+  double acc = 0.0;
+  for (std::int64_t i = 0; i < keep; ++i) {
+    acc += prob(i);
+    if (acc > target) return order[i];
+  }
+  return order[keep - 1];
+}
+
+// ---------------------------------------------------------------------------------------------
+// FP8 GEMV: y[r] = sum_c W[r][c] x[c] for a block-scaled FP8 W. One warp per row: lane l covers
+// columns [tile * 128 + 4 l, tile * 128 + 4 l + 4) of every 128-column tile (one scale block
+// wide), accumulating with fma in column order; the 32 lane sums then meet in a butterfly
+// (xor 16, 8, 4, 2, 1), the order __shfl_xor_sync gives.
+
+constexpr int kGemvWarp = 32;
+constexpr int kGemvColsPerLane = 4;
+constexpr std::int64_t kGemvTileCols = kGemvWarp * kGemvColsPerLane;  // 128
+
+/// Lane `lane`'s partial sum of row `q_row` [cols] (scales `scale_row` [scale_cols], this row's
+/// block row) against x [cols].
+PD_HD float fp8GemvLanePartial(const std::uint8_t* q_row, const float* scale_row, std::int64_t cols,
+                               std::int64_t block_cols, const float* x, int lane) {
+  float acc = 0.0F;
+  for (std::int64_t tile = 0; tile * kGemvTileCols < cols; ++tile) {
+    const std::int64_t c0 = tile * kGemvTileCols + static_cast<std::int64_t>(lane) * kGemvColsPerLane;
+    for (int i = 0; i < kGemvColsPerLane; ++i) {
+      const std::int64_t c = c0 + i;
+      if (c < cols) acc = fmaF(fp8BlockScaledValue(q_row[c], scale_row[c / block_cols]), x[c], acc);
+    }
+  }
+  return acc;
+}
+
+/// The butterfly over 32 lane values, on the host (the kernel does it with shuffles): after the
+/// steps xor 16 .. 1 every lane holds the same sum; returns lane 0's.
+PD_HD float butterflySum32(const float* lanes) {
+  float v[kGemvWarp];
+  for (int l = 0; l < kGemvWarp; ++l) v[l] = lanes[l];
+  for (int offset = kGemvWarp / 2; offset > 0; offset /= 2) {
+    float next[kGemvWarp];
+    for (int l = 0; l < kGemvWarp; ++l) next[l] = v[l] + v[l ^ offset];
+    for (int l = 0; l < kGemvWarp; ++l) v[l] = next[l];
+  }
+  return v[0];
+}
+
+/// One output of the FP8 GEMV exactly as the kernel computes it.
+PD_HD float fp8GemvRow(const std::uint8_t* q_row, const float* scale_row, std::int64_t cols, std::int64_t block_cols,
+                       const float* x) {
+  float lanes[kGemvWarp];
+  for (int l = 0; l < kGemvWarp; ++l) lanes[l] = fp8GemvLanePartial(q_row, scale_row, cols, block_cols, x, l);
+  return butterflySum32(lanes);
+}
+
+}  // namespace pd::gpu::math

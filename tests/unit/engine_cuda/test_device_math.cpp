@@ -1,0 +1,417 @@
+// The CUDA kernels' arithmetic (engine/cuda/device_math.h) compiled for the host and checked
+// against the CPU engine: value decode, YaRN RoPE, RMSNorm (through the engine's own trace),
+// noaux_tc routing, the split-KV softmax merge, sampling and the FP8 GEMV's reduction order.
+// Runs on every machine; the GPU parity tests (tests/gpu) then check the kernels themselves.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <numeric>
+#include <random>
+#include <vector>
+
+#include "cpu_reference.h"
+#include "device_math.h"
+#include "pd/common/dtype.h"
+#include "pd/engine/engine.h"
+#include "pd/engine/kernels.h"
+#include "pd/engine/latent_cache.h"
+#include "pd/engine/model_factory.h"
+#include "pd/engine/model_weights.h"
+#include "pd/engine/rope.h"
+#include "pd/engine/sampling.h"
+
+namespace {
+
+namespace fs = std::filesystem;
+namespace gm = pd::gpu::math;
+using pd::DType;
+using std::int64_t;
+
+const fs::path kGoldenDir = fs::path(PD_TEST_DATA_DIR) / "golden";
+
+std::uint32_t bitsOf(float f) {
+  std::uint32_t b;
+  std::memcpy(&b, &f, sizeof b);
+  return b;
+}
+
+// ------------------------------------------------------------------------------------------
+// Value decode.
+
+TEST(DeviceMath, Fp8DecodeEqualsTheCpuTableForEveryCode) {
+  for (int code = 0; code < 256; ++code) {
+    const float cpu = pd::fp8e4m3ToFloat(static_cast<std::uint8_t>(code));
+    const float hd = gm::fp8e4m3Decode(static_cast<std::uint8_t>(code));
+    if (std::isnan(cpu)) {
+      EXPECT_TRUE(std::isnan(hd)) << code;
+    } else {
+      EXPECT_EQ(bitsOf(hd), bitsOf(cpu)) << "code " << code;
+    }
+  }
+}
+
+TEST(DeviceMath, Bf16RoundTripEqualsTheCpuConversion) {
+  std::mt19937 rng(7);
+  std::vector<float> values{0.0F, -0.0F, 1.0F, -1.5F, 3.0e38F, -3.4e38F, 1e-40F, INFINITY, -INFINITY, NAN};
+  std::uniform_int_distribution<std::uint32_t> bits;
+  for (int i = 0; i < 20000; ++i) {
+    const std::uint32_t b = bits(rng);
+    float f;
+    std::memcpy(&f, &b, sizeof f);
+    values.push_back(f);
+  }
+  for (const float v : values) {
+    ASSERT_EQ(gm::bf16Encode(v), pd::floatToBf16(v)) << v;
+    const auto h = static_cast<std::uint16_t>(bitsOf(v) >> 16);
+    const float a = gm::bf16Decode(h);
+    const float b = pd::bf16ToFloat(h);
+    ASSERT_TRUE(bitsOf(a) == bitsOf(b) || (std::isnan(a) && std::isnan(b)));
+  }
+}
+
+// A random FP8 matrix with block scales, owning its storage.
+struct Fp8Matrix {
+  std::vector<std::uint8_t> q;
+  std::vector<float> scales;
+  pd::model::WeightMatrix w;
+};
+Fp8Matrix randomFp8(int64_t rows, int64_t cols, std::mt19937& rng, int64_t block = 128) {
+  Fp8Matrix m;
+  std::normal_distribution<float> normal(0.0F, 100.0F);
+  std::uniform_real_distribution<float> scale(0.001F, 0.01F);
+  m.q.resize(static_cast<std::size_t>(rows * cols));
+  for (auto& v : m.q) v = pd::floatToFp8e4m3(normal(rng));
+  m.w.dtype = DType::F8E4M3;
+  m.w.rows = rows;
+  m.w.cols = cols;
+  m.w.block_rows = block;
+  m.w.block_cols = block;
+  m.scales.resize(static_cast<std::size_t>(m.w.scaleRows() * m.w.scaleCols()));
+  for (auto& s : m.scales) s = scale(rng);
+  m.w.data = m.q.data();
+  m.w.scale_inv = m.scales.data();
+  return m;
+}
+
+TEST(DeviceMath, BlockScaledFp8EqualsDequantizeRowAcrossBlockBoundaries) {
+  std::mt19937 rng(11);
+  for (const auto& [rows, cols] : std::vector<std::pair<int64_t, int64_t>>{{1, 1}, {129, 257}, {300, 130}, {7, 1000}}) {
+    const Fp8Matrix m = randomFp8(rows, cols, rng);
+    std::vector<float> row(static_cast<std::size_t>(cols));
+    for (int64_t r = 0; r < rows; ++r) {
+      pd::model::dequantizeRow(m.w, r, row.data());
+      for (int64_t c = 0; c < cols; ++c) {
+        const float hd = gm::fp8BlockScaledValue(
+            m.q[static_cast<std::size_t>(r * cols + c)],
+            m.scales[static_cast<std::size_t>(gm::fp8ScaleIndex(r, c, m.w.scaleCols(), 128, 128))]);
+        ASSERT_EQ(bitsOf(hd), bitsOf(row[static_cast<std::size_t>(c)]))
+            << rows << "x" << cols << " at " << r << "," << c;
+      }
+    }
+  }
+}
+
+// ------------------------------------------------------------------------------------------
+// RoPE.
+
+std::vector<float> deviceInvFreq(const pd::ModelConfig& cfg) {
+  const int64_t dim = cfg.qk_rope_head_dim;
+  std::vector<float> f(static_cast<std::size_t>(dim / 2));
+  double low = 0.0, high = 0.0;
+  if (cfg.rope_scaling) {
+    const auto& s = *cfg.rope_scaling;
+    gm::yarnCorrectionRange(dim, cfg.rope_theta, s.original_max_position_embeddings, s.beta_fast, s.beta_slow, low,
+                            high);
+  }
+  for (int64_t j = 0; j < dim / 2; ++j) {
+    float v = gm::ropeBaseFrequency(j, dim, static_cast<float>(cfg.rope_theta));
+    if (cfg.rope_scaling) v = gm::yarnFrequency(v, j, low, high, static_cast<float>(cfg.rope_scaling->factor));
+    f[static_cast<std::size_t>(j)] = v;
+  }
+  return f;
+}
+
+TEST(DeviceMath, YarnFrequenciesAndRotationEqualTheCpuRope) {
+  std::vector<pd::ModelConfig> configs;
+  for (const char* preset : {"tiny", "deepseek-v3-layers=1"}) {
+    auto c = pd::presetConfig(preset);
+    ASSERT_TRUE(c.ok()) << c.error().toString();
+    configs.push_back(*c);
+  }
+  auto golden = pd::ModelConfig::load(kGoldenDir / "tiny-bf16");
+  ASSERT_TRUE(golden.ok());
+  configs.push_back(*golden);
+  configs.push_back(configs[1]);
+  configs.back().rope_scaling.reset();  // plain RoPE too
+  bool saw_yarn = false;
+  for (const auto& cfg : configs) {
+    saw_yarn = saw_yarn || cfg.rope_scaling.has_value();
+    auto cpu = pd::model::ropeInvFreq(cfg);
+    ASSERT_TRUE(cpu.ok());
+    const std::vector<float> hd = deviceInvFreq(cfg);
+    ASSERT_EQ(hd.size(), cpu->size());
+    for (std::size_t j = 0; j < hd.size(); ++j) ASSERT_EQ(bitsOf(hd[j]), bitsOf((*cpu)[j])) << j;
+    const int64_t half = static_cast<int64_t>(hd.size());
+    std::vector<float> cs(hd.size()), sn(hd.size());
+    std::mt19937 rng(3);
+    std::normal_distribution<float> normal;
+    for (const int64_t pos : {int64_t{0}, int64_t{1}, int64_t{17}, int64_t{4095}, int64_t{163839}}) {
+      pd::model::ropeCosSin(*cpu, pos, cs.data(), sn.data());
+      std::vector<float> x(static_cast<std::size_t>(2 * half));
+      for (auto& v : x) v = normal(rng);
+      std::vector<float> y = x;
+      pd::model::applyRope(x.data(), cs.data(), sn.data(), half);
+      for (int64_t j = 0; j < half; ++j) {
+        const float angle = gm::ropeAngle(pos, hd[static_cast<std::size_t>(j)]);
+        gm::ropeRotatePair(y[static_cast<std::size_t>(2 * j)], y[static_cast<std::size_t>(2 * j + 1)], gm::cosF(angle),
+                           gm::sinF(angle));
+      }
+      for (std::size_t i = 0; i < x.size(); ++i) ASSERT_EQ(bitsOf(y[i]), bitsOf(x[i])) << "pos " << pos << " i " << i;
+    }
+  }
+  EXPECT_TRUE(saw_yarn);
+}
+
+// ------------------------------------------------------------------------------------------
+// RMSNorm, against the CPU engine itself: its final hidden states are the final norm of the
+// residual after the last layer, both of which its trace reports.
+
+TEST(DeviceMath, RmsNormEqualsTheCpuEnginesFinalNorm) {
+  auto weights = pd::model::ModelWeights::load(kGoldenDir / "tiny-bf16");
+  ASSERT_TRUE(weights.ok()) << weights.error().toString();
+  const pd::ModelConfig cfg = (*weights)->config();
+  const std::vector<float> final_norm = (*weights)->finalNorm();
+  auto engine = pd::model::createCpuEngine(std::move(*weights), pd::model::CpuEngineOptions{1, std::nullopt, false});
+  ASSERT_TRUE(engine.ok()) << engine.error().toString();
+  auto cache = pd::model::PagedLatentCache::create(cfg, 4, 16);
+  ASSERT_TRUE(cache.ok());
+  const std::vector<std::int32_t> tokens{5, 77, 300, 1999, 42, 8};
+  const std::vector<std::int32_t> table{0};
+  const pd::model::SequenceChunk chunk{tokens, 0, table};
+  pd::model::ForwardTrace trace;
+  pd::model::ForwardOptions o;
+  o.logits = pd::model::OutputRows::None;
+  o.hidden = pd::model::OutputRows::All;
+  o.trace = &trace;
+  auto out = (*engine)->forward(std::span(&chunk, 1), cache->view(), o);
+  ASSERT_TRUE(out.ok()) << out.error().toString();
+  const int64_t d = cfg.hidden_size;
+  const auto n = static_cast<int64_t>(tokens.size());
+  const float* last = trace.layer_hidden.data() + (cfg.num_hidden_layers - 1) * n * d;
+  for (int64_t t = 0; t < n; ++t) {
+    double ss = 0.0;
+    for (int64_t i = 0; i < d; ++i) ss += static_cast<double>(last[t * d + i]) * last[t * d + i];
+    const float inv = gm::rmsInverse(ss, d, static_cast<float>(cfg.rms_norm_eps));
+    for (int64_t i = 0; i < d; ++i) {
+      const float v = gm::rmsNormValue(last[t * d + i], inv, final_norm[static_cast<std::size_t>(i)]);
+      ASSERT_EQ(bitsOf(v), bitsOf(out->hidden[static_cast<std::size_t>(t * d + i)])) << t << "," << i;
+    }
+  }
+}
+
+// ------------------------------------------------------------------------------------------
+// Routing.
+
+void expectSameRouting(const std::vector<float>& logits, const std::vector<float>& bias, int64_t groups,
+                       int64_t topk_group, int64_t top_k) {
+  const auto n = static_cast<int64_t>(logits.size());
+  const pd::test::CpuRouting cpu = pd::test::cpuRouteToken(logits, bias, groups, topk_group, top_k, 2.5);
+  gm::RoutingShape shape{n, groups, topk_group, top_k, 2.5F};
+  std::vector<float> score(logits.size()), biased(logits.size()), group_score(static_cast<std::size_t>(groups));
+  std::vector<std::int32_t> idx(static_cast<std::size_t>(top_k));
+  std::vector<float> w(static_cast<std::size_t>(top_k));
+  gm::routeNoauxTc(logits.data(), bias.empty() ? nullptr : bias.data(), shape, score.data(), biased.data(),
+                   group_score.data(), idx.data(), w.data());
+  ASSERT_EQ(idx, cpu.idx) << "experts " << n << " groups " << groups;
+  for (std::size_t k = 0; k < w.size(); ++k) ASSERT_EQ(bitsOf(w[k]), bitsOf(cpu.weight[k])) << k;
+}
+
+TEST(DeviceMath, NoauxTcRoutingEqualsTheCpuEngineIncludingTies) {
+  std::mt19937 rng(5);
+  std::normal_distribution<float> normal;
+  struct Shape {
+    int64_t experts, groups, topk_group, top_k;
+  };
+  const std::vector<Shape> shapes{{16, 4, 2, 4}, {256, 8, 4, 8}, {16, 1, 1, 2}, {12, 3, 1, 3}, {8, 8, 3, 2}};
+  int ties = 0;
+  for (const Shape& s : shapes) {
+    for (int trial = 0; trial < 300; ++trial) {
+      std::vector<float> logits(static_cast<std::size_t>(s.experts));
+      std::vector<float> bias(trial % 2 == 0 ? logits.size() : 0);
+      // A third of the trials draw from 3 values only, so experts and groups tie.
+      const bool tie_heavy = trial % 3 == 0;
+      for (auto& v : logits) v = tie_heavy ? static_cast<float>(static_cast<int>(rng() % 3)) : normal(rng);
+      {
+        for (auto& b : bias) b = tie_heavy ? 0.25F * static_cast<float>(rng() % 2) : 0.05F * normal(rng);
+      }
+      ties += tie_heavy ? 1 : 0;
+      expectSameRouting(logits, bias, s.groups, s.topk_group, s.top_k);
+    }
+  }
+  EXPECT_GT(ties, 100);
+}
+
+// ------------------------------------------------------------------------------------------
+// Split-KV merge: the kernel's split attention equals the CPU engine's one-pass attention.
+
+TEST(DeviceMath, SplitSoftmaxMergeEqualsTheCpuEnginesAttention) {
+  std::mt19937 rng(9);
+  std::normal_distribution<float> normal;
+  const pd::model::KernelTable& k = pd::model::kernelTable(pd::model::detectCpuIsa());
+  const int64_t ld = 40;
+  const int64_t heads = 3;
+  const int64_t bs = 16;
+  for (const int64_t ctx : {int64_t{1}, int64_t{15}, int64_t{16}, int64_t{17}, int64_t{100}, int64_t{513}}) {
+    const int64_t blocks = (ctx + bs - 1) / bs;
+    auto cache = pd::model::PagedLatentCache::create(1, ld, blocks + 2, bs, DType::F32);
+    ASSERT_TRUE(cache.ok());
+    std::vector<std::int32_t> table;
+    for (int64_t b = 0; b < blocks; ++b) table.push_back(static_cast<std::int32_t>(blocks + 1 - b));  // reversed
+    std::vector<float> lat(static_cast<std::size_t>(ld));
+    for (int64_t p = 0; p < ctx; ++p) {
+      for (auto& v : lat) v = normal(rng);
+      pd::model::writeLatent(cache->view(), 0, table, p, lat.data());
+    }
+    std::vector<float> q(static_cast<std::size_t>(heads * ld));
+    for (auto& v : q) v = normal(rng);
+    const float scale = 0.3F;
+    const std::vector<float> cpu =
+        pd::test::cpuLatentAttention(k, cache->view(), 0, table, ctx, q.data(), heads, scale);
+    for (const int64_t split : {int64_t{1}, int64_t{7}, int64_t{64}, int64_t{512}}) {
+      const int64_t nsplit = (ctx + split - 1) / split + 1;  // one more: an empty split merges as nothing
+      for (int64_t h = 0; h < heads; ++h) {
+        std::vector<gm::SoftmaxPartial> parts(static_cast<std::size_t>(nsplit));
+        std::vector<float> o(static_cast<std::size_t>(nsplit * ld), 0.0F);
+        for (int64_t s = 0; s < nsplit; ++s) {
+          const int64_t p0 = s * split;
+          const int64_t p1 = std::min(ctx, p0 + split);
+          auto& part = parts[static_cast<std::size_t>(s)];
+          std::vector<float> sc;
+          for (int64_t p = p0; p < p1; ++p) {
+            pd::model::readLatent(cache->view(), 0, table, p, lat.data());
+            float dot = 0.0F;
+            for (int64_t i = 0; i < ld; ++i)
+              dot += q[static_cast<std::size_t>(h * ld + i)] * lat[static_cast<std::size_t>(i)];
+            sc.push_back(dot * scale);
+            part.max = std::max(part.max, sc.back());
+          }
+          for (int64_t p = p0; p < p1; ++p) {
+            const float e = gm::expF(sc[static_cast<std::size_t>(p - p0)] - part.max);
+            part.sum += e;
+            pd::model::readLatent(cache->view(), 0, table, p, lat.data());
+            for (int64_t i = 0; i < ld; ++i)
+              o[static_cast<std::size_t>(s * ld + i)] += e * lat[static_cast<std::size_t>(i)];
+          }
+        }
+        const gm::SoftmaxPartial total = gm::mergePartials(parts.data(), nsplit);
+        for (int64_t i = 0; i < ld; ++i) {
+          const float merged = gm::mergedOutput(o.data() + i, ld, parts.data(), nsplit, total);
+          const float want = cpu[static_cast<std::size_t>(h * ld + i)];
+          ASSERT_NEAR(merged, want, 2e-5F * (1.0F + std::fabs(want))) << "ctx " << ctx << " split " << split;
+        }
+      }
+    }
+  }
+}
+
+TEST(DeviceMath, EmptyPartialsMergeAsNothing) {
+  const gm::SoftmaxPartial empty;
+  EXPECT_EQ(gm::mergeFactor(empty.max, 3.0F), 0.0F);
+  const gm::SoftmaxPartial parts[3] = {empty, {2.0F, 1.5F}, empty};
+  const gm::SoftmaxPartial total = gm::mergePartials(parts, 3);
+  EXPECT_EQ(total.max, 2.0F);
+  EXPECT_EQ(total.sum, 1.5F);
+}
+
+// ------------------------------------------------------------------------------------------
+// Sampling: the serial draw over the device transforms reproduces the CPU Sampler token for
+// token (same seed, same logits, penalties from the tokens drawn so far).
+
+TEST(DeviceMath, SamplingEqualsTheCpuSamplerTokenForToken) {
+  struct Case {
+    double temperature;
+    int64_t top_k;
+    double top_p, min_p, presence, frequency;
+  };
+  const std::vector<Case> cases{{1.0, 0, 1.0, 0.0, 0.0, 0.0},  {0.7, 0, 1.0, 0.0, 0.5, 0.3},
+                                {1.3, 40, 1.0, 0.0, 0.0, 0.0}, {0.8, 0, 0.9, 0.0, 0.0, 0.0},
+                                {1.0, 0, 1.0, 0.05, 0.0, 0.0}, {0.9, 50, 0.8, 0.02, 1.0, 0.5},
+                                {2.0, 1, 1.0, 0.0, 0.0, 0.0}};
+  const int64_t vocab = 1000;
+  std::mt19937 rng(13);
+  std::normal_distribution<float> normal(0.0F, 3.0F);
+  int distinct_draws = 0;
+  for (const Case& c : cases) {
+    for (const std::uint64_t seed : {std::uint64_t{0}, std::uint64_t{42}, std::uint64_t{0xFFFFFFFFFFFFFFFFULL}}) {
+      pd::SamplingParams params;
+      params.temperature = c.temperature;
+      params.top_k = c.top_k;
+      params.top_p = c.top_p;
+      params.min_p = c.min_p;
+      params.presence_penalty = c.presence;
+      params.frequency_penalty = c.frequency;
+      params.seed = seed;
+      pd::model::Sampler sampler(params);
+      std::vector<int64_t> counts(static_cast<std::size_t>(vocab), 0);
+      const gm::SamplingTransform transform{1.0 / c.temperature, c.top_k, c.top_p, c.min_p};
+      std::vector<std::int32_t> seen;
+      for (std::uint64_t step = 0; step < 60; ++step) {
+        std::vector<float> logits(static_cast<std::size_t>(vocab));
+        for (auto& v : logits) v = normal(rng);
+        logits[step % 7] = logits[(step % 7) + 1];  // some ties
+        const std::int32_t cpu = sampler.sample(logits).token;
+        std::vector<float> work = logits;
+        for (int64_t t = 0; t < vocab; ++t) {
+          const int64_t n = counts[static_cast<std::size_t>(t)];
+          if (n > 0 && (c.presence != 0.0 || c.frequency != 0.0)) {
+            work[static_cast<std::size_t>(t)] =
+                gm::penalizedLogit(work[static_cast<std::size_t>(t)], n, c.presence, c.frequency);
+          }
+        }
+        std::vector<std::int32_t> order(static_cast<std::size_t>(vocab));
+        std::iota(order.begin(), order.end(), 0);
+        std::stable_sort(order.begin(), order.end(), [&](std::int32_t a, std::int32_t b) {
+          return work[static_cast<std::size_t>(a)] > work[static_cast<std::size_t>(b)];
+        });
+        const std::int32_t hd = gm::drawToken(work.data(), vocab, order.data(), transform, gm::uniformAt(seed, step));
+        ASSERT_EQ(hd, cpu) << "case temperature " << c.temperature << " top_k " << c.top_k << " top_p " << c.top_p
+                           << " min_p " << c.min_p << " seed " << seed << " step " << step;
+        ++counts[static_cast<std::size_t>(hd)];
+        if (std::find(seen.begin(), seen.end(), hd) == seen.end()) seen.push_back(hd);
+      }
+      distinct_draws += static_cast<int>(seen.size());
+    }
+  }
+  EXPECT_GT(distinct_draws, 200);  // the draws really vary
+}
+
+// ------------------------------------------------------------------------------------------
+// FP8 GEMV reduction order.
+
+TEST(DeviceMath, Fp8GemvOrderAgreesWithTheCpuMatmul) {
+  std::mt19937 rng(17);
+  std::normal_distribution<float> normal;
+  const pd::model::KernelTable& k = pd::model::kernelTable(pd::model::detectCpuIsa());
+  for (const auto& [rows, cols] :
+       std::vector<std::pair<int64_t, int64_t>>{{1, 1}, {3, 127}, {130, 128}, {64, 129}, {17, 1000}, {256, 7168}}) {
+    const Fp8Matrix m = randomFp8(rows, cols, rng);
+    std::vector<float> x(static_cast<std::size_t>(cols));
+    for (auto& v : x) v = normal(rng);
+    std::vector<float> cpu(static_cast<std::size_t>(rows));
+    k.matmul(m.w, 0, rows, x.data(), cols, 1, cpu.data(), rows);
+    std::vector<float> row(static_cast<std::size_t>(cols));
+    for (int64_t r = 0; r < rows; ++r) {
+      const float hd =
+          gm::fp8GemvRow(m.q.data() + r * cols, m.scales.data() + (r / 128) * m.w.scaleCols(), cols, 128, x.data());
+      pd::model::dequantizeRow(m.w, r, row.data());
+      double mag = 0.0;
+      for (int64_t c = 0; c < cols; ++c)
+        mag += std::fabs(static_cast<double>(row[static_cast<std::size_t>(c)]) * x[static_cast<std::size_t>(c)]);
+      ASSERT_NEAR(hd, cpu[static_cast<std::size_t>(r)], 1e-6 * mag + 1e-30) << rows << "x" << cols << " row " << r;
+    }
+  }
+}
+
+}  // namespace
