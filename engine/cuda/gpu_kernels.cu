@@ -1,9 +1,16 @@
+// The layer kernels: axpy (smoke), RMSNorm with fused residual add, interleaved RoPE, absorbed
+// MLA decode attention (split-KV + combine), noaux_tc routing and the FP8 block-scaled GEMV.
+// Naive on purpose (docs/gpu.md): obvious indexing, the arithmetic in device_math.h.
 #include <cuda_runtime.h>
+
+#include <cassert>
 
 #include "gpu_kernels.h"
 
 namespace pd::gpu::kernels {
 namespace {
+
+namespace m = ::pd::gpu::math;
 
 constexpr int kAxpyThreads = 256;
 
@@ -12,11 +19,225 @@ __global__ void __launch_bounds__(kAxpyThreads) axpyKernel(float a, const float*
   if (i < n) y[i] += a * x[i];
 }
 
+// ---- RMSNorm ---------------------------------------------------------------------------------
+
+constexpr int kNormThreads = 256;
+
+// One block per row; the sum of squares in double (as the CPU engine), tree-reduced.
+__global__ void __launch_bounds__(kNormThreads)
+    rmsNormKernel(float* h, const float* delta, const float* weight, float* out, int d, float eps) {
+  __shared__ double partial[kNormThreads];
+  float* row = h + static_cast<std::int64_t>(blockIdx.x) * d;
+  double ss = 0.0;
+  for (int i = threadIdx.x; i < d; i += kNormThreads) {
+    float v = row[i];
+    if (delta != nullptr) {
+      v += delta[static_cast<std::int64_t>(blockIdx.x) * d + i];
+      row[i] = v;
+    }
+    ss += static_cast<double>(v) * v;
+  }
+  partial[threadIdx.x] = ss;
+  __syncthreads();
+  for (int width = kNormThreads / 2; width > 0; width /= 2) {
+    if (threadIdx.x < width) partial[threadIdx.x] += partial[threadIdx.x + width];
+    __syncthreads();
+  }
+  const float inv = m::rmsInverse(partial[0], d, eps);
+  float* o = out + static_cast<std::int64_t>(blockIdx.x) * d;
+  for (int i = threadIdx.x; i < d; i += kNormThreads) o[i] = m::rmsNormValue(row[i], inv, weight[i]);
+}
+
+// ---- RoPE ------------------------------------------------------------------------------------
+
+constexpr int kRopeThreads = 64;
+
+// blockIdx.x = row * heads + head; thread j rotates pair j.
+__global__ void __launch_bounds__(kRopeThreads)
+    ropeKernel(float* x, int heads, std::int64_t row_stride, std::int64_t head_stride, std::int64_t offset,
+               const float* inv_freq, int half, const std::int64_t* positions) {
+  const int row = blockIdx.x / heads;
+  const int head = blockIdx.x % heads;
+  float* base = x + row * row_stride + head * head_stride + offset;
+  for (int j = threadIdx.x; j < half; j += kRopeThreads) {
+    const float angle = m::ropeAngle(positions[row], inv_freq[j]);
+    m::ropeRotatePair(base[2 * j], base[2 * j + 1], m::cosF(angle), m::sinF(angle));
+  }
+}
+
+// ---- MLA decode attention --------------------------------------------------------------------
+
+constexpr int kMlaThreads = 128;
+constexpr int kMlaWarps = kMlaThreads / 32;
+
+__device__ float latentAt(const MlaDecodeArgs& a, std::int32_t block, int offset, int dim) {
+  const std::int64_t index = (static_cast<std::int64_t>(block) * a.block_size + offset) * a.latent_dim + dim;
+  if (a.cache_bf16) return m::bf16Decode(static_cast<const std::uint16_t*>(a.cache_layer)[index]);
+  return static_cast<const float*>(a.cache_layer)[index];
+}
+
+// grid (tokens * heads, splits): one block per (query token, head, split of the context).
+__global__ void __launch_bounds__(kMlaThreads) mlaSplitKernel(MlaDecodeArgs a) {
+  extern __shared__ float smem[];
+  float* q = smem;                      // [latent_dim]
+  float* scores = smem + a.latent_dim;  // [kMlaSplitPositions]
+  const int bh = blockIdx.x;
+  const int t = bh / a.heads;
+  const int split = blockIdx.y;
+  const std::int64_t ctx = a.ctx_len[t];
+  const std::int64_t p0 = static_cast<std::int64_t>(split) * kMlaSplitPositions;
+  const std::int64_t p1 = p0 + kMlaSplitPositions < ctx ? p0 + kMlaSplitPositions : ctx;
+  m::SoftmaxPartial* part = a.parts + static_cast<std::int64_t>(bh) * a.splits + split;
+  float* po = a.part_o + (static_cast<std::int64_t>(bh) * a.splits + split) * a.latent_dim;
+  if (p0 >= p1) {  // an empty split (the whole block takes this branch)
+    if (threadIdx.x == 0) *part = m::SoftmaxPartial{};
+    for (int i = threadIdx.x; i < a.latent_dim; i += kMlaThreads) po[i] = 0.0F;
+    return;
+  }
+  const float* qsrc = a.q_cat + static_cast<std::int64_t>(bh) * a.latent_dim;
+  for (int i = threadIdx.x; i < a.latent_dim; i += kMlaThreads) q[i] = qsrc[i];
+  __syncthreads();
+  const std::int32_t* table = a.block_tables + a.table_begin[t];
+  const int warp = threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  for (std::int64_t p = p0 + warp; p < p1; p += kMlaWarps) {
+    const std::int32_t block = table[p / a.block_size];
+    assert(block >= 0 && block < a.num_blocks);
+    const int offset = static_cast<int>(p % a.block_size);
+    float dot = 0.0F;
+    for (int i = lane; i < a.latent_dim; i += 32) dot += q[i] * latentAt(a, block, offset, i);
+    for (int width = 16; width > 0; width /= 2) dot += __shfl_xor_sync(0xFFFFFFFFU, dot, width);
+    if (lane == 0) scores[p - p0] = dot * a.scale;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    float mx = m::negInfF();
+    for (std::int64_t p = p0; p < p1; ++p) mx = scores[p - p0] > mx ? scores[p - p0] : mx;
+    float sum = 0.0F;
+    for (std::int64_t p = p0; p < p1; ++p) {
+      scores[p - p0] = m::expF(scores[p - p0] - mx);
+      sum += scores[p - p0];
+    }
+    *part = m::SoftmaxPartial{mx, sum};
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < a.latent_dim; i += kMlaThreads) {
+    float acc = 0.0F;
+    for (std::int64_t p = p0; p < p1; ++p) {
+      acc += scores[p - p0] * latentAt(a, table[p / a.block_size], static_cast<int>(p % a.block_size), i);
+    }
+    po[i] = acc;
+  }
+}
+
+// One block per (token, head): merges its splits in split order.
+__global__ void __launch_bounds__(kMlaThreads) mlaCombineKernel(MlaDecodeArgs a) {
+  const int bh = blockIdx.x;
+  const m::SoftmaxPartial* parts = a.parts + static_cast<std::int64_t>(bh) * a.splits;
+  const m::SoftmaxPartial total = m::mergePartials(parts, a.splits);
+  const float* po = a.part_o + static_cast<std::int64_t>(bh) * a.splits * a.latent_dim;
+  for (int i = threadIdx.x; i < a.latent_dim; i += kMlaThreads) {
+    a.out[static_cast<std::int64_t>(bh) * a.latent_dim + i] =
+        m::mergedOutput(po + i, a.latent_dim, parts, a.splits, total);
+  }
+}
+
+// ---- routing ---------------------------------------------------------------------------------
+
+// One block per token; one thread routes it serially (naive; the arithmetic is shared).
+__global__ void routeKernel(const float* logits, const float* bias, m::RoutingShape shape, std::int32_t* idx,
+                            float* weight) {
+  __shared__ float score[m::kMaxRoutedExperts];
+  __shared__ float biased[m::kMaxRoutedExperts];
+  __shared__ float group_score[m::kMaxExpertGroups];
+  if (threadIdx.x != 0) return;
+  const std::int64_t t = blockIdx.x;
+  m::routeNoauxTc(logits + t * shape.experts, bias, shape, score, biased, group_score, idx + t * shape.top_k,
+                  weight + t * shape.top_k);
+}
+
+// ---- FP8 GEMV --------------------------------------------------------------------------------
+
+constexpr int kGemvThreads = 128;
+constexpr int kGemvRowsPerBlock = kGemvThreads / m::kGemvWarp;
+constexpr int kGemvTokensPerPass = 8;
+static_assert(m::kGemvWarp == 32, "the butterfly below is a full warp");
+
+// One warp per row; tokens in passes of kGemvTokensPerPass (each pass re-reads the row, from L2
+// after the first). Lane partials and the butterfly are those of math::fp8GemvRow.
+__global__ void __launch_bounds__(kGemvThreads) fp8GemvKernel(Fp8GemvArgs a) {
+  const int row = blockIdx.x * kGemvRowsPerBlock + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (row >= a.rows) return;  // the whole warp leaves together
+  const std::uint8_t* q_row = a.q + static_cast<std::int64_t>(row) * a.cols;
+  const float* scale_row = a.scale_inv + static_cast<std::int64_t>(row / a.block_rows) * a.scale_cols;
+  for (int t0 = 0; t0 < a.tokens; t0 += kGemvTokensPerPass) {
+    float acc[kGemvTokensPerPass];
+    for (int k = 0; k < kGemvTokensPerPass; ++k) acc[k] = 0.0F;
+    for (std::int64_t tile = 0; tile * m::kGemvTileCols < a.cols; ++tile) {
+      const std::int64_t c0 = tile * m::kGemvTileCols + static_cast<std::int64_t>(lane) * m::kGemvColsPerLane;
+      for (int i = 0; i < m::kGemvColsPerLane; ++i) {
+        const std::int64_t c = c0 + i;
+        if (c >= a.cols) continue;
+        const float w = m::fp8BlockScaledValue(q_row[c], scale_row[c / a.block_cols]);
+        for (int k = 0; k < kGemvTokensPerPass; ++k) {
+          if (t0 + k < a.tokens) acc[k] = m::fmaF(w, a.x[(t0 + k) * a.x_stride + c], acc[k]);
+        }
+      }
+    }
+    for (int k = 0; k < kGemvTokensPerPass; ++k) {
+      float v = acc[k];
+      for (int width = m::kGemvWarp / 2; width > 0; width /= 2) v = v + __shfl_xor_sync(0xFFFFFFFFU, v, width);
+      if (lane == 0 && t0 + k < a.tokens) a.y[(t0 + k) * a.y_stride + row] = v;
+    }
+  }
+}
+
 }  // namespace
 
 cudaError_t launchAxpy(float a, const float* x, float* y, int n, cudaStream_t stream) {
   if (n <= 0) return cudaSuccess;
   axpyKernel<<<(n + kAxpyThreads - 1) / kAxpyThreads, kAxpyThreads, 0, stream>>>(a, x, y, n);
+  return cudaGetLastError();
+}
+
+cudaError_t launchRmsNormResidual(float* h, const float* delta, const float* weight, float* out, int rows, int d,
+                                  float eps, cudaStream_t stream) {
+  if (rows <= 0) return cudaSuccess;
+  rmsNormKernel<<<rows, kNormThreads, 0, stream>>>(h, delta, weight, out, d, eps);
+  return cudaGetLastError();
+}
+
+cudaError_t launchRopeInterleaved(float* x, int rows, int heads, std::int64_t row_stride, std::int64_t head_stride,
+                                  std::int64_t offset, const float* inv_freq, int half, const std::int64_t* positions,
+                                  cudaStream_t stream) {
+  if (rows <= 0 || heads <= 0) return cudaSuccess;
+  ropeKernel<<<rows * heads, kRopeThreads, 0, stream>>>(x, heads, row_stride, head_stride, offset, inv_freq, half,
+                                                        positions);
+  return cudaGetLastError();
+}
+
+cudaError_t launchMlaDecode(const MlaDecodeArgs& args, cudaStream_t stream) {
+  if (args.tokens <= 0) return cudaSuccess;
+  const dim3 grid(static_cast<unsigned>(args.tokens * args.heads), static_cast<unsigned>(args.splits));
+  const std::size_t smem = (static_cast<std::size_t>(args.latent_dim) + kMlaSplitPositions) * sizeof(float);
+  mlaSplitKernel<<<grid, kMlaThreads, smem, stream>>>(args);
+  const cudaError_t first = cudaGetLastError();
+  if (first != cudaSuccess) return first;
+  mlaCombineKernel<<<args.tokens * args.heads, kMlaThreads, 0, stream>>>(args);
+  return cudaGetLastError();
+}
+
+cudaError_t launchRouteNoauxTc(const float* logits, const float* bias, const math::RoutingShape& shape, int tokens,
+                               std::int32_t* idx, float* weight, cudaStream_t stream) {
+  if (tokens <= 0) return cudaSuccess;
+  routeKernel<<<tokens, 32, 0, stream>>>(logits, bias, shape, idx, weight);
+  return cudaGetLastError();
+}
+
+cudaError_t launchFp8Gemv(const Fp8GemvArgs& args, cudaStream_t stream) {
+  if (args.rows <= 0 || args.tokens <= 0) return cudaSuccess;
+  fp8GemvKernel<<<(args.rows + kGemvRowsPerBlock - 1) / kGemvRowsPerBlock, kGemvThreads, 0, stream>>>(args);
   return cudaGetLastError();
 }
 

@@ -1,13 +1,110 @@
 #pragma once
-// The boundary between C++20 host code (gpu_cuda.cpp: owners, checks, copies) and the
-// nvcc-compiled kernels (gpu_kernels.cu, C++17): launches only, each returning the launch's
-// status (cudaGetLastError) for the caller to check.
+// The boundary between C++20 host code (gpu_cuda.cpp, device_ops.cpp: owners, shape checks,
+// copies) and the nvcc-compiled kernels (*.cu, C++17): launches only, each returning the launch's
+// status (cudaGetLastError) for the caller to check. Arguments are trusted here: the callers
+// validate every shape on the host first (device_ops.cpp).
 
 #include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "device_math.h"
 
 namespace pd::gpu::kernels {
 
 /// Queues y[i] += a * x[i] for i < n on `stream` (device pointers).
 cudaError_t launchAxpy(float a, const float* x, float* y, int n, cudaStream_t stream);
+
+/// Per row r < rows of width d: if delta, h[r] += delta[r]; then out[r] = RMSNorm(h[r]) * weight.
+/// out may equal h.
+cudaError_t launchRmsNormResidual(float* h, const float* delta, const float* weight, float* out, int rows, int d,
+                                  float eps, cudaStream_t stream);
+
+/// Rotates pairs [offset, offset + 2 half) of each head slot of each row:
+/// x[r * row_stride + head * head_stride + offset + 2 j ...] by positions[r] * inv_freq[j].
+cudaError_t launchRopeInterleaved(float* x, int rows, int heads, std::int64_t row_stride, std::int64_t head_stride,
+                                  std::int64_t offset, const float* inv_freq, int half, const std::int64_t* positions,
+                                  cudaStream_t stream);
+
+/// Absorbed MLA decode attention over the paged latent cache (see device_ops.h).
+struct MlaDecodeArgs {
+  const float* q_cat = nullptr;  ///< [tokens, heads, latent_dim]
+  int tokens = 0;
+  int heads = 0;
+  int latent_dim = 0;
+  const void* cache_layer = nullptr;  ///< one KV layer: [num_blocks, block_size, latent_dim]
+  bool cache_bf16 = false;
+  int block_size = 0;
+  int num_blocks = 0;
+  const std::int32_t* block_tables = nullptr;  ///< concatenated tables
+  const std::int64_t* table_begin = nullptr;   ///< [tokens]: where token t's table starts
+  const std::int64_t* ctx_len = nullptr;       ///< [tokens]: positions [0, ctx_len) attended
+  float scale = 1.0F;
+  int splits = 1;                         ///< ceil(max ctx_len / kMlaSplitPositions)
+  math::SoftmaxPartial* parts = nullptr;  ///< workspace [tokens * heads, splits]
+  float* part_o = nullptr;                ///< workspace [tokens * heads, splits, latent_dim]
+  float* out = nullptr;                   ///< [tokens, heads, latent_dim]
+};
+constexpr int kMlaSplitPositions = 256;
+constexpr int kMlaMaxLatentDim = 1024;
+cudaError_t launchMlaDecode(const MlaDecodeArgs& args, cudaStream_t stream);
+
+/// noaux_tc routing of `tokens` rows of router logits [tokens, experts] into idx / weight
+/// [tokens, top_k]. bias [experts] or null.
+cudaError_t launchRouteNoauxTc(const float* logits, const float* bias, const math::RoutingShape& shape, int tokens,
+                               std::int32_t* idx, float* weight, cudaStream_t stream);
+
+/// y[t * y_stride + r] = sum_c W[r][c] x[t * x_stride + c] for a block-scaled FP8 W [rows, cols],
+/// t < tokens.
+struct Fp8GemvArgs {
+  const std::uint8_t* q = nullptr;
+  const float* scale_inv = nullptr;  ///< [ceil(rows / block_rows), scale_cols]
+  int rows = 0;
+  int cols = 0;
+  int block_rows = 128;
+  int block_cols = 128;
+  int scale_cols = 0;
+  const float* x = nullptr;
+  std::int64_t x_stride = 0;
+  int tokens = 0;
+  float* y = nullptr;
+  std::int64_t y_stride = 0;
+};
+cudaError_t launchFp8Gemv(const Fp8GemvArgs& args, cudaStream_t stream);
+
+/// One row's sampling request on the device.
+struct RowSampling {
+  math::SamplingTransform transform;
+  std::uint64_t seed = 0;
+  std::uint64_t draw = 0;  ///< which draw of the request's generator (counter)
+  int greedy = 0;
+  double presence = 0.0;
+  double frequency = 0.0;
+};
+struct SampleArgs {
+  const float* logits = nullptr;  ///< [rows, vocab] raw
+  int rows = 0;
+  int vocab = 0;
+  const RowSampling* params = nullptr;          ///< [rows]
+  const std::int64_t* penalty_begin = nullptr;  ///< [rows + 1] CSR over the two arrays below
+  const std::int32_t* penalty_token = nullptr;  ///< distinct per row
+  const std::int64_t* penalty_count = nullptr;
+  bool any_filtered = false;  ///< sort the rows (top-k / top-p / min-p)
+  // Workspace (SampleWorkspace sizes it):
+  float* work = nullptr;               ///< [rows, vocab]
+  float* sorted = nullptr;             ///< [rows, vocab]
+  std::int32_t* ids = nullptr;         ///< [rows, vocab]
+  std::int32_t* sorted_ids = nullptr;  ///< [rows, vocab]
+  int* offsets = nullptr;              ///< [rows + 1]
+  void* sort_temp = nullptr;
+  std::size_t sort_temp_bytes = 0;
+  // Out:
+  std::int32_t* token = nullptr;  ///< [rows]
+  float* logprob = nullptr;       ///< [rows]: under the raw distribution
+};
+/// CUB's scratch bytes for sorting rows x vocab keys.
+cudaError_t sampleSortTempBytes(int rows, int vocab, std::size_t& bytes);
+cudaError_t launchSample(const SampleArgs& args, cudaStream_t stream);
 
 }  // namespace pd::gpu::kernels

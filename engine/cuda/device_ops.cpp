@@ -1,0 +1,234 @@
+// Host side of the CUDA backend's operations: shape checks, workspace owners, checked launches.
+#include "device_ops.h"
+
+#include <fmt/format.h>
+
+#include <limits>
+#include <utility>
+#include <vector>
+
+namespace pd::gpu {
+namespace {
+
+constexpr std::int64_t kIntMax = std::numeric_limits<int>::max();
+
+Error invalid(std::string message) {
+  return makeError(ErrorCode::InvalidArgument, std::move(message));
+}
+
+// `value` in [lo, hi], else InvalidArgument "<what>: <name> = <value> is outside [lo, hi]".
+Status inRange(std::string_view what, std::string_view name, std::int64_t value, std::int64_t lo, std::int64_t hi) {
+  if (value < lo || value > hi)
+    return invalid(fmt::format("{}: {} = {} is outside [{}, {}]", what, name, value, lo, hi));
+  return okStatus();
+}
+
+}  // namespace
+
+Status rmsNormResidual(float* h, const float* delta, const float* weight, float* out, std::int64_t rows, std::int64_t d,
+                       float eps, const cuda::Stream& stream) {
+  PD_TRY(inRange("rmsNormResidual", "rows", rows, 0, kIntMax));
+  PD_TRY(inRange("rmsNormResidual", "d", d, 1, kIntMax));
+  if (!(eps > 0.0F)) return invalid("rmsNormResidual: eps must be positive");
+  if (rows > 0 && (h == nullptr || weight == nullptr || out == nullptr))
+    return invalid("rmsNormResidual: null pointer");
+  PD_CUDA_TRY(kernels::launchRmsNormResidual(h, delta, weight, out, static_cast<int>(rows), static_cast<int>(d), eps,
+                                             stream.get()));
+  return okStatus();
+}
+
+Status ropeInterleaved(float* x, const RopeShape& s, const float* inv_freq, const std::int64_t* positions,
+                       const cuda::Stream& stream) {
+  PD_TRY(inRange("ropeInterleaved", "rows", s.rows, 0, kIntMax));
+  PD_TRY(inRange("ropeInterleaved", "heads", s.heads, 1, kIntMax));
+  PD_TRY(inRange("ropeInterleaved", "rows * heads", s.rows * s.heads, 0, kIntMax));
+  PD_TRY(inRange("ropeInterleaved", "half", s.half, 1, kIntMax));
+  PD_TRY(inRange("ropeInterleaved", "offset", s.offset, 0, s.head_stride - 2 * s.half));
+  if (s.heads > 1 && s.head_stride * s.heads > s.row_stride) {
+    return invalid("ropeInterleaved: heads * head_stride exceeds row_stride");
+  }
+  if (s.rows > 0 && (x == nullptr || inv_freq == nullptr || positions == nullptr)) {
+    return invalid("ropeInterleaved: null pointer");
+  }
+  PD_CUDA_TRY(kernels::launchRopeInterleaved(x, static_cast<int>(s.rows), static_cast<int>(s.heads), s.row_stride,
+                                             s.head_stride, s.offset, inv_freq, static_cast<int>(s.half), positions,
+                                             stream.get()));
+  return okStatus();
+}
+
+Result<MlaDecodeAttention> MlaDecodeAttention::create(const Limits& l) {
+  PD_TRY(inRange("MlaDecodeAttention", "max_tokens", l.max_tokens, 1, kIntMax));
+  PD_TRY(inRange("MlaDecodeAttention", "heads", l.heads, 1, 1024));
+  PD_TRY(inRange("MlaDecodeAttention", "latent_dim", l.latent_dim, 1, kernels::kMlaMaxLatentDim));
+  PD_TRY(inRange("MlaDecodeAttention", "max_context", l.max_context, 1, std::int64_t{1} << 23));  // splits fit grid.y
+  const std::int64_t bh = l.max_tokens * l.heads;
+  PD_TRY(inRange("MlaDecodeAttention", "max_tokens * heads", bh, 1, kIntMax));
+  const std::int64_t splits = (l.max_context + kernels::kMlaSplitPositions - 1) / kernels::kMlaSplitPositions;
+  PD_ASSIGN_OR_RETURN(auto parts,
+                      cuda::DeviceBuffer<math::SoftmaxPartial>::create(static_cast<std::size_t>(bh * splits)));
+  PD_ASSIGN_OR_RETURN(auto part_o,
+                      cuda::DeviceBuffer<float>::create(static_cast<std::size_t>(bh * splits * l.latent_dim)));
+  return MlaDecodeAttention(l, std::move(parts), std::move(part_o));
+}
+
+Status MlaDecodeAttention::run(const Batch& b, const cuda::Stream& stream) {
+  constexpr std::string_view kWhat = "MlaDecodeAttention::run";
+  PD_TRY(inRange(kWhat, "tokens", b.tokens, 0, limits_.max_tokens));
+  if (b.tokens == 0) return okStatus();
+  PD_TRY(inRange(kWhat, "max_context_in_batch", b.max_context_in_batch, 1, limits_.max_context));
+  PD_TRY(inRange(kWhat, "block_size", b.block_size, 1, kIntMax));
+  PD_TRY(inRange(kWhat, "num_blocks", b.num_blocks, 1, kIntMax));
+  if (b.cache_dtype != DType::F32 && b.cache_dtype != DType::BF16) {
+    return invalid(fmt::format("{}: cache dtype {} (only F32 and BF16)", kWhat, dtypeName(b.cache_dtype)));
+  }
+  if (b.q_cat == nullptr || b.cache_layer == nullptr || b.block_tables == nullptr || b.table_begin == nullptr ||
+      b.ctx_len == nullptr || b.out == nullptr) {
+    return invalid(fmt::format("{}: null pointer", kWhat));
+  }
+  if (!(b.scale > 0.0F)) return invalid(fmt::format("{}: scale must be positive", kWhat));
+  kernels::MlaDecodeArgs a;
+  a.q_cat = b.q_cat;
+  a.tokens = static_cast<int>(b.tokens);
+  a.heads = static_cast<int>(limits_.heads);
+  a.latent_dim = static_cast<int>(limits_.latent_dim);
+  a.cache_layer = b.cache_layer;
+  a.cache_bf16 = b.cache_dtype == DType::BF16;
+  a.block_size = static_cast<int>(b.block_size);
+  a.num_blocks = static_cast<int>(b.num_blocks);
+  a.block_tables = b.block_tables;
+  a.table_begin = b.table_begin;
+  a.ctx_len = b.ctx_len;
+  a.scale = b.scale;
+  a.splits = static_cast<int>((b.max_context_in_batch + kernels::kMlaSplitPositions - 1) / kernels::kMlaSplitPositions);
+  a.parts = parts_.data();
+  a.part_o = part_o_.data();
+  a.out = b.out;
+  PD_CUDA_TRY(kernels::launchMlaDecode(a, stream.get()));
+  return okStatus();
+}
+
+Status routeNoauxTc(const float* logits, const float* bias, const math::RoutingShape& s, std::int64_t tokens,
+                    std::int32_t* idx, float* weight, const cuda::Stream& stream) {
+  constexpr std::string_view kWhat = "routeNoauxTc";
+  PD_TRY(inRange(kWhat, "tokens", tokens, 0, kIntMax));
+  PD_TRY(inRange(kWhat, "experts", s.experts, 1, math::kMaxRoutedExperts));
+  PD_TRY(inRange(kWhat, "groups", s.groups, 1, math::kMaxExpertGroups));
+  if (s.experts % s.groups != 0)
+    return invalid(fmt::format("{}: {} experts do not split into {} groups", kWhat, s.experts, s.groups));
+  PD_TRY(inRange(kWhat, "topk_group", s.topk_group, 1, s.groups));
+  PD_TRY(inRange(kWhat, "top_k", s.top_k, 1, s.topk_group * (s.experts / s.groups)));
+  if (tokens > 0 && (logits == nullptr || idx == nullptr || weight == nullptr))
+    return invalid(fmt::format("{}: null pointer", kWhat));
+  PD_CUDA_TRY(kernels::launchRouteNoauxTc(logits, bias, s, static_cast<int>(tokens), idx, weight, stream.get()));
+  return okStatus();
+}
+
+Status fp8Gemv(const kernels::Fp8GemvArgs& a, const cuda::Stream& stream) {
+  constexpr std::string_view kWhat = "fp8Gemv";
+  PD_TRY(inRange(kWhat, "rows", a.rows, 1, kIntMax));
+  PD_TRY(inRange(kWhat, "cols", a.cols, 1, kIntMax));
+  PD_TRY(inRange(kWhat, "tokens", a.tokens, 1, kFp8GemvMaxTokens));
+  PD_TRY(inRange(kWhat, "block_rows", a.block_rows, 1, kIntMax));
+  PD_TRY(inRange(kWhat, "block_cols", a.block_cols, 1, kIntMax));
+  const std::int64_t scale_cols = (static_cast<std::int64_t>(a.cols) + a.block_cols - 1) / a.block_cols;
+  PD_TRY(inRange(kWhat, "scale_cols", a.scale_cols, scale_cols, scale_cols));
+  PD_TRY(inRange(kWhat, "x_stride", a.x_stride, a.cols, std::numeric_limits<std::int64_t>::max()));
+  PD_TRY(inRange(kWhat, "y_stride", a.y_stride, a.rows, std::numeric_limits<std::int64_t>::max()));
+  if (a.q == nullptr || a.scale_inv == nullptr || a.x == nullptr || a.y == nullptr)
+    return invalid(fmt::format("{}: null pointer", kWhat));
+  PD_CUDA_TRY(kernels::launchFp8Gemv(a, stream.get()));
+  return okStatus();
+}
+
+Result<DeviceSampler> DeviceSampler::create(std::int64_t max_rows, std::int64_t vocab) {
+  PD_TRY(inRange("DeviceSampler", "max_rows", max_rows, 1, 4096));
+  PD_TRY(inRange("DeviceSampler", "vocab", vocab, 1, kIntMax));
+  PD_TRY(inRange("DeviceSampler", "max_rows * vocab", max_rows * vocab, 1, kIntMax));
+  DeviceSampler s;
+  s.max_rows_ = max_rows;
+  s.vocab_ = vocab;
+  const auto n = static_cast<std::size_t>(max_rows * vocab);
+  PD_ASSIGN_OR_RETURN(s.work_, cuda::DeviceBuffer<float>::create(n));
+  PD_ASSIGN_OR_RETURN(s.sorted_, cuda::DeviceBuffer<float>::create(n));
+  PD_ASSIGN_OR_RETURN(s.ids_, cuda::DeviceBuffer<std::int32_t>::create(n));
+  PD_ASSIGN_OR_RETURN(s.sorted_ids_, cuda::DeviceBuffer<std::int32_t>::create(n));
+  PD_ASSIGN_OR_RETURN(s.offsets_, cuda::DeviceBuffer<int>::create(static_cast<std::size_t>(max_rows + 1)));
+  std::size_t temp = 0;
+  PD_CUDA_TRY(kernels::sampleSortTempBytes(static_cast<int>(max_rows), static_cast<int>(vocab), temp));
+  PD_ASSIGN_OR_RETURN(s.sort_temp_, cuda::DeviceBuffer<std::uint8_t>::create(temp));
+  PD_ASSIGN_OR_RETURN(s.params_, cuda::DeviceBuffer<kernels::RowSampling>::create(static_cast<std::size_t>(max_rows)));
+  PD_ASSIGN_OR_RETURN(s.tokens_, cuda::DeviceBuffer<std::int32_t>::create(static_cast<std::size_t>(max_rows)));
+  PD_ASSIGN_OR_RETURN(s.logprobs_, cuda::DeviceBuffer<float>::create(static_cast<std::size_t>(max_rows)));
+  return s;
+}
+
+Result<std::vector<DeviceSampler::Sampled>> DeviceSampler::sample(const float* logits, std::span<const Row> rows,
+                                                                  const cuda::Stream& stream) {
+  constexpr std::string_view kWhat = "DeviceSampler::sample";
+  const auto n_rows = static_cast<std::int64_t>(rows.size());
+  PD_TRY(inRange(kWhat, "rows", n_rows, 0, max_rows_));
+  if (n_rows == 0) return std::vector<Sampled>{};
+  if (logits == nullptr) return invalid(fmt::format("{}: null logits", kWhat));
+  std::vector<kernels::RowSampling> params(rows.size());
+  std::vector<std::int64_t> begin{0};
+  std::vector<std::int32_t> tok;
+  std::vector<std::int64_t> cnt;
+  bool any_filtered = false;
+  for (std::size_t i = 0; i < rows.size(); ++i) {
+    const Row& r = rows[i];
+    if (!(r.temperature >= 0.0) || r.top_k < 0 || !(r.top_p > 0.0 && r.top_p <= 1.0) ||
+        !(r.min_p >= 0.0 && r.min_p <= 1.0)) {
+      return invalid(fmt::format("{}: row {} has sampling parameters out of range", kWhat, i));
+    }
+    auto& p = params[i];
+    p.greedy = r.temperature == 0.0 ? 1 : 0;
+    p.transform = math::SamplingTransform{p.greedy != 0 ? 1.0 : 1.0 / r.temperature, r.top_k, r.top_p, r.min_p};
+    p.seed = r.seed;
+    p.draw = r.draw;
+    p.presence = r.presence_penalty;
+    p.frequency = r.frequency_penalty;
+    any_filtered = any_filtered || (p.greedy == 0 && p.transform.filtered());
+    for (const auto& [token, count] : r.counts) {
+      tok.push_back(token);
+      cnt.push_back(count);
+    }
+    begin.push_back(static_cast<std::int64_t>(tok.size()));
+  }
+  // The penalty lists vary per call; this first version uploads them through fresh buffers.
+  PD_ASSIGN_OR_RETURN(auto d_begin, cuda::DeviceBuffer<std::int64_t>::create(begin.size()));
+  PD_ASSIGN_OR_RETURN(auto d_tok, cuda::DeviceBuffer<std::int32_t>::create(std::max<std::size_t>(tok.size(), 1)));
+  PD_ASSIGN_OR_RETURN(auto d_cnt, cuda::DeviceBuffer<std::int64_t>::create(std::max<std::size_t>(cnt.size(), 1)));
+  PD_TRY(d_begin.copyFromHost(std::span<const std::int64_t>(begin), stream));
+  PD_TRY(d_tok.copyFromHost(std::span<const std::int32_t>(tok), stream));
+  PD_TRY(d_cnt.copyFromHost(std::span<const std::int64_t>(cnt), stream));
+  PD_TRY(params_.copyFromHost(std::span<const kernels::RowSampling>(params), stream));
+  kernels::SampleArgs a;
+  a.logits = logits;
+  a.rows = static_cast<int>(n_rows);
+  a.vocab = static_cast<int>(vocab_);
+  a.params = params_.data();
+  a.penalty_begin = d_begin.data();
+  a.penalty_token = d_tok.data();
+  a.penalty_count = d_cnt.data();
+  a.any_filtered = any_filtered;
+  a.work = work_.data();
+  a.sorted = sorted_.data();
+  a.ids = ids_.data();
+  a.sorted_ids = sorted_ids_.data();
+  a.offsets = offsets_.data();
+  a.sort_temp = sort_temp_.data();
+  a.sort_temp_bytes = sort_temp_.size();
+  a.token = tokens_.data();
+  a.logprob = logprobs_.data();
+  PD_CUDA_TRY(kernels::launchSample(a, stream.get()));
+  std::vector<std::int32_t> out_tok(rows.size());
+  std::vector<float> out_lp(rows.size());
+  PD_TRY(tokens_.copyToHost(std::span<std::int32_t>(out_tok), stream));
+  PD_TRY(logprobs_.copyToHost(std::span<float>(out_lp), stream));
+  PD_TRY(stream.synchronize());
+  std::vector<Sampled> out(rows.size());
+  for (std::size_t i = 0; i < rows.size(); ++i) out[i] = {out_tok[i], out_lp[i]};
+  return out;
+}
+
+}  // namespace pd::gpu

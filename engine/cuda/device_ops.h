@@ -1,0 +1,134 @@
+#pragma once
+/// The CUDA backend's operations on device memory: each validates its shapes on the host
+/// (InvalidArgument naming the bad value, nothing launched), launches on the caller's stream and
+/// checks the launch (PD_CUDA_TRY(cudaGetLastError())). Failures of the queued work surface at
+/// the stream's next synchronize(). Pointers are device pointers on the current device.
+///
+/// Private to the CUDA backend (engine/cuda) and its tests; nothing here is a public header.
+/// Thread rules: functions are thread-safe; a workspace owner belongs to one thread (the engine's)
+/// and its work must be ordered on one stream.
+
+#include <cstdint>
+#include <span>
+#include <utility>
+#include <vector>
+
+#include "gpu_kernels.h"
+#include "pd/common/dtype.h"
+#include "pd/common/result.h"
+#include "pd/cuda/cuda_handles.h"
+
+namespace pd::gpu {
+
+/// Per row: h += delta (when delta is not null), out = RMSNorm(h) * weight; out may be h.
+/// h, delta, out [rows, d]; weight [d].
+Status rmsNormResidual(float* h, const float* delta, const float* weight, float* out, std::int64_t rows, std::int64_t d,
+                       float eps, const cuda::Stream& stream);
+
+/// DeepSeek's interleaved RoPE in place: for row r and head h, the pairs of
+/// x[r * row_stride + h * head_stride + offset, + 2 * half) rotate by positions[r] * inv_freq[j]
+/// (inv_freq [half] as model::ropeInvFreq gives it, positions [rows] RoPE positions).
+struct RopeShape {
+  std::int64_t rows = 0;
+  std::int64_t heads = 1;
+  std::int64_t row_stride = 0;
+  std::int64_t head_stride = 0;
+  std::int64_t offset = 0;
+  std::int64_t half = 0;
+};
+Status ropeInterleaved(float* x, const RopeShape& shape, const float* inv_freq, const std::int64_t* positions,
+                       const cuda::Stream& stream);
+
+/// Absorbed MLA decode attention over one KV layer of the paged latent cache: for every query
+/// token t and head h, out[t][h] = softmax(scale * L q_cat[t][h]) L over the latents L of
+/// positions [0, ctx_len[t]) of t's sequence (found through its block table), computed in splits
+/// of kMlaSplitPositions positions merged by log-sum-exp. Owns the split workspace, sized once.
+class MlaDecodeAttention {
+ public:
+  struct Limits {
+    std::int64_t max_tokens = 0;
+    std::int64_t heads = 0;
+    std::int64_t latent_dim = 0;  ///< <= kernels::kMlaMaxLatentDim
+    std::int64_t max_context = 0;
+  };
+  /// InvalidArgument for non-positive or too large limits; ResourceExhausted when the device
+  /// memory is not there.
+  [[nodiscard]] static Result<MlaDecodeAttention> create(const Limits& limits);
+
+  struct Batch {
+    const float* q_cat = nullptr;  ///< [tokens, heads, latent_dim]
+    std::int64_t tokens = 0;
+    const void* cache_layer = nullptr;  ///< [num_blocks, block_size, latent_dim] of cache_dtype
+    DType cache_dtype = DType::F32;     ///< F32 or BF16
+    std::int64_t block_size = 0;
+    std::int64_t num_blocks = 0;
+    const std::int32_t* block_tables = nullptr;  ///< concatenated
+    const std::int64_t* table_begin = nullptr;   ///< [tokens]
+    const std::int64_t* ctx_len = nullptr;       ///< [tokens], each in [1, max_context_in_batch]
+    std::int64_t max_context_in_batch = 0;       ///< host-side bound of ctx_len, sizes the splits
+    float scale = 1.0F;
+    float* out = nullptr;  ///< [tokens, heads, latent_dim]
+  };
+  Status run(const Batch& batch, const cuda::Stream& stream);
+
+  [[nodiscard]] const Limits& limits() const { return limits_; }
+
+ private:
+  MlaDecodeAttention(Limits limits, cuda::DeviceBuffer<math::SoftmaxPartial> parts, cuda::DeviceBuffer<float> part_o)
+      : limits_(limits), parts_(std::move(parts)), part_o_(std::move(part_o)) {}
+  Limits limits_;
+  cuda::DeviceBuffer<math::SoftmaxPartial> parts_;
+  cuda::DeviceBuffer<float> part_o_;
+};
+
+/// noaux_tc routing of `tokens` rows of router logits [tokens, experts] into idx / weight
+/// [tokens, top_k] (descending biased score, lower expert id on ties); bias [experts] or null.
+Status routeNoauxTc(const float* logits, const float* bias, const math::RoutingShape& shape, std::int64_t tokens,
+                    std::int32_t* idx, float* weight, const cuda::Stream& stream);
+
+/// y[t * y_stride + r] = W[r] . x[t * x_stride ...] for a block-scaled FP8 W and 1..64 tokens.
+constexpr std::int64_t kFp8GemvMaxTokens = 64;
+Status fp8Gemv(const kernels::Fp8GemvArgs& args, const cuda::Stream& stream);
+
+/// Samples one token per row of device logits (the CPU Sampler's rules: penalties, temperature,
+/// top-k, top-p, min-p, a seeded draw; greedy when temperature is 0) and returns only the ids and
+/// their logprobs to the host. Owns its workspace, sized for max_rows x vocab once.
+class DeviceSampler {
+ public:
+  [[nodiscard]] static Result<DeviceSampler> create(std::int64_t max_rows, std::int64_t vocab);
+
+  struct Row {
+    double temperature = 0.0;
+    std::int64_t top_k = 0;
+    double top_p = 1.0;
+    double min_p = 0.0;
+    double presence_penalty = 0.0;
+    double frequency_penalty = 0.0;
+    std::uint64_t seed = 0;
+    std::uint64_t draw = 0;  ///< the request's non-greedy tokens sampled so far
+    /// Tokens generated so far with their counts (distinct ids), for the penalties.
+    std::span<const std::pair<std::int32_t, std::int64_t>> counts;
+  };
+  struct Sampled {
+    std::int32_t token = 0;
+    float logprob = 0.0F;
+  };
+  /// logits: [rows.size(), vocab] on the device. Blocks until the results are on the host.
+  Result<std::vector<Sampled>> sample(const float* logits, std::span<const Row> rows, const cuda::Stream& stream);
+
+ private:
+  DeviceSampler() = default;
+  std::int64_t max_rows_ = 0;
+  std::int64_t vocab_ = 0;
+  cuda::DeviceBuffer<float> work_;
+  cuda::DeviceBuffer<float> sorted_;
+  cuda::DeviceBuffer<std::int32_t> ids_;
+  cuda::DeviceBuffer<std::int32_t> sorted_ids_;
+  cuda::DeviceBuffer<int> offsets_;
+  cuda::DeviceBuffer<std::uint8_t> sort_temp_;
+  cuda::DeviceBuffer<kernels::RowSampling> params_;
+  cuda::DeviceBuffer<std::int32_t> tokens_;
+  cuda::DeviceBuffer<float> logprobs_;
+};
+
+}  // namespace pd::gpu
