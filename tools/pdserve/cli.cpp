@@ -9,6 +9,7 @@
 #include "pd/common/log.h"
 #include "pd/common/role_process.h"
 #include "pd/decode/decode_config.h"
+#include "pd/engine/gpu.h"
 #include "pd/engine/model_factory.h"
 #include "pd/kvtransfer/kvtransfer_config.h"
 #include "pd/prefill/prefill_config.h"
@@ -53,6 +54,7 @@ CommonOptions::CommonOptions(CommonConfig& cfg) {
   model
       .add("path", &cfg.model_path, "model folder (Hugging Face DeepSeek-V3 layout); empty: the embedded default model")
       .add("tokenizer", &cfg.tokenizer_path, "tokenizer folder; empty: the model folder")
+      .add("device", &cfg.model_device, "where the model runs: cpu, cuda or cuda:N (docs/gpu.md)")
       .add("cache_dir", &cfg.cache_dir, "folder the embedded default model is written to on first use");
   cluster.add("secret_file", &cfg.cluster_secret_file,
               "file holding the cluster secret that signs internal calls (docs/security.md); empty: unauthenticated");
@@ -99,6 +101,11 @@ Result<config::LoadOutput> loadCommandOptions(const std::string& usage, const st
     log::setLevel(level);
   }
   return out;
+}
+
+Status checkModelDevice(const CommonConfig& cfg) {
+  PD_ASSIGN_OR_RETURN(const gpu::ModelDevice device, gpu::parseModelDevice(cfg.model_device));
+  return gpu::checkModelDevice(device);
 }
 
 Result<std::filesystem::path> resolveModelDir(const CommonConfig& cfg) {

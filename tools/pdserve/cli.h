@@ -28,6 +28,8 @@ struct CommonConfig {
   /// Tokenizer folder (tokenizer.json + tokenizer_config.json); empty: the model folder's, or
   /// for the default model the fetched DeepSeek-V3 tokenizer in the cache folder.
   std::filesystem::path tokenizer_path;
+  /// Where the model runs: "cpu" (default), "cuda" or "cuda:N" (pd/engine/gpu.h ModelDevice).
+  std::string model_device = "cpu";
   /// Where the embedded default model and the fetched tokenizer live.
   std::filesystem::path cache_dir = config::defaultCacheDir();
   /// The cluster secret file (section `cluster:`, docs/security.md); empty: the internal plane is
@@ -73,6 +75,11 @@ Result<config::LoadOutput> loadCommandOptions(const std::string& usage, const st
 /// The model folder to use: `cfg.model_path`, or the embedded default model (created in the
 /// cache folder on first use from the fetched tokenizer).
 Result<std::filesystem::path> resolveModelDir(const CommonConfig& cfg);
+
+/// model.device parsed and checked (pd/engine/gpu.h checkModelDevice) by every command that
+/// runs the model, before it loads anything: a CUDA device that is not there is a clear error.
+/// The router, which never runs the model, does not check it.
+Status checkModelDevice(const CommonConfig& cfg);
 
 int runUp(const std::vector<std::string>& args);
 /// The three server roles (cmd_router.cpp, cmd_prefill.cpp, cmd_decode.cpp).

@@ -14,6 +14,7 @@
 #include "cli.h"
 #include "pd/common/log.h"
 #include "pd/common/subprocess.h"
+#include "pd/engine/gpu.h"
 
 namespace pd::cli {
 
@@ -51,7 +52,9 @@ int runWorkerCommand(const WorkerRole& role, const std::vector<std::string>& raw
   cfg.rank_argv.insert(cfg.rank_argv.end(), args.begin(), args.end());  // --check-config already removed
   cfg.trace = common.trace;
   if (Status s = validate(cfg); !s.ok()) return reportFailure(s.error());
+  if (auto device = gpu::parseModelDevice(common.model_device); !device.ok()) return reportFailure(device.error());
   if (check_only) return 0;
+  if (Status s = checkModelDevice(common); !s.ok()) return reportFailure(s.error());
 
   for (const auto* set : {role.role_set, role.kv_set}) {
     for (const std::string& v : set->describeValues()) log::info(role.name, "{}.{}", set->section(), v);

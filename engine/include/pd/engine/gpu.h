@@ -4,6 +4,8 @@
 /// Thread rules: thread-safe; each call synchronizes its own stream before returning.
 
 #include <span>
+#include <string>
+#include <string_view>
 
 #include "pd/common/result.h"
 
@@ -14,6 +16,25 @@ namespace pd::gpu {
 
 /// Whether this binary was built with the CUDA kernels.
 [[nodiscard]] bool builtWithCuda();
+
+/// Where the model runs (`--model.device`): the CPU engine, or CUDA device `index`.
+struct ModelDevice {
+  enum class Kind { Cpu, Cuda };
+  Kind kind = Kind::Cpu;
+  int index = 0;  ///< CUDA only
+  friend bool operator==(const ModelDevice&, const ModelDevice&) = default;
+};
+
+/// "cpu", "cuda" (device 0) or "cuda:N"; InvalidArgument naming the text otherwise.
+[[nodiscard]] Result<ModelDevice> parseModelDevice(std::string_view text);
+/// "cpu", "cuda:0", ...
+[[nodiscard]] std::string modelDeviceName(const ModelDevice& device);
+
+/// Whether the engine can run on `device` here, checked before any model is loaded: OK for the
+/// CPU. For CUDA, Unsupported "no CUDA device ..." when this build has no CUDA or no device is
+/// visible, InvalidArgument when the index is past the visible devices, and Unsupported while the
+/// device-resident engine does not exist yet (docs/gpu.md).
+[[nodiscard]] Status checkModelDevice(const ModelDevice& device);
 
 /// y += a * x computed on device 0: the smoke kernel that keeps the CUDA build path alive.
 /// Its CPU twin is the obvious loop; tests compare the two.

@@ -1,0 +1,56 @@
+// --model.device: parsing and the check that the named device can run the engine.
+#include <fmt/format.h>
+
+#include <charconv>
+
+#include "pd/engine/gpu.h"
+
+namespace pd::gpu {
+
+Result<ModelDevice> parseModelDevice(std::string_view text) {
+  if (text == "cpu") return ModelDevice{};
+  if (text == "cuda") return ModelDevice{ModelDevice::Kind::Cuda, 0};
+  constexpr std::string_view kCudaPrefix = "cuda:";
+  if (text.starts_with(kCudaPrefix)) {
+    const std::string_view digits = text.substr(kCudaPrefix.size());
+    int index = -1;
+    const auto [end, ec] = std::from_chars(digits.data(), digits.data() + digits.size(), index);
+    if (!digits.empty() && ec == std::errc() && end == digits.data() + digits.size() && index >= 0) {
+      return ModelDevice{ModelDevice::Kind::Cuda, index};
+    }
+  }
+  return makeError(ErrorCode::InvalidArgument, fmt::format("model.device '{}' is not one of cpu, cuda, cuda:N", text));
+}
+
+std::string modelDeviceName(const ModelDevice& device) {
+  if (device.kind == ModelDevice::Kind::Cpu) return "cpu";
+  return fmt::format("cuda:{}", device.index);
+}
+
+Status checkModelDevice(const ModelDevice& device) {
+  if (device.kind == ModelDevice::Kind::Cpu) return okStatus();
+  if (!builtWithCuda()) {
+    return makeError(ErrorCode::Unsupported,
+                     fmt::format("model.device {}: no CUDA device: this pdserve was built without CUDA "
+                                 "(PD_WITH_CUDA=OFF)",
+                                 modelDeviceName(device)));
+  }
+  const int count = deviceCount();
+  if (count == 0) {
+    return makeError(ErrorCode::Unsupported,
+                     fmt::format("model.device {}: no CUDA device is visible to this process (check the driver, "
+                                 "CUDA_VISIBLE_DEVICES and the container's GPU access)",
+                                 modelDeviceName(device)));
+  }
+  if (device.index >= count) {
+    return makeError(ErrorCode::InvalidArgument,
+                     fmt::format("model.device {}: only {} CUDA device(s) are visible (cuda:0 .. cuda:{})",
+                                 modelDeviceName(device), count, count - 1));
+  }
+  return makeError(ErrorCode::Unsupported,
+                   fmt::format("model.device {}: the device-resident CUDA engine is not built yet; only its kernels "
+                               "exist (docs/gpu.md). Use model.device cpu",
+                               modelDeviceName(device)));
+}
+
+}  // namespace pd::gpu

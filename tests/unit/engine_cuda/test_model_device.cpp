@@ -1,0 +1,40 @@
+// --model.device: parsing and the device check (test_model_device_cli.cpp runs pdserve with it).
+#include <gtest/gtest.h>
+
+#include <string>
+
+#include "pd/engine/gpu.h"
+
+namespace {
+
+using pd::gpu::ModelDevice;
+
+TEST(ModelDevice, ParsesCpuCudaAndCudaIndex) {
+  EXPECT_EQ(*pd::gpu::parseModelDevice("cpu"), ModelDevice{});
+  EXPECT_EQ(*pd::gpu::parseModelDevice("cuda"), (ModelDevice{ModelDevice::Kind::Cuda, 0}));
+  EXPECT_EQ(*pd::gpu::parseModelDevice("cuda:3"), (ModelDevice{ModelDevice::Kind::Cuda, 3}));
+  EXPECT_EQ(pd::gpu::modelDeviceName(ModelDevice{ModelDevice::Kind::Cuda, 3}), "cuda:3");
+  for (const char* bad : {"", "gpu", "CUDA", "cuda:", "cuda:-1", "cuda:1x", "cuda:99999999999", " cpu"}) {
+    auto d = pd::gpu::parseModelDevice(bad);
+    ASSERT_FALSE(d.ok()) << "'" << bad << "'";
+    EXPECT_EQ(d.error().code, pd::ErrorCode::InvalidArgument);
+    EXPECT_NE(d.error().message.find("cpu, cuda, cuda:N"), std::string::npos) << d.error().message;
+  }
+}
+
+TEST(ModelDevice, CpuIsAlwaysFineCudaNeedsADevice) {
+  EXPECT_TRUE(pd::gpu::checkModelDevice(ModelDevice{}).ok());
+  const auto cuda = pd::gpu::checkModelDevice(ModelDevice{ModelDevice::Kind::Cuda, 0});
+  ASSERT_FALSE(cuda.ok());  // no device-resident engine yet, so never OK today
+  EXPECT_EQ(cuda.error().code, pd::ErrorCode::Unsupported);
+  if (pd::gpu::deviceCount() == 0) {
+    EXPECT_NE(cuda.error().message.find("no CUDA device"), std::string::npos) << cuda.error().message;
+  } else {
+    EXPECT_NE(cuda.error().message.find("not built yet"), std::string::npos) << cuda.error().message;
+    const auto past = pd::gpu::checkModelDevice(ModelDevice{ModelDevice::Kind::Cuda, pd::gpu::deviceCount()});
+    ASSERT_FALSE(past.ok());
+    EXPECT_EQ(past.error().code, pd::ErrorCode::InvalidArgument);
+  }
+}
+
+}  // namespace

@@ -1,0 +1,34 @@
+// What a user sees from pdserve when --model.device names a CUDA device that is not there (on
+// CPU-only machines: a clear "no CUDA device" error before anything loads, never a crash or a
+// silent fall-back to the CPU).
+#include <gtest/gtest.h>
+
+#include <string>
+
+#include "pd/engine/gpu.h"
+#include "support/cli_runner.h"
+
+namespace {
+
+TEST(ModelDevice, PdserveGenerateOnAMissingCudaDeviceFailsClearly) {
+  const auto r =
+      pd::test::pdserve({"generate", "--model.device", "cuda", "--prompt-ids", "1,2,3", "--max-tokens", "1"});
+  EXPECT_EQ(r.exit_code, 1) << r.err;
+  EXPECT_TRUE(r.out.empty()) << r.out;
+  const std::string want = pd::gpu::deviceCount() == 0 ? "no CUDA device" : "not built yet";
+  EXPECT_NE(r.err.find("pdserve: error: "), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find(want), std::string::npos) << r.err;
+  // A malformed device is bad input (exit 2), and cpu still works as before.
+  const auto bad = pd::test::pdserve({"generate", "--model.device", "tpu", "--prompt-ids", "1,2,3"});
+  EXPECT_EQ(bad.exit_code, 2) << bad.err;
+  EXPECT_NE(bad.err.find("model.device 'tpu'"), std::string::npos) << bad.err;
+}
+
+TEST(ModelDevice, DecodeWorkerOnAMissingCudaDeviceFailsBeforeLoading) {
+  const auto r = pd::test::pdserve({"decode", "--model.device", "cuda:0", "--decode.port", "0"});
+  EXPECT_EQ(r.exit_code, 1) << r.err;
+  const std::string want = pd::gpu::deviceCount() == 0 ? "no CUDA device" : "not built yet";
+  EXPECT_NE(r.err.find(want), std::string::npos) << r.err;
+}
+
+}  // namespace
