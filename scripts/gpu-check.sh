@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+# The device check for the first machine with a GPU (docs/gpu.md): configures and builds the CUDA
+# backend on every core, runs the `gpu`-labelled tests (each CUDA kernel against the CPU engine)
+# and the host tests of the kernels' arithmetic, and prints one summary. Every log lands in one
+# folder. Fails loudly (exit 1) when no GPU is visible, when anything fails, and when any `gpu`
+# test reports Skipped: a skip here means the check did not happen, never that it passed.
+# Sized to finish well under 8 minutes on a 16-core H200 machine (it builds only the targets the
+# tests need; each step has a time limit).
+#
+# usage: scripts/gpu-check.sh [LOG_DIR]
+#   LOG_DIR                 default gpu-check-<UTC time>
+#   PD_GPU_BUILD_DIR        build folder (default build-gpu)
+#   CMAKE_CUDA_ARCHITECTURES  default 90 (H100/H200)
+set -uo pipefail
+cd "$(dirname "$0")/.." || exit 1
+
+log_dir=${1:-gpu-check-$(date -u +%Y%m%dT%H%M%SZ)}
+build_dir=${PD_GPU_BUILD_DIR:-build-gpu}
+arch=${CMAKE_CUDA_ARCHITECTURES:-90}
+jobs=$(nproc)
+mkdir -p "$log_dir"
+summary="$log_dir/summary.txt"
+: >"$summary"
+start=$SECONDS
+
+say() { echo "$*" | tee -a "$summary"; }
+fail() {
+  say "gpu-check: FAIL: $*"
+  say "gpu-check: logs in $log_dir"
+  exit 1
+}
+step() {  # step NAME LIMIT_S COMMAND...: runs COMMAND with a time limit, output to LOG_DIR/NAME.log
+  local name=$1 limit=$2
+  shift 2
+  local t0=$SECONDS
+  timeout --kill-after=10 "$limit" "$@" >"$log_dir/$name.log" 2>&1
+  local rc=$?
+  say "gpu-check: $name: exit $rc in $((SECONDS - t0)) s (log $log_dir/$name.log)"
+  return $rc
+}
+
+say "gpu-check: $(git rev-parse --short HEAD 2>/dev/null || echo '?') on $(hostname), $jobs cores, $(date -u +%FT%TZ)"
+
+# 1. A GPU must be visible, or this check cannot happen.
+if ! command -v nvidia-smi >/dev/null 2>&1; then fail "nvidia-smi not found: no NVIDIA driver on this machine"; fi
+if ! nvidia-smi -L >"$log_dir/nvidia-smi.log" 2>&1 || ! grep -q '^GPU ' "$log_dir/nvidia-smi.log"; then
+  cat "$log_dir/nvidia-smi.log"
+  fail "no GPU visible (nvidia-smi -L lists none)"
+fi
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv >>"$log_dir/nvidia-smi.log" 2>&1
+say "gpu-check: GPUs: $(grep -c '^GPU ' "$log_dir/nvidia-smi.log"): $(grep '^GPU 0' "$log_dir/nvidia-smi.log")"
+
+# 2. Configure and build (only what the tests need).
+launcher=()
+if command -v ccache >/dev/null 2>&1; then
+  launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache -DCMAKE_CUDA_COMPILER_LAUNCHER=ccache)
+fi
+step configure 180 cmake -S . -B "$build_dir" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DPD_WITH_CUDA=ON \
+  -DCMAKE_CUDA_ARCHITECTURES="$arch" "${launcher[@]}" || fail "configure (is nvcc on PATH or CUDACXX set?)"
+targets=(test_kernel_parity test_gpu test_device_math test_model_device)
+step build 360 cmake --build "$build_dir" -j "$jobs" --target "${targets[@]}" || fail "build"
+
+# 3. The host tests of the kernels' arithmetic, then every gpu-labelled test.
+step host-tests 60 ctest --test-dir "$build_dir" -L unit -R '^(DeviceMath|ModelDevice)\.' --output-on-failure ||
+  fail "host tests of the kernels' arithmetic"
+step gpu-tests 300 ctest --test-dir "$build_dir" -L gpu --output-on-failure --timeout 280
+gpu_rc=$?
+gpu_log="$log_dir/gpu-tests.log"
+ran=$(grep -cE 'Test +#[0-9]+: ' "$gpu_log")
+passed=$(grep -cE 'Test +#[0-9]+: .* Passed' "$gpu_log")
+skipped=$(grep -cE 'Test +#[0-9]+: .*\*\*\*Skipped' "$gpu_log")
+failed=$((ran - passed - skipped))
+say "gpu-check: gpu tests: $ran ran, $passed passed, $failed failed, $skipped skipped"
+grep -E 'Test +#[0-9]+: ' "$gpu_log" | sed 's/^/  /' | tee -a "$summary"
+grep -E 'SKIPPED: ' "$gpu_log" | sort -u | sed 's/^/  /' | tee -a "$summary"
+
+elapsed=$((SECONDS - start))
+if ((ran < 7)); then fail "only $ran gpu tests ran (expected at least 7: one per kernel)"; fi
+if ((skipped > 0)); then fail "$skipped gpu tests skipped: the device was not usable by the tests"; fi
+if ((gpu_rc != 0 || failed > 0)); then fail "$failed gpu tests failed (details in $gpu_log)"; fi
+say "gpu-check: PASS in $elapsed s; logs in $log_dir"
