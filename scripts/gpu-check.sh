@@ -57,11 +57,11 @@ if command -v ccache >/dev/null 2>&1; then
 fi
 step configure 180 cmake -S . -B "$build_dir" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DPD_WITH_CUDA=ON \
   -DCMAKE_CUDA_ARCHITECTURES="$arch" "${launcher[@]}" || fail "configure (is nvcc on PATH or CUDACXX set?)"
-targets=(test_kernel_parity test_gpu test_device_math test_model_device)
+targets=(test_kernel_parity test_gpu test_device_math test_device_memory_plan test_model_device)
 step build 360 cmake --build "$build_dir" -j "$jobs" --target "${targets[@]}" || fail "build"
 
 # 3. The host tests of the kernels' arithmetic, then every gpu-labelled test.
-step host-tests 60 ctest --test-dir "$build_dir" -L unit -R '^(DeviceMath|ModelDevice)\.' --output-on-failure ||
+step host-tests 60 ctest --test-dir "$build_dir" -L unit -R '^(DeviceMath|DeviceMemoryPlan|ModelDevice)\.' --output-on-failure ||
   fail "host tests of the kernels' arithmetic"
 step gpu-tests 300 ctest --test-dir "$build_dir" -L gpu --output-on-failure --timeout 280
 gpu_rc=$?
@@ -74,8 +74,12 @@ say "gpu-check: gpu tests: $ran ran, $passed passed, $failed failed, $skipped sk
 grep -E 'Test +#[0-9]+: ' "$gpu_log" | sed 's/^/  /' | tee -a "$summary"
 grep -E 'SKIPPED: ' "$gpu_log" | sort -u | sed 's/^/  /' | tee -a "$summary"
 
+# The device's memory and the fit error a user would see (informational, for the note).
+"$build_dir/tests/gpu/test_kernel_parity" --gtest_filter='Kernel.MemoryPlan*' 2>&1 |
+  grep -E '^(device memory|cuda:0: )' | sed 's/^/  /' | tee -a "$summary"
+
 elapsed=$((SECONDS - start))
-if ((ran < 7)); then fail "only $ran gpu tests ran (expected at least 7: one per kernel)"; fi
+if ((ran < 8)); then fail "only $ran gpu tests ran (expected at least 8: one per kernel, the memory plan, bad shapes)"; fi
 if ((skipped > 0)); then fail "$skipped gpu tests skipped: the device was not usable by the tests"; fi
 if ((gpu_rc != 0 || failed > 0)); then fail "$failed gpu tests failed (details in $gpu_log)"; fi
 say "gpu-check: PASS in $elapsed s; logs in $log_dir"

@@ -25,6 +25,13 @@ Status inRange(std::string_view what, std::string_view name, std::int64_t value,
 
 }  // namespace
 
+Result<DeviceMemoryInfo> deviceMemoryInfo() {
+  std::size_t free = 0;
+  std::size_t total = 0;
+  PD_CUDA_TRY(cudaMemGetInfo(&free, &total));
+  return DeviceMemoryInfo{free, total};
+}
+
 Status rmsNormResidual(float* h, const float* delta, const float* weight, float* out, std::int64_t rows, std::int64_t d,
                        float eps, const cuda::Stream& stream) {
   PD_TRY(inRange("rmsNormResidual", "rows", rows, 0, kIntMax));

@@ -20,6 +20,13 @@
 
 namespace pd::gpu {
 
+/// The current device's memory as cudaMemGetInfo reports it.
+struct DeviceMemoryInfo {
+  std::uint64_t free = 0;
+  std::uint64_t total = 0;
+};
+[[nodiscard]] Result<DeviceMemoryInfo> deviceMemoryInfo();
+
 /// Per row: h += delta (when delta is not null), out = RMSNorm(h) * weight; out may be h.
 /// h, delta, out [rows, d]; weight [d].
 Status rmsNormResidual(float* h, const float* delta, const float* weight, float* out, std::int64_t rows, std::int64_t d,

@@ -3,6 +3,7 @@
 // copies) and the nvcc-compiled kernels (*.cu, C++17): launches only, each returning the launch's
 // status (cudaGetLastError) for the caller to check. Arguments are trusted here: the callers
 // validate every shape on the host first (device_ops.cpp).
+// Thread rules: launches may come from any thread; the work is ordered by the stream given.
 
 #include <cuda_runtime_api.h>
 

@@ -15,6 +15,7 @@
 
 #include "cpu_reference.h"
 #include "device_math.h"
+#include "device_memory_plan.h"
 #include "device_ops.h"
 #include "pd/common/check.h"
 #include "pd/common/dtype.h"
@@ -232,6 +233,31 @@ TEST_F(Kernel, MlaDecodeMatchesCpuAbsorbedAttention) {
 
 // ---- routing ------------------------------------------------------------------------------------
 
+// Whether two biased scores, or two group scores, are within 1e-5 without being equal.
+bool hasNearTie(const float* logits, const std::vector<float>& bias, int64_t experts, int64_t groups) {
+  std::vector<float> biased(static_cast<std::size_t>(experts));
+  for (int64_t e = 0; e < experts; ++e) {
+    biased[static_cast<std::size_t>(e)] =
+        gm::sigmoidF(logits[e]) + (bias.empty() ? 0.0F : bias[static_cast<std::size_t>(e)]);
+  }
+  std::vector<float> group_score;
+  const int64_t per_group = experts / groups;
+  for (int64_t g = 0; g < groups; ++g) {
+    std::vector<float> v(biased.begin() + g * per_group, biased.begin() + (g + 1) * per_group);
+    std::sort(v.rbegin(), v.rend());
+    group_score.push_back(bias.empty() || per_group == 1 ? v[0] : v[0] + v[1]);
+  }
+  for (const auto* values : {&biased, &group_score}) {
+    for (std::size_t i = 0; i < values->size(); ++i) {
+      for (std::size_t j = i + 1; j < values->size(); ++j) {
+        const float d = std::fabs((*values)[i] - (*values)[j]);
+        if (d > 0.0F && d < 1e-5F) return true;
+      }
+    }
+  }
+  return false;
+}
+
 TEST_F(Kernel, RoutingMatchesCpuIncludingTies) {
   struct Shape {
     int64_t experts, groups, topk_group, top_k;
@@ -239,13 +265,24 @@ TEST_F(Kernel, RoutingMatchesCpuIncludingTies) {
   for (const Shape s : {Shape{16, 4, 2, 4}, Shape{256, 8, 4, 8}, Shape{64, 1, 1, 6}}) {
     for (const int64_t tokens : {1, 7, 64}) {
       for (const bool with_bias : {false, true}) {
-        // Logits on a coarse grid: many exact ties, and distinct values far apart in sigmoid.
-        std::vector<float> logits(static_cast<std::size_t>(tokens * s.experts));
-        for (auto& v : logits) v = static_cast<float>(static_cast<int>(rng_() % 40) - 20) * 0.1F;
+        // Logits on a coarse grid: many exact ties (which stay exact on the device). A token whose
+        // biased scores or group scores come within 1e-5 without being equal is drawn again: the
+        // device's expf may differ from the host's by an ulp, and such a near-tie is not a tie.
         std::vector<float> bias;
         if (with_bias) {
           bias.resize(static_cast<std::size_t>(s.experts));
           for (auto& b : bias) b = static_cast<float>(static_cast<int>(rng_() % 5)) / 64.0F;
+        }
+        std::vector<float> logits(static_cast<std::size_t>(tokens * s.experts));
+        for (int64_t t = 0; t < tokens; ++t) {
+          float* row = logits.data() + t * s.experts;
+          int draws = 0;
+          do {
+            ASSERT_LT(++draws, 10000) << "no routing input without near-ties at " << s.experts << " experts";
+            for (int64_t e = 0; e < s.experts; ++e) {
+              row[e] = static_cast<float>(static_cast<int>(rng_() % 40) - 20) * 0.1F;
+            }
+          } while (hasNearTie(row, bias, s.experts, s.groups));
         }
         auto dl = upload(logits, stream());
         auto db = upload(bias, stream());
@@ -389,6 +426,32 @@ TEST_F(Kernel, SamplingMatchesCpuSampler) {
   }
 }
 
+// ---- memory plan ----------------------------------------------------------------------------------
+
+TEST_F(Kernel, MemoryPlanAgainstTheRealFreeMemory) {
+  auto mem = pd::gpu::deviceMemoryInfo();
+  ASSERT_TRUE(mem.ok()) << mem.error().toString();
+  ASSERT_GT(mem->free, 0U);
+  ASSERT_GE(mem->total, mem->free);
+  std::printf("device memory: %.1f GB free of %.1f GB\n", static_cast<double>(mem->free) / 1e9,
+              static_cast<double>(mem->total) / 1e9);
+  auto tiny = pd::presetConfig("tiny");
+  ASSERT_TRUE(tiny.ok());
+  const pd::gpu::DeviceServingShape shape{1024, 64, DType::BF16, 512, 8192, 64};
+  auto small = pd::gpu::planDeviceMemory(*tiny, shape);
+  ASSERT_TRUE(small.ok());
+  EXPECT_TRUE(pd::gpu::checkDeviceFit(*small, mem->free, 1'000'000'000ULL, "cuda:0").ok());
+  auto v3 = pd::presetConfig("deepseek-v3-layers=61");
+  ASSERT_TRUE(v3.ok());
+  v3->quantization = pd::Fp8Quantization{};
+  auto big = pd::gpu::planDeviceMemory(*v3, shape);
+  ASSERT_TRUE(big.ok());
+  const auto fit = pd::gpu::checkDeviceFit(*big, mem->free, 1'000'000'000ULL, "cuda:0");
+  ASSERT_FALSE(fit.ok());  // 688 GB of weights on one device
+  EXPECT_EQ(fit.error().code, pd::ErrorCode::ResourceExhausted);
+  std::printf("%s\n", fit.error().message.c_str());
+}
+
 // ---- bad shapes -----------------------------------------------------------------------------------
 
 TEST_F(Kernel, BadShapesAreClearErrorsNotLaunches) {
@@ -414,5 +477,10 @@ int main(int argc, char** argv) {
                 pd::gpu::builtWithCuda() ? "yes" : "no");
     return 77;
   }
-  return RUN_ALL_TESTS();
+  const int rc = RUN_ALL_TESTS();
+  if (::testing::UnitTest::GetInstance()->test_to_run_count() == 0) {
+    std::printf("FAILED: the filter selected no test, so nothing was checked\n");
+    return 1;
+  }
+  return rc;
 }
