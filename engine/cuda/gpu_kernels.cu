@@ -193,7 +193,54 @@ __global__ void __launch_bounds__(kGemvThreads) fp8GemvKernel(Fp8GemvArgs a) {
   }
 }
 
+constexpr int kStreamReadThreads = 512;
+
+// One 16-byte load per word; the XOR of a block's words goes to sink[block] (block-reduced
+// through shared memory by thread 0's warp).
+__global__ void __launch_bounds__(kStreamReadThreads)
+    streamReadKernel(const uint4* data, std::size_t count, unsigned int* sink) {
+  unsigned int acc = 0;
+  const std::size_t stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
+  for (std::size_t i = static_cast<std::size_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < count; i += stride) {
+    const uint4 v = __ldcs(data + i);  // streaming load: evict first, the data is read once
+    acc ^= v.x ^ v.y ^ v.z ^ v.w;
+  }
+  for (int width = 16; width > 0; width /= 2) acc ^= __shfl_xor_sync(0xFFFFFFFFU, acc, width);
+  __shared__ unsigned int warp_acc[kStreamReadThreads / 32];
+  if (threadIdx.x % 32 == 0) warp_acc[threadIdx.x / 32] = acc;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    unsigned int block_acc = 0;
+    for (int w = 0; w < kStreamReadThreads / 32; ++w) block_acc ^= warp_acc[w];
+    sink[blockIdx.x] = block_acc;
+  }
+}
+
+__global__ void fillBf16Kernel(std::uint16_t* data, std::size_t count, std::uint32_t seed) {
+  const std::size_t stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
+  for (std::size_t i = static_cast<std::size_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < count; i += stride) {
+    // An integer hash of (seed, i) to a float in [-1, 1), rounded to BF16.
+    std::uint32_t h = static_cast<std::uint32_t>(i) * 0x9E3779B1U ^ seed ^ static_cast<std::uint32_t>(i >> 32);
+    h ^= h >> 16;
+    h *= 0x85EBCA6BU;
+    h ^= h >> 13;
+    const float value = static_cast<float>(h >> 8) * (2.0F / 16777216.0F) - 1.0F;
+    data[i] = m::bf16Encode(value);
+  }
+}
+
 }  // namespace
+
+cudaError_t launchStreamRead(const uint4* data, std::size_t count, unsigned int* sink, cudaStream_t stream) {
+  streamReadKernel<<<kStreamReadBlocks, kStreamReadThreads, 0, stream>>>(data, count, sink);
+  return cudaGetLastError();
+}
+
+cudaError_t launchFillBf16(std::uint16_t* data, std::size_t count, std::uint32_t seed, cudaStream_t stream) {
+  if (count == 0) return cudaSuccess;
+  fillBf16Kernel<<<1024, 256, 0, stream>>>(data, count, seed);
+  return cudaGetLastError();
+}
 
 cudaError_t launchAxpy(float a, const float* x, float* y, int n, cudaStream_t stream) {
   if (n <= 0) return cudaSuccess;

@@ -108,4 +108,16 @@ struct SampleArgs {
 cudaError_t sampleSortTempBytes(int rows, int vocab, std::size_t& bytes);
 cudaError_t launchSample(const SampleArgs& args, cudaStream_t stream);
 
+// Benchmark kernels (`pdserve bench engine --device cuda`, device_bench.cpp).
+
+/// Reads `count` 16-byte words of `data` once each (grid-stride, one load per word per thread)
+/// and writes one XOR of what each block read to sink[block], so the loads cannot be dropped.
+/// sink holds kStreamReadBlocks words.
+constexpr int kStreamReadBlocks = 4096;
+cudaError_t launchStreamRead(const uint4* data, std::size_t count, unsigned int* sink, cudaStream_t stream);
+
+/// Fills `count` BF16 values with a fixed pseudo-random pattern in [-1, 1) keyed by `seed` (the
+/// GEMM ceiling's operands: not zeros, which would flatter the tensor cores' power draw).
+cudaError_t launchFillBf16(std::uint16_t* data, std::size_t count, std::uint32_t seed, cudaStream_t stream);
+
 }  // namespace pd::gpu::kernels

@@ -1,10 +1,12 @@
 // pdserve bench engine: decode MBU and prefill FLOP utilization of the CPU engine against
-// ceilings measured in the same run (tools/bench/engine).
+// ceilings measured in the same run; with --device cuda, the CUDA device's ceilings and the MLA
+// decode attention kernel (tools/bench/engine).
 #include <cstdio>
 #include <string>
 #include <vector>
 
 #include "bench/common/bench_util.h"
+#include "bench/engine/device_engine_bench.h"
 #include "bench/engine/engine_bench.h"
 #include "cli.h"
 
@@ -17,6 +19,7 @@ int runBenchEngine(const std::vector<std::string>& args) {
   std::string isa_name = "auto";
   std::string batches_text = "1,4,16,64";
   bool json = false;
+  bench::DeviceEngineBenchConfig device_cfg;
   config::OptionSet set("bench_engine");
   set.add("model", &cfg.model, "model folder (make one with: pdserve make-model DIR --preset bench [--fp8])")
       .add("threads", &cfg.threads, "compute threads (0: every hardware thread)", 0, 1024)
@@ -26,15 +29,37 @@ int runBenchEngine(const std::vector<std::string>& args) {
       .add("steps", &cfg.steps, "timed decode steps per batch size (after 2 warm-up steps)", 1, 10000)
       .add("prefill_tokens", &cfg.prefill_tokens, "prompt length of the prefill measurement (0: skip)", 0, 1 << 20)
       .add("bandwidth_mb", &cfg.bandwidth_mb, "buffer size of the read-bandwidth probe in MiB", 64, 1 << 20)
-      .add("json", &json, "print one JSON object instead of text");
+      .add("json", &json, "print one JSON object instead of text")
+      .add("read_mb", &device_cfg.ceilings.read_mb, "cuda: streaming-read buffer in MiB", 64, 1 << 20)
+      .add("gemm_size", &device_cfg.ceilings.gemm_size, "cuda: M = N = K of the BF16 GEMM", 256, 65536)
+      .add("iterations", &device_cfg.ceilings.iterations, "cuda: timed repetitions of each measurement", 1, 10000)
+      .add("attention_batch", &device_cfg.ceilings.attention_batch, "cuda: sequences of the MLA decode attention", 1,
+           1024)
+      .add("attention_context", &device_cfg.ceilings.attention_context, "cuda: cached tokens per sequence", 1, 1 << 20);
   auto loaded = loadCommandOptions(
       "usage: pdserve bench engine --model DIR [--threads N] [--batches 1,4,16,64] [--json]\n"
+      "       pdserve bench engine --device cuda[:N] [--model DIR] [--json]\n"
       "Decode tokens/s and memory-bandwidth utilization (MBU) per batch size, and prefill tokens/s and FLOP\n"
       "utilization, each as a ratio to a ceiling measured in the same run with the same threads. Use a model whose\n"
-      "weights are many times the last-level cache (make-model --preset bench).",
+      "weights are many times the last-level cache (make-model --preset bench).\n"
+      "With --device cuda[:N]: the device's HBM read bandwidth, BF16 GEMM TFLOP/s (cuBLAS) and the MLA decode "
+      "attention\n"
+      "kernel alone as a fraction of that bandwidth; --model also uploads the checkpoint's weights (docs/gpu.md).",
       {&set, &common_sets.log, &common_sets.model}, args, &common);
   if (!loaded.ok()) return reportFailure(loaded.error());
   if (loaded->help_requested) return 0;
+  // --device is model.device (cpu: the CPU engine; cuda[:N]: the device's ceilings).
+  auto device = gpu::parseModelDevice(common.model_device);
+  if (!device.ok()) return reportFailure(device.error());
+  if (device->kind == gpu::ModelDevice::Kind::Cuda) {
+    device_cfg.ceilings.device = *device;
+    device_cfg.model = cfg.model;  // only an explicit --model is uploaded
+    auto measured = bench::runDeviceEngineBench(device_cfg);
+    if (!measured.ok()) return reportFailure(measured.error());
+    const std::string text = json ? bench::deviceReportJson(*measured) + "\n" : bench::deviceReportText(*measured);
+    std::fputs(text.c_str(), stdout);
+    return 0;
+  }
   auto batches = bench::parsePositiveList(batches_text, "--batches");
   if (!batches.ok()) return reportFailure(batches.error());
   cfg.batches = std::move(*batches);

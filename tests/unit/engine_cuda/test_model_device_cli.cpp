@@ -31,4 +31,22 @@ TEST(ModelDevice, DecodeWorkerOnAMissingCudaDeviceFailsBeforeLoading) {
   EXPECT_NE(r.err.find(want), std::string::npos) << r.err;
 }
 
+TEST(ModelDevice, BenchEngineOnAMissingCudaDeviceFailsClearly) {
+  if (pd::gpu::deviceCount() > 0) GTEST_SKIP() << "a CUDA device is visible: scripts/gpu-check.sh runs the benchmark";
+  for (const char* device : {"cuda", "cuda:1"}) {
+    const auto r = pd::test::pdserve({"bench", "engine", "--device", device, "--json"});
+    EXPECT_EQ(r.exit_code, 1) << device << ": " << r.err;
+    EXPECT_TRUE(r.out.empty()) << r.out;
+    EXPECT_NE(r.err.find("pdserve: error: "), std::string::npos) << r.err;
+    EXPECT_NE(r.err.find("bench engine --device " + std::string(device == std::string("cuda") ? "cuda:0" : device) +
+                         ": no CUDA device"),
+              std::string::npos)
+        << r.err;
+  }
+  // A malformed device is bad input (exit 2) and names the value.
+  const auto bad = pd::test::pdserve({"bench", "engine", "--device", "gpu0"});
+  EXPECT_EQ(bad.exit_code, 2) << bad.err;
+  EXPECT_NE(bad.err.find("'gpu0'"), std::string::npos) << bad.err;
+}
+
 }  // namespace

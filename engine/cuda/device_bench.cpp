@@ -1,0 +1,241 @@
+// CUDA build of measureDeviceCeilings (pd/engine/gpu_bench.h): the streaming read, the cuBLAS
+// BF16 GEMM and the MLA decode attention kernel, each timed with CUDA events on one stream.
+#include <cublas_v2.h>
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <chrono>
+#include <memory>
+#include <numeric>
+#include <vector>
+
+#include "device_ops.h"
+#include "device_weights.h"
+#include "gpu_kernels.h"
+#include "pd/common/log.h"
+#include "pd/engine/gpu_bench.h"
+#include "pd/engine/model_config.h"
+#include "pd/engine/safetensors.h"
+
+namespace pd::gpu {
+namespace {
+
+constexpr int kWarmups = 3;
+constexpr std::uint64_t kMiB = std::uint64_t{1} << 20;
+
+// A CUDA event that records time (cuda::Event does not): owned, destroyed with the object.
+class TimingEvent {
+ public:
+  static Result<TimingEvent> create() {
+    cudaEvent_t event = nullptr;
+    PD_CUDA_TRY(cudaEventCreate(&event));
+    return TimingEvent(event);
+  }
+  [[nodiscard]] cudaEvent_t get() const { return event_.get(); }
+
+ private:
+  struct Deleter {
+    void operator()(cudaEvent_t event) const noexcept {
+      const Status status = PD_CUDA_STATUS(cudaEventDestroy(event));
+      if (!status.ok()) cuda::detail::logReleaseFailure(status);
+    }
+  };
+  explicit TimingEvent(cudaEvent_t event) : event_(event) {}
+  std::unique_ptr<CUevent_st, Deleter> event_;
+};
+
+double median(std::vector<double> values) {
+  if (values.empty()) return 0.0;
+  std::sort(values.begin(), values.end());
+  return values[values.size() / 2];
+}
+
+// Runs `enqueue` kWarmups times untimed, then `iterations` times between event pairs; the
+// median seconds of one run.
+template <class Enqueue>
+Result<double> timeMedian(const cuda::Stream& stream, std::int64_t iterations, Enqueue&& enqueue) {
+  for (int i = 0; i < kWarmups; ++i) PD_TRY(enqueue());
+  std::vector<TimingEvent> events;
+  events.reserve(static_cast<std::size_t>(2 * iterations));
+  for (std::int64_t i = 0; i < 2 * iterations; ++i) {
+    PD_ASSIGN_OR_RETURN(TimingEvent event, TimingEvent::create());
+    events.push_back(std::move(event));
+  }
+  for (std::int64_t i = 0; i < iterations; ++i) {
+    PD_CUDA_TRY(cudaEventRecord(events[static_cast<std::size_t>(2 * i)].get(), stream.get()));
+    PD_TRY(enqueue());
+    PD_CUDA_TRY(cudaEventRecord(events[static_cast<std::size_t>(2 * i + 1)].get(), stream.get()));
+  }
+  PD_TRY(stream.synchronize());
+  std::vector<double> seconds;
+  for (std::int64_t i = 0; i < iterations; ++i) {
+    float ms = 0.0F;
+    PD_CUDA_TRY(cudaEventElapsedTime(&ms, events[static_cast<std::size_t>(2 * i)].get(),
+                                     events[static_cast<std::size_t>(2 * i + 1)].get()));
+    seconds.push_back(static_cast<double>(ms) * 1e-3);
+  }
+  return median(std::move(seconds));
+}
+
+Result<double> measureReadBandwidth(const DeviceCeilingsConfig& c, const cuda::Stream& stream) {
+  const std::uint64_t bytes = static_cast<std::uint64_t>(c.read_mb) * kMiB;
+  PD_ASSIGN_OR_RETURN(auto data, cuda::DeviceBuffer<uint4>::create(bytes / sizeof(uint4)));
+  PD_ASSIGN_OR_RETURN(auto sink, cuda::DeviceBuffer<unsigned int>::create(kernels::kStreamReadBlocks));
+  // Defined contents (the kernel's result is discarded, but reading uninitialized memory is not
+  // something to benchmark either).
+  PD_CUDA_TRY(cudaMemsetAsync(data.data(), 0x5A, data.bytes(), stream.get()));
+  PD_ASSIGN_OR_RETURN(const double seconds, timeMedian(stream, c.iterations, [&]() -> Status {
+                        PD_CUDA_TRY(kernels::launchStreamRead(data.data(), data.size(), sink.data(), stream.get()));
+                        return okStatus();
+                      }));
+  return static_cast<double>(data.bytes()) / seconds;
+}
+
+Result<double> measureGemmFlops(const DeviceCeilingsConfig& c, const cuda::Stream& stream) {
+  const std::int64_t n = c.gemm_size;
+  const auto count = static_cast<std::size_t>(n * n);
+  PD_ASSIGN_OR_RETURN(auto a, cuda::DeviceBuffer<std::uint16_t>::create(count));
+  PD_ASSIGN_OR_RETURN(auto b, cuda::DeviceBuffer<std::uint16_t>::create(count));
+  PD_ASSIGN_OR_RETURN(auto out, cuda::DeviceBuffer<std::uint16_t>::create(count));
+  PD_CUDA_TRY(kernels::launchFillBf16(a.data(), count, 1U, stream.get()));
+  PD_CUDA_TRY(kernels::launchFillBf16(b.data(), count, 2U, stream.get()));
+  PD_ASSIGN_OR_RETURN(auto blas, cuda::BlasHandle::create(stream));
+  const float alpha = 1.0F / static_cast<float>(n);
+  const float beta = 0.0F;
+  const int dim = static_cast<int>(n);
+  PD_ASSIGN_OR_RETURN(const double seconds, timeMedian(stream, c.iterations, [&]() -> Status {
+                        PD_CUDA_TRY(cublasGemmEx(blas.get(), CUBLAS_OP_N, CUBLAS_OP_N, dim, dim, dim, &alpha, a.data(),
+                                                 CUDA_R_16BF, dim, b.data(), CUDA_R_16BF, dim, &beta, out.data(),
+                                                 CUDA_R_16BF, dim, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+                        return okStatus();
+                      }));
+  return 2.0 * static_cast<double>(n) * static_cast<double>(n) * static_cast<double>(n) / seconds;
+}
+
+// The MLA decode attention kernel alone: `batch` sequences of `context` cached tokens in a BF16
+// paged cache (each sequence's blocks contiguous), one query token each.
+Result<double> measureAttentionSeconds(const DeviceCeilingsConfig& c, const cuda::Stream& stream) {
+  const std::int64_t blocks_per_seq = (c.attention_context + c.attention_block_size - 1) / c.attention_block_size;
+  const std::int64_t num_blocks = blocks_per_seq * c.attention_batch;
+  const auto cache_count = static_cast<std::size_t>(num_blocks * c.attention_block_size * c.attention_latent_dim);
+  const auto q_count = static_cast<std::size_t>(c.attention_batch * c.attention_heads * c.attention_latent_dim);
+  PD_ASSIGN_OR_RETURN(auto cache, cuda::DeviceBuffer<std::uint16_t>::create(cache_count));
+  PD_ASSIGN_OR_RETURN(auto q_bits, cuda::DeviceBuffer<std::uint16_t>::create(q_count));
+  PD_ASSIGN_OR_RETURN(auto q, cuda::DeviceBuffer<float>::create(q_count));
+  PD_ASSIGN_OR_RETURN(auto out, cuda::DeviceBuffer<float>::create(q_count));
+  PD_CUDA_TRY(kernels::launchFillBf16(cache.data(), cache_count, 3U, stream.get()));
+  // F32 queries: zeros would make every score equal; a small pattern keeps the softmax honest.
+  std::vector<float> host_q(q_count);
+  for (std::size_t i = 0; i < q_count; ++i) host_q[i] = static_cast<float>(static_cast<int>(i % 17) - 8) / 64.0F;
+  PD_TRY(q.copyFromHost(host_q, stream));
+  std::vector<std::int32_t> tables(static_cast<std::size_t>(num_blocks));
+  std::iota(tables.begin(), tables.end(), 0);
+  std::vector<std::int64_t> begins(static_cast<std::size_t>(c.attention_batch));
+  std::vector<std::int64_t> lens(static_cast<std::size_t>(c.attention_batch), c.attention_context);
+  for (std::int64_t s = 0; s < c.attention_batch; ++s) begins[static_cast<std::size_t>(s)] = s * blocks_per_seq;
+  PD_ASSIGN_OR_RETURN(auto d_tables, cuda::DeviceBuffer<std::int32_t>::create(tables.size()));
+  PD_ASSIGN_OR_RETURN(auto d_begins, cuda::DeviceBuffer<std::int64_t>::create(begins.size()));
+  PD_ASSIGN_OR_RETURN(auto d_lens, cuda::DeviceBuffer<std::int64_t>::create(lens.size()));
+  PD_TRY(d_tables.copyFromHost(tables, stream));
+  PD_TRY(d_begins.copyFromHost(begins, stream));
+  PD_TRY(d_lens.copyFromHost(lens, stream));
+  PD_ASSIGN_OR_RETURN(auto attention, MlaDecodeAttention::create({.max_tokens = c.attention_batch,
+                                                                  .heads = c.attention_heads,
+                                                                  .latent_dim = c.attention_latent_dim,
+                                                                  .max_context = c.attention_context}));
+  const MlaDecodeAttention::Batch batch{.q_cat = q.data(),
+                                        .tokens = c.attention_batch,
+                                        .cache_layer = cache.data(),
+                                        .cache_dtype = DType::BF16,
+                                        .block_size = c.attention_block_size,
+                                        .num_blocks = num_blocks,
+                                        .block_tables = d_tables.data(),
+                                        .table_begin = d_begins.data(),
+                                        .ctx_len = d_lens.data(),
+                                        .max_context_in_batch = c.attention_context,
+                                        .scale = 0.0416F,
+                                        .out = out.data()};
+  PD_ASSIGN_OR_RETURN(const double seconds,
+                      timeMedian(stream, c.iterations, [&]() -> Status { return attention.run(batch, stream); }));
+  PD_TRY(stream.synchronize());  // host_q and the tables outlive their copies
+  return seconds;
+}
+
+}  // namespace
+
+Result<DeviceCeilings> measureDeviceCeilings(const DeviceCeilingsConfig& c) {
+  PD_TRY(validateDeviceCeilingsConfig(c));
+  const std::string name = modelDeviceName(c.device);
+  const int count = deviceCount();
+  if (count == 0) {
+    return makeError(ErrorCode::Unsupported,
+                     fmt::format("bench engine --device {}: no CUDA device is visible to this process (check the "
+                                 "driver, CUDA_VISIBLE_DEVICES and the container's GPU access)",
+                                 name));
+  }
+  if (c.device.index >= count) {
+    return makeError(ErrorCode::InvalidArgument,
+                     fmt::format("bench engine --device {}: only {} CUDA device(s) are visible", name, count));
+  }
+  PD_CUDA_TRY(cudaSetDevice(c.device.index));
+  cudaDeviceProp props{};
+  PD_CUDA_TRY(cudaGetDeviceProperties(&props, c.device.index));
+
+  // Each measurement frees its buffers before the next; the largest must fit.
+  const std::uint64_t read_bytes = static_cast<std::uint64_t>(c.read_mb) * kMiB;
+  const std::uint64_t gemm_bytes = 3 * static_cast<std::uint64_t>(c.gemm_size * c.gemm_size) * 2;
+  const std::uint64_t attention_bytes =
+      static_cast<std::uint64_t>(attentionMinimumBytes(c, 2)) * 2 +
+      static_cast<std::uint64_t>(c.attention_batch * c.attention_heads * c.attention_latent_dim) * 4 * 2;
+  PD_ASSIGN_OR_RETURN(const DeviceMemoryInfo memory, deviceMemoryInfo());
+  const std::uint64_t need = std::max({read_bytes, gemm_bytes, attention_bytes});
+  if (need > memory.free) {
+    return makeError(ErrorCode::ResourceExhausted,
+                     fmt::format("bench engine --device {}: the buffers do not fit: read {:.2f} GB, GEMM {:.2f} GB, "
+                                 "attention {:.2f} GB (the largest must fit), but {:.2f} GB are free",
+                                 name, static_cast<double>(read_bytes) / 1e9, static_cast<double>(gemm_bytes) / 1e9,
+                                 static_cast<double>(attention_bytes) / 1e9, static_cast<double>(memory.free) / 1e9));
+  }
+
+  PD_ASSIGN_OR_RETURN(const cuda::Stream stream, cuda::Stream::create());
+  DeviceCeilings out;
+  out.config = c;
+  out.device = fmt::format("{} ({})", name, props.name);
+  log::info("bench", "{}: streaming read over {} MiB", out.device, c.read_mb);
+  PD_ASSIGN_OR_RETURN(out.read_bandwidth, measureReadBandwidth(c, stream));
+  log::info("bench", "{}: BF16 GEMM {}^3 (cuBLAS)", out.device, c.gemm_size);
+  PD_ASSIGN_OR_RETURN(out.gemm_flops, measureGemmFlops(c, stream));
+  log::info("bench", "{}: MLA decode attention, batch {}, context {}", out.device, c.attention_batch,
+            c.attention_context);
+  PD_ASSIGN_OR_RETURN(out.attention_seconds, measureAttentionSeconds(c, stream));
+  out.attention_bytes = attentionMinimumBytes(c, 2);
+  out.attention_hbm_fraction = bandwidthFraction(out.attention_bytes, out.attention_seconds, out.read_bandwidth);
+  return out;
+}
+
+Result<WeightUploadResult> measureWeightUpload(const std::filesystem::path& model_dir, const ModelDevice& device) {
+  PD_ASSIGN_OR_RETURN(const Checkpoint checkpoint, Checkpoint::open(model_dir));
+  PD_ASSIGN_OR_RETURN(const ModelConfig config, ModelConfig::load(model_dir));
+  DeviceWeights::Options options;
+  options.device = device;
+  // The smallest serving shape the plan accepts: one decode batch of 64 at a 4k context.
+  options.serving = DeviceServingShape{.kv_blocks = 64 * 64,
+                                       .kv_block_size = 64,
+                                       .kv_dtype = DType::BF16,
+                                       .max_batch_tokens = 64,
+                                       .max_context = 4096,
+                                       .max_sample_rows = 64};
+  WeightUploadResult out;
+  out.model = model_dir.string();
+  const auto start = std::chrono::steady_clock::now();
+  PD_ASSIGN_OR_RETURN(const DeviceWeights weights, DeviceWeights::upload(checkpoint, config, options));
+  out.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  out.bytes = static_cast<double>(checkpoint.totalTensorBytes());
+  for (const auto& t : weights.tensors()) {
+    ++out.tensors;
+    if (t.dtype == DType::F8E4M3) ++out.fp8_tensors;
+  }
+  return out;
+}
+
+}  // namespace pd::gpu

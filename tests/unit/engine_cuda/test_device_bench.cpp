@@ -1,0 +1,95 @@
+// `pdserve bench engine --device cuda` without a device (the error every CPU-only machine gives),
+// the ceilings' arithmetic, and the JSON report's fields. The measurement itself runs only on a
+// GPU (scripts/gpu-check.sh).
+#include <gtest/gtest.h>
+
+#include <boost/json.hpp>
+#include <string>
+
+#include "bench/engine/device_engine_bench.h"
+#include "pd/engine/gpu.h"
+#include "pd/engine/gpu_bench.h"
+
+namespace {
+
+using pd::gpu::DeviceCeilingsConfig;
+
+TEST(DeviceBench, AttentionBytesAreTheLatentCacheOnceAndTheQueries) {
+  const DeviceCeilingsConfig c;  // DeepSeek-V3: batch 64, 4k context, 128 heads, latent 576
+  const double cache = 64.0 * 4096 * 576 * 2;
+  const double queries = 64.0 * 128 * 576 * 4;
+  EXPECT_DOUBLE_EQ(pd::gpu::attentionMinimumBytes(c, 2), cache + queries);
+  EXPECT_DOUBLE_EQ(pd::gpu::attentionMinimumBytes(c, 4), 2 * cache + queries);
+}
+
+TEST(DeviceBench, BandwidthFraction) {
+  EXPECT_DOUBLE_EQ(pd::gpu::bandwidthFraction(4e9, 0.001, 5e12), 0.8);
+  EXPECT_EQ(pd::gpu::bandwidthFraction(0, 1, 1), 0.0);
+  EXPECT_EQ(pd::gpu::bandwidthFraction(1, 0, 1), 0.0);
+  EXPECT_EQ(pd::gpu::bandwidthFraction(1, 1, 0), 0.0);
+}
+
+TEST(DeviceBench, BadConfigNamesTheField) {
+  DeviceCeilingsConfig c;
+  c.attention_latent_dim = 2048;
+  auto bad = pd::gpu::measureDeviceCeilings(c);
+  ASSERT_FALSE(bad.ok());
+  EXPECT_EQ(bad.error().code, pd::ErrorCode::InvalidArgument);
+  EXPECT_NE(bad.error().message.find("attention_latent_dim = 2048"), std::string::npos) << bad.error().message;
+  DeviceCeilingsConfig cpu;
+  cpu.device = pd::gpu::ModelDevice{};
+  EXPECT_FALSE(pd::gpu::validateDeviceCeilingsConfig(cpu).ok());
+  EXPECT_TRUE(pd::gpu::validateDeviceCeilingsConfig(DeviceCeilingsConfig{}).ok());
+}
+
+TEST(DeviceBench, NoDeviceIsAClearError) {
+  if (pd::gpu::deviceCount() > 0) GTEST_SKIP() << "a CUDA device is visible";
+  auto r = pd::bench::runDeviceEngineBench(pd::bench::DeviceEngineBenchConfig{});
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.error().code, pd::ErrorCode::Unsupported);
+  EXPECT_NE(r.error().message.find("cuda:0: no CUDA device"), std::string::npos) << r.error().message;
+  const auto dir = std::filesystem::path(PD_TEST_DATA_DIR) / "golden" / "tiny-fp8";
+  auto upload = pd::gpu::measureWeightUpload(dir, pd::gpu::ModelDevice{pd::gpu::ModelDevice::Kind::Cuda, 0});
+  ASSERT_FALSE(upload.ok());
+  EXPECT_EQ(upload.error().code, pd::ErrorCode::Unsupported);
+  EXPECT_NE(upload.error().message.find("no CUDA device"), std::string::npos) << upload.error().message;
+}
+
+TEST(DeviceBench, JsonReportHasTheCeilingsAndNullsForTheMissingEngine) {
+  pd::bench::DeviceEngineBenchResult result;
+  pd::gpu::DeviceCeilings& r = result.ceilings;
+  r.device = "cuda:0 (a \"quoted\" name)";
+  r.read_bandwidth = 4.0e12;
+  r.gemm_flops = 7.5e14;
+  r.attention_seconds = 0.002;
+  r.attention_bytes = pd::gpu::attentionMinimumBytes(r.config, 2);
+  r.attention_hbm_fraction = pd::gpu::bandwidthFraction(r.attention_bytes, r.attention_seconds, r.read_bandwidth);
+  const std::string text = pd::bench::deviceReportJson(result);
+  boost::system::error_code ec;
+  const boost::json::value v = boost::json::parse(text, ec);
+  ASSERT_FALSE(ec) << text;
+  const auto& o = v.as_object();
+  EXPECT_EQ(o.at("backend").as_string(), "cuda");
+  EXPECT_EQ(o.at("device").as_string(), r.device);
+  EXPECT_NEAR(o.at("read_bandwidth_gbs").to_number<double>(), 4000.0, 1e-3);
+  EXPECT_NEAR(o.at("gemm_bf16_tflops").to_number<double>(), 750.0, 1e-3);
+  EXPECT_NEAR(o.at("attention_hbm_fraction").to_number<double>(), r.attention_hbm_fraction, 1e-4);
+  EXPECT_NEAR(o.at("attention_ms").to_number<double>(), 2.0, 1e-4);
+  EXPECT_EQ(o.at("attention_batch").to_number<std::int64_t>(), 64);
+  EXPECT_EQ(o.at("attention_context").to_number<std::int64_t>(), 4096);
+  EXPECT_TRUE(o.at("mbu_batch1").is_null());
+  EXPECT_TRUE(o.at("prefill_gemm_fraction").is_null());
+  EXPECT_NE(std::string(o.at("note").as_string()).find("not built yet"), std::string::npos);
+  EXPECT_TRUE(o.at("weight_upload").is_null());
+  const std::string plain = pd::bench::deviceReportText(result);
+  EXPECT_NE(plain.find("fraction of HBM bandwidth"), std::string::npos) << plain;
+  // With an upload: its own object.
+  result.upload = pd::gpu::WeightUploadResult{"/m", 10, 4, 2e9, 0.5};
+  const boost::json::value w = boost::json::parse(pd::bench::deviceReportJson(result), ec);
+  ASSERT_FALSE(ec);
+  const auto& u = w.as_object().at("weight_upload").as_object();
+  EXPECT_EQ(u.at("fp8_tensors").to_number<std::int64_t>(), 4);
+  EXPECT_NEAR(u.at("gbs").to_number<double>(), 4.0, 1e-6);
+}
+
+}  // namespace
