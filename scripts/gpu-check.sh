@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The device check for the first machine with a GPU (docs/gpu.md): configures and builds the CUDA
-# backend on every core, runs the `gpu`-labelled tests (each CUDA kernel against the CPU engine)
-# and the host tests of the kernels' arithmetic, and prints one summary. Every log lands in one
-# folder. Fails loudly (exit 1) when no GPU is visible, when anything fails, and when any `gpu`
+# backend on every core, runs the `gpu`-labelled tests (each CUDA kernel against the CPU engine,
+# the golden checkpoints uploaded and read back) and the host tests of the kernels' arithmetic,
+# then `pdserve bench engine --device cuda --json` (the HBM, GEMM and MLA attention ceilings, and
+# the upload of a make-model checkpoint of real DeepSeek-V3 layer sizes), and prints one summary.
+# Every log lands in one folder. Fails loudly (exit 1) when no GPU is visible, when anything fails, and when any `gpu`
 # test reports Skipped: a skip here means the check did not happen, never that it passed.
 # Sized to finish well under 8 minutes on a 16-core H200 machine (it builds only the targets the
 # tests need; each step has a time limit).
@@ -11,6 +13,8 @@
 #   LOG_DIR                 default gpu-check-<UTC time>
 #   PD_GPU_BUILD_DIR        build folder (default build-gpu)
 #   CMAKE_CUDA_ARCHITECTURES  default 90 (H100/H200)
+#   PD_GPU_CHECK_LAYERS     decoder layers of the bench checkpoint (default 1: one dense layer plus
+#                           the MTP layer, which is MoE with 256 experts: about 16 GB in FP8)
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 
@@ -57,11 +61,13 @@ if command -v ccache >/dev/null 2>&1; then
 fi
 step configure 180 cmake -S . -B "$build_dir" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DPD_WITH_CUDA=ON \
   -DCMAKE_CUDA_ARCHITECTURES="$arch" "${launcher[@]}" || fail "configure (is nvcc on PATH or CUDACXX set?)"
-targets=(test_kernel_parity test_gpu test_device_math test_device_memory_plan test_model_device)
+targets=(test_kernel_parity test_device_weights test_gpu test_device_math test_device_memory_plan test_model_device
+  test_weight_upload_plan test_device_bench pdserve)
 step build 360 cmake --build "$build_dir" -j "$jobs" --target "${targets[@]}" || fail "build"
 
 # 3. The host tests of the kernels' arithmetic, then every gpu-labelled test.
-step host-tests 60 ctest --test-dir "$build_dir" -L unit -R '^(DeviceMath|DeviceMemoryPlan|ModelDevice)\.' --output-on-failure ||
+host_tests='^(DeviceMath|DeviceMemoryPlan|ModelDevice|WeightUploadPlan|DeviceBench)\.'
+step host-tests 60 ctest --test-dir "$build_dir" -L unit -R "$host_tests" --output-on-failure ||
   fail "host tests of the kernels' arithmetic"
 step gpu-tests 300 ctest --test-dir "$build_dir" -L gpu --output-on-failure --timeout 280
 gpu_rc=$?
@@ -78,8 +84,25 @@ grep -E 'SKIPPED: ' "$gpu_log" | sort -u | sed 's/^/  /' | tee -a "$summary"
 "$build_dir/tests/gpu/test_kernel_parity" --gtest_filter='Kernel.MemoryPlan*' 2>&1 |
   grep -E '^(device memory|cuda:0: )' | sed 's/^/  /' | tee -a "$summary"
 
+# 4. The benchmark: ceilings measured in the same run, then the upload of a checkpoint of real
+# DeepSeek-V3 layer sizes in FP8 (written by make-model into the log folder, removed afterwards).
+layers=${PD_GPU_CHECK_LAYERS:-1}
+bench_model="$log_dir/dsv3-layers-$layers-fp8"
+bench_rc=1
+if step make-model 240 "$build_dir/tools/pdserve" make-model "$bench_model" --preset "deepseek-v3-layers=$layers" --fp8; then
+  step bench-engine 180 "$build_dir/tools/pdserve" bench engine --device cuda --model "$bench_model" --json
+  bench_rc=$?
+  grep -E '^\{' "$log_dir/bench-engine.log" >"$log_dir/bench-engine.json"
+  say "gpu-check: bench engine --device cuda --json:"
+  sed 's/^/  /' "$log_dir/bench-engine.json" | tee -a "$summary"
+fi
+rm -rf "$bench_model"
+
 elapsed=$((SECONDS - start))
-if ((ran < 8)); then fail "only $ran gpu tests ran (expected at least 8: one per kernel, the memory plan, bad shapes)"; fi
+if ((ran < 12)); then
+  fail "only $ran gpu tests ran (expected at least 12: one per kernel, the memory plan, bad shapes, device weights)"
+fi
 if ((skipped > 0)); then fail "$skipped gpu tests skipped: the device was not usable by the tests"; fi
 if ((gpu_rc != 0 || failed > 0)); then fail "$failed gpu tests failed (details in $gpu_log)"; fi
+if ((bench_rc != 0)); then fail "bench engine --device cuda (details in $log_dir/make-model.log, bench-engine.log)"; fi
 say "gpu-check: PASS in $elapsed s; logs in $log_dir"
