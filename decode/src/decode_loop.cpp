@@ -114,7 +114,6 @@ void DecodeLoop::openStreamAsync(DecodeRequest request, kvtransfer::Transport& t
   request.end_kv_attempts = [wait] { wait->endAttempts(); };
 
   auto descriptor = std::make_shared<kvtransfer::KvDescriptor>();
-  descriptor->request_id = request.id;
   descriptor->compat = compat;
   descriptor->num_tokens = static_cast<std::uint32_t>(request.prompt_tokens);
   descriptor->timeout_ms = timeout_ms;
@@ -153,13 +152,14 @@ void DecodeLoop::openStreamAsync(DecodeRequest request, kvtransfer::Transport& t
     }
     descriptor->block_ids.reserve(blocks->size());
     for (const std::int32_t b : *blocks) descriptor->block_ids.push_back(static_cast<std::uint32_t>(b));
-    // Confine the transport to these blocks, under a fresh random transfer key the descriptor
-    // carries (docs/kv-transfer.md, "Write confinement"); with tensor parallelism every
-    // follower's transport too, before the descriptor goes out.
-    Result<kvtransfer::KvDescriptor> granted = wait->transport->grant(std::move(*descriptor));
+    // Bind the request to a fresh 128-bit random transfer id, the only id its descriptor and
+    // records carry, and confine the transport to these blocks (docs/kv-transfer.md, "Transfer
+    // ids", "Write confinement"); with tensor parallelism every follower's transport too,
+    // before the descriptor goes out.
+    Result<kvtransfer::KvDescriptor> granted = wait->transport->grant(wait->id, std::move(*descriptor));
     if (granted.ok() && tp != nullptr) {
       const std::vector<std::uint8_t> bytes = kvtransfer::encode(*granted);
-      if (Status s = tp->grantKv(std::as_bytes(std::span(bytes))); !s.ok()) granted = s.error();
+      if (Status s = tp->grantKv(wait->id, std::as_bytes(std::span(bytes))); !s.ok()) granted = s.error();
     }
     if (!granted.ok()) {
       wait->stop();  // the Cancelled arrival frees the admitted request's blocks

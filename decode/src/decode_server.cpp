@@ -5,7 +5,6 @@
 #include <algorithm>
 #include <atomic>
 #include <condition_variable>
-#include <cstring>
 #include <map>
 #include <mutex>
 #include <utility>
@@ -100,7 +99,7 @@ class DecodeServer::Impl {
   // One open decode stream: its reply channel and what its events need.
   struct Stream {
     std::string request_id;
-    std::uint64_t transfer_id = 0;
+    std::uint64_t local_id = 0;  // DecodeRequest::id; never on the wire
     http::Exchange exchange;
     bool logprobs = false;
     // Tracing: decode.request, and what its children need (written on the loop thread once the
@@ -147,24 +146,15 @@ class DecodeServer::Impl {
   mutable std::condition_variable idle_;
   std::map<std::string, std::shared_ptr<Stream>> streams_;  // guarded by mutex_: by router id
   std::atomic<bool> draining_{false};
-  // A fresh transfer id for each request, 64 bits from the CSPRNG: not a counter, so that one
-  // request's id says nothing about another's (a prefill worker keys its transfers by id, and
-  // several decode workers share it). What opens a request's blocks is the 128-bit transfer key
-  // of its grant, not the id (docs/security.md, "Ids").
-  static std::uint64_t newTransferId();
+  // A dense handle for each request inside this process (the loop, the block manager, the TP
+  // relay): never on the wire, so a counter. What crosses the network is the 128-bit random
+  // transfer id that the transport's grant binds to it (docs/security.md, "Ids").
+  std::uint64_t newLocalId() { return next_local_id_.fetch_add(1) + 1; }
+  std::atomic<std::uint64_t> next_local_id_{0};
   bool stopped_ = false;  // controlling thread only
 
   std::unique_ptr<http::Server> http_;  // last: its handlers use everything above
 };
-
-std::uint64_t DecodeServer::Impl::newTransferId() {
-  std::uint64_t id = 0;
-  while (id == 0) {  // 0 is no request
-    const std::vector<std::uint8_t> bytes = crypto::randomBytes(sizeof(id));
-    std::memcpy(&id, bytes.data(), sizeof(id));
-  }
-  return id;
-}
 
 DecodeServer::Impl::Impl(std::unique_ptr<model::Engine> engine, DecodeServerOptions options)
     : options_(std::move(options)), metrics_(registry_), engine_(std::move(engine)) {}
@@ -276,7 +266,7 @@ void DecodeServer::Impl::handleOpen(const http::Request& request, http::Exchange
     return;
   }
   worker_api::DecodeOpen& open = *parsed;
-  auto stream = std::make_shared<Stream>(Stream{open.request_id, newTransferId(), exchange, open.logprobs});
+  auto stream = std::make_shared<Stream>(Stream{open.request_id, newLocalId(), exchange, open.logprobs});
   stream->opened = trace::Clock::now();
   stream->span = tracer_->startFromHeader("decode.request", open.traceparent, trace::SpanKind::Server, stream->opened);
   stream->prompt_tokens = open.prompt_tokens;
@@ -292,7 +282,7 @@ void DecodeServer::Impl::handleOpen(const http::Request& request, http::Exchange
 
   const std::int64_t kv_timeout_ms = std::min(open.kv_timeout_ms, options_.decode.kv_wait_timeout_ms);
   DecodeRequest r;
-  r.id = stream->transfer_id;
+  r.id = stream->local_id;
   r.prompt_tokens = open.prompt_tokens;
   r.max_tokens = open.max_tokens;
   r.sampling = open.sampling;
@@ -340,7 +330,7 @@ void DecodeServer::Impl::handleOpen(const http::Request& request, http::Exchange
         stream->exchange.beginStream(200, {{"Content-Type", std::string(kNdjson)}, {"Cache-Control", "no-store"}});
         stream->exchange.write(worker_api::toJson(first) + "\n");
         // Set only now that the request is admitted; runs at once if the client is already gone.
-        const std::uint64_t id = stream->transfer_id;
+        const std::uint64_t id = stream->local_id;
         stream->exchange.onClientGone([loop, id] { loop->postAbort(id); });
       });
 }
@@ -381,7 +371,7 @@ void DecodeServer::Impl::handleAbort(const http::Request& request, http::Exchang
   {
     std::lock_guard lock(mutex_);
     const auto it = streams_.find(parsed->request_id);
-    if (it != streams_.end()) id = it->second->transfer_id;
+    if (it != streams_.end()) id = it->second->local_id;
   }
   // The stream ends with a Cancelled error line; the blocks are free before it does.
   if (id) loop_->postAbort(*id);
@@ -431,7 +421,7 @@ void DecodeServer::Impl::stop(std::chrono::milliseconds drain) {
       std::vector<std::uint64_t> ids;
       {
         std::lock_guard lock(mutex_);
-        for (const auto& [name, s] : streams_) ids.push_back(s->transfer_id);
+        for (const auto& [name, s] : streams_) ids.push_back(s->local_id);
       }
       log::warn("decode", "drain time over: aborting {} open request(s)", ids.size());
       for (const std::uint64_t id : ids) loop_->postAbort(id);

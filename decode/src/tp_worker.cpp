@@ -55,7 +55,7 @@ Status TpFollowerWorker::run() {
     expectUntil(id, kvtransfer::Clock::now() + std::chrono::milliseconds(timeout_ms));
   };
   hooks.cancel_kv = [this](std::uint64_t id) { (void)transport_->cancelExpect(id); };
-  hooks.grant_kv = [this](std::span<const std::byte> bytes) { return grant(bytes); };
+  hooks.grant_kv = [this](std::uint64_t id, std::span<const std::byte> bytes) { return grant(id, bytes); };
   return model::runTpFollower(*engine_, comm_, model::fixedTpCache(pool_->view()), hooks);
 }
 
@@ -75,7 +75,7 @@ void TpFollowerWorker::expectUntil(std::uint64_t id, kvtransfer::Deadline deadli
   if (!s.ok()) log::warn("tp", "rank {}: cannot expect KV of request {}: {}", rank, id, s.error().toString());
 }
 
-bool TpFollowerWorker::grant(std::span<const std::byte> bytes) {
+bool TpFollowerWorker::grant(std::uint64_t id, std::span<const std::byte> bytes) {
   const int rank = comm_.rank();
   const std::span<const std::uint8_t> raw(reinterpret_cast<const std::uint8_t*>(bytes.data()), bytes.size());
   Result<kvtransfer::KvDescriptor> descriptor = kvtransfer::decodeKvDescriptor(raw);
@@ -83,8 +83,7 @@ bool TpFollowerWorker::grant(std::span<const std::byte> bytes) {
     log::error("tp", "rank {}: the leader's KV grant does not decode: {}", rank, descriptor.error().toString());
     return false;
   }
-  const std::uint64_t id = descriptor->request_id;
-  Result<kvtransfer::KvDescriptor> granted = transport_->grant(std::move(descriptor).value());
+  Result<kvtransfer::KvDescriptor> granted = transport_->grant(id, std::move(descriptor).value());
   if (!granted.ok()) {
     // Fail closed: an unconfined expectation would take writes anywhere in this rank's pool.
     log::error("tp", "rank {}: cannot confine the KV of request {}: {}", rank, id, granted.error().toString());

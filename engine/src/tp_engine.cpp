@@ -113,16 +113,17 @@ std::vector<std::byte> encodeKv(CallKind kind, std::uint64_t request_id, std::ui
   return w.take();
 }
 
-std::vector<std::byte> encodeGrant(std::span<const std::byte> grant) {
+std::vector<std::byte> encodeGrant(std::uint64_t request_id, std::span<const std::byte> grant) {
   Writer w;
   w.put(static_cast<std::uint32_t>(CallKind::GrantKv));
+  w.put(request_id);
   w.putSpan(grant);
   return w.take();
 }
 
 struct DecodedCall {
   CallKind kind = CallKind::Stop;
-  std::uint64_t request_id = 0;  // ExpectKv / CancelKv
+  std::uint64_t request_id = 0;  // ExpectKv / CancelKv / GrantKv: the leader's local handle
   std::uint32_t timeout_ms = 0;
   std::vector<std::byte> grant;  // GrantKv
   model::ForwardOptions options;
@@ -143,7 +144,7 @@ Result<DecodedCall> decodeCall(std::span<const std::byte> bytes) {
     return c;
   }
   if (c.kind == CallKind::GrantKv) {
-    if (!r.getVector(c.grant) || !r.done()) return corrupt();
+    if (!r.get(c.request_id) || !r.getVector(c.grant) || !r.done()) return corrupt();
     return c;
   }
   if (c.kind != CallKind::Forward && c.kind != CallKind::ForwardMtp) return corrupt();
@@ -225,9 +226,9 @@ Status TpLeaderEngine::expectKv(std::uint64_t request_id, std::uint32_t timeout_
   return send(encodeKv(CallKind::ExpectKv, request_id, timeout_ms));
 }
 
-Status TpLeaderEngine::grantKv(std::span<const std::byte> grant) {
+Status TpLeaderEngine::grantKv(std::uint64_t request_id, std::span<const std::byte> grant) {
   std::lock_guard lock(mu_);
-  PD_TRY(send(encodeGrant(grant)));
+  PD_TRY(send(encodeGrant(request_id, grant)));
   // Every rank adds 1 if it applied the grant: the sum says whether all did, and the descriptor
   // goes out only after every follower's transport is confined.
   float granted = 1.0F;
@@ -318,7 +319,7 @@ Status runTpFollower(model::Engine& engine, comm::Communicator& comm, const TpCa
     }
     if (call.kind == CallKind::GrantKv) {
       // A follower without a grant hook cannot confine anything: it says so (fails closed).
-      float granted = hooks.grant_kv && hooks.grant_kv(call.grant) ? 1.0F : 0.0F;
+      float granted = hooks.grant_kv && hooks.grant_kv(call.request_id, call.grant) ? 1.0F : 0.0F;
       PD_TRY(comm.allReduceSum(std::span(&granted, 1)));
       continue;
     }

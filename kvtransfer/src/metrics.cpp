@@ -88,8 +88,8 @@ TransportMetrics::TransportMetrics(metrics::Registry* registry) {
   }
   auto& records =
       registry->counter("pdserve_kv_records_total",
-                        "Completion and failure records; rejected: malformed, for no pending receive, without the "
-                        "transfer key, or not signed with the cluster secret; unauthenticated: the last of these.",
+                        "Completion and failure records; rejected: malformed, under a transfer id no live grant "
+                        "holds, or not signed with the cluster secret; unauthenticated: the last of these.",
                         {"event"});
   p.records = {&records.labels({"sent"}), &records.labels({"received"}), &records.labels({"rejected"}),
                &records.labels({"unauthenticated"})};

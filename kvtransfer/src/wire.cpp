@@ -181,7 +181,8 @@ Status checkCompatible(const CompatInfo& ours, const CompatInfo& theirs) {
 std::vector<std::uint8_t> encode(const KvDescriptor& d) {
   ByteWriter w;
   putHeader(w, MessageType::KvDescriptor);
-  w.put(d.request_id);
+  w.put(d.transfer_id.hi);
+  w.put(d.transfer_id.lo);
   putCompat(w, d.compat);
   w.put(compatHash(d.compat));
   w.put(d.num_tokens);
@@ -203,15 +204,14 @@ std::vector<std::uint8_t> encode(const KvDescriptor& d) {
       w.putBytes(r.rkey);
     }
   }
-  w.put(d.transfer_key[0]);
-  w.put(d.transfer_key[1]);
   return finish(std::move(w));
 }
 
 std::vector<std::uint8_t> encode(const CompletionRecord& rec) {
   ByteWriter w;
   putHeader(w, MessageType::Completion);
-  w.put(rec.request_id);
+  w.put(rec.transfer_id.hi);
+  w.put(rec.transfer_id.lo);
   w.put(rec.compat_hash);
   w.put(rec.num_tokens);
   w.put(rec.first_token);
@@ -233,7 +233,8 @@ std::vector<std::uint8_t> encode(const CompletionRecord& rec) {
 std::vector<std::uint8_t> encode(const FailureRecord& rec) {
   ByteWriter w;
   putHeader(w, MessageType::Failure);
-  w.put(rec.request_id);
+  w.put(rec.transfer_id.hi);
+  w.put(rec.transfer_id.lo);
   w.put(rec.compat_hash);
   w.put(toWire(kErrorCodes, rec.code));
   w.putString(rec.message);
@@ -269,7 +270,8 @@ Result<KvDescriptor> decodeKvDescriptor(std::span<const std::uint8_t> bytes) {
   constexpr std::string_view kWhat = "KV descriptor";
   PD_ASSIGN_OR_RETURN(ByteReader r, openMessage(bytes, MessageType::KvDescriptor));
   KvDescriptor d;
-  d.request_id = r.get<std::uint64_t>();
+  d.transfer_id.hi = r.get<std::uint64_t>();
+  d.transfer_id.lo = r.get<std::uint64_t>();
   PD_ASSIGN_OR_RETURN(d.compat, getCompat(r));
   const auto hash = r.get<std::uint64_t>();
   if (r.ok() && hash != compatHash(d.compat)) {
@@ -306,8 +308,6 @@ Result<KvDescriptor> decodeKvDescriptor(std::span<const std::uint8_t> bytes) {
     }
     if (!r.ok()) return corrupt(kWhat, fmt::format("truncated target {}", ti));
   }
-  d.transfer_key[0] = r.get<std::uint64_t>();
-  d.transfer_key[1] = r.get<std::uint64_t>();
   PD_TRY(finishMessage(r, kWhat));
   return d;
 }
@@ -316,7 +316,8 @@ Result<CompletionRecord> decodeCompletionRecord(std::span<const std::uint8_t> by
   constexpr std::string_view kWhat = "completion record";
   PD_ASSIGN_OR_RETURN(ByteReader r, openMessage(bytes, MessageType::Completion));
   CompletionRecord rec;
-  rec.request_id = r.get<std::uint64_t>();
+  rec.transfer_id.hi = r.get<std::uint64_t>();
+  rec.transfer_id.lo = r.get<std::uint64_t>();
   rec.compat_hash = r.get<std::uint64_t>();
   rec.num_tokens = r.get<std::uint32_t>();
   rec.first_token = r.get<std::int32_t>();
@@ -345,7 +346,8 @@ Result<FailureRecord> decodeFailureRecord(std::span<const std::uint8_t> bytes) {
   constexpr std::string_view kWhat = "failure record";
   PD_ASSIGN_OR_RETURN(ByteReader r, openMessage(bytes, MessageType::Failure));
   FailureRecord rec;
-  rec.request_id = r.get<std::uint64_t>();
+  rec.transfer_id.hi = r.get<std::uint64_t>();
+  rec.transfer_id.lo = r.get<std::uint64_t>();
   rec.compat_hash = r.get<std::uint64_t>();
   const auto code = r.get<std::uint8_t>();
   rec.message = r.getString(kMaxMessageChars);

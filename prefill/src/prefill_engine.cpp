@@ -359,7 +359,6 @@ void PrefillEngine::finishPrompt(std::vector<Running*>& done) {
       continue;
     }
     kvtransfer::CompletionRecord record;
-    record.request_id = r.request.id;
     record.num_tokens = static_cast<std::uint32_t>(r.size());
     record.first_token = first[i].token;
     record.hidden_state.assign(r.hidden.end() - static_cast<std::ptrdiff_t>(hidden_size), r.hidden.end());

@@ -44,7 +44,7 @@ double msBetween(Clock::time_point a, Clock::time_point b) {
 struct Call {
   std::string router_id;
   std::uint64_t engine_id = 0;
-  std::uint64_t transfer_id = 0;  // the descriptor's request id (the decode worker's numbering)
+  kvt::TransferId transfer_id;  // the descriptor's (128 random bits the decode worker's transport drew)
   kvt::Transport* transport = nullptr;
   http::Exchange exchange;
   std::int64_t prompt_tokens = 0;
@@ -366,7 +366,7 @@ class PrefillServer::Impl {
 
     auto call = std::make_shared<Call>(ex);
     call->router_id = sub.request_id;
-    call->transfer_id = desc->request_id;
+    call->transfer_id = desc->transfer_id;
     call->transport = *transport;
     call->prompt_tokens = static_cast<std::int64_t>(sub.token_ids.size());
     call->kv_bytes =
@@ -384,11 +384,10 @@ class PrefillServer::Impl {
                                     fmt::format("request {} is already held by this prefill worker", sub.request_id)));
       }
       call->engine_id = next_engine_id_++;
-      // Transfers are numbered by each decode worker; two of them may use the same number.
+      // Transfer ids are 128 random bits: a second submit of a live one is a replayed descriptor.
       if (transfers_.contains({call->transport, call->transfer_id})) {
-        return reject(ex, makeError(ErrorCode::Overloaded,
-                                    fmt::format("another decode worker's transfer {} is in flight here; retry",
-                                                call->transfer_id)));
+        return reject(ex, makeError(ErrorCode::InvalidArgument,
+                                    fmt::format("transfer {} is already in flight here", call->transfer_id)));
       }
       calls_.emplace(sub.request_id, call);
       transfers_.emplace(call->transport, call->transfer_id);
@@ -396,8 +395,8 @@ class PrefillServer::Impl {
     const auto timeout = std::chrono::milliseconds(std::min(sub.timeout_ms, options_.prefill.request_timeout_ms));
     const Clock::time_point deadline = received + timeout;
     Result<std::unique_ptr<TransportKvSink>> sink = TransportKvSink::create(
-        **transport, *desc, deadline, [this, call](std::uint64_t, Status s) { onTransferDone(call, std::move(s)); },
-        call->timeline);
+        **transport, *desc, deadline,
+        [this, call](const kvt::TransferId&, Status s) { onTransferDone(call, std::move(s)); }, call->timeline);
     if (!sink.ok()) {
       {
         std::lock_guard lock(mutex_);
@@ -597,8 +596,8 @@ class PrefillServer::Impl {
   std::condition_variable idle_;
   int answering_ = 0;                                   // guarded by mutex_: released calls whose answer is being sent
   std::map<std::string, std::shared_ptr<Call>> calls_;  // guarded by mutex_: router id -> call
-  std::set<std::pair<kvt::Transport*, std::uint64_t>> transfers_;  // guarded by mutex_: in flight
-  std::uint64_t next_engine_id_ = 1;                               // guarded by mutex_
+  std::set<std::pair<kvt::Transport*, kvt::TransferId>> transfers_;  // guarded by mutex_: in flight
+  std::uint64_t next_engine_id_ = 1;                                 // guarded by mutex_
 
   std::mutex mirror_mutex_;
   std::int64_t mirrored_tokens_ = 0;  // guarded by mirror_mutex_

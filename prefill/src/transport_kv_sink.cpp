@@ -65,16 +65,17 @@ Result<std::unique_ptr<TransportKvSink>> TransportKvSink::create(kvtransfer::Tra
   auto staging = std::make_shared<Staging>();
   staging->bytes.resize(std::uint64_t{c.num_layers} * descriptor.num_tokens * c.tokenBytes());
   PD_ASSIGN_OR_RETURN(staging->region, transport.registerRegion(staging->bytes));
-  auto done = [&transport, staging, on_done = std::move(on_done)](std::uint64_t request_id, Status status) {
+  auto done = [&transport, staging, on_done = std::move(on_done)](const kvtransfer::TransferId& transfer_id,
+                                                                  Status status) {
     // The transport no longer reads the staging buffer once it answers.
     Status s = transport.deregisterRegion(staging->region);
     if (!s.ok())
-      log::warn("prefill", "request {}: staging region not deregistered: {}", request_id, s.error().toString());
+      log::warn("prefill", "transfer {}: staging region not deregistered: {}", transfer_id, s.error().toString());
     {
       std::lock_guard lock(staging->mutex);
       staging->outcome = status;
     }
-    on_done(request_id, std::move(status));
+    on_done(transfer_id, std::move(status));
   };
   Status begun = transport.beginTransfer(descriptor, deadline, std::move(done));
   if (!begun.ok()) {
@@ -114,7 +115,7 @@ Status TransportKvSink::putLayer(std::uint32_t layer, std::int64_t first_pos, st
       first_pos + n > static_cast<std::int64_t>(descriptor_.num_tokens)) {
     return makeError(
         ErrorCode::InvalidArgument,
-        fmt::format("request {}: layer {} rows [{}, {}) of width {} outside the descriptor", descriptor_.request_id,
+        fmt::format("transfer {}: layer {} rows [{}, {}) of width {} outside the descriptor", descriptor_.transfer_id,
                     layer, first_pos, first_pos + n, rows.size() / (n > 0 ? n : 1)));
   }
   {
@@ -123,7 +124,7 @@ Status TransportKvSink::putLayer(std::uint32_t layer, std::int64_t first_pos, st
     if (staging_->outcome) {
       if (!staging_->outcome->ok()) return staging_->outcome->error();
       return makeError(ErrorCode::Internal,
-                       fmt::format("request {}: put after the transfer ended", descriptor_.request_id));
+                       fmt::format("transfer {}: put after the transfer ended", descriptor_.transfer_id));
     }
   }
   if (n == 0) return okStatus();
@@ -143,7 +144,7 @@ Status TransportKvSink::putLayer(std::uint32_t layer, std::int64_t first_pos, st
   const kvtransfer::LayerPut put{
       kvtransfer::LayerSlice{layer, static_cast<std::uint32_t>(first_pos), static_cast<std::uint32_t>(n)},
       staging_->region, layer * layer_bytes + static_cast<std::uint64_t>(first_pos) * c.tokenBytes()};
-  Status posted = transport_.put(descriptor_.request_id, std::span(&put, 1));
+  Status posted = transport_.put(descriptor_.transfer_id, std::span(&put, 1));
   if (posted.ok() && timeline_) timeline_->put(layer, first_pos);
   return posted;
 }
@@ -151,14 +152,14 @@ Status TransportKvSink::putLayer(std::uint32_t layer, std::int64_t first_pos, st
 void TransportKvSink::complete(kvtransfer::CompletionRecord record) {
   ended_ = true;
   if (timeline_) timeline_->computed(record.first_token);
-  // The transfer is numbered by the decode worker (the descriptor), not by the engine.
-  const std::uint64_t id = descriptor_.request_id;
-  record.request_id = id;
+  // The transfer is named by the decode worker's grant (the descriptor), not by the engine.
+  const kvtransfer::TransferId id = descriptor_.transfer_id;
+  record.transfer_id = id;
   Status s = transport_.finish(std::move(record));
   if (!s.ok()) {
     // NotFound: the transfer already ended (deadline, peer failure) and its done callback says
     // why. Anything else must not leave the transfer waiting for its deadline.
-    log::warn("prefill", "request {}: completion record not sent: {}", id, s.error().toString());
+    log::warn("prefill", "transfer {}: completion record not sent: {}", id, s.error().toString());
     if (s.error().code != ErrorCode::NotFound) abortTransfer(s.error());
   }
 }
@@ -171,9 +172,9 @@ void TransportKvSink::fail(const Error& reason) {
 
 void TransportKvSink::abortTransfer(const Error& reason) {
   ended_ = true;
-  Status s = transport_.abort(descriptor_.request_id, reason.code, reason.message);
+  Status s = transport_.abort(descriptor_.transfer_id, reason.code, reason.message);
   if (!s.ok() && s.error().code != ErrorCode::NotFound) {
-    log::warn("prefill", "request {}: abort failed: {}", descriptor_.request_id, s.error().toString());
+    log::warn("prefill", "transfer {}: abort failed: {}", descriptor_.transfer_id, s.error().toString());
   }
 }
 

@@ -9,7 +9,10 @@
 ///    expireDeadlines, setPeerDown), after the fabric's lock is released;
 ///  - no timer: deadlines fire when the test calls expireDeadlines(now), so tests control time;
 ///  - faults on demand: setPeerDown (a killed peer, reported at once) and setSilent (a stopped
-///    peer: puts and records vanish, only deadlines end the transfer).
+///    peer: puts and records vanish, only deadlines end the transfer);
+///  - grant() binds the wire id and confines nothing else (the peer is in-process); the binding
+///    outlives a failure record (the request may re-arm for a retry) and ends with a success,
+///    a cancel, a deadline or the transport. Records for an unbound id are dropped and counted.
 ///
 /// Thread rules: thread-safe (one mutex per fabric).
 
@@ -78,6 +81,8 @@ class LoopbackTransport final : public Transport {
       for (auto& [id, e] : expectations_) calls.push_back(arrivalCall(id, std::move(e), cancelled()));
       transfers_.clear();
       expectations_.clear();
+      bound_.clear();
+      bindings_.clear();
     }
     for (auto& call : calls) call();
   }
@@ -133,10 +138,11 @@ class LoopbackTransport final : public Transport {
   Status beginTransfer(const KvDescriptor& descriptor, Deadline deadline, TransferDoneFn on_done) override {
     PD_TRY(checkCompatible(compat_, descriptor.compat));
     PD_TRY(validateDescriptor(descriptor));
+    if (descriptor.transfer_id.empty()) return makeError(ErrorCode::InvalidArgument, "KV descriptor: no transfer id");
     std::lock_guard lock(fabric_->mutex_);
-    if (transfers_.contains(descriptor.request_id)) {
+    if (transfers_.contains(descriptor.transfer_id)) {
       return makeError(ErrorCode::InvalidArgument,
-                       fmt::format("request {} is already being transferred", descriptor.request_id));
+                       fmt::format("transfer {} is already in flight", descriptor.transfer_id));
     }
     for (const auto& target : descriptor.targets) {
       if (!fabric_->transports_.contains(target.worker_address) || fabric_->down_.contains(target.worker_address)) {
@@ -148,12 +154,12 @@ class LoopbackTransport final : public Transport {
     t.started = Clock::now();
     t.deadline = std::min(deadline, t.started + std::chrono::milliseconds(descriptor.timeout_ms));
     t.on_done = std::move(on_done);
-    transfers_.emplace(descriptor.request_id, std::move(t));
+    transfers_.emplace(descriptor.transfer_id, std::move(t));
     metrics_.transferStarted();
     return okStatus();
   }
 
-  Status put(std::uint64_t request_id, std::span<const LayerPut> puts) override {
+  Status put(const TransferId& request_id, std::span<const LayerPut> puts) override {
     std::vector<std::function<void()>> calls;
     Status status = okStatus();
     {
@@ -175,10 +181,10 @@ class LoopbackTransport final : public Transport {
 
   Status finish(CompletionRecord record) override {
     record.compat_hash = compat_hash_;
-    return close(record.request_id, encode(record), okStatus());
+    return close(record.transfer_id, encode(record), okStatus());
   }
 
-  Status abort(std::uint64_t request_id, ErrorCode code, std::string reason) override {
+  Status abort(const TransferId& request_id, ErrorCode code, std::string reason) override {
     const FailureRecord failure{request_id, compat_hash_, code, reason};
     return close(request_id, encode(failure),
                  makeError(ErrorCode::Cancelled, fmt::format("request {} aborted: {}", request_id, reason)));
@@ -200,12 +206,30 @@ class LoopbackTransport final : public Transport {
       std::lock_guard lock(fabric_->mutex_);
       auto node = expectations_.extract(request_id);
       if (node.empty()) return false;
+      unbindLocked(request_id);
       call = arrivalCall(request_id, std::move(node.mapped()), cancelled());
     }
     call();
     return true;
   }
 
+  Result<KvDescriptor> grant(std::uint64_t request_id, KvDescriptor descriptor) override {
+    std::lock_guard lock(fabric_->mutex_);
+    if (!expectations_.contains(request_id)) {
+      return makeError(ErrorCode::NotFound, fmt::format("request {} is not expected", request_id));
+    }
+    const TransferId id = descriptor.transfer_id.empty() ? TransferId::random() : descriptor.transfer_id;
+    if (const auto b = bindings_.find(request_id); b != bindings_.end() && b->second != id) {
+      return makeError(ErrorCode::InvalidArgument, fmt::format("request {} is already granted", request_id));
+    }
+    if (const auto b = bound_.find(id); b != bound_.end() && b->second != request_id) {
+      return makeError(ErrorCode::InvalidArgument, fmt::format("transfer {} is bound to another request", id));
+    }
+    bound_[id] = request_id;
+    bindings_[request_id] = id;
+    descriptor.transfer_id = id;
+    return descriptor;
+  }
   [[nodiscard]] TransportStats stats() const override { return metrics_.snapshot(); }
 
   /// Fails every transfer and receive whose deadline is at or before `now` with Timeout.
@@ -226,6 +250,7 @@ class LoopbackTransport final : public Transport {
           ++it;
           continue;
         }
+        unbindLocked(it->first);
         calls.push_back(arrivalCall(it->first, std::move(it->second), timeout(it->first)));
         it = expectations_.erase(it);
       }
@@ -255,12 +280,19 @@ class LoopbackTransport final : public Transport {
   };
 
   static Error cancelled() { return makeError(ErrorCode::Cancelled, "loopback transport closed"); }
-  static Error timeout(std::uint64_t id) {
+  template <class Id>
+  static Error timeout(const Id& id) {
     return makeError(ErrorCode::Timeout, fmt::format("KV transfer of request {}: deadline expired", id));
+  }
+  void unbindLocked(std::uint64_t request_id) {
+    if (const auto b = bindings_.find(request_id); b != bindings_.end()) {
+      bound_.erase(b->second);
+      bindings_.erase(b);
+    }
   }
 
   // Called with the fabric lock held; returns the user callback to run after unlocking.
-  std::function<void()> doneCall(std::uint64_t id, Transfer t, Status status) {
+  std::function<void()> doneCall(const TransferId& id, Transfer t, Status status) {
     for (const RegionId r : t.regions) {
       if (const auto it = regions_.find(r); it != regions_.end()) --it->second.users;
     }
@@ -340,15 +372,22 @@ class LoopbackTransport final : public Transport {
       return [] {};
     }
     const bool completion = std::holds_alternative<CompletionRecord>(decoded.value());
-    const auto id = completion ? std::get<CompletionRecord>(decoded.value()).request_id
-                               : std::get<FailureRecord>(decoded.value()).request_id;
+    const TransferId transfer_id = completion ? std::get<CompletionRecord>(decoded.value()).transfer_id
+                                              : std::get<FailureRecord>(decoded.value()).transfer_id;
     const auto hash = completion ? std::get<CompletionRecord>(decoded.value()).compat_hash
                                  : std::get<FailureRecord>(decoded.value()).compat_hash;
+    const auto bound = bound_.find(transfer_id);
+    if (bound == bound_.end()) {
+      metrics_.recordRejected();  // never granted here, or no longer: a guessed or stale id
+      return [] {};
+    }
+    const std::uint64_t id = bound->second;
     auto node = expectations_.extract(id);
     if (node.empty()) {
       metrics_.recordRejected();
       return [] {};
     }
+    if (completion) unbindLocked(id);
     if (hash != compat_hash_) {
       return arrivalCall(id, std::move(node.mapped()),
                          makeError(ErrorCode::Unsupported, "compatibility hash mismatch"));
@@ -360,7 +399,7 @@ class LoopbackTransport final : public Transport {
                        makeError(failure.code, fmt::format("prefill side failed request {}: {}", id, failure.message)));
   }
 
-  Status close(std::uint64_t request_id, const std::vector<std::uint8_t>& record, Status outcome) {
+  Status close(const TransferId& request_id, const std::vector<std::uint8_t>& record, Status outcome) {
     std::vector<std::function<void()>> calls;
     {
       std::lock_guard lock(fabric_->mutex_);
@@ -420,8 +459,10 @@ class LoopbackTransport final : public Transport {
   TransportMetrics metrics_;
   RegionId next_region_ = 1;
   std::map<RegionId, Region> regions_;
-  std::map<std::uint64_t, Transfer> transfers_;
-  std::map<std::uint64_t, Expectation> expectations_;
+  std::map<TransferId, Transfer> transfers_;
+  std::map<std::uint64_t, Expectation> expectations_;  // by the caller's local handle
+  std::map<TransferId, std::uint64_t> bound_;          // granted wire id -> local handle
+  std::map<std::uint64_t, TransferId> bindings_;       // local handle -> granted wire id
 };
 
 inline void LoopbackFabric::setPeerDown(const std::vector<std::uint8_t>& address, bool down) {

@@ -66,11 +66,12 @@ class DecodeSide {
   [[nodiscard]] kvt::Transport& transport() { return *transport_; }
   [[nodiscard]] kvt::testutil::Outcomes& outcomes() { return outcomes_; }
 
-  /// A descriptor for `num_tokens` tokens at `blocks`, and the expectation of its record.
+  /// A descriptor for `num_tokens` tokens at `blocks`, and the expectation of its record as
+  /// request `id` (arrivals are keyed by it), granted as a decode worker does: the descriptor
+  /// carries a fresh random transfer id.
   kvt::KvDescriptor expect(std::uint64_t id, std::uint32_t num_tokens, std::vector<std::uint32_t> blocks,
                            std::chrono::milliseconds timeout) {
     kvt::KvDescriptor d;
-    d.request_id = id;
     d.compat = compat_;
     d.num_tokens = num_tokens;
     d.timeout_ms = static_cast<std::uint32_t>(timeout.count());
@@ -78,7 +79,9 @@ class DecodeSide {
     d.targets.push_back(target_);
     const Status s = transport_->expect(id, kvt::Clock::now() + timeout, outcomes_.onArrival());
     PD_CHECK_MSG(s.ok(), "decode side: expect failed");
-    return d;
+    auto granted = transport_->grant(id, std::move(d));
+    PD_CHECK_MSG(granted.ok(), "decode side: grant failed");
+    return std::move(granted).value();
   }
 
   /// Layer `layer`'s latents of positions [0, n) of descriptor `d`, as float32 [n, latent_dim].

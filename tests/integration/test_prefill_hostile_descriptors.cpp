@@ -109,6 +109,11 @@ TEST(PrefillHostileDescriptors, MangledAddressesKeysAndBlocksAreRefusedAndTheWor
   }
   {
     kvt::KvDescriptor d = good;
+    d.transfer_id = kvt::TransferId{};  // no decode transport granted it
+    cases.push_back({"no transfer id", d, "no transfer id"});
+  }
+  {
+    kvt::KvDescriptor d = good;
     d.block_ids = {3, 16};  // the pool has 16 blocks
     cases.push_back({"block id past the pool", d, "past the region"});
     d.block_ids = {3, 0xffffffffU};

@@ -217,7 +217,8 @@ TEST(PrefillWorkerChunked, ChunkedBatchedPromptsMatchTheUnchunkedGolden) {
         EXPECT_EQ(outcome->first_token, model::argmax(std::span(&*row, 2048))) << n;
       }
       expectGoldenPrefix(fmt::format("chunk {} prompt {}", chunk, n), **side, descs[i], golden, n, n - 1);
-      const auto arrived = (*side)->outcomes().waitArrival(descs[i].request_id, kvt::testutil::kHangGuard);
+      const auto arrived =
+          (*side)->outcomes().waitArrival(100 * static_cast<std::uint64_t>(chunk) + i, kvt::testutil::kHangGuard);
       ASSERT_TRUE(arrived.has_value() && arrived->ok());
     }
     expectNothingHeld(w);
@@ -357,9 +358,10 @@ TEST_F(PrefillWorkerFaults, CancelMidPrefillAnswersCancelledAndFreesBothSides) {
   EXPECT_EQ(w.metric(R"(pdserve_prefill_requests_total{outcome="Cancelled"})").value_or(0), 1);
 }
 
-// Two decode workers number their transfers independently: a second transfer with a number in
-// flight here is refused as retryable (503 Overloaded), not mixed up with the first.
-TEST_F(PrefillWorkerFaults, TransferNumberOfAnotherDecodeWorkerInFlightIsRetryable) {
+// Decode workers number their requests independently, but the wire names a transfer by its 128-bit
+// random id: two workers' request 7 are two transfers here, and both land. A second submit of a
+// transfer id in flight here (a replayed descriptor) is refused and leaves the first alone.
+TEST_F(PrefillWorkerFaults, TransfersAreKeyedByTheirRandomIdNotTheDecodeWorkersNumber) {
   auto a = DecodeSide::create(model(), 256, 16, DType::F32);
   auto b = DecodeSide::create(model(), 256, 16, DType::F32);
   ASSERT_TRUE(a.ok() && b.ok());
@@ -368,19 +370,29 @@ TEST_F(PrefillWorkerFaults, TransferNumberOfAnotherDecodeWorkerInFlightIsRetryab
   const auto n = static_cast<std::uint32_t>(kLongPrompt);
   const kvt::KvDescriptor da = (*a)->expect(7, n, kvt::testutil::shuffledBlocks(256, (n + 15) / 16, 7), 30s);
   const kvt::KvDescriptor db = (*b)->expect(7, 3, {0}, 30s);
+  EXPECT_NE(da.transfer_id, db.transfer_id);
   std::optional<Result<http::ClientResponse>> answer;
   std::thread submit(
       [&] { answer = w.send("POST", worker_api::kPrefillPath, submitJson("cmpl-a", longPrompt(), da, 30000)); });
   ASSERT_TRUE(waitStreaming(w));
+  auto replay = w.send("POST", worker_api::kPrefillPath, submitJson("cmpl-replay", longPrompt(), da, 30000));
+  ASSERT_TRUE(replay.ok());
+  EXPECT_EQ(replay->status, 400) << replay->body;
+  EXPECT_EQ(errorOf(*replay).code, ErrorCode::InvalidArgument);
+  EXPECT_NE(errorOf(*replay).message.find("already in flight"), std::string::npos) << replay->body;
   auto second = w.send("POST", worker_api::kPrefillPath, submitJson("cmpl-b", {1, 2, 3}, db, 30000));
   ASSERT_TRUE(second.ok());
-  EXPECT_EQ(second->status, 503) << second->body;
-  EXPECT_EQ(errorOf(*second).code, ErrorCode::Overloaded);
+  EXPECT_EQ(second->status, 200) << second->body;
+  const auto landed = (*b)->outcomes().waitArrival(7, kvt::testutil::kHangGuard);
+  ASSERT_TRUE(landed.has_value());
+  EXPECT_TRUE(landed->ok()) << landed->error().toString();
   ASSERT_TRUE(w.send("POST", worker_api::kPrefillCancelPath, R"({"request_id":"cmpl-a"})").ok());
   submit.join();
   ASSERT_TRUE(answer.has_value() && answer->ok());
   EXPECT_EQ((*answer)->status, 409);
-  EXPECT_TRUE((*b)->transport().cancelExpect(7));
+  const auto cancelled = (*a)->outcomes().waitArrival(7, kvt::testutil::kHangGuard);
+  ASSERT_TRUE(cancelled.has_value());
+  EXPECT_FALSE(cancelled->ok()) << "the replay did not end request A's transfer early, the cancel did";
   expectNothingHeld(w);
 }
 

@@ -66,7 +66,7 @@ void UcxTransport::failPeer(const std::string& key, const Error& error, bool sus
   } else {
     log::warn("kv", "{}: {}{}", options_.name, error.message, suspect ? " (marked suspect)" : "");
   }
-  for (const auto id : peer->transfers) {
+  for (const TransferId& id : peer->transfers) {
     if (const auto t = transfers_.find(id); t != transfers_.end()) failTransfer(*t->second, error);
   }
   // Force close completes every request on the endpoint (callbacks may run inside this call),

@@ -105,7 +105,7 @@ void UcxTransport::afterProgress() {
       continue;
     }
     if ((*it)->status == UCS_OK) {
-      inbox_.push_back(InboxRecord{std::move((*it)->bytes), (*it)->data_bytes, (*it)->key, (*it)->tag});
+      inbox_.push_back(InboxRecord{std::move((*it)->bytes), (*it)->data_bytes, (*it)->tag});
     } else {
       metrics_.recordRejected();
       log::warn("kv", "{}: receiving a record failed: {}", options_.name, ucs_status_string((*it)->status));
@@ -139,11 +139,14 @@ void UcxTransport::fireDeadlines(Clock::time_point now) {
             ? fmt::format("the record arrived but only {} of its {} data bytes", e.bytes_received, e.record_data_bytes)
             : fmt::format("no completion record ({} data bytes arrived)", e.bytes_received);
     log::warn("kv", "{}: request {}: {} within the deadline; releasing its blocks", options_.name, id, what);
+    const std::optional<TransferId> granted =
+        e.grant ? std::optional<TransferId>(e.grant->id) : std::optional<TransferId>();
     node.mapped().on_arrival(
         id,
         makeError(ErrorCode::Timeout,
                   fmt::format("KV receive of request {}: deadline expired after {} ms: {}", id,
                               std::chrono::duration_cast<std::chrono::milliseconds>(now - e.started).count(), what)));
+    if (granted) releaseGrantId(*granted);
   }
 
   std::vector<std::string> unconnected;
@@ -157,21 +160,21 @@ void UcxTransport::fireDeadlines(Clock::time_point now) {
              true);
   }
 
-  std::vector<std::uint64_t> late;
+  std::vector<TransferId> late;
   for (const auto& [id, t] : transfers_) {
     if ((!t->deadline_fired && t->deadline <= now) ||
         (t->deadline_fired && now - t->force_closed_at > kForceCloseGrace)) {
       late.push_back(id);
     }
   }
-  for (const auto id : late) {
+  for (const TransferId& id : late) {
     const auto it = transfers_.find(id);
     if (it == transfers_.end()) continue;
     Transfer& t = *it->second;
     if (t.deadline_fired) {
       // UCX did not complete the requests of a force-closed endpoint: release them unanswered.
-      log::error("kv", "{}: request {}: {} requests still outstanding after force close; releasing them", options_.name,
-                 id, t.ops.size());
+      log::error("kv", "{}: transfer {}: {} requests still outstanding after force close; releasing them",
+                 options_.name, id, t.ops.size());
       t.ops.clear();
       dirty_.insert(id);
       continue;
@@ -179,10 +182,9 @@ void UcxTransport::fireDeadlines(Clock::time_point now) {
     t.deadline_fired = true;
     t.force_closed_at = now;
     const auto budget = std::chrono::round<std::chrono::milliseconds>(t.deadline - t.started).count();
-    failTransfer(t, makeError(ErrorCode::Timeout,
-                              fmt::format("KV transfer of request {}: deadline of {} ms expired ({} requests "
-                                          "outstanding)",
-                                          id, budget, t.ops.size())));
+    failTransfer(t, makeError(ErrorCode::Timeout, fmt::format("KV transfer {}: deadline of {} ms expired ({} requests "
+                                                              "outstanding)",
+                                                              id, budget, t.ops.size())));
     if (!t.ops.empty()) {
       // The transfer waits on the network: the peer is stalled or the link is cut. Cancel by
       // force-closing its endpoints and stop sending to the peer for a while.
@@ -191,7 +193,7 @@ void UcxTransport::fireDeadlines(Clock::time_point now) {
       for (const auto& key : keys) {
         failPeer(key,
                  makeError(ErrorCode::PeerFailed,
-                           fmt::format("{} is suspect: request {} missed its deadline", peerName(key), id)),
+                           fmt::format("{} is suspect: transfer {} missed its deadline", peerName(key), id)),
                  true);
       }
     }
@@ -235,6 +237,7 @@ void UcxTransport::shutdown() {
     metrics_.receiveFailed(ErrorCode::Cancelled);
     e.on_arrival(id, makeError(ErrorCode::Cancelled, "KV transport shutting down"));
   }
+  granted_ids_.clear();
   const auto start = Clock::now();
   while (!closing_.empty() && Clock::now() - start < kShutdownCloseBound) {
     ucp_worker_progress(worker_.get());

@@ -11,16 +11,6 @@
 
 namespace pd::kvtransfer::detail {
 
-/// 128 random bits from OpenSSL's CSPRNG, never all zero (zero means "not granted").
-TransferKey randomTransferKey() {
-  TransferKey key{};
-  while (key[0] == 0 && key[1] == 0) {
-    const std::vector<std::uint8_t> bytes = crypto::randomBytes(sizeof(key));
-    std::memcpy(key.data(), bytes.data(), sizeof(key));
-  }
-  return key;
-}
-
 Status UcxTransport::expect(std::uint64_t request_id, Deadline deadline, ArrivalFn on_arrival) {
   PD_CHECK(on_arrival != nullptr);
   return runOnProgressThread([&]() -> Status {
@@ -41,14 +31,15 @@ bool UcxTransport::cancelExpect(std::uint64_t request_id) {
     metrics_.receiveFailed(ErrorCode::Cancelled);
     node.mapped().on_arrival(
         request_id, makeError(ErrorCode::Cancelled, fmt::format("receive of request {} cancelled", request_id)));
+    if (node.mapped().grant) releaseGrantId(node.mapped().grant->id);
     return true;
   });
 }
 
-Result<KvDescriptor> UcxTransport::grant(KvDescriptor descriptor) {
+Result<KvDescriptor> UcxTransport::grant(std::uint64_t request_id, KvDescriptor descriptor) {
   return runOnProgressThread([&]() -> Result<KvDescriptor> {
     if (stopping_) return cancelledStatus().error();
-    const std::uint64_t id = descriptor.request_id;
+    const std::uint64_t id = request_id;
     const auto it = expectations_.find(id);
     if (it == expectations_.end()) {
       return makeError(ErrorCode::NotFound, fmt::format("request {} is not expected", id));
@@ -62,16 +53,24 @@ Result<KvDescriptor> UcxTransport::grant(KvDescriptor descriptor) {
     }
     const CompatInfo& c = descriptor.compat;
     Grant g;
-    // A descriptor another rank's transport granted first keeps its key: one key per descriptor.
-    const bool keyed = descriptor.transfer_key != TransferKey{};
-    g.key = keyed ? descriptor.transfer_key : randomTransferKey();
+    // A descriptor another rank's transport granted first keeps its id: one id per descriptor.
+    g.id = descriptor.transfer_id.empty() ? TransferId::random() : descriptor.transfer_id;
+    if (it->second.grant && it->second.grant->id != g.id) {
+      return makeError(ErrorCode::InvalidArgument,
+                       fmt::format("request {} is already granted as transfer {}", id, it->second.grant->id));
+    }
+    if (const auto bound = granted_ids_.find(g.id); bound != granted_ids_.end() && bound->second != id) {
+      return makeError(ErrorCode::InvalidArgument,
+                       fmt::format("request {}: transfer {} is already bound to another request", id, g.id));
+    }
     g.num_tokens = descriptor.num_tokens;
     g.block_bytes = std::uint64_t{c.block_size} * c.tokenBytes();
     g.regions = target->regions;
     for (auto& r : g.regions) r.rkey.clear();
     const std::uint64_t blocks = (std::uint64_t{descriptor.num_tokens} + c.block_size - 1) / c.block_size;
     g.blocks.insert(descriptor.block_ids.begin(), descriptor.block_ids.begin() + static_cast<std::ptrdiff_t>(blocks));
-    descriptor.transfer_key = g.key;
+    descriptor.transfer_id = g.id;
+    granted_ids_[g.id] = id;
     it->second.grant = std::move(g);
     return descriptor;
   });
@@ -105,6 +104,23 @@ bool UcxTransport::Grant::covers(std::uint64_t address, std::uint64_t length) co
   return true;
 }
 
+std::pair<std::uint64_t, UcxTransport::Expectation*> UcxTransport::grantedRequest(const TransferId& id) {
+  const auto bound = granted_ids_.find(id);
+  if (bound == granted_ids_.end()) return {0, nullptr};
+  const auto it = expectations_.find(bound->second);
+  if (it == expectations_.end() || !it->second.grant || it->second.grant->id != id) return {0, nullptr};
+  return {it->first, &it->second};
+}
+
+void UcxTransport::releaseGrantId(const TransferId& id) {
+  const auto bound = granted_ids_.find(id);
+  if (bound == granted_ids_.end()) return;
+  const auto it = expectations_.find(bound->second);
+  // Kept while an expectation of the request (a re-armed one keeps the grant) still holds it.
+  if (it != expectations_.end() && it->second.grant && it->second.grant->id == id) return;
+  granted_ids_.erase(bound);
+}
+
 void UcxTransport::handleInbox() {
   while (!inbox_.empty()) {
     auto batch = std::move(inbox_);
@@ -123,35 +139,28 @@ void UcxTransport::deliverRecord(InboxRecord record) {
     return;
   }
   const bool is_completion = std::holds_alternative<CompletionRecord>(decoded.value());
-  const std::uint64_t id = is_completion ? std::get<CompletionRecord>(decoded.value()).request_id
-                                         : std::get<FailureRecord>(decoded.value()).request_id;
+  const TransferId transfer_id = is_completion ? std::get<CompletionRecord>(decoded.value()).transfer_id
+                                               : std::get<FailureRecord>(decoded.value()).transfer_id;
   const std::uint64_t hash = is_completion ? std::get<CompletionRecord>(decoded.value()).compat_hash
                                            : std::get<FailureRecord>(decoded.value()).compat_hash;
+  // Only the 128-bit wire id names a request: one no live grant holds (guessed, stale, expired
+  // or cancelled) is dropped and counted, and the request it may resemble goes on untouched.
+  const auto [id, expectation] = grantedRequest(transfer_id);
+  if (expectation == nullptr || expectation->held_record) {
+    metrics_.recordRejected();
+    log::warn("kv", "{}: dropped a record for transfer {}, which is not granted here (unknown, late or duplicate)",
+              options_.name, transfer_id);
+    return;
+  }
   const auto it = expectations_.find(id);
-  if (it == expectations_.end() || it->second.held_record) {
-    metrics_.recordRejected();
-    log::warn("kv", "{}: dropped a record for request {}, which is not expected (late or duplicate)", options_.name,
-              id);
-    return;
-  }
   const std::optional<Grant>& granted = it->second.grant;
-  if (!granted && options_.auth) {
-    metrics_.recordRejected();
-    log::warn("kv", "{}: dropped a record for request {}, which is not granted", options_.name, id);
-    return;
-  }
-  if (granted && record.key != granted->key) {
-    metrics_.recordRejected();
-    log::warn("kv", "{}: dropped a record for request {} without its transfer key", options_.name, id);
-    return;
-  }
   if (options_.auth) {
-    const crypto::Digest expected = recordTag(*options_.auth, record.data_bytes, record.key, record.bytes);
+    const crypto::Digest expected = recordTag(*options_.auth, record.data_bytes, record.bytes);
     if (!crypto::constantTimeEqual(expected, record.tag)) {
       metrics_.recordRejected();
       metrics_.recordUnauthenticated();
       const bool unsigned_record = record.tag == crypto::Digest{};
-      // It carries the request's transfer key, so it comes from the descriptor's holder, which
+      // It carries the request's transfer id, so it comes from the descriptor's holder, which
       // is not a holder of the cluster secret (or has another one): the transfer cannot succeed,
       // fail it now rather than at its deadline.
       auto node = expectations_.extract(it);
@@ -164,7 +173,7 @@ void UcxTransport::deliverRecord(InboxRecord record) {
       return;
     }
   }
-  if (granted && is_completion && std::get<CompletionRecord>(decoded.value()).num_tokens != granted->num_tokens) {
+  if (is_completion && std::get<CompletionRecord>(decoded.value()).num_tokens != granted->num_tokens) {
     auto node = expectations_.extract(it);
     const std::uint32_t holds = node.mapped().grant->num_tokens;
     failReceive(
@@ -191,6 +200,7 @@ void UcxTransport::deliverRecord(InboxRecord record) {
   if (is_completion) {
     metrics_.receiveSucceeded(Clock::now() - node.mapped().started);
     node.mapped().on_arrival(id, std::move(std::get<CompletionRecord>(decoded.value())));
+    releaseGrantId(transfer_id);
   } else {
     auto& failure = std::get<FailureRecord>(decoded.value());
     // A retry's data may overtake this record (data is copied at once, records wait for this
@@ -210,8 +220,9 @@ void UcxTransport::failReceive(std::uint64_t id, Expectation expectation, Error 
     again->second.bytes_received += early;
     // The re-armed receive waits for a retry of the same descriptor: the same grant holds, so a
     // failed attempt never opens the request's pool to writes outside its blocks.
-    if (!again->second.grant) again->second.grant = std::move(expectation.grant);
+    if (!again->second.grant) again->second.grant = expectation.grant;
   }
+  if (expectation.grant) releaseGrantId(expectation.grant->id);
 }
 
 void UcxTransport::deliverHeld() {
@@ -228,6 +239,7 @@ void UcxTransport::deliverHeld() {
     } else if (e.held_record && e.bytes_received >= e.record_data_bytes) {
       metrics_.receiveSucceeded(Clock::now() - e.started);
       e.on_arrival(id, std::move(*e.held_record));
+      if (e.grant) releaseGrantId(e.grant->id);
     } else {
       expectations_.insert(std::move(node));  // not complete after all
     }
@@ -247,7 +259,7 @@ ucs_status_t UcxTransport::onRecord(void* arg, const void* header, std::size_t h
   if ((param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) == 0) {
     const auto* bytes = static_cast<const std::uint8_t*>(data);
     self->inbox_.push_back(
-        InboxRecord{std::vector<std::uint8_t>(bytes, bytes + length), framing.data_bytes, framing.key, framing.tag});
+        InboxRecord{std::vector<std::uint8_t>(bytes, bytes + length), framing.data_bytes, framing.tag});
     return UCS_OK;
   }
   if (length > kMaxRecordBytes) {
@@ -258,7 +270,6 @@ ucs_status_t UcxTransport::onRecord(void* arg, const void* header, std::size_t h
   auto pending = std::make_unique<PendingRecv>();
   pending->owner = self;
   pending->data_bytes = framing.data_bytes;
-  pending->key = framing.key;
   pending->tag = framing.tag;
   pending->bytes.resize(length);
   ucp_request_param_t params{};
@@ -272,7 +283,7 @@ ucs_status_t UcxTransport::onRecord(void* arg, const void* header, std::size_t h
     return UCS_OK;
   }
   if (st == nullptr) {
-    self->inbox_.push_back(InboxRecord{std::move(pending->bytes), pending->data_bytes, pending->key, pending->tag});
+    self->inbox_.push_back(InboxRecord{std::move(pending->bytes), pending->data_bytes, pending->tag});
   } else {
     pending->request = ucx::Request(st);
     self->pending_recvs_.push_back(std::move(pending));
@@ -295,31 +306,17 @@ ucs_status_t UcxTransport::onData(void* arg, const void* header, std::size_t hea
   }
   DataHeader h{};
   std::memcpy(&h, header, sizeof(h));
-  const auto it = self->expectations_.find(h.request_id);
-  if (it == self->expectations_.end()) {
-    // Expired, cancelled or never expected: its blocks may belong to another request by now.
+  const auto [request_id, expectation] = self->grantedRequest(h.transfer_id);
+  if (expectation == nullptr) {
+    // Not a live grant's id: guessed, stale (expired or cancelled: its blocks may belong to
+    // another request by now) or never granted. Dropped and counted; no receive fails (failing
+    // one would let anyone who guesses an id end someone else's request).
     self->metrics_.addBytesDropped(length);
-    log::debug("kv", "{}: dropped {} bytes of KV data for request {}, which is not expected", self->options_.name,
-               length, h.request_id);
+    log::debug("kv", "{}: dropped {} bytes of KV data for transfer {}, which is not granted here", self->options_.name,
+               length, h.transfer_id);
     return UCS_OK;
   }
-  Expectation& e = it->second;
-  if (!e.grant && self->options_.auth) {
-    // An authenticated decode worker grants every request before its descriptor goes out: KV
-    // for one not granted (yet) can only come from someone who guessed its id.
-    self->metrics_.addBytesDropped(length);
-    log::warn("kv", "{}: dropped {} bytes of KV data for request {}, which is not granted", self->options_.name, length,
-              h.request_id);
-    return UCS_OK;
-  }
-  if (e.grant && h.key != e.grant->key) {
-    // Not from this request's descriptor: a guessed or stale request id. Dropped; the receive
-    // goes on (failing it would let anyone who guesses an id end someone else's request).
-    self->metrics_.addBytesDropped(length);
-    log::warn("kv", "{}: dropped {} bytes of KV data for request {} without its transfer key", self->options_.name,
-              length, h.request_id);
-    return UCS_OK;
-  }
+  Expectation& e = *expectation;
   std::byte* destination = nullptr;
   for (const auto& [id, region] : self->regions_) {
     const auto base = reinterpret_cast<std::uint64_t>(region->base);
@@ -329,19 +326,19 @@ ucs_status_t UcxTransport::onData(void* arg, const void* header, std::size_t hea
       break;
     }
   }
-  if (destination == nullptr || (e.grant && !e.grant->covers(h.remote_address, length))) {
+  if (destination == nullptr || !e.grant->covers(h.remote_address, length)) {
     self->metrics_.addBytesDropped(length);
     if (!e.data_error) {
       e.data_error = fmt::format("{} bytes for address 0x{:x} lie outside {}", length, h.remote_address,
                                  destination == nullptr ? "every registered region" : "the blocks the request holds");
     }
-    self->data_complete_.insert(h.request_id);
+    self->data_complete_.insert(request_id);
     return UCS_OK;
   }
   std::memcpy(destination, data, length);
   e.bytes_received += length;
   self->metrics_.addBytesReceived(length);
-  if (e.held_record && e.bytes_received >= e.record_data_bytes) self->data_complete_.insert(h.request_id);
+  if (e.held_record && e.bytes_received >= e.record_data_bytes) self->data_complete_.insert(request_id);
   return UCS_OK;
 }
 

@@ -30,9 +30,13 @@ Status UcxTransport::beginTransfer(const KvDescriptor& descriptor, Deadline dead
         }
       }
     }
-    const std::uint64_t id = descriptor.request_id;
+    const TransferId id = descriptor.transfer_id;
+    if (id.empty()) {
+      return makeError(ErrorCode::InvalidArgument,
+                       "KV descriptor: no transfer id (the decode worker did not grant it)");
+    }
     if (transfers_.contains(id)) {
-      return makeError(ErrorCode::InvalidArgument, fmt::format("request {} is already being transferred", id));
+      return makeError(ErrorCode::InvalidArgument, fmt::format("transfer {} is already in flight", id));
     }
     const auto now = Clock::now();
     auto t = std::make_unique<Transfer>();
@@ -65,8 +69,8 @@ Status UcxTransport::beginTransfer(const KvDescriptor& descriptor, Deadline dead
     for (auto& link : t->links) link.peer->transfers.insert(id);
     t->am_bytes.assign(t->links.size(), 0);
     metrics_.transferStarted();
-    log::debug("kv", "{}: request {}: transfer begun to {} targets, {} bytes per target, deadline {} ms", options_.name,
-               id, descriptor.targets.size(), requestKvBytes(descriptor), msUntil(t->deadline, now));
+    log::debug("kv", "{}: transfer {}: begun to {} targets, {} bytes per target, deadline {} ms", options_.name, id,
+               descriptor.targets.size(), requestKvBytes(descriptor), msUntil(t->deadline, now));
     transfers_.emplace(id, std::move(t));
     return okStatus();
   });
@@ -74,7 +78,7 @@ Status UcxTransport::beginTransfer(const KvDescriptor& descriptor, Deadline dead
 
 Status UcxTransport::post(Transfer& t, ucs_status_ptr_t status, std::string_view what) {
   if (UCS_PTR_IS_ERR(status)) {
-    const Error e = ucx::ucsError(fmt::format("request {}: {}", t.id, what), UCS_PTR_STATUS(status));
+    const Error e = ucx::ucsError(fmt::format("transfer {}: {}", t.id, what), UCS_PTR_STATUS(status));
     failTransfer(t, e);
     return e;
   }
@@ -82,17 +86,17 @@ Status UcxTransport::post(Transfer& t, ucs_status_ptr_t status, std::string_view
   return okStatus();
 }
 
-Status UcxTransport::put(std::uint64_t request_id, std::span<const LayerPut> puts) {
+Status UcxTransport::put(const TransferId& transfer_id, std::span<const LayerPut> puts) {
   return runOnProgressThread([&]() -> Status {
     if (stopping_) return cancelledStatus();
-    const auto it = transfers_.find(request_id);
+    const auto it = transfers_.find(transfer_id);
     if (it == transfers_.end()) {
-      return makeError(ErrorCode::NotFound, fmt::format("request {} is not being transferred", request_id));
+      return makeError(ErrorCode::NotFound, fmt::format("transfer {} is not in flight", transfer_id));
     }
     Transfer& t = *it->second;
     if (t.error) return *t.error;
     if (t.closing_requested) {
-      return makeError(ErrorCode::InvalidArgument, fmt::format("request {}: put after finish/abort", request_id));
+      return makeError(ErrorCode::InvalidArgument, fmt::format("transfer {}: put after finish/abort", transfer_id));
     }
     // Plan everything first so that a bad slice posts nothing.
     struct Planned {
@@ -110,8 +114,8 @@ Status UcxTransport::put(std::uint64_t request_id, std::span<const LayerPut> put
       const std::uint64_t bytes = std::uint64_t{lp.slice.num_tokens} * token_bytes;
       if (lp.local_offset > r->second->length || bytes > r->second->length - lp.local_offset) {
         return makeError(ErrorCode::InvalidArgument,
-                         fmt::format("request {}: {} bytes at offset {} are past local region {} ({} bytes)",
-                                     request_id, bytes, lp.local_offset, lp.local_region, r->second->length));
+                         fmt::format("transfer {}: {} bytes at offset {} are past local region {} ({} bytes)",
+                                     transfer_id, bytes, lp.local_offset, lp.local_region, r->second->length));
       }
       Planned plan{r->second.get(), &lp, {}};
       for (std::size_t ti = 0; ti < t.links.size(); ++ti) {
@@ -141,8 +145,7 @@ Status UcxTransport::put(std::uint64_t request_id, std::span<const LayerPut> put
             params.flags = UCP_AM_SEND_FLAG_EAGER;
             for (std::uint64_t done = 0; done < p.length;) {
               const std::uint64_t n = std::min(kAmChunkBytes, p.length - done);
-              const DataHeader& header =
-                  t.data_headers.emplace_back(DataHeader{t.id, p.remote_address + done, t.descriptor.transfer_key});
+              const DataHeader& header = t.data_headers.emplace_back(DataHeader{t.id, p.remote_address + done});
               const auto st = ucp_am_send_nbx(link.peer->ep.get(), kDataAmId, &header, sizeof(header),
                                               source + p.local_offset + done, n, &params);
               PD_TRY(post(t, st, "KV data send"));
@@ -173,8 +176,8 @@ void UcxTransport::flushAll(Transfer& t) {
 void UcxTransport::sendRecord(Transfer& t) {
   t.record_headers.clear();
   for (std::size_t ti = 0; ti < t.links.size(); ++ti) {
-    RecordHeader& h = t.record_headers.emplace_back(RecordHeader{t.am_bytes[ti], t.descriptor.transfer_key, {}});
-    if (options_.auth) h.tag = recordTag(*options_.auth, h.data_bytes, h.key, t.record_bytes);
+    RecordHeader& h = t.record_headers.emplace_back(RecordHeader{t.am_bytes[ti], {}});
+    if (options_.auth) h.tag = recordTag(*options_.auth, h.data_bytes, t.record_bytes);
   }
   for (std::size_t ti = 0; ti < t.links.size(); ++ti) {
     const Link& link = t.links[ti];
@@ -195,14 +198,14 @@ void UcxTransport::sendRecord(Transfer& t) {
 Status UcxTransport::finish(CompletionRecord record) {
   return runOnProgressThread([&]() -> Status {
     if (stopping_) return cancelledStatus();
-    const auto it = transfers_.find(record.request_id);
+    const auto it = transfers_.find(record.transfer_id);
     if (it == transfers_.end()) {
-      return makeError(ErrorCode::NotFound, fmt::format("request {} is not being transferred", record.request_id));
+      return makeError(ErrorCode::NotFound, fmt::format("transfer {} is not in flight", record.transfer_id));
     }
     Transfer& t = *it->second;
     if (t.error) return *t.error;
     if (t.closing_requested) {
-      return makeError(ErrorCode::InvalidArgument, fmt::format("request {}: finished twice", record.request_id));
+      return makeError(ErrorCode::InvalidArgument, fmt::format("transfer {}: finished twice", record.transfer_id));
     }
     record.compat_hash = compat_hash_;
     t.record_bytes = encode(record);
@@ -213,14 +216,15 @@ Status UcxTransport::finish(CompletionRecord record) {
   });
 }
 
-Status UcxTransport::abort(std::uint64_t request_id, ErrorCode code, std::string reason) {
+Status UcxTransport::abort(const TransferId& transfer_id, ErrorCode code, std::string reason) {
   return runOnProgressThread([&]() -> Status {
-    const auto it = transfers_.find(request_id);
+    const auto it = transfers_.find(transfer_id);
     if (it == transfers_.end()) {
-      return makeError(ErrorCode::NotFound, fmt::format("request {} is not being transferred", request_id));
+      return makeError(ErrorCode::NotFound, fmt::format("transfer {} is not in flight", transfer_id));
     }
     Transfer& t = *it->second;
-    const Error cancelled = makeError(ErrorCode::Cancelled, fmt::format("request {} aborted: {}", request_id, reason));
+    const Error cancelled =
+        makeError(ErrorCode::Cancelled, fmt::format("transfer {} aborted: {}", transfer_id, reason));
     if (t.error || t.closing_requested || stopping_) {
       failTransfer(t, cancelled);
       advance(t);
@@ -228,7 +232,7 @@ Status UcxTransport::abort(std::uint64_t request_id, ErrorCode code, std::string
     }
     // The failure record goes out after a flush, like a completion record, so that the
     // receiver may reuse the blocks as soon as it reads it.
-    t.record_bytes = encode(FailureRecord{request_id, compat_hash_, code, std::move(reason)});
+    t.record_bytes = encode(FailureRecord{transfer_id, compat_hash_, code, std::move(reason)});
     t.closing_requested = true;
     t.final_status = cancelled;
     advance(t);
@@ -238,7 +242,7 @@ Status UcxTransport::abort(std::uint64_t request_id, ErrorCode code, std::string
 
 void UcxTransport::failTransfer(Transfer& t, Error error) {
   if (!t.error) {
-    log::warn("kv", "{}: request {}: {}", options_.name, t.id, error.message);
+    log::warn("kv", "{}: transfer {}: {}", options_.name, t.id, error.message);
     t.error = std::move(error);
   }
   dirty_.insert(t.id);
@@ -268,14 +272,14 @@ void UcxTransport::advance(Transfer& t) {
 
 void UcxTransport::advanceDirty() {
   while (!dirty_.empty()) {
-    const std::uint64_t id = *dirty_.begin();
+    const TransferId id = *dirty_.begin();
     dirty_.erase(dirty_.begin());
     const auto it = transfers_.find(id);
     if (it != transfers_.end()) advance(*it->second);
   }
 }
 
-void UcxTransport::finalize(std::uint64_t id, Status status) {
+void UcxTransport::finalize(const TransferId& id, Status status) {
   auto node = transfers_.extract(id);
   if (node.empty()) return;
   Transfer& t = *node.mapped();
@@ -290,7 +294,7 @@ void UcxTransport::finalize(std::uint64_t id, Status status) {
   }
   if (status.ok()) {
     metrics_.transferSucceeded(Clock::now() - t.started);
-    log::debug("kv", "{}: request {}: transfer complete", options_.name, id);
+    log::debug("kv", "{}: transfer {}: complete", options_.name, id);
   } else {
     metrics_.transferFailed(status.error().code);
   }
@@ -300,7 +304,7 @@ void UcxTransport::finalize(std::uint64_t id, Status status) {
 void UcxTransport::onOpDone(void* request, ucs_status_t status, void* user_data) {
   auto* t = static_cast<Transfer*>(user_data);
   if (status != UCS_OK && !t->error) {
-    t->error = ucx::ucsError(fmt::format("KV transfer of request {} to the peer failed", t->id), status);
+    t->error = ucx::ucsError(fmt::format("KV transfer {} to the peer failed", t->id), status);
   }
   t->owner->dirty_.insert(t->id);
   t->ops.erase(request);  // frees the request

@@ -32,16 +32,13 @@ bool hostTransportsOnly(std::string_view tls) {
   return true;
 }
 
-crypto::Digest recordTag(const InternalAuth& auth, std::uint64_t data_bytes, const TransferKey& key,
-                         std::span<const std::uint8_t> record) {
+crypto::Digest recordTag(const InternalAuth& auth, std::uint64_t data_bytes, std::span<const std::uint8_t> record) {
   std::vector<std::byte> message;
-  message.reserve(24 + record.size());
+  message.reserve(8 + record.size());
   const auto append_u64 = [&message](std::uint64_t v) {
     for (int i = 0; i < 8; ++i) message.push_back(static_cast<std::byte>((v >> (8 * i)) & 0xff));
   };
   append_u64(data_bytes);
-  append_u64(key[0]);
-  append_u64(key[1]);
   const auto bytes = std::as_bytes(record);
   message.insert(message.end(), bytes.begin(), bytes.end());
   return auth.tag("kv-record", message);

@@ -54,29 +54,26 @@ inline constexpr std::uint64_t kAmChunkBytes = 112U << 10;
 inline constexpr const char* kTcpSegment = "128K";
 
 // Transport framing in active-message headers (docs/kv-transfer.md, "Data paths"); little-endian.
-/// Header of a KV data message (data path am): which request, where the bytes go, and the
-/// descriptor's transfer key (Transport::grant).
+/// Header of a KV data message (data path am): the transfer's wire id (KvDescriptor::
+/// transfer_id, hi then lo) and where the bytes go.
 struct DataHeader {
-  std::uint64_t request_id;
+  TransferId transfer_id;
   std::uint64_t remote_address;
-  std::array<std::uint64_t, 2> key;
 };
 /// Header of a record message: KV bytes the sender delivered to this target as active messages
 /// before it (0 for RMA), so that the receiver holds the record until all of them were copied;
-/// the descriptor's transfer key; and the record's tag under the cluster secret (recordTag; all
-/// zero when the sender has no secret).
+/// and the record's tag under the cluster secret (recordTag; all zero when the sender has no
+/// secret). The transfer id is the record's own (CompletionRecord::transfer_id).
 struct RecordHeader {
   std::uint64_t data_bytes;
-  std::array<std::uint64_t, 2> key;
   crypto::Digest tag;
 };
-static_assert(sizeof(DataHeader) == 32 && sizeof(RecordHeader) == 56);
-using TransferKey = std::array<std::uint64_t, 2>;
+static_assert(sizeof(DataHeader) == 24 && sizeof(RecordHeader) == 40);
 
-/// The tag a record message carries: InternalAuth::tag("kv-record", data_bytes (u64 LE) ‖ key
-/// (two u64 LE) ‖ the encoded record), binding the record's request id and contents to its
-/// transfer (the key) and to the data its sender delivered before it. ucx_transport.cpp
-[[nodiscard]] crypto::Digest recordTag(const InternalAuth& auth, std::uint64_t data_bytes, const TransferKey& key,
+/// The tag a record message carries: InternalAuth::tag("kv-record", data_bytes (u64 LE) ‖ the
+/// encoded record), binding the record's contents, its 128-bit transfer id among them, to the
+/// data its sender delivered before it. ucx_transport.cpp
+[[nodiscard]] crypto::Digest recordTag(const InternalAuth& auth, std::uint64_t data_bytes,
                                        std::span<const std::uint8_t> record);
 /// After a deadline force-closed its endpoints, how long a transfer may still wait for UCX to
 /// complete its requests before they are released without completion.
@@ -84,8 +81,6 @@ inline constexpr auto kForceCloseGrace = std::chrono::seconds(1);
 /// Bound on waiting for endpoint close requests at shutdown.
 inline constexpr auto kShutdownCloseBound = std::chrono::seconds(1);
 
-/// 128 random bits from the kernel, never all zero (zero means "not granted"). receiver.cpp
-[[nodiscard]] TransferKey randomTransferKey();
 /// Every entry of `tls` a host transport, where UCX 1.13 only emulates RMA. ucx_transport.cpp
 [[nodiscard]] bool hostTransportsOnly(std::string_view tls);
 /// A short name for a peer's (binary) worker address in logs and errors. peers.cpp
@@ -133,12 +128,12 @@ class UcxTransport final : public Transport {
   Status deregisterRegion(RegionId region) override;
   Result<KvTarget> exportTarget(std::uint32_t tp_rank, std::span<const RegionLayout> layouts) override;
   Status beginTransfer(const KvDescriptor& descriptor, Deadline deadline, TransferDoneFn on_done) override;
-  Status put(std::uint64_t request_id, std::span<const LayerPut> puts) override;
+  Status put(const TransferId& transfer_id, std::span<const LayerPut> puts) override;
   Status finish(CompletionRecord record) override;
-  Status abort(std::uint64_t request_id, ErrorCode code, std::string reason) override;
+  Status abort(const TransferId& transfer_id, ErrorCode code, std::string reason) override;
   Status expect(std::uint64_t request_id, Deadline deadline, ArrivalFn on_arrival) override;
   bool cancelExpect(std::uint64_t request_id) override;
-  Result<KvDescriptor> grant(KvDescriptor descriptor) override;
+  Result<KvDescriptor> grant(std::uint64_t request_id, KvDescriptor descriptor) override;
   [[nodiscard]] TransportStats stats() const override { return metrics_.snapshot(); }
 
  private:
@@ -158,7 +153,7 @@ class UcxTransport final : public Transport {
     ucx::Request probe;  // first flush: completes once the endpoint is wired up
     bool connected = false;
     Deadline connect_deadline;
-    std::set<std::uint64_t> transfers;
+    std::set<TransferId> transfers;
     // Declared after ep so that they are destroyed before it.
     std::map<std::vector<std::uint8_t>, ucx::RemoteKey> rkeys;
   };
@@ -179,7 +174,7 @@ class UcxTransport final : public Transport {
 
   struct Transfer {
     UcxTransport* owner = nullptr;
-    std::uint64_t id = 0;
+    TransferId id;
     KvDescriptor descriptor;
     std::vector<Link> links;
     Deadline deadline;
@@ -199,10 +194,10 @@ class UcxTransport final : public Transport {
     std::unordered_map<void*, ucx::Request> ops;  // outstanding puts, flushes, record sends
   };
 
-  /// What grant() lets a request write: data and records with its key; KV data only into the
-  /// bytes of its blocks in this transport's regions; a completion record for its token count.
+  /// What grant() lets a request write: data and records with its wire id; KV data only into
+  /// the bytes of its blocks in this transport's regions; a completion record for its token count.
   struct Grant {
-    TransferKey key{};
+    TransferId id;
     std::uint32_t num_tokens = 0;
     std::uint64_t block_bytes = 0;
     std::vector<KvRegion> regions;  // this transport's target in the descriptor (keys dropped)
@@ -227,7 +222,6 @@ class UcxTransport final : public Transport {
   struct InboxRecord {
     std::vector<std::uint8_t> bytes;
     std::uint64_t data_bytes = 0;
-    TransferKey key{};
     crypto::Digest tag{};
   };
 
@@ -235,7 +229,6 @@ class UcxTransport final : public Transport {
   struct PendingRecv {
     UcxTransport* owner = nullptr;
     std::uint64_t data_bytes = 0;
-    TransferKey key{};
     crypto::Digest tag{};
     std::vector<std::uint8_t> bytes;
     ucx::Request request;
@@ -274,7 +267,7 @@ class UcxTransport final : public Transport {
   void flushAll(Transfer& t);
   void advance(Transfer& t);
   void advanceDirty();
-  void finalize(std::uint64_t id, Status status);
+  void finalize(const TransferId& id, Status status);
   void failTransfer(Transfer& t, Error error);
   static void onOpDone(void* request, ucs_status_t status, void* user_data);
 
@@ -285,6 +278,11 @@ class UcxTransport final : public Transport {
   // Answers the extracted `expectation` with `error`. If on_arrival re-armed the same request
   // (a prefill retry), the new expectation keeps the old grant and `early` data bytes.
   void failReceive(std::uint64_t id, Expectation expectation, Error error, std::uint64_t early = 0);
+  // The granted request that `id` names, or null (counted by the caller): the wire id must be
+  // bound by a live grant of this transport.
+  [[nodiscard]] std::pair<std::uint64_t, Expectation*> grantedRequest(const TransferId& id);
+  // Forgets the wire id of a request whose expectations have all ended.
+  void releaseGrantId(const TransferId& id);
   static ucs_status_t onRecord(void* arg, const void* header, std::size_t header_length, void* data, std::size_t length,
                                const ucp_am_recv_param_t* param);
   static ucs_status_t onData(void* arg, const void* header, std::size_t header_length, void* data, std::size_t length,
@@ -308,15 +306,17 @@ class UcxTransport final : public Transport {
   std::unordered_map<std::string, std::unique_ptr<Peer>> peers_;
   std::vector<ClosingPeer> closing_;
   std::unordered_map<std::string, std::pair<Deadline, std::string>> suspects_;
-  std::unordered_map<std::uint64_t, std::unique_ptr<Transfer>> transfers_;
-  std::unordered_map<std::uint64_t, Expectation> expectations_;
+  std::unordered_map<TransferId, std::unique_ptr<Transfer>, TransferIdHash> transfers_;
+  std::unordered_map<std::uint64_t, Expectation> expectations_;  // by the caller's local handle
+  // Wire id -> local handle, for every granted request with a live expectation.
+  std::unordered_map<TransferId, std::uint64_t, TransferIdHash> granted_ids_;
   std::vector<std::unique_ptr<PendingRecv>> pending_recvs_;
 
   // Recorded by UCX callbacks, handled by afterProgress().
   std::vector<std::pair<Peer*, ucs_status_t>> failed_peers_;
   std::vector<InboxRecord> inbox_;
   std::set<std::uint64_t> data_complete_;  // held records whose data has now all arrived
-  std::set<std::uint64_t> dirty_;
+  std::set<TransferId> dirty_;
   bool stopping_ = false;
 
   // Commands from other threads.

@@ -90,7 +90,7 @@ class Stream {
 // buffer and put into the decode pool as each layer is computed (docs/kv-transfer.md).
 class PutSink : public model::LatentKvSink {
  public:
-  PutSink(kvtransfer::Transport& tx, std::uint64_t request_id, std::int64_t layers, std::int64_t tokens,
+  PutSink(kvtransfer::Transport& tx, kvtransfer::TransferId request_id, std::int64_t layers, std::int64_t tokens,
           std::int64_t dim)
       : tx_(tx),
         request_id_(request_id),
@@ -116,7 +116,7 @@ class PutSink : public model::LatentKvSink {
 
  private:
   kvtransfer::Transport& tx_;
-  std::uint64_t request_id_;
+  kvtransfer::TransferId request_id_;
   std::int64_t tokens_;
   std::int64_t dim_;
   std::vector<float> staging_;
@@ -150,9 +150,11 @@ class DecodeLoopGolden : public ::testing::TestWithParam<std::string> {
   // cache, each layer put into the descriptor's blocks, then the completion record.
   void shipKv(kvtransfer::Transport& prefill_tx, const kvtransfer::KvDescriptor& desc) {
     const ModelConfig& cfg = decode_engine_->config();
-    ASSERT_TRUE(prefill_tx.beginTransfer(desc, kvtransfer::Clock::now() + kWait, [](std::uint64_t, Status) {}).ok());
+    ASSERT_TRUE(
+        prefill_tx.beginTransfer(desc, kvtransfer::Clock::now() + kWait, [](const kvtransfer::TransferId&, Status) {})
+            .ok());
     const auto n = static_cast<std::int64_t>(prompt_.size());
-    PutSink sink(prefill_tx, desc.request_id, cfg.kvLayers(), n, cfg.latentDim());
+    PutSink sink(prefill_tx, desc.transfer_id, cfg.kvLayers(), n, cfg.latentDim());
     auto local = model::PagedLatentCache::create(cfg, 1, n, DType::F32);
     ASSERT_TRUE(local.ok());
     const std::vector<std::int32_t> table{0};
@@ -170,7 +172,7 @@ class DecodeLoopGolden : public ::testing::TestWithParam<std::string> {
     mo.sink = &sink;
     ASSERT_TRUE(prefill_engine_->forwardMtp(std::span<const model::SequenceChunk>(&mtp, 1), local->view(), mo).ok());
     kvtransfer::CompletionRecord rec;
-    rec.request_id = desc.request_id;
+    rec.transfer_id = desc.transfer_id;
     rec.num_tokens = static_cast<std::uint32_t>(n);
     rec.first_token = model::argmax(out->logits);
     rec.hidden_state.assign(out->hidden.end() - static_cast<std::ptrdiff_t>(d), out->hidden.end());
@@ -179,9 +181,10 @@ class DecodeLoopGolden : public ::testing::TestWithParam<std::string> {
 
   // A prefill attempt that gives up: its transport sends the failure record.
   static void failAttempt(kvtransfer::Transport& prefill_tx, const kvtransfer::KvDescriptor& desc, ErrorCode code) {
-    const Status begun = prefill_tx.beginTransfer(desc, kvtransfer::Clock::now() + kWait, [](std::uint64_t, Status) {});
+    const Status begun =
+        prefill_tx.beginTransfer(desc, kvtransfer::Clock::now() + kWait, [](const kvtransfer::TransferId&, Status) {});
     ASSERT_TRUE(begun.ok()) << begun.error().toString();
-    ASSERT_TRUE(prefill_tx.abort(desc.request_id, code, "injected prefill failure").ok());
+    ASSERT_TRUE(prefill_tx.abort(desc.transfer_id, code, "injected prefill failure").ok());
   }
 
   std::unique_ptr<model::Engine> decode_engine_;
@@ -219,7 +222,7 @@ TEST_P(DecodeLoopGolden, KvPutThroughTheTransportThenDecodedEqualsGolden) {
     std::optional<Status> sent;
     ASSERT_TRUE(prefill_tx
                     .beginTransfer(desc, kvtransfer::Clock::now() + kWait,
-                                   [&](std::uint64_t, Status s) {
+                                   [&](const kvtransfer::TransferId&, Status s) {
                                      std::lock_guard lock(done_mutex);
                                      sent = std::move(s);
                                    })
@@ -227,7 +230,7 @@ TEST_P(DecodeLoopGolden, KvPutThroughTheTransportThenDecodedEqualsGolden) {
 
     // The prefill worker: main model and MTP layer over the prompt in its own cache.
     const auto n = static_cast<std::int64_t>(prompt_.size());
-    PutSink sink(prefill_tx, id, cfg.kvLayers(), n, cfg.latentDim());
+    PutSink sink(prefill_tx, desc.transfer_id, cfg.kvLayers(), n, cfg.latentDim());
     auto local = model::PagedLatentCache::create(cfg, 1, n, DType::F32);
     ASSERT_TRUE(local.ok());
     const std::vector<std::int32_t> table{0};
@@ -245,7 +248,7 @@ TEST_P(DecodeLoopGolden, KvPutThroughTheTransportThenDecodedEqualsGolden) {
     mo.sink = &sink;
     ASSERT_TRUE(prefill_engine_->forwardMtp(std::span<const model::SequenceChunk>(&mtp, 1), local->view(), mo).ok());
     kvtransfer::CompletionRecord rec;
-    rec.request_id = id;
+    rec.transfer_id = desc.transfer_id;
     rec.num_tokens = static_cast<std::uint32_t>(n);
     rec.first_token = model::argmax(out->logits);
     rec.hidden_state.assign(out->hidden.end() - static_cast<std::ptrdiff_t>(d), out->hidden.end());

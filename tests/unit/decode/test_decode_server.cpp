@@ -263,15 +263,16 @@ class DecodeServerTest : public ::testing::TestWithParam<std::tuple<std::string,
   std::future<Status> prefillInto(const kvt::KvDescriptor& d) {
     auto done = std::make_shared<std::promise<Status>>();
     auto future = done->get_future();
-    auto sink = prefill::TransportKvSink::create(*prefill_tx_, d, kvt::Clock::now() + kWait,
-                                                 [done](std::uint64_t, Status s) { done->set_value(std::move(s)); });
+    auto sink =
+        prefill::TransportKvSink::create(*prefill_tx_, d, kvt::Clock::now() + kWait,
+                                         [done](const kvt::TransferId&, Status s) { done->set_value(std::move(s)); });
     EXPECT_TRUE(sink.ok()) << sink.error().toString();
     if (!sink.ok()) {
       done->set_value(sink.error());
       return future;
     }
     prefill::PrefillRequest r;
-    r.id = d.request_id;
+    r.id = d.transfer_id.lo;  // any id unique in the prefill engine
     r.tokens = prompt_;
     r.sink = std::move(sink).value();
     const Status s = prefill_->submit(std::move(r));
@@ -283,8 +284,9 @@ class DecodeServerTest : public ::testing::TestWithParam<std::tuple<std::string,
   void failedPrefill(const kvt::KvDescriptor& d) {
     std::promise<Status> done;
     auto future = done.get_future();
-    auto sink = prefill::TransportKvSink::create(*prefill_tx_, d, kvt::Clock::now() + kWait,
-                                                 [&done](std::uint64_t, Status s) { done.set_value(std::move(s)); });
+    auto sink =
+        prefill::TransportKvSink::create(*prefill_tx_, d, kvt::Clock::now() + kWait,
+                                         [&done](const kvt::TransferId&, Status s) { done.set_value(std::move(s)); });
     ASSERT_TRUE(sink.ok()) << sink.error().toString();
     (*sink)->fail(makeError(ErrorCode::Internal, "injected prefill failure"));
     ASSERT_EQ(future.wait_for(kWait), std::future_status::ready);
@@ -516,8 +518,8 @@ TEST_P(DecodeServerTest, TheLastPrefillAttemptsFailureEndsTheStream) {
   EXPECT_NE(get("/metrics").body.find("pdserve_decode_requests_total{outcome=\"kv_failed\"} 1"), std::string::npos);
 }
 
-// Transfer ids are drawn from the CSPRNG, not counted: one request's id says nothing about the
-// next one's, and each descriptor carries its own 128-bit transfer key.
+// Transfer ids are 128 bits drawn from the CSPRNG, not counted: one request's id says nothing about
+// the next one's, in either half.
 TEST_P(DecodeServerTest, TransferIdsAreRandomNotCounted) {
   std::vector<kvt::KvDescriptor> seen;
   for (int i = 0; i < 6; ++i) {
@@ -530,12 +532,13 @@ TEST_P(DecodeServerTest, TransferIdsAreRandomNotCounted) {
     EXPECT_EQ(collect(s.all()).last.code, ErrorCode::Cancelled);
   }
   for (std::size_t i = 0; i < seen.size(); ++i) {
-    EXPECT_NE(seen[i].request_id, 0U);
-    EXPECT_NE(seen[i].transfer_key, (std::array<std::uint64_t, 2>{}));
+    EXPECT_FALSE(seen[i].transfer_id.empty());
     for (std::size_t j = 0; j < i; ++j) {
-      const std::uint64_t a = seen[i].request_id, b = seen[j].request_id;
-      EXPECT_GT(a > b ? a - b : b - a, 1U << 20) << "ids " << b << " then " << a << " look counted";
-      EXPECT_NE(seen[i].transfer_key, seen[j].transfer_key);
+      for (const auto half : {&kvt::TransferId::hi, &kvt::TransferId::lo}) {
+        const std::uint64_t a = seen[i].transfer_id.*half, b = seen[j].transfer_id.*half;
+        EXPECT_GT(a > b ? a - b : b - a, 1U << 20)
+            << "ids " << seen[j].transfer_id.hex() << " then " << seen[i].transfer_id.hex() << " look counted";
+      }
     }
   }
 }

@@ -315,7 +315,7 @@ class QuarantineLoop : public ::testing::Test {
     return o;
   }
   // Puts layer `layer` of the prompt into the descriptor's blocks.
-  Status putLayer(std::uint64_t id, std::int64_t layer) {
+  Status putLayer(const kvtransfer::TransferId& id, std::int64_t layer) {
     kvtransfer::LayerPut put;
     put.slice = kvtransfer::LayerSlice{static_cast<std::uint32_t>(layer), 0, static_cast<std::uint32_t>(kPrompt)};
     put.local_region = staging_region_;
@@ -381,8 +381,10 @@ TEST_F(QuarantineLoop, LatePutsOfAnAbortedRequestLandOnlyInItsQuarantinedBlocks)
     auto d1 =
         loop.openStream(request(1, kPrompt, 4, aborted, Clock::now() + kWait), *decode_tx_, compat_, targets_, 30000);
     ASSERT_TRUE(d1.ok()) << d1.error().toString();
-    ASSERT_TRUE(prefill_tx_->beginTransfer(*d1, kvtransfer::Clock::now() + kWait, [](std::uint64_t, Status) {}).ok());
-    ASSERT_TRUE(putLayer(1, 0).ok());
+    ASSERT_TRUE(
+        prefill_tx_->beginTransfer(*d1, kvtransfer::Clock::now() + kWait, [](const kvtransfer::TransferId&, Status) {})
+            .ok());
+    ASSERT_TRUE(putLayer(d1->transfer_id, 0).ok());
 
     loop.postAbort(1);  // the router cancels while the prefill is mid-transfer
     ASSERT_TRUE(aborted.waitFinished());
@@ -397,12 +399,12 @@ TEST_F(QuarantineLoop, LatePutsOfAnAbortedRequestLandOnlyInItsQuarantinedBlocks)
     for (const std::uint32_t b : d2->block_ids) {
       EXPECT_EQ(std::count(d1->block_ids.begin(), d1->block_ids.end(), b), 0) << "block " << b << " reused";
     }
-    for (std::int64_t l = 1; l < layers_; ++l) ASSERT_TRUE(putLayer(1, l).ok());
+    for (std::int64_t l = 1; l < layers_; ++l) ASSERT_TRUE(putLayer(d1->transfer_id, l).ok());
     EXPECT_TRUE(written(ids(*d1)));
     EXPECT_FALSE(written(ids(*d2))) << "a late put reached another request's blocks";
 
     // The prefill gives up (router's cancel): its failure record ends the quarantine.
-    ASSERT_TRUE(prefill_tx_->abort(1, ErrorCode::Cancelled, "cancelled by the router").ok());
+    ASSERT_TRUE(prefill_tx_->abort(d1->transfer_id, ErrorCode::Cancelled, "cancelled by the router").ok());
     ASSERT_TRUE(waitQuarantined(loop, 0));
     EXPECT_FALSE(decode_tx_->cancelExpect(1)) << "the expectation outlived the quarantine";
     EXPECT_EQ(metrics_.snapshot().quarantined_blocks, 0);
@@ -422,12 +424,14 @@ TEST_F(QuarantineLoop, ACompletionRecordOrTheDeadlineEndsTheQuarantine) {
     auto d1 =
         loop.openStream(request(1, kPrompt, 4, s[0], Clock::now() + kWait), *decode_tx_, compat_, targets_, 30000);
     ASSERT_TRUE(d1.ok());
-    ASSERT_TRUE(prefill_tx_->beginTransfer(*d1, kvtransfer::Clock::now() + kWait, [](std::uint64_t, Status) {}).ok());
+    ASSERT_TRUE(
+        prefill_tx_->beginTransfer(*d1, kvtransfer::Clock::now() + kWait, [](const kvtransfer::TransferId&, Status) {})
+            .ok());
     loop.postAbort(1);
     ASSERT_TRUE(s[0].waitFinished());
-    for (std::int64_t l = 0; l < layers_; ++l) ASSERT_TRUE(putLayer(1, l).ok());
+    for (std::int64_t l = 0; l < layers_; ++l) ASSERT_TRUE(putLayer(d1->transfer_id, l).ok());
     kvtransfer::CompletionRecord rec;
-    rec.request_id = 1;
+    rec.transfer_id = d1->transfer_id;
     rec.num_tokens = static_cast<std::uint32_t>(kPrompt);
     ASSERT_TRUE(prefill_tx_->finish(std::move(rec)).ok());
     ASSERT_TRUE(waitQuarantined(loop, 0));
@@ -440,8 +444,10 @@ TEST_F(QuarantineLoop, ACompletionRecordOrTheDeadlineEndsTheQuarantine) {
     ASSERT_TRUE(d2.ok());
     loop.postAbort(2);
     ASSERT_TRUE(s[1].waitFinished());
-    ASSERT_TRUE(prefill_tx_->beginTransfer(*d2, kvtransfer::Clock::now() + kWait, [](std::uint64_t, Status) {}).ok());
-    ASSERT_TRUE(prefill_tx_->abort(2, ErrorCode::Internal, "prefill failed").ok());
+    ASSERT_TRUE(
+        prefill_tx_->beginTransfer(*d2, kvtransfer::Clock::now() + kWait, [](const kvtransfer::TransferId&, Status) {})
+            .ok());
+    ASSERT_TRUE(prefill_tx_->abort(d2->transfer_id, ErrorCode::Internal, "prefill failed").ok());
     ASSERT_TRUE(waitQuarantined(loop, 0));
     EXPECT_FALSE(decode_tx_->cancelExpect(2)) << "re-armed after the abort";
 

@@ -83,8 +83,8 @@ TEST_P(TpKv, PrefillWritesEveryRanksPoolAndTheGroupDecodesTheGoldenTokens) {
     ASSERT_NE(worker, nullptr) << follower_status.error().toString();
 
     // The descriptor: every rank's target, the same block ids everywhere.
+    constexpr std::uint64_t kRequest = 42;
     kvt::KvDescriptor d;
-    d.request_id = 42;
     d.compat = compat;
     d.num_tokens = static_cast<std::uint32_t>(prompt.size());
     d.timeout_ms = 60000;
@@ -93,12 +93,18 @@ TEST_P(TpKv, PrefillWritesEveryRanksPoolAndTheGroupDecodesTheGoldenTokens) {
     for (std::int64_t b = 0; b < 8; ++b) table.push_back(static_cast<std::int32_t>(b));
     for (std::int64_t b = 0; b < prompt_blocks; ++b) d.block_ids.push_back(static_cast<std::uint32_t>(b));
     d.targets = *targets;
-    ASSERT_TRUE(leader.expectKv(d.request_id, d.timeout_ms).ok());
+    ASSERT_TRUE(leader.expectKv(kRequest, d.timeout_ms).ok());
     std::promise<Result<kvt::CompletionRecord>> arrived;
     ASSERT_TRUE((*transport)
-                    ->expect(d.request_id, kvt::Clock::now() + 60s,
+                    ->expect(kRequest, kvt::Clock::now() + 60s,
                              [&](std::uint64_t, Result<kvt::CompletionRecord> r) { arrived.set_value(std::move(r)); })
                     .ok());
+    // As DecodeLoop does: the leader's grant draws the transfer id, every follower keeps it.
+    auto granted = (*transport)->grant(kRequest, d);
+    ASSERT_TRUE(granted.ok()) << granted.error().toString();
+    const std::vector<std::uint8_t> granted_bytes = kvt::encode(*granted);
+    ASSERT_TRUE(leader.grantKv(kRequest, std::as_bytes(std::span(granted_bytes))).ok());
+    d = std::move(granted).value();
 
     // The prefill worker: unsharded engine, its own transport, the real sink.
     auto prefill_model = makeRankEngine(dir, nullptr);
@@ -112,11 +118,12 @@ TEST_P(TpKv, PrefillWritesEveryRanksPoolAndTheGroupDecodesTheGoldenTokens) {
     ASSERT_TRUE(prefill.ok());
     (*prefill)->start();
     std::promise<Status> sent;
-    auto sink = prefill::TransportKvSink::create(**prefill_tx, d, kvt::Clock::now() + 60s,
-                                                 [&](std::uint64_t, Status s) { sent.set_value(std::move(s)); });
+    auto sink =
+        prefill::TransportKvSink::create(**prefill_tx, d, kvt::Clock::now() + 60s,
+                                         [&](const kvt::TransferId&, Status s) { sent.set_value(std::move(s)); });
     ASSERT_TRUE(sink.ok()) << sink.error().toString();
     prefill::PrefillRequest r;
-    r.id = d.request_id;
+    r.id = kRequest;
     r.tokens = prompt;
     r.sink = std::move(sink).value();
     ASSERT_TRUE((*prefill)->submit(std::move(r)).ok());
@@ -234,7 +241,6 @@ TEST_P(TpKv, AFollowerRankRefusesWritesToBlocksTheRequestDoesNotHold) {
     const auto transfer = [&](std::uint64_t id, std::vector<std::uint32_t> blocks,
                               std::vector<std::uint32_t> write_to) -> Result<kvt::CompletionRecord> {
       kvt::KvDescriptor d;
-      d.request_id = id;
       d.compat = compat;
       d.num_tokens = kTokens;
       d.timeout_ms = 60000;
@@ -246,17 +252,17 @@ TEST_P(TpKv, AFollowerRankRefusesWritesToBlocksTheRequestDoesNotHold) {
           (*transport)->expect(id, kvt::Clock::now() + 60s, [arrived](std::uint64_t, Result<kvt::CompletionRecord> r) {
             arrived->set_value(std::move(r));
           }));
-      PD_ASSIGN_OR_RETURN(kvt::KvDescriptor granted, (*transport)->grant(d));
+      PD_ASSIGN_OR_RETURN(kvt::KvDescriptor granted, (*transport)->grant(id, d));
       const std::vector<std::uint8_t> bytes = kvt::encode(granted);
-      PD_TRY(leader.grantKv(std::as_bytes(std::span(bytes))));
+      PD_TRY(leader.grantKv(id, std::as_bytes(std::span(bytes))));
       granted.block_ids = std::move(write_to);
       auto sent = std::make_shared<std::promise<Status>>();
-      PD_TRY((*prefill_tx)->beginTransfer(granted, kvt::Clock::now() + 60s, [sent](std::uint64_t, Status s) {
+      PD_TRY((*prefill_tx)->beginTransfer(granted, kvt::Clock::now() + 60s, [sent](const kvt::TransferId&, Status s) {
         sent->set_value(std::move(s));
       }));
-      PD_TRY((*prefill_tx)->put(id, source.chunkPuts(src.id(), 0, kTokens)));
+      PD_TRY((*prefill_tx)->put(granted.transfer_id, source.chunkPuts(src.id(), 0, kTokens)));
       kvt::CompletionRecord record;
-      record.request_id = id;
+      record.transfer_id = granted.transfer_id;
       record.num_tokens = kTokens;
       PD_TRY((*prefill_tx)->finish(record));
       PD_TRY(sent->get_future().get());

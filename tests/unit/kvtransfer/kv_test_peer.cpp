@@ -81,6 +81,12 @@ int receive(const std::map<std::string, std::string>& flags) {
     say("RESULT " + s.error().toString());
     return 1;
   }
+  // The transfer id the descriptor carries is the grant's, drawn here as a decode worker would.
+  desc = t->grant(seed, std::move(desc).value());
+  if (!desc.ok()) {
+    say("RESULT " + desc.error().toString());
+    return 1;
+  }
   say("DESCRIPTOR " + testutil::toHex(encode(desc.value())));
   const auto arrived = out.waitArrival(seed, std::chrono::milliseconds(timeout_ms) + 5s);
   if (!arrived) {
@@ -116,16 +122,16 @@ int send(const std::map<std::string, std::string>& flags) {
   testutil::SourceKv source(compat, desc->num_tokens, seed);
   testutil::ScopedRegion src(*t, source.bytes);
   testutil::Outcomes out;
-  const auto id = desc->request_id;
+  const TransferId id = desc->transfer_id;
   if (stall_after > 0) {
     // A complete warm-up transfer first (its record is dropped by the receiver as unexpected), so
     // the connection is fully wired up before the test kills us: UCX 1.13 aborts a process whose
     // peer vanishes within the first round trip of a connection (docs/kv-transfer.md, "UCX 1.13").
     KvDescriptor warm = desc.value();
-    warm.request_id = id + 1000000;
+    warm.transfer_id = TransferId{id.hi ^ 1, id.lo ^ 1};
     const bool sent = t->beginTransfer(warm, Clock::now() + 20s, out.onDone()).ok() &&
-                      t->finish(CompletionRecord{warm.request_id}).ok();
-    const auto warm_done = sent ? out.waitDone(warm.request_id, 20s) : std::nullopt;
+                      t->finish(CompletionRecord{warm.transfer_id}).ok();
+    const auto warm_done = sent ? out.waitDone(warm.transfer_id.lo, 20s) : std::nullopt;
     if (!warm_done || !warm_done->ok()) {
       say("RESULT warm-up failed");
       return 1;
@@ -147,14 +153,14 @@ int send(const std::map<std::string, std::string>& flags) {
     return 0;
   }
   CompletionRecord record;
-  record.request_id = id;
+  record.transfer_id = id;
   record.num_tokens = desc->num_tokens;
   record.first_token = 4242;
   if (const Status s = t->finish(record); !s.ok()) {
     say("RESULT " + s.error().toString());
     return 0;
   }
-  const auto done = out.waitDone(id, 25s);
+  const auto done = out.waitDone(id.lo, 25s);
   say(!done        ? std::string("RESULT no callback")
       : done->ok() ? std::string("RESULT ok")
                    : "RESULT " + done->error().toString());
@@ -168,19 +174,19 @@ int corpus(const std::string& dir) {
         .write(reinterpret_cast<const char*>(bytes.data()), static_cast<std::streamsize>(bytes.size()));
   };
   CompatInfo compat = testutil::smallCompat();
-  KvDescriptor d{1, compat, 10, 1000, {3, 1, 2}, {}};
+  KvDescriptor d{TransferId{0x5eed5eed5eed5eedULL, 1}, compat, 10, 1000, {3, 1, 2}, {}};
   d.targets.push_back(KvTarget{0, {1, 2, 3, 4}, {KvRegion{1ULL << 40, 3ULL * 10 * 64, 0, 3, 640, 64, {7, 7}}}});
   write(encode(d));
   d.targets[0].regions = {KvRegion{1ULL << 40, 640, 0, 1, 0, 64, {1}}, KvRegion{1ULL << 41, 1280, 1, 2, 640, 64, {2}}};
   write(encode(d));
   CompletionRecord c;
-  c.request_id = 9;
+  c.transfer_id = TransferId{0x0123456789abcdefULL, 9};
   c.hidden_state = {1.0F, 2.0F, 3.0F};
   write(encode(c));
   c.first_logprob = TokenLogprob{5, -0.5F};
   c.top_logprobs = {{5, -0.5F}, {6, -1.5F}};
   write(encode(c));
-  write(encode(FailureRecord{3, 4, ErrorCode::Timeout, "deadline"}));
+  write(encode(FailureRecord{TransferId{3, 3}, 4, ErrorCode::Timeout, "deadline"}));
   return 0;
 }
 

@@ -30,6 +30,12 @@
 
 namespace pd::kvtransfer::testutil {
 
+/// A fixed transfer id for test request `n` (a real one comes from Transport::grant, which keeps
+/// an id the descriptor already carries): `n` is its low half, so tests can still count in ints.
+inline TransferId tid(std::uint64_t n) {
+  return TransferId{0x7e57'1d00'0000'0000ULL, n};
+}
+
 /// Deadline for waits on an event that must happen (a connect, a transfer, an arrival): it exists
 /// only to end a hung test, never to order events, so it is long enough for a loaded machine.
 inline constexpr std::chrono::seconds kHangGuard{60};
@@ -149,7 +155,7 @@ class KvPool {
                                                 std::vector<std::uint32_t> block_ids, std::uint32_t timeout_ms) const {
     PD_ASSIGN_OR_RETURN(auto t, target());
     KvDescriptor d;
-    d.request_id = request_id;
+    d.transfer_id = tid(request_id);
     d.compat = compat_;
     d.num_tokens = num_tokens;
     d.timeout_ms = timeout_ms;
@@ -228,9 +234,9 @@ class ScopedRegion {
 class Outcomes {
  public:
   TransferDoneFn onDone() {
-    return [this](std::uint64_t id, Status s) {
+    return [this](const TransferId& id, Status s) {
       std::lock_guard lock(mutex_);
-      done_.insert_or_assign(id, std::move(s));
+      done_.insert_or_assign(id.lo, std::move(s));  // tid(n) has n as its low half
       ++done_calls_;
       cv_.notify_all();
     };

@@ -85,14 +85,15 @@ TEST_P(CrossProcessTest, SendsToAnotherProcessByteForByte) {
   ASSERT_TRUE(transport_->beginTransfer(*desc, Clock::now() + testutil::kHangGuard, out_.onDone()).ok());
   for (std::uint32_t first = 0; first < desc->num_tokens; first += 64) {
     ASSERT_TRUE(
-        transport_->put(desc->request_id, source.chunkPuts(src.id(), first, std::min(64U, desc->num_tokens - first)))
+        transport_->put(desc->transfer_id, source.chunkPuts(src.id(), first, std::min(64U, desc->num_tokens - first)))
             .ok());
   }
   CompletionRecord rec;
-  rec.request_id = desc->request_id;
+  rec.transfer_id = desc->transfer_id;
+  rec.num_tokens = desc->num_tokens;  // the receiver checks it against its grant
   rec.first_token = 31337;
   ASSERT_TRUE(transport_->finish(rec).ok());
-  const auto done = out_.waitDone(desc->request_id, testutil::kHangGuard);
+  const auto done = out_.waitDone(desc->transfer_id.lo, testutil::kHangGuard);
   ASSERT_TRUE(done && done->ok()) << (done ? done->error().toString() : "no callback");
   EXPECT_EQ(peer.readLine("RESULT ", testutil::kHangGuard), "ok first_token=31337");
 }
@@ -103,6 +104,8 @@ TEST_P(CrossProcessTest, ReceivesFromAnotherProcessByteForByte) {
   auto desc = pool.descriptor(22, 200, testutil::shuffledBlocks(5, 4, 22), testutil::kHangGuardMs);
   ASSERT_TRUE(desc.ok());
   ASSERT_TRUE(transport_->expect(22, Clock::now() + testutil::kHangGuard, out_.onArrival()).ok());
+  desc = transport_->grant(22, std::move(desc).value());
+  ASSERT_TRUE(desc.ok()) << desc.error().toString();
   ChildProcess peer(peerArgs({"send", "--seed", "22"}));
   ASSERT_TRUE(peer.writeLine("DESCRIPTOR " + testutil::toHex(encode(desc.value()))));
   const auto arrived = out_.waitArrival(22, testutil::kHangGuard);
@@ -122,12 +125,12 @@ TEST_P(CrossProcessTest, ReceiverKilledMidTransferFailsTheSenderFast) {
   SourceKv source(testutil::realCompat(), desc->num_tokens, 23);
   ScopedRegion src(*transport_, source.bytes);
   ASSERT_TRUE(transport_->beginTransfer(*desc, Clock::now() + 20s, out_.onDone()).ok());
-  ASSERT_TRUE(transport_->put(desc->request_id, source.chunkPuts(src.id(), 0, desc->num_tokens)).ok());
+  ASSERT_TRUE(transport_->put(desc->transfer_id, source.chunkPuts(src.id(), 0, desc->num_tokens)).ok());
   const auto start = Clock::now();
   peer.signal(SIGKILL);
   ASSERT_TRUE(peer.wait(5s).has_value());
-  (void)transport_->finish(CompletionRecord{desc->request_id});
-  const auto done = out_.waitDone(desc->request_id, 25s);
+  (void)transport_->finish(CompletionRecord{desc->transfer_id});
+  const auto done = out_.waitDone(desc->transfer_id.lo, 25s);
   ASSERT_TRUE(done.has_value());
   ASSERT_FALSE(done->ok());
   EXPECT_EQ(done->error().code, ErrorCode::PeerFailed) << done->error().toString();
@@ -155,6 +158,8 @@ TEST_P(CrossProcessTest, SenderKilledMidTransferExpiresTheReceive) {
                              out_.onArrival()(id, std::move(r));
                            })
                   .ok());
+  desc = transport_->grant(24, std::move(desc).value());
+  ASSERT_TRUE(desc.ok()) << desc.error().toString();
   ChildProcess peer(peerArgs({"send", "--seed", "24", "--stall-after-layers", "10"}));
   ASSERT_TRUE(peer.writeLine("DESCRIPTOR " + testutil::toHex(encode(desc.value()))));
   ASSERT_TRUE(peer.readLine("POSTED", testutil::kHangGuard).has_value());
@@ -205,9 +210,9 @@ TEST_P(SilentPeerTest, StoppedReceiverHitsTheDeadlineAndBecomesSuspect) {
   ScopedRegion src(*transport_, source.bytes);
   const auto start = Clock::now();
   ASSERT_TRUE(transport_->beginTransfer(*desc, start + 1s, out_.onDone()).ok());
-  ASSERT_TRUE(transport_->put(desc->request_id, source.chunkPuts(src.id(), 0, desc->num_tokens)).ok());
-  ASSERT_TRUE(transport_->finish(CompletionRecord{desc->request_id}).ok());
-  const auto done = out_.waitDone(desc->request_id, 10s);
+  ASSERT_TRUE(transport_->put(desc->transfer_id, source.chunkPuts(src.id(), 0, desc->num_tokens)).ok());
+  ASSERT_TRUE(transport_->finish(CompletionRecord{desc->transfer_id}).ok());
+  const auto done = out_.waitDone(desc->transfer_id.lo, 10s);
   const auto elapsed = Clock::now() - start;
   ASSERT_TRUE(done.has_value());
   ASSERT_FALSE(done->ok());
@@ -219,7 +224,7 @@ TEST_P(SilentPeerTest, StoppedReceiverHitsTheDeadlineAndBecomesSuspect) {
   EXPECT_EQ(s.peers, 0);
 
   KvDescriptor again = *desc;
-  again.request_id += 1;
+  again.transfer_id.lo += 1;
   const Status refused = transport_->beginTransfer(again, Clock::now() + 1s, out_.onDone());
   ASSERT_FALSE(refused.ok());
   EXPECT_EQ(refused.error().code, ErrorCode::PeerFailed);

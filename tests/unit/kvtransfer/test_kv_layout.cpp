@@ -13,7 +13,7 @@ constexpr std::uint64_t kBase = 1ULL << 40;
 // one region, layer-major.
 KvDescriptor smallDescriptor() {
   KvDescriptor d;
-  d.request_id = 9;
+  d.transfer_id = TransferId{0, 9};
   d.compat.block_size = 4;
   d.compat.num_layers = 3;
   d.compat.kv_dim = 8;

@@ -19,8 +19,7 @@ namespace {
 KvDescriptor randomDescriptor(std::mt19937_64& rng) {
   std::uniform_int_distribution<std::uint32_t> small(0, 6);
   KvDescriptor d;
-  d.request_id = rng();
-  if ((rng() & 1) != 0) d.transfer_key = {rng(), rng()};
+  if ((rng() & 1) != 0) d.transfer_id = TransferId{rng(), rng()};
   d.compat.model_hash = rng();
   d.compat.kv_dtype = (rng() & 1) != 0 ? DType::BF16 : DType::F32;
   d.compat.block_size = 1 + small(rng) * 16;
@@ -58,7 +57,7 @@ KvDescriptor randomDescriptor(std::mt19937_64& rng) {
 CompletionRecord randomCompletion(std::mt19937_64& rng) {
   std::uniform_real_distribution<float> value(-10.0F, 10.0F);
   CompletionRecord r;
-  r.request_id = rng();
+  r.transfer_id = TransferId{rng(), rng()};
   r.compat_hash = rng();
   r.num_tokens = static_cast<std::uint32_t>(rng());
   r.first_token = static_cast<std::int32_t>(rng());
@@ -79,7 +78,7 @@ std::vector<std::uint8_t> validMessage(std::mt19937_64& rng) {
     case 1:
       return encode(randomCompletion(rng));
     default:
-      return encode(FailureRecord{rng(), rng(), ErrorCode::Timeout, "deadline of 30000 ms expired"});
+      return encode(FailureRecord{TransferId{rng(), rng()}, rng(), ErrorCode::Timeout, "deadline of 30000 ms expired"});
   }
 }
 
@@ -111,7 +110,7 @@ TEST(KvWire, CompletionRecordRoundTrips) {
 
 TEST(KvWire, FailureRecordRoundTripsEveryErrorCode) {
   for (int c = 0; c <= static_cast<int>(ErrorCode::Internal); ++c) {
-    const FailureRecord r{42, 0xabcdef, static_cast<ErrorCode>(c), "prefill worker lost its GPU"};
+    const FailureRecord r{TransferId{42, 43}, 0xabcdef, static_cast<ErrorCode>(c), "prefill worker lost its GPU"};
     auto back = decodeFailureRecord(encode(r));
     ASSERT_TRUE(back.ok()) << back.error().toString();
     EXPECT_EQ(back.value(), r);
@@ -121,8 +120,52 @@ TEST(KvWire, FailureRecordRoundTripsEveryErrorCode) {
   }
 }
 
+// The transfer id is the only id on the wire: all 128 bits of it, right after the header, in every
+// message (little-endian hi, then lo), and a descriptor carries nothing else that names the request.
+TEST(KvWire, EveryMessageCarriesTheFull128BitTransferIdAfterTheHeader) {
+  const TransferId id{0x0123456789abcdefULL, 0xfedcba9876543210ULL};
+  const auto read_id = [](const std::vector<std::uint8_t>& bytes) {
+    TransferId back;
+    std::memcpy(&back.hi, bytes.data() + kWireHeaderBytes, 8);
+    std::memcpy(&back.lo, bytes.data() + kWireHeaderBytes + 8, 8);
+    return back;
+  };
+  KvDescriptor d;
+  d.transfer_id = id;
+  CompletionRecord c;
+  c.transfer_id = id;
+  const FailureRecord f{id, 5, ErrorCode::Timeout, "late"};
+  for (const auto& bytes : {encode(d), encode(c), encode(f)}) {
+    EXPECT_EQ(read_id(bytes), id);
+    // Both halves matter: another id in either half decodes to another transfer.
+    for (const std::size_t at : {kWireHeaderBytes, kWireHeaderBytes + 15}) {
+      auto changed = bytes;
+      changed[at] ^= 0x01;
+      EXPECT_NE(read_id(changed), id);
+    }
+  }
+  auto back_d = decodeKvDescriptor(encode(d));
+  ASSERT_TRUE(back_d.ok());
+  EXPECT_EQ(back_d->transfer_id, id);
+  auto back_f = decodeFailureRecord(encode(f));
+  ASSERT_TRUE(back_f.ok());
+  EXPECT_EQ(back_f->transfer_id, id);
+  // The id changed in its low half: still a valid message, but of another transfer.
+  auto flipped = encode(c);
+  flipped[kWireHeaderBytes + 15] ^= 0x80;
+  auto back_c = decodeCompletionRecord(flipped);
+  ASSERT_TRUE(back_c.ok());
+  EXPECT_NE(back_c->transfer_id, id);
+  EXPECT_EQ(back_c->transfer_id.hi, id.hi);
+  // Messages of the previous protocol (64-bit ids) are refused as another version.
+  auto v2 = encode(c);
+  v2[4] = 2;
+  EXPECT_EQ(decodeCompletionRecord(v2).error().code, ErrorCode::Unsupported);
+  EXPECT_EQ(kProtocolVersion, 3);
+}
+
 TEST(KvWire, HeaderIsCheckedFieldByField) {
-  const auto good = encode(FailureRecord{1, 2, ErrorCode::Cancelled, "x"});
+  const auto good = encode(FailureRecord{TransferId{1, 1}, 2, ErrorCode::Cancelled, "x"});
   ASSERT_TRUE(decodeFailureRecord(good).ok());
 
   auto bad_magic = good;
@@ -174,8 +217,8 @@ TEST(KvWire, HostileCountsAreRejectedWithoutAllocating) {
   KvDescriptor d;
   d.block_ids = {1, 2, 3};
   auto bytes = encode(d);
-  // Layout: header 12, request_id 8, compat 27, hash 8, num_tokens 4, timeout 4, then the count.
-  const std::size_t count_at = 12 + 8 + 27 + 8 + 4 + 4;
+  // Layout: header 12, transfer_id 16, compat 27, hash 8, num_tokens 4, timeout 4, then the count.
+  const std::size_t count_at = 12 + 16 + 27 + 8 + 4 + 4;
   ASSERT_EQ(bytes[count_at], 3);
   bytes[count_at] = 0xFF;
   bytes[count_at + 1] = 0xFF;
@@ -188,7 +231,7 @@ TEST(KvWire, HostileCountsAreRejectedWithoutAllocating) {
   CompletionRecord c;
   c.hidden_state = {1.0F};
   auto cb = encode(c);
-  const std::size_t hidden_at = 12 + 8 + 8 + 4 + 4;
+  const std::size_t hidden_at = 12 + 16 + 8 + 4 + 4;
   cb[hidden_at + 3] = 0x40;
   EXPECT_EQ(decodeCompletionRecord(cb).error().code, ErrorCode::Corrupt);
 }
@@ -197,7 +240,7 @@ TEST(KvWire, DescriptorCompatHashMustMatchItsFields) {
   KvDescriptor d;
   d.compat.model_hash = 7;
   auto bytes = encode(d);
-  const std::size_t model_hash_at = 12 + 8 + 2;
+  const std::size_t model_hash_at = 12 + 16 + 2;
   bytes[model_hash_at] = 8;  // fields changed, hash not
   const auto r = decodeKvDescriptor(bytes);
   ASSERT_FALSE(r.ok());
@@ -206,17 +249,17 @@ TEST(KvWire, DescriptorCompatHashMustMatchItsFields) {
 }
 
 TEST(KvWire, EnumCodesAreValidated) {
-  auto failure = encode(FailureRecord{1, 2, ErrorCode::Timeout, ""});
-  failure[12 + 16] = 200;  // error code
+  auto failure = encode(FailureRecord{TransferId{1, 1}, 2, ErrorCode::Timeout, ""});
+  failure[12 + 16 + 8] = 200;  // error code
   EXPECT_EQ(decodeFailureRecord(failure).error().code, ErrorCode::Corrupt);
 
   auto desc = encode(KvDescriptor{});
-  desc[12 + 8 + 2 + 8] = 99;  // dtype code (hash check comes after; the dtype is rejected first)
+  desc[12 + 16 + 2 + 8] = 99;  // dtype code (hash check comes after; the dtype is rejected first)
   EXPECT_EQ(decodeKvDescriptor(desc).error().code, ErrorCode::Corrupt);
 
   CompletionRecord c;
   auto comp = encode(c);
-  comp[12 + 8 + 8 + 4 + 4 + 4] = 2;  // logprob flag
+  comp[12 + 16 + 8 + 4 + 4 + 4] = 2;  // logprob flag
   const auto r = decodeCompletionRecord(comp);
   ASSERT_FALSE(r.ok());
   EXPECT_NE(r.error().message.find("logprob flag"), std::string::npos);

@@ -70,7 +70,7 @@ class UcxTransportTest : public ::testing::TestWithParam<Variant> {
 
 CompletionRecord sampleRecord(std::uint64_t id, std::uint32_t tokens) {
   CompletionRecord r;
-  r.request_id = id;
+  r.transfer_id = testutil::tid(id);
   r.num_tokens = tokens;
   r.first_token = 12345;
   r.hidden_state.resize(7168);
@@ -97,9 +97,10 @@ TEST_P(UcxTransportTest, RealLayoutTransfersByteForByte) {
   ASSERT_TRUE(wire.ok());
 
   ASSERT_TRUE(receiver_->expect(1, Clock::now() + kHangGuard, out_.onArrival()).ok());
+  ASSERT_TRUE(receiver_->grant(1, wire.value()).ok());
   ASSERT_TRUE(sender_->beginTransfer(wire.value(), Clock::now() + kHangGuard, out_.onDone()).ok());
   for (std::uint32_t first = 0; first < kTokens; first += 48) {
-    ASSERT_TRUE(sender_->put(1, source.chunkPuts(src.id(), first, std::min(48U, kTokens - first))).ok());
+    ASSERT_TRUE(sender_->put(testutil::tid(1), source.chunkPuts(src.id(), first, std::min(48U, kTokens - first))).ok());
   }
   const CompletionRecord sent = sampleRecord(1, kTokens);
   ASSERT_TRUE(sender_->finish(sent).ok());
@@ -142,14 +143,15 @@ TEST_P(UcxTransportTest, DataOfAnExpiredReceiveIsDropped) {
   ScopedRegion src(*sender_, source.bytes);
   auto d = pool.descriptor(13, 6, {4, 1}, testutil::kHangGuardMs);
   ASSERT_TRUE(receiver_->expect(13, Clock::now() + 50ms, out_.onArrival()).ok());
+  ASSERT_TRUE(receiver_->grant(13, d.value()).ok());
   const auto expired = out_.waitArrival(13, kHangGuard);
   ASSERT_TRUE(expired.has_value());
   EXPECT_EQ(expired->error().code, ErrorCode::Timeout);
 
   ASSERT_TRUE(sender_->beginTransfer(d.value(), Clock::now() + kHangGuard, out_.onDone()).ok());
-  ASSERT_TRUE(sender_->put(13, source.chunkPuts(src.id(), 0, 6)).ok());
+  ASSERT_TRUE(sender_->put(testutil::tid(13), source.chunkPuts(src.id(), 0, 6)).ok());
   CompletionRecord r;
-  r.request_id = 13;
+  r.transfer_id = testutil::tid(13);
   ASSERT_TRUE(sender_->finish(r).ok());
   const auto done = out_.waitDone(13, kHangGuard);
   ASSERT_TRUE(done && done->ok());
@@ -187,21 +189,23 @@ TEST_P(UcxTransportTest, ConcurrentSmallTransfersAllLand) {
     ASSERT_TRUE(d.ok());
     descs.push_back(d.value());
     ASSERT_TRUE(receiver_->expect(id, Clock::now() + kHangGuard, out_.onArrival()).ok());
+    ASSERT_TRUE(receiver_->grant(id, descs.back()).ok());
     ASSERT_TRUE(sender_->beginTransfer(descs.back(), Clock::now() + kHangGuard, out_.onDone()).ok());
   }
   // Interleave: first halves of every request, then second halves, then the records.
   for (int i = 0; i < kRequests; ++i)
-    ASSERT_TRUE(sender_->put(descs[i].request_id, sources[i]->chunkPuts(regions[i]->id(), 0, 3)).ok());
+    ASSERT_TRUE(sender_->put(descs[i].transfer_id, sources[i]->chunkPuts(regions[i]->id(), 0, 3)).ok());
   for (int i = 0; i < kRequests; ++i)
-    ASSERT_TRUE(sender_->put(descs[i].request_id, sources[i]->chunkPuts(regions[i]->id(), 3, 4)).ok());
+    ASSERT_TRUE(sender_->put(descs[i].transfer_id, sources[i]->chunkPuts(regions[i]->id(), 3, 4)).ok());
   for (int i = 0; i < kRequests; ++i) {
     CompletionRecord r;
-    r.request_id = descs[i].request_id;
+    r.transfer_id = descs[i].transfer_id;
+    r.num_tokens = 7;
     r.first_token = i;
     ASSERT_TRUE(sender_->finish(r).ok());
   }
   for (int i = 0; i < kRequests; ++i) {
-    const auto id = descs[i].request_id;
+    const auto id = descs[i].transfer_id.lo;
     const auto done = out_.waitDone(id, kHangGuard);
     ASSERT_TRUE(done && done->ok());
     const auto arrived = out_.waitArrival(id, kHangGuard);
@@ -258,14 +262,18 @@ TEST_P(UcxTransportTest, UnfinishedTransferTimesOutWithoutCondemningThePeer) {
 
   auto d5 = pool.descriptor(5, 4, {2}, testutil::kHangGuardMs);
   ASSERT_TRUE(receiver_->expect(5, Clock::now() + kHangGuard, out_.onArrival()).ok());
+  ASSERT_TRUE(receiver_->grant(5, d5.value()).ok());
   ASSERT_TRUE(sender_->beginTransfer(d5.value(), Clock::now() + kHangGuard, out_.onDone()).ok());
-  ASSERT_TRUE(sender_->put(5, source.chunkPuts(src.id(), 0, 4)).ok());
+  ASSERT_TRUE(sender_->put(testutil::tid(5), source.chunkPuts(src.id(), 0, 4)).ok());
   CompletionRecord r;
-  r.request_id = 5;
+  r.transfer_id = testutil::tid(5);
+  r.num_tokens = 4;
   ASSERT_TRUE(sender_->finish(r).ok());
   const auto ok = out_.waitDone(5, kHangGuard);
   ASSERT_TRUE(ok && ok->ok());
-  ASSERT_TRUE(out_.waitArrival(5, kHangGuard).has_value());
+  const auto arrived5 = out_.waitArrival(5, kHangGuard);
+  ASSERT_TRUE(arrived5.has_value());
+  EXPECT_TRUE(arrived5->ok()) << arrived5->error().toString();
 }
 
 TEST_P(UcxTransportTest, AbortDeliversTheFailureToTheReceiver) {
@@ -277,9 +285,10 @@ TEST_P(UcxTransportTest, AbortDeliversTheFailureToTheReceiver) {
   ScopedRegion src(*sender_, source.bytes);
   auto d = pool.descriptor(6, 4, {3}, testutil::kHangGuardMs);
   ASSERT_TRUE(receiver_->expect(6, Clock::now() + kHangGuard, out_.onArrival()).ok());
+  ASSERT_TRUE(receiver_->grant(6, d.value()).ok());
   ASSERT_TRUE(sender_->beginTransfer(d.value(), Clock::now() + kHangGuard, out_.onDone()).ok());
-  ASSERT_TRUE(sender_->put(6, source.chunkPuts(src.id(), 0, 4)).ok());
-  ASSERT_TRUE(sender_->abort(6, ErrorCode::Overloaded, "prefill queue full").ok());
+  ASSERT_TRUE(sender_->put(testutil::tid(6), source.chunkPuts(src.id(), 0, 4)).ok());
+  ASSERT_TRUE(sender_->abort(testutil::tid(6), ErrorCode::Overloaded, "prefill queue full").ok());
   const auto done = out_.waitDone(6, kHangGuard);
   ASSERT_TRUE(done.has_value());
   EXPECT_EQ(done->error().code, ErrorCode::Cancelled);
@@ -300,11 +309,11 @@ TEST_P(UcxTransportTest, ReceiverGoneMidTransferIsReportedAsPeerFailure) {
   const RegionLayout layout{region.value(), 0, 0, 61, 8 * block, block};
   auto target = receiver_->exportTarget(0, std::span(&layout, 1));
   ASSERT_TRUE(target.ok());
-  KvDescriptor d{7, compat_, 512, 30000, {0, 1, 2, 3, 4, 5, 6, 7}, {target.value()}};
+  KvDescriptor d{testutil::tid(7), compat_, 512, 30000, {0, 1, 2, 3, 4, 5, 6, 7}, {target.value()}};
   SourceKv source(compat_, 512, 3);
   ScopedRegion src(*sender_, source.bytes);
   ASSERT_TRUE(sender_->beginTransfer(d, Clock::now() + 30s, out_.onDone()).ok());
-  ASSERT_TRUE(sender_->put(7, source.chunkPuts(src.id(), 0, 512)).ok());
+  ASSERT_TRUE(sender_->put(testutil::tid(7), source.chunkPuts(src.id(), 0, 512)).ok());
   const auto start = Clock::now();
   receiver_.reset();  // its worker and sockets go away (the region warning is expected)
   (void)sender_->finish(sampleRecord(7, 512));
@@ -346,24 +355,30 @@ TEST_P(UcxTransportTest, MisuseIsReportedAsErrors) {
   EXPECT_EQ(refused.error().code, ErrorCode::InvalidArgument);
   EXPECT_NE(refused.error().message.find("tcp"), std::string::npos);
 
-  EXPECT_EQ(sender_->put(404, {}).error().code, ErrorCode::NotFound);
+  EXPECT_EQ(sender_->put(testutil::tid(404), {}).error().code, ErrorCode::NotFound);
   EXPECT_EQ(sender_->finish(CompletionRecord{}).error().code, ErrorCode::NotFound);
-  EXPECT_EQ(sender_->abort(404, ErrorCode::Internal, "x").error().code, ErrorCode::NotFound);
+  EXPECT_EQ(sender_->abort(testutil::tid(404), ErrorCode::Internal, "x").error().code, ErrorCode::NotFound);
   EXPECT_EQ(sender_->deregisterRegion(404).error().code, ErrorCode::NotFound);
 
   KvPool pool(*receiver_, compat_, 2);
   SourceKv source(compat_, 10, 1);
   ScopedRegion src(*sender_, source.bytes);
   auto d = pool.descriptor(9, 10, {1}, testutil::kHangGuardMs);
+  KvDescriptor ungranted = d.value();
+  ungranted.transfer_id = TransferId{};  // a descriptor no decode transport granted
+  EXPECT_EQ(sender_->beginTransfer(ungranted, Clock::now() + kHangGuard, out_.onDone()).error().code,
+            ErrorCode::InvalidArgument);
+  EXPECT_EQ(receiver_->grant(9, d.value()).error().code, ErrorCode::NotFound);  // not expected
   ASSERT_TRUE(sender_->beginTransfer(d.value(), Clock::now() + kHangGuard, out_.onDone()).ok());
   EXPECT_EQ(sender_->beginTransfer(d.value(), Clock::now() + kHangGuard, out_.onDone()).error().code,
             ErrorCode::InvalidArgument);
-  EXPECT_EQ(sender_->put(9, source.chunkPuts(src.id(), 5, 6)).error().code, ErrorCode::InvalidArgument);  // > 10
+  EXPECT_EQ(sender_->put(testutil::tid(9), source.chunkPuts(src.id(), 5, 6)).error().code,
+            ErrorCode::InvalidArgument);  // > 10
   const LayerPut past_local{LayerSlice{0, 0, 10}, src.id(), source.bytes.size() - 100};
-  EXPECT_EQ(sender_->put(9, std::span(&past_local, 1)).error().code, ErrorCode::InvalidArgument);
-  ASSERT_TRUE(sender_->put(9, source.chunkPuts(src.id(), 0, 10)).ok());
+  EXPECT_EQ(sender_->put(testutil::tid(9), std::span(&past_local, 1)).error().code, ErrorCode::InvalidArgument);
+  ASSERT_TRUE(sender_->put(testutil::tid(9), source.chunkPuts(src.id(), 0, 10)).ok());
   EXPECT_EQ(sender_->deregisterRegion(src.id()).error().code, ErrorCode::InvalidArgument);  // in use
-  ASSERT_TRUE(sender_->abort(9, ErrorCode::Cancelled, "test over").ok());
+  ASSERT_TRUE(sender_->abort(testutil::tid(9), ErrorCode::Cancelled, "test over").ok());
   ASSERT_TRUE(out_.waitDone(9, kHangGuard).has_value());
 
   ASSERT_TRUE(receiver_->expect(10, Clock::now() + kHangGuard, out_.onArrival()).ok());

@@ -1,6 +1,7 @@
-// Write confinement on the receiving side of UcxTransport: after grant(), a request's KV data may
-// land only in the blocks its descriptor lists, data and records must carry the descriptor's random
-// transfer key, a completion record must be for the granted token count, and with a cluster
+// Write confinement on the receiving side of UcxTransport: grant() binds a request to a fresh
+// 128-bit random transfer id, the only id data and records are looked up by (a guessed, stale or
+// ungranted one is dropped and counted); a request's KV data may land only in the blocks its
+// descriptor lists; a completion record must be for the granted token count; and with a cluster
 // secret every record must carry its HMAC tag. Also: a transport given a loopback `host` listens
 // on the loopback interface only.
 
@@ -26,6 +27,15 @@ using testutil::KvPool;
 using testutil::Outcomes;
 using testutil::ScopedRegion;
 using testutil::SourceKv;
+using testutil::tid;
+
+/// A descriptor as the decode worker builds it before its grant: no transfer id yet.
+KvDescriptor ungranted(const KvPool& pool, std::uint64_t request, std::uint32_t tokens,
+                       std::vector<std::uint32_t> blocks) {
+  KvDescriptor d = pool.descriptor(request, tokens, std::move(blocks), testutil::kHangGuardMs).value();
+  d.transfer_id = TransferId{};
+  return d;
+}
 
 std::unique_ptr<Transport> makeTransport(KvDataPath path, const CompatInfo& compat, const std::string& name,
                                          const std::string& host = "",
@@ -66,12 +76,12 @@ class WriteConfinement : public ::testing::TestWithParam<KvDataPath> {
     ScopedRegion src(*sender_, source.bytes);
     ASSERT_TRUE(src.ok());
     ASSERT_TRUE(sender_->beginTransfer(d, Clock::now() + kHangGuard, done_to.onDone()).ok());
-    ASSERT_TRUE(sender_->put(d.request_id, source.chunkPuts(src.id(), 0, d.num_tokens)).ok());
+    ASSERT_TRUE(sender_->put(d.transfer_id, source.chunkPuts(src.id(), 0, d.num_tokens)).ok());
     CompletionRecord r;
-    r.request_id = d.request_id;
+    r.transfer_id = d.transfer_id;
     r.num_tokens = record_tokens;
     ASSERT_TRUE(sender_->finish(r).ok());
-    const auto done = done_to.waitDone(d.request_id, kHangGuard);
+    const auto done = done_to.waitDone(d.transfer_id.lo, kHangGuard);  // Outcomes keys by the low half
     ASSERT_TRUE(done.has_value());
   }
 
@@ -81,29 +91,29 @@ class WriteConfinement : public ::testing::TestWithParam<KvDataPath> {
   std::unique_ptr<Transport> receiver_;
 };
 
-TEST_P(WriteConfinement, GrantedTransferLandsAndCarriesAFreshKey) {
+TEST_P(WriteConfinement, GrantedTransferLandsUnderAFreshRandomId) {
   KvPool pool(*receiver_, compat_, 8);
-  auto d = pool.descriptor(1, 6, {5, 2}, testutil::kHangGuardMs);
-  ASSERT_TRUE(d.ok());
   ASSERT_TRUE(receiver_->expect(1, Clock::now() + kHangGuard, out_.onArrival()).ok());
-  auto granted = receiver_->grant(d.value());
+  auto granted = receiver_->grant(1, ungranted(pool, 1, 6, {5, 2}));
   ASSERT_TRUE(granted.ok()) << granted.error().toString();
-  EXPECT_NE(granted->transfer_key, (std::array<std::uint64_t, 2>{}));
-  // The key travels in the descriptor's bytes.
+  EXPECT_FALSE(granted->transfer_id.empty());
+  EXPECT_NE(granted->transfer_id.hi, 0U);  // not derived from the local request number
+  // The id travels in the descriptor's bytes.
   auto wire = decodeKvDescriptor(encode(granted.value()));
   ASSERT_TRUE(wire.ok());
-  EXPECT_EQ(wire->transfer_key, granted->transfer_key);
+  EXPECT_EQ(wire->transfer_id, granted->transfer_id);
   send(wire.value(), 6);
   const auto arrived = out_.waitArrival(1, kHangGuard);
   ASSERT_TRUE(arrived.has_value());
   ASSERT_TRUE(arrived->ok()) << arrived->error().toString();
   EXPECT_EQ(pool.verify(granted.value(), 5), "");
 
-  // Another grant gets another key.
+  // Another grant gets another id, differing in both halves.
   ASSERT_TRUE(receiver_->expect(2, Clock::now() + kHangGuard, out_.onArrival()).ok());
-  auto again = receiver_->grant(pool.descriptor(2, 6, {0, 1}, testutil::kHangGuardMs).value());
+  auto again = receiver_->grant(2, ungranted(pool, 2, 6, {0, 1}));
   ASSERT_TRUE(again.ok());
-  EXPECT_NE(again->transfer_key, granted->transfer_key);
+  EXPECT_NE(again->transfer_id.hi, granted->transfer_id.hi);
+  EXPECT_NE(again->transfer_id.lo, granted->transfer_id.lo);
   EXPECT_TRUE(receiver_->cancelExpect(2));
 }
 
@@ -116,7 +126,7 @@ TEST_P(WriteConfinement, DataForBlocksTheRequestDoesNotHoldIsRefused) {
   }
   KvPool pool(*receiver_, compat_, 8);
   ASSERT_TRUE(receiver_->expect(3, Clock::now() + kHangGuard, out_.onArrival()).ok());
-  auto granted = receiver_->grant(pool.descriptor(3, 6, {0, 1}, testutil::kHangGuardMs).value());
+  auto granted = receiver_->grant(3, ungranted(pool, 3, 6, {0, 1}));
   ASSERT_TRUE(granted.ok());
   KvDescriptor forged = granted.value();
   forged.block_ids = {6, 7};  // a victim's blocks
@@ -133,23 +143,37 @@ TEST_P(WriteConfinement, DataForBlocksTheRequestDoesNotHoldIsRefused) {
   EXPECT_GT(receiver_->stats().bytes_dropped, 0U);
 }
 
-// Knowing (or guessing) a request id is not enough: data and records without the descriptor's
-// key are dropped, and the receive is left to its own outcome: it is still pending after the
-// receiver refused the record (an event the test waits on; no deadline orders it).
-TEST_P(WriteConfinement, DataAndRecordsWithoutTheTransferKeyAreDropped) {
+// Only the granted 128-bit id opens a request: data and records under any other id (one bit off
+// the real one, one made from the local request number, the id of a transfer that already
+// ended) are dropped and counted, and the receive is left to its own outcome: it is still
+// pending after the receiver refused every forged record (events the test waits on; no deadline
+// orders them).
+TEST_P(WriteConfinement, DataAndRecordsUnderAGuessedOrStaleTransferIdAreDropped) {
   KvPool pool(*receiver_, compat_, 8);
+  ASSERT_TRUE(receiver_->expect(41, Clock::now() + kHangGuard, out_.onArrival()).ok());
+  auto ended = receiver_->grant(41, ungranted(pool, 41, 6, {2, 3}));
+  ASSERT_TRUE(ended.ok());
+  send(ended.value(), 6);
+  const auto first = out_.waitArrival(41, kHangGuard);
+  ASSERT_TRUE(first.has_value() && first->ok());
+
   ASSERT_TRUE(receiver_->expect(4, Clock::now() + kHangGuard, out_.onArrival()).ok());
-  const KvDescriptor plain = pool.descriptor(4, 6, {0, 1}, testutil::kHangGuardMs).value();
-  auto granted = receiver_->grant(plain);
+  const KvDescriptor plain = ungranted(pool, 4, 6, {0, 1});
+  auto granted = receiver_->grant(4, plain);
   ASSERT_TRUE(granted.ok());
-  send(plain, 6);  // the same request id and blocks, without the key
-  ASSERT_TRUE(testutil::eventually([&] { return receiver_->stats().records_rejected >= 1; }))
-      << "the receiver never refused the keyless record";
-  EXPECT_FALSE(out_.waitArrival(4, 0ms).has_value()) << "the keyless record ended the receive";
+  const std::uint64_t rejected_before = receiver_->stats().records_rejected;
+  std::vector<KvDescriptor> forged(3, granted.value());
+  forged[0].transfer_id.lo ^= 1;               // one bit off the live id
+  forged[1].transfer_id = tid(4);              // made from the request's local number
+  forged[2].transfer_id = ended->transfer_id;  // a finished transfer's id
+  for (const KvDescriptor& f : forged) send(f, 6);
+  ASSERT_TRUE(testutil::eventually([&] { return receiver_->stats().records_rejected >= rejected_before + 3; }))
+      << "the receiver did not refuse every forged record";
+  EXPECT_FALSE(out_.waitArrival(4, 0ms).has_value()) << "a forged record ended the receive";
   if (GetParam() == KvDataPath::ActiveMessage) {
-    KvDescriptor nothing = plain;
-    nothing.num_tokens = 0;
-    EXPECT_EQ(pool.verify(nothing, 5), "");
+    EXPECT_GT(receiver_->stats().bytes_dropped, 0U);
+    // Only the ended transfer's blocks hold KV; request 4's blocks and every other are untouched.
+    EXPECT_EQ(pool.verify(ended.value(), 5), "");
   }
   EXPECT_TRUE(receiver_->cancelExpect(4)) << "the receive ended before its own outcome";
   const auto arrived = out_.waitArrival(4, kHangGuard);
@@ -161,7 +185,7 @@ TEST_P(WriteConfinement, DataAndRecordsWithoutTheTransferKeyAreDropped) {
 TEST_P(WriteConfinement, ACompletionRecordForAnotherTokenCountFailsTheReceive) {
   KvPool pool(*receiver_, compat_, 8);
   ASSERT_TRUE(receiver_->expect(5, Clock::now() + kHangGuard, out_.onArrival()).ok());
-  auto granted = receiver_->grant(pool.descriptor(5, 6, {3, 4}, testutil::kHangGuardMs).value());
+  auto granted = receiver_->grant(5, ungranted(pool, 5, 6, {3, 4}));
   ASSERT_TRUE(granted.ok());
   send(granted.value(), 7);
   const auto arrived = out_.waitArrival(5, kHangGuard);
@@ -173,23 +197,31 @@ TEST_P(WriteConfinement, ACompletionRecordForAnotherTokenCountFailsTheReceive) {
 
 TEST_P(WriteConfinement, GrantRefusesUnexpectedRequestsAndForeignTargets) {
   KvPool pool(*receiver_, compat_, 8);
-  const KvDescriptor d = pool.descriptor(6, 6, {0, 1}, testutil::kHangGuardMs).value();
-  auto unexpected = receiver_->grant(d);
+  const KvDescriptor d = ungranted(pool, 6, 6, {0, 1});
+  auto unexpected = receiver_->grant(6, d);
   ASSERT_FALSE(unexpected.ok());
   EXPECT_EQ(unexpected.error().code, ErrorCode::NotFound);
   ASSERT_TRUE(receiver_->expect(6, Clock::now() + kHangGuard, out_.onArrival()).ok());
-  auto foreign = sender_->grant(d);  // the sender expects nothing
+  auto foreign = sender_->grant(6, d);  // the sender expects nothing
   EXPECT_FALSE(foreign.ok());
   ASSERT_TRUE(sender_->expect(6, Clock::now() + kHangGuard, out_.onArrival()).ok());
-  foreign = sender_->grant(d);  // expected there, but the descriptor names the receiver only
+  foreign = sender_->grant(6, d);  // expected there, but the descriptor names the receiver only
   ASSERT_FALSE(foreign.ok());
   EXPECT_EQ(foreign.error().code, ErrorCode::InvalidArgument);
+  // One id per request, one request per id.
+  auto granted = receiver_->grant(6, d);
+  ASSERT_TRUE(granted.ok());
+  EXPECT_TRUE(receiver_->grant(6, granted.value()).ok()) << "granting the same id again is idempotent";
+  EXPECT_EQ(receiver_->grant(6, d).error().code, ErrorCode::InvalidArgument) << "a second, different id";
+  ASSERT_TRUE(receiver_->expect(7, Clock::now() + kHangGuard, out_.onArrival()).ok());
+  EXPECT_EQ(receiver_->grant(7, granted.value()).error().code, ErrorCode::InvalidArgument) << "another request's id";
+  EXPECT_TRUE(receiver_->cancelExpect(7));
   EXPECT_TRUE(sender_->cancelExpect(6));
   EXPECT_TRUE(receiver_->cancelExpect(6));
 }
 
-// With TP a descriptor lists every decode rank; the first rank's grant draws the key and the
-// others keep it, so one key opens every rank's blocks and only those.
+// With TP a descriptor lists every decode rank; the first rank's grant draws the id and the
+// others keep it, so one id opens every rank's blocks and only those.
 TEST_P(WriteConfinement, EveryTpRankGrantsTheSameDescriptorWithOneKey) {
   compat_.tp_size = 2;
   sender_ = makeTransport(GetParam(), compat_, "prefill");
@@ -200,15 +232,15 @@ TEST_P(WriteConfinement, EveryTpRankGrantsTheSameDescriptorWithOneKey) {
   {
     KvPool pool0(*receiver_, compat_, 8);
     KvPool pool1(*rank1, compat_, 8);
-    KvDescriptor d = pool0.descriptor(8, 6, {1, 6}, testutil::kHangGuardMs).value();
+    KvDescriptor d = ungranted(pool0, 8, 6, {1, 6});
     d.targets.push_back(pool1.target(1).value());
     ASSERT_TRUE(receiver_->expect(8, Clock::now() + kHangGuard, out_.onArrival()).ok());
     ASSERT_TRUE(rank1->expect(8, Clock::now() + kHangGuard, out1.onArrival()).ok());
-    auto first = receiver_->grant(d);
+    auto first = receiver_->grant(8, d);
     ASSERT_TRUE(first.ok()) << first.error().toString();
-    auto second = rank1->grant(first.value());
+    auto second = rank1->grant(8, first.value());
     ASSERT_TRUE(second.ok()) << second.error().toString();
-    EXPECT_EQ(second->transfer_key, first->transfer_key);
+    EXPECT_EQ(second->transfer_id, first->transfer_id);
     send(second.value(), 6);
     for (auto* o : {&out_, &out1}) {
       const auto arrived = o->waitArrival(8, kHangGuard);
@@ -229,7 +261,7 @@ std::shared_ptr<const InternalAuth> clusterSecret(char fill) {
 }
 
 // With a cluster secret, a record must carry its tag: one from the descriptor's holder (it has the
-// transfer key) that is unsigned or signed with another secret fails the receive at once
+// transfer id) that is unsigned or signed with another secret fails the receive at once
 // (Unauthenticated, counted), and the same transfer signed with the right secret lands.
 TEST_P(WriteConfinement, RecordsMustBeSignedWithTheClusterSecret) {
   const auto secret = clusterSecret('a');
@@ -249,7 +281,7 @@ TEST_P(WriteConfinement, RecordsMustBeSignedWithTheClusterSecret) {
     sender_ = makeTransport(GetParam(), compat_, "prefill", "", c.sender_secret);
     ASSERT_TRUE(sender_);
     ASSERT_TRUE(receiver_->expect(id, Clock::now() + kHangGuard, out_.onArrival()).ok());
-    auto granted = receiver_->grant(pool.descriptor(id, 6, {2, 5}, testutil::kHangGuardMs).value());
+    auto granted = receiver_->grant(id, ungranted(pool, id, 6, {2, 5}));
     ASSERT_TRUE(granted.ok());
     send(granted.value(), 6);
     const auto arrived = out_.waitArrival(id, kHangGuard);
@@ -270,9 +302,9 @@ TEST_P(WriteConfinement, RecordsMustBeSignedWithTheClusterSecret) {
   EXPECT_EQ(stats.receives_failed[static_cast<std::size_t>(FailureCause::Rejected)], 2U);
 }
 
-// Without the transfer key, an unsigned record is dropped and the receive goes on: a guessed
-// request id cannot end someone else's receive, signed or not.
-TEST_P(WriteConfinement, AnUnsignedRecordWithoutTheKeyIsDroppedAndTheRealOneLands) {
+// Without the transfer id, an unsigned record is dropped and the receive goes on: a guessed id
+// cannot end someone else's receive, signed or not.
+TEST_P(WriteConfinement, AnUnsignedRecordUnderAGuessedIdIsDroppedAndTheRealOneLands) {
   const auto secret = clusterSecret('a');
   receiver_ = makeTransport(GetParam(), compat_, "decode", "", secret);
   auto forger = makeTransport(GetParam(), compat_, "forger");
@@ -280,18 +312,20 @@ TEST_P(WriteConfinement, AnUnsignedRecordWithoutTheKeyIsDroppedAndTheRealOneLand
   ASSERT_TRUE(receiver_ && forger && sender_);
   KvPool pool(*receiver_, compat_, 8);
   ASSERT_TRUE(receiver_->expect(30, Clock::now() + kHangGuard, out_.onArrival()).ok());
-  const KvDescriptor plain = pool.descriptor(30, 6, {1, 3}, testutil::kHangGuardMs).value();
-  auto granted = receiver_->grant(plain);
+  const KvDescriptor plain = ungranted(pool, 30, 6, {1, 3});
+  auto granted = receiver_->grant(30, plain);
   ASSERT_TRUE(granted.ok());
   {
     Outcomes forged;
+    KvDescriptor guess = plain;
+    guess.transfer_id = tid(30);
     std::swap(sender_, forger);
-    send(plain, 6, &forged);  // no key, no tag
+    send(guess, 6, &forged);  // a guessed id, no tag
     std::swap(sender_, forger);
   }
   ASSERT_TRUE(testutil::eventually([&] { return receiver_->stats().records_rejected != 0; }));
   ASSERT_EQ(receiver_->stats().records_rejected, 1U);
-  EXPECT_EQ(receiver_->stats().records_unauthenticated, 0U) << "dropped for the key, before its tag is checked";
+  EXPECT_EQ(receiver_->stats().records_unauthenticated, 0U) << "dropped for its id, before its tag is checked";
   EXPECT_FALSE(out_.waitArrival(30, 0ms).has_value()) << "the forged record ended the receive";
   send(granted.value(), 6);
   const auto arrived = out_.waitArrival(30, kHangGuard);
@@ -301,19 +335,20 @@ TEST_P(WriteConfinement, AnUnsignedRecordWithoutTheKeyIsDroppedAndTheRealOneLand
   EXPECT_GE(receiver_->stats().records_rejected, 1U);
 }
 
-// With a cluster secret, a decode transport grants every request before its descriptor goes out,
-// so it takes no KV and no record for a request that is expected but not (yet) granted: a
-// guessed request id opens nothing, not even between expect() and grant(). The receive is still
-// pending after the receiver refused the record (waited on as an event).
-TEST_P(WriteConfinement, AnAuthenticatedReceiverTakesNothingForAnUngrantedRequest) {
+// A decode transport looks data and records up by granted ids only, so it takes no KV and no
+// record for a request that is expected but not (yet) granted: an id opens nothing before grant()
+// binds it (here with a cluster secret and a correctly signed record; the guessed-id test above
+// runs without one). The receive is still pending after the receiver
+// refused the record (waited on as an event).
+TEST_P(WriteConfinement, AReceiverTakesNothingForAnUngrantedRequest) {
   const auto secret = clusterSecret('a');
   receiver_ = makeTransport(GetParam(), compat_, "decode", "", secret);
   sender_ = makeTransport(GetParam(), compat_, "prefill", "", secret);
   ASSERT_TRUE(receiver_ && sender_);
   KvPool pool(*receiver_, compat_, 8);
   ASSERT_TRUE(receiver_->expect(40, Clock::now() + kHangGuard, out_.onArrival()).ok());
-  const KvDescriptor plain = pool.descriptor(40, 6, {0, 1}, testutil::kHangGuardMs).value();
-  send(plain, 6);  // signed with the right secret, but for a request never granted
+  const KvDescriptor plain = pool.descriptor(40, 6, {0, 1}, testutil::kHangGuardMs).value();  // tid(40)
+  send(plain, 6);  // signed with the right secret, but for an id never granted
   ASSERT_TRUE(testutil::eventually([&] { return receiver_->stats().records_rejected >= 1; }))
       << "the receiver never refused the record of the ungranted request";
   EXPECT_FALSE(out_.waitArrival(40, 0ms).has_value()) << "the record of an ungranted request ended the receive";
@@ -404,10 +439,11 @@ TEST(UcxListeningInterface, LoopbackHostListensOnLoopbackOnly) {
   auto d = pool.descriptor(9, 3, {2}, testutil::kHangGuardMs);
   ASSERT_TRUE(d.ok());
   ASSERT_TRUE(t->expect(9, Clock::now() + kHangGuard, out.onArrival()).ok());
+  ASSERT_TRUE(t->grant(9, d.value()).ok());
   ASSERT_TRUE(all->beginTransfer(d.value(), Clock::now() + kHangGuard, out.onDone()).ok());
-  ASSERT_TRUE(all->put(9, source.chunkPuts(src.id(), 0, 3)).ok());
+  ASSERT_TRUE(all->put(tid(9), source.chunkPuts(src.id(), 0, 3)).ok());
   CompletionRecord r;
-  r.request_id = 9;
+  r.transfer_id = tid(9);
   r.num_tokens = 3;
   ASSERT_TRUE(all->finish(r).ok());
   const auto arrived = out.waitArrival(9, kHangGuard);

@@ -352,7 +352,7 @@ struct LoopbackPair {
     auto target = decode.exportTarget(0, std::span(&layout, 1));
     PD_CHECK_MSG(target.ok(), "cannot export the decode target");
     kvt::KvDescriptor d;
-    d.request_id = id;
+    d.transfer_id = kvt::TransferId{0xfeed, id};  // kept by the decode side's grant (open)
     d.compat = compat;
     d.num_tokens = num_tokens;
     d.timeout_ms = 60000;
@@ -364,10 +364,12 @@ struct LoopbackPair {
   std::unique_ptr<TransportKvSink> open(const kvt::KvDescriptor& d) {
     const auto deadline = kvt::Clock::now() + std::chrono::seconds(60);
     EXPECT_TRUE(decode
-                    .expect(d.request_id, deadline,
+                    .expect(d.transfer_id.lo, deadline,
                             [this](std::uint64_t, Result<kvt::CompletionRecord> r) { arrived = std::move(r); })
                     .ok());
-    auto sink = TransportKvSink::create(prefill, d, deadline, [this](std::uint64_t, Status s) { sent = std::move(s); });
+    EXPECT_TRUE(decode.grant(d.transfer_id.lo, d).ok());
+    auto sink = TransportKvSink::create(prefill, d, deadline,
+                                        [this](const kvt::TransferId&, Status s) { sent = std::move(s); });
     PD_CHECK_MSG(sink.ok(), "cannot open the transport sink");
     return std::move(sink).value();
   }

@@ -147,7 +147,6 @@ int runReceiver(int control, const kvtransfer::UcxTransportOptions& options, std
     int verify = 0;
     if (std::sscanf(command->c_str(), "go %lu %u %d", &id, &tokens, &verify) != 3) break;
     kvtransfer::KvDescriptor d;
-    d.request_id = id;
     d.compat = c;
     d.num_tokens = tokens;
     d.timeout_ms = 60000;
@@ -165,7 +164,12 @@ int runReceiver(int control, const kvtransfer::UcxTransportOptions& options, std
       (void)writeFrame(control, "error " + expected.error().toString());
       return 1;
     }
-    const auto wire = kvtransfer::encode(d);
+    auto granted = t.grant(id, std::move(d));
+    if (!granted.ok()) {
+      (void)writeFrame(control, "error " + granted.error().toString());
+      return 1;
+    }
+    const auto wire = kvtransfer::encode(*granted);
     if (!writeFrame(control, std::string_view(reinterpret_cast<const char*>(wire.data()), wire.size()))) break;
     auto got = arrival.wait(130s);
     std::string result = "ok";
@@ -236,10 +240,10 @@ Result<double> transferOnce(kvtransfer::Transport& t, int control, kvtransfer::R
   }
   OneShot<Status> done;
   const auto start = Clock::now();
-  PD_TRY(t.beginTransfer(desc, start + 60s, [&](std::uint64_t, Status s) { done.set(std::move(s)); }));
-  for (const auto& p : puts) PD_TRY(t.put(id, std::span(&p, 1)));  // layer by layer, as prefill streams
+  PD_TRY(t.beginTransfer(desc, start + 60s, [&](const kvtransfer::TransferId&, Status s) { done.set(std::move(s)); }));
+  for (const auto& p : puts) PD_TRY(t.put(desc.transfer_id, std::span(&p, 1)));  // layer by layer, as prefill streams
   kvtransfer::CompletionRecord record;
-  record.request_id = id;
+  record.transfer_id = desc.transfer_id;
   record.num_tokens = tokens;
   PD_TRY(t.finish(std::move(record)));
   auto status = done.wait(70s);

@@ -65,7 +65,7 @@ Status receive(const std::filesystem::path& model, const kvt::KvTransferConfig& 
   PD_ASSIGN_OR_RETURN(auto target, t.exportTarget(0, std::span(&layout, 1)));
   for (std::size_t i = 0; i < plan.size(); ++i) {
     kvt::KvDescriptor d;
-    d.request_id = i + 1;
+    const std::uint64_t request = i + 1;
     d.compat = pool.compat(hash, 1);
     d.num_tokens = static_cast<std::uint32_t>(plan[i]);
     d.timeout_ms = 3600 * 1000;
@@ -74,15 +74,16 @@ Status receive(const std::filesystem::path& model, const kvt::KvTransferConfig& 
     }
     d.targets.push_back(target);
     const Status s =
-        t.expect(d.request_id, Clock::now() + 3600s, [&](std::uint64_t id, const Result<kvt::CompletionRecord>& r) {
+        t.expect(request, Clock::now() + 3600s, [&](std::uint64_t id, const Result<kvt::CompletionRecord>& r) {
           std::lock_guard lock(mutex);
           say(fmt::format("ARRIVED {} {}", id, r.ok() ? std::string("ok") : r.error().toString()));
         });
     PD_TRY(s);
+    PD_ASSIGN_OR_RETURN(d, t.grant(request, std::move(d)));
     const std::vector<std::uint8_t> bytes = kvt::encode(d);
     std::lock_guard lock(mutex);
     say(fmt::format(
-        "DESCRIPTOR {} {}", d.request_id,
+        "DESCRIPTOR {} {}", request,
         worker_api::base64Encode(std::string_view(reinterpret_cast<const char*>(bytes.data()), bytes.size()))));
   }
   // Stays up until the bench ends it (SIGTERM): the sender's last flush follows its record, and a
@@ -178,10 +179,10 @@ class Bench {
       PD_ASSIGN_OR_RETURN(kvt::Transport * t, transport(d.compat));
       auto shared = std::make_shared<std::promise<Status>>(std::move(done));
       t0 = Clock::now();
-      PD_ASSIGN_OR_RETURN(
-          auto sink, prefill::TransportKvSink::create(*t, d, Clock::now() + 600s, [shared](std::uint64_t, Status s) {
-            shared->set_value(std::move(s));
-          }));
+      PD_ASSIGN_OR_RETURN(auto sink, prefill::TransportKvSink::create(*t, d, Clock::now() + 600s,
+                                                                      [shared](const kvt::TransferId&, Status s) {
+                                                                        shared->set_value(std::move(s));
+                                                                      }));
       if (mode == Mode::SendAfter) {
         r.sink = std::make_unique<SendAfterSink>(std::move(sink));
       } else {

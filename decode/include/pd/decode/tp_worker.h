@@ -68,9 +68,9 @@ class TpFollowerWorker {
   // Arms the transport for `id`'s KV, re-arming after a failed attempt until `deadline` (a re-armed
   // expectation keeps its grant: Transport::grant).
   void expectUntil(std::uint64_t id, kvtransfer::Deadline deadline);
-  // Grants the transport the leader's encoded descriptor; false (and the expectation cancelled,
-  // so nothing lands unconfined) when it cannot.
-  bool grant(std::span<const std::byte> bytes);
+  // Grants the transport the leader's encoded descriptor for request `id`; false (and the
+  // expectation cancelled, so nothing lands unconfined) when it cannot.
+  bool grant(std::uint64_t id, std::span<const std::byte> bytes);
 
   std::unique_ptr<model::Engine> engine_;
   comm::Communicator& comm_;

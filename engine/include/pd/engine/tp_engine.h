@@ -70,11 +70,11 @@ class TpLeaderEngine final : public model::Engine {
   /// Tells every follower to expect request `request_id`'s KV for `timeout_ms` (their
   /// transports' expect()); call before the descriptor goes out. Errors as forward().
   Status expectKv(std::uint64_t request_id, std::uint32_t timeout_ms);
-  /// Hands every follower the granted KV descriptor (`grant`, encoded by the caller) for its
-  /// transport's grant (TpFollowerHooks::grant_kv) and waits until every follower has answered:
-  /// OK when all applied it, Internal naming how many could not (the group stays usable).
-  /// Communication errors as forward(). Call after expectKv for the same request.
-  Status grantKv(std::span<const std::byte> grant);
+  /// Hands every follower the granted KV descriptor (`grant`, encoded by the caller) of request
+  /// `request_id` for its transport's grant (TpFollowerHooks::grant_kv) and waits until every
+  /// follower has answered: OK when all applied it, Internal naming how many could not (the group
+  /// stays usable). Communication errors as forward(). Call after expectKv for the same request.
+  Status grantKv(std::uint64_t request_id, std::span<const std::byte> grant);
   /// Tells every follower to stop expecting `request_id` (abort, deadline, failure).
   Status cancelKv(std::uint64_t request_id);
   /// The group (rank 0): for exchangeKvTargets() at start-up, before any forward call.
@@ -117,9 +117,9 @@ TpCacheProvider ownedTpCache();
 struct TpFollowerHooks {
   std::function<void(std::uint64_t request_id, std::uint32_t timeout_ms)> expect_kv;
   std::function<void(std::uint64_t request_id)> cancel_kv;
-  /// TpLeaderEngine::grantKv's bytes; true once this rank's transport is confined by them. Absent:
-  /// the follower answers false (nothing to confine with).
-  std::function<bool(std::span<const std::byte> grant)> grant_kv;
+  /// TpLeaderEngine::grantKv's request and bytes; true once this rank's transport is confined by
+  /// them. Absent: the follower answers false (nothing to confine with).
+  std::function<bool(std::uint64_t request_id, std::span<const std::byte> grant)> grant_kv;
 };
 
 /// Runs follower rank comm.rank() (>= 1): receives each call from rank 0 and runs it on

@@ -51,7 +51,7 @@ struct TransportStats {
   std::uint64_t receives_succeeded = 0;
   std::array<std::uint64_t, kFailureCauseCount> receives_failed{};
   std::uint64_t records_received = 0;
-  std::uint64_t records_rejected = 0;  ///< malformed, for no pending receive, keyless or unsigned
+  std::uint64_t records_rejected = 0;  ///< malformed, under an id no live grant holds, or unsigned
   /// Rejected (also counted there) because the record's HMAC tag is missing or does not verify
   /// under this transport's cluster secret (UcxTransportOptions::auth).
   std::uint64_t records_unauthenticated = 0;

@@ -2,9 +2,12 @@
 /// The id of one KV transfer (docs/kv-transfer.md, "Transfer ids"): 128 bits drawn from the
 /// CSPRNG by the decode worker that opens the request, so that no client or peer can predict or
 /// enumerate another request's id. Its text form, used in the worker API's JSON and in logs, is 32
-/// lowercase hex digits, `hi` first.
+/// lowercase hex digits, `hi` first. Logs and error messages show only its first 8 digits
+/// (fmt's "{}"), so that a log line or an error reply never hands out a live id.
 ///
 /// Thread rules: a value type; thread-safe.
+
+#include <fmt/format.h>
 
 #include <compare>
 #include <cstddef>
@@ -31,6 +34,9 @@ struct TransferId {
   [[nodiscard]] static Result<TransferId> fromHex(std::string_view hex);
   /// The text form: 32 lowercase hex digits.
   [[nodiscard]] std::string hex() const;
+  /// The first 8 hex digits: enough to correlate log lines, too few to act on.
+  [[nodiscard]] std::string shortHex() const { return hex().substr(0, 8); }
+  [[nodiscard]] bool empty() const { return hi == 0 && lo == 0; }
 
   friend bool operator==(const TransferId&, const TransferId&) = default;
   friend auto operator<=>(const TransferId&, const TransferId&) = default;
@@ -47,3 +53,12 @@ struct TransferIdHash {
 
 template <>
 struct std::hash<pd::kvtransfer::TransferId> : pd::kvtransfer::TransferIdHash {};
+
+/// "{}" prints the short form (TransferId::shortHex).
+template <>
+struct fmt::formatter<pd::kvtransfer::TransferId> : fmt::formatter<std::string_view> {
+  auto format(const pd::kvtransfer::TransferId& id, fmt::format_context& ctx) const {
+    const std::string text = id.shortHex();
+    return fmt::formatter<std::string_view>::format(text, ctx);
+  }
+};

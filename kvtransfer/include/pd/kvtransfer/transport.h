@@ -60,10 +60,13 @@ struct LayerPut {
 };
 
 /// The outcome of a send: ok once the completion record is delivered; Timeout, PeerFailed,
-/// Cancelled (abort or shutdown) otherwise.
-using TransferDoneFn = std::function<void(std::uint64_t request_id, Status status)>;
+/// Cancelled (abort or shutdown) otherwise. The sending side knows a transfer only by its wire
+/// id (KvDescriptor::transfer_id).
+using TransferDoneFn = std::function<void(const TransferId& transfer_id, Status status)>;
 /// The outcome of a receive: the completion record, or the sender's failure record as an Error
-/// with its code, or Timeout / Unsupported (compatibility) / Cancelled.
+/// with its code, or Timeout / Unsupported (compatibility) / Cancelled. The receiving side knows
+/// a request by the caller's own `request_id`, a handle local to the process (it never crosses
+/// the network); grant() binds it to the wire id.
 using ArrivalFn = std::function<void(std::uint64_t request_id, Result<CompletionRecord> record)>;
 
 class Transport {
@@ -92,38 +95,44 @@ class Transport {
   /// Validates `descriptor` (layout.h) and its compatibility with compat() (Unsupported names
   /// the differing field), refuses peers that are suspect (PeerFailed), connects to every target
   /// (endpoints are cached per peer), and starts the transfer's deadline: the earlier of
-  /// `deadline` and now + descriptor.timeout_ms. `on_done` is called exactly once.
+  /// `deadline` and now + descriptor.timeout_ms. `on_done` is called exactly once. The transfer
+  /// is known by descriptor.transfer_id from then on: InvalidArgument when it is zero (not
+  /// granted) or already in flight here.
   [[nodiscard]] virtual Status beginTransfer(const KvDescriptor& descriptor, Deadline deadline,
                                              TransferDoneFn on_done) = 0;
   /// Posts puts of layer slices to every target. Non-blocking: the source memory must stay
-  /// untouched until on_done. NotFound for an unknown or finished request; InvalidArgument for a
+  /// untouched until on_done. NotFound for an unknown or finished transfer; InvalidArgument for a
   /// slice outside the descriptor or the local region.
-  [[nodiscard]] virtual Status put(std::uint64_t request_id, std::span<const LayerPut> puts) = 0;
-  /// Sends `record` to every target once all puts are remotely complete; on_done follows.
-  /// The transport fills record.compat_hash.
+  [[nodiscard]] virtual Status put(const TransferId& transfer_id, std::span<const LayerPut> puts) = 0;
+  /// Sends `record` (of the transfer record.transfer_id) to every target once all puts are
+  /// remotely complete; on_done follows. The transport fills record.compat_hash.
   [[nodiscard]] virtual Status finish(CompletionRecord record) = 0;
-  /// Gives up on a request: sends a failure record (best effort) and answers on_done with
-  /// Cancelled once no put of it is outstanding. NotFound when the request is not in flight.
-  [[nodiscard]] virtual Status abort(std::uint64_t request_id, ErrorCode code, std::string reason) = 0;
+  /// Gives up on a transfer: sends a failure record (best effort) and answers on_done with
+  /// Cancelled once no put of it is outstanding. NotFound when the transfer is not in flight.
+  [[nodiscard]] virtual Status abort(const TransferId& transfer_id, ErrorCode code, std::string reason) = 0;
 
   // ---- receiving side (decode) --------------------------------------------------------------
-  /// Waits for the record of `request_id` until `deadline`. Call before handing out the
-  /// descriptor. InvalidArgument when the request is already expected.
+  /// Waits for the record of `request_id` (the caller's local handle) until `deadline`; grant()
+  /// then binds it to the descriptor's wire id. InvalidArgument when the request is already
+  /// expected.
   [[nodiscard]] virtual Status expect(std::uint64_t request_id, Deadline deadline, ArrivalFn on_arrival) = 0;
   /// Stops waiting; on_arrival is answered with Cancelled. False when nothing was pending.
   virtual bool cancelExpect(std::uint64_t request_id) = 0;
-  /// Confines an expected request to what `descriptor` grants (docs/kv-transfer.md, "Write
-  /// confinement"), and returns it with a fresh random transfer key (or the key it already
-  /// carries: with TP, the first rank's transport draws the key, the others' keep it): hand out
-  /// the returned descriptor. From then on, for this request (and its re-armed expectations), data messages
-  /// and records without that key are dropped; KV data outside the bytes of the listed blocks
-  /// (those covering num_tokens, in this transport's target of the descriptor) and a completion
-  /// record for another token count fail the receive (Corrupt). One-sided RMA puts cannot be
-  /// checked by the receiver. Call after expect(), before the descriptor goes out. NotFound when
-  /// the request is not expected; InvalidArgument when the descriptor is invalid or lists no
-  /// target at this transport's address. A transport that cannot confine writes (the loopback
-  /// fake, whose peer is in-process) returns the descriptor unchanged.
-  [[nodiscard]] virtual Result<KvDescriptor> grant(KvDescriptor descriptor) { return descriptor; }
+  /// Binds the expected `request_id` to a wire id and confines it to what `descriptor` grants
+  /// (docs/kv-transfer.md, "Transfer ids" and "Write confinement"). Returns the descriptor with
+  /// a fresh TransferId::random() (or the id it already carries: with TP, the first rank's
+  /// transport draws it, the others' keep it): hand out the returned descriptor. Data messages
+  /// and records are looked up by that id only; those for an id no live grant holds are dropped
+  /// and counted (TransportStats::records_rejected, bytes_dropped), so an expectation that is not
+  /// granted receives nothing. KV data outside the bytes of the listed blocks (those covering
+  /// num_tokens, in this transport's target of the descriptor) and a completion record for
+  /// another token count fail the receive (Corrupt). One-sided RMA puts cannot be checked by the
+  /// receiver. Call after expect(), before the descriptor goes out; the binding holds for the
+  /// request's re-armed expectations and ends with its last one. NotFound when the request is not
+  /// expected; InvalidArgument when it is already granted under another id, when the id is
+  /// already bound to another request, when the descriptor is invalid, or (UCX) when it lists no
+  /// target at this transport's address.
+  [[nodiscard]] virtual Result<KvDescriptor> grant(std::uint64_t request_id, KvDescriptor descriptor) = 0;
 
   [[nodiscard]] virtual TransportStats stats() const = 0;
 };

@@ -68,15 +68,13 @@ struct UcxTransportOptions {
   /// says so). Empty, 0.0.0.0 or :: : every interface. InvalidArgument when no interface has it.
   std::string host;
   /// The cluster secret (internal_auth.h; may be null). When set, every completion and failure
-  /// record this transport sends carries HMAC-SHA-256 under the secret over the transfer key, the
-  /// delivered byte count and the record's bytes (its request id and contents); and every record
-  /// it receives must carry a valid one: a record with the request's transfer key but a missing
-  /// or wrong tag fails that receive (Unauthenticated), any other unsigned record is dropped;
-  /// both are counted (TransportStats::records_unauthenticated). With a secret the receiver also
-  /// takes KV data and records only for granted requests (Transport::grant): an authenticated
-  /// decode worker grants before the descriptor goes out, so anything else is a guess. Null:
-  /// records are sent untagged and received without a tag check, and ungranted expectations take
-  /// data in any registered region (an unauthenticated internal plane).
+  /// record this transport sends carries HMAC-SHA-256 under the secret over the delivered byte
+  /// count and the record's bytes (its 128-bit transfer id and contents); and every record it
+  /// receives must carry a valid one: a record under a live transfer id but with a missing or
+  /// wrong tag fails that receive (Unauthenticated) and is counted
+  /// (TransportStats::records_unauthenticated). Null: records are sent untagged and received
+  /// without a tag check. Either way the receiver takes KV data and records only under the ids of
+  /// its live grants (Transport::grant); anything else is dropped and counted.
   std::shared_ptr<const InternalAuth> auth;
 };
 

@@ -31,11 +31,12 @@
 #include "pd/common/dtype.h"
 #include "pd/common/generation.h"
 #include "pd/common/result.h"
+#include "pd/kvtransfer/transfer_id.h"
 
 namespace pd::kvtransfer {
 
 /// Bumped on any incompatible change of a message or of the KV layout rules.
-inline constexpr std::uint16_t kProtocolVersion = 2;
+inline constexpr std::uint16_t kProtocolVersion = 3;
 /// "PDKV" read as a little-endian u32.
 inline constexpr std::uint32_t kWireMagic = 0x564B4450;
 inline constexpr std::size_t kWireHeaderBytes = 12;
@@ -89,7 +90,11 @@ struct KvTarget {
 };
 
 struct KvDescriptor {
-  std::uint64_t request_id = 0;
+  /// The transfer's only id on the wire (docs/kv-transfer.md, "Transfer ids"): 128 CSPRNG bits
+  /// that the receiving transport's Transport::grant() draws (with TP, the first rank's grant
+  /// draws it, the others keep it). The sender repeats it in every data message and record of
+  /// this transfer; a receiver accepts nothing for an id it has not granted. Zero: not granted.
+  TransferId transfer_id;
   CompatInfo compat;
   std::uint32_t num_tokens = 0;  ///< prompt tokens whose KV will be written
   /// The transfer's budget in ms, counted by each side from when it sees the descriptor (clocks
@@ -97,10 +102,6 @@ struct KvDescriptor {
   std::uint32_t timeout_ms = 0;
   std::vector<std::uint32_t> block_ids;  ///< the same ids on every rank
   std::vector<KvTarget> targets;         ///< one per decode rank written to
-  /// Filled by the receiving transport's Transport::grant(): 128 random bits that the sender
-  /// repeats in every data message and record of this transfer, so that knowing (or guessing) a
-  /// request id is not enough to write into its blocks or end its receive. All zero: not granted.
-  std::array<std::uint64_t, 2> transfer_key{};
   friend bool operator==(const KvDescriptor&, const KvDescriptor&) = default;
 };
 
@@ -108,7 +109,7 @@ using pd::TokenLogprob;  // the generation vocabulary's (generation.h)
 
 /// Sent after every put of the request is remotely complete.
 struct CompletionRecord {
-  std::uint64_t request_id = 0;
+  TransferId transfer_id;         ///< the descriptor's
   std::uint64_t compat_hash = 0;  ///< filled by the sending transport
   std::uint32_t num_tokens = 0;   ///< tokens whose KV was written
   pd::TokenId first_token = 0;
@@ -120,7 +121,7 @@ struct CompletionRecord {
 
 /// Sent when the prefill side gives up on a request; the decode side releases its blocks.
 struct FailureRecord {
-  std::uint64_t request_id = 0;
+  TransferId transfer_id;  ///< the descriptor's
   std::uint64_t compat_hash = 0;
   ErrorCode code = ErrorCode::Internal;
   std::string message;

@@ -46,7 +46,7 @@ class KvSink {
   /// k_pe), valid only during the call — copy what must outlive it. An error fails the request
   /// (the engine then calls fail() with it).
   [[nodiscard]] virtual Status putLayer(std::uint32_t layer, std::int64_t first_pos, std::span<const float> rows) = 0;
-  /// Every layer of every prompt position has been put. `record` has request_id, num_tokens,
+  /// Every layer of every prompt position has been put. `record` has num_tokens,
   /// first_token, hidden_state and (when asked) logprobs; compat_hash is left to the transport.
   virtual void complete(kvtransfer::CompletionRecord record) = 0;
   /// The request ended without a result (Cancelled, Timeout, a compute or put error).
