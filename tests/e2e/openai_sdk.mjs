@@ -196,6 +196,23 @@ test('a seed repeats a sampled answer', async (client) => {
   check(others.some((o) => o !== a), 'other seeds give another answer');
 });
 
+test('logit_bias, max_completion_tokens, stop and user', async (client) => {
+  // +100 on one token makes every token that token (return_token_ids, vLLM's extension, shows them).
+  const forced = await client.chat.completions.create({
+    model: MODEL, messages: user('Hi'), max_completion_tokens: 5, max_tokens: 50, temperature: 0,
+    logit_bias: { 500: 100 }, user: 'sdk-test-user', return_token_ids: true,
+  });
+  eq(forced.usage.completion_tokens, 5, 'max_completion_tokens wins over max_tokens');
+  eq(forced.choices[0].token_ids, [500, 500, 500, 500, 500], 'logit_bias forces the token');
+  eq(forced.choices[0].finish_reason, 'length', 'finish_reason length');
+  const whole = await client.completions.create({ model: MODEL, prompt: 'The sea', max_tokens: 12, temperature: 0 });
+  const text = whole.choices[0].text;
+  const stop = text.slice(3, 5);
+  const cut = await client.completions.create({ model: MODEL, prompt: 'The sea', max_tokens: 12, temperature: 0, stop });
+  eq(cut.choices[0].text, text.slice(0, text.indexOf(stop)), 'the text ends before the stop string');
+  eq(cut.choices[0].finish_reason, 'stop', 'stop string finish_reason');
+});
+
 test('errors are the SDK\'s typed exceptions', async (client, { baseURL }) => {
   const e = await expectError('unknown parameter', OpenAI.BadRequestError, 400, () =>
     client.chat.completions.create({ model: MODEL, messages: user('x'), bogus_parameter: 1 }));
