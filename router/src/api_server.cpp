@@ -587,7 +587,7 @@ class ApiServer::Impl {
     if (p.model != fe_->served_model_name) {
       return reject(ex, label,
                     ApiError{404, "invalid_request_error", "model_not_found",
-                             "the requested model does not exist; GET /v1/models lists the served model"});
+                             "the requested model does not exist; GET /v1/models lists the served model", "model"});
     }
 
     auto prompt = promptIds(p);

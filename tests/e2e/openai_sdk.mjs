@@ -218,6 +218,7 @@ test('errors are the SDK\'s typed exceptions', async (client, { baseURL }) => {
     client.chat.completions.create({ model: MODEL, messages: user('x'), bogus_parameter: 1 }));
   check(e?.message.includes('bogus_parameter'), `the 400 names the parameter: ${e?.message}`);
   eq(e?.type, 'invalid_request_error', 'error type');
+  eq(e?.param, 'bogus_parameter', 'error param');
   await expectError('temperature out of range', OpenAI.BadRequestError, 400, () =>
     client.chat.completions.create({ model: MODEL, messages: user('x'), temperature: 7 }));
   await expectError('streaming with a bad parameter', OpenAI.BadRequestError, 400, () =>
@@ -227,6 +228,7 @@ test('errors are the SDK\'s typed exceptions', async (client, { baseURL }) => {
   const nf = await expectError('unknown model', OpenAI.NotFoundError, 404, () =>
     client.chat.completions.create({ model: 'no-such-model', messages: user('x') }));
   eq(nf?.code, 'model_not_found', 'unknown model code');
+  eq(nf?.param, 'model', 'unknown model param');
   const badKey = new OpenAI({ baseURL, apiKey: 'sk-wrong', maxRetries: 0 });
   await expectError('wrong API key', OpenAI.AuthenticationError, 401, () =>
     badKey.chat.completions.create({ model: MODEL, messages: user('x') }));
