@@ -669,10 +669,9 @@ class ApiServer::Impl {
     g.skip_special_tokens = p.skip_special_tokens;
     g.include_stop_str_in_output = p.include_stop_str_in_output;
     g.deadline = received + fe_->request_timeout;
-    if (!p.user.empty() || !p.safety_identifier.empty()) {
-      // {:?} escapes: the client's strings cannot forge log lines.
-      log::info(kLog, "{}: user {:?} safety_identifier {:?}", id, p.user, p.safety_identifier);
-    }
+    // {:?} escapes: the client's strings cannot forge log lines.
+    if (!p.user.empty()) log::info(kLog, "{}: user {:?}", id, p.user);
+    if (!p.safety_identifier.empty()) log::info(kLog, "{}: safety_identifier {:?}", id, p.safety_identifier);
 
     ResponseShape shape{endpoint,           id,        unixSeconds(), fe_->served_model_name, p.include_usage,
                         p.return_token_ids, p.logprobs};

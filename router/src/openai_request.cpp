@@ -119,7 +119,8 @@ Result<std::vector<TokenId>> tokenIds(const json::array& a, std::string_view nam
 
 /// Every top-level parameter an endpoint knows (docs/api.md lists what each does). Anything else
 /// is refused: a client that sends a parameter expects it to act, so ignoring it would be a
-/// silent wrong answer.
+/// silent wrong answer. An unknown parameter set to null asks for nothing (null means "not
+/// set", as for known ones: clients that serialize every field of their model send those).
 struct KnownParameter {
   std::string_view name;
   bool chat;
@@ -186,6 +187,7 @@ bool printableName(std::string_view name) {
 Status refuseUnknown(const json::object& o, Endpoint endpoint) {
   for (const auto& kv : o) {
     const std::string_view name = kv.key();
+    if (kv.value().is_null()) continue;
     bool known = false;
     for (const auto& k : kKnownParameters) {
       if (k.name == name) known = endpoint == Endpoint::ChatCompletions ? k.chat : k.completions;
@@ -472,7 +474,7 @@ Status parseStreaming(const json::object& o, CompletionParams& p) {
     if (!p.stream) return bad("'stream_options' is only allowed when 'stream' is true");
     if (!v->is_object()) return bad("'stream_options' must be an object");
     for (const auto& kv : v->get_object()) {
-      if (kv.key() == "include_usage") continue;
+      if (kv.key() == "include_usage" || kv.value().is_null()) continue;
       if (!printableName(kv.key())) return bad("'stream_options' has a field this server does not know");
       return bad(fmt::format("'stream_options.{}' is not supported", std::string_view(kv.key())));
     }

@@ -107,7 +107,10 @@ TEST(OpenAiRequest, EveryParameterIsHonouredOrRefusedByName) {
   EXPECT_EQ(chat(R"("repetition_penalty":1.1)"),
             "'repetition_penalty' is not a parameter /v1/chat/completions supports");
   EXPECT_EQ(chat(R"("temprature":0)"), "'temprature' is not a parameter /v1/chat/completions supports");
-  EXPECT_EQ(chat(R"("guided_json":null)"), "'guided_json' is not a parameter /v1/chat/completions supports");
+  EXPECT_EQ(chat(R"("guided_json":{})"), "'guided_json' is not a parameter /v1/chat/completions supports");
+  // null asks for nothing, known parameter or not.
+  parseOk(Endpoint::ChatCompletions, chat_base + R"("audio":null,"prediction":null,"stream":true,)" +
+                                         R"("stream_options":{"include_usage":true,"continuous_usage_stats":null}})");
   EXPECT_EQ(completion(R"("messages":[])"), "'messages' is not a parameter /v1/completions supports");
   EXPECT_EQ(completion(R"("top_logprobs":2)"), "'top_logprobs' is not a parameter /v1/completions supports");
   EXPECT_EQ(completion(R"("tools":[])"), "'tools' is not a parameter /v1/completions supports");
