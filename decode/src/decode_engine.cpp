@@ -22,7 +22,7 @@ DecodeEngineOptions engineOptions(const DecodeConfig& config) {
 struct DecodeEngine::Sequence {
   enum class State { WaitingKv, Ready, Running };
 
-  Sequence(DecodeRequest r, bool spec) : req(std::move(r)), sampler(req.sampling), speculate(spec) {}
+  Sequence(DecodeRequest r, bool spec) : req(std::move(r)), sampler(req.sampling, req.logprobs), speculate(spec) {}
 
   [[nodiscard]] std::int64_t len() const { return req.prompt_tokens + static_cast<std::int64_t>(generated.size()); }
 

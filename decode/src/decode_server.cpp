@@ -288,6 +288,7 @@ void DecodeServer::Impl::handleOpen(const http::Request& request, http::Exchange
   r.sampling = open.sampling;
   r.stop_token_ids = std::move(open.stop_token_ids);
   r.ignore_eos = open.ignore_eos;
+  r.logprobs = open.logprobs;
   r.kv_deadline = Clock::now() + std::chrono::milliseconds(kv_timeout_ms) + receive_grace_;
   r.prefill_attempts = open.prefill_attempts;
   // Runs on the loop thread; Exchange::write only queues, so it never blocks the loop.

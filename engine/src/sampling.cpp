@@ -21,7 +21,8 @@ std::int32_t argmax(std::span<const float> logits) {
   return static_cast<std::int32_t>(best);
 }
 
-Sampler::Sampler(SamplingParams params) : params_(std::move(params)), rng_state_(params_.seed) {
+Sampler::Sampler(SamplingParams params, bool logprobs)
+    : params_(std::move(params)), logprobs_(logprobs), rng_state_(params_.seed) {
   PD_CHECK_MSG(validate(params_).ok(), "Sampler: invalid SamplingParams");
 }
 
@@ -141,6 +142,10 @@ SampledToken Sampler::sample(std::span<const float> logits, std::span<const std:
         }
       }
     }
+  }
+  if (!logprobs_) {
+    observe(out.token);
+    return out;
   }
   // Raw model logprobs.
   const float raw_max = logits[static_cast<std::size_t>(argmax(logits))];

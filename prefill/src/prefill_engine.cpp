@@ -315,7 +315,7 @@ void PrefillEngine::finishPrompt(std::vector<Running*>& done) {
   const ModelConfig& cfg = engine_.config();
   std::vector<model::SampledToken> first;
   for (Running* r : done) {
-    model::Sampler sampler(r->request.sampling);
+    model::Sampler sampler(r->request.sampling, r->request.logprobs);
     first.push_back(sampler.sample(r->last_logits));
   }
   if (cfg.num_nextn_predict_layers > 0) {

@@ -587,7 +587,7 @@ class ApiServer::Impl {
     if (p.model != fe_->served_model_name) {
       return reject(ex, label,
                     ApiError{404, "invalid_request_error", "model_not_found",
-                             "the requested model does not exist; GET /v1/models lists the served model"});
+                             "the requested model does not exist; GET /v1/models lists the served model", "model"});
     }
 
     auto prompt = promptIds(p);
@@ -666,7 +666,12 @@ class ApiServer::Impl {
     g.stop = std::move(p.stop);
     g.stop_token_ids = std::move(p.stop_token_ids);
     g.ignore_eos = p.ignore_eos;
+    g.skip_special_tokens = p.skip_special_tokens;
+    g.include_stop_str_in_output = p.include_stop_str_in_output;
     g.deadline = received + fe_->request_timeout;
+    // {:?} escapes: the client's strings cannot forge log lines.
+    if (!p.user.empty()) log::info(kLog, "{}: user {:?}", id, p.user);
+    if (!p.safety_identifier.empty()) log::info(kLog, "{}: safety_identifier {:?}", id, p.safety_identifier);
 
     ResponseShape shape{endpoint,           id,        unixSeconds(), fe_->served_model_name, p.include_usage,
                         p.return_token_ids, p.logprobs};

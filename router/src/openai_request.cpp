@@ -5,6 +5,7 @@
 #include <boost/json.hpp>
 #include <cmath>
 #include <limits>
+#include <utility>
 
 #include "pd/router/json_text.h"
 
@@ -116,6 +117,122 @@ Result<std::vector<TokenId>> tokenIds(const json::array& a, std::string_view nam
   return ids;
 }
 
+/// Every top-level parameter an endpoint knows (docs/api.md lists what each does). Anything else
+/// is refused: a client that sends a parameter expects it to act, so ignoring it would be a
+/// silent wrong answer. An unknown parameter set to null asks for nothing (null means "not
+/// set", as for known ones: clients that serialize every field of their model send those).
+struct KnownParameter {
+  std::string_view name;
+  bool chat;
+  bool completions;
+};
+constexpr KnownParameter kKnownParameters[] = {
+    // Both endpoints.
+    {"model", true, true},
+    {"max_tokens", true, true},
+    {"max_completion_tokens", true, true},
+    {"temperature", true, true},
+    {"top_p", true, true},
+    {"top_k", true, true},
+    {"min_p", true, true},
+    {"seed", true, true},
+    {"stop", true, true},
+    {"stop_token_ids", true, true},
+    {"presence_penalty", true, true},
+    {"frequency_penalty", true, true},
+    {"logit_bias", true, true},
+    {"logprobs", true, true},
+    {"n", true, true},
+    {"stream", true, true},
+    {"stream_options", true, true},
+    {"user", true, true},
+    {"ignore_eos", true, true},
+    {"skip_special_tokens", true, true},
+    {"include_stop_str_in_output", true, true},
+    {"return_token_ids", true, true},
+    // Chat only.
+    {"messages", true, false},
+    {"top_logprobs", true, false},
+    {"chat_template_kwargs", true, false},
+    {"tools", true, false},
+    {"tool_choice", true, false},
+    {"parallel_tool_calls", true, false},
+    {"functions", true, false},
+    {"function_call", true, false},
+    {"response_format", true, false},
+    {"store", true, false},
+    {"metadata", true, false},
+    {"service_tier", true, false},
+    {"modalities", true, false},
+    {"safety_identifier", true, false},
+    // Completions only.
+    {"prompt", false, true},
+    {"best_of", false, true},
+    {"echo", false, true},
+    {"suffix", false, true},
+};
+
+/// A parameter name fit to repeat in an error message: a short identifier, never free text.
+bool printableName(std::string_view name) {
+  if (name.empty() || name.size() > 64) return false;
+  for (const char c : name) {
+    if (!((c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '_' || c == '-' ||
+          c == '.')) {
+      return false;
+    }
+  }
+  return true;
+}
+
+Status refuseUnknown(const json::object& o, Endpoint endpoint) {
+  for (const auto& kv : o) {
+    const std::string_view name = kv.key();
+    if (kv.value().is_null()) continue;
+    bool known = false;
+    for (const auto& k : kKnownParameters) {
+      if (k.name == name) known = endpoint == Endpoint::ChatCompletions ? k.chat : k.completions;
+    }
+    if (known) continue;
+    const std::string_view path = endpoint == Endpoint::ChatCompletions ? "/v1/chat/completions" : "/v1/completions";
+    if (!printableName(name)) return bad(fmt::format("the request has a parameter that {} does not know", path));
+    return bad(fmt::format("'{}' is not a parameter {} supports", name, path));
+  }
+  return okStatus();
+}
+
+/// The service features OpenAI has and this server does not: accepted at their neutral value only.
+Status refuseUnsupportedService(const json::object& o, Endpoint endpoint) {
+  if (endpoint != Endpoint::ChatCompletions) return okStatus();
+  if (const auto* v = field(o, "parallel_tool_calls"); v != nullptr && !v->is_bool()) {
+    return bad("'parallel_tool_calls' must be a boolean");
+  }
+  if (const auto* v = field(o, "function_call")) {
+    if (!v->is_string() || (v->get_string() != "none" && v->get_string() != "auto")) {
+      return bad("'function_call' is not supported: tool calling is not available yet");
+    }
+  }
+  if (const auto* v = field(o, "store")) {
+    if (!v->is_bool()) return bad("'store' must be a boolean");
+    if (v->get_bool()) return bad("'store' is not supported: completions are not stored");
+  }
+  if (const auto* v = field(o, "metadata")) {
+    if (!v->is_object()) return bad("'metadata' must be an object");
+    if (!v->get_object().empty()) return bad("'metadata' is not supported: completions are not stored");
+  }
+  if (const auto* v = field(o, "service_tier")) {
+    if (!v->is_string() || (v->get_string() != "auto" && v->get_string() != "default")) {
+      return bad("'service_tier' must be \"auto\" or \"default\": this server has one tier");
+    }
+  }
+  if (const auto* v = field(o, "modalities")) {
+    if (!v->is_array()) return bad("'modalities' must be an array");
+    for (const auto& m : v->get_array()) {
+      if (!m.is_string() || m.get_string() != "text") return bad("'modalities' other than \"text\" are not supported");
+    }
+  }
+  return okStatus();
+}
+
 /// Refuses a known OpenAI feature this server does not offer, when the client actually uses it.
 Status refuseUnsupported(const json::object& o, Endpoint endpoint) {
   if (const auto* v = field(o, "n")) {
@@ -151,8 +268,7 @@ Status refuseUnsupported(const json::object& o, Endpoint endpoint) {
     if (type == nullptr || !type->is_string()) return bad("'response_format' must be an object with a 'type'");
     if (type->get_string() != "text") return bad("'response_format' other than text is not supported yet");
   }
-  (void)endpoint;
-  return okStatus();
+  return refuseUnsupportedService(o, endpoint);
 }
 
 Result<ChatConversation> parseMessages(const json::object& o) {
@@ -357,6 +473,11 @@ Status parseStreaming(const json::object& o, CompletionParams& p) {
   if (const json::value* v = field(o, "stream_options")) {
     if (!p.stream) return bad("'stream_options' is only allowed when 'stream' is true");
     if (!v->is_object()) return bad("'stream_options' must be an object");
+    for (const auto& kv : v->get_object()) {
+      if (kv.key() == "include_usage" || kv.value().is_null()) continue;
+      if (!printableName(kv.key())) return bad("'stream_options' has a field this server does not know");
+      return bad(fmt::format("'stream_options.{}' is not supported", std::string_view(kv.key())));
+    }
     PD_ASSIGN_OR_RETURN(auto include_usage, getBool(v->get_object(), "include_usage"));
     p.include_usage = include_usage.value_or(false);
   }
@@ -382,6 +503,7 @@ Result<CompletionParams> parseCompletionRequest(Endpoint endpoint, std::string_v
   if (!model || model->empty()) return bad("'model' is required");
   p.model = std::move(*model);
 
+  PD_TRY(refuseUnknown(o, endpoint));
   PD_TRY(refuseUnsupported(o, endpoint));
   if (endpoint == Endpoint::ChatCompletions) {
     PD_ASSIGN_OR_RETURN(p.conversation, parseMessages(o));
@@ -403,8 +525,19 @@ Result<CompletionParams> parseCompletionRequest(Endpoint endpoint, std::string_v
   p.ignore_eos = ignore_eos.value_or(false);
   PD_ASSIGN_OR_RETURN(auto return_token_ids, getBool(o, "return_token_ids"));
   p.return_token_ids = return_token_ids.value_or(false);
-  PD_ASSIGN_OR_RETURN(auto user, getString(o, "user"));
-  p.user = user.value_or("");
+  PD_ASSIGN_OR_RETURN(auto skip_special, getBool(o, "skip_special_tokens"));
+  p.skip_special_tokens = skip_special.value_or(true);
+  PD_ASSIGN_OR_RETURN(auto include_stop, getBool(o, "include_stop_str_in_output"));
+  p.include_stop_str_in_output = include_stop.value_or(false);
+  for (const auto& [name, out] :
+       {std::pair<std::string_view, std::string*>{"user", &p.user},
+        std::pair<std::string_view, std::string*>{"safety_identifier", &p.safety_identifier}}) {
+    PD_ASSIGN_OR_RETURN(auto value, getString(o, name));
+    if (value && value->size() > kMaxUserBytes) {
+      return bad(fmt::format("'{}' may be at most {} bytes long", name, kMaxUserBytes));
+    }
+    *out = value.value_or("");
+  }
   return p;
 }
 

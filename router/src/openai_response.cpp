@@ -1,5 +1,8 @@
 #include "openai_response.h"
 
+#include <algorithm>
+#include <cctype>
+
 #include "json_writer.h"
 #include "pd/router/json_text.h"
 
@@ -158,7 +161,17 @@ std::string chunk(const ResponseShape& s, const std::string_view* delta_text, bo
 }  // namespace
 
 ApiError invalidRequest(std::string message, std::string code) {
-  return ApiError{400, "invalid_request_error", std::move(code), std::move(message)};
+  std::string param;
+  if (message.size() > 2 && message[0] == '\'') {
+    const std::size_t end = message.find('\'', 1);
+    const std::string_view name = std::string_view(message).substr(1, end == std::string::npos ? 0 : end - 1);
+    const bool identifier = !name.empty() && name.size() <= 96 && std::all_of(name.begin(), name.end(), [](char c) {
+      return std::isalnum(static_cast<unsigned char>(c)) != 0 || c == '_' || c == '.' || c == '[' || c == ']' ||
+             c == '-';
+    });
+    if (identifier) param = std::string(name);
+  }
+  return ApiError{400, "invalid_request_error", std::move(code), std::move(message), std::move(param)};
 }
 
 std::string errorJson(const ApiError& e) {
@@ -166,7 +179,12 @@ std::string errorJson(const ApiError& e) {
   w.beginObject().key("error").beginObject();
   w.key("message").string(e.message);
   w.key("type").string(e.type);
-  w.key("param").null();
+  w.key("param");
+  if (e.param.empty()) {
+    w.null();
+  } else {
+    w.string(e.param);
+  }
   w.key("code");
   if (e.code.empty()) {
     w.null();

@@ -21,8 +21,12 @@ struct ApiError {
   std::string type = "invalid_request_error";
   std::string code;  ///< empty: null
   std::string message;
+  std::string param;  ///< the offending parameter (`messages[0].role`); empty: null
 };
 
+/// A 400 `invalid_request_error`. Its `param` is the parameter the message starts with, quoted
+/// ("'temperature' must be ..."): request messages name the parameter that way and only ever
+/// quote names the parser wrote or checked to be short identifiers, never free client text.
 [[nodiscard]] ApiError invalidRequest(std::string message, std::string code = {});
 [[nodiscard]] std::string errorJson(const ApiError& error);
 

@@ -4,7 +4,8 @@
 
 namespace pd::router {
 
-StopStringMatcher::StopStringMatcher(std::vector<std::string> stops) {
+StopStringMatcher::StopStringMatcher(std::vector<std::string> stops, bool include_match)
+    : include_match_(include_match) {
   for (auto& s : stops) {
     if (!s.empty()) stops_.push_back(std::move(s));
   }
@@ -19,11 +20,18 @@ StopStringMatcher::Step StopStringMatcher::push(std::string_view piece) {
     held_.clear();
     return step;
   }
-  // Earliest match wins (ties: the longer string, which makes no difference to the text).
+  // Earliest match wins; of two starting there, the longer (it decides the text when it is included).
   std::size_t first = std::string::npos;
-  for (const auto& s : stops_) first = std::min(first, held_.find(s));
+  std::size_t length = 0;
+  for (const auto& s : stops_) {
+    const std::size_t at = held_.find(s);
+    if (at < first || (at == first && at != std::string::npos && s.size() > length)) {
+      first = at;
+      length = s.size();
+    }
+  }
   if (first != std::string::npos) {
-    step.text = held_.substr(0, first);
+    step.text = held_.substr(0, include_match_ ? first + length : first);
     step.matched = true;
     matched_ = true;
     held_.clear();

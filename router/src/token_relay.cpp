@@ -8,8 +8,8 @@ TokenRelay::TokenRelay(const tokenizer::Tokenizer& tokenizer, const GenerationRe
     : tokenizer_(tokenizer),
       max_tokens_(request.max_tokens),
       logprobs_(request.logprobs),
-      detok_(tokenizer, /*skip_special_tokens=*/true),
-      stops_(request.stop) {}
+      detok_(tokenizer, request.skip_special_tokens),
+      stops_(request.stop, request.include_stop_str_in_output) {}
 
 TokenRelay::Step TokenRelay::push(std::span<const TokenId> ids, std::span<const SampledToken> logprobs) {
   Step step;

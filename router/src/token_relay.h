@@ -1,8 +1,9 @@
 #pragma once
 /// The client-facing half of a generation's tokens: turns the decode worker's token events into
 /// the sink's deltas — incremental detokenization (a multi-byte character waits for its last
-/// byte), stop strings (the text ends right before the first match; a possible prefix is held
-/// back) and max_tokens (ids past it are dropped) — and builds the finish event. The decode leg
+/// byte; special tokens add text only without skip_special_tokens), stop strings (the text ends
+/// right before the first match, or after it with include_stop_str_in_output; a possible prefix
+/// is held back) and max_tokens (ids past it are dropped) — and builds the finish event. The decode leg
 /// feeds it; it knows nothing about workers or HTTP.
 ///
 /// Thread rules: one object per generation, used by one thread at a time. The tokenizer must
@@ -22,7 +23,8 @@ namespace pd::router {
 
 class TokenRelay {
  public:
-  /// `request` gives max_tokens, the stop strings and whether logprobs are reported.
+  /// `request` gives max_tokens, the stop strings and their options, skip_special_tokens and
+  /// whether logprobs are reported.
   TokenRelay(const tokenizer::Tokenizer& tokenizer, const GenerationRequest& request);
 
   struct Step {

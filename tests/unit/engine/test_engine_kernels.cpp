@@ -340,6 +340,26 @@ TEST(Sampling, LogprobsAreRawLogSoftmax) {
   for (std::size_t i = 1; i < t.top.size(); ++i) EXPECT_GE(t.top[i - 1].logprob, t.top[i].logprob);
 }
 
+TEST(Sampling, WithoutLogprobsTheSameTokensComeWithoutValues) {
+  const std::vector<float> l = someLogits();
+  SamplingParams p;
+  p.top_logprobs = 3;
+  p.temperature = 0.9;
+  p.presence_penalty = 0.3;
+  p.seed = 17;
+  Sampler with(p);
+  Sampler without(p, /*logprobs=*/false);
+  for (int i = 0; i < 16; ++i) {
+    const SampledToken a = with.sample(l);
+    const SampledToken b = without.sample(l);
+    EXPECT_EQ(a.token, b.token) << i;  // same draws, same penalties
+    EXPECT_LT(a.logprob, 0.0F);
+    EXPECT_EQ(a.top.size(), 3U);
+    EXPECT_EQ(b.logprob, 0.0F);
+    EXPECT_TRUE(b.top.empty());
+  }
+}
+
 TEST(Sampling, LogitBiasShiftsTheLogitsBeforeSampling) {
   const std::vector<float> l{0.0F, 3.0F, -1.0F, 2.0F};
   SamplingParams p;

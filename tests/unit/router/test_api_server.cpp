@@ -151,7 +151,12 @@ class ApiServerTest : public ::testing::Test {
     const json::object& e = v.at("error").as_object();
     EXPECT_EQ(e.size(), 4u);
     EXPECT_EQ(e.at("type").as_string(), type);
-    EXPECT_TRUE(e.at("param").is_null());
+    // param: null, or the parameter the message names first (OpenAI's field; the SDKs expose it).
+    if (!e.at("param").is_null()) {
+      const std::string param(e.at("param").as_string());
+      const std::string message(e.at("message").as_string());
+      EXPECT_TRUE(message.starts_with("'" + param + "'") || (param == "model" && status == 404)) << r.body;
+    }
     if (code.empty()) {
       EXPECT_TRUE(e.at("code").is_null()) << r.body;
     } else {
@@ -341,6 +346,18 @@ TEST_F(ApiServerTest, InvalidRequestsGet400WithoutEchoingInput) {
               "outside the vocabulary");
   expectError(post("/v1/completions", completionBody("[1]", R"("stop_token_ids":[300])")), 400, "invalid_request_error",
               "", "outside the vocabulary");
+  // The error's param names the parameter, as OpenAI's does; an unknown parameter included.
+  const auto param = [&](const std::string& extra) {
+    const auto r = post("/v1/chat/completions", chatBody(extra));
+    EXPECT_EQ(r.status, 400) << r.body;
+    const json::value doc = parseJson(r.body);
+    const json::value& p = doc.at("error").at("param");
+    return p.is_string() ? std::string(p.as_string()) : std::string("null");
+  };
+  EXPECT_EQ(param(R"("temperature":9)"), "temperature");
+  EXPECT_EQ(param(R"("repetition_penalty":1.2)"), "repetition_penalty");
+  EXPECT_EQ(param(R"("stream":true,"stream_options":{"extra":1})"), "stream_options.extra");
+  EXPECT_EQ(param(R"("ZQX-secret-input and more":1)"), "null");
   EXPECT_TRUE(backend_.requests().empty());
 }
 
@@ -348,6 +365,8 @@ TEST_F(ApiServerTest, UnknownModelIs404) {
   start();
   const std::string body = R"({"model":"ZQX-secret-input","messages":[{"role":"user","content":"x"}]})";
   expectError(post("/v1/chat/completions", body), 404, "invalid_request_error", "model_not_found", "does not exist");
+  const json::value doc = parseJson(post("/v1/chat/completions", body).body);
+  EXPECT_EQ(doc.at("error").at("param").as_string(), "model");
 }
 
 TEST_F(ApiServerTest, ContextLengthIsEnforced) {

@@ -73,7 +73,9 @@ TEST(OpenAiRequest, ContentPartsNullsAndExtensions) {
       R"({"model":"m","messages":[{"role":"user","content":[{"type":"text","text":"a"},{"type":"text","text":"b"}]},)"
       R"({"role":"assistant","content":null},{"role":"developer","content":"d"}],"max_completion_tokens":5,)"
       R"("max_tokens":9,"top_k":-1,"temperature":null,"stop":"END","stop_token_ids":[7,8],"ignore_eos":true,)"
-      R"("return_token_ids":true,"chat_template_kwargs":{"thinking":true},"some_future_field":{"x":1}})");
+      R"("return_token_ids":true,"chat_template_kwargs":{"thinking":true},"skip_special_tokens":false,)"
+      R"("include_stop_str_in_output":true,"safety_identifier":"s-1","store":false,"service_tier":"auto",)"
+      R"("modalities":["text"],"metadata":{},"parallel_tool_calls":true})");
   EXPECT_EQ(p.conversation.messages[0].content, "a\nb");
   EXPECT_EQ(p.conversation.messages[1].content, "");
   EXPECT_EQ(p.max_tokens, 5);  // max_completion_tokens wins
@@ -84,6 +86,53 @@ TEST(OpenAiRequest, ContentPartsNullsAndExtensions) {
   EXPECT_TRUE(p.ignore_eos);
   EXPECT_TRUE(p.return_token_ids);
   EXPECT_EQ(p.conversation.template_kwargs_json, R"({"thinking":true})");
+  EXPECT_FALSE(p.skip_special_tokens);
+  EXPECT_TRUE(p.include_stop_str_in_output);
+  EXPECT_EQ(p.safety_identifier, "s-1");
+  const auto defaults = parseOk(Endpoint::Completions, R"({"model":"m","prompt":"x"})");
+  EXPECT_TRUE(defaults.skip_special_tokens);
+  EXPECT_FALSE(defaults.include_stop_str_in_output);
+}
+
+TEST(OpenAiRequest, EveryParameterIsHonouredOrRefusedByName) {
+  const std::string chat_base = R"({"model":"m","messages":[{"role":"user","content":"x"}],)";
+  const std::string completion_base = R"({"model":"m","prompt":"x",)";
+  auto chat = [&](std::string_view extra) {
+    return parseError(Endpoint::ChatCompletions, chat_base + std::string(extra) + "}");
+  };
+  auto completion = [&](std::string_view extra) {
+    return parseError(Endpoint::Completions, completion_base + std::string(extra) + "}");
+  };
+  // Unknown parameters (vendor fields, typos) are named, so the client sees what was not done.
+  EXPECT_EQ(chat(R"("repetition_penalty":1.1)"),
+            "'repetition_penalty' is not a parameter /v1/chat/completions supports");
+  EXPECT_EQ(chat(R"("temprature":0)"), "'temprature' is not a parameter /v1/chat/completions supports");
+  EXPECT_EQ(chat(R"("guided_json":{})"), "'guided_json' is not a parameter /v1/chat/completions supports");
+  // null asks for nothing, known parameter or not.
+  parseOk(Endpoint::ChatCompletions, chat_base + R"("audio":null,"prediction":null,"stream":true,)" +
+                                         R"("stream_options":{"include_usage":true,"continuous_usage_stats":null}})");
+  EXPECT_EQ(completion(R"("messages":[])"), "'messages' is not a parameter /v1/completions supports");
+  EXPECT_EQ(completion(R"("top_logprobs":2)"), "'top_logprobs' is not a parameter /v1/completions supports");
+  EXPECT_EQ(completion(R"("tools":[])"), "'tools' is not a parameter /v1/completions supports");
+  EXPECT_EQ(chat(R"("echo":false)"), "'echo' is not a parameter /v1/chat/completions supports");
+  // A name that is not a short identifier is not repeated.
+  EXPECT_EQ(chat(R"("ZQX-secret-input with spaces":1)"),
+            "the request has a parameter that /v1/chat/completions does not know");
+  EXPECT_EQ(chat(R"("stream":true,"stream_options":{"include_usage":true,"continuous_usage_stats":true})"),
+            "'stream_options.continuous_usage_stats' is not supported");
+  // OpenAI service features: neutral values only.
+  EXPECT_NE(chat(R"("store":true)").find("'store' is not supported"), std::string::npos);
+  EXPECT_NE(chat(R"("metadata":{"k":"v"})").find("'metadata' is not supported"), std::string::npos);
+  EXPECT_NE(chat(R"("service_tier":"flex")").find("'service_tier'"), std::string::npos);
+  EXPECT_NE(chat(R"("modalities":["text","audio"])").find("'modalities'"), std::string::npos);
+  EXPECT_NE(chat(R"("function_call":{"name":"f"})").find("'function_call' is not supported"), std::string::npos);
+  EXPECT_NE(chat(R"("parallel_tool_calls":1)").find("'parallel_tool_calls' must be a boolean"), std::string::npos);
+  EXPECT_NE(chat(R"("skip_special_tokens":"no")").find("'skip_special_tokens' must be a boolean"), std::string::npos);
+  EXPECT_NE(chat(R"("include_stop_str_in_output":1)").find("'include_stop_str_in_output' must be a boolean"),
+            std::string::npos);
+  EXPECT_NE(chat(fmt::format(R"("user":"{}")", std::string(257, 'u'))).find("'user' may be at most 256 bytes"),
+            std::string::npos);
+  EXPECT_NE(chat(R"("safety_identifier":7)").find("'safety_identifier' must be a string"), std::string::npos);
 }
 
 TEST(OpenAiRequest, CompletionPromptForms) {

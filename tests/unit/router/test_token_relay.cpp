@@ -104,5 +104,44 @@ TEST(TokenRelay, LogprobsCarryTheTextOfEachTokenAndAlternative) {
   EXPECT_TRUE(b.delta->logprobs.empty());  // not asked for
 }
 
+TEST(TokenRelay, IncludeStopStrInOutputEndsTheTextAfterTheMatch) {
+  GenerationRequest r = request(16, {"lo, w", "lo"});
+  r.include_stop_str_in_output = true;
+  TokenRelay relay(deepseek(), r);
+  auto a = relay.push(std::vector<TokenId>{kHello, kComma, kWorld, kBang}, {});
+  EXPECT_TRUE(a.stop_matched);
+  ASSERT_TRUE(a.delta);
+  // "lo" matches first (within "Hello"); the text keeps it and nothing after it.
+  EXPECT_EQ(a.delta->text, "Hello");
+  EXPECT_EQ(a.delta->token_ids, std::vector<TokenId>{kHello});
+
+  GenerationRequest longer = request(16, {", w", ", world!"});
+  longer.include_stop_str_in_output = true;
+  TokenRelay both(deepseek(), longer);
+  auto b = both.push(std::vector<TokenId>{kHello, kComma, kWorld, kBang}, {});
+  EXPECT_TRUE(b.stop_matched);
+  ASSERT_TRUE(b.delta);
+  EXPECT_EQ(b.delta->text, "Hello, w");  // the earliest match, complete as soon as it is seen
+}
+
+TEST(TokenRelay, SkipSpecialTokensDecidesWhetherSpecialTokensAddText) {
+  const TokenId eos = 1;  // <｜end▁of▁sentence｜>
+  ASSERT_TRUE(deepseek().isSpecial(eos));
+  TokenRelay skipping(deepseek(), request(16, {}, /*logprobs=*/true));
+  const std::vector<SampledToken> lps{{kHello, -0.1F, {}}, {eos, -0.2F, {}}};
+  auto a = skipping.push(std::vector<TokenId>{kHello, eos}, lps);
+  ASSERT_TRUE(a.delta);
+  EXPECT_EQ(a.delta->text, "Hello");
+  ASSERT_EQ(a.delta->logprobs.size(), 2U);
+  EXPECT_EQ(a.delta->logprobs[1].text, "<｜end▁of▁sentence｜>");  // a logprob entry always names its token
+
+  GenerationRequest r = request(16);
+  r.skip_special_tokens = false;
+  TokenRelay keeping(deepseek(), r);
+  auto b = keeping.push(std::vector<TokenId>{kHello, eos}, {});
+  ASSERT_TRUE(b.delta);
+  EXPECT_EQ(b.delta->text + keeping.finish(FinishReason::Stop).event.text, "Hello<｜end▁of▁sentence｜>");
+}
+
 }  // namespace
 }  // namespace pd::router

@@ -98,6 +98,7 @@ struct DecodeRequest {
   pd::SamplingParams sampling;
   std::vector<pd::TokenId> stop_token_ids;
   bool ignore_eos = false;
+  bool logprobs = false;  ///< fill each token's logprob (and sampling.top_logprobs alternatives)
   Clock::time_point kv_deadline = Clock::time_point::max();
   /// Prefill attempts to wait for (>= 1): DecodeLoop::openStream absorbs attempts - 1 failure
   /// records, keeping the blocks, before a failure ends the request. Within kv_deadline.

@@ -28,8 +28,10 @@ using pd::TokenLogprob;
 
 class Sampler {
  public:
-  /// The params must have passed validate() (PD_CHECKed).
-  explicit Sampler(SamplingParams params);
+  /// The params must have passed validate() (PD_CHECKed). Without `logprobs`, sampled tokens
+  /// carry logprob 0 and no alternatives: the log-softmax over the whole vocabulary (one more
+  /// pass over it per token, most of a greedy sample's cost) is skipped.
+  explicit Sampler(SamplingParams params, bool logprobs = true);
 
   /// Picks the next token from one row of logits and records it for the penalties. Consumes
   /// exactly one RNG draw when temperature > 0, none when greedy. `allowed`, when not empty, is a
@@ -48,6 +50,7 @@ class Sampler {
   double nextUniform();  // [0, 1), 53 random bits
 
   SamplingParams params_;
+  bool logprobs_;
   std::uint64_t rng_state_;
   std::unordered_map<std::int32_t, std::int64_t> counts_;
   std::vector<float> work_;

@@ -54,11 +54,13 @@ struct GenerationRequest {
   /// What both workers sample with. `sampling.seed` is ignored: `seed` below decides it.
   /// `sampling.top_logprobs`: alternatives per token when `logprobs` is on.
   SamplingParams sampling = openAiSamplingDefaults();
-  std::optional<std::int64_t> seed;     ///< the client's seed; unset: the backend picks a random one
-  bool logprobs = false;                ///< report each token's logprob (and top_logprobs alternatives)
-  std::vector<std::string> stop;        ///< stop strings; the returned text ends before the match
-  std::vector<TokenId> stop_token_ids;  ///< extra end tokens (besides the model's EOS)
-  bool ignore_eos = false;              ///< keep going past EOS (benchmarks)
+  std::optional<std::int64_t> seed;         ///< the client's seed; unset: the backend picks a random one
+  bool logprobs = false;                    ///< report each token's logprob (and top_logprobs alternatives)
+  std::vector<std::string> stop;            ///< stop strings; the returned text ends before the match
+  std::vector<TokenId> stop_token_ids;      ///< extra end tokens (besides the model's EOS)
+  bool ignore_eos = false;                  ///< keep going past EOS (benchmarks)
+  bool skip_special_tokens = true;          ///< special tokens add no text (logprob entries keep theirs)
+  bool include_stop_str_in_output = false;  ///< the text ends after the matched stop string, not before
   /// The front end aborts the generation at this time; the backend should give up before it.
   std::chrono::steady_clock::time_point deadline;
 };

@@ -3,13 +3,16 @@
 /// POST /v1/completions (docs/api.md lists every parameter and rule).
 ///
 /// The body must be valid UTF-8 without lone surrogate escapes, a JSON object, and each known
-/// parameter must have the right type and range; unknown parameters are ignored (as vLLM does),
-/// known features this server does not offer (n > 1, tools, echo, suffix, logit_bias, best_of,
-/// non-text response formats, non-text content parts) are refused rather than silently ignored.
+/// parameter must have the right type and range. Every top-level parameter is either honoured or
+/// refused: a parameter the endpoint does not know (and one of `stream_options`) is a 400 naming
+/// it, and known features this server does not offer (n > 1, tools, echo, suffix, best_of,
+/// non-text response formats and modalities, stored completions, non-text content parts) are
+/// refused unless given their neutral value (docs/api.md has the table).
 ///
 /// Errors: InvalidArgument with a message for the client that names the parameter but never
-/// repeats the client's text. Checks that need the model (name, context length, vocabulary)
-/// happen later, in the API server.
+/// repeats the client's text (an unknown parameter's name is repeated only when it is a short
+/// identifier). Checks that need the model (name, context length, vocabulary) happen later, in
+/// the API server.
 ///
 /// Thread rules: pure functions.
 
@@ -47,12 +50,20 @@ struct CompletionParams {
   std::vector<std::string> stop;
   std::vector<TokenId> stop_token_ids;
   bool ignore_eos = false;
+  bool skip_special_tokens = true;          ///< extension (vLLM): drop special tokens from the text
+  bool include_stop_str_in_output = false;  ///< extension (vLLM): the matched stop string ends the text
   bool stream = false;
   bool include_usage = false;  ///< stream_options.include_usage
   bool logprobs = false;
   bool return_token_ids = false;
+  /// `user` and `safety_identifier`: who the end user is, logged with the request id (nothing
+  /// else uses them); each at most kMaxUserBytes.
   std::string user;
+  std::string safety_identifier;
 };
+
+/// Longest `user` / `safety_identifier` accepted (bytes).
+inline constexpr std::size_t kMaxUserBytes = 256;
 
 /// Parses a request body for `endpoint`.
 [[nodiscard]] Result<CompletionParams> parseCompletionRequest(Endpoint endpoint, std::string_view body);

@@ -14,12 +14,13 @@ namespace pd::router {
 
 class StopStringMatcher {
  public:
-  /// Empty strings are ignored.
-  explicit StopStringMatcher(std::vector<std::string> stops);
+  /// Empty strings are ignored. With `include_match` the released text ends right after the
+  /// matched stop string instead of right before it.
+  explicit StopStringMatcher(std::vector<std::string> stops, bool include_match = false);
 
   struct Step {
     std::string text;      ///< text now safe to release
-    bool matched = false;  ///< a stop string matched: `text` ends right before it; stop here
+    bool matched = false;  ///< a stop string matched: `text` ends right before (or after) it; stop here
   };
   /// Adds the next piece of output text.
   [[nodiscard]] Step push(std::string_view piece);
@@ -29,6 +30,7 @@ class StopStringMatcher {
 
  private:
   std::vector<std::string> stops_;
+  bool include_match_ = false;
   std::string held_;  // unreleased text: a possible prefix of a stop string
   bool matched_ = false;
 };
