@@ -178,7 +178,7 @@ ApiError fromBackendError(const Error& e) {
 }
 
 /// The front end's part of a request's log line: its phases before the backend, and the prompt
-/// when `log.prompts` is on.
+/// when `router.log_prompts` is on.
 struct RequestLog {
   double validate_ms = 0;
   std::optional<double> template_ms;  ///< chat only
@@ -394,7 +394,6 @@ class RequestState final : public TokenSink, public std::enable_shared_from_this
     if (!first_token_at_) leaveQueue();
     fe_->metrics.in_flight.set(static_cast<double>(--fe_->in_flight));
     fe_->metrics.generation_tokens.inc(static_cast<double>(completion_tokens_));
-    logRequestLocked(status);
     if (status == 200) {
       const auto now = Clock::now();
       fe_->metrics.e2e.observe(secondsBetween(received_, now));
@@ -403,6 +402,7 @@ class RequestState final : public TokenSink, public std::enable_shared_from_this
                                   static_cast<double>(completion_tokens_ - 1));
       }
     }
+    logRequestLocked(status);  // after the metrics: a client that saw its answer finds them booked sooner
     endSpansLocked(status);
     auto id = deadline_id_;
     deadline_id_.reset();
@@ -410,7 +410,7 @@ class RequestState final : public TokenSink, public std::enable_shared_from_this
   }
 
   /// The request's one info line (docs/observability.md): ids, tokens, latencies, the phases,
-  /// the workers and the outcome; the prompt only with log.prompts.
+  /// the workers and the outcome; the prompt only with router.log_prompts.
   void logRequestLocked(int status) {
     if (log::level() > log::Level::Info) return;
     const auto now = Clock::now();
@@ -664,7 +664,7 @@ class ApiServer::Impl {
     ex.respond(http::Response::withBody(200, std::string(kJson), w.take()));
   }
 
-  /// The prompt as the request log shows it (log.prompts): chat messages as JSON, a completion's
+  /// The prompt as the request log shows it (router.log_prompts): chat messages as JSON, a completion's
   /// text, or its token ids.
   static std::string promptForLog(const CompletionParams& p) {
     if (p.endpoint == Endpoint::ChatCompletions) return p.conversation.messages_json;
@@ -875,6 +875,7 @@ Result<ApiServerOptions> apiServerOptionsFromConfig(const RouterConfig& config, 
   o.max_queued_requests = config.max_queued_requests;
   o.request_timeout = std::chrono::milliseconds(config.request_timeout_ms);
   o.retry_after = std::chrono::seconds(config.retry_after_s);
+  o.log_prompts = config.log_prompts;
   if (!config.api_keys_file.empty()) {
     PD_ASSIGN_OR_RETURN(o.api_keys, ApiKeySet::fromFile(config.api_keys_file));
   }

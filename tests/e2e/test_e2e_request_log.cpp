@@ -1,7 +1,7 @@
 // The router's one log line per finished request, through `pdserve up` (real processes), in both
 // log formats: in text by default, with the ids, tokens, latencies, phases and workers and never
 // the prompt; with --log.format json every line up prints on stderr (its own and its children's)
-// is one JSON object, and --log.prompts adds the prompt to the request's line. `up` is stopped
+// is one JSON object, and --router.log_prompts adds the prompt to the request's line. `up` is stopped
 // before its log is read, so every line is there without waiting on anything.
 #include <gtest/gtest.h>
 
@@ -120,7 +120,7 @@ TEST(E2eRequestLog, TextLineHasTheRequestsFiguresAndNoPrompt) {
 TEST(E2eRequestLog, JsonModeMakesEveryLineAnObjectAndLogsThePromptOnlyWhenAsked) {
   TempDir cache;
   auto flags = baseFlags(cache);
-  flags.insert(flags.end(), {"--log.format=json", "--log.prompts=true"});
+  flags.insert(flags.end(), {"--log.format=json", "--router.log_prompts=true"});
   auto cluster = std::make_unique<LocalCluster>(flags, 180s, /*capture_stderr=*/true);
   ASSERT_FALSE(cluster->url().empty());
   const trace::SpanContext client{trace::newTraceId(), trace::newSpanId(), trace::kSampledFlag};
@@ -166,7 +166,7 @@ TEST(E2eRequestLog, JsonModeMakesEveryLineAnObjectAndLogsThePromptOnlyWhenAsked)
   EXPECT_LE(r.at("ttft_ms").as_double(), r.at("e2e_ms").as_double());
   EXPECT_TRUE(std::string(r.at("prefill_worker").as_string()).starts_with("127.0.0.1:"));
   EXPECT_TRUE(std::string(r.at("decode_worker").as_string()).starts_with("127.0.0.1:"));
-  // --log.prompts: the chat messages, as JSON text.
+  // --router.log_prompts: the chat messages, as JSON text.
   ASSERT_TRUE(r.contains("prompt"));
   EXPECT_NE(std::string(r.at("prompt").as_string()).find(kMarker), std::string::npos);
 }

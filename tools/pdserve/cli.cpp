@@ -51,9 +51,7 @@ struct AllSections {
 
 CommonOptions::CommonOptions(CommonConfig& cfg) {
   log.add("level", &cfg.log_level, "log verbosity", {"debug", "info", "warn", "error", "off"})
-      .add("format", &cfg.log_format, "log line format: text, or json (one JSON object per line)", {"text", "json"})
-      .add("prompts", &cfg.log_prompts,
-           "the router's per-request log line includes the prompt (its text or token ids); off: never");
+      .add("format", &cfg.log_format, "log line format: text, or json (one JSON object per line)", {"text", "json"});
   model
       .add("path", &cfg.model_path, "model folder (Hugging Face DeepSeek-V3 layout); empty: the embedded default model")
       .add("tokenizer", &cfg.tokenizer_path, "tokenizer folder; empty: the model folder")

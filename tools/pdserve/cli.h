@@ -24,8 +24,6 @@ namespace pd::cli {
 struct CommonConfig {
   std::string log_level = "info";
   std::string log_format = "text";  ///< "text" or "json" (one JSON object per line)
-  /// The router's per-request line carries the prompt text too (off: never, docs/observability.md).
-  bool log_prompts = false;
   /// Model folder; empty means the embedded default model (created on first use).
   std::filesystem::path model_path;
   /// Tokenizer folder (tokenizer.json + tokenizer_config.json); empty: the model folder's, or

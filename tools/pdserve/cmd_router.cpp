@@ -123,7 +123,6 @@ int runRouter(const std::vector<std::string>& raw_args) {
   auto backend = router::PdBackend::create(std::move(backend_options), **registry, (*renderer)->tokenizer(), metrics);
   if (!backend.ok()) return reportFailure(backend.error());
   api_options->tracer = tracer->get();
-  api_options->log_prompts = common.log_prompts;
   auto api = router::ApiServer::start(std::move(api_options).value(), **backend, **renderer, metrics);
   if (!api.ok()) return reportFailure(api.error());
   const std::string url = fmt::format("http://{}:{}", cfg.host, (*api)->port());
