@@ -243,9 +243,9 @@ class RequestState final : public TokenSink, public std::enable_shared_from_this
     exchange_.write(deltaChunk(shape_, text, delta.token_ids, delta.logprobs, cursor_, promptIdsForChunk()));
   }
 
-  void onReport(GenerationReport report) override {
+  void onReport(const GenerationReport& report) override {
     std::lock_guard lock(mu_);
-    report_ = std::move(report);
+    report_ = report;
   }
 
   void onFinish(FinishEvent finish) override {

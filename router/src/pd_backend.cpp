@@ -441,7 +441,7 @@ class Generation : public std::enable_shared_from_this<Generation> {
       const auto reason = stop_hit ? FinishReason::Stop : a.finish->finish_reason;
       GenerationReport report = report_;
       lock.unlock();
-      sink_->onReport(std::move(report));
+      sink_->onReport(report);
       FinishEvent end = TokenRelay::stopped();
       bool cut = stop_hit;
       if (!stop_hit) {
@@ -547,7 +547,7 @@ class Generation : public std::enable_shared_from_this<Generation> {
       std::lock_guard lock(mu_);
       report = report_;
     }
-    sink_->onReport(std::move(report));
+    sink_->onReport(report);
     sink_->onError(std::move(last_));
   }
 

@@ -125,7 +125,7 @@ class TokenSink {
   virtual void onError(Error error) = 0;
   /// The generation's report, at most once, just before its terminal event (serially with the
   /// other calls). Ignored by default.
-  virtual void onReport(GenerationReport report) { (void)report; }
+  virtual void onReport(const GenerationReport& report) { (void)report; }
 };
 
 /// Control of one running generation.
