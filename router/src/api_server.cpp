@@ -243,6 +243,19 @@ class RequestState final : public TokenSink, public std::enable_shared_from_this
     exchange_.write(deltaChunk(shape_, text, delta.token_ids, delta.logprobs, cursor_, promptIdsForChunk()));
   }
 
+  /// Writes the request's log line: the client has its answer and the backend is done with it.
+  ~RequestState() override {
+    try {
+      if (final_status_) logRequest(*final_status_);
+    } catch (const std::exception& e) {
+      log::error(kLog, "{}: the request's log line failed: {}", shape_.id, e.what());
+    }
+  }
+  RequestState(const RequestState&) = delete;
+  RequestState& operator=(const RequestState&) = delete;
+  RequestState(RequestState&&) = delete;
+  RequestState& operator=(RequestState&&) = delete;
+
   void onReport(const GenerationReport& report) override {
     std::lock_guard lock(mu_);
     report_ = report;
@@ -402,7 +415,8 @@ class RequestState final : public TokenSink, public std::enable_shared_from_this
                                   static_cast<double>(completion_tokens_ - 1));
       }
     }
-    logRequestLocked(status);  // after the metrics: a client that saw its answer finds them booked sooner
+    finished_at_ = Clock::now();
+    final_status_ = status;
     endSpansLocked(status);
     auto id = deadline_id_;
     deadline_id_.reset();
@@ -410,10 +424,11 @@ class RequestState final : public TokenSink, public std::enable_shared_from_this
   }
 
   /// The request's one info line (docs/observability.md): ids, tokens, latencies, the phases,
-  /// the workers and the outcome; the prompt only with router.log_prompts.
-  void logRequestLocked(int status) {
+  /// the workers and the outcome; the prompt only with router.log_prompts. Written once the
+  /// backend let go of the request (its report is complete then), with the times of the answer.
+  void logRequest(int status) {
     if (log::level() > log::Level::Info) return;
-    const auto now = Clock::now();
+    const auto now = finished_at_;
     const auto ms = [](Clock::time_point a, Clock::time_point b) {
       return std::chrono::duration<double, std::milli>(b - a).count();
     };
@@ -508,6 +523,8 @@ class RequestState final : public TokenSink, public std::enable_shared_from_this
   std::string text_;  ///< non-streaming: accumulated output
   std::vector<TokenId> ids_;
   std::vector<LogprobEntry> logprobs_;
+  std::optional<int> final_status_;  ///< the answer's status, once booked
+  Clock::time_point finished_at_;    ///< when it was booked
   std::int64_t cached_tokens_ = 0;
   std::string finish_reason_;  ///< of a finished generation
   std::string error_code_;     ///< the client's error code (OpenAI's `code`) of a failed request

@@ -439,9 +439,7 @@ class Generation : public std::enable_shared_from_this<Generation> {
       if (!a.stop_hit && !a.timed_out && response.value().complete) s_.release(a.worker, std::move(client));
       const bool stop_hit = a.stop_hit;
       const auto reason = stop_hit ? FinishReason::Stop : a.finish->finish_reason;
-      GenerationReport report = report_;
       lock.unlock();
-      sink_->onReport(report);
       FinishEvent end = TokenRelay::stopped();
       bool cut = stop_hit;
       if (!stop_hit) {
@@ -470,12 +468,15 @@ class Generation : public std::enable_shared_from_this<Generation> {
 
   /// Ends the attempt once both legs are over; runs its end exactly once.
   void maybeEndAttempt() {
+    std::optional<GenerationReport> report;
     {
       std::lock_guard lock(mu_);
       if (!a_->decode_done || a_->leg.running || a_->ended) return;
       a_->ended = true;
-      if (a_->succeeded) return;  // the sink has its finish: the generation is over
+      if (a_->succeeded) report = report_;
     }
+    // The sink has its finish: the generation is over, and its report complete (both legs ended).
+    if (report) return sink_->onReport(*report);
     endFailedAttempt();
   }
 

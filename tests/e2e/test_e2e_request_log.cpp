@@ -1,14 +1,16 @@
 // The router's one log line per finished request, through `pdserve up` (real processes), in both
 // log formats: in text by default, with the ids, tokens, latencies, phases and workers and never
 // the prompt; with --log.format json every line up prints on stderr (its own and its children's)
-// is one JSON object, and --router.log_prompts adds the prompt to the request's line. `up` is stopped
-// before its log is read, so every line is there without waiting on anything.
+// is one JSON object, and --router.log_prompts adds the prompt to the request's line. The test waits
+// for the request's line (written once both legs are over), then stops `up` and reads its log.
 #include <gtest/gtest.h>
 
 #include <boost/json.hpp>
 #include <chrono>
 #include <set>
 #include <string>
+#include <string_view>
+#include <thread>
 #include <vector>
 
 #include "pd/common/http_client.h"
@@ -66,6 +68,19 @@ std::string joined(const std::vector<std::string>& lines) {
   return all;
 }
 
+/// Waits until up's stderr has a line containing `needle` (the router writes a request's line once
+/// both legs are over, which may be after the client has its answer); false after `timeout`.
+bool waitForLine(const LocalCluster& cluster, std::string_view needle, std::chrono::seconds timeout = 60s) {
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  while (std::chrono::steady_clock::now() < deadline) {
+    for (const auto& l : cluster.stderrLines()) {
+      if (l.find(needle) != std::string::npos) return true;
+    }
+    std::this_thread::sleep_for(10ms);
+  }
+  return false;
+}
+
 std::vector<std::string> baseFlags(const TempDir& cache) {
   return {"--model.cache_dir=" + cache.path().string(), "--router.port=0", "--log.level=info"};
 }
@@ -79,6 +94,8 @@ TEST(E2eRequestLog, TextLineHasTheRequestsFiguresAndNoPrompt) {
   const Answer a = chat(*cluster, trace::formatTraceparent(client));
   ASSERT_EQ(a.status, 200);
   ASSERT_FALSE(a.request_id.empty());
+  // Stopping now could cut a prefill answer still on its way (the line would lack its figures).
+  EXPECT_TRUE(waitForLine(*cluster, "[router] request id=" + a.request_id));
   EXPECT_EQ(cluster->stop(120s), 0);
   const auto lines = cluster->stderrLines();
   cluster.reset();
@@ -126,6 +143,7 @@ TEST(E2eRequestLog, JsonModeMakesEveryLineAnObjectAndLogsThePromptOnlyWhenAsked)
   const trace::SpanContext client{trace::newTraceId(), trace::newSpanId(), trace::kSampledFlag};
   const Answer a = chat(*cluster, trace::formatTraceparent(client));
   ASSERT_EQ(a.status, 200);
+  EXPECT_TRUE(waitForLine(*cluster, R"("msg":"request")"));
   EXPECT_EQ(cluster->stop(120s), 0);
   const auto lines = cluster->stderrLines();
   cluster.reset();

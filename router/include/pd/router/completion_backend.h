@@ -111,7 +111,8 @@ struct GenerationReport {
 ///
 /// Thread rules: the backend calls a sink from any thread but serially (never two calls at once
 /// for one generation); zero or more onTokens(), then exactly one onFinish() or onError(), then
-/// nothing. Calls may come before start() returns. Implementations must not block.
+/// nothing but at most one onReport(). Calls may come before start() returns. Implementations
+/// must not block.
 class TokenSink {
  public:
   TokenSink() = default;
@@ -123,8 +124,9 @@ class TokenSink {
   virtual void onTokens(TokenDelta delta) = 0;
   virtual void onFinish(FinishEvent finish) = 0;
   virtual void onError(Error error) = 0;
-  /// The generation's report, at most once, just before its terminal event (serially with the
-  /// other calls). Ignored by default.
+  /// The generation's report, at most once, when the backend is done with every leg: just before
+  /// the terminal event, or after it (a prefill answer may come after the last token). Never
+  /// concurrently with another call. Ignored by default.
   virtual void onReport(const GenerationReport& report) { (void)report; }
 };
 
