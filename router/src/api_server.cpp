@@ -16,6 +16,7 @@
 #include "pd/common/http_message.h"
 #include "pd/common/io_threads.h"
 #include "pd/common/log.h"
+#include "pd/common/log_format.h"
 #include "pd/common/probe_routes.h"
 #include "pd/router/json_text.h"
 #include "pd/router/key_limits.h"
@@ -50,6 +51,11 @@ struct FrontEndMetrics {
                          "Mean time between output tokens after the first, per request.",
                          {0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0})
                  .get()),
+        itl(r.histogram("pdserve_router_inter_token_latency_seconds",
+                        "Time between successive output tokens as the client receives them (tokens that arrive "
+                        "together share their gap).",
+                        {0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5})
+                .get()),
         e2e(r.histogram("pdserve_router_e2e_request_latency_seconds",
                         "Time from receiving a generation request to its last byte.", metrics::latencyBuckets())
                 .get()),
@@ -78,6 +84,7 @@ struct FrontEndMetrics {
   metrics::Family<metrics::Counter>& requests;
   metrics::Histogram& ttft;
   metrics::Histogram& tpot;
+  metrics::Histogram& itl;
   metrics::Histogram& e2e;
   metrics::Gauge& in_flight;
   metrics::Gauge& waiting;
@@ -103,6 +110,8 @@ struct FrontEnd {
         key_limiter(o.api_keys.limits()),
         backend(b),
         renderer(pr),
+        tracer(o.tracer != nullptr ? *o.tracer : trace::Tracer::disabled()),
+        log_prompts(o.log_prompts),
         registry(r),
         metrics(r),
         started_at(unixSeconds()) {}
@@ -128,6 +137,8 @@ struct FrontEnd {
   KeyLimiter key_limiter;
   CompletionBackend& backend;
   const PromptRenderer& renderer;
+  const trace::Tracer& tracer;
+  const bool log_prompts;
   metrics::Registry& registry;
   FrontEndMetrics metrics;
   const std::int64_t started_at;
@@ -166,6 +177,19 @@ ApiError fromBackendError(const Error& e) {
   return serverError(500, "internal_error", "internal error");
 }
 
+/// The front end's part of a request's log line: its phases before the backend, and the prompt
+/// when `router.log_prompts` is on.
+struct RequestLog {
+  double validate_ms = 0;
+  std::optional<double> template_ms;  ///< chat only
+  double tokenize_ms = 0;
+  std::optional<std::string> prompt;
+};
+
+double msBetween(trace::TimePoint a, trace::TimePoint b) {
+  return std::chrono::duration<double, std::milli>(b - a).count();
+}
+
 /// One generation request from admission to its last byte: the backend's TokenSink, and the
 /// target of the client-gone and deadline callbacks.
 ///
@@ -177,7 +201,7 @@ class RequestState final : public TokenSink, public std::enable_shared_from_this
  public:
   RequestState(std::shared_ptr<FrontEnd> fe, http::Exchange exchange, ResponseShape shape, bool stream,
                std::string endpoint, std::vector<TokenId> prompt_ids, Clock::time_point received,
-               KeyLimiter::Lease lease)
+               KeyLimiter::Lease lease, trace::Span span, RequestLog log)
       : fe_(std::move(fe)),
         exchange_(std::move(exchange)),
         shape_(std::move(shape)),
@@ -185,7 +209,9 @@ class RequestState final : public TokenSink, public std::enable_shared_from_this
         endpoint_(std::move(endpoint)),
         prompt_ids_(std::move(prompt_ids)),
         received_(received),
-        lease_(std::move(lease)) {}
+        lease_(std::move(lease)),
+        span_(std::move(span)),
+        log_(std::move(log)) {}
 
   void onTokens(TokenDelta delta) override {
     std::lock_guard lock(mu_);
@@ -193,8 +219,13 @@ class RequestState final : public TokenSink, public std::enable_shared_from_this
     const auto now = Clock::now();
     if (!first_token_at_) {
       first_token_at_ = now;
+      stream_span_ = span_.child("router.stream");
       leaveQueue();
       fe_->metrics.ttft.observe(secondsBetween(received_, now));
+    } else if (!delta.token_ids.empty()) {
+      // Each token of this delta waited its share of the gap since the previous delivery.
+      const double gap = secondsBetween(last_token_at_, now) / static_cast<double>(delta.token_ids.size());
+      for (std::size_t i = 0; i < delta.token_ids.size(); ++i) fe_->metrics.itl.observe(gap);
     }
     last_token_at_ = now;
     completion_tokens_ += static_cast<std::int64_t>(delta.token_ids.size());
@@ -212,6 +243,24 @@ class RequestState final : public TokenSink, public std::enable_shared_from_this
     exchange_.write(deltaChunk(shape_, text, delta.token_ids, delta.logprobs, cursor_, promptIdsForChunk()));
   }
 
+  /// Writes the request's log line: the client has its answer and the backend is done with it.
+  ~RequestState() override {
+    try {
+      if (final_status_) logRequest(*final_status_);
+    } catch (const std::exception& e) {
+      log::error(kLog, "{}: the request's log line failed: {}", shape_.id, e.what());
+    }
+  }
+  RequestState(const RequestState&) = delete;
+  RequestState& operator=(const RequestState&) = delete;
+  RequestState(RequestState&&) = delete;
+  RequestState& operator=(RequestState&&) = delete;
+
+  void onReport(const GenerationReport& report) override {
+    std::lock_guard lock(mu_);
+    report_ = report;
+  }
+
   void onFinish(FinishEvent finish) override {
     const GenerationEnd& end = finish.end;
     std::optional<DeadlineScheduler::Id> cancel;
@@ -219,6 +268,8 @@ class RequestState final : public TokenSink, public std::enable_shared_from_this
       std::lock_guard lock(mu_);
       backend_ended_ = true;
       if (done_) return;
+      cached_tokens_ = end.cached_prompt_tokens;
+      finish_reason_ = std::string(finishReasonName(end.reason));
       settleLeaseLocked();  // before the answer: a client that saw it may send its next request at once
       std::string tail = sanitizer_.push(finish.text);
       tail += sanitizer_.finish();
@@ -250,6 +301,7 @@ class RequestState final : public TokenSink, public std::enable_shared_from_this
       if (done_) return;
       const ApiError api = fromBackendError(error);
       if (api.status >= 500) log::warn(kLog, "{}: generation failed: {}", shape_.id, error.toString());
+      backend_error_ = std::string(errorCodeName(error.code));
       cancel = failLocked(api);
     }
     cancelDeadline(cancel);
@@ -264,6 +316,7 @@ class RequestState final : public TokenSink, public std::enable_shared_from_this
       if (done_) return;
       const ApiError api = fromBackendError(error);
       if (api.status >= 500) log::warn(kLog, "{}: backend refused the request: {}", shape_.id, error.toString());
+      backend_error_ = std::string(errorCodeName(error.code));
       cancel = failLocked(api);
     }
     cancelDeadline(cancel);
@@ -333,6 +386,7 @@ class RequestState final : public TokenSink, public std::enable_shared_from_this
   }
 
   std::optional<DeadlineScheduler::Id> failLocked(const ApiError& api) {
+    error_code_ = api.code;
     settleLeaseLocked();
     if (stream_started_) {
       // Headers are gone already: end the stream with an error event, as OpenAI does.
@@ -361,9 +415,70 @@ class RequestState final : public TokenSink, public std::enable_shared_from_this
                                   static_cast<double>(completion_tokens_ - 1));
       }
     }
+    finished_at_ = Clock::now();
+    final_status_ = status;
+    endSpansLocked(status);
     auto id = deadline_id_;
     deadline_id_.reset();
     return id;
+  }
+
+  /// The request's one info line (docs/observability.md): ids, tokens, latencies, the phases,
+  /// the workers and the outcome; the prompt only with router.log_prompts. Written once the
+  /// backend let go of the request (its report is complete then), with the times of the answer.
+  void logRequest(int status) {
+    if (log::level() > log::Level::Info) return;
+    const auto now = finished_at_;
+    const auto ms = [](Clock::time_point a, Clock::time_point b) {
+      return std::chrono::duration<double, std::milli>(b - a).count();
+    };
+    std::vector<log::Field> f;
+    f.push_back({"id", shape_.id});
+    f.push_back({"trace_id", span_.context().valid() ? span_.context().trace_id.hex() : std::string()});
+    f.push_back({"model", fe_->served_model_name});
+    f.push_back({"endpoint", endpoint_});
+    f.push_back({"stream", stream_});
+    f.push_back({"status", static_cast<std::int64_t>(status)});
+    f.push_back({"outcome", std::string(status == 200 ? "ok" : status == 499 ? "client_gone" : "error")});
+    if (!finish_reason_.empty()) f.push_back({"finish_reason", finish_reason_});
+    if (!error_code_.empty()) f.push_back({"error_code", error_code_});
+    if (!backend_error_.empty()) f.push_back({"backend_error", backend_error_});
+    f.push_back({"prompt_tokens", static_cast<std::int64_t>(prompt_ids_.size())});
+    f.push_back({"cached_tokens", cached_tokens_});
+    f.push_back({"completion_tokens", completion_tokens_});
+    f.push_back({"e2e_ms", ms(received_, now)});
+    if (first_token_at_) f.push_back({"ttft_ms", ms(received_, *first_token_at_)});
+    if (first_token_at_ && completion_tokens_ > 1) {
+      f.push_back({"tpot_ms", ms(*first_token_at_, last_token_at_) / static_cast<double>(completion_tokens_ - 1)});
+    }
+    f.push_back({"validate_ms", log_.validate_ms});
+    if (log_.template_ms) f.push_back({"template_ms", *log_.template_ms});
+    f.push_back({"tokenize_ms", log_.tokenize_ms});
+    const auto opt = [&f](const char* key, const std::optional<double>& v) {
+      if (v) f.push_back({key, *v});
+    };
+    opt("route_ms", report_.route_ms);
+    opt("decode_open_ms", report_.decode_open_ms);
+    opt("prefill_ms", report_.prefill_ms);
+    opt("prefill_queue_ms", report_.prefill_queue_ms);
+    opt("prefill_compute_ms", report_.prefill_compute_ms);
+    opt("prefill_transfer_ms", report_.prefill_transfer_ms);
+    if (first_token_at_) f.push_back({"stream_ms", ms(*first_token_at_, now)});
+    if (!report_.prefill_worker.empty()) f.push_back({"prefill_worker", report_.prefill_worker});
+    if (!report_.decode_worker.empty()) f.push_back({"decode_worker", report_.decode_worker});
+    if (report_.prefill_attempts > 1) f.push_back({"prefill_attempts", report_.prefill_attempts});
+    if (report_.decode_attempts > 1) f.push_back({"decode_attempts", report_.decode_attempts});
+    if (log_.prompt) f.push_back({"prompt", *log_.prompt});
+    log::write(log::Level::Info, kLog, "request", f);
+  }
+
+  /// Ends router.stream and router.request with the outcome.
+  void endSpansLocked(int status) {
+    stream_span_.end();
+    span_.setAttribute("http.response.status_code", static_cast<std::int64_t>(status));
+    span_.setAttribute("pd.completion_tokens", completion_tokens_);
+    if (status >= 500) span_.setError(fmt::format("HTTP {}", status));
+    span_.end();
   }
 
   /// Frees the key's concurrency slot and charges the tokens used (prompt + generated so far).
@@ -408,6 +523,16 @@ class RequestState final : public TokenSink, public std::enable_shared_from_this
   std::string text_;  ///< non-streaming: accumulated output
   std::vector<TokenId> ids_;
   std::vector<LogprobEntry> logprobs_;
+  std::optional<int> final_status_;  ///< the answer's status, once booked
+  Clock::time_point finished_at_;    ///< when it was booked
+  std::int64_t cached_tokens_ = 0;
+  std::string finish_reason_;  ///< of a finished generation
+  std::string error_code_;     ///< the client's error code (OpenAI's `code`) of a failed request
+  std::string backend_error_;  ///< the backend's ErrorCode name of a failed generation
+  GenerationReport report_;
+  trace::Span span_;         ///< router.request: ends with the answer
+  trace::Span stream_span_;  ///< router.stream: first token to the answer's end
+  RequestLog log_;
 };
 
 std::string_view endpointLabel(Endpoint e) {
@@ -487,6 +612,12 @@ class ApiServer::Impl {
   }
 
  private:
+  /// When a generation request arrived: for the metrics (steady) and for its spans (wall).
+  struct Received {
+    Clock::time_point steady;
+    trace::TimePoint wall;
+  };
+
   /// Who sent a request: the index of its API key (nullopt with authentication off).
   struct Caller {
     std::optional<std::size_t> key;
@@ -528,6 +659,13 @@ class ApiServer::Impl {
     fe_->countRequest(endpoint, e.status);
     ex.respond(fe_->errorResponse(e, {}));
   }
+  /// reject() of a request whose router.request span started; the span ends with the status.
+  void reject(http::Exchange& ex, std::string_view endpoint, const ApiError& e, trace::Span& span) {
+    span.setAttribute("http.response.status_code", static_cast<std::int64_t>(e.status));
+    if (e.status >= 500) span.setError(e.code);
+    span.end();
+    reject(ex, endpoint, e);
+  }
 
   void handleModels(const http::Request& req, http::Exchange& ex) {
     if (!authorize(req, ex, "/v1/models")) return;
@@ -543,11 +681,25 @@ class ApiServer::Impl {
     ex.respond(http::Response::withBody(200, std::string(kJson), w.take()));
   }
 
-  /// The prompt's token ids, or the error to answer.
-  Result<std::vector<TokenId>> promptIds(const CompletionParams& p) {
-    if (p.endpoint == Endpoint::ChatCompletions) return fe_->renderer.renderChat(p.conversation);
-    if (p.prompt_token_ids) return *p.prompt_token_ids;
-    return fe_->renderer.tokenize(*p.prompt_text);
+  /// The prompt as the request log shows it (router.log_prompts): chat messages as JSON, a completion's
+  /// text, or its token ids.
+  static std::string promptForLog(const CompletionParams& p) {
+    if (p.endpoint == Endpoint::ChatCompletions) return p.conversation.messages_json;
+    if (p.prompt_text) return *p.prompt_text;
+    std::string ids;
+    for (TokenId id : p.prompt_token_ids.value_or(std::vector<TokenId>{})) {
+      if (!ids.empty()) ids += ',';
+      ids += std::to_string(id);
+    }
+    return ids;
+  }
+
+  /// The prompt's token ids (and when a chat template was done; `parsed` otherwise), or the error to answer.
+  Result<TimedPrompt> promptIds(const CompletionParams& p, trace::TimePoint parsed) {
+    if (p.endpoint == Endpoint::ChatCompletions) return fe_->renderer.renderChatTimed(p.conversation);
+    if (p.prompt_token_ids) return TimedPrompt{*p.prompt_token_ids, parsed};
+    PD_ASSIGN_OR_RETURN(auto ids, fe_->renderer.tokenize(*p.prompt_text));
+    return TimedPrompt{std::move(ids), parsed};
   }
 
   /// On an io thread: authorizes, then hands the request to the CPU pool (parsing, templating and
@@ -555,7 +707,7 @@ class ApiServer::Impl {
   /// A body of at most cpu_inline_bytes is prepared right here: its work is linear in its size and
   /// takes microseconds, less than the two thread hand-offs the pool would add to its latency.
   void handleCompletion(Endpoint endpoint, http::Request req, http::Exchange ex) {
-    const auto received = Clock::now();
+    const Received received{Clock::now(), trace::Clock::now()};
     const std::string_view label = endpointLabel(endpoint);
     const std::optional<Caller> caller = authorize(req, ex, label);
     if (!caller) return;
@@ -575,39 +727,51 @@ class ApiServer::Impl {
   }
 
   /// On a CPU thread (or an io thread for a small body): parses, renders and validates the request,
-  /// then starts its generation.
-  void admitCompletion(Endpoint endpoint, const http::Request& req, http::Exchange ex, Clock::time_point received,
+  /// then starts its generation. Its router.request span starts at `received`; the phases
+  /// validate, template, tokenize and route follow one another without gaps (each starts where
+  /// the previous ended), so with the backend's decode leg they tile the request.
+  void admitCompletion(Endpoint endpoint, const http::Request& req, http::Exchange ex, Received received,
                        const Caller& caller) {
     const std::string_view label = endpointLabel(endpoint);
     if (ex.clientGone()) return fe_->countRequest(label, 499);  // hung up while queued: skip the work
+    const trace::Tracer& tracer = fe_->tracer;
+    trace::Span span = tracer.startFromHeader("router.request", req.header(trace::kTraceparentHeader),
+                                              trace::SpanKind::Server, received.wall);
+    span.setAttribute("http.route", std::string(label));
 
     auto parsed = parseCompletionRequest(endpoint, req.body);
-    if (!parsed.ok()) return reject(ex, label, invalidRequest(parsed.error().message));
+    if (!parsed.ok()) return reject(ex, label, invalidRequest(parsed.error().message), span);
     CompletionParams p = std::move(parsed).value();
     if (p.model != fe_->served_model_name) {
       return reject(ex, label,
                     ApiError{404, "invalid_request_error", "model_not_found",
-                             "the requested model does not exist; GET /v1/models lists the served model", "model"});
+                             "the requested model does not exist; GET /v1/models lists the served model", "model"},
+                    span);
     }
+    const trace::TimePoint validated = trace::Clock::now();
+    tracer.record(span.context(), "router.validate", received.wall, validated);
 
-    auto prompt = promptIds(p);
+    auto prompt = promptIds(p, validated);
     if (!prompt.ok()) {
       if (prompt.error().code == ErrorCode::InvalidArgument) {
-        return reject(ex, label, invalidRequest(prompt.error().message));
+        return reject(ex, label, invalidRequest(prompt.error().message), span);
       }
       log::error(kLog, "rendering a prompt failed: {}", prompt.error().toString());
-      return reject(ex, label, serverError(500, "internal_error", "the prompt could not be rendered"));
+      return reject(ex, label, serverError(500, "internal_error", "the prompt could not be rendered"), span);
     }
-    std::vector<TokenId> prompt_ids = std::move(prompt).value();
-    if (prompt_ids.empty()) return reject(ex, label, invalidRequest("the prompt is empty"));
+    const trace::TimePoint templated = prompt->templated;
+    if (endpoint == Endpoint::ChatCompletions) tracer.record(span.context(), "router.template", validated, templated);
+    std::vector<TokenId> prompt_ids = std::move(prompt->ids);
+    if (prompt_ids.empty()) return reject(ex, label, invalidRequest("the prompt is empty"), span);
     const std::size_t vocab = fe_->renderer.vocabSize();
     const auto outside = [vocab](TokenId id) { return id < 0 || static_cast<std::size_t>(id) >= vocab; };
     for (TokenId id : prompt_ids) {
-      if (outside(id)) return reject(ex, label, invalidRequest("'prompt' contains a token id outside the vocabulary"));
+      if (outside(id))
+        return reject(ex, label, invalidRequest("'prompt' contains a token id outside the vocabulary"), span);
     }
     for (TokenId id : p.stop_token_ids) {
       if (outside(id))
-        return reject(ex, label, invalidRequest("'stop_token_ids' contains an id outside the vocabulary"));
+        return reject(ex, label, invalidRequest("'stop_token_ids' contains an id outside the vocabulary"), span);
     }
     const auto prompt_len = static_cast<std::int64_t>(prompt_ids.size());
     const std::int64_t room = fe_->max_model_len - prompt_len;
@@ -616,7 +780,8 @@ class ApiServer::Impl {
                     invalidRequest(fmt::format("the prompt has {} tokens, which leaves no room to generate within the "
                                                "model's context length of {} tokens",
                                                prompt_len, fe_->max_model_len),
-                                   "context_length_exceeded"));
+                                   "context_length_exceeded"),
+                    span);
     }
     std::int64_t max_tokens = 0;
     if (p.max_tokens) {
@@ -625,21 +790,34 @@ class ApiServer::Impl {
                       invalidRequest(fmt::format("the prompt has {} tokens; with the requested max_tokens the request "
                                                  "exceeds the model's context length of {} tokens (at most {} more)",
                                                  prompt_len, fe_->max_model_len, room),
-                                     "context_length_exceeded"));
+                                     "context_length_exceeded"),
+                      span);
       }
       max_tokens = *p.max_tokens;
     } else {
       max_tokens = endpoint == Endpoint::Completions ? std::min(room, fe_->default_completion_max_tokens) : room;
     }
 
+    const trace::TimePoint tokenized = trace::Clock::now();
+    tracer.record(span.context(), "router.tokenize", templated, tokenized, {{"pd.prompt_tokens", prompt_len}});
+    RequestLog request_log{msBetween(received.wall, validated), std::nullopt, msBetween(templated, tokenized),
+                           std::nullopt};
+    if (endpoint == Endpoint::ChatCompletions) request_log.template_ms = msBetween(validated, templated);
+    if (fe_->log_prompts) request_log.prompt = promptForLog(p);
+
     if (!fe_->backend.ready()) {
       return reject(ex, label,
-                    serverError(503, "service_unavailable", "no prefill and decode workers are ready; retry later"));
+                    serverError(503, "service_unavailable", "no prefill and decode workers are ready; retry later"),
+                    span);
     }
     KeyLimiter::Lease lease;
     if (caller.key) {
       KeyLimiter::Admission admission = fe_->key_limiter.admit(*caller.key, prompt_len + max_tokens);
-      if (!admission.lease) return rejectLimited(ex, label, admission);
+      if (!admission.lease) {
+        span.setAttribute("http.response.status_code", std::int64_t{429});
+        span.end();
+        return rejectLimited(ex, label, admission);
+      }
       lease = std::move(*admission.lease);
     }
     if (fe_->waiting.fetch_add(1) >= fe_->max_queued_requests) {
@@ -647,7 +825,8 @@ class ApiServer::Impl {
       lease.finish(0);  // refused before any work: nothing is charged
       return reject(
           ex, label,
-          ApiError{429, "requests", "rate_limit_exceeded", "too many requests are waiting for a worker; retry later"});
+          ApiError{429, "requests", "rate_limit_exceeded", "too many requests are waiting for a worker; retry later"},
+          span);
     }
     fe_->metrics.waiting.set(static_cast<double>(fe_->waiting.load()));
     fe_->metrics.in_flight.set(static_cast<double>(++fe_->in_flight));
@@ -668,15 +847,20 @@ class ApiServer::Impl {
     g.ignore_eos = p.ignore_eos;
     g.skip_special_tokens = p.skip_special_tokens;
     g.include_stop_str_in_output = p.include_stop_str_in_output;
-    g.deadline = received + fe_->request_timeout;
+    g.deadline = received.steady + fe_->request_timeout;
+    g.trace = span.context();
+    g.handed_at = tokenized;
+    span.setAttribute("pd.request_id", id);
+    span.setAttribute("pd.prompt_tokens", prompt_len);
     // {:?} escapes: the client's strings cannot forge log lines.
     if (!p.user.empty()) log::info(kLog, "{}: user {:?}", id, p.user);
     if (!p.safety_identifier.empty()) log::info(kLog, "{}: safety_identifier {:?}", id, p.safety_identifier);
 
     ResponseShape shape{endpoint,           id,        unixSeconds(), fe_->served_model_name, p.include_usage,
                         p.return_token_ids, p.logprobs};
-    auto state = std::make_shared<RequestState>(fe_, ex, std::move(shape), p.stream, std::string(label),
-                                                std::move(prompt_ids), received, std::move(lease));
+    auto state =
+        std::make_shared<RequestState>(fe_, ex, std::move(shape), p.stream, std::string(label), std::move(prompt_ids),
+                                       received.steady, std::move(lease), std::move(span), std::move(request_log));
     const std::weak_ptr<RequestState> weak = state;
     ex.onClientGone([weak] {
       if (auto s = weak.lock()) s->clientGone();
@@ -713,6 +897,7 @@ Result<ApiServerOptions> apiServerOptionsFromConfig(const RouterConfig& config, 
   o.max_queued_requests = config.max_queued_requests;
   o.request_timeout = std::chrono::milliseconds(config.request_timeout_ms);
   o.retry_after = std::chrono::seconds(config.retry_after_s);
+  o.log_prompts = config.log_prompts;
   if (!config.api_keys_file.empty()) {
     PD_ASSIGN_OR_RETURN(o.api_keys, ApiKeySet::fromFile(config.api_keys_file));
   }

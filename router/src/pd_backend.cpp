@@ -106,6 +106,10 @@ Error fromWorker(Error error, std::string_view role, const WorkerAddress& worker
   return error;
 }
 
+double msBetween(trace::TimePoint a, trace::TimePoint b) {
+  return std::chrono::duration<double, std::milli>(b - a).count();
+}
+
 std::uint64_t randomSeed() {
   static std::mutex mu;
   static std::mt19937_64 rng{std::random_device{}()};
@@ -144,6 +148,10 @@ struct Shared {
   std::shared_ptr<http::IoThreads> io;
   bool owns_io = false;
   std::shared_ptr<WorkerClientPool> clients;
+
+  const trace::Tracer& tracer() const {
+    return options.tracer != nullptr ? *options.tracer : trace::Tracer::disabled();
+  }
 
   /// A worker of `role` by policy, preferring those not in `tried`; nullopt when none is ready.
   std::optional<WorkerAddress> pick(WorkerRole role, const std::set<std::string>& tried) const {
@@ -261,6 +269,8 @@ class Generation : public std::enable_shared_from_this<Generation> {
     worker_api::PrefillSubmit submit;
     std::optional<WorkerAddress> worker;        // of the attempt in flight
     std::unique_ptr<http::AsyncClient> client;  // of the attempt in flight
+    trace::Span span;                           // router.prefill_leg of the attempt in flight
+    trace::TimePoint submitted;                 // of the attempt in flight
   };
 
   /// One decode attempt. Guarded by mu_ (the fields D's callbacks alone touch too, for clarity).
@@ -280,6 +290,8 @@ class Generation : public std::enable_shared_from_this<Generation> {
     std::optional<std::string> timed_out;
     bool ended = false;
     PrefillLeg leg;
+    trace::Span span;  // router.decode_leg: open sent -> D's stream over
+    trace::TimePoint sent;
   };
 
   // ---- the decode leg ----
@@ -313,6 +325,14 @@ class Generation : public std::enable_shared_from_this<Generation> {
     open.ignore_eos = req_.ignore_eos;
     open.kv_timeout_ms = std::min(s_.options.kv_timeout, remainingUntil(req_.deadline)).count();
     open.prefill_attempts = s_.options.prefill_retries + 1;
+    const trace::TimePoint sent = trace::Clock::now();
+    if (attempt_ == 0 && req_.handed_at != trace::TimePoint{}) {
+      s_.tracer().record(req_.trace, "router.route", req_.handed_at, sent, {{"pd.decode_worker", d->key()}});
+    }
+    trace::Span leg_span = s_.tracer().startSpan("router.decode_leg", req_.trace, trace::SpanKind::Client, sent);
+    leg_span.setAttribute("pd.worker", d->key());
+    leg_span.setAttribute("pd.attempt", attempt_);
+    open.traceparent = leg_span.traceparent();
 
     auto client = s_.acquire(*d);
     std::unique_lock lock(mu_);
@@ -325,6 +345,11 @@ class Generation : public std::enable_shared_from_this<Generation> {
     a_->id = id;
     a_->worker = *d;
     a_->client = std::move(client);
+    a_->span = std::move(leg_span);
+    a_->sent = sent;
+    report_.decode_worker = d->key();
+    report_.decode_attempts = attempt_ + 1;
+    if (attempt_ == 0 && req_.handed_at != trace::TimePoint{}) report_.route_ms = msBetween(req_.handed_at, sent);
     s_.registry.noteSent(WorkerRole::Decode, d->key(), prompt_tokens + req_.max_tokens);
     armWatchLocked(s_.options.decode_open_timeout, fmt::format("decode worker {} sent no KV descriptor within {} ms",
                                                                d->key(), s_.options.decode_open_timeout.count()));
@@ -359,6 +384,7 @@ class Generation : public std::enable_shared_from_this<Generation> {
         return false;
       }
       a.got_descriptor = true;
+      report_.decode_open_ms = msBetween(a.sent, trace::Clock::now());
       armWatchLocked(s_.options.kv_timeout + s_.options.stream_stall_timeout,
                      fmt::format("no token from decode worker {} within {} ms of its descriptor", a.worker.key(),
                                  (s_.options.kv_timeout + s_.options.stream_stall_timeout).count()));
@@ -405,6 +431,9 @@ class Generation : public std::enable_shared_from_this<Generation> {
     std::unique_ptr<http::AsyncClient> client = std::move(a.client);  // abort() cannot reach it from here on
     a.timed_out = std::exchange(timed_out_, std::nullopt);
     const bool success = a.stop_hit || (a.finish && response.ok() && !aborted_);
+    if (!success)
+      a.span.setError(response.ok() ? "the decode stream ended without a finish" : response.error().message);
+    a.span.end();
     if (success) {
       // A finished, uncut stream leaves the connection reusable (a stop string cut it).
       if (!a.stop_hit && !a.timed_out && response.value().complete) s_.release(a.worker, std::move(client));
@@ -439,12 +468,15 @@ class Generation : public std::enable_shared_from_this<Generation> {
 
   /// Ends the attempt once both legs are over; runs its end exactly once.
   void maybeEndAttempt() {
+    std::optional<GenerationReport> report;
     {
       std::lock_guard lock(mu_);
       if (!a_->decode_done || a_->leg.running || a_->ended) return;
       a_->ended = true;
-      if (a_->succeeded) return;  // the sink has its finish: the generation is over
+      if (a_->succeeded) report = report_;
     }
+    // The sink has its finish: the generation is over, and its report complete (both legs ended).
+    if (report) return sink_->onReport(*report);
     endFailedAttempt();
   }
 
@@ -511,6 +543,12 @@ class Generation : public std::enable_shared_from_this<Generation> {
   /// The terminal error (the last failure, or Cancelled after abort()).
   void fail() {
     if (isAborted()) last_ = makeError(ErrorCode::Cancelled, "the generation was aborted");
+    GenerationReport report;
+    {
+      std::lock_guard lock(mu_);
+      report = report_;
+    }
+    sink_->onReport(report);
     sink_->onError(std::move(last_));
   }
 
@@ -542,6 +580,13 @@ class Generation : public std::enable_shared_from_this<Generation> {
     leg.worker = *p;
     leg.client = s_.acquire(*p);
     s_.registry.noteSent(WorkerRole::Prefill, p->key(), static_cast<std::int64_t>(req_.prompt_token_ids.size()));
+    leg.span = s_.tracer().startSpan("router.prefill_leg", req_.trace, trace::SpanKind::Client);
+    leg.span.setAttribute("pd.worker", p->key());
+    leg.span.setAttribute("pd.attempt", leg.attempts - 1);
+    leg.submit.traceparent = leg.span.traceparent();
+    leg.submitted = trace::Clock::now();
+    report_.prefill_worker = p->key();
+    ++report_.prefill_attempts;
     // The worker answers by its own deadline; the margin lets its answer arrive.
     leg.client->send(postJson(s_.options.auth.get(), worker_api::kPrefillPath, worker_api::toJson(leg.submit)),
                      budget + s_.options.abort_timeout, [self = shared_from_this()](Result<http::ClientResponse> r) {
@@ -556,6 +601,7 @@ class Generation : public std::enable_shared_from_this<Generation> {
     const WorkerAddress p = *leg.worker;
     const std::string id = leg.submit.request_id;
     const bool stopped = leg.stop || aborted_;
+    trace::Span span = std::move(leg.span);  // ends as this returns (with an error set on failure)
     if (!stopped && response.ok()) s_.release(p, std::move(client));
     if (stopped) {
       if (response.ok()) return endPrefill(lock);
@@ -573,6 +619,11 @@ class Generation : public std::enable_shared_from_this<Generation> {
       if (outcome.ok()) {
         log::debug(kLog, "{}: prefilled on {}: queue {:.1f} ms, compute {:.1f} ms, transfer {:.1f} ms", id, p.key(),
                    outcome.value().queue_ms, outcome.value().compute_ms, outcome.value().transfer_ms);
+        span.end();
+        report_.prefill_ms = msBetween(leg.submitted, trace::Clock::now());
+        report_.prefill_queue_ms = outcome.value().queue_ms;
+        report_.prefill_compute_ms = outcome.value().compute_ms;
+        report_.prefill_transfer_ms = outcome.value().transfer_ms;
         return endPrefill(lock);
       }
       leg.last = makeError(ErrorCode::Corrupt,
@@ -584,6 +635,8 @@ class Generation : public std::enable_shared_from_this<Generation> {
         cancel_at_p = true;
       }
     }
+    span.setError(leg.last.message);
+    span.end();
     lock.unlock();
     if (cancel_at_p) {
       s_.tellAbort(p, worker_api::kPrefillCancelPath, id, [self = shared_from_this()] { self->prefillAttempt(); });
@@ -663,6 +716,7 @@ class Generation : public std::enable_shared_from_this<Generation> {
   std::uint64_t watch_armed_ = 0;         // guarded by mu_
   std::string watch_reason_;              // guarded by mu_
   std::optional<std::string> timed_out_;  // guarded by mu_
+  GenerationReport report_;               // guarded by mu_
 };
 
 namespace {

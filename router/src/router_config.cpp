@@ -16,6 +16,8 @@ void registerOptions(config::OptionSet& set, RouterConfig& cfg) {
       .add("max_body_bytes", &cfg.max_body_bytes, "largest accepted request body; larger is 413", 1024, 1LL << 30)
       .add("max_queued_requests", &cfg.max_queued_requests, "requests waiting for a worker before 429", 1, 1 << 20)
       .add("request_timeout_ms", &cfg.request_timeout_ms, "end-to-end deadline of one request", 100, 86400000)
+      .add("log_prompts", &cfg.log_prompts,
+           "the per-request log line includes the prompt (chat messages, text or ids); off: never")
       .add("api_keys_file", &cfg.api_keys_file,
            "file of accepted Bearer keys, one per line, each optionally followed by max_concurrent=N "
            "tokens_per_minute=N (empty: no auth)")

@@ -18,6 +18,11 @@ Result<std::unique_ptr<TokenizerPromptRenderer>> TokenizerPromptRenderer::create
 }
 
 Result<std::vector<TokenId>> TokenizerPromptRenderer::renderChat(const ChatConversation& conversation) const {
+  PD_ASSIGN_OR_RETURN(auto prompt, renderChatTimed(conversation));
+  return std::move(prompt.ids);
+}
+
+Result<TimedPrompt> TokenizerPromptRenderer::renderChatTimed(const ChatConversation& conversation) const {
   chat::ChatRequest request;
   request.messages_json = conversation.messages_json;
   request.add_generation_prompt = true;
@@ -27,10 +32,11 @@ Result<std::vector<TokenId>> TokenizerPromptRenderer::renderChat(const ChatConve
     return makeError(ErrorCode::InvalidArgument,
                      "the messages do not fit the model's chat template: " + text.error().message);
   }
+  const auto templated = std::chrono::system_clock::now();
   auto ids = tokenizer_.encode(text.value(), /*add_special_tokens=*/false);
   if (!ids.ok())
     return makeError(ErrorCode::InvalidArgument, "the rendered chat cannot be tokenized: " + ids.error().message);
-  return ids;
+  return TimedPrompt{std::move(ids).value(), templated};
 }
 
 Result<std::vector<TokenId>> TokenizerPromptRenderer::tokenize(std::string_view text) const {

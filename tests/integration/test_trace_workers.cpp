@@ -1,7 +1,8 @@
 // One request's trace across real `pdserve decode` and `pdserve prefill` processes (real HTTP,
 // real UCX), with this test playing the router: it opens the decode stream and submits the
-// prefill with traceparents of its own spans, and a small OTLP/HTTP receiver (pd's http::Server)
-// collects what both workers export. The workers are stopped (SIGTERM: their exporters flush on
+// prefill with traceparents of its own spans, and a small OTLP/HTTP receiver (pd's http::Server,
+// support/otlp_receiver.h) collects what both workers export (the same trace through the real
+// router: tests/e2e/test_e2e_trace.cpp). The workers are stopped (SIGTERM: their exporters flush on
 // the way out) before the spans are checked, so nothing here waits on a timer.
 #include <gtest/gtest.h>
 #include <signal.h>
@@ -17,6 +18,7 @@
 #include "pd/common/worker_api.h"
 #include "pd/trace/trace_context.h"
 #include "support/cli_runner.h"
+#include "support/otlp_receiver.h"
 #include "support/role_process.h"
 #include "support/test_files.h"
 
@@ -28,76 +30,8 @@ using namespace std::chrono_literals;
 
 const std::string kModel = std::string(PD_TEST_DATA_DIR) + "/golden/tiny-bf16";
 
-struct ReceivedSpan {
-  std::string service;
-  std::string name;
-  std::string trace_id;
-  std::string span_id;
-  std::string parent_span_id;
-  std::uint64_t start_ns = 0;
-  std::uint64_t end_ns = 0;
-  bool error = false;
-  [[nodiscard]] double ms() const { return static_cast<double>(end_ns - start_ns) / 1e6; }
-};
-
-// The test's OTLP/HTTP JSON collector: POST /v1/traces.
-class OtlpReceiver {
- public:
-  OtlpReceiver() {
-    http::Route route{"POST", "/v1/traces", [this](const http::Request& r, http::Exchange ex) {
-                        const bool ok = parse(r.body);
-                        ex.respond(http::Response::withBody(ok ? 200 : 400, "application/json", "{}"));
-                      }};
-    auto server = http::Server::start({}, {route});
-    EXPECT_TRUE(server.ok());
-    if (server.ok()) server_ = std::move(*server);
-  }
-  [[nodiscard]] std::string url() const { return "http://127.0.0.1:" + std::to_string(server_->port()); }
-  std::vector<ReceivedSpan> spans() {
-    std::lock_guard lock(mu_);
-    return spans_;
-  }
-  int bad_requests() {
-    std::lock_guard lock(mu_);
-    return bad_;
-  }
-
- private:
-  bool parse(const std::string& body) {
-    boost::system::error_code ec;
-    const json::value doc = json::parse(body, ec);
-    std::lock_guard lock(mu_);
-    if (ec || !doc.is_object()) return ++bad_, false;
-    for (const auto& rs : doc.at("resourceSpans").as_array()) {
-      std::string service;
-      for (const auto& a : rs.at("resource").at("attributes").as_array()) {
-        if (a.at("key").as_string() == "service.name")
-          service = json::value_to<std::string>(a.at("value").at("stringValue"));
-      }
-      for (const auto& ss : rs.at("scopeSpans").as_array()) {
-        for (const auto& s : ss.at("spans").as_array()) {
-          ReceivedSpan r;
-          r.service = service;
-          r.name = json::value_to<std::string>(s.at("name"));
-          r.trace_id = json::value_to<std::string>(s.at("traceId"));
-          r.span_id = json::value_to<std::string>(s.at("spanId"));
-          if (const auto* p = s.as_object().if_contains("parentSpanId"))
-            r.parent_span_id = json::value_to<std::string>(*p);
-          r.start_ns = std::stoull(json::value_to<std::string>(s.at("startTimeUnixNano")));
-          r.end_ns = std::stoull(json::value_to<std::string>(s.at("endTimeUnixNano")));
-          r.error = s.at("status").as_object().contains("code");
-          spans_.push_back(std::move(r));
-        }
-      }
-    }
-    return true;
-  }
-
-  std::mutex mu_;
-  std::vector<ReceivedSpan> spans_;  // guarded by mu_
-  int bad_ = 0;                      // guarded by mu_
-  std::unique_ptr<http::Server> server_;
-};
+using test::OtlpReceiver;
+using test::ReceivedSpan;
 
 TEST(TraceAcrossWorkers, OneTraceIdAndParentLinksFromRouterToPrefillAndDecode) {
   OtlpReceiver receiver;

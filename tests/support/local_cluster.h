@@ -28,18 +28,21 @@ namespace pd::test {
 class LocalCluster {
  public:
   /// Starts `pdserve up` with `flags` and waits up to `timeout` for it to be ready; on failure
-  /// the test fails and url() is empty.
-  explicit LocalCluster(std::vector<std::string> flags, std::chrono::seconds timeout = std::chrono::seconds{180}) {
+  /// the test fails and url() is empty. With `capture_stderr` up's log (its children's too) is
+  /// kept for stderrLines() instead of going to the test's stderr.
+  explicit LocalCluster(std::vector<std::string> flags, std::chrono::seconds timeout = std::chrono::seconds{180},
+                        bool capture_stderr = false) {
     proc::RoleProcessOptions o;
+    o.capture_stderr = capture_stderr;
     o.argv = {PD_PDSERVE_BIN, "up"};
     if (Status s = writeNewClusterSecret(secret_dir_.path() / "secret"); !s.ok()) ADD_FAILURE() << s.error().toString();
     auto auth = loadInternalAuth(secret_dir_.path() / "secret");
     if (auth.ok()) auth_ = *auth;
     o.argv.push_back("--cluster.secret_file=" + (secret_dir_.path() / "secret").string());
     o.argv.insert(o.argv.end(), flags.begin(), flags.end());
-    o.on_line = [this](proc::OutputStream, const std::string& line) {
+    o.on_line = [this](proc::OutputStream stream, const std::string& line) {
       std::lock_guard lock(mutex_);
-      lines_.push_back(line);
+      (stream == proc::OutputStream::Stderr ? err_lines_ : lines_).push_back(line);
     };
     auto child = proc::RoleProcess::spawn(std::move(o));
     if (!child.ok()) {
@@ -83,12 +86,18 @@ class LocalCluster {
     std::lock_guard lock(mutex_);
     return lines_;
   }
+  /// Every line up printed on stderr so far (with capture_stderr).
+  [[nodiscard]] std::vector<std::string> stderrLines() const {
+    std::lock_guard lock(mutex_);
+    return err_lines_;
+  }
 
  private:
   TempDir secret_dir_;
   std::shared_ptr<InternalAuth> auth_;
   mutable std::mutex mutex_;
-  std::vector<std::string> lines_;  // guarded by mutex_; filled by the process's reader thread
+  std::vector<std::string> lines_;      // guarded by mutex_; filled by the process's reader thread
+  std::vector<std::string> err_lines_;  // guarded by mutex_; likewise, with capture_stderr
   std::unique_ptr<proc::RoleProcess> process_;
 };
 

@@ -11,6 +11,7 @@
 
 #include "pd/common/http_client.h"
 #include "pd/common/log.h"
+#include "pd/common/log_format.h"
 
 namespace pd::cluster {
 namespace {
@@ -51,6 +52,19 @@ Status ClusterSupervisor::spawn(Child& child) {
   o.on_line = [name = child.name](proc::OutputStream stream, const std::string& line) {
     if (stream == proc::OutputStream::Stdout && line.starts_with(proc::kReadyPrefix)) return;  // announced instead
     std::FILE* out = stream == proc::OutputStream::Stdout ? stdout : stderr;
+    if (stream == proc::OutputStream::Stderr && log::format() == log::Format::Json) {
+      // One JSON object per line: the child's own, with its name added, or its stray text wrapped.
+      if (line.starts_with('{')) {
+        std::fprintf(out, "{\"process\":\"%s\",%s\n", name.c_str(), line.c_str() + 1);
+      } else {
+        const auto now = std::chrono::system_clock::now().time_since_epoch();
+        const std::string wrapped = log::formatLine(std::chrono::duration_cast<std::chrono::milliseconds>(now).count(),
+                                                    log::Level::Info, name, line);
+        std::fprintf(out, "%s\n", wrapped.c_str());
+      }
+      std::fflush(out);
+      return;
+    }
     std::fprintf(out, "[%s] %s\n", name.c_str(), line.c_str());
     std::fflush(out);
   };

@@ -7,6 +7,7 @@
 
 #include "cluster/local_cluster.h"
 #include "pd/common/log.h"
+#include "pd/common/log_format.h"
 #include "pd/common/role_process.h"
 #include "pd/decode/decode_config.h"
 #include "pd/engine/gpu.h"
@@ -50,7 +51,8 @@ struct AllSections {
 }  // namespace
 
 CommonOptions::CommonOptions(CommonConfig& cfg) {
-  log.add("level", &cfg.log_level, "log verbosity", {"debug", "info", "warn", "error", "off"});
+  log.add("level", &cfg.log_level, "log verbosity", {"debug", "info", "warn", "error", "off"})
+      .add("format", &cfg.log_format, "log line format: text, or json (one JSON object per line)", {"text", "json"});
   model
       .add("path", &cfg.model_path, "model folder (Hugging Face DeepSeek-V3 layout); empty: the embedded default model")
       .add("tokenizer", &cfg.tokenizer_path, "tokenizer folder; empty: the model folder")
@@ -99,6 +101,9 @@ Result<config::LoadOutput> loadCommandOptions(const std::string& usage, const st
     log::Level level = log::Level::Info;
     PD_CHECK(log::parseLevel(common->log_level, &level));  // choices were validated
     log::setLevel(level);
+    log::Format format = log::Format::Text;
+    PD_CHECK(log::parseFormat(common->log_format, &format));
+    log::setFormat(format);
   }
   return out;
 }

@@ -23,6 +23,7 @@ namespace pd::cli {
 /// Settings every role shares (sections `log:` and `model:`).
 struct CommonConfig {
   std::string log_level = "info";
+  std::string log_format = "text";  ///< "text" or "json" (one JSON object per line)
   /// Model folder; empty means the embedded default model (created on first use).
   std::filesystem::path model_path;
   /// Tokenizer folder (tokenizer.json + tokenizer_config.json); empty: the model folder's, or

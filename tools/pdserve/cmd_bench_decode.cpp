@@ -28,6 +28,8 @@ int runBenchDecode(const std::vector<std::string>& args) {
       .add("mtp_k", &ks_text, "MTP draft counts to measure, comma-separated (batch 1)")
       .add("mtp_tokens", &cfg.mtp_tokens, "tokens per MTP run at batch 1 (the first 2 steps are warm-up)", 8, 100000)
       .add("bandwidth_mb", &cfg.bandwidth_mb, "buffer size of the read-bandwidth probe in MiB", 64, 1 << 20)
+      .add("tracing", &cfg.tracing,
+           "time the step with the decode worker's span work at trace sample ratio 1.0 against without it")
       .add("json", &cfg.json, "print one JSON object instead of text");
   auto loaded = loadCommandOptions(
       "usage: pdserve bench decode [--model DIR | --preset bench] [--batches 1,4,16,64] [--mtp-k 1] [--json]\n"

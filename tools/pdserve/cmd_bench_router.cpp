@@ -23,6 +23,8 @@ int runBenchRouter(const std::vector<std::string>& args) {
       .add("hold_streams", &cfg.hold_streams, "streaming requests to hold open at once for the thread count (0 = skip)",
            0, 100000)
       .add("io_threads", &cfg.io_threads, "the router's I/O threads", 1, 256)
+      .add("tracing", &cfg.tracing,
+           "also time a second router with tracing at sample ratio 1.0 (spans to a temp file) and print the ratios")
       .add("json", &cfg.json, "print one JSON object instead of text");
   auto loaded = loadCommandOptions(
       "usage: pdserve bench router [--model.path DIR] [--concurrency 1,64] [--requests N] [--json]\n"

@@ -27,6 +27,7 @@
 #include "pd/router/tokenizer_prompt_renderer.h"
 #include "pd/router/worker_policy.h"
 #include "pd/router/worker_registry.h"
+#include "pd/trace/tracer.h"
 
 namespace pd::cli {
 namespace {
@@ -77,7 +78,8 @@ int runRouter(const std::vector<std::string>& raw_args) {
   config::OptionSet router_set("router");
   router::registerOptions(router_set, cfg);
   auto loaded = loadCommandOptions(
-      std::string(kUsage), {&router_set, &common_sets.log, &common_sets.model, &common_sets.cluster}, args, &common);
+      std::string(kUsage),
+      {&router_set, &common_sets.log, &common_sets.model, &common_sets.cluster, &common_sets.trace}, args, &common);
   if (!loaded.ok()) return reportFailure(loaded.error());
   if (loaded->help_requested) return 0;
   if (!loaded->positionals.empty()) {
@@ -109,13 +111,18 @@ int runRouter(const std::vector<std::string>& raw_args) {
   if (!*auth) log::warn(kLog, "no cluster secret: calls to the workers are unsigned (docs/security.md)");
   registry_options->auth = *auth;
   metrics::Registry metrics;
+  // Before everything that records spans: it goes last, exporting what is still queued.
+  auto tracer = trace::Tracer::create(common.trace, "pdserve-router", &metrics);
+  if (!tracer.ok()) return reportFailure(tracer.error());
   registry_options->metrics = &metrics;  // per-worker gauges on /metrics (the status page reads them)
   auto registry = router::WorkerRegistry::start(std::move(registry_options).value());
   if (!registry.ok()) return reportFailure(registry.error());
   router::PdBackendOptions backend_options = router::pdBackendOptionsFromConfig(cfg);
   backend_options.auth = *auth;
+  backend_options.tracer = tracer->get();
   auto backend = router::PdBackend::create(std::move(backend_options), **registry, (*renderer)->tokenizer(), metrics);
   if (!backend.ok()) return reportFailure(backend.error());
+  api_options->tracer = tracer->get();
   auto api = router::ApiServer::start(std::move(api_options).value(), **backend, **renderer, metrics);
   if (!api.ok()) return reportFailure(api.error());
   const std::string url = fmt::format("http://{}:{}", cfg.host, (*api)->port());

@@ -60,6 +60,11 @@ Tracer::Tracer(Sampler sampler, std::unique_ptr<SpanExporter> exporter)
 
 Tracer::~Tracer() = default;
 
+const Tracer& Tracer::disabled() {
+  static const Tracer off;
+  return off;
+}
+
 Result<std::unique_ptr<Tracer>> Tracer::create(const TraceConfig& config, std::string service_name,
                                                metrics::Registry* registry) {
   PD_TRY(validate(config));

@@ -1,6 +1,7 @@
 // The OpenAI front end end to end over real HTTP on port 0: a real server, a real client, a
 // scripted backend (fakes/fake_completion_backend.h) and a byte-level fake tokenizer.
 
+#include <fcntl.h>
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <unistd.h>
@@ -9,11 +10,13 @@
 #include <boost/json.hpp>
 #include <chrono>
 #include <condition_variable>
+#include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <limits>
 #include <mutex>
 #include <optional>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -24,6 +27,8 @@
 #include "pd/common/http_client.h"
 #include "pd/common/metrics.h"
 #include "pd/router/api_server.h"
+#include "pd/trace/trace_context.h"
+#include "pd/trace/tracer.h"
 
 namespace {
 
@@ -921,6 +926,136 @@ TEST(ApiKeySet, LoadsAKeyFile) {
   cfg.api_keys_file = dir / "empty";
   EXPECT_FALSE(pd::router::apiServerOptionsFromConfig(cfg, 2048).ok());
   std::filesystem::remove_all(dir);
+}
+
+// A client's traceparent with the router's tracing off: passed through to the backend (which puts
+// it into the workers' calls) unchanged; a malformed one is dropped.
+TEST_F(ApiServerTest, TracingOffPassesAValidClientTraceparentToTheBackend) {
+  backend_.setScript(Script::fromPieces({"a"}));
+  start();
+  const std::string valid = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+  pd::http::Headers headers = kJsonHeaders;
+  headers.push_back({"traceparent", valid});
+  ASSERT_EQ(post("/v1/chat/completions", chatBody(), headers).status, 200);
+  headers.back().value = "00-4BF92F3577B34DA6A3CE929D0E0E4736-00f067aa0ba902b7-01";  // upper case: malformed
+  ASSERT_EQ(post("/v1/chat/completions", chatBody(), headers).status, 200);
+  const auto requests = backend_.requests();
+  ASSERT_EQ(requests.size(), 2u);
+  EXPECT_EQ(pd::trace::formatTraceparent(requests[0].trace), valid);
+  EXPECT_FALSE(requests[1].trace.valid());
+}
+
+// With a tracer: router.request continues the client's trace, the backend gets its context (a new
+// span id, the client's trace id and flags), and the front end's phase spans are exported.
+TEST_F(ApiServerTest, TracedRequestContinuesTheClientsTraceAndExportsItsPhases) {
+  const auto dir = std::filesystem::temp_directory_path() / fmt::format("pd-api-trace-{}", ::getpid());
+  std::filesystem::create_directories(dir);
+  pd::trace::TraceConfig tc;
+  tc.file = (dir / "spans.jsonl").string();
+  tc.sample_ratio = 0.0;  // only the client's sampled flag makes this trace recorded
+  auto tracer = pd::trace::Tracer::create(tc, "pdserve-router", nullptr);
+  ASSERT_TRUE(tracer.ok()) << tracer.error().toString();
+  backend_.setScript(Script::fromPieces({"a", "b"}));
+  ApiServerOptions o = defaultOptions();
+  o.tracer = tracer->get();
+  start(std::move(o));
+  const auto client = pd::trace::parseTraceparent("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01");
+  ASSERT_TRUE(client.has_value());
+  pd::http::Headers headers = kJsonHeaders;
+  headers.push_back({"traceparent", pd::trace::formatTraceparent(*client)});
+  const Streamed s = stream("/v1/chat/completions", chatBody(R"("stream":true)"), -1, headers);
+  ASSERT_EQ(s.response.status, 200);
+  server_->stop();
+  const auto requests = backend_.requests();
+  ASSERT_EQ(requests.size(), 1u);
+  EXPECT_EQ(requests[0].trace.trace_id, client->trace_id);
+  EXPECT_NE(requests[0].trace.span_id, client->span_id);
+  EXPECT_TRUE(requests[0].trace.sampled());
+  EXPECT_NE(requests[0].handed_at, std::chrono::system_clock::time_point{});
+  (*tracer)->exporter()->flush();
+  std::ifstream in(tc.file);
+  std::stringstream text;
+  text << in.rdbuf();
+  const std::string spans = text.str();
+  for (const char* name :
+       {"router.request", "router.validate", "router.template", "router.tokenize", "router.stream"}) {
+    EXPECT_NE(spans.find(fmt::format(R"("name":"{}")", name)), std::string::npos) << name;
+  }
+  EXPECT_NE(spans.find(client->trace_id.hex()), std::string::npos);
+  EXPECT_NE(spans.find(R"("parentSpanId":"00f067aa0ba902b7")"), std::string::npos);  // router.request's parent
+  server_.reset();
+  std::filesystem::remove_all(dir);
+}
+
+/// Sends this process's stderr to a file while it lives (the log's lines, for tests of them).
+class StderrCapture {
+ public:
+  explicit StderrCapture(std::filesystem::path file) : file_(std::move(file)) {
+    std::fflush(stderr);
+    saved_ = ::dup(2);
+    const int fd = ::open(file_.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
+    EXPECT_GE(fd, 0);
+    ::dup2(fd, 2);
+    ::close(fd);
+  }
+  StderrCapture(const StderrCapture&) = delete;
+  StderrCapture& operator=(const StderrCapture&) = delete;
+  ~StderrCapture() { restore(); }
+  /// Restores stderr; returns what was written meanwhile.
+  std::string restore() {
+    if (saved_ >= 0) {
+      std::fflush(stderr);
+      ::dup2(saved_, 2);
+      ::close(saved_);
+      saved_ = -1;
+    }
+    std::ifstream in(file_);
+    std::stringstream text;
+    text << in.rdbuf();
+    return text.str();
+  }
+
+ private:
+  std::filesystem::path file_;
+  int saved_ = -1;
+};
+
+// The per-request line of a request the backend failed: the outcome and both error codes, the
+// phases, and never the prompt (router.log_prompts is off).
+TEST_F(ApiServerTest, FailedRequestLogsOneLineWithItsErrorCodesAndNoPrompt) {
+  Script script = Script::fromPieces({"a"});
+  script.error = pd::makeError(pd::ErrorCode::PeerFailed, "decode worker 10.0.0.1:9 vanished");
+  backend_.setScript(script);
+  start();
+  const auto file = std::filesystem::temp_directory_path() / fmt::format("pd-api-log-{}.txt", ::getpid());
+  std::string log;
+  {
+    StderrCapture capture(file);
+    const auto r = post("/v1/chat/completions", chatBody({}, kMarker));
+    EXPECT_EQ(r.status, 502);  // not streaming: nothing went out before the error
+    // The line follows the answer (on the backend's thread): wait until it is in the file.
+    EXPECT_TRUE(eventually([&] {
+      std::fflush(stderr);
+      std::ifstream in(file);
+      std::stringstream text;
+      text << in.rdbuf();
+      return text.str().find("[router] request id=") != std::string::npos;
+    }));
+    log = capture.restore();
+  }
+  std::filesystem::remove(file);
+  EXPECT_EQ(log.find(kMarker), std::string::npos) << log;
+  const auto at = log.find("[router] request id=chatcmpl-");
+  ASSERT_NE(at, std::string::npos) << log;
+  const std::string line = log.substr(at, log.find('\n', at) - at);
+  EXPECT_NE(line.find(" status=502 "), std::string::npos) << line;
+  EXPECT_NE(line.find(" outcome=error "), std::string::npos) << line;
+  EXPECT_NE(line.find(" error_code=upstream_error "), std::string::npos) << line;
+  EXPECT_NE(line.find(" backend_error=PeerFailed "), std::string::npos) << line;
+  EXPECT_NE(line.find(" completion_tokens=1 "), std::string::npos) << line;
+  EXPECT_NE(line.find(" ttft_ms="), std::string::npos) << line;
+  EXPECT_NE(line.find(" template_ms="), std::string::npos) << line;
+  EXPECT_EQ(line.find("prompt="), std::string::npos) << line;
 }
 
 }  // namespace

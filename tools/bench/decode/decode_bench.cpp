@@ -31,6 +31,7 @@
 #include "pd/engine/thread_pool.h"
 #include "pd/tokenizer/chat_template.h"
 #include "pd/tokenizer/tokenizer.h"
+#include "pd/trace/tracer.h"
 
 namespace pd::bench {
 namespace {
@@ -106,6 +107,62 @@ struct RunSpec {
   std::int64_t drafts = 0;
   DType kv_dtype = DType::BF16;
   ScriptedDrafter::Choose draft_override;  // empty: the model's own drafts
+  const trace::Tracer* tracer = nullptr;   // set: each request's sink does the decode worker's span work
+};
+
+// What the decode worker's stream sink does for tracing (decode_server.cpp: its sink and
+// recordSpans), done by the bench's sink so that its cost lands in the timed steps as in the
+// worker: a decode.request span per request, a clock read on each of the first token events, and
+// at the last event the four phase spans and the request span handed to the exporter.
+class TracedStream {
+ public:
+  TracedStream(const trace::Tracer& tracer, std::int64_t prompt_tokens)
+      : tracer_(tracer),
+        span_(tracer.startSpan("decode.request", std::nullopt, trace::SpanKind::Server)),
+        prompt_tokens_(prompt_tokens),
+        opened_(trace::Clock::now()),
+        admitted_(opened_) {}
+
+  void onEvent(const decode::TokenEvent& e) {
+    if (!span_.recording()) return;
+    if (!e.tokens.empty()) {
+      const trace::TimePoint now = trace::Clock::now();
+      if (token_events_ == 0) first_event_ = now;
+      if (token_events_ == 1) second_event_ = now;
+      if (token_events_ < 2) early_tokens_ += static_cast<std::int64_t>(e.tokens.size());
+      ++token_events_;
+    }
+    if (!e.finish) return;
+    const trace::TimePoint now = trace::Clock::now();
+    const trace::SpanContext parent = span_.context();
+    tracer_.record(parent, "decode.admission", opened_, admitted_);
+    tracer_.record(parent, "decode.kv_wait", admitted_, token_events_ > 0 ? first_event_ : now);
+    if (token_events_ > 1) tracer_.record(parent, "decode.first_step", first_event_, second_event_);
+    if (token_events_ > 2) {
+      const std::int64_t steps = token_events_ - 2;
+      const std::int64_t tokens = e.completion_tokens - early_tokens_;
+      tracer_.record(parent, "decode.steps", second_event_, now,
+                     {{"pd.steps", steps},
+                      {"pd.tokens", tokens},
+                      {"pd.tokens_per_step", static_cast<double>(tokens) / static_cast<double>(steps)}});
+    }
+    span_.setAttribute("pd.request_id", std::string("bench"));
+    span_.setAttribute("pd.prompt_tokens", prompt_tokens_);
+    span_.setAttribute("pd.completion_tokens", e.completion_tokens);
+    span_.setAttribute("pd.finish_reason", std::string(finishReasonName(*e.finish)));
+    span_.end(now);
+  }
+
+ private:
+  const trace::Tracer& tracer_;
+  trace::Span span_;
+  std::int64_t prompt_tokens_;
+  trace::TimePoint opened_;
+  trace::TimePoint admitted_;
+  trace::TimePoint first_event_;
+  trace::TimePoint second_event_;
+  std::int64_t token_events_ = 0;
+  std::int64_t early_tokens_ = 0;
 };
 
 // Steps `dec` until every request has produced spec.max_tokens tokens, timing the steps after
@@ -182,8 +239,11 @@ Result<DecodeRun> runDecode(MeteredEngine& engine, const RunSpec& spec, int thre
     req.max_tokens = spec.max_tokens;
     req.ignore_eos = true;
     std::vector<std::int32_t>* out = &r.outputs[static_cast<std::size_t>(i)];
-    req.sink = [out](const decode::TokenEvent& e) {
+    std::shared_ptr<TracedStream> traced;
+    if (spec.tracer != nullptr) traced = std::make_shared<TracedStream>(*spec.tracer, spec.context);
+    req.sink = [out, traced](const decode::TokenEvent& e) {
       for (const auto& t : e.tokens) out->push_back(t.token);
+      if (traced) traced->onEvent(e);
     };
     PD_ASSIGN_OR_RETURN(std::vector<std::int32_t> blocks, dec.admit(std::move(req)));
     for (std::int64_t l = 0; l < cfg.kvLayers(); ++l) {
@@ -330,6 +390,66 @@ struct TempDir {
 };
 }  // namespace
 
+namespace {
+
+struct TracingOverhead {
+  std::int64_t batch = 0;
+  std::int64_t runs = 0;
+  double plain_step = 0.0;   // median over runs of each run's median step, seconds
+  double traced_step = 0.0;  // likewise with tracing
+  std::int64_t spans = 0;    // decode.request spans the exporter wrote
+  [[nodiscard]] double ratio() const { return plain_step > 0 ? traced_step / plain_step : 0.0; }
+};
+
+double median(std::vector<double> v) {
+  if (v.empty()) return 0.0;
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+Result<TracingOverhead> tracingOverhead(MeteredEngine& engine, const DecodeBenchConfig& cfg, DType kv_dtype,
+                                        int threads) {
+  TracingOverhead out;
+  out.batch =
+      cfg.batches.empty() ? 1 : std::min<std::int64_t>(16, *std::max_element(cfg.batches.begin(), cfg.batches.end()));
+  out.runs = 5;
+  std::string dir_pattern = (fs::temp_directory_path() / "pdserve-bench-decode-trace-XXXXXX").string();
+  if (::mkdtemp(dir_pattern.data()) == nullptr) return makeError(ErrorCode::Io, "cannot create a temp folder");
+  TempDir dir;
+  dir.path = dir_pattern;
+  trace::TraceConfig tc;
+  tc.file = (dir.path / "spans.jsonl").string();
+  tc.sample_ratio = 1.0;
+  std::vector<double> plain;
+  std::vector<double> traced;
+  {
+    PD_ASSIGN_OR_RETURN(auto tracer, trace::Tracer::create(tc, "pdserve-bench-decode", nullptr));
+    RunSpec spec;
+    spec.batch = out.batch;
+    spec.context = cfg.context;
+    spec.max_tokens = 1 + 2 + std::max<std::int64_t>(cfg.steps, 16);
+    spec.kv_dtype = kv_dtype;
+    for (std::int64_t i = 0; i < out.runs; ++i) {
+      spec.tracer = nullptr;
+      PD_ASSIGN_OR_RETURN(auto a, runDecode(engine, spec, threads, 3000 + static_cast<std::uint64_t>(i)));
+      spec.tracer = tracer.get();
+      PD_ASSIGN_OR_RETURN(auto b, runDecode(engine, spec, threads, 3000 + static_cast<std::uint64_t>(i)));
+      plain.push_back(a.medianStep());
+      traced.push_back(b.medianStep());
+    }
+  }  // the tracer's destructor exports what is queued
+  out.plain_step = median(plain);
+  out.traced_step = median(traced);
+  std::ifstream in(tc.file);
+  for (std::string line; std::getline(in, line);) {
+    const std::string_view needle = "\"name\":\"decode.request\"";
+    for (auto pos = line.find(needle); pos != std::string::npos; pos = line.find(needle, pos + 1)) ++out.spans;
+  }
+  return out;
+}
+
+}  // namespace
+
 Result<void> runDecodeBench(const DecodeBenchConfig& cfg) {
   fs::path model_dir = cfg.model;
   const std::string& preset = cfg.preset;
@@ -406,6 +526,27 @@ Result<void> runDecodeBench(const DecodeBenchConfig& cfg) {
           decodeMbu(bytes, step, bandwidth), x.experts / static_cast<double>(x.steps),
           100.0 * x.forward_seconds / x.wall_seconds, x.cpu_share);
     }
+  }
+
+  // Tracing's cost on the decode step: the same batch with and without the decode worker's span
+  // work in its sinks (trace sample ratio 1.0, spans to a file), alternating runs so both see the
+  // same machine; the ratio of their median steps.
+  std::string tracing_json = "null";
+  if (cfg.tracing) {
+    auto overhead = tracingOverhead(metered, cfg, pool_dtype, caps.threads);
+    if (!overhead.ok()) return overhead.error();
+    const TracingOverhead& t = *overhead;
+    if (!json) {
+      std::printf(
+          "tracing 1.0 at batch %lld: median step %.3f ms traced vs %.3f ms off (%lld runs each), ratio %.4f; %lld "
+          "decode.request spans exported\n",
+          static_cast<long long>(t.batch), t.traced_step * 1e3, t.plain_step * 1e3, static_cast<long long>(t.runs),
+          t.ratio(), static_cast<long long>(t.spans));
+    }
+    tracing_json = fmt::format(
+        "{{\"batch\": {}, \"runs\": {}, \"plain_step_ms\": {:.4f}, \"traced_step_ms\": {:.4f}, "
+        "\"traced_over_plain\": {:.4f}, \"decode_request_spans\": {}}}",
+        t.batch, t.runs, t.plain_step * 1e3, t.traced_step * 1e3, t.ratio(), t.spans);
   }
 
   // MTP at batch 1: the plain greedy run gives the baseline and the continuation to propose.
@@ -536,10 +677,11 @@ Result<void> runDecodeBench(const DecodeBenchConfig& cfg) {
         "\"context\": {}, \"decode\": {}, \"mbu_batch1\": {:.4f}, \"mtp_plain_tokens_per_s\": {:.3f}, \"mtp\": {}, "
         "\"mtp_speedup_at_p085\": {:.4f}, \"mtp_speedup_over_ideal\": {:.4f}, "
         "\"draft_override\": \"bench-only: proposes the greedy continuation with probability p\", "
-        "\"mtp_real_prompts\": {}, \"mtp_real_tokens\": {}, \"mtp_real\": {}, \"mtp_real_skipped\": {}}}",
+        "\"mtp_real_prompts\": {}, \"mtp_real_tokens\": {}, \"mtp_real\": {}, \"mtp_real_skipped\": {}, "
+        "\"tracing\": {}}}",
         jsonString(model_dir.string()), dtypeName(caps.weight_dtype), caps.backend, caps.threads, weights, l3, over_l3,
         bandwidth / 1e9, kv_dtype, context, d, mbu1, plain_tps, m, speedup_085, over_ideal_085, kMtpQuestions.size(),
-        mtp_tokens, rm, jsonString(real_skipped));
+        mtp_tokens, rm, jsonString(real_skipped), tracing_json);
     std::printf("%s\n", line.c_str());
   }
   return okStatus();

@@ -11,7 +11,9 @@
 ///    known greedy continuation with probability p, a wrong token otherwise;
 ///  - MTP with the model's own drafts (no override) on 8 chat questions rendered with the model's
 ///    chat template (when it has one), each prompt's KV computed by the engine as a prefill worker
-///    does: the real acceptance and speedup beside the ideal for that acceptance.
+///    does: the real acceptance and speedup beside the ideal for that acceptance;
+///  - tracing's cost: the median step with each request's sink doing the decode worker's span
+///    work (trace sample ratio 1.0, spans exported to a file) over the same run without it.
 ///
 /// Thread rules: runDecodeBench() runs on the caller's thread (the engine's own pool does the
 /// compute); the rest is pure.
@@ -41,6 +43,10 @@ struct DecodeBenchConfig {
   std::int64_t mtp_tokens = 40;  ///< tokens per MTP run at batch 1
   std::int64_t bandwidth_mb = 2048;
   bool json = false;  ///< one JSON object at the end instead of lines of text as it goes
+  /// Time the step with and without the decode worker's span work (sample ratio 1.0) at
+  /// min(16, largest batch), 5 alternating runs of max(steps, 16) timed steps each; prints the
+  /// ratio of their median steps.
+  bool tracing = true;
 };
 
 /// What one run of B requests through a DecodeEngine measured (warm-up steps excluded).

@@ -14,11 +14,13 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <mutex>
 #include <optional>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "bench/router/router_overhead.h"
@@ -190,6 +192,50 @@ int openAndSend(std::uint16_t port, const std::string& request) {
   return fd;
 }
 
+/// Polls GET /ready of a router until 200 (at most 10 s).
+void waitReady(const Endpoint& router) {
+  for (int i = 0; i < 100; ++i) {
+    http::Client probe(router.host, router.port);
+    http::ClientRequest req;
+    req.target = "/ready";
+    auto r = probe.send(req, 5s);
+    if (r.ok() && r->status == 200) return;
+    std::this_thread::sleep_for(100ms);
+  }
+}
+
+/// A temp folder for the traced router's span file; removed with everything in it.
+class TraceFolder {
+ public:
+  static Result<TraceFolder> create() {
+    std::string pattern = (std::filesystem::temp_directory_path() / "pdserve-bench-trace-XXXXXX").string();
+    if (::mkdtemp(pattern.data()) == nullptr) return makeError(ErrorCode::Io, "cannot create a temp folder");
+    return TraceFolder(pattern);
+  }
+  TraceFolder(TraceFolder&& o) noexcept : dir_(std::exchange(o.dir_, {})) {}
+  TraceFolder& operator=(TraceFolder&&) = delete;
+  TraceFolder(const TraceFolder&) = delete;
+  TraceFolder& operator=(const TraceFolder&) = delete;
+  ~TraceFolder() {
+    std::error_code ec;
+    if (!dir_.empty()) std::filesystem::remove_all(dir_, ec);
+  }
+  [[nodiscard]] std::string file() const { return (dir_ / "spans.jsonl").string(); }
+  /// How many times `needle` occurs in the span file (the spans the traced router exported).
+  [[nodiscard]] std::int64_t count(std::string_view needle) const {
+    std::ifstream in(file());
+    std::int64_t n = 0;
+    for (std::string line; std::getline(in, line);) {
+      for (auto pos = line.find(needle); pos != std::string::npos; pos = line.find(needle, pos + 1)) ++n;
+    }
+    return n;
+  }
+
+ private:
+  explicit TraceFolder(std::filesystem::path dir) : dir_(std::move(dir)) {}
+  std::filesystem::path dir_;
+};
+
 struct HeldStreams {
   std::int64_t opened = 0;
   std::int64_t threads_before = 0;
@@ -257,20 +303,32 @@ Result<void> runRouterBench(const RouterBenchConfig& cfg) {
   auto prefill = startRole(exe, with_extra(prefill_args));
   if (!prefill.ok()) return prefill.error();
   const auto hp = [](const Endpoint& e) { return e.host + ":" + std::to_string(e.port); };
-  auto router = startRole(exe, with_extra({"router", model_flag, "--router.port=0", "--log.level=warn",
-                                           "--router.io_threads=" + std::to_string(cfg.io_threads),
-                                           "--router.max_queued_requests=" + std::to_string(cfg.hold_streams + 1024),
-                                           "--router.prefill_workers=" + hp(prefill->endpoint),
-                                           "--router.decode_workers=" + hp(decode->endpoint)}));
+  const std::vector<std::string> router_args{"router",
+                                             model_flag,
+                                             "--router.port=0",
+                                             "--log.level=warn",
+                                             "--router.io_threads=" + std::to_string(cfg.io_threads),
+                                             "--router.max_queued_requests=" + std::to_string(cfg.hold_streams + 1024),
+                                             "--router.prefill_workers=" + hp(prefill->endpoint),
+                                             "--router.decode_workers=" + hp(decode->endpoint)};
+  auto router = startRole(exe, with_extra(router_args));
   if (!router.ok()) return router.error();
-  // The router marks workers ready after its first health poll.
-  for (int i = 0; i < 100; ++i) {
-    http::Client probe(router->endpoint.host, router->endpoint.port);
-    http::ClientRequest req;
-    req.target = "/ready";
-    auto r = probe.send(req, 5s);
-    if (r.ok() && r->status == 200) break;
-    std::this_thread::sleep_for(100ms);
+  // The traced router: the same, recording every request's spans into a file.
+  std::optional<TraceFolder> trace_folder;
+  std::optional<Role> traced;
+  if (cfg.tracing) {
+    auto folder = TraceFolder::create();
+    if (!folder.ok()) return folder.error();
+    trace_folder.emplace(std::move(*folder));
+    std::vector<std::string> args = router_args;
+    args.insert(args.end(), {"--trace.file=" + trace_folder->file(), "--trace.sample_ratio=1"});
+    auto role = startRole(exe, with_extra(args));
+    if (!role.ok()) return role.error();
+    traced.emplace(std::move(*role));
+  }
+  // A router marks workers ready after its first health poll.
+  for (const Role* r : {&*router, traced ? &*traced : nullptr}) {
+    if (r != nullptr) waitReady(r->endpoint);
   }
 
   std::vector<std::int32_t> prompt;
@@ -290,22 +348,27 @@ Result<void> runRouterBench(const RouterBenchConfig& cfg) {
   for (auto level : cfg.concurrency) {
     std::mutex mutex;
     std::vector<double> via;
+    std::vector<double> via_traced;
     std::vector<double> straight;
     std::optional<Error> first_error;
     const auto worker = [&](std::int64_t count, bool record) {
       http::Client rc(router->endpoint.host, router->endpoint.port);
       http::Client dc(decode->endpoint.host, decode->endpoint.port);
       http::Client pc(prefill->endpoint.host, prefill->endpoint.port);
+      std::optional<http::Client> tc;
+      if (traced) tc.emplace(traced->endpoint.host, traced->endpoint.port);
       for (std::int64_t i = 0; i < count; ++i) {
         auto a = viaRouter(rc, body);
+        Result<double> t = tc ? viaRouter(*tc, body) : Result<double>(0.0);
         auto b = direct(dc, pc, prompt, serial.fetch_add(1));
         std::lock_guard lock(mutex);
-        if (!a.ok() || !b.ok()) {
-          if (!first_error) first_error = a.ok() ? b.error() : a.error();
+        if (!a.ok() || !b.ok() || !t.ok()) {
+          if (!first_error) first_error = !a.ok() ? a.error() : !t.ok() ? t.error() : b.error();
           continue;
         }
         if (record) {
           via.push_back(*a);
+          if (tc) via_traced.push_back(*t);
           straight.push_back(*b);
         }
       }
@@ -339,6 +402,25 @@ Result<void> runRouterBench(const RouterBenchConfig& cfg) {
           static_cast<long long>(level), rp50, rp99, dp50, dp99, rp50 - dp50, rp99 - dp99, via.size());
       std::fflush(stdout);
     }
+    if (traced) {
+      // Tracing's cost: the traced router against the untraced one, timed in the same rounds.
+      const bench::RouterOverhead t = bench::routerOverhead(via_traced, straight);
+      const auto ratio = [](double a, double b) { return b > 0 ? a / b : 0.0; };
+      row["traced_p50_us"] = t.router_p50_us;
+      row["traced_p99_us"] = t.router_p99_us;
+      row["traced_overhead_p50_us"] = t.overhead_p50_us;
+      row["traced_overhead_p99_us"] = t.overhead_p99_us;
+      row["tracing_latency_ratio_p50"] = ratio(t.router_p50_us, rp50);
+      row["tracing_latency_ratio_p99"] = ratio(t.router_p99_us, rp99);
+      if (!cfg.json) {
+        std::printf(
+            "                 tracing 1.0: through router p50 %8.0f us p99 %8.0f us | overhead p50 %6.0f us p99 %6.0f "
+            "us | latency traced/untraced p50 %.3f p99 %.3f\n",
+            t.router_p50_us, t.router_p99_us, t.overhead_p50_us, t.overhead_p99_us, ratio(t.router_p50_us, rp50),
+            ratio(t.router_p99_us, rp99));
+        std::fflush(stdout);
+      }
+    }
     report["concurrency_" + std::to_string(level)] = std::move(row);
   }
   if (cfg.hold_streams > 0) {
@@ -363,8 +445,15 @@ Result<void> runRouterBench(const RouterBenchConfig& cfg) {
                                                  {"router_threads_max", held.threads_max},
                                                  {"router_io_threads", cfg.io_threads}};
   }
-  if (cfg.json) std::printf("%s\n", boost::json::serialize(report).c_str());
   for (auto* role : {&*router, &*prefill, &*decode}) role->process->stop(30s);
+  if (traced) {
+    traced->process->stop(30s);  // its exporter writes what is queued on the way out
+    const std::int64_t spans = trace_folder->count("\"name\":\"router.request\"");
+    report["traced_requests_in_file"] = spans;
+    if (!cfg.json)
+      std::printf("traced router: %lld router.request spans in its trace file\n", static_cast<long long>(spans));
+  }
+  if (cfg.json) std::printf("%s\n", boost::json::serialize(report).c_str());
   if (failures > 0) {
     return makeError(ErrorCode::PeerFailed, fmt::format("{} concurrency level(s) had failed requests", failures));
   }

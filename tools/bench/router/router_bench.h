@@ -11,6 +11,11 @@
 /// each concurrency. Both ways do the same worker work; the difference is the router's HTTP front
 /// end, validation, policy choice and relaying.
 ///
+/// With `tracing` a second router on the same workers records every request's spans (trace
+/// sample ratio 1.0, to a JSON lines file in a temp folder), and each round sends the same request
+/// through both routers as well as directly: the traced router's percentiles sit in the same row,
+/// with the ratio of its latency and of its overhead to the untraced router's (tracing's cost).
+///
 /// With hold_streams N it then opens N streaming completions at once and prints the router
 /// process's thread count (/proc/<pid>/status) before and at most while they are open, next to
 /// its configured I/O threads: an async router stays at I/O threads plus a small constant.
@@ -39,6 +44,7 @@ struct RouterBenchConfig {
   std::int64_t hold_streams = 0;  ///< 0: no held-streams thread count
   std::int64_t io_threads = 2;    ///< the router's
   bool json = false;              ///< one JSON object at the end instead of a line per level
+  bool tracing = true;            ///< also time a router with tracing at sample ratio 1.0
 };
 
 /// The levels of "1,64": integers in 1..1024; InvalidArgument naming bench_router.concurrency

@@ -33,6 +33,7 @@
 #include "pd/router/completion_backend.h"
 #include "pd/router/prompt_renderer.h"
 #include "pd/router/router_config.h"
+#include "pd/trace/tracer.h"
 
 namespace pd::router {
 
@@ -57,6 +58,12 @@ struct ApiServerOptions {
   /// A body of at most this many bytes is prepared on its io thread (microseconds of work, less
   /// than the pool's two thread hand-offs); 0: every request goes through the pool.
   std::size_t cpu_inline_bytes = 4096;
+  /// Records the router's spans (docs/observability.md); null: tracing off (a client's
+  /// traceparent still reaches the workers). Must outlive the ApiServer and its generations.
+  const trace::Tracer* tracer = nullptr;
+  /// The per-request log line carries the prompt (chat messages as JSON, a completion's text or
+  /// ids). Off by default: prompts are the users' data.
+  bool log_prompts = false;
 };
 
 /// Options from the router's config section; reads the API key file if one is set.

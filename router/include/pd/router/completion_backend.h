@@ -30,6 +30,7 @@
 
 #include "pd/common/generation.h"
 #include "pd/common/result.h"
+#include "pd/trace/trace_context.h"
 
 namespace pd::http {
 class IoThreads;
@@ -63,6 +64,11 @@ struct GenerationRequest {
   bool include_stop_str_in_output = false;  ///< the text ends after the matched stop string, not before
   /// The front end aborts the generation at this time; the backend should give up before it.
   std::chrono::steady_clock::time_point deadline;
+  /// The front end's `router.request` span (docs/observability.md): the backend's spans are its
+  /// children, and the workers' calls carry their traceparent. Invalid: nothing to continue.
+  trace::SpanContext trace;
+  /// When the front end handed the request to the backend (wall clock: where `router.route` starts).
+  std::chrono::system_clock::time_point handed_at;
 };
 
 /// One generated token's logprob as the client sees it: the vocabulary's SampledToken plus the
@@ -88,11 +94,27 @@ struct FinishEvent {
   std::string text;  ///< any held-back text released at the end
 };
 
+/// What the backend learned about one generation, for the front end's per-request log line
+/// (docs/observability.md). Times in milliseconds; a phase that did not happen stays nullopt.
+struct GenerationReport {
+  std::string decode_worker;   ///< host:port of the last decode attempt; empty when none was picked
+  std::string prefill_worker;  ///< host:port of the last prefill attempt; empty when none was sent
+  std::int64_t decode_attempts = 0;
+  std::int64_t prefill_attempts = 0;
+  std::optional<double> route_ms;          ///< handed over -> the first decode open sent
+  std::optional<double> decode_open_ms;    ///< the last attempt's open sent -> its KV descriptor
+  std::optional<double> prefill_ms;        ///< the answered prefill's submit -> answer
+  std::optional<double> prefill_queue_ms;  ///< the prefill worker's own figures (PrefillOutcome)
+  std::optional<double> prefill_compute_ms;
+  std::optional<double> prefill_transfer_ms;
+};
+
 /// Receives one generation's events.
 ///
 /// Thread rules: the backend calls a sink from any thread but serially (never two calls at once
 /// for one generation); zero or more onTokens(), then exactly one onFinish() or onError(), then
-/// nothing. Calls may come before start() returns. Implementations must not block.
+/// nothing but at most one onReport(). Calls may come before start() returns. Implementations
+/// must not block.
 class TokenSink {
  public:
   TokenSink() = default;
@@ -104,6 +126,10 @@ class TokenSink {
   virtual void onTokens(TokenDelta delta) = 0;
   virtual void onFinish(FinishEvent finish) = 0;
   virtual void onError(Error error) = 0;
+  /// The generation's report, at most once, when the backend is done with every leg: just before
+  /// the terminal event, or after it (a prefill answer may come after the last token). Never
+  /// concurrently with another call. Ignored by default.
+  virtual void onReport(const GenerationReport& report) { (void)report; }
 };
 
 /// Control of one running generation.

@@ -53,6 +53,7 @@
 #include "pd/router/router_config.h"
 #include "pd/router/worker_registry.h"
 #include "pd/tokenizer/tokenizer.h"
+#include "pd/trace/tracer.h"
 
 namespace pd::router {
 
@@ -74,6 +75,9 @@ struct PdBackendOptions {
   std::chrono::milliseconds pool_idle_age{55000};
   /// Signs every call to a worker (internal_auth.h); null: unsigned (an unauthenticated plane).
   std::shared_ptr<InternalAuth> auth;
+  /// Records router.route and the legs' client spans under GenerationRequest::trace, whose
+  /// traceparents the workers get (docs/observability.md); null: tracing off. Must outlive the backend.
+  const trace::Tracer* tracer = nullptr;
 };
 
 [[nodiscard]] PdBackendOptions pdBackendOptionsFromConfig(const RouterConfig& config);

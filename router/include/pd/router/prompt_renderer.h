@@ -8,6 +8,7 @@
 ///
 /// Thread rules: thread-safe and const; called concurrently from the HTTP io threads.
 
+#include <chrono>
 #include <cstdint>
 #include <string>
 #include <string_view>
@@ -33,6 +34,12 @@ struct ChatConversation {
   std::string template_kwargs_json;
 };
 
+/// A chat prompt's ids and when the template was done (the rest was the tokenizer's time).
+struct TimedPrompt {
+  std::vector<TokenId> ids;
+  std::chrono::system_clock::time_point templated;
+};
+
 class PromptRenderer {
  public:
   PromptRenderer() = default;
@@ -43,6 +50,13 @@ class PromptRenderer {
   PromptRenderer& operator=(PromptRenderer&&) = delete;
   /// The prompt ids of a conversation, with the generation prompt for the assistant appended.
   [[nodiscard]] virtual Result<std::vector<TokenId>> renderChat(const ChatConversation& conversation) const = 0;
+  /// renderChat() with the time the template's text was ready (the router's `router.template`
+  /// and `router.tokenize` spans). The default cannot tell: it reports the template done at once.
+  [[nodiscard]] virtual Result<TimedPrompt> renderChatTimed(const ChatConversation& conversation) const {
+    const auto start = std::chrono::system_clock::now();
+    PD_ASSIGN_OR_RETURN(auto ids, renderChat(conversation));
+    return TimedPrompt{std::move(ids), start};
+  }
   /// The ids of a plain-text prompt (/v1/completions), with the model's BOS rule applied.
   [[nodiscard]] virtual Result<std::vector<TokenId>> tokenize(std::string_view text) const = 0;
   /// One past the largest valid token id; token-id prompts and stop ids are checked against it.

@@ -21,6 +21,8 @@ struct RouterConfig {
   std::int64_t max_queued_requests = 256;
   std::int64_t request_timeout_ms = 600000;
   std::filesystem::path api_keys_file;
+  /// The per-request log line carries the prompt (docs/observability.md); off: never.
+  bool log_prompts = false;
   std::string served_model_name = "pdserve-default";
   std::int64_t retry_after_s = 1;
   std::int64_t drain_timeout_ms = 30000;

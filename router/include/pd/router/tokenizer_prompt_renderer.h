@@ -26,6 +26,7 @@ class TokenizerPromptRenderer final : public PromptRenderer {
   [[nodiscard]] static Result<std::unique_ptr<TokenizerPromptRenderer>> create(tokenizer::Tokenizer tokenizer);
 
   [[nodiscard]] Result<std::vector<TokenId>> renderChat(const ChatConversation& conversation) const override;
+  [[nodiscard]] Result<TimedPrompt> renderChatTimed(const ChatConversation& conversation) const override;
   [[nodiscard]] Result<std::vector<TokenId>> tokenize(std::string_view text) const override;
   [[nodiscard]] std::size_t vocabSize() const override;
 

@@ -92,6 +92,9 @@ class Tracer {
   [[nodiscard]] static Result<std::unique_ptr<Tracer>> create(const TraceConfig& config, std::string service_name,
                                                               metrics::Registry* registry);
 
+  /// A tracer that is off (the default constructor's), for components given none; lives until exit.
+  [[nodiscard]] static const Tracer& disabled();
+
   /// True when spans may be recorded (an exporter exists).
   [[nodiscard]] bool enabled() const { return exporter_ != nullptr; }
 
