@@ -247,6 +247,13 @@ std::string toJson(const DecodeOpen& v) {
                  {"kv_timeout_ms", v.kv_timeout_ms},
                  {"prefill_attempts", v.prefill_attempts}};
   if (!v.traceparent.empty()) o["traceparent"] = v.traceparent;
+  if (!v.resumed_token_ids.empty()) {
+    json::array resumed;
+    resumed.reserve(v.resumed_token_ids.size());
+    for (auto id : v.resumed_token_ids) resumed.push_back(id);
+    o["resumed_token_ids"] = std::move(resumed);
+  }
+  if (v.arrival_us > 0) o["arrival_us"] = v.arrival_us;
   return dump(o);
 }
 
@@ -266,6 +273,11 @@ Result<DecodeOpen> parseDecodeOpen(std::string_view text) {
   r.integer("kv_timeout_ms", v.kv_timeout_ms, false, 1, std::int64_t{24} * 3600 * 1000);
   r.integer("prefill_attempts", v.prefill_attempts, false, 1, 100);
   r.str("traceparent", v.traceparent, false, kMaxTraceparentBytes);
+  r.tokenIds("resumed_token_ids", v.resumed_token_ids, false);
+  r.integer("arrival_us", v.arrival_us, false, 0);
+  if (r.ok() && static_cast<std::int64_t>(v.resumed_token_ids.size()) >= v.prompt_tokens) {
+    r.fail("resumed_token_ids", "must be fewer than prompt_tokens");
+  }
   if (!r.ok()) return r.status().error();
   return v;
 }
@@ -292,6 +304,9 @@ std::string toJson(const DecodeEvent& v) {
       break;
     case DecodeEventType::Error:
       o = {{"event", "error"}, {"code", errorCodeName(v.code)}, {"message", v.message}};
+      break;
+    case DecodeEventType::Preempted:
+      o = {{"event", "preempted"}, {"message", v.message}, {"completion_tokens", v.completion_tokens}};
       break;
   }
   return dump(o);
@@ -350,8 +365,13 @@ Result<DecodeEvent> parseDecodeEvent(std::string_view text) {
         v.code = *parsed;
       }
     }
+  } else if (type == "preempted") {
+    v.type = DecodeEventType::Preempted;
+    v.code = ErrorCode::Overloaded;
+    r.str("message", v.message, false, std::size_t{64} << 10);
+    r.integer("completion_tokens", v.completion_tokens, false, 0);
   } else {
-    r.fail("event", "is not descriptor, tokens, finish or error");
+    r.fail("event", "is not descriptor, tokens, finish, error or preempted");
   }
   if (!r.ok()) return r.status().error();
   return v;
@@ -383,6 +403,8 @@ std::string toJson(const PrefillSubmit& v) {
                  {"timeout_ms", v.timeout_ms}};
   if (!v.kv_descriptor_tag.empty()) o["kv_descriptor_tag"] = v.kv_descriptor_tag;
   if (!v.traceparent.empty()) o["traceparent"] = v.traceparent;
+  if (v.resumed_tokens > 0) o["resumed_tokens"] = v.resumed_tokens;
+  if (v.forced_first_token >= 0) o["forced_first_token"] = v.forced_first_token;
   return dump(o);
 }
 
@@ -402,6 +424,11 @@ Result<PrefillSubmit> parsePrefillSubmit(std::string_view text) {
   r.str("kv_descriptor_tag", v.kv_descriptor_tag, false, 64);
   r.integer("timeout_ms", v.timeout_ms, false, 1, std::int64_t{24} * 3600 * 1000);
   r.str("traceparent", v.traceparent, false, kMaxTraceparentBytes);
+  r.integer("resumed_tokens", v.resumed_tokens, false, 0);
+  r.integer("forced_first_token", v.forced_first_token, false, 0, std::numeric_limits<pd::TokenId>::max());
+  if (r.ok() && v.resumed_tokens >= static_cast<std::int64_t>(v.token_ids.size())) {
+    r.fail("resumed_tokens", "must be fewer than the token ids");
+  }
   if (!r.ok()) return r.status().error();
   auto bytes = base64Decode(b64);
   if (!bytes.ok())

@@ -12,6 +12,8 @@ void registerOptions(config::OptionSet& set, DecodeConfig& cfg) {
       .add("block_size", &cfg.block_size, "tokens per latent-KV block", 1, 4096)
       .add("num_blocks", &cfg.num_blocks, "latent-KV blocks per layer in the pool", 1, 1 << 24)
       .add("max_running_requests", &cfg.max_running_requests, "sequences in one decode batch", 1, 1 << 16)
+      .add("kv_headroom_blocks", &cfg.kv_headroom_blocks,
+           "KV blocks an admission must leave free for running requests to grow into (then preemption)", 0, 1 << 24)
       .add("num_speculative_tokens", &cfg.num_speculative_tokens, "MTP draft tokens per step (0 = off)", 0, 8)
       .add("tensor_parallel", &cfg.tensor_parallel, "tensor-parallel ranks", 1, 64)
       .add("nnodes", &cfg.nnodes, "machines the tensor-parallel group spans (> 1 needs dist_init_address)", 1, 64)

@@ -16,13 +16,17 @@ DecodeEngineOptions engineOptions(const DecodeConfig& config) {
   DecodeEngineOptions options;
   options.num_speculative_tokens = config.num_speculative_tokens;
   options.max_running_requests = config.max_running_requests;
+  options.kv_headroom_blocks = config.kv_headroom_blocks;
   return options;
 }
 
 struct DecodeEngine::Sequence {
   enum class State { WaitingKv, Ready, Running };
 
-  Sequence(DecodeRequest r, bool spec) : req(std::move(r)), sampler(req.sampling, req.logprobs), speculate(spec) {}
+  Sequence(DecodeRequest r, bool spec, std::pair<std::int64_t, std::uint64_t> order)
+      : req(std::move(r)), sampler(req.sampling, req.logprobs), speculate(spec), admitted(order) {
+    sampler.resumeAfter(req.resumed_tokens);
+  }
 
   [[nodiscard]] std::int64_t len() const { return req.prompt_tokens + static_cast<std::int64_t>(generated.size()); }
 
@@ -30,6 +34,8 @@ struct DecodeEngine::Sequence {
   State state = State::WaitingKv;
   model::Sampler sampler;
   bool speculate;
+  // (arrival, admission counter): the latest is preempted first (header comment, "Preemption").
+  std::pair<std::int64_t, std::uint64_t> admitted;
   std::vector<std::int32_t> generated;  // tokens after the prompt; the last is not yet in the cache
   MtpState mtp;                         // the MTP layer's catch-up state (speculating sequences)
 };
@@ -38,12 +44,13 @@ DecodeEngine::DecodeEngine(model::Engine& engine, KvPool& pool, DecodeEngineOpti
                            std::unique_ptr<Drafter> drafter)
     : engine_(engine),
       options_(options),
-      blocks_(pool.numBlocks(), pool.blockSize()),
+      blocks_(pool.numBlocks(), pool.blockSize(), std::min(options.kv_headroom_blocks, pool.numBlocks() - 1)),
       drafter_(drafter ? std::move(drafter) : std::make_unique<MtpDrafter>(engine, pool)),
       verifier_(std::make_unique<DraftVerifier>(engine, pool)) {
   PD_CHECK(pool.latentDim() == engine.config().latentDim());
   PD_CHECK(pool.numLayers() == engine.config().kvLayers());
-  PD_CHECK(options_.num_speculative_tokens >= 0 && options_.max_running_requests >= 1);
+  PD_CHECK(options_.num_speculative_tokens >= 0 && options_.max_running_requests >= 1 &&
+           options_.kv_headroom_blocks >= 0);
   publishGauges();
 }
 
@@ -82,14 +89,25 @@ Result<std::vector<std::int32_t>> DecodeEngine::admit(DecodeRequest request) {
   if (speculate && !engine_.capabilities().mtp) {
     return makeError(ErrorCode::Unsupported, "speculative decoding needs a checkpoint with an MTP layer");
   }
+  if (static_cast<std::int64_t>(request.resumed_tokens.size()) >= request.prompt_tokens) {
+    return makeError(ErrorCode::InvalidArgument,
+                     fmt::format("request {}: {} resumed tokens in a {}-token prompt", request.id,
+                                 request.resumed_tokens.size(), request.prompt_tokens));
+  }
   if (requests_.contains(request.id)) {
     return makeError(ErrorCode::InvalidArgument, fmt::format("request {} is already admitted", request.id));
   }
-  PD_TRY(blocks_.admit(request.id, request.prompt_tokens, request.prompt_tokens + request.max_tokens - 1));
+  PD_TRY(blocks_.admit(request.id, request.prompt_tokens));
   const std::uint64_t id = request.id;
   const std::span<const std::int32_t> table = blocks_.blockTable(id);
   std::vector<std::int32_t> ids(table.begin(), table.end());
-  auto seq = std::make_unique<Sequence>(std::move(request), speculate);
+  // A generation keeps its arrival across resumes (the router's); a fresh one arrives now.
+  const std::int64_t arrival =
+      request.arrival_us > 0
+          ? request.arrival_us
+          : std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::system_clock::now().time_since_epoch())
+                .count();
+  auto seq = std::make_unique<Sequence>(std::move(request), speculate, std::pair(arrival, ++admissions_));
   requests_.emplace(id, std::move(seq));
   publishGauges();
   return ids;
@@ -195,7 +213,7 @@ bool DecodeEngine::emit(Sequence& seq, std::vector<model::SampledToken> tokens) 
 }
 
 void DecodeEngine::finish(std::uint64_t request_id, FinishReason reason, std::optional<Error> error,
-                          RequestOutcome outcome) {
+                          RequestOutcome outcome, bool preempted) {
   const auto it = requests_.find(request_id);
   PD_CHECK(it != requests_.end());
   std::unique_ptr<Sequence> seq = std::move(it->second);
@@ -225,7 +243,37 @@ void DecodeEngine::finish(std::uint64_t request_id, FinishReason reason, std::op
   event.error = std::move(error);
   event.prompt_tokens = seq->req.prompt_tokens;
   event.completion_tokens = static_cast<std::int64_t>(seq->generated.size());
+  event.preempted = preempted;
   seq->req.sink(event);
+}
+
+std::uint64_t DecodeEngine::preemptLatest() {
+  PD_CHECK(!requests_.empty());
+  std::uint64_t id = 0;
+  const Sequence* latest = nullptr;
+  for (const auto& [rid, seq] : requests_) {
+    if (latest == nullptr || seq->admitted > latest->admitted) {
+      id = rid;
+      latest = seq.get();
+    }
+  }
+  const auto held = blocks_.blockTable(id).size();
+  ++stats_.preemptions;
+  if (options_.metrics != nullptr) options_.metrics->preempted();
+  log::info("decode", "request {}: preempted ({} KV blocks, {} tokens generated): the pool ran dry", id, held,
+            latest != nullptr ? latest->generated.size() : 0);
+  finish(id, FinishReason::Aborted,
+         makeError(ErrorCode::Overloaded, fmt::format("request {} preempted: the KV pool ran dry", id)),
+         RequestOutcome::Preempted, /*preempted=*/true);
+  return id;
+}
+
+bool DecodeEngine::growOrPreempt(Sequence& seq, std::int64_t tokens) {
+  const std::uint64_t id = seq.req.id;
+  for (;;) {
+    if (blocks_.grow(id, tokens).ok()) return true;
+    if (preemptLatest() == id) return false;  // `seq` is gone
+  }
 }
 
 void DecodeEngine::endQuarantine(std::uint64_t request_id, bool cancel_wait) {
@@ -317,23 +365,28 @@ void DecodeEngine::runBatch(std::span<Sequence* const> all) {
   const ModelConfig& cfg = engine_.config();
   const std::int64_t max_pos = cfg.max_position_embeddings > 0 ? cfg.max_position_embeddings : INT64_MAX;
 
-  // Drafts per sequence (clipped so that every cached position is within the reservation),
-  // then the blocks the step writes.
+  // Drafts per sequence (clipped to the tokens the request may still produce and to the
+  // context), then the blocks the step writes: oldest admission first, so that preemption (of the
+  // latest) never takes a sequence already grown for this step. Drafts are dropped before anyone
+  // is preempted for their blocks.
+  std::vector<std::pair<std::pair<std::int64_t, std::uint64_t>, std::uint64_t>> order;  // (admission, id)
+  order.reserve(all.size());
+  for (Sequence* seq : all) order.emplace_back(seq->admitted, seq->req.id);
+  std::sort(order.begin(), order.end());
   std::vector<Sequence*> batch;
   std::vector<std::int64_t> k;
-  for (Sequence* seq : all) {
+  for (const auto& [admitted, id] : order) {
+    const auto it = requests_.find(id);
+    if (it == requests_.end()) continue;  // preempted for an older sequence's block
+    Sequence* seq = it->second.get();
     const std::int64_t start = seq->len() - 1;
     const std::int64_t remaining = seq->req.max_tokens - static_cast<std::int64_t>(seq->generated.size());
-    const std::int64_t ki =
+    std::int64_t ki =
         seq->speculate
             ? std::max<std::int64_t>(0, std::min({options_.num_speculative_tokens, remaining - 1, max_pos - 1 - start}))
             : 0;
-    Status grown = blocks_.grow(seq->req.id, start + 1 + ki);
-    if (!grown.ok()) {
-      finish(seq->req.id, FinishReason::Error, makeError(ErrorCode::Internal, std::move(grown).error().toString()),
-             RequestOutcome::Error);
-      continue;
-    }
+    if (ki > 0 && !blocks_.grow(id, start + 1 + ki).ok()) ki = 0;
+    if (!growOrPreempt(*seq, start + 1 + ki)) continue;
     batch.push_back(seq);
     k.push_back(ki);
   }

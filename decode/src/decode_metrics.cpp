@@ -27,6 +27,8 @@ const char* requestOutcomeName(RequestOutcome outcome) {
       return "kv_failed";
     case RequestOutcome::Error:
       return "error";
+    case RequestOutcome::Preempted:
+      return "preempted";
   }
   return "error";
 }
@@ -54,12 +56,19 @@ DecodeMetrics::DecodeMetrics(metrics::Registry& registry) : registry_(registry) 
                   .counter("pdserve_decode_prefill_retries_total",
                            "Prefill failures absorbed while the request kept its blocks for another attempt.")
                   .get();
+  preemptions_ = &registry_
+                      .counter("pdserve_decode_preemptions_total",
+                               "Requests preempted because a decode step could not get a KV block (the router "
+                               "resumes them).")
+                      .get();
   step_seconds_ =
       &registry_.histogram("pdserve_decode_step_seconds", "Wall time of one batched decode step.", stepBuckets()).get();
   blocks_free_ = &registry_.gauge("pdserve_kv_blocks_free", "KV pool blocks not allocated to any request.").get();
+  blocks_used_ =
+      &registry_.gauge("pdserve_kv_blocks_used", "KV pool blocks allocated to requests (quarantined included).").get();
   blocks_available_ = &registry_
                            .gauge("pdserve_kv_blocks_available",
-                                  "KV pool blocks a new admission may take (free minus reserved growth).")
+                                  "KV pool blocks a new admission may take (free minus the admission headroom).")
                            .get();
   blocks_total_ = &registry_.gauge("pdserve_kv_blocks_total", "KV pool blocks.").get();
   blocks_quarantined_ = &registry_
@@ -99,8 +108,13 @@ void DecodeMetrics::prefillRetried() {
   retries_->inc();
 }
 
+void DecodeMetrics::preempted() {
+  preemptions_->inc();
+}
+
 void DecodeMetrics::setBlocks(std::int64_t free, std::int64_t available, std::int64_t total, std::int64_t quarantined) {
   blocks_free_->set(static_cast<double>(free));
+  blocks_used_->set(static_cast<double>(total - free));
   blocks_quarantined_->set(static_cast<double>(quarantined));
   blocks_available_->set(static_cast<double>(available));
   blocks_total_->set(static_cast<double>(total));
@@ -126,6 +140,7 @@ DecodeMetrics::Snapshot DecodeMetrics::snapshot() const {
   s.running = static_cast<std::int64_t>(running_->value());
   s.drafts_proposed = static_cast<std::int64_t>(drafts_proposed_->value());
   s.drafts_accepted = static_cast<std::int64_t>(drafts_accepted_->value());
+  s.preemptions = static_cast<std::int64_t>(preemptions_->value());
   return s;
 }
 

@@ -60,6 +60,12 @@ worker_api::DecodeEvent lastEvent(const TokenEvent& e) {
     ev.completion_tokens = e.completion_tokens;
     return ev;
   }
+  if (e.preempted) {
+    ev.type = worker_api::DecodeEventType::Preempted;
+    ev.message = e.error ? e.error->message : "preempted";
+    ev.completion_tokens = e.completion_tokens;
+    return ev;
+  }
   ev.type = worker_api::DecodeEventType::Error;
   if (e.error) {
     ev.code = e.error->code;
@@ -287,6 +293,8 @@ void DecodeServer::Impl::handleOpen(const http::Request& request, http::Exchange
   r.max_tokens = open.max_tokens;
   r.sampling = open.sampling;
   r.stop_token_ids = std::move(open.stop_token_ids);
+  r.resumed_tokens = std::move(open.resumed_token_ids);
+  r.arrival_us = open.arrival_us;
   r.ignore_eos = open.ignore_eos;
   r.logprobs = open.logprobs;
   r.kv_deadline = Clock::now() + std::chrono::milliseconds(kv_timeout_ms) + receive_grace_;
@@ -392,8 +400,8 @@ void DecodeServer::Impl::beginDrain() {
 std::string DecodeServer::Impl::notReadyReason() const {
   if (draining_.load()) return "draining";
   if (tpBroken()) return "tensor-parallel group failed";
-  // A minimal request (1 prompt token, max_tokens 1) reserves blocksFor(1 + 1 - 1) = 1 block of
-  // what admission may take: free blocks minus the growth reserved by admitted requests.
+  // A minimal request (1 prompt token) needs 1 block of what admission may take: free blocks
+  // minus the headroom (kv_block_manager.h).
   constexpr std::int64_t kMinimalRequestBlocks = 1;
   const DecodeMetrics::Snapshot m = metrics_.snapshot();
   if (m.available_blocks < kMinimalRequestBlocks) {

@@ -6,10 +6,11 @@
 
 namespace pd::decode {
 
-KvBlockManager::KvBlockManager(std::int64_t num_blocks, std::int64_t block_size)
-    : num_blocks_(num_blocks), block_size_(block_size) {
+KvBlockManager::KvBlockManager(std::int64_t num_blocks, std::int64_t block_size, std::int64_t headroom_blocks)
+    : num_blocks_(num_blocks), block_size_(block_size), headroom_blocks_(headroom_blocks) {
   PD_CHECK(num_blocks > 0 && block_size > 0);
   PD_CHECK(num_blocks <= INT32_MAX);
+  PD_CHECK(headroom_blocks >= 0 && headroom_blocks < num_blocks);
   free_.reserve(static_cast<std::size_t>(num_blocks));
   // Pushed in reverse so that a fresh pool hands out block 0 first.
   for (std::int64_t b = num_blocks - 1; b >= 0; --b) free_.push_back(static_cast<std::int32_t>(b));
@@ -19,34 +20,35 @@ std::int64_t KvBlockManager::blocksFor(std::int64_t tokens) const {
   return std::max<std::int64_t>(1, (tokens + block_size_ - 1) / block_size_);
 }
 
-Status KvBlockManager::admit(std::uint64_t request_id, std::int64_t prompt_tokens, std::int64_t reserved_tokens) {
-  if (prompt_tokens <= 0 || reserved_tokens < prompt_tokens) {
+std::int64_t KvBlockManager::availableBlocks() const {
+  return std::max<std::int64_t>(0, freeBlocks() - headroom_blocks_);
+}
+
+Status KvBlockManager::admit(std::uint64_t request_id, std::int64_t prompt_tokens) {
+  if (prompt_tokens <= 0) {
     return makeError(ErrorCode::InvalidArgument,
-                     fmt::format("request {}: prompt_tokens {} must be positive and at most reserved_tokens {}",
-                                 request_id, prompt_tokens, reserved_tokens));
+                     fmt::format("request {}: prompt_tokens {} must be positive", request_id, prompt_tokens));
   }
   if (requests_.contains(request_id)) {
     return makeError(ErrorCode::InvalidArgument, fmt::format("request {} is already admitted", request_id));
   }
-  const std::int64_t reserve = blocksFor(reserved_tokens);
-  if (reserve > num_blocks_) {
+  const std::int64_t need = blocksFor(prompt_tokens);
+  if (need > num_blocks_) {
     return makeError(ErrorCode::ResourceExhausted,
-                     fmt::format("request {} needs {} KV blocks ({} tokens) but the pool has only {}", request_id,
-                                 reserve, reserved_tokens, num_blocks_));
+                     fmt::format("request {} needs {} KV blocks for its {}-token prompt but the pool has only {}",
+                                 request_id, need, prompt_tokens, num_blocks_));
   }
-  if (reserve > availableBlocks()) {
-    return makeError(ErrorCode::Overloaded, fmt::format("request {} needs {} KV blocks; {} of {} are available now",
-                                                        request_id, reserve, availableBlocks(), num_blocks_));
+  if (need > availableBlocks()) {
+    return makeError(ErrorCode::Overloaded,
+                     fmt::format("request {} needs {} KV blocks; {} of {} are free ({} kept as headroom)", request_id,
+                                 need, freeBlocks(), num_blocks_, headroom_blocks_));
   }
-  const std::int64_t now = blocksFor(prompt_tokens);
   Entry entry;
-  entry.reserved_blocks = reserve;
-  entry.blocks.reserve(static_cast<std::size_t>(reserve));
-  for (std::int64_t i = 0; i < now; ++i) {
+  entry.blocks.reserve(static_cast<std::size_t>(need));
+  for (std::int64_t i = 0; i < need; ++i) {
     entry.blocks.push_back(free_.back());
     free_.pop_back();
   }
-  pending_reservation_ += reserve - now;
   requests_.emplace(request_id, std::move(entry));
   return okStatus();
 }
@@ -59,18 +61,15 @@ Status KvBlockManager::grow(std::uint64_t request_id, std::int64_t tokens) {
   if (e.quarantined) {
     return makeError(ErrorCode::InvalidArgument, fmt::format("request {}: its blocks are quarantined", request_id));
   }
-  const std::int64_t need = blocksFor(tokens);
-  if (need > e.reserved_blocks) {
-    return makeError(ErrorCode::InvalidArgument,
-                     fmt::format("request {}: {} tokens exceed its reservation of {} blocks", request_id, tokens,
-                                 e.reserved_blocks));
+  const std::int64_t missing = blocksFor(tokens) - static_cast<std::int64_t>(e.blocks.size());
+  if (missing <= 0) return okStatus();
+  if (missing > freeBlocks()) {
+    return makeError(ErrorCode::Overloaded, fmt::format("request {} needs {} more KV block(s); {} are free", request_id,
+                                                        missing, freeBlocks()));
   }
-  while (static_cast<std::int64_t>(e.blocks.size()) < need) {
-    // The reservation guarantees a free block: free_ >= pending_reservation_ > 0 here.
-    PD_CHECK(!free_.empty() && pending_reservation_ > 0);
+  for (std::int64_t i = 0; i < missing; ++i) {
     e.blocks.push_back(free_.back());
     free_.pop_back();
-    --pending_reservation_;
   }
   return okStatus();
 }
@@ -85,12 +84,11 @@ bool KvBlockManager::release(std::uint64_t request_id) {
   const auto it = requests_.find(request_id);
   if (it == requests_.end()) return false;
   Entry& e = it->second;
-  pending_reservation_ -= e.reserved_blocks - static_cast<std::int64_t>(e.blocks.size());
   if (e.quarantined) quarantined_blocks_ -= static_cast<std::int64_t>(e.blocks.size());
   // Returned in reverse so the next admission gets them back in the same order.
   for (auto b = e.blocks.rbegin(); b != e.blocks.rend(); ++b) free_.push_back(*b);
   requests_.erase(it);
-  PD_CHECK(pending_reservation_ >= 0 && quarantined_blocks_ >= 0);
+  PD_CHECK(quarantined_blocks_ >= 0);
   return true;
 }
 
@@ -99,11 +97,8 @@ std::int64_t KvBlockManager::quarantine(std::uint64_t request_id) {
   if (it == requests_.end() || it->second.quarantined) return 0;
   Entry& e = it->second;
   const auto held = static_cast<std::int64_t>(e.blocks.size());
-  pending_reservation_ -= e.reserved_blocks - held;
-  e.reserved_blocks = held;
   e.quarantined = true;
   quarantined_blocks_ += held;
-  PD_CHECK(pending_reservation_ >= 0);
   return held;
 }
 
@@ -113,7 +108,7 @@ bool KvBlockManager::isQuarantined(std::uint64_t request_id) const {
 }
 
 bool KvBlockManager::isFullyFree() const {
-  if (!requests_.empty() || pending_reservation_ != 0 || quarantined_blocks_ != 0) return false;
+  if (!requests_.empty() || quarantined_blocks_ != 0) return false;
   if (static_cast<std::int64_t>(free_.size()) != num_blocks_) return false;
   std::vector<bool> seen(static_cast<std::size_t>(num_blocks_), false);
   for (const std::int32_t b : free_) {

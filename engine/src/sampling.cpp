@@ -40,6 +40,13 @@ void Sampler::observe(std::int32_t token) {
   ++counts_[token];
 }
 
+void Sampler::resumeAfter(std::span<const std::int32_t> produced) {
+  for (const std::int32_t token : produced) {
+    observe(token);
+    if (params_.temperature != 0.0) (void)nextUniform();
+  }
+}
+
 SampledToken Sampler::sample(std::span<const float> logits, std::span<const std::uint64_t> allowed) {
   PD_CHECK(!logits.empty());
   const auto vocab = static_cast<std::int64_t>(logits.size());

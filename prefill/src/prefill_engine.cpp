@@ -113,6 +113,10 @@ Status PrefillEngine::submit(PrefillRequest request) {
     }
   }
   PD_TRY(pd::validate(request.sampling));
+  if (request.forced_first_token >= cfg.vocab_size) {
+    return makeError(ErrorCode::InvalidArgument,
+                     fmt::format("forced first token {} outside the vocabulary", request.forced_first_token));
+  }
   if (ceilDiv(n, options_.block_size) > options_.cache_blocks) {
     return makeError(ErrorCode::ResourceExhausted,
                      fmt::format("prompt of {} tokens exceeds the prefill cache ({} blocks of {})", n,
@@ -316,7 +320,11 @@ void PrefillEngine::finishPrompt(std::vector<Running*>& done) {
   std::vector<model::SampledToken> first;
   for (Running* r : done) {
     model::Sampler sampler(r->request.sampling, r->request.logprobs);
+    const auto resumed = static_cast<std::size_t>(
+        std::clamp<std::int64_t>(r->request.resumed_tokens, 0, static_cast<std::int64_t>(r->request.tokens.size())));
+    sampler.resumeAfter(std::span(r->request.tokens).last(resumed));
     first.push_back(sampler.sample(r->last_logits));
+    if (r->request.forced_first_token >= 0) first.back().token = r->request.forced_first_token;
   }
   if (cfg.num_nextn_predict_layers > 0) {
     // MTP row i pairs token i+1 with final hidden state i; the last row takes the first sampled token.

@@ -410,6 +410,8 @@ class PrefillServer::Impl {
     pr.id = call->engine_id;
     pr.tokens = std::move(sub.token_ids);
     pr.sampling = sub.sampling;
+    pr.resumed_tokens = sub.resumed_tokens;
+    pr.forced_first_token = static_cast<std::int32_t>(sub.forced_first_token);
     pr.logprobs = sub.logprobs;
     pr.deadline = deadline;
     pr.sink = std::move(sink).value();

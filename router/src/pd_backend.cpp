@@ -15,6 +15,7 @@
 #include <unordered_map>
 #include <utility>
 
+#include "generation_resume.h"
 #include "pd/common/async_http_client.h"
 #include "pd/common/http_client.h"
 #include "pd/common/io_threads.h"
@@ -83,8 +84,7 @@ bool workerUnreachable(ErrorCode code) {
 std::string publicRefusal(ErrorCode code) {
   switch (code) {
     case ErrorCode::ResourceExhausted:
-      return "the prompt plus max_tokens needs more KV cache than a decode worker has; shorten the prompt or lower "
-             "max_tokens";
+      return "the prompt needs more KV cache than a decode worker has; shorten the prompt";
     case ErrorCode::Unsupported:
       return "the request asks for something the workers do not support";
     default:
@@ -124,6 +124,7 @@ PdBackendOptions pdBackendOptionsFromConfig(const RouterConfig& config) {
   o.prefill_policy = config.prefill_policy;
   o.prefill_retries = config.prefill_retries;
   o.decode_retries = config.decode_retries;
+  o.max_resumes = config.max_resumes;
   o.decode_open_timeout = milliseconds{config.decode_open_timeout_ms};
   o.kv_timeout = milliseconds{config.kv_timeout_ms};
   o.prefill_timeout = milliseconds{config.prefill_timeout_ms};
@@ -145,6 +146,7 @@ struct Shared {
   std::unique_ptr<WorkerPolicy> decode_policy;
   metrics::Counter& prefill_retries;
   metrics::Counter& decode_retries;
+  ResumeMetrics resume_metrics;
   std::shared_ptr<http::IoThreads> io;
   bool owns_io = false;
   std::shared_ptr<WorkerClientPool> clients;
@@ -224,7 +226,9 @@ class Generation : public std::enable_shared_from_this<Generation> {
         req_(std::move(request)),
         sink_(std::move(sink)),
         relay_(shared.tokenizer, req_),
-        watch_(shared.io->executor()) {
+        resume_(shared.options.max_resumes, shared.resume_metrics),
+        watch_(shared.io->executor()),
+        backoff_(shared.io->executor()) {
     req_.sampling.seed = req_.seed ? static_cast<std::uint64_t>(*req_.seed) : randomSeed();
     if (!req_.logprobs) req_.sampling.top_logprobs = 0;
   }
@@ -248,6 +252,7 @@ class Generation : public std::enable_shared_from_this<Generation> {
     std::lock_guard lock(mu_);
     if (aborted_) return;
     aborted_ = true;
+    backoff_.cancel();  // a generation waiting for room goes on at once (and ends)
     if (a_) {
       if (a_->client) a_->client->cancel();
       if (a_->leg.client) a_->leg.client->cancel();
@@ -255,7 +260,7 @@ class Generation : public std::enable_shared_from_this<Generation> {
   }
 
  private:
-  enum class Outcome { Retry, Fail };
+  enum class Outcome { Retry, Resume, Wait, Fail };
 
   /// The prefill leg of one decode attempt. Guarded by mu_.
   struct PrefillLeg {
@@ -281,6 +286,9 @@ class Generation : public std::enable_shared_from_this<Generation> {
     std::unique_ptr<http::AsyncClient> client;  // while D's stream is open
     bool got_descriptor = false;
     bool stop_hit = false;
+    bool preempted = false;  // D's last event was Preempted (stream_error holds its message)
+    // A resumed leg streams the last token the client has first (GenerationResume::skipFirst).
+    std::optional<TokenId> skip_first;
     std::optional<worker_api::DecodeEvent> finish;
     std::optional<Error> stream_error;  // D's error event
     std::optional<Error> protocol_error;
@@ -298,7 +306,7 @@ class Generation : public std::enable_shared_from_this<Generation> {
 
   void nextDecodeAttempt() {
     if (isAborted()) return fail();
-    if (attempt_ > s_.options.decode_retries) return fail();
+    if (retries_ > s_.options.decode_retries) return fail();
     if (Clock::now() >= req_.deadline) {
       last_ = makeError(ErrorCode::Timeout, "the request's deadline passed");
       return fail();
@@ -308,17 +316,22 @@ class Generation : public std::enable_shared_from_this<Generation> {
       if (attempt_ == 0) last_ = makeError(ErrorCode::Overloaded, "no decode worker is ready");
       return fail();
     }
-    if (attempt_ > 0) {
+    if (std::exchange(after_wait_, false)) {
+      // waitForRoom's next try: neither a retry nor a resume
+    } else if (resuming_) {
+      log::info(kLog, "{}: resuming after {} token(s) on decode worker {} ({}): {}", req_.request_id,
+                resume_.generated().size(), d->key(), resumeCauseName(*resuming_), last_.toString());
+    } else if (attempt_ > 0) {
       s_.decode_retries.inc();
       log::info(kLog, "{}: retrying on decode worker {} after: {}", req_.request_id, d->key(), last_.toString());
     }
     tried_.insert(d->key());
-    const std::string id = attempt_ == 0 ? req_.request_id : fmt::format("{}-retry{}", req_.request_id, attempt_);
-    const auto prompt_tokens = static_cast<std::int64_t>(req_.prompt_token_ids.size());
+    const std::string id = resume_.legId(req_.request_id, attempt_);
     worker_api::DecodeOpen open;
     open.request_id = id;
-    open.prompt_tokens = prompt_tokens;
-    open.max_tokens = req_.max_tokens;
+    open.arrival_us = arrival_us_;
+    resume_.shapeOpen(req_, open);
+    const std::int64_t prompt_tokens = open.prompt_tokens;
     open.sampling = req_.sampling;
     open.logprobs = req_.logprobs;
     open.stop_token_ids = req_.stop_token_ids;
@@ -350,7 +363,8 @@ class Generation : public std::enable_shared_from_this<Generation> {
     report_.decode_worker = d->key();
     report_.decode_attempts = attempt_ + 1;
     if (attempt_ == 0 && req_.handed_at != trace::TimePoint{}) report_.route_ms = msBetween(req_.handed_at, sent);
-    s_.registry.noteSent(WorkerRole::Decode, d->key(), prompt_tokens + req_.max_tokens);
+    a_->skip_first = resume_.skipFirst();
+    s_.registry.noteSent(WorkerRole::Decode, d->key(), prompt_tokens + open.max_tokens);
     armWatchLocked(s_.options.decode_open_timeout, fmt::format("decode worker {} sent no KV descriptor within {} ms",
                                                                d->key(), s_.options.decode_open_timeout.count()));
     a_->client->streamLines(
@@ -373,6 +387,12 @@ class Generation : public std::enable_shared_from_this<Generation> {
     }
     auto& ev = parsed.value();
     if (a.finish || a.stream_error) return true;  // nothing may follow the last event
+    if (ev.type == worker_api::DecodeEventType::Preempted) {
+      a.preempted = true;
+      a.stream_error = makeError(ErrorCode::Overloaded,
+                                 fmt::format("decode worker {} preempted the request: {}", a.worker.key(), ev.message));
+      return true;
+    }
     if (ev.type == worker_api::DecodeEventType::Error) {
       a.stream_error = fromWorker(Error{ev.code, ev.message}, "decode", a.worker);
       return true;
@@ -391,7 +411,7 @@ class Generation : public std::enable_shared_from_this<Generation> {
       PrefillLeg& leg = a.leg;
       leg.running = true;
       leg.submit.request_id = a.id;
-      leg.submit.token_ids = req_.prompt_token_ids;
+      resume_.shapePrefill(req_, leg.submit);
       leg.submit.sampling = req_.sampling;
       leg.submit.logprobs = req_.logprobs;
       leg.submit.kv_descriptor = std::move(ev.kv_descriptor);
@@ -405,9 +425,23 @@ class Generation : public std::enable_shared_from_this<Generation> {
         armWatchLocked(s_.options.stream_stall_timeout,
                        fmt::format("decode worker {} went silent for {} ms", a.worker.key(),
                                    s_.options.stream_stall_timeout.count()));
+        if (a.skip_first && !ev.token_ids.empty()) {
+          if (ev.token_ids.front() != *a.skip_first) {
+            a.protocol_error =
+                makeError(ErrorCode::Corrupt, fmt::format("decode worker {} resumed with token {}, not {}",
+                                                          a.worker.key(), ev.token_ids.front(), *a.skip_first));
+            return false;
+          }
+          ev.token_ids.erase(ev.token_ids.begin());
+          if (!ev.logprobs.empty()) ev.logprobs.erase(ev.logprobs.begin());
+          a.skip_first.reset();
+        }
         lock.unlock();
         auto step = relay_.push(ev.token_ids, ev.logprobs);
-        if (step.delta) sink_->onTokens(std::move(*step.delta));
+        if (step.delta) {
+          resume_.noteRelayed(step.delta->token_ids);
+          sink_->onTokens(std::move(*step.delta));
+        }
         lock.lock();
         a.stop_hit = step.stop_matched;
         return !step.stop_matched;
@@ -511,6 +545,15 @@ class Generation : public std::enable_shared_from_this<Generation> {
         error = a.leg.error;
       } else {
         const auto& response = *a.response;
+        LegEnd end;  // what the resume logic needs to know (generation_resume.h)
+        end.preempted = a.preempted;
+        end.stalled = a.timed_out.has_value() && Clock::now() < req_.deadline;
+        end.transport_failed = !a.timed_out && !response.ok();
+        if (response.ok() && response.value().status != 200) {
+          end.refused = worker_api::parseErrorJson(response.value().status, response.value().body).code;
+        }
+        if (a.stream_error) end.error = a.stream_error->code;
+        end.protocol_error = a.protocol_error.has_value();
         if (a.timed_out) {
           error = makeError(ErrorCode::Timeout, *a.timed_out);
         } else if (!response.ok()) {
@@ -529,15 +572,55 @@ class Generation : public std::enable_shared_from_this<Generation> {
           error = makeError(ErrorCode::PeerFailed,
                             fmt::format("the stream of decode worker {} ended without a finish event", a.worker.key()));
         }
-        if (!relay_.committed() && Clock::now() < req_.deadline && decodeRetryable(error.code)) {
-          outcome = Outcome::Retry;
+        const std::optional<ResumeCause> cause = classifyLegEnd(end);
+        const bool in_time = Clock::now() < req_.deadline;
+        // D refused the open because its pool is full now (or it drains): once the retries on
+        // other workers are spent, wait for room instead of failing (docs/kv-memory.md).
+        const bool full = end.refused == ErrorCode::Overloaded;
+        const bool may_retry = !relay_.committed() && !a.preempted && !resuming_;
+        if (full && in_time) {
+          outcome = may_retry && retries_ < s_.options.decode_retries ? Outcome::Retry : Outcome::Wait;
+        } else if (may_retry) {
+          if (in_time && decodeRetryable(error.code)) outcome = Outcome::Retry;
+        } else if (cause && in_time && resume_.take(*cause)) {
+          outcome = Outcome::Resume;
+          resuming_ = cause;
+          // Prefer another worker, but the one that failed may take it again when it is the only one.
+          tried_ = {a.worker.key()};
         }
       }
       last_ = std::move(error);
     }
     if (outcome == Outcome::Fail) return fail();
+    if (outcome == Outcome::Wait) return waitForRoom();
+    if (outcome == Outcome::Retry) ++retries_;
+    if (outcome == Outcome::Resume && static_cast<std::int64_t>(resume_.generated().size()) >= req_.max_tokens) {
+      // Every token the request may have was relayed; only the finish event was lost.
+      FinishEvent end = relay_.finish(FinishReason::Length).event;
+      sink_->onFinish(std::move(end));
+      return;
+    }
     ++attempt_;
     nextDecodeAttempt();
+  }
+
+  /// Every decode worker tried refused for want of room: the next attempt (on whichever worker
+  /// the policy picks then) after a backoff, 20 ms doubling up to 500 ms, within the deadline.
+  void waitForRoom() {
+    const milliseconds delay = std::min(milliseconds{20LL << std::min<std::int64_t>(waits_, 5)}, milliseconds{500});
+    ++waits_;
+    after_wait_ = true;
+    if (waits_ == 1 || waits_ % 20 == 0) {
+      log::debug(kLog, "{}: no decode worker has room ({}); waiting", req_.request_id, last_.toString());
+    }
+    std::lock_guard lock(mu_);
+    if (aborted_) {
+      boost::asio::post(s_.io->executor(), [self = shared_from_this()] { self->nextDecodeAttempt(); });
+      return;
+    }
+    tried_.clear();
+    backoff_.expires_at(std::min(Clock::now() + delay, req_.deadline));
+    backoff_.async_wait([self = shared_from_this()](const boost::system::error_code&) { self->nextDecodeAttempt(); });
   }
 
   /// The terminal error (the last failure, or Cancelled after abort()).
@@ -705,7 +788,16 @@ class Generation : public std::enable_shared_from_this<Generation> {
   std::shared_ptr<TokenSink> sink_;
   // The driving chain's own (see the thread rules).
   TokenRelay relay_;
+  GenerationResume resume_;
+  std::optional<ResumeCause> resuming_;  // set once the generation has been resumed (the latest cause)
+  // When the generation arrived (µs since the epoch): every leg's DecodeOpen.arrival_us.
+  const std::int64_t arrival_us_ =
+      std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::system_clock::now().time_since_epoch())
+          .count();
   std::int64_t attempt_ = 0;
+  std::int64_t retries_ = 0;  // decode retries used (before any token reached the client)
+  std::int64_t waits_ = 0;    // waits for a decode worker with room (waitForRoom)
+  bool after_wait_ = false;   // the next attempt follows a wait
   std::set<std::string> tried_;
   Error last_ = makeError(ErrorCode::Overloaded, "no decode worker is ready");
 
@@ -713,6 +805,7 @@ class Generation : public std::enable_shared_from_this<Generation> {
   bool aborted_ = false;                  // guarded by mu_
   std::unique_ptr<Attempt> a_;            // guarded by mu_: the current decode attempt
   boost::asio::steady_timer watch_;       // guarded by mu_
+  boost::asio::steady_timer backoff_;     // guarded by mu_: waitForRoom's
   std::uint64_t watch_armed_ = 0;         // guarded by mu_
   std::string watch_reason_;              // guarded by mu_
   std::optional<std::string> timed_out_;  // guarded by mu_
@@ -806,8 +899,9 @@ Result<std::unique_ptr<PdBackend>> PdBackend::create(PdBackendOptions options, W
                                                      const tokenizer::Tokenizer& tokenizer,
                                                      metrics::Registry& metrics) {
   PD_ASSIGN_OR_RETURN(auto prefill_policy, makePrefillPolicy(options.prefill_policy));
-  if (options.prefill_retries < 0 || options.decode_retries < 0 || options.max_generations < 1) {
-    return makeError(ErrorCode::InvalidArgument, "retries must be >= 0 and max_generations >= 1");
+  if (options.prefill_retries < 0 || options.decode_retries < 0 || options.max_resumes < 0 ||
+      options.max_generations < 1) {
+    return makeError(ErrorCode::InvalidArgument, "retries and max_resumes must be >= 0 and max_generations >= 1");
   }
   if (options.pool_idle_age <= milliseconds{0}) {
     return makeError(ErrorCode::InvalidArgument, "pool_idle_age must be positive");
@@ -827,6 +921,7 @@ Result<std::unique_ptr<PdBackend>> PdBackend::create(PdBackendOptions options, W
                 makeMostFreeBlocksPolicy(),
                 retries.labels({"prefill"}),
                 retries.labels({"decode"}),
+                ResumeMetrics(metrics),
                 std::move(io),
                 owns_io,
                 std::move(clients)};

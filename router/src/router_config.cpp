@@ -40,6 +40,11 @@ void registerOptions(config::OptionSet& set, RouterConfig& cfg) {
       .add("prefill_retries", &cfg.prefill_retries, "retries of a failed prefill on another prefill worker", 0, 16)
       .add("decode_retries", &cfg.decode_retries,
            "retries of a request on another decode worker while no token reached the client", 0, 16)
+      .add("max_resumes", &cfg.max_resumes,
+           "resumes of a generation whose decode leg failed without a finish (worker lost or drained, stalled): "
+           "re-prefilled with the tokens so far on a decode worker with room (preemptions are resumed until the "
+           "deadline)",
+           0, 16)
       .add("decode_open_timeout_ms", &cfg.decode_open_timeout_ms, "deadline for a decode worker's KV descriptor", 10,
            600000)
       .add("kv_timeout_ms", &cfg.kv_timeout_ms, "how long a decode worker waits for the prefilled KV (all attempts)",

@@ -144,6 +144,8 @@ struct DecodeScript {
   std::chrono::milliseconds token_delay{0};
   /// Cut the connection after this many token events (no finish).
   std::optional<std::size_t> cut_after;
+  /// End the stream with a `preempted` event after this many token events (the pool ran dry).
+  std::optional<std::size_t> preempt_after;
   /// After this many token events, send nothing more until aborted (a stuck worker).
   std::optional<std::size_t> hang_after;
   /// After this many token events, wait until resume() (or an abort), then go on with the rest.
@@ -307,8 +309,16 @@ class FakeDecodeWorker final : public FakeWorkerBase {
     }
     std::size_t sent = 0;
     std::int64_t tokens = 0;
+    const auto preempted_event = [&tokens] {
+      worker_api::DecodeEvent e;
+      e.type = worker_api::DecodeEventType::Preempted;
+      e.message = "scripted preemption";
+      e.completion_tokens = tokens;
+      return e;
+    };
     for (const auto& batch : script.tokens) {
       if (script.cut_after && sent == *script.cut_after) return end_with(std::nullopt);
+      if (script.preempt_after && sent == *script.preempt_after) return end_with(preempted_event());
       if (script.hang_after && sent == *script.hang_after) {
         std::unique_lock lock(mu_);
         cv_.wait(lock, [&] { return stopping_ || live.aborted || live.client_gone; });

@@ -67,6 +67,22 @@ TEST(WorkerApi, DecodeOpenRoundTrips) {
   v.traceparent.clear();
   EXPECT_EQ(toJson(v).find("traceparent"), std::string::npos);
   EXPECT_TRUE(parseDecodeOpen(toJson(v))->traceparent.empty());
+  EXPECT_EQ(toJson(v).find("resumed_token_ids"), std::string::npos);
+  EXPECT_TRUE(parseDecodeOpen(toJson(v))->resumed_token_ids.empty());
+  // A resumed generation's tokens (docs/kv-memory.md): fewer than the prompt's.
+  v.resumed_token_ids = {7, 8, 9};
+  v.arrival_us = 1764620000123456;
+  back = parseDecodeOpen(toJson(v));
+  ASSERT_TRUE(back.ok()) << back.error().toString();
+  EXPECT_EQ(back->resumed_token_ids, v.resumed_token_ids);
+  EXPECT_EQ(back->arrival_us, v.arrival_us);
+  v.resumed_token_ids.assign(20, 3);
+  auto too_many = parseDecodeOpen(toJson(v));
+  ASSERT_FALSE(too_many.ok());
+  EXPECT_NE(too_many.error().message.find("resumed_token_ids"), std::string::npos);
+  EXPECT_FALSE(
+      parseDecodeOpen(R"({"request_id":"a","prompt_tokens":4,"max_tokens":1,"sampling":{},"resumed_token_ids":[-1]})")
+          .ok());
 }
 
 TEST(WorkerApi, DecodeOpenRefusesBadInputNamingTheField) {
@@ -125,7 +141,12 @@ TEST(WorkerApi, DecodeEventsRoundTrip) {
   error.type = DecodeEventType::Error;
   error.code = ErrorCode::Timeout;
   error.message = "KV did not arrive";
-  for (const auto* e : {&descriptor, &tokens, &finish, &error}) {
+  DecodeEvent preempted;
+  preempted.type = DecodeEventType::Preempted;
+  preempted.code = ErrorCode::Overloaded;
+  preempted.message = "the KV pool ran dry";
+  preempted.completion_tokens = 12;
+  for (const auto* e : {&descriptor, &tokens, &finish, &error, &preempted}) {
     const std::string line = toJson(*e);
     EXPECT_EQ(line.find('\n'), std::string::npos);
     auto back = parseDecodeEvent(line);
@@ -141,6 +162,8 @@ TEST(WorkerApi, DecodeEventsRoundTrip) {
   EXPECT_FLOAT_EQ(back->logprobs[0].top[1].logprob, -1.5F);
   EXPECT_EQ(parseDecodeEvent(toJson(descriptor))->kv_descriptor, descriptor.kv_descriptor);
   EXPECT_EQ(parseDecodeEvent(toJson(error))->code, ErrorCode::Timeout);
+  EXPECT_EQ(parseDecodeEvent(toJson(preempted))->completion_tokens, 12);
+  EXPECT_EQ(parseDecodeEvent(toJson(preempted))->message, preempted.message);
 }
 
 TEST(WorkerApi, DecodeEventRefusesUnknownOrInconsistentEvents) {
@@ -148,6 +171,7 @@ TEST(WorkerApi, DecodeEventRefusesUnknownOrInconsistentEvents) {
   EXPECT_FALSE(parseDecodeEvent(R"({"event":"finish","finish_reason":"abort"})").ok());
   EXPECT_FALSE(parseDecodeEvent(R"({"event":"error","code":"NoSuchCode","message":"x"})").ok());
   EXPECT_FALSE(parseDecodeEvent(R"({"event":"descriptor","kv_descriptor":"@@@@"})").ok());
+  EXPECT_FALSE(parseDecodeEvent(R"({"event":"preempted","completion_tokens":-1})").ok());
   EXPECT_FALSE(parseDecodeEvent(R"({"event":"tokens","token_ids":[1,2],"logprobs":[{"token":1,"logprob":0}]})").ok());
 }
 
@@ -167,6 +191,17 @@ TEST(WorkerApi, PrefillMessagesRoundTrip) {
   EXPECT_EQ(back->kv_descriptor, s.kv_descriptor);
   EXPECT_EQ(back->timeout_ms, 5000);
   EXPECT_EQ(back->sampling.seed, 9U);
+  EXPECT_EQ(back->resumed_tokens, 0);
+  EXPECT_EQ(toJson(s).find("resumed_tokens"), std::string::npos);
+  EXPECT_EQ(back->forced_first_token, -1);
+  s.resumed_tokens = 3;
+  s.forced_first_token = 42;
+  back = parsePrefillSubmit(toJson(s));
+  ASSERT_TRUE(back.ok()) << back.error().toString();
+  EXPECT_EQ(back->resumed_tokens, 3);
+  EXPECT_EQ(back->forced_first_token, 42);
+  s.resumed_tokens = 4;  // every token: nothing would be the prompt
+  EXPECT_FALSE(parsePrefillSubmit(toJson(s)).ok());
   EXPECT_FALSE(parsePrefillSubmit(R"({"request_id":"a","token_ids":[],"sampling":{},"kv_descriptor":""})").ok());
 
   PrefillOutcome o{17, 4, 0.5, 12.25, 1.0};

@@ -283,7 +283,8 @@ TEST_P(DecodeLoopGolden, AFailedOpenHoldsNothing) {
     auto small_pool = KvPool::create(decode_engine_->config(), 8, 8, DType::F32);
     ASSERT_TRUE(small_pool.ok());
     DecodeLoop loop(*decode_engine_, *small_pool, DecodeEngineOptions{0, 8});
-    DecodeRequest big = request(1, 40, refused);  // 40 + 40 - 1 tokens > 8 blocks of 8
+    DecodeRequest big = request(1, 40, refused);
+    big.prompt_tokens = 8 * 8 + 1;  // the prompt alone is more than 8 blocks of 8
     big.kv_deadline = Clock::now() + kWait;
     auto opened = loop.openStream(std::move(big), decode_tx, compat, {}, 1000);
     ASSERT_FALSE(opened.ok());

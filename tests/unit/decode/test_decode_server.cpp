@@ -41,6 +41,7 @@ using test_support::goldenIds;
 constexpr auto kWait = 60s;
 constexpr std::uint64_t kModelHash = 0x0123456789abcdefULL;
 constexpr std::int64_t kBlocks = 16;
+constexpr std::int64_t kHeadroom = 2;   // blocks an admission leaves free
 constexpr std::int64_t kBlockSize = 8;  // 16 x 8 = 128 tokens: two golden requests (40 + 24 - 1 each)
 
 std::unique_ptr<model::Engine> makeEngine(const std::string& model) {
@@ -179,6 +180,7 @@ class DecodeServerTest : public ::testing::TestWithParam<std::tuple<std::string,
     o.decode.port = 0;
     o.decode.block_size = kBlockSize;
     o.decode.num_blocks = kBlocks;
+    o.decode.kv_headroom_blocks = kHeadroom;
     o.decode.kv_dtype = "f32";  // exact KV: the golden greedy margins are as small as 0.01
     o.decode.num_speculative_tokens = std::get<1>(GetParam());
     o.decode.threads = 1;
@@ -208,11 +210,12 @@ class DecodeServerTest : public ::testing::TestWithParam<std::tuple<std::string,
     prefill_tx_ = std::move(t).value();
   }
 
+  // `prompt_tokens` 0: the test prompt's length.
   std::string openBody(const std::string& id, std::int64_t max_tokens, std::int64_t attempts = 1,
-                       std::int64_t kv_timeout_ms = 60000) const {
+                       std::int64_t kv_timeout_ms = 60000, std::int64_t prompt_tokens = 0) const {
     api::DecodeOpen open;
     open.request_id = id;
-    open.prompt_tokens = static_cast<std::int64_t>(prompt_.size());
+    open.prompt_tokens = prompt_tokens > 0 ? prompt_tokens : static_cast<std::int64_t>(prompt_.size());
     open.max_tokens = max_tokens;
     open.ignore_eos = true;
     open.kv_timeout_ms = kv_timeout_ms;
@@ -343,15 +346,16 @@ TEST_P(DecodeServerTest, RefusalsComeAsErrorStatusesWithTheirCodes) {
   EXPECT_EQ(api::parseErrorJson(r.status, r.body).code, ErrorCode::InvalidArgument) << r.body;
   r = post(api::kDecodeOpenPath, R"({"request_id":"x","prompt_tokens":0,"max_tokens":4})");
   EXPECT_EQ(r.status, 400);
-  // Can never fit: 40 + 200 - 1 tokens need 30 blocks of a 16-block pool.
-  r = post(api::kDecodeOpenPath, openBody("cmpl-huge", 200));
+  // Can never fit: a 129-token prompt needs 17 blocks of a 16-block pool. (A long max_tokens is
+  // no reason to refuse: blocks come as tokens do.)
+  r = post(api::kDecodeOpenPath, openBody("cmpl-huge", 1, 1, 60000, kBlocks * kBlockSize + 1));
   EXPECT_EQ(r.status, 400);
   EXPECT_EQ(api::parseErrorJson(r.status, r.body).code, ErrorCode::ResourceExhausted) << r.body;
 
-  // Two requests fill the pool (8 blocks each); a third is Overloaded (retryable), and an id
-  // already held is refused.
+  // Two 40-token prompts take 5 blocks each; a third would leave fewer than the headroom's 2
+  // blocks free: Overloaded (retryable). An id already held is refused.
   StreamReader a(server_->port(), openBody("cmpl-a", 24));
-  StreamReader b(server_->port(), openBody("cmpl-b", 24));
+  StreamReader b(server_->port(), openBody("cmpl-b", 200));  // its whole reservation would not fit
   ASSERT_TRUE(a.event(0).has_value());
   ASSERT_TRUE(b.event(0).has_value());
   EXPECT_EQ(status().free_blocks, kBlocks - 2 * 5);  // 40-token prompts: 5 blocks allocated each
@@ -412,11 +416,15 @@ TEST_P(DecodeServerTest, ReadyFollowsWhetherAMinimalRequestFits) {
   };
   EXPECT_EQ(get("/ready").status, 200);
 
-  // 40 + 24 - 1 tokens reserve 8 blocks, 40 + 16 - 1 reserve 7: one block of 16 is left.
+  // Two 40-token prompts take 5 blocks each and a 24-token one 3: 3 are free, 1 beyond the
+  // headroom.
   StreamReader a(server_->port(), openBody("cmpl-a", 24));
   StreamReader b(server_->port(), openBody("cmpl-b", 16));
+  StreamReader c(server_->port(), openBody("cmpl-c", 16, 1, 60000, 24));
   ASSERT_TRUE(a.event(0).has_value());
   ASSERT_TRUE(b.event(0).has_value());
+  ASSERT_TRUE(c.event(0).has_value());
+  EXPECT_EQ(status().free_blocks, kHeadroom + 1);
   EXPECT_EQ(get("/ready").status, 200) << "one available block admits a minimal request";
   EXPECT_TRUE(status().ready);
 
@@ -442,11 +450,11 @@ TEST_P(DecodeServerTest, ReadyFollowsWhetherAMinimalRequestFits) {
   EXPECT_EQ(again.status, 200) << again.body;
   EXPECT_EQ(again.body, "ready");
   EXPECT_TRUE(status().ready);
-  for (const char* id : {"cmpl-a", "cmpl-b"}) {
+  for (const char* id : {"cmpl-a", "cmpl-b", "cmpl-c"}) {
     r = post(api::kDecodeAbortPath, std::string(R"({"request_id":")") + id + "\"}");
     EXPECT_EQ(r.body, R"({"found":true})");
   }
-  for (StreamReader* s : {&a, &b}) EXPECT_EQ(collect(s->all()).last.code, ErrorCode::Cancelled);
+  for (StreamReader* s : {&a, &b, &c}) EXPECT_EQ(collect(s->all()).last.code, ErrorCode::Cancelled);
   EXPECT_EQ(get("/ready").status, 200);
 }
 

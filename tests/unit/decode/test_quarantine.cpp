@@ -126,13 +126,13 @@ TEST_F(QuarantineEngine, AnAbortWhileAwaitingKvHoldsTheBlocksUntilTheTransfersRe
   Stream s1;
   int stops = 0;
   int ends = 0;
-  DecodeRequest r = request(1, 10, 6, s1, t0 + 1h);  // reserves 4 blocks of 4, allocates 3
+  DecodeRequest r = request(1, 10, 6, s1, t0 + 1h);  // 3 blocks of 4 for the prompt
   r.stop_kv_wait = [&stops] { ++stops; };
   r.end_kv_attempts = [&ends] { ++ends; };
   auto b1 = dec.admit(std::move(r));
   ASSERT_TRUE(b1.ok());
   ASSERT_EQ(b1->size(), 3U);
-  EXPECT_EQ(dec.blocks().availableBlocks(), 12);
+  EXPECT_EQ(dec.blocks().availableBlocks(), 13);
 
   EXPECT_TRUE(dec.abort(1));
   EXPECT_EQ(s1.finish(), FinishReason::Aborted);  // the stream ends at once
@@ -143,7 +143,7 @@ TEST_F(QuarantineEngine, AnAbortWhileAwaitingKvHoldsTheBlocksUntilTheTransfersRe
   EXPECT_EQ(ends, 1);
   EXPECT_EQ(dec.blocks().quarantinedBlocks(), 3);
   EXPECT_EQ(dec.blocks().freeBlocks(), 13);
-  EXPECT_EQ(dec.blocks().availableBlocks(), 13);  // the unallocated reservation came back
+  EXPECT_EQ(dec.blocks().availableBlocks(), 13);  // quarantined blocks are not available
   EXPECT_FALSE(dec.blocks().isFullyFree());
   EXPECT_EQ(dec.nextKvDeadline(), t0 + 1h);
   DecodeMetrics::Snapshot m = metrics_.snapshot();

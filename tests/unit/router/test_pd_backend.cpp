@@ -89,6 +89,10 @@ class RecordingSink final : public TokenSink {
     std::lock_guard lock(mu_);
     return text_;
   }
+  bool ended() {
+    std::lock_guard lock(mu_);
+    return ended_;
+  }
   std::vector<TokenId> ids() {
     std::lock_guard lock(mu_);
     return ids_;
@@ -164,6 +168,9 @@ class PdBackendTest : public ::testing::Test {
 
   double retries(const std::string& leg) {
     return metrics.counter("pdserve_router_retries_total", "", {"leg"}).labels({leg}).value();
+  }
+  double resumes(const std::string& cause) {
+    return metrics.counter("pdserve_router_resumes_total", "", {"cause"}).labels({cause}).value();
   }
 
   void TearDown() override {
@@ -337,6 +344,45 @@ TEST_F(PdBackendTest, DecodeRefusalIsRetriedOnAnotherDecodeWorker) {
   EXPECT_EQ(retries("decode"), 1.0);
 }
 
+// Every decode worker is full: the generation waits (backing off) until one has room, within its
+// deadline, instead of failing.
+TEST_F(PdBackendTest, FullDecodeWorkersAreWaitedForUntilOneHasRoom) {
+  DecodeScript refuse;
+  refuse.refuse = ErrorCode::Overloaded;
+  d1.setScript(refuse);
+  d2.setScript(refuse);
+  startBackend();
+  auto sink = std::make_shared<RecordingSink>();
+  ASSERT_TRUE(backend->start(request(), sink).ok());
+  ASSERT_TRUE(waitFor([&] { return d1.opens().size() + d2.opens().size() >= 4; }));  // retried, then waiting
+  EXPECT_FALSE(sink->ended());
+  DecodeScript ok;
+  ok.tokens = {{kHello}};
+  d1.setScript(ok);
+  d2.setScript(ok);
+  ASSERT_TRUE(sink->waitEnd());
+  ASSERT_FALSE(sink->error()) << sink->error()->toString();
+  EXPECT_EQ(sink->text(), "Hello");
+  EXPECT_EQ(retries("decode"), 1.0);  // one retry elsewhere; the waits are not retries
+}
+
+TEST_F(PdBackendTest, AbortEndsAWaitForRoom) {
+  DecodeScript refuse;
+  refuse.refuse = ErrorCode::Overloaded;
+  d1.setScript(refuse);
+  d2.setScript(refuse);
+  startBackend();
+  auto sink = std::make_shared<RecordingSink>();
+  auto control = backend->start(request(), sink);
+  ASSERT_TRUE(control.ok());
+  ASSERT_TRUE(waitFor([&] { return d1.opens().size() + d2.opens().size() >= 3; }));
+  control.value()->abort();
+  ASSERT_TRUE(sink->waitEnd());
+  ASSERT_TRUE(sink->error());
+  EXPECT_EQ(sink->error()->code, ErrorCode::Cancelled);
+  EXPECT_TRUE(waitFor([&] { return backend->running() == 0; }));
+}
+
 TEST_F(PdBackendTest, RequestThatCanNeverFitIsNotRetried) {
   DecodeScript refuse;
   refuse.refuse = ErrorCode::ResourceExhausted;
@@ -351,9 +397,7 @@ TEST_F(PdBackendTest, RequestThatCanNeverFitIsNotRetried) {
   // Clients see this message (400): it must not name internal addresses.
   EXPECT_EQ(sink->error()->message.find("127.0.0.1"), std::string::npos) << sink->error()->message;
   // Nor the worker's transfer id or pool size: a clean public message instead.
-  EXPECT_EQ(sink->error()->message,
-            "the prompt plus max_tokens needs more KV cache than a decode worker has; shorten the prompt or lower "
-            "max_tokens");
+  EXPECT_EQ(sink->error()->message, "the prompt needs more KV cache than a decode worker has; shorten the prompt");
   EXPECT_TRUE(d2.opens().empty());
   EXPECT_EQ(retries("decode"), 0.0);
 }
@@ -375,12 +419,14 @@ TEST_F(PdBackendTest, DecodeCutBeforeAnyTokenIsRetriedElsewhere) {
   EXPECT_EQ(retries("decode"), 1.0);
 }
 
-TEST_F(PdBackendTest, DecodeCutAfterATokenEndsWithAnError) {
+TEST_F(PdBackendTest, DecodeCutAfterATokenEndsWithAnErrorWithoutResumes) {
   DecodeScript cut;
   cut.tokens = {{kHello}, {kComma}, {kWorld}};
   cut.cut_after = 1;
   d1.setScript(cut);
-  startBackend();
+  PdBackendOptions o;
+  o.max_resumes = 0;
+  startBackend(o);
   auto sink = std::make_shared<RecordingSink>();
   ASSERT_TRUE(backend->start(request(), sink).ok());
   ASSERT_TRUE(sink->waitEnd());
@@ -389,6 +435,112 @@ TEST_F(PdBackendTest, DecodeCutAfterATokenEndsWithAnError) {
   EXPECT_EQ(sink->error()->code, ErrorCode::PeerFailed) << sink->error()->toString();
   EXPECT_TRUE(d2.opens().empty());  // a token reached the client: no retry
   EXPECT_EQ(retries("decode"), 0.0);
+}
+
+// Resume (docs/kv-memory.md): the leg that lost its decode worker after a token reached the client
+// continues on the other one. That token is the new leg's forced first token (the prompt alone is
+// prefilled), which the new leg streams again and the router drops: the client's text has every
+// token once.
+TEST_F(PdBackendTest, DecodeCutAfterATokenIsResumedOnTheOtherWorker) {
+  DecodeScript cut;
+  cut.tokens = {{kHello}, {kComma}, {kWorld}};
+  cut.cut_after = 1;
+  d1.setScript(cut);
+  DecodeScript rest;
+  rest.tokens = {{kHello}, {kComma}, {kWorld, kBang}};
+  d2.setScript(rest);
+  startBackend();
+  auto sink = std::make_shared<RecordingSink>();
+  ASSERT_TRUE(backend->start(request(), sink).ok());
+  ASSERT_TRUE(sink->waitEnd());
+  ASSERT_FALSE(sink->error()) << sink->error()->toString();
+  EXPECT_EQ(sink->text(), "Hello, world!");
+  EXPECT_EQ(sink->ids(), (std::vector<TokenId>{kHello, kComma, kWorld, kBang}));
+  ASSERT_EQ(d2.opens().size(), 1U);
+  const worker_api::DecodeOpen open = d2.opens()[0];
+  EXPECT_EQ(open.request_id, "cmpl-t1-resume1");
+  EXPECT_EQ(open.prompt_tokens, 2);
+  EXPECT_EQ(open.max_tokens, 16);
+  EXPECT_TRUE(open.resumed_token_ids.empty());
+  std::vector<worker_api::PrefillSubmit> submits = p1.submits();
+  for (const auto& s : p2.submits()) submits.push_back(s);
+  ASSERT_EQ(submits.size(), 2U);
+  const auto& resumed = submits[0].request_id == "cmpl-t1-resume1" ? submits[0] : submits[1];
+  EXPECT_EQ(resumed.request_id, "cmpl-t1-resume1");
+  EXPECT_EQ(resumed.token_ids, (std::vector<TokenId>{0, kHello}));
+  EXPECT_EQ(resumed.resumed_tokens, 0);
+  EXPECT_EQ(resumed.forced_first_token, kHello);
+  EXPECT_EQ(resumes("worker_lost"), 1.0);
+  EXPECT_EQ(retries("decode"), 0.0);
+}
+
+// Preemption is flow control, not a failure: resumed even with no failure resumes allowed, and
+// the next leg keeps the generation's arrival (so the worker does not pick it first again).
+TEST_F(PdBackendTest, APreemptedRequestIsResumedOutsideTheFailureBudget) {
+  DecodeScript preempt;
+  preempt.tokens = {{kHello}, {kComma}, {kWorld}};
+  preempt.preempt_after = 2;
+  d1.setScript(preempt);
+  DecodeScript rest;
+  rest.tokens = {{kComma, kWorld}};  // the forced first token, then the next
+  rest.finish_reason = FinishReason::Stop;
+  d2.setScript(rest);
+  PdBackendOptions o;
+  o.max_resumes = 0;
+  startBackend(o);
+  auto sink = std::make_shared<RecordingSink>();
+  ASSERT_TRUE(backend->start(request(), sink).ok());
+  ASSERT_TRUE(sink->waitEnd());
+  ASSERT_FALSE(sink->error()) << sink->error()->toString();
+  EXPECT_EQ(sink->text(), "Hello, world");
+  EXPECT_EQ(sink->reason(), FinishReason::Stop);
+  ASSERT_EQ(d2.opens().size(), 1U);
+  EXPECT_EQ(d2.opens()[0].resumed_token_ids, (std::vector<TokenId>{kHello}));
+  EXPECT_EQ(d2.opens()[0].prompt_tokens, 3);
+  EXPECT_EQ(d2.opens()[0].max_tokens, 15);
+  ASSERT_EQ(d1.opens().size(), 1U);
+  EXPECT_GT(d1.opens()[0].arrival_us, 0);
+  EXPECT_EQ(d2.opens()[0].arrival_us, d1.opens()[0].arrival_us);
+  EXPECT_EQ(resumes("preempted"), 1.0);
+  EXPECT_EQ(resumes("worker_lost"), 0.0);
+  EXPECT_TRUE(d1.aborts().empty()) << "a preempted request holds nothing to abort";
+}
+
+// Each worker loses the stream after one token: two resumes, then the error as without resume.
+TEST_F(PdBackendTest, ResumesStopAtMaxResumes) {
+  DecodeScript cut;
+  cut.tokens = {{kHello}, {kComma}};
+  cut.cut_after = 1;
+  d1.setScript(cut);
+  d2.setScript(cut);
+  startBackend();
+  auto sink = std::make_shared<RecordingSink>();
+  ASSERT_TRUE(backend->start(request(), sink).ok());
+  ASSERT_TRUE(sink->waitEnd());
+  ASSERT_TRUE(sink->error());
+  EXPECT_EQ(sink->error()->code, ErrorCode::PeerFailed) << sink->error()->toString();
+  EXPECT_EQ(sink->ids(), (std::vector<TokenId>{kHello}));  // each resumed leg only repeats it
+  EXPECT_EQ(d1.opens().size() + d2.opens().size(), 3U);
+  EXPECT_EQ(resumes("worker_lost"), 2.0);
+}
+
+// A resumed leg that does not start with the token the client has is broken: no more resumes.
+TEST_F(PdBackendTest, AResumedLegThatStartsWithAnotherTokenFails) {
+  DecodeScript cut;
+  cut.tokens = {{kHello}, {kComma}};
+  cut.cut_after = 1;
+  d1.setScript(cut);
+  DecodeScript wrong;
+  wrong.tokens = {{kWorld}, {kBang}};
+  d2.setScript(wrong);
+  startBackend();
+  auto sink = std::make_shared<RecordingSink>();
+  ASSERT_TRUE(backend->start(request(), sink).ok());
+  ASSERT_TRUE(sink->waitEnd());
+  ASSERT_TRUE(sink->error());
+  EXPECT_EQ(sink->error()->code, ErrorCode::Corrupt) << sink->error()->toString();
+  EXPECT_EQ(sink->ids(), (std::vector<TokenId>{kHello}));
+  EXPECT_EQ(resumes("worker_lost"), 1.0);
 }
 
 TEST_F(PdBackendTest, AbortReachesBothWorkersAndEndsWithCancelled) {
@@ -439,6 +591,7 @@ TEST_F(PdBackendTest, StalledDecodeStreamTimesOut) {
   d1.setScript(stall);
   PdBackendOptions o;
   o.stream_stall_timeout = 200ms;
+  o.max_resumes = 0;
   startBackend(o);
   auto sink = std::make_shared<RecordingSink>();
   const auto t0 = std::chrono::steady_clock::now();

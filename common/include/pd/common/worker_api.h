@@ -51,12 +51,21 @@ struct DecodeOpen {
   /// W3C traceparent of the caller's span (docs/observability.md); optional. Carried as text: the
   /// worker parses it strictly and starts a new trace when it is malformed.
   std::string traceparent;
+  /// A resumed generation (docs/kv-memory.md, "Resume"): the tokens it produced before this leg,
+  /// which are the last resumed_token_ids.size() of the prompt_tokens (fewer than them). The
+  /// sampler resumes after them. Optional (empty when absent).
+  std::vector<pd::TokenId> resumed_token_ids;
+  /// When the generation arrived at the router (µs since the Unix epoch); the same on every leg
+  /// of it. A decode worker preempts the latest arrival first. Optional (0: the open's arrival).
+  std::int64_t arrival_us = 0;
 };
 
-enum class DecodeEventType { Descriptor, Tokens, Finish, Error };
+enum class DecodeEventType { Descriptor, Tokens, Finish, Error, Preempted };
 
 /// One line of the decode stream. The first is Descriptor; then Tokens events; the last is
-/// Finish or Error (exactly one of them). A stream that ends without either was cut.
+/// Finish, Error or Preempted (exactly one of them). A stream that ends without one was cut.
+/// Preempted: the worker's KV pool ran dry and it gave this request's blocks up; the router
+/// resumes the generation (prompt + the tokens streamed so far) on a worker with room.
 struct DecodeEvent {
   DecodeEventType type = DecodeEventType::Tokens;
   // Descriptor
@@ -71,7 +80,7 @@ struct DecodeEvent {
   pd::FinishReason finish_reason = pd::FinishReason::Stop;  ///< Stop or Length
   std::int64_t prompt_tokens = 0;
   std::int64_t completion_tokens = 0;
-  // Error
+  // Error (and Preempted: message, completion_tokens)
   ErrorCode code = ErrorCode::Internal;
   std::string message;
 };
@@ -93,6 +102,14 @@ struct PrefillSubmit {
   std::int64_t timeout_ms = 60000;
   /// W3C traceparent of the caller's span; optional (see DecodeOpen::traceparent).
   std::string traceparent;
+  /// A resumed generation: the last resumed_tokens of token_ids were produced by it, not given
+  /// (fewer than token_ids.size()); the first token is sampled as its (resumed_tokens + 1)-th.
+  /// Optional (0 when absent).
+  std::int64_t resumed_tokens = 0;
+  /// A resumed generation whose next token is already known (it reached the client): the worker
+  /// sends it as the first token instead of sampling one, so that the token after it is sampled
+  /// by the decode worker from the decode path's logits (docs/kv-memory.md). Optional (-1: none).
+  std::int64_t forced_first_token = -1;
 };
 
 struct PrefillOutcome {

@@ -15,6 +15,10 @@ struct DecodeConfig {
   std::int64_t block_size = 64;
   std::int64_t num_blocks = 1024;
   std::int64_t max_running_requests = 64;
+  /// Blocks an admission leaves free (docs/kv-memory.md): a request is admitted on its prompt's
+  /// blocks only if this many stay free after it, room for the running requests to grow before
+  /// one must be preempted. Clamped below num_blocks.
+  std::int64_t kv_headroom_blocks = 2;
   std::int64_t num_speculative_tokens = 1;
   std::int64_t tensor_parallel = 1;
   /// Machines (pods) the group spans: each runs tensor_parallel / nnodes ranks (docs/tensor-parallel.md,

@@ -2,8 +2,9 @@
 /// The decode worker's scheduler and step loop body (DESIGN §3 steps 2 and 4).
 ///
 /// A request's life here:
-///  1. admit(): blocks for the prompt are allocated and the worst case reserved
-///     (kv_block_manager.h); the answer is the block ids the prefill worker writes into.
+///  1. admit(): blocks for the prompt are allocated, provided the admission headroom stays free
+///     (kv_block_manager.h); the answer is the block ids the prefill worker writes into. Later
+///     blocks are taken one at a time as the request's tokens (and MTP drafts) are written.
 ///  2. Waiting for KV: onKvReady() delivers the completion record (first token + the prompt's
 ///     last hidden state, the MTP input) or the failure; a request still waiting at its
 ///     kv_deadline ends with Timeout at the next step().
@@ -19,8 +20,25 @@
 ///     seed; this side replays that one draw, so a seeded request samples the same tokens as
 ///     single-process generation (model::generate).
 ///  4. It ends on max_tokens, EOS (unless ignore_eos), a stop token id, abort(), a KV failure
-///     or deadline, or an engine error; the sink gets exactly one event with `finish` set, and
-///     every block of the request is released before that event is delivered.
+///     or deadline, preemption, or an engine error; the sink gets exactly one event with `finish`
+///     set, and every block of the request is released (or quarantined) before that event is
+///     delivered.
+///
+/// Preemption (docs/kv-memory.md): when a step cannot get the block a sequence needs next (it
+/// first gives up that step's MTP drafts), the engine preempts the request admitted latest —
+/// whatever its state, the sequence itself included — and tries again, until the block is there
+/// or the sequence itself was the one preempted. "Latest" orders by DecodeRequest::arrival_us (a
+/// resumed generation keeps its first arrival, so it is not the first victim again), then by
+/// admission here. Sequences are grown oldest admission first, so
+/// a victim is never one already grown for this step. A preempted request ends with finish
+/// Aborted, `preempted` set and error Overloaded; its blocks are freed at once, except those of a
+/// request still waiting for its KV on the rma data path, which are quarantined like an abort's
+/// ("Late writes"). The router resumes it elsewhere or here (prompt + the tokens it produced).
+///
+/// Resume: a request whose `resumed_tokens` is not empty continues a generation that produced
+/// those tokens elsewhere (they are the tail of its prompt); its sampler resumes after them
+/// (model::Sampler::resumeAfter), so greedy and seeded sampling give the tokens the
+/// uninterrupted generation would have given.
 ///
 /// Late writes (docs/kv-transfer.md, "Data paths"): with the `am` data path the transport drops
 /// bytes of a request it no longer expects, so an ended request's blocks are reused at once. With
@@ -86,6 +104,9 @@ struct TokenEvent {
   std::optional<Error> error;               ///< with finish == Error (or Aborted: Cancelled)
   std::int64_t prompt_tokens = 0;           ///< usage
   std::int64_t completion_tokens = 0;       ///< usage: tokens streamed so far, these included
+  /// On the last event: the request was preempted (finish Aborted, error Overloaded); the KV
+  /// pool ran dry and this request gave its blocks up to be resumed.
+  bool preempted = false;
 };
 
 /// Called on the engine thread; must not block.
@@ -96,6 +117,13 @@ struct DecodeRequest {
   std::int64_t prompt_tokens = 0;
   std::int64_t max_tokens = 16;  ///< the first token (from prefill) counts
   pd::SamplingParams sampling;
+  /// A resumed generation: the tokens it produced before this leg, which are the last
+  /// resumed_tokens.size() (< prompt_tokens) tokens of the prompt. The sampler resumes after
+  /// them (penalties and RNG position). Empty for a fresh request.
+  std::vector<pd::TokenId> resumed_tokens;
+  /// When the generation arrived (µs since the Unix epoch, the router's clock): preemption takes
+  /// the latest arrival first. 0: now (the admission).
+  std::int64_t arrival_us = 0;
   std::vector<pd::TokenId> stop_token_ids;
   bool ignore_eos = false;
   bool logprobs = false;  ///< fill each token's logprob (and sampling.top_logprobs alternatives)
@@ -124,6 +152,9 @@ struct DecodeEngineOptions {
   /// Hold the blocks of a request aborted while its KV is awaited until its transfer is over
   /// (header comment, "Late writes"). For the rma data path; off keeps the am behaviour.
   bool quarantine_late_writes = false;
+  /// Blocks an admission must leave free (KvBlockManager's headroom; clamped below the pool's
+  /// size). Last, so that positional initializers of the fields above keep working.
+  std::int64_t kv_headroom_blocks = 0;
 };
 
 /// The engine options a worker's typed config implies.
@@ -137,6 +168,7 @@ struct DecodeStats {
   std::int64_t drafts_accepted = 0;
   std::int64_t prefill_retries = 0;  ///< prefill failures absorbed (noteKvRetry)
   std::int64_t quarantined = 0;      ///< requests whose blocks were quarantined (late-write guard)
+  std::int64_t preemptions = 0;      ///< requests preempted because a step could not get a block
 };
 
 class DecodeEngine {
@@ -155,7 +187,8 @@ class DecodeEngine {
 
   /// Admits a request and returns the block ids that will hold its prompt's KV.
   /// InvalidArgument (bad sizes, sampling params, duplicate id, no sink, beyond
-  /// max_position_embeddings), ResourceExhausted (can never fit), Overloaded (pool full now),
+  /// max_position_embeddings, resumed_tokens not shorter than the prompt), ResourceExhausted (the
+  /// prompt alone is larger than the pool), Overloaded (not enough free blocks now),
   /// Unsupported (speculation configured on a checkpoint without MTP). Nothing is held on error.
   [[nodiscard]] Result<std::vector<std::int32_t>> admit(DecodeRequest request);
 
@@ -202,7 +235,13 @@ class DecodeEngine {
   void startRunning(Sequence& seq, kvtransfer::CompletionRecord record);
   // Streams `tokens` and, if a stop condition holds, ends the request. True if it ended.
   bool emit(Sequence& seq, std::vector<model::SampledToken> tokens);
-  void finish(std::uint64_t request_id, FinishReason reason, std::optional<Error> error, RequestOutcome outcome);
+  void finish(std::uint64_t request_id, FinishReason reason, std::optional<Error> error, RequestOutcome outcome,
+              bool preempted = false);
+  // Ends the request admitted latest (header comment, "Preemption"); returns its id.
+  std::uint64_t preemptLatest();
+  // Grows `seq`'s blocks to cover `tokens` positions, preempting as needed. False when `seq`
+  // itself was preempted (it is destroyed then).
+  bool growOrPreempt(Sequence& seq, std::int64_t tokens);
   // One step over the running batch: plan the drafts and grow the blocks, draft (drafter_),
   // verify (verifier_), then stream what each sequence emitted.
   void runBatch(std::span<Sequence* const> batch);
@@ -220,6 +259,7 @@ class DecodeEngine {
   std::deque<std::uint64_t> ready_;                            // KV arrived, waiting for a batch slot (FIFO)
   std::vector<std::uint64_t> running_;                         // in the batch, in join order
   std::unordered_map<std::uint64_t, Quarantined> quarantine_;  // ended, blocks held (late writes)
+  std::uint64_t admissions_ = 0;                               // admission order of the sequences
   DecodeStats stats_;
 };
 

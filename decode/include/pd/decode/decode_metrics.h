@@ -18,16 +18,17 @@ namespace pd::decode {
 
 /// How a request that was admitted ended (label `outcome` of pdserve_decode_requests_total).
 enum class RequestOutcome {
-  Stop,      ///< EOS or a stop token id
-  Length,    ///< max_tokens
-  Aborted,   ///< the client went away or the router cancelled
-  Timeout,   ///< the KV did not arrive before the deadline
-  KvFailed,  ///< the prefill side failed (every attempt) or its record did not match
-  Error,     ///< the decode step failed
+  Stop,       ///< EOS or a stop token id
+  Length,     ///< max_tokens
+  Aborted,    ///< the client went away or the router cancelled
+  Timeout,    ///< the KV did not arrive before the deadline
+  KvFailed,   ///< the prefill side failed (every attempt) or its record did not match
+  Error,      ///< the decode step failed
+  Preempted,  ///< the pool ran dry and this request gave its blocks up (the router resumes it)
 };
-inline constexpr std::size_t kRequestOutcomeCount = 6;
+inline constexpr std::size_t kRequestOutcomeCount = 7;
 
-/// "stop", "length", "aborted", "timeout", "kv_failed", "error".
+/// "stop", "length", "aborted", "timeout", "kv_failed", "error", "preempted".
 [[nodiscard]] const char* requestOutcomeName(RequestOutcome outcome);
 
 class DecodeMetrics {
@@ -42,8 +43,11 @@ class DecodeMetrics {
   void stepDone(double seconds, std::int64_t tokens, std::int64_t drafts_proposed, std::int64_t drafts_accepted);
   /// A prefill failure absorbed because attempts remained.
   void prefillRetried();
+  /// A request preempted because a step could not get a block (pdserve_decode_preemptions_total).
+  void preempted();
 
-  /// Pool blocks: free (on the free list), available to a new admission, total, and
+  /// Pool blocks: free (on the free list; in use = total - free), available to a new admission
+  /// (free minus the admission headroom), total, and
   /// quarantined (held after an rma request ended while its KV could still be written;
   /// neither free nor available).
   void setBlocks(std::int64_t free, std::int64_t available, std::int64_t total, std::int64_t quarantined = 0);
@@ -54,7 +58,7 @@ class DecodeMetrics {
   /// The gauges as last set (what /v1/internal/status reports).
   struct Snapshot {
     std::int64_t free_blocks = 0;
-    std::int64_t available_blocks = 0;  ///< what a new admission may take (free minus reserved growth)
+    std::int64_t available_blocks = 0;  ///< what a new admission may take (free minus the headroom)
     std::int64_t total_blocks = 0;
     std::int64_t quarantined_blocks = 0;
     std::int64_t waiting_kv = 0;
@@ -63,6 +67,7 @@ class DecodeMetrics {
     std::int64_t running = 0;
     std::int64_t drafts_proposed = 0;  ///< since start
     std::int64_t drafts_accepted = 0;  ///< since start
+    std::int64_t preemptions = 0;      ///< since start
   };
   [[nodiscard]] Snapshot snapshot() const;
 
@@ -75,8 +80,10 @@ class DecodeMetrics {
   metrics::Counter* drafts_proposed_ = nullptr;
   metrics::Counter* drafts_accepted_ = nullptr;
   metrics::Counter* retries_ = nullptr;
+  metrics::Counter* preemptions_ = nullptr;
   metrics::Histogram* step_seconds_ = nullptr;
   metrics::Gauge* blocks_free_ = nullptr;
+  metrics::Gauge* blocks_used_ = nullptr;
   metrics::Gauge* blocks_available_ = nullptr;
   metrics::Gauge* blocks_total_ = nullptr;
   metrics::Gauge* blocks_quarantined_ = nullptr;

@@ -9,8 +9,8 @@
 ///
 /// Readiness: /ready answers 503 with the reason (and the status says ready false) while the
 /// worker drains, once its tensor-parallel group is broken, and while its pool cannot admit a
-/// minimal request (1 prompt token, max_tokens 1: one block available to admission, i.e. free
-/// minus the growth reserved by admitted requests). It is 200 again as soon as a block is.
+/// minimal request (1 prompt token: one block available to admission, i.e. free minus the
+/// admission headroom, decode.kv_headroom_blocks). It is 200 again as soon as a block is.
 ///
 /// A stream's lifetime is its request's: a client that goes away aborts the request (its blocks
 /// are freed), and the request's end ends the stream. The router's string id maps to a fresh

@@ -44,6 +44,12 @@ class Sampler {
   /// the penalties, without sampling.
   void observe(std::int32_t token);
 
+  /// Puts a fresh sampler where one that had produced `produced` would be: each is observed for
+  /// the penalties and, when temperature > 0, consumes its one draw. The RNG's n-th draw depends
+  /// only on the seed and n (splitmix64), so a generation resumed elsewhere after n tokens
+  /// (docs/kv-memory.md, "Resume") samples what the uninterrupted one would have.
+  void resumeAfter(std::span<const std::int32_t> produced);
+
   [[nodiscard]] const SamplingParams& params() const { return params_; }
 
  private:

@@ -49,6 +49,12 @@ struct PrefillRequest {
   std::uint64_t id = 0;
   std::vector<std::int32_t> tokens;  ///< the prompt; at least one token
   pd::SamplingParams sampling;
+  /// A resumed generation: its last resumed_tokens tokens were produced by it (fewer than
+  /// tokens.size()); the sampler resumes after them (model::Sampler::resumeAfter).
+  std::int64_t resumed_tokens = 0;
+  /// A resumed generation's next token, already known: sent as the first token instead of the
+  /// sampled one (within the vocabulary). -1: sample it.
+  std::int32_t forced_first_token = -1;
   bool logprobs = false;  ///< fill first_logprob (and top_logprobs per sampling)
   Clock::time_point deadline = Clock::time_point::max();
   std::unique_ptr<KvSink> sink;  ///< where the KV and the outcome go; required

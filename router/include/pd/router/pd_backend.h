@@ -22,8 +22,19 @@
 ///   - D refuses (503 Overloaded, or any error other than a request that can never fit) or the
 ///     decode leg fails before a token reached the client: the whole request is retried on
 ///     another D, up to `decode_retries` (the retry's worker request id gets a "-retry<n>" suffix);
-///   - the decode leg fails after a token reached the client: onError.
-/// Retries are counted on pdserve_router_retries_total{leg="prefill"|"decode"}.
+///   - the decode leg ends without a finish after a token reached the client, or D preempts the
+///     request (its KV pool ran dry), dies, drains or stalls: the generation is **resumed**
+///     (docs/kv-memory.md, "Resume"; src/generation_resume.h): the prompt plus the tokens relayed
+///     so far are re-prefilled into a decode worker with room (preferably another), the worker
+///     request id gets a "-resume<n>" suffix, and the client's stream goes on without a token
+///     repeated or missing; after failures at most `max_resumes` times, then onError with the
+///     leg's error (after preemptions until the deadline: they are flow control, not failures);
+///   - every decode worker refuses as Overloaded (full, or draining) once `decode_retries` are
+///     spent: the generation waits for room, retrying with a backoff (20 ms doubling to 500 ms)
+///     until its deadline;
+///   - any other decode leg failure after a token reached the client: onError.
+/// Retries are counted on pdserve_router_retries_total{leg="prefill"|"decode"}, resumes on
+/// pdserve_router_resumes_total{cause}.
 ///
 /// Deadlines: the request's deadline caps every wait; D's descriptor must come within
 /// `decode_open_timeout`, the first token within `kv_timeout` + `stream_stall_timeout`, and
@@ -61,6 +72,8 @@ struct PdBackendOptions {
   std::string prefill_policy = "least_queued_tokens";  ///< or "round_robin"
   std::int64_t prefill_retries = 1;
   std::int64_t decode_retries = 1;
+  /// Resumes of a generation whose decode leg ended without a finish (generation_resume.h).
+  std::int64_t max_resumes = 2;
   std::chrono::milliseconds decode_open_timeout{10000};
   std::chrono::milliseconds kv_timeout{60000};  ///< DecodeOpen.kv_timeout_ms (every prefill attempt)
   std::chrono::milliseconds prefill_timeout{60000};

@@ -43,6 +43,7 @@ struct RouterConfig {
   std::string prefill_policy = "least_queued_tokens";
   std::int64_t prefill_retries = 1;
   std::int64_t decode_retries = 1;
+  std::int64_t max_resumes = 2;
   std::int64_t decode_open_timeout_ms = 10000;
   std::int64_t kv_timeout_ms = 60000;
   std::int64_t prefill_timeout_ms = 60000;
