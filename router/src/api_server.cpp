@@ -274,6 +274,8 @@ class RequestState final : public TokenSink, public std::enable_shared_from_this
       std::string tail = sanitizer_.push(finish.text);
       tail += sanitizer_.finish();
       const Usage usage{static_cast<std::int64_t>(prompt_ids_.size()), completion_tokens_, end.cached_prompt_tokens};
+      // Booked before the answer is written: a client that has the answer sees it in /metrics.
+      cancel = finishLocked(200);
       if (stream_) {
         beginStreamLocked();
         if (!tail.empty()) exchange_.write(deltaChunk(shape_, tail, {}, {}, cursor_, promptIdsForChunk()));
@@ -288,7 +290,6 @@ class RequestState final : public TokenSink, public std::enable_shared_from_this
         r.headers.push_back({"X-Request-Id", shape_.id});
         exchange_.respond(std::move(r));
       }
-      cancel = finishLocked(200);
     }
     cancelDeadline(cancel);
   }
@@ -387,7 +388,8 @@ class RequestState final : public TokenSink, public std::enable_shared_from_this
 
   std::optional<DeadlineScheduler::Id> failLocked(const ApiError& api) {
     error_code_ = api.code;
-    settleLeaseLocked();
+    // Booked before the answer is written: a client that has the answer sees it in /metrics.
+    const auto cancel = finishLocked(api.status);
     if (stream_started_) {
       // Headers are gone already: end the stream with an error event, as OpenAI does.
       exchange_.write(sseData(errorJson(api)));
@@ -396,7 +398,7 @@ class RequestState final : public TokenSink, public std::enable_shared_from_this
     } else {
       exchange_.respond(fe_->errorResponse(api, shape_.id));
     }
-    return finishLocked(api.status);
+    return cancel;
   }
 
   /// Books the outcome once; returns the deadline to cancel after unlocking.
