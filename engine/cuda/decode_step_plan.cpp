@@ -101,4 +101,78 @@ Result<DecodeStepPlan> planDecodeStep(const ModelConfig& config, const DecodeCac
   return plan;
 }
 
+BatchedGemm linearGemm(std::int64_t rows, std::int64_t cols, std::int64_t tokens, std::int64_t x_stride,
+                       std::int64_t y_stride) {
+  // W row-major [rows, cols] is W^T column-major with ld = cols; x is [cols, tokens] column-major.
+  BatchedGemm g;
+  g.trans_a = true;
+  g.m = rows;
+  g.n = tokens;
+  g.k = cols;
+  g.lda = cols;
+  g.ldb = x_stride;
+  g.ldc = y_stride;
+  return g;
+}
+
+BatchedGemm absorbQueryGemm(const ModelConfig& c, std::int64_t tokens) {
+  const std::int64_t r = c.kv_lora_rank;
+  const std::int64_t dn = c.qk_nope_head_dim;
+  const std::int64_t heads = c.num_attention_heads;
+  // W_UK_h row-major [dn, r] is column-major [r, dn] with ld r; C_h column-major [r, tokens].
+  BatchedGemm g;
+  g.m = r;
+  g.n = tokens;
+  g.k = dn;
+  g.lda = r;
+  g.stride_a = (dn + c.v_head_dim) * r;
+  g.ldb = heads * c.qkHeadDim();
+  g.stride_b = c.qkHeadDim();
+  g.ldc = heads * c.latentDim();
+  g.stride_c = c.latentDim();
+  g.batch = heads;
+  return g;
+}
+
+BatchedGemm valueUpGemm(const ModelConfig& c, std::int64_t tokens) {
+  const std::int64_t r = c.kv_lora_rank;
+  const std::int64_t dn = c.qk_nope_head_dim;
+  const std::int64_t dv = c.v_head_dim;
+  const std::int64_t heads = c.num_attention_heads;
+  // W_UV_h row-major [dv, r] is column-major [r, dv] with ld r, transposed; B_h is [r, tokens].
+  BatchedGemm g;
+  g.trans_a = true;
+  g.m = dv;
+  g.n = tokens;
+  g.k = r;
+  g.lda = r;
+  g.a_offset = dn * r;
+  g.stride_a = (dn + dv) * r;
+  g.ldb = heads * c.latentDim();
+  g.stride_b = c.latentDim();
+  g.ldc = heads * dv;
+  g.stride_c = dv;
+  g.batch = heads;
+  return g;
+}
+
+void referenceGemm(const BatchedGemm& g, const float* a, const float* b, float* c) {
+  for (std::int64_t bt = 0; bt < g.batch; ++bt) {
+    const float* ab = a + g.a_offset + bt * g.stride_a;
+    const float* bb = b + bt * g.stride_b;
+    float* cb = c + bt * g.stride_c;
+    for (std::int64_t j = 0; j < g.n; ++j) {
+      for (std::int64_t i = 0; i < g.m; ++i) {
+        float sum = 0.0F;
+        for (std::int64_t p = 0; p < g.k; ++p) {
+          const float x = g.trans_a ? ab[p + i * g.lda] : ab[i + p * g.lda];
+          const float y = g.trans_b ? bb[j + p * g.ldb] : bb[p + j * g.ldb];
+          sum += x * y;
+        }
+        cb[i + j * g.ldc] = sum;
+      }
+    }
+  }
+}
+
 }  // namespace pd::gpu

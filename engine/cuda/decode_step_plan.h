@@ -58,4 +58,32 @@ struct DecodeStepPlan {
 [[nodiscard]] Result<DecodeStepPlan> planDecodeStep(const ModelConfig& config, const DecodeCacheShape& cache,
                                                     std::span<const DecodeSequence> batch);
 
+/// One column-major strided-batched SGEMM as cuBLAS takes it (cublasSgemmStridedBatched): for
+/// b < batch, C_b[m, n] = op(A_b) op(B_b) with A_b = A + a_offset + b * stride_a (and likewise B, C),
+/// op(X) = X^T when trans_* is set, element (i, j) of a matrix at X[i + j * ld]. The device step's
+/// products are described by these values so that host tests check their indexing everywhere.
+struct BatchedGemm {
+  bool trans_a = false;
+  bool trans_b = false;
+  std::int64_t m = 0, n = 0, k = 0;
+  std::int64_t lda = 0, ldb = 0, ldc = 0;
+  std::int64_t a_offset = 0;
+  std::int64_t stride_a = 0, stride_b = 0, stride_c = 0;
+  std::int64_t batch = 1;
+};
+
+/// y[t * y_stride + r] = W[r] . x[t * x_stride ...], W row-major [rows, cols]: A = W, B = x, C = y.
+[[nodiscard]] BatchedGemm linearGemm(std::int64_t rows, std::int64_t cols, std::int64_t tokens, std::int64_t x_stride,
+                                     std::int64_t y_stride);
+/// The absorbed query, per head h: q_cat[t][h][c] = sum_j kv_b[h * (nope + v) + j][c] q[t][h][j]
+/// for c < kv_lora_rank, j < nope: A = kv_b, B = q [tokens, heads, qk], C = q_cat
+/// [tokens, heads, latent_dim].
+[[nodiscard]] BatchedGemm absorbQueryGemm(const ModelConfig& config, std::int64_t tokens);
+/// The value up-projection, per head h: o[t][h][i] = sum_c kv_b[h * (nope + v) + nope + i][c]
+/// o_lat[t][h][c] for i < v, c < kv_lora_rank: A = kv_b, B = o_lat [tokens, heads, latent_dim],
+/// C = o [tokens, heads, v].
+[[nodiscard]] BatchedGemm valueUpGemm(const ModelConfig& config, std::int64_t tokens);
+/// The product on the host, in the plain loop order (alpha 1, beta 0): for tests.
+void referenceGemm(const BatchedGemm& g, const float* a, const float* b, float* c);
+
 }  // namespace pd::gpu

@@ -59,6 +59,24 @@ struct Layer {
   std::optional<Mlp> shared;
 };
 
+// Runs a BatchedGemm (decode_step_plan.h) on the device: alpha 1, beta 0.
+Status runGemm(cublasHandle_t handle, const BatchedGemm& g, const float* a, const float* b, float* c) {
+  const float one = 1.0F;
+  const float zero = 0.0F;
+  const auto i = [](i64 v) { return static_cast<int>(v); };
+  const cublasOperation_t ta = g.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
+  const cublasOperation_t tb = g.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
+  if (g.batch == 1) {
+    PD_CUDA_TRY(cublasSgemm(handle, ta, tb, i(g.m), i(g.n), i(g.k), &one, a + g.a_offset, i(g.lda), b, i(g.ldb), &zero,
+                            c, i(g.ldc)));
+    return okStatus();
+  }
+  PD_CUDA_TRY(cublasSgemmStridedBatched(handle, ta, tb, i(g.m), i(g.n), i(g.k), &one, a + g.a_offset, i(g.lda),
+                                        g.stride_a, b, i(g.ldb), g.stride_b, &zero, c, i(g.ldc), g.stride_c,
+                                        i(g.batch)));
+  return okStatus();
+}
+
 }  // namespace
 
 struct DeviceDecodeStep::Impl {
@@ -248,13 +266,7 @@ struct DeviceDecodeStep::Impl {
       a.y_stride = y_stride;
       return fp8Gemv(a, stream);
     }
-    // Column-major view: W row-major [rows, cols] is W^T col-major with ld = cols.
-    const float one = 1.0F;
-    const float zero = 0.0F;
-    PD_CUDA_TRY(cublasSgemm(blas.get(), CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(w.rows), static_cast<int>(n),
-                            static_cast<int>(w.cols), &one, w.f32, static_cast<int>(w.cols), x,
-                            static_cast<int>(x_stride), &zero, y, static_cast<int>(y_stride)));
-    return okStatus();
+    return runGemm(blas.get(), linearGemm(w.rows, w.cols, n, x_stride, y_stride), w.f32, x, y);
   }
 
   // SwiGLU MLP of n rows of x (stride hidden) into out (stride hidden).
@@ -303,14 +315,8 @@ struct DeviceDecodeStep::Impl {
       PD_CUDA_TRY(cudaMemcpyAsync(layer_cache + plan.write_slot[sz(t)] * ld, latent.data() + t * ld,
                                   sz(ld) * sizeof(float), cudaMemcpyDeviceToDevice, s));
     }
-    // q_cat[t][h] = (W_UK_h^T q_nope[t][h] ; q_pe[t][h]). Per head h, col-major:
-    // C [r, n] (ldc heads*ld) = A [r, dn] (kv_b rows of W_UK_h, lda r) * B [dn, n] (ldb heads*qk).
-    const float one = 1.0F;
-    const float zero = 0.0F;
-    PD_CUDA_TRY(cublasSgemmStridedBatched(blas.get(), CUBLAS_OP_N, CUBLAS_OP_N, static_cast<int>(r),
-                                          static_cast<int>(n), static_cast<int>(dn), &one, l.kv_b, static_cast<int>(r),
-                                          (dn + dv) * r, q.data(), static_cast<int>(heads * qk), qk, &zero,
-                                          q_cat.data(), static_cast<int>(heads * ld), ld, static_cast<int>(heads)));
+    // q_cat[t][h] = (W_UK_h^T q_nope[t][h] ; q_pe[t][h]).
+    PD_TRY(runGemm(blas.get(), absorbQueryGemm(c, n), l.kv_b, q.data(), q_cat.data()));
     PD_CUDA_TRY(cudaMemcpy2DAsync(q_cat.data() + r, sz(ld) * sizeof(float), q.data() + dn, sz(qk) * sizeof(float),
                                   sz(dr) * sizeof(float), sz(n * heads), cudaMemcpyDeviceToDevice, s));
     MlaDecodeAttention::Batch b;
@@ -327,12 +333,8 @@ struct DeviceDecodeStep::Impl {
     b.scale = softmax_scale;
     b.out = o_lat.data();
     PD_TRY(attention->run(b, stream));
-    // o[t][h] = W_UV_h o_lat[t][h][:r]: C [dv, n] (ldc heads*dv) = A^T, A = W_UV_h col-major
-    // [r, dv] (lda r), times B [r, n] (ldb heads*ld).
-    PD_CUDA_TRY(cublasSgemmStridedBatched(
-        blas.get(), CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(dv), static_cast<int>(n), static_cast<int>(r), &one,
-        l.kv_b + dn * r, static_cast<int>(r), (dn + dv) * r, o_lat.data(), static_cast<int>(heads * ld), ld, &zero,
-        o.data(), static_cast<int>(heads * dv), dv, static_cast<int>(heads)));
+    // o[t][h] = W_UV_h o_lat[t][h][:r].
+    PD_TRY(runGemm(blas.get(), valueUpGemm(c, n), l.kv_b, o_lat.data(), o.data()));
     return apply(l.o, o.data(), heads * dv, n, attn_out.data(), d);
   }
 
