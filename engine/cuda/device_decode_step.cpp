@@ -487,6 +487,12 @@ Result<std::vector<float>> DeviceDecodeStep::step(std::span<const DecodeSequence
   Impl& m = *impl_;
   const ModelConfig& c = m.cfg;
   PD_ASSIGN_OR_RETURN(const DecodeStepPlan plan, planDecodeStep(c, cache_shape_, batch));
+  if (plan.max_context > m.attention->limits().max_context) {
+    return makeError(ErrorCode::InvalidArgument,
+                     fmt::format("device decode: a context of {} positions exceeds the step's {} (the cache's "
+                                 "positions, at most max_position_embeddings)",
+                                 plan.max_context, m.attention->limits().max_context));
+  }
   if (static_cast<i64>(plan.block_tables.size()) > kMaxDecodeBatch * m.max_table_blocks) {
     return makeError(ErrorCode::InvalidArgument, "device decode: block tables longer than the model's context");
   }

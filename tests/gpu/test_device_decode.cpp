@@ -149,8 +149,11 @@ TEST(DeviceDecode, BadBatchIsInvalidArgument) {
   auto gpu = DeviceDecodeStep::create(*weights, *config, {{8, kBlockSize}});
   ASSERT_TRUE(gpu.ok()) << gpu.error().toString();
   const std::vector<std::int32_t> table{0, 1};
-  for (const DecodeSequence bad : {DecodeSequence{99999, 0, table}, DecodeSequence{1, 8, table},
-                                   DecodeSequence{1, 0, std::span<const std::int32_t>()}}) {
+  // 40 blocks (repeated ids) reach position 39, past the cache's 8 x 4 positions.
+  const std::vector<std::int32_t> long_table(40, 0);
+  for (const DecodeSequence bad :
+       {DecodeSequence{99999, 0, table}, DecodeSequence{1, 8, table},
+        DecodeSequence{1, 0, std::span<const std::int32_t>()}, DecodeSequence{1, 39, long_table}}) {
     auto r = (*gpu)->step(std::vector<DecodeSequence>{bad});
     ASSERT_FALSE(r.ok());
     EXPECT_EQ(r.error().code, pd::ErrorCode::InvalidArgument) << r.error().toString();
