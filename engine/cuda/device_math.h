@@ -218,6 +218,11 @@ PD_HD float sigmoidF(float x) {
   return 1.0F / (1.0F + expF(-x));
 }
 
+/// The SwiGLU activation as the CPU engine computes it: silu(g) * u, silu(g) = g / (1 + e^-g).
+PD_HD float siluMul(float g, float u) {
+  return g / (1.0F + expF(-g)) * u;
+}
+
 /// Sizes the routing scratch must hold; the host validates the model against them.
 constexpr std::int64_t kMaxRoutedExperts = 512;
 constexpr std::int64_t kMaxExpertGroups = 64;

@@ -3,6 +3,7 @@
 // Naive on purpose (docs/gpu.md): obvious indexing, the arithmetic in device_math.h.
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cassert>
 
 #include "gpu_kernels.h"
@@ -17,6 +18,14 @@ constexpr int kAxpyThreads = 256;
 __global__ void __launch_bounds__(kAxpyThreads) axpyKernel(float a, const float* x, float* y, int n) {
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
   if (i < n) y[i] += a * x[i];
+}
+
+// grid-stride over n (n may exceed a grid's reach).
+__global__ void __launch_bounds__(kAxpyThreads) siluMulKernel(float* gate, const float* up, std::int64_t n) {
+  for (std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
+    gate[i] = m::siluMul(gate[i], up[i]);
+  }
 }
 
 // ---- RMSNorm ---------------------------------------------------------------------------------
@@ -245,6 +254,13 @@ cudaError_t launchFillBf16(std::uint16_t* data, std::size_t count, std::uint32_t
 cudaError_t launchAxpy(float a, const float* x, float* y, int n, cudaStream_t stream) {
   if (n <= 0) return cudaSuccess;
   axpyKernel<<<(n + kAxpyThreads - 1) / kAxpyThreads, kAxpyThreads, 0, stream>>>(a, x, y, n);
+  return cudaGetLastError();
+}
+
+cudaError_t launchSiluMul(float* gate, const float* up, std::int64_t n, cudaStream_t stream) {
+  if (n <= 0) return cudaSuccess;
+  const std::int64_t blocks = std::min<std::int64_t>((n + kAxpyThreads - 1) / kAxpyThreads, 65535);
+  siluMulKernel<<<static_cast<unsigned int>(blocks), kAxpyThreads, 0, stream>>>(gate, up, n);
   return cudaGetLastError();
 }
 

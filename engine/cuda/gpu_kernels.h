@@ -17,6 +17,9 @@ namespace pd::gpu::kernels {
 /// Queues y[i] += a * x[i] for i < n on `stream` (device pointers).
 cudaError_t launchAxpy(float a, const float* x, float* y, int n, cudaStream_t stream);
 
+/// gate[i] = silu(gate[i]) * up[i] for i < n (the SwiGLU activation, math::siluMul).
+cudaError_t launchSiluMul(float* gate, const float* up, std::int64_t n, cudaStream_t stream);
+
 /// Per row r < rows of width d: if delta, h[r] += delta[r]; then out[r] = RMSNorm(h[r]) * weight.
 /// out may equal h.
 cudaError_t launchRmsNormResidual(float* h, const float* delta, const float* weight, float* out, int rows, int d,

@@ -1,0 +1,89 @@
+#pragma once
+/// The host side of one device decode step (device_decode_step.h): a batch of sequences, one new
+/// token each, checked against the model and the device latent cache's geometry before anything
+/// is launched, and laid out as the device step's per-token arrays. Host arithmetic only, in every
+/// build (CPU-only builds and their unit tests included).
+///
+/// Private to the CUDA backend (engine/cuda) and its tests.
+/// Thread rules: free functions, thread-safe; a plan is a value.
+
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "pd/common/result.h"
+#include "pd/engine/model_config.h"
+
+namespace pd::gpu {
+
+/// Sequences one decode step takes at most: the FP8 GEMV's token limit (kFp8GemvMaxTokens).
+constexpr std::int64_t kMaxDecodeBatch = 64;
+/// Widest latent the decode attention kernel takes (kernels::kMlaMaxLatentDim).
+constexpr std::int64_t kMaxDecodeLatentDim = 1024;
+
+/// The device latent cache's geometry: [kv_layers, num_blocks, block_size, latent_dim] float32.
+struct DecodeCacheShape {
+  std::int64_t num_blocks = 0;
+  std::int64_t block_size = 0;
+};
+
+/// One sequence of a decode step: `token` goes to cache position `position`; positions
+/// [0, position) are already in the cache; block_table holds positions [0, position].
+struct DecodeSequence {
+  std::int32_t token = 0;
+  std::int64_t position = 0;
+  std::span<const std::int32_t> block_table;
+};
+
+/// A validated step, laid out for the device (index t = the t-th sequence).
+struct DecodeStepPlan {
+  std::int64_t tokens = 0;
+  std::vector<std::int32_t> token_ids;     ///< [tokens]
+  std::vector<std::int64_t> positions;     ///< [tokens]: RoPE and cache positions
+  std::vector<std::int64_t> ctx_len;       ///< [tokens]: position + 1 (causal)
+  std::vector<std::int32_t> block_tables;  ///< the blocks each sequence needs, concatenated
+  std::vector<std::int64_t> table_begin;   ///< [tokens]: where sequence t's blocks start
+  std::vector<std::int64_t> write_slot;    ///< [tokens]: block id * block_size + offset of the new latent
+  std::int64_t max_context = 0;            ///< max ctx_len
+};
+
+/// Whether the model is one the device decode step runs: DeepSeek-V3 MLA + MoE within the
+/// kernels' limits (latent_dim, routed experts, groups, top-k). InvalidArgument / Unsupported
+/// naming the value otherwise.
+[[nodiscard]] Status checkDecodeModel(const ModelConfig& config);
+
+/// Checks a step's batch (1..kMaxDecodeBatch sequences; token ids in the vocabulary; positions in
+/// [0, max_position_embeddings); tables long enough, block ids in [0, num_blocks); no two sequences
+/// writing the same cache slot) and lays it out. InvalidArgument naming the sequence and value.
+[[nodiscard]] Result<DecodeStepPlan> planDecodeStep(const ModelConfig& config, const DecodeCacheShape& cache,
+                                                    std::span<const DecodeSequence> batch);
+
+/// One column-major strided-batched SGEMM as cuBLAS takes it (cublasSgemmStridedBatched): for
+/// b < batch, C_b[m, n] = op(A_b) op(B_b) with A_b = A + a_offset + b * stride_a (and likewise B, C),
+/// op(X) = X^T when trans_* is set, element (i, j) of a matrix at X[i + j * ld]. The device step's
+/// products are described by these values so that host tests check their indexing everywhere.
+struct BatchedGemm {
+  bool trans_a = false;
+  bool trans_b = false;
+  std::int64_t m = 0, n = 0, k = 0;
+  std::int64_t lda = 0, ldb = 0, ldc = 0;
+  std::int64_t a_offset = 0;
+  std::int64_t stride_a = 0, stride_b = 0, stride_c = 0;
+  std::int64_t batch = 1;
+};
+
+/// y[t * y_stride + r] = W[r] . x[t * x_stride ...], W row-major [rows, cols]: A = W, B = x, C = y.
+[[nodiscard]] BatchedGemm linearGemm(std::int64_t rows, std::int64_t cols, std::int64_t tokens, std::int64_t x_stride,
+                                     std::int64_t y_stride);
+/// The absorbed query, per head h: q_cat[t][h][c] = sum_j kv_b[h * (nope + v) + j][c] q[t][h][j]
+/// for c < kv_lora_rank, j < nope: A = kv_b, B = q [tokens, heads, qk], C = q_cat
+/// [tokens, heads, latent_dim].
+[[nodiscard]] BatchedGemm absorbQueryGemm(const ModelConfig& config, std::int64_t tokens);
+/// The value up-projection, per head h: o[t][h][i] = sum_c kv_b[h * (nope + v) + nope + i][c]
+/// o_lat[t][h][c] for i < v, c < kv_lora_rank: A = kv_b, B = o_lat [tokens, heads, latent_dim],
+/// C = o [tokens, heads, v].
+[[nodiscard]] BatchedGemm valueUpGemm(const ModelConfig& config, std::int64_t tokens);
+/// The product on the host, in the plain loop order (alpha 1, beta 0): for tests.
+void referenceGemm(const BatchedGemm& g, const float* a, const float* b, float* c);
+
+}  // namespace pd::gpu

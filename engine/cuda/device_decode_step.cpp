@@ -1,0 +1,532 @@
+#include "device_decode_step.h"
+
+#include <cublas_v2.h>
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <algorithm>
+#include <cstring>
+#include <numeric>
+#include <optional>
+#include <string>
+
+#include "gpu_kernels.h"
+#include "pd/cuda/cuda_check.h"
+#include "pd/engine/kernels.h"
+#include "pd/engine/rope.h"
+
+namespace pd::gpu {
+namespace {
+
+using i64 = std::int64_t;
+constexpr auto sz(i64 n) {
+  return static_cast<std::size_t>(n);
+}
+
+static_assert(kMaxDecodeBatch == kFp8GemvMaxTokens);
+static_assert(kMaxDecodeLatentDim == kernels::kMlaMaxLatentDim);
+
+// A linear layer y = W x on the device: an FP32 matrix for cuBLAS, or FP8 with block scales.
+struct Linear {
+  i64 rows = 0;
+  i64 cols = 0;
+  const float* f32 = nullptr;
+  const std::uint8_t* q = nullptr;
+  const float* scale_inv = nullptr;
+  i64 block_rows = 128;
+  i64 block_cols = 128;
+};
+
+struct Mlp {
+  Linear gate, up, down;
+};
+
+struct Layer {
+  const float* input_norm = nullptr;
+  const float* post_norm = nullptr;
+  std::optional<Linear> q_a;  // q_lora_rank > 0: q_a, q_a_norm, q_b; otherwise q
+  const float* q_a_norm = nullptr;
+  Linear q;  // q_b or q
+  Linear kv_a;
+  const float* kv_a_norm = nullptr;
+  const float* kv_b = nullptr;  // FP32 [heads * (nope + v), kv_lora_rank]
+  Linear o;
+  bool moe = false;
+  Mlp dense;
+  Linear router;
+  const float* router_bias = nullptr;
+  std::vector<Mlp> experts;
+  std::optional<Mlp> shared;
+};
+
+// Runs a BatchedGemm (decode_step_plan.h) on the device: alpha 1, beta 0.
+Status runGemm(cublasHandle_t handle, const BatchedGemm& g, const float* a, const float* b, float* c) {
+  const float one = 1.0F;
+  const float zero = 0.0F;
+  const auto i = [](i64 v) { return static_cast<int>(v); };
+  const cublasOperation_t ta = g.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
+  const cublasOperation_t tb = g.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
+  if (g.batch == 1) {
+    PD_CUDA_TRY(cublasSgemm(handle, ta, tb, i(g.m), i(g.n), i(g.k), &one, a + g.a_offset, i(g.lda), b, i(g.ldb), &zero,
+                            c, i(g.ldc)));
+    return okStatus();
+  }
+  PD_CUDA_TRY(cublasSgemmStridedBatched(handle, ta, tb, i(g.m), i(g.n), i(g.k), &one, a + g.a_offset, i(g.lda),
+                                        g.stride_a, b, i(g.ldb), g.stride_b, &zero, c, i(g.ldc), g.stride_c,
+                                        i(g.batch)));
+  return okStatus();
+}
+
+}  // namespace
+
+struct DeviceDecodeStep::Impl {
+  const ModelConfig& cfg;
+  const DeviceWeights& weights;
+  DecodeCacheShape cache_shape;
+  cuda::Stream stream;
+  cuda::BlasHandle blas;                         // after the stream it runs on
+  std::vector<cuda::DeviceBuffer<float>> owned;  // FP32 copies
+  std::vector<Layer> layers;
+  const float* embed = nullptr;  // FP32 [vocab, hidden]
+  const float* final_norm = nullptr;
+  Linear head;
+  cuda::DeviceBuffer<float> inv_freq;
+  cuda::DeviceBuffer<float> cache;  // [layers, num_blocks, block_size, latent_dim]
+  std::optional<MlaDecodeAttention> attention;
+  float softmax_scale = 1.0F;
+  float eps = 1e-6F;
+  // Workspaces for kMaxDecodeBatch tokens.
+  cuda::DeviceBuffer<float> h, xn, qa, q, kv, latent, q_cat, o_lat, o, attn_out, ffn_out, router_logits, gx, act, up,
+      gout, logits;
+  cuda::DeviceBuffer<std::int64_t> positions, ctx_len, table_begin;
+  cuda::DeviceBuffer<std::int32_t> block_tables, topk_idx;
+  cuda::DeviceBuffer<float> topk_weight;
+  i64 max_table_blocks = 0;
+
+  Impl(const ModelConfig& c, const DeviceWeights& w, DecodeCacheShape shape, cuda::Stream s, cuda::BlasHandle b)
+      : cfg(c), weights(w), cache_shape(shape), stream(std::move(s)), blas(std::move(b)) {}
+
+  [[nodiscard]] Result<const DeviceWeights::Tensor*> tensor(const std::string& name,
+                                                            std::vector<std::int64_t> shape) const {
+    const DeviceWeights::Tensor* t = weights.find(name);
+    if (t == nullptr) return makeError(ErrorCode::NotFound, fmt::format("device decode: no tensor '{}'", name));
+    if (t->shape != shape) {
+      return makeError(ErrorCode::InvalidArgument, fmt::format("device decode: tensor '{}' has {} dims, expected {}",
+                                                               name, fmt::join(t->shape, "x"), fmt::join(shape, "x")));
+    }
+    return t;
+  }
+
+  // An FP32 device copy of a tensor of any weight dtype (FP8 dequantized with its block scales),
+  // converted on the host from the device bytes: BF16 values are exact in FP32.
+  [[nodiscard]] Result<const float*> f32Copy(const DeviceWeights::Tensor& t, const std::string& name) {
+    if (t.dtype == DType::F32) return static_cast<const float*>(t.data);
+    i64 n = 1;
+    for (const std::int64_t dim : t.shape) n *= dim;
+    PD_ASSIGN_OR_RETURN(const std::vector<std::byte> bytes, weights.readBack(t));
+    std::vector<float> host(sz(n));
+    if (t.dtype == DType::BF16 || t.dtype == DType::F16) {
+      std::vector<std::uint16_t> bits(sz(n));
+      std::memcpy(bits.data(), bytes.data(), sz(n) * 2);
+      for (i64 i = 0; i < n; ++i) {
+        host[sz(i)] = t.dtype == DType::BF16 ? bf16ToFloat(bits[sz(i)]) : f16ToFloat(bits[sz(i)]);
+      }
+    } else if (t.dtype == DType::F8E4M3) {
+      if (t.shape.size() != 2) return makeError(ErrorCode::InvalidArgument, fmt::format("FP8 '{}' is not 2-D", name));
+      const DeviceWeights::Tensor* s = weights.find(name + "_scale_inv");
+      if (s == nullptr || s->dtype != DType::F32) {
+        return makeError(ErrorCode::InvalidArgument, fmt::format("FP8 tensor '{}' has no F32 scale tensor", name));
+      }
+      PD_ASSIGN_OR_RETURN(const std::vector<std::byte> sbytes, weights.readBack(*s));
+      model::WeightMatrix m;
+      m.dtype = DType::F8E4M3;
+      m.rows = t.shape[0];
+      m.cols = t.shape[1];
+      m.data = bytes.data();
+      m.scale_inv = reinterpret_cast<const float*>(sbytes.data());
+      if (cfg.quantization) {
+        m.block_rows = cfg.quantization->block_out;
+        m.block_cols = cfg.quantization->block_in;
+      }
+      const std::vector<std::int64_t> want{m.scaleRows(), m.scaleCols()};
+      if (s->shape != want) {
+        return makeError(ErrorCode::InvalidArgument, fmt::format("scale of '{}' has the wrong shape", name));
+      }
+      for (i64 r = 0; r < m.rows; ++r) model::dequantizeRow(m, r, host.data() + r * m.cols);
+    } else {
+      return makeError(ErrorCode::Unsupported,
+                       fmt::format("device decode: tensor '{}' has dtype {}", name, dtypeName(t.dtype)));
+    }
+    PD_ASSIGN_OR_RETURN(cuda::DeviceBuffer<float> buf, cuda::DeviceBuffer<float>::create(sz(n)));
+    PD_TRY(buf.copyFromHost(host, stream));
+    PD_TRY(stream.synchronize());  // `host` dies here
+    owned.push_back(std::move(buf));
+    return static_cast<const float*>(owned.back().data());
+  }
+
+  [[nodiscard]] Result<const float*> vector(const std::string& name, i64 n) {
+    PD_ASSIGN_OR_RETURN(const DeviceWeights::Tensor* t, tensor(name, {n}));
+    return f32Copy(*t, name);
+  }
+  [[nodiscard]] Result<const float*> matrixF32(const std::string& name, i64 rows, i64 cols) {
+    PD_ASSIGN_OR_RETURN(const DeviceWeights::Tensor* t, tensor(name, {rows, cols}));
+    return f32Copy(*t, name);
+  }
+  [[nodiscard]] Result<Linear> linear(const std::string& name, i64 rows, i64 cols) {
+    PD_ASSIGN_OR_RETURN(const DeviceWeights::Tensor* t, tensor(name, {rows, cols}));
+    Linear l;
+    l.rows = rows;
+    l.cols = cols;
+    if (t->dtype != DType::F8E4M3) {
+      PD_ASSIGN_OR_RETURN(l.f32, f32Copy(*t, name));
+      return l;
+    }
+    if (cfg.quantization) {
+      l.block_rows = cfg.quantization->block_out;
+      l.block_cols = cfg.quantization->block_in;
+    }
+    const i64 srows = (rows + l.block_rows - 1) / l.block_rows;
+    const i64 scols = (cols + l.block_cols - 1) / l.block_cols;
+    PD_ASSIGN_OR_RETURN(const DeviceWeights::Tensor* s, tensor(name + "_scale_inv", {srows, scols}));
+    if (s->dtype != DType::F32) {
+      return makeError(ErrorCode::InvalidArgument, fmt::format("device decode: '{}_scale_inv' is not F32", name));
+    }
+    l.q = static_cast<const std::uint8_t*>(t->data);
+    l.scale_inv = static_cast<const float*>(s->data);
+    return l;
+  }
+  [[nodiscard]] Result<Mlp> mlp(const std::string& prefix, i64 width) {
+    const i64 d = cfg.hidden_size;
+    Mlp m;
+    PD_ASSIGN_OR_RETURN(m.gate, linear(prefix + "gate_proj.weight", width, d));
+    PD_ASSIGN_OR_RETURN(m.up, linear(prefix + "up_proj.weight", width, d));
+    PD_ASSIGN_OR_RETURN(m.down, linear(prefix + "down_proj.weight", d, width));
+    return m;
+  }
+
+  [[nodiscard]] Status bindLayer(i64 index) {
+    const ModelConfig& c = cfg;
+    const std::string p = fmt::format("model.layers.{}.", index);
+    const i64 d = c.hidden_size;
+    const i64 heads = c.num_attention_heads;
+    Layer l;
+    PD_ASSIGN_OR_RETURN(l.input_norm, vector(p + "input_layernorm.weight", d));
+    PD_ASSIGN_OR_RETURN(l.post_norm, vector(p + "post_attention_layernorm.weight", d));
+    if (c.q_lora_rank > 0) {
+      PD_ASSIGN_OR_RETURN(Linear q_a, linear(p + "self_attn.q_a_proj.weight", c.q_lora_rank, d));
+      l.q_a = q_a;
+      PD_ASSIGN_OR_RETURN(l.q_a_norm, vector(p + "self_attn.q_a_layernorm.weight", c.q_lora_rank));
+      PD_ASSIGN_OR_RETURN(l.q, linear(p + "self_attn.q_b_proj.weight", heads * c.qkHeadDim(), c.q_lora_rank));
+    } else {
+      PD_ASSIGN_OR_RETURN(l.q, linear(p + "self_attn.q_proj.weight", heads * c.qkHeadDim(), d));
+    }
+    PD_ASSIGN_OR_RETURN(l.kv_a, linear(p + "self_attn.kv_a_proj_with_mqa.weight", c.latentDim(), d));
+    PD_ASSIGN_OR_RETURN(l.kv_a_norm, vector(p + "self_attn.kv_a_layernorm.weight", c.kv_lora_rank));
+    PD_ASSIGN_OR_RETURN(l.kv_b, matrixF32(p + "self_attn.kv_b_proj.weight", heads * (c.qk_nope_head_dim + c.v_head_dim),
+                                          c.kv_lora_rank));
+    PD_ASSIGN_OR_RETURN(l.o, linear(p + "self_attn.o_proj.weight", d, heads * c.v_head_dim));
+    l.moe = c.isMoeLayer(index);
+    if (!l.moe) {
+      PD_ASSIGN_OR_RETURN(l.dense, mlp(p + "mlp.", c.intermediate_size));
+    } else {
+      PD_ASSIGN_OR_RETURN(l.router, linear(p + "mlp.gate.weight", c.n_routed_experts, d));
+      const std::string bias = p + "mlp.gate.e_score_correction_bias";
+      if (weights.find(bias) != nullptr || c.topk_method == "noaux_tc") {
+        PD_ASSIGN_OR_RETURN(l.router_bias, vector(bias, c.n_routed_experts));
+      }
+      for (i64 e = 0; e < c.n_routed_experts; ++e) {
+        PD_ASSIGN_OR_RETURN(Mlp m, mlp(fmt::format("{}mlp.experts.{}.", p, e), c.moe_intermediate_size));
+        l.experts.push_back(m);
+      }
+      if (c.n_shared_experts > 0) {
+        PD_ASSIGN_OR_RETURN(Mlp m, mlp(p + "mlp.shared_experts.", c.moe_intermediate_size * c.n_shared_experts));
+        l.shared = m;
+      }
+    }
+    layers.push_back(std::move(l));
+    return okStatus();
+  }
+
+  // y[t * y_stride + r] = W[r] . x[t * x_stride ...] for t < n.
+  [[nodiscard]] Status apply(const Linear& w, const float* x, i64 x_stride, i64 n, float* y, i64 y_stride) {
+    if (n <= 0) return okStatus();
+    if (w.f32 == nullptr) {
+      kernels::Fp8GemvArgs a;
+      a.q = w.q;
+      a.scale_inv = w.scale_inv;
+      a.rows = static_cast<int>(w.rows);
+      a.cols = static_cast<int>(w.cols);
+      a.block_rows = static_cast<int>(w.block_rows);
+      a.block_cols = static_cast<int>(w.block_cols);
+      a.scale_cols = static_cast<int>((w.cols + w.block_cols - 1) / w.block_cols);
+      a.x = x;
+      a.x_stride = x_stride;
+      a.tokens = static_cast<int>(n);
+      a.y = y;
+      a.y_stride = y_stride;
+      return fp8Gemv(a, stream);
+    }
+    return runGemm(blas.get(), linearGemm(w.rows, w.cols, n, x_stride, y_stride), w.f32, x, y);
+  }
+
+  // SwiGLU MLP of n rows of x (stride hidden) into out (stride hidden).
+  [[nodiscard]] Status runMlp(const Mlp& m, const float* x, i64 n, float* out) {
+    const i64 d = cfg.hidden_size;
+    const i64 width = m.gate.rows;
+    PD_TRY(apply(m.gate, x, d, n, act.data(), width));
+    PD_TRY(apply(m.up, x, d, n, up.data(), width));
+    PD_CUDA_TRY(kernels::launchSiluMul(act.data(), up.data(), n * width, stream.get()));
+    return apply(m.down, act.data(), width, n, out, d);
+  }
+
+  [[nodiscard]] Status attentionBlock(const Layer& l, i64 kv_layer, const DecodeStepPlan& plan) {
+    const ModelConfig& c = cfg;
+    const i64 n = plan.tokens;
+    const i64 d = c.hidden_size;
+    const i64 heads = c.num_attention_heads;
+    const i64 dn = c.qk_nope_head_dim;
+    const i64 dr = c.qk_rope_head_dim;
+    const i64 dv = c.v_head_dim;
+    const i64 qk = dn + dr;
+    const i64 r = c.kv_lora_rank;
+    const i64 ld = r + dr;
+    const cudaStream_t s = stream.get();
+    if (l.q_a) {
+      const i64 qr = c.q_lora_rank;
+      PD_TRY(apply(*l.q_a, xn.data(), d, n, qa.data(), qr));
+      PD_TRY(rmsNormResidual(qa.data(), nullptr, l.q_a_norm, qa.data(), n, qr, eps, stream));
+      PD_TRY(apply(l.q, qa.data(), qr, n, q.data(), heads * qk));
+    } else {
+      PD_TRY(apply(l.q, xn.data(), d, n, q.data(), heads * qk));
+    }
+    PD_TRY(apply(l.kv_a, xn.data(), d, n, kv.data(), ld));
+    // latent = [RMSNorm(kv[:r]) ; RoPE(kv[r:])], as the CPU engine's writeLatent input.
+    for (i64 t = 0; t < n; ++t) {
+      PD_TRY(rmsNormResidual(kv.data() + t * ld, nullptr, l.kv_a_norm, latent.data() + t * ld, 1, r, eps, stream));
+    }
+    PD_CUDA_TRY(cudaMemcpy2DAsync(latent.data() + r, sz(ld) * sizeof(float), kv.data() + r, sz(ld) * sizeof(float),
+                                  sz(dr) * sizeof(float), sz(n), cudaMemcpyDeviceToDevice, s));
+    const i64 half = dr / 2;
+    PD_TRY(ropeInterleaved(latent.data(), RopeShape{n, 1, ld, ld, r, half}, inv_freq.data(), positions.data(), stream));
+    PD_TRY(ropeInterleaved(q.data(), RopeShape{n, heads, heads * qk, qk, dn, half}, inv_freq.data(), positions.data(),
+                           stream));
+    float* layer_cache = cache.data() + kv_layer * cache_shape.num_blocks * cache_shape.block_size * ld;
+    for (i64 t = 0; t < n; ++t) {
+      PD_CUDA_TRY(cudaMemcpyAsync(layer_cache + plan.write_slot[sz(t)] * ld, latent.data() + t * ld,
+                                  sz(ld) * sizeof(float), cudaMemcpyDeviceToDevice, s));
+    }
+    // q_cat[t][h] = (W_UK_h^T q_nope[t][h] ; q_pe[t][h]).
+    PD_TRY(runGemm(blas.get(), absorbQueryGemm(c, n), l.kv_b, q.data(), q_cat.data()));
+    PD_CUDA_TRY(cudaMemcpy2DAsync(q_cat.data() + r, sz(ld) * sizeof(float), q.data() + dn, sz(qk) * sizeof(float),
+                                  sz(dr) * sizeof(float), sz(n * heads), cudaMemcpyDeviceToDevice, s));
+    MlaDecodeAttention::Batch b;
+    b.q_cat = q_cat.data();
+    b.tokens = n;
+    b.cache_layer = layer_cache;
+    b.cache_dtype = DType::F32;
+    b.block_size = cache_shape.block_size;
+    b.num_blocks = cache_shape.num_blocks;
+    b.block_tables = block_tables.data();
+    b.table_begin = table_begin.data();
+    b.ctx_len = ctx_len.data();
+    b.max_context_in_batch = plan.max_context;
+    b.scale = softmax_scale;
+    b.out = o_lat.data();
+    PD_TRY(attention->run(b, stream));
+    // o[t][h] = W_UV_h o_lat[t][h][:r].
+    PD_TRY(runGemm(blas.get(), valueUpGemm(c, n), l.kv_b, o_lat.data(), o.data()));
+    return apply(l.o, o.data(), heads * dv, n, attn_out.data(), d);
+  }
+
+  [[nodiscard]] Status moeBlock(const Layer& l, i64 n) {
+    const ModelConfig& c = cfg;
+    const i64 d = c.hidden_size;
+    const i64 n_exp = c.n_routed_experts;
+    const i64 top_k = c.num_experts_per_tok;
+    const cudaStream_t s = stream.get();
+    PD_TRY(apply(l.router, xn.data(), d, n, router_logits.data(), n_exp));
+    math::RoutingShape shape;
+    shape.experts = n_exp;
+    shape.groups = c.n_group;
+    shape.topk_group = c.topk_group;
+    shape.top_k = top_k;
+    shape.routed_scaling = static_cast<float>(c.routed_scaling_factor);
+    PD_TRY(routeNoauxTc(router_logits.data(), l.router_bias, shape, n, topk_idx.data(), topk_weight.data(), stream));
+    std::vector<std::int32_t> chosen(sz(n * top_k));
+    std::vector<float> weight(sz(n * top_k));
+    PD_TRY(topk_idx.copyToHost(chosen, stream));
+    PD_TRY(topk_weight.copyToHost(weight, stream));
+    PD_TRY(stream.synchronize());
+    for (const std::int32_t e : chosen) {
+      if (e < 0 || e >= n_exp) return makeError(ErrorCode::Internal, fmt::format("routing chose expert {}", e));
+    }
+    // Group (token, k) slots by expert, as the CPU engine does.
+    std::vector<i64> slot_begin(sz(n_exp + 1), 0);
+    for (const std::int32_t e : chosen) ++slot_begin[sz(e) + 1];
+    for (i64 e = 0; e < n_exp; ++e) slot_begin[sz(e + 1)] += slot_begin[sz(e)];
+    std::vector<i64> slot_of(sz(n * top_k));
+    {
+      std::vector<i64> fill(slot_begin.begin(), slot_begin.end() - 1);
+      for (i64 i = 0; i < n * top_k; ++i) slot_of[sz(i)] = fill[sz(chosen[sz(i)])]++;
+    }
+    const i64 slots = n * top_k;
+    for (i64 i = 0; i < slots; ++i) {
+      PD_CUDA_TRY(cudaMemcpyAsync(gx.data() + slot_of[sz(i)] * d, xn.data() + (i / top_k) * d, sz(d) * sizeof(float),
+                                  cudaMemcpyDeviceToDevice, s));
+    }
+    for (i64 e = 0; e < n_exp; ++e) {
+      const i64 cnt = slot_begin[sz(e + 1)] - slot_begin[sz(e)];
+      if (cnt == 0) continue;
+      const i64 s0 = slot_begin[sz(e)];
+      PD_TRY(runMlp(l.experts[sz(e)], gx.data() + s0 * d, cnt, gout.data() + s0 * d));
+    }
+    if (l.shared) PD_TRY(runMlp(*l.shared, xn.data(), n, gout.data() + slots * d));
+    // out[t] = sum over the chosen experts in ascending id order of w * y, then + shared.
+    PD_CUDA_TRY(cudaMemsetAsync(ffn_out.data(), 0, sz(n * d) * sizeof(float), s));
+    std::vector<i64> ks(sz(top_k));
+    for (i64 t = 0; t < n; ++t) {
+      std::iota(ks.begin(), ks.end(), 0);
+      std::sort(ks.begin(), ks.end(),
+                [&](i64 x, i64 z) { return chosen[sz(t * top_k + x)] < chosen[sz(t * top_k + z)]; });
+      for (const i64 k : ks) {
+        PD_CUDA_TRY(kernels::launchAxpy(weight[sz(t * top_k + k)], gout.data() + slot_of[sz(t * top_k + k)] * d,
+                                        ffn_out.data() + t * d, static_cast<int>(d), s));
+      }
+      if (l.shared) {
+        PD_CUDA_TRY(
+            kernels::launchAxpy(1.0F, gout.data() + (slots + t) * d, ffn_out.data() + t * d, static_cast<int>(d), s));
+      }
+    }
+    return okStatus();
+  }
+};
+
+DeviceDecodeStep::DeviceDecodeStep(std::unique_ptr<Impl> impl, DecodeCacheShape cache)
+    : impl_(std::move(impl)), cache_shape_(cache) {}
+
+DeviceDecodeStep::~DeviceDecodeStep() {
+  if (impl_) {
+    const Status status = PD_CUDA_STATUS(cudaSetDevice(impl_->weights.device().index));
+    if (!status.ok()) cuda::detail::logReleaseFailure(status);
+  }
+}
+
+Result<std::unique_ptr<DeviceDecodeStep>> DeviceDecodeStep::create(const DeviceWeights& weights,
+                                                                   const ModelConfig& config, const Options& options) {
+  PD_TRY(checkDecodeModel(config));
+  const ModelConfig& c = config;
+  const DecodeCacheShape& cs = options.cache;
+  if (cs.num_blocks <= 0 || cs.block_size <= 0 || cs.num_blocks * cs.block_size > (i64{1} << 31)) {
+    return makeError(ErrorCode::InvalidArgument,
+                     fmt::format("device decode: cache of {} blocks of {} positions", cs.num_blocks, cs.block_size));
+  }
+  PD_CUDA_TRY(cudaSetDevice(weights.device().index));
+  PD_ASSIGN_OR_RETURN(cuda::Stream stream, cuda::Stream::create());
+  PD_ASSIGN_OR_RETURN(cuda::BlasHandle blas, cuda::BlasHandle::create(stream));
+  PD_CUDA_TRY(cublasSetMathMode(blas.get(), CUBLAS_PEDANTIC_MATH));
+  PD_CUDA_TRY(cublasSetPointerMode(blas.get(), CUBLAS_POINTER_MODE_HOST));
+  auto impl = std::make_unique<Impl>(config, weights, cs, std::move(stream), std::move(blas));
+  Impl& m = *impl;
+  m.softmax_scale = static_cast<float>(c.softmaxScale());
+  m.eps = static_cast<float>(c.rms_norm_eps);
+  PD_ASSIGN_OR_RETURN(m.embed, m.matrixF32("model.embed_tokens.weight", c.vocab_size, c.hidden_size));
+  for (i64 l = 0; l < c.num_hidden_layers; ++l) PD_TRY(m.bindLayer(l));
+  PD_ASSIGN_OR_RETURN(m.final_norm, m.vector("model.norm.weight", c.hidden_size));
+  PD_ASSIGN_OR_RETURN(m.head, m.linear("lm_head.weight", c.vocab_size, c.hidden_size));
+  PD_ASSIGN_OR_RETURN(const std::vector<float> freq, model::ropeInvFreq(c));
+  PD_ASSIGN_OR_RETURN(m.inv_freq, cuda::DeviceBuffer<float>::create(freq.size()));
+  PD_TRY(m.inv_freq.copyFromHost(freq, m.stream));
+
+  const i64 n = kMaxDecodeBatch;
+  const i64 d = c.hidden_size;
+  const i64 heads = c.num_attention_heads;
+  const i64 ld = c.latentDim();
+  const i64 qk = c.qkHeadDim();
+  const i64 max_ctx = c.max_position_embeddings > 0 ? c.max_position_embeddings : cs.num_blocks * cs.block_size;
+  PD_ASSIGN_OR_RETURN(m.cache,
+                      cuda::DeviceBuffer<float>::create(sz(c.num_hidden_layers * cs.num_blocks * cs.block_size * ld)));
+  PD_ASSIGN_OR_RETURN(MlaDecodeAttention att,
+                      MlaDecodeAttention::create({n, heads, ld, std::min(max_ctx, cs.num_blocks * cs.block_size)}));
+  m.attention.emplace(std::move(att));
+  i64 widest = c.intermediate_size;
+  widest = std::max(widest, c.moe_intermediate_size * std::max<i64>(c.n_shared_experts, 1));
+  const i64 top_k = std::max<i64>(c.num_experts_per_tok, 1);
+  const auto make = [](cuda::DeviceBuffer<float>& b, i64 count) -> Status {
+    PD_ASSIGN_OR_RETURN(b, cuda::DeviceBuffer<float>::create(sz(std::max<i64>(count, 1))));
+    return okStatus();
+  };
+  PD_TRY(make(m.h, n * d));
+  PD_TRY(make(m.xn, n * d));
+  PD_TRY(make(m.qa, n * std::max<i64>(c.q_lora_rank, 1)));
+  PD_TRY(make(m.q, n * heads * qk));
+  PD_TRY(make(m.kv, n * ld));
+  PD_TRY(make(m.latent, n * ld));
+  PD_TRY(make(m.q_cat, n * heads * ld));
+  PD_TRY(make(m.o_lat, n * heads * ld));
+  PD_TRY(make(m.o, n * heads * c.v_head_dim));
+  PD_TRY(make(m.attn_out, n * d));
+  PD_TRY(make(m.ffn_out, n * d));
+  PD_TRY(make(m.router_logits, n * std::max<i64>(c.n_routed_experts, 1)));
+  PD_TRY(make(m.gx, n * top_k * d));
+  PD_TRY(make(m.act, n * top_k * widest));
+  PD_TRY(make(m.up, n * top_k * widest));
+  PD_TRY(make(m.gout, (n * top_k + n) * d));
+  PD_TRY(make(m.logits, n * c.vocab_size));
+  PD_TRY(make(m.topk_weight, n * top_k));
+  PD_ASSIGN_OR_RETURN(m.topk_idx, cuda::DeviceBuffer<std::int32_t>::create(sz(n * top_k)));
+  PD_ASSIGN_OR_RETURN(m.positions, cuda::DeviceBuffer<std::int64_t>::create(sz(n)));
+  PD_ASSIGN_OR_RETURN(m.ctx_len, cuda::DeviceBuffer<std::int64_t>::create(sz(n)));
+  PD_ASSIGN_OR_RETURN(m.table_begin, cuda::DeviceBuffer<std::int64_t>::create(sz(n)));
+  m.max_table_blocks = (max_ctx + cs.block_size - 1) / cs.block_size;
+  PD_ASSIGN_OR_RETURN(m.block_tables, cuda::DeviceBuffer<std::int32_t>::create(sz(n * m.max_table_blocks)));
+  PD_TRY(m.stream.synchronize());
+  return std::unique_ptr<DeviceDecodeStep>(new DeviceDecodeStep(std::move(impl), cs));
+}
+
+Result<std::vector<float>> DeviceDecodeStep::step(std::span<const DecodeSequence> batch) {
+  Impl& m = *impl_;
+  const ModelConfig& c = m.cfg;
+  PD_ASSIGN_OR_RETURN(const DecodeStepPlan plan, planDecodeStep(c, cache_shape_, batch));
+  if (plan.max_context > m.attention->limits().max_context) {
+    return makeError(ErrorCode::InvalidArgument,
+                     fmt::format("device decode: a context of {} positions exceeds the step's {} (the cache's "
+                                 "positions, at most max_position_embeddings)",
+                                 plan.max_context, m.attention->limits().max_context));
+  }
+  if (static_cast<i64>(plan.block_tables.size()) > kMaxDecodeBatch * m.max_table_blocks) {
+    return makeError(ErrorCode::InvalidArgument, "device decode: block tables longer than the model's context");
+  }
+  PD_CUDA_TRY(cudaSetDevice(m.weights.device().index));
+  const i64 n = plan.tokens;
+  const i64 d = c.hidden_size;
+  const cudaStream_t s = m.stream.get();
+  PD_TRY(m.positions.copyFromHost(plan.positions, m.stream));
+  PD_TRY(m.ctx_len.copyFromHost(plan.ctx_len, m.stream));
+  PD_TRY(m.table_begin.copyFromHost(plan.table_begin, m.stream));
+  PD_TRY(m.block_tables.copyFromHost(plan.block_tables, m.stream));
+  for (i64 t = 0; t < n; ++t) {
+    PD_CUDA_TRY(cudaMemcpyAsync(m.h.data() + t * d, m.embed + static_cast<i64>(plan.token_ids[sz(t)]) * d,
+                                sz(d) * sizeof(float), cudaMemcpyDeviceToDevice, s));
+  }
+  const float* delta = nullptr;  // the previous block's output, added into h by the next norm
+  for (std::size_t l = 0; l < m.layers.size(); ++l) {
+    const Layer& layer = m.layers[l];
+    PD_TRY(rmsNormResidual(m.h.data(), delta, layer.input_norm, m.xn.data(), n, d, m.eps, m.stream));
+    PD_TRY(m.attentionBlock(layer, static_cast<i64>(l), plan));
+    PD_TRY(rmsNormResidual(m.h.data(), m.attn_out.data(), layer.post_norm, m.xn.data(), n, d, m.eps, m.stream));
+    if (layer.moe) {
+      PD_TRY(m.moeBlock(layer, n));
+    } else {
+      PD_TRY(m.runMlp(layer.dense, m.xn.data(), n, m.ffn_out.data()));
+    }
+    delta = m.ffn_out.data();
+  }
+  PD_TRY(rmsNormResidual(m.h.data(), delta, m.final_norm, m.xn.data(), n, d, m.eps, m.stream));
+  PD_TRY(m.apply(m.head, m.xn.data(), d, n, m.logits.data(), c.vocab_size));
+  std::vector<float> logits(sz(n * c.vocab_size));
+  PD_TRY(m.logits.copyToHost(logits, m.stream));
+  PD_TRY(m.stream.synchronize());
+  return logits;
+}
+
+}  // namespace pd::gpu

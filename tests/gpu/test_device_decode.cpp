@@ -1,0 +1,213 @@
+// The device decode step (engine/cuda/device_decode_step.h) against the CPU engine on the golden
+// tiny-bf16 and tiny-fp8 checkpoints in the fp32 numerics mode: a batch of three sequences that
+// join at different steps (so every step mixes context lengths, across cache block boundaries),
+// fed the same tokens on both sides, logits within the golden tolerance (max |d| <= 1e-3) and
+// greedy tokens equal at every step. Also: a bad batch is InvalidArgument with nothing launched,
+// and device memory returns to its baseline after repeated create / step / destroy. Where no
+// device is visible the program prints why and exits 77 (ctest: skipped, never passed).
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <vector>
+
+#include "device_decode_step.h"
+#include "device_ops.h"
+#include "device_weights.h"
+#include "pd/engine/engine.h"
+#include "pd/engine/gpu.h"
+#include "pd/engine/latent_cache.h"
+#include "pd/engine/model_config.h"
+#include "pd/engine/safetensors.h"
+
+namespace {
+
+namespace fs = std::filesystem;
+using pd::gpu::DecodeSequence;
+using pd::gpu::DeviceDecodeStep;
+using pd::gpu::DeviceWeights;
+
+constexpr double kLogitTolerance = 1e-3;  // tests/data/golden/README.md, float32 implementations
+constexpr std::int64_t kBlockSize = 4;    // small, so contexts cross block boundaries
+constexpr std::int64_t kBlocksPerSequence = 8;
+constexpr std::int64_t kSequences = 3;
+
+fs::path golden(const char* name) {
+  return fs::path(PD_TEST_DATA_DIR) / "golden" / name;
+}
+
+DeviceWeights::Options uploadOptions() {
+  DeviceWeights::Options o;
+  o.serving = pd::gpu::DeviceServingShape{kSequences * kBlocksPerSequence, kBlockSize, pd::DType::F32, 64, 256, 64};
+  return o;
+}
+
+std::int32_t argmax(const float* row, std::int64_t n) {
+  return static_cast<std::int32_t>(std::max_element(row, row + n) - row);
+}
+
+// Sequence s joins at step joins[s] with prompt prompts[s], then continues with the CPU's greedy
+// token; both engines get the same batch every step.
+void runParity(const char* name, int steps) {
+  const fs::path dir = golden(name);
+  auto ckpt = pd::Checkpoint::open(dir);
+  ASSERT_TRUE(ckpt.ok()) << ckpt.error().toString();
+  auto config = pd::ModelConfig::load(dir);
+  ASSERT_TRUE(config.ok()) << config.error().toString();
+  const pd::ModelConfig& c = *config;
+  auto weights = DeviceWeights::upload(*ckpt, c, uploadOptions());
+  ASSERT_TRUE(weights.ok()) << weights.error().toString();
+  auto gpu = DeviceDecodeStep::create(*weights, c, {{kSequences * kBlocksPerSequence, kBlockSize}});
+  ASSERT_TRUE(gpu.ok()) << gpu.error().toString();
+  pd::model::CpuEngineOptions cpu_options;
+  cpu_options.threads = 1;
+  cpu_options.prefault_weights = false;
+  auto cpu = pd::model::createCpuEngine(dir, cpu_options);
+  ASSERT_TRUE(cpu.ok()) << cpu.error().toString();
+  auto cache = pd::model::PagedLatentCache::create(c, kSequences * kBlocksPerSequence, kBlockSize, pd::DType::F32);
+  ASSERT_TRUE(cache.ok()) << cache.error().toString();
+
+  const std::vector<std::vector<std::int32_t>> prompts{{5, 17, 300, 42}, {1000, 7}, {2047, 0, 9, 9, 9, 128}};
+  const std::vector<int> joins{0, 2, 5};
+  std::vector<std::vector<std::int32_t>> tables(kSequences);
+  for (std::int64_t s = 0; s < kSequences; ++s) {
+    // Interleaved block ids, so neighbouring blocks of a sequence are not neighbours in the pool.
+    for (std::int64_t b = 0; b < kBlocksPerSequence; ++b) {
+      tables[static_cast<std::size_t>(s)].push_back(static_cast<std::int32_t>(b * kSequences + (kSequences - 1 - s)));
+    }
+  }
+  std::vector<std::int64_t> pos(kSequences, 0);
+  std::vector<std::int32_t> next(kSequences, 0);
+  double worst = 0.0;
+  int compared_rows = 0;
+  for (int step = 0; step < steps; ++step) {
+    std::vector<std::size_t> active;
+    for (std::size_t s = 0; s < static_cast<std::size_t>(kSequences); ++s) {
+      if (step < joins[s]) continue;
+      const auto i = static_cast<std::size_t>(pos[s]);
+      next[s] = i < prompts[s].size() ? prompts[s][i] : next[s];
+      active.push_back(s);
+    }
+    std::vector<pd::model::SequenceChunk> chunks;
+    std::vector<DecodeSequence> seqs;
+    for (const std::size_t s : active) {
+      pd::model::SequenceChunk chunk;
+      chunk.tokens = std::span<const std::int32_t>(&next[s], 1);
+      chunk.start_pos = pos[s];
+      chunk.block_table = tables[s];
+      chunks.push_back(chunk);
+      seqs.push_back({next[s], pos[s], tables[s]});
+    }
+    pd::model::ForwardOptions fo;
+    fo.attention = pd::model::AttentionPath::Absorbed;
+    fo.logits = pd::model::OutputRows::Last;
+    auto want = (*cpu)->forward(chunks, cache->view(), fo);
+    ASSERT_TRUE(want.ok()) << want.error().toString();
+    auto got = (*gpu)->step(seqs);
+    ASSERT_TRUE(got.ok()) << got.error().toString();
+    const std::int64_t v = c.vocab_size;
+    ASSERT_EQ(got->size(), want->logits.size());
+    for (std::size_t k = 0; k < active.size(); ++k) {
+      const float* w = want->logits.data() + static_cast<std::int64_t>(k) * v;
+      const float* g = got->data() + static_cast<std::int64_t>(k) * v;
+      double row_worst = 0.0;
+      for (std::int64_t j = 0; j < v; ++j) row_worst = std::max(row_worst, std::fabs(double{w[j]} - g[j]));
+      worst = std::max(worst, row_worst);
+      ++compared_rows;
+      EXPECT_LE(row_worst, kLogitTolerance)
+          << name << " step " << step << " sequence " << active[k] << " position " << pos[active[k]];
+      const std::int32_t greedy = argmax(w, v);
+      EXPECT_EQ(argmax(g, v), greedy) << name << " step " << step << " sequence " << active[k];
+      const std::size_t s = active[k];
+      ++pos[s];
+      next[s] = greedy;
+    }
+  }
+  std::printf("%s: %d steps, %d logit rows, max |gpu - cpu| = %.3g (tolerance %.0e)\n", name, steps, compared_rows,
+              worst, kLogitTolerance);
+  EXPECT_GT(compared_rows, 3 * steps / 2);
+}
+
+TEST(DeviceDecode, TinyBf16MatchesCpuEngine) {
+  runParity("tiny-bf16", 14);
+}
+
+TEST(DeviceDecode, TinyFp8MatchesCpuEngine) {
+  runParity("tiny-fp8", 14);
+}
+
+TEST(DeviceDecode, BadBatchIsInvalidArgument) {
+  const fs::path dir = golden("tiny-bf16");
+  auto ckpt = pd::Checkpoint::open(dir);
+  ASSERT_TRUE(ckpt.ok());
+  auto config = pd::ModelConfig::load(dir);
+  ASSERT_TRUE(config.ok());
+  auto weights = DeviceWeights::upload(*ckpt, *config, uploadOptions());
+  ASSERT_TRUE(weights.ok()) << weights.error().toString();
+  auto gpu = DeviceDecodeStep::create(*weights, *config, {{8, kBlockSize}});
+  ASSERT_TRUE(gpu.ok()) << gpu.error().toString();
+  const std::vector<std::int32_t> table{0, 1};
+  // 40 blocks (repeated ids) reach position 39, past the cache's 8 x 4 positions.
+  const std::vector<std::int32_t> long_table(40, 0);
+  for (const DecodeSequence bad :
+       {DecodeSequence{99999, 0, table}, DecodeSequence{1, 8, table},
+        DecodeSequence{1, 0, std::span<const std::int32_t>()}, DecodeSequence{1, 39, long_table}}) {
+    auto r = (*gpu)->step(std::vector<DecodeSequence>{bad});
+    ASSERT_FALSE(r.ok());
+    EXPECT_EQ(r.error().code, pd::ErrorCode::InvalidArgument) << r.error().toString();
+  }
+  // Still usable after refusing.
+  auto ok = (*gpu)->step(std::vector<DecodeSequence>{{1, 0, table}});
+  ASSERT_TRUE(ok.ok()) << ok.error().toString();
+  EXPECT_EQ(static_cast<std::int64_t>(ok->size()), config->vocab_size);
+}
+
+TEST(DeviceDecode, DeviceMemoryReturnsToBaseline) {
+  const fs::path dir = golden("tiny-fp8");
+  auto ckpt = pd::Checkpoint::open(dir);
+  ASSERT_TRUE(ckpt.ok());
+  auto config = pd::ModelConfig::load(dir);
+  ASSERT_TRUE(config.ok());
+  auto weights = DeviceWeights::upload(*ckpt, *config, uploadOptions());
+  ASSERT_TRUE(weights.ok()) << weights.error().toString();
+  const std::vector<std::int32_t> table{0, 1};
+  {  // the first create pays cuBLAS's one-time allocations
+    auto gpu = DeviceDecodeStep::create(*weights, *config, {{8, kBlockSize}});
+    ASSERT_TRUE(gpu.ok()) << gpu.error().toString();
+  }
+  auto baseline = pd::gpu::deviceMemoryInfo();
+  ASSERT_TRUE(baseline.ok());
+  for (int i = 0; i < 10; ++i) {
+    auto gpu = DeviceDecodeStep::create(*weights, *config, {{8, kBlockSize}});
+    ASSERT_TRUE(gpu.ok()) << gpu.error().toString();
+    for (int p = 0; p < 5; ++p) {
+      auto r = (*gpu)->step(std::vector<DecodeSequence>{{3, p, table}});
+      ASSERT_TRUE(r.ok()) << r.error().toString();
+    }
+  }
+  auto after = pd::gpu::deviceMemoryInfo();
+  ASSERT_TRUE(after.ok());
+  const std::int64_t lost = static_cast<std::int64_t>(baseline->free) - static_cast<std::int64_t>(after->free);
+  std::printf("free device memory: %llu before, %llu after 10 create/step/destroy rounds\n",
+              static_cast<unsigned long long>(baseline->free), static_cast<unsigned long long>(after->free));
+  EXPECT_LT(lost, std::int64_t{8} << 20) << "device memory leaked";
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  ::testing::InitGoogleTest(&argc, argv);
+  if (pd::gpu::deviceCount() == 0) {
+    std::printf("SKIPPED: no CUDA device visible (built with CUDA: %s); the device decode tests did not run\n",
+                pd::gpu::builtWithCuda() ? "yes" : "no");
+    return 77;
+  }
+  const int rc = RUN_ALL_TESTS();
+  if (::testing::UnitTest::GetInstance()->test_to_run_count() == 0) {
+    std::printf("FAILED: the filter selected no test, so nothing was checked\n");
+    return 1;
+  }
+  return rc;
+}

@@ -1,0 +1,210 @@
+// The device decode step's host side (engine/cuda/decode_step_plan.h): a step's batch checked
+// against the model and the device cache before anything is launched, and laid out for the
+// device. Host arithmetic: runs in every build, GPU or not.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <filesystem>
+#include <random>
+#include <vector>
+
+#include "decode_step_plan.h"
+#include "device_math.h"
+#include "pd/engine/model_config.h"
+
+namespace {
+
+namespace fs = std::filesystem;
+using pd::gpu::DecodeCacheShape;
+using pd::gpu::DecodeSequence;
+using pd::gpu::planDecodeStep;
+
+pd::ModelConfig tiny() {
+  auto c = pd::ModelConfig::load(fs::path(PD_TEST_DATA_DIR) / "golden" / "tiny-bf16");
+  EXPECT_TRUE(c.ok()) << c.error().toString();
+  return *c;
+}
+
+TEST(DecodeStepPlan, LaysOutAMixedLengthBatch) {
+  const pd::ModelConfig c = tiny();
+  const DecodeCacheShape cache{32, 4};
+  const std::vector<std::int32_t> a{3, 7};       // positions 0..7
+  const std::vector<std::int32_t> b{5};          // positions 0..3
+  const std::vector<std::int32_t> t{9, 10, 11};  // positions 0..11 (only 0..8 needed)
+  const std::vector<DecodeSequence> batch{{17, 5, a}, {2, 0, b}, {2047, 8, t}};
+  auto plan = planDecodeStep(c, cache, batch);
+  ASSERT_TRUE(plan.ok()) << plan.error().toString();
+  EXPECT_EQ(plan->tokens, 3);
+  EXPECT_EQ(plan->token_ids, (std::vector<std::int32_t>{17, 2, 2047}));
+  EXPECT_EQ(plan->positions, (std::vector<std::int64_t>{5, 0, 8}));
+  EXPECT_EQ(plan->ctx_len, (std::vector<std::int64_t>{6, 1, 9}));
+  // Only the blocks each context needs: 2, 1 and 3 (position 8 is block 2's offset 0).
+  EXPECT_EQ(plan->block_tables, (std::vector<std::int32_t>{3, 7, 5, 9, 10, 11}));
+  EXPECT_EQ(plan->table_begin, (std::vector<std::int64_t>{0, 2, 3}));
+  EXPECT_EQ(plan->write_slot, (std::vector<std::int64_t>{7 * 4 + 1, 5 * 4 + 0, 11 * 4 + 0}));
+  EXPECT_EQ(plan->max_context, 9);
+}
+
+void expectInvalid(const pd::ModelConfig& c, const DecodeCacheShape& cache, const std::vector<DecodeSequence>& batch,
+                   const std::string& fragment) {
+  auto plan = planDecodeStep(c, cache, batch);
+  ASSERT_FALSE(plan.ok()) << "accepted: " << fragment;
+  EXPECT_EQ(plan.error().code, pd::ErrorCode::InvalidArgument);
+  EXPECT_NE(plan.error().message.find(fragment), std::string::npos) << plan.error().toString();
+}
+
+TEST(DecodeStepPlan, RejectsBadBatches) {
+  const pd::ModelConfig c = tiny();
+  const DecodeCacheShape cache{8, 4};
+  const std::vector<std::int32_t> one{0};
+  const std::vector<std::int32_t> two{1, 2};
+  expectInvalid(c, cache, {}, "0 sequences");
+  expectInvalid(c, cache, std::vector<DecodeSequence>(65, {1, 0, one}), "65 sequences");
+  expectInvalid(c, cache, {{-1, 0, one}}, "token id -1");
+  expectInvalid(c, cache, {{2048, 0, one}}, "token id 2048");
+  expectInvalid(c, cache, {{1, -1, one}}, "position -1");
+  expectInvalid(c, cache, {{1, 256, std::vector<std::int32_t>(64, 0)}}, "position 256");  // max_position_embeddings
+  expectInvalid(c, cache, {{1, 4, one}}, "cannot hold position 4");
+  expectInvalid(c, cache, {{1, 0, std::vector<std::int32_t>{8}}}, "block id 8");
+  expectInvalid(c, cache, {{1, 5, std::vector<std::int32_t>{0, -3}}}, "block id -3");
+  // Two sequences writing position 1 of block 0: the second would overwrite the first's latent.
+  expectInvalid(c, cache, {{1, 1, one}, {1, 1, one}}, "another sequence");
+  expectInvalid(c, DecodeCacheShape{0, 4}, {{1, 0, one}}, "cache of 0 blocks");
+  // The same block at different offsets is fine (a shared prefix block is read, not written).
+  EXPECT_TRUE(planDecodeStep(c, cache, {{{1, 5, two}, {1, 2, std::vector<std::int32_t>{1}}}}).ok());
+  EXPECT_TRUE(planDecodeStep(c, cache, std::vector<DecodeSequence>(1, {1, 0, one})).ok());
+}
+
+TEST(DecodeStepPlan, ChecksTheModel) {
+  pd::ModelConfig c = tiny();
+  EXPECT_TRUE(pd::gpu::checkDecodeModel(c).ok());
+  pd::ModelConfig wide = c;
+  wide.kv_lora_rank = 1020;  // latent 1036 > the kernel's 1024
+  auto s = pd::gpu::checkDecodeModel(wide);
+  ASSERT_FALSE(s.ok());
+  EXPECT_EQ(s.error().code, pd::ErrorCode::Unsupported);
+  pd::ModelConfig odd = c;
+  odd.qk_rope_head_dim = 15;
+  EXPECT_FALSE(pd::gpu::checkDecodeModel(odd).ok());
+  pd::ModelConfig groups = c;
+  groups.n_group = 3;  // 16 experts do not split into 3 groups
+  EXPECT_FALSE(pd::gpu::checkDecodeModel(groups).ok());
+  pd::ModelConfig topk = c;
+  topk.num_experts_per_tok = 17;
+  EXPECT_FALSE(pd::gpu::checkDecodeModel(topk).ok());
+}
+
+std::vector<float> randomVector(std::size_t n, std::mt19937& rng) {
+  std::uniform_real_distribution<float> u(-1.0F, 1.0F);
+  std::vector<float> v(n);
+  for (float& x : v) x = u(rng);
+  return v;
+}
+
+// The element the gemm must write (an index into the [tokens, heads, width] output) equals the
+// CPU engine's formula, summed in the same order; everything else stays untouched.
+void expectSameAs(const std::vector<float>& got, const std::vector<float>& want, const char* what) {
+  ASSERT_EQ(got.size(), want.size());
+  for (std::size_t i = 0; i < got.size(); ++i) {
+    if (std::isnan(want[i])) {
+      ASSERT_TRUE(std::isnan(got[i])) << what << ": element " << i << " written but outside the product";
+    } else {
+      ASSERT_EQ(got[i], want[i]) << what << ": element " << i;
+    }
+  }
+}
+
+// The absorbed attention's two per-head products, as the device step hands them to cuBLAS, against
+// the CPU engine's absorbedAttention formulas (odd sizes, so a stride mix-up cannot hide).
+TEST(DecodeStepPlan, AbsorbedGemmsIndexLikeTheCpuEngine) {
+  std::vector<pd::ModelConfig> configs{tiny()};
+  pd::ModelConfig odd = tiny();
+  odd.num_attention_heads = 3;
+  odd.kv_lora_rank = 11;
+  odd.qk_nope_head_dim = 5;
+  odd.qk_rope_head_dim = 4;
+  odd.v_head_dim = 7;
+  configs.push_back(odd);
+  std::mt19937 rng(7);
+  for (const pd::ModelConfig& c : configs) {
+    for (const std::int64_t n : {1, 3, 64}) {
+      const std::int64_t heads = c.num_attention_heads;
+      const std::int64_t dn = c.qk_nope_head_dim;
+      const std::int64_t dv = c.v_head_dim;
+      const std::int64_t qk = c.qkHeadDim();
+      const std::int64_t r = c.kv_lora_rank;
+      const std::int64_t ld = c.latentDim();
+      const auto z = [](std::int64_t v) { return static_cast<std::size_t>(v); };
+      const std::vector<float> kv_b = randomVector(z(heads * (dn + dv) * r), rng);
+      const std::vector<float> q = randomVector(z(n * heads * qk), rng);
+      const std::vector<float> o_lat = randomVector(z(n * heads * ld), rng);
+      const float nan = std::nanf("");
+      // q_cat[t][h][c] = sum_j kv_b[h(dn+dv) + j][c] q[t][h][j], c < r; the rope columns untouched.
+      std::vector<float> want(z(n * heads * ld), nan);
+      for (std::int64_t t = 0; t < n; ++t) {
+        for (std::int64_t h = 0; h < heads; ++h) {
+          for (std::int64_t col = 0; col < r; ++col) {
+            float sum = 0.0F;
+            for (std::int64_t j = 0; j < dn; ++j)
+              sum += kv_b[z((h * (dn + dv) + j) * r + col)] * q[z((t * heads + h) * qk + j)];
+            want[z((t * heads + h) * ld + col)] = sum;
+          }
+        }
+      }
+      std::vector<float> got(z(n * heads * ld), nan);
+      pd::gpu::referenceGemm(pd::gpu::absorbQueryGemm(c, n), kv_b.data(), q.data(), got.data());
+      expectSameAs(got, want, "absorbQueryGemm");
+      // o[t][h][i] = sum_c kv_b[h(dn+dv) + dn + i][c] o_lat[t][h][c], c < r.
+      std::vector<float> want_o(z(n * heads * dv), nan);
+      for (std::int64_t t = 0; t < n; ++t) {
+        for (std::int64_t h = 0; h < heads; ++h) {
+          for (std::int64_t i = 0; i < dv; ++i) {
+            float sum = 0.0F;
+            for (std::int64_t col = 0; col < r; ++col) {
+              sum += kv_b[z((h * (dn + dv) + dn + i) * r + col)] * o_lat[z((t * heads + h) * ld + col)];
+            }
+            want_o[z((t * heads + h) * dv + i)] = sum;
+          }
+        }
+      }
+      std::vector<float> got_o(z(n * heads * dv), nan);
+      pd::gpu::referenceGemm(pd::gpu::valueUpGemm(c, n), kv_b.data(), o_lat.data(), got_o.data());
+      expectSameAs(got_o, want_o, "valueUpGemm");
+    }
+  }
+}
+
+// y[t * y_stride + row] = W[row] . x[t * x_stride ...] with strides wider than the rows.
+TEST(DecodeStepPlan, LinearGemmIndexesRowMajorWeights) {
+  std::mt19937 rng(11);
+  const std::int64_t rows = 13, cols = 9, n = 5, xs = 12, ys = 17;
+  const std::vector<float> w = randomVector(rows * cols, rng);
+  const std::vector<float> x = randomVector(n * xs, rng);
+  std::vector<float> want(n * ys, std::nanf(""));
+  for (std::int64_t t = 0; t < n; ++t) {
+    for (std::int64_t row = 0; row < rows; ++row) {
+      float sum = 0.0F;
+      for (std::int64_t col = 0; col < cols; ++col)
+        sum += w[static_cast<std::size_t>(row * cols + col)] * x[static_cast<std::size_t>(t * xs + col)];
+      want[static_cast<std::size_t>(t * ys + row)] = sum;
+    }
+  }
+  std::vector<float> got(n * ys, std::nanf(""));
+  pd::gpu::referenceGemm(pd::gpu::linearGemm(rows, cols, n, xs, ys), w.data(), x.data(), got.data());
+  expectSameAs(got, want, "linearGemm");
+}
+
+// The SwiGLU activation the device MLP applies (math::siluMul) against the CPU engine's
+// `silu(g) * u` (silu as cpu_engine.cpp writes it: x / (1 + exp(-x))), bit for bit.
+TEST(DecodeStepPlan, SiluMulIsTheCpuEnginesActivation) {
+  std::mt19937 rng(3);
+  std::uniform_real_distribution<float> u(-30.0F, 30.0F);
+  for (int i = 0; i < 100000; ++i) {
+    const float g = u(rng);
+    const float up = u(rng);
+    const float cpu = g / (1.0F + std::exp(-g)) * up;
+    ASSERT_EQ(pd::gpu::math::siluMul(g, up), cpu) << g << " " << up;
+  }
+}
+
+}  // namespace
