@@ -247,6 +247,8 @@ std::string toJson(const DecodeOpen& v) {
                  {"kv_timeout_ms", v.kv_timeout_ms},
                  {"prefill_attempts", v.prefill_attempts}};
   if (!v.traceparent.empty()) o["traceparent"] = v.traceparent;
+  if (!v.constraint.empty()) o["constraint"] = v.constraint;
+  if (!v.tool_call_format.empty()) o["tool_call_format"] = v.tool_call_format;
   return dump(o);
 }
 
@@ -266,6 +268,8 @@ Result<DecodeOpen> parseDecodeOpen(std::string_view text) {
   r.integer("kv_timeout_ms", v.kv_timeout_ms, false, 1, std::int64_t{24} * 3600 * 1000);
   r.integer("prefill_attempts", v.prefill_attempts, false, 1, 100);
   r.str("traceparent", v.traceparent, false, kMaxTraceparentBytes);
+  r.str("constraint", v.constraint, false, kMaxConstraintBytes);
+  r.str("tool_call_format", v.tool_call_format, false, kMaxToolCallFormatBytes);
   if (!r.ok()) return r.status().error();
   return v;
 }
@@ -383,6 +387,8 @@ std::string toJson(const PrefillSubmit& v) {
                  {"timeout_ms", v.timeout_ms}};
   if (!v.kv_descriptor_tag.empty()) o["kv_descriptor_tag"] = v.kv_descriptor_tag;
   if (!v.traceparent.empty()) o["traceparent"] = v.traceparent;
+  if (!v.constraint.empty()) o["constraint"] = v.constraint;
+  if (!v.tool_call_format.empty()) o["tool_call_format"] = v.tool_call_format;
   return dump(o);
 }
 
@@ -402,6 +408,8 @@ Result<PrefillSubmit> parsePrefillSubmit(std::string_view text) {
   r.str("kv_descriptor_tag", v.kv_descriptor_tag, false, 64);
   r.integer("timeout_ms", v.timeout_ms, false, 1, std::int64_t{24} * 3600 * 1000);
   r.str("traceparent", v.traceparent, false, kMaxTraceparentBytes);
+  r.str("constraint", v.constraint, false, kMaxConstraintBytes);
+  r.str("tool_call_format", v.tool_call_format, false, kMaxToolCallFormatBytes);
   if (!r.ok()) return r.status().error();
   auto bytes = base64Decode(b64);
   if (!bytes.ok())

@@ -316,7 +316,13 @@ void PrefillEngine::finishPrompt(std::vector<Running*>& done) {
   std::vector<model::SampledToken> first;
   for (Running* r : done) {
     model::Sampler sampler(r->request.sampling);
-    first.push_back(sampler.sample(r->last_logits));
+    std::vector<structured::MaskWord> allowed;  // empty: free text
+    if (r->request.grammar) {
+      // The first token is sampled under the constraint like every later one (decode checks it).
+      allowed.resize(r->request.grammar->vocabulary().maskWords());
+      structured::Matcher(r->request.grammar).fillMask(allowed);
+    }
+    first.push_back(sampler.sample(r->last_logits, allowed));
   }
   if (cfg.num_nextn_predict_layers > 0) {
     // MTP row i pairs token i+1 with final hidden state i; the last row takes the first sampled token.

@@ -8,6 +8,7 @@
 #include <optional>
 #include <utility>
 
+#include "chat_output.h"
 #include "cpu_pool.h"
 #include "deadline_scheduler.h"
 #include "json_writer.h"
@@ -100,6 +101,10 @@ struct FrontEnd {
         request_timeout(o.request_timeout),
         retry_after(o.retry_after),
         api_keys(o.api_keys),
+        grammars(o.grammars),
+        tool_parser(o.tool_parser),
+        reasoning_parser(o.reasoning_parser),
+        prompt_opens_think(o.prompt_opens_think),
         key_limiter(o.api_keys.limits()),
         backend(b),
         renderer(pr),
@@ -125,6 +130,10 @@ struct FrontEnd {
   const std::chrono::milliseconds request_timeout;
   const std::chrono::seconds retry_after;
   const ApiKeySet api_keys;
+  const std::shared_ptr<structured::GrammarCache> grammars;
+  const std::optional<structured::ToolCallFormat> tool_parser;
+  const bool reasoning_parser;
+  const bool prompt_opens_think;
   KeyLimiter key_limiter;
   CompletionBackend& backend;
   const PromptRenderer& renderer;
@@ -177,8 +186,9 @@ class RequestState final : public TokenSink, public std::enable_shared_from_this
  public:
   RequestState(std::shared_ptr<FrontEnd> fe, http::Exchange exchange, ResponseShape shape, bool stream,
                std::string endpoint, std::vector<TokenId> prompt_ids, Clock::time_point received,
-               KeyLimiter::Lease lease)
-      : fe_(std::move(fe)),
+               KeyLimiter::Lease lease, std::unique_ptr<ChatOutputParser> parser)
+      : parser_(std::move(parser)),
+        fe_(std::move(fe)),
         exchange_(std::move(exchange)),
         shape_(std::move(shape)),
         stream_(stream),
@@ -199,6 +209,7 @@ class RequestState final : public TokenSink, public std::enable_shared_from_this
     last_token_at_ = now;
     completion_tokens_ += static_cast<std::int64_t>(delta.token_ids.size());
     std::string text = sanitizer_.push(delta.text);
+    if (parser_) return parsedTokensLocked(std::move(text), delta);
     if (!stream_) {
       text_ += text;
       ids_.insert(ids_.end(), delta.token_ids.begin(), delta.token_ids.end());
@@ -222,8 +233,10 @@ class RequestState final : public TokenSink, public std::enable_shared_from_this
       settleLeaseLocked();  // before the answer: a client that saw it may send its next request at once
       std::string tail = sanitizer_.push(finish.text);
       tail += sanitizer_.finish();
-      const Usage usage{static_cast<std::int64_t>(prompt_ids_.size()), completion_tokens_, end.cached_prompt_tokens};
-      if (stream_) {
+      Usage usage{static_cast<std::int64_t>(prompt_ids_.size()), completion_tokens_, end.cached_prompt_tokens};
+      if (parser_) {
+        parsedFinishLocked(std::move(tail), end, usage);
+      } else if (stream_) {
         beginStreamLocked();
         if (!tail.empty()) exchange_.write(deltaChunk(shape_, tail, {}, {}, cursor_, promptIdsForChunk()));
         exchange_.write(finishChunk(shape_, end.reason, promptIdsForChunk()));
@@ -312,6 +325,68 @@ class RequestState final : public TokenSink, public std::enable_shared_from_this
  private:
   void leaveQueue() { fe_->metrics.waiting.set(static_cast<double>(--fe_->waiting)); }
 
+  /// onTokens with a ChatOutputParser: content, reasoning and tool calls split out of the text.
+  void parsedTokensLocked(std::string text, TokenDelta& delta) {
+    const bool was_reasoning = parser_->inReasoning();
+    ChatOutputParser::Piece piece = parser_->feed(text);
+    // A stream event's tokens count as reasoning when the parser was inside the reasoning before
+    // or after them, or they added to it: the tokens that open and close it count (exact when each
+    // event carries one token, i.e. without MTP).
+    if (was_reasoning || parser_->inReasoning() || !piece.parts.reasoning.empty()) {
+      reasoning_tokens_ += static_cast<std::int64_t>(delta.token_ids.size());
+    }
+    if (!stream_) {
+      addPieceLocked(std::move(piece));
+      ids_.insert(ids_.end(), delta.token_ids.begin(), delta.token_ids.end());
+      for (auto& lp : delta.logprobs) logprobs_.push_back(std::move(lp));
+      return;
+    }
+    beginStreamLocked();
+    const bool has_payload =
+        !piece.empty() || (!delta.token_ids.empty() && (shape_.return_token_ids || shape_.logprobs));
+    if (!has_payload) return;
+    exchange_.write(chatPartsChunk(shape_, piece.content, piece.parts, delta.token_ids, delta.logprobs, cursor_));
+  }
+
+  void addPieceLocked(ChatOutputParser::Piece piece) {
+    text_ += piece.content;
+    message_parts_.reasoning += piece.parts.reasoning;
+    for (auto& d : piece.parts.tool_calls) {
+      if (d.index >= message_parts_.tool_calls.size()) message_parts_.tool_calls.resize(d.index + 1);
+      structured::ToolCall& call = message_parts_.tool_calls[d.index];
+      if (!d.id.empty()) call.id = std::move(d.id);
+      if (!d.name.empty()) call.name = std::move(d.name);
+      call.arguments += d.arguments;
+    }
+  }
+
+  /// onFinish with a ChatOutputParser: the parsers' held-back text, then the finish.
+  void parsedFinishLocked(std::string tail, const GenerationEnd& end, Usage& usage) {
+    ChatOutputParser::Piece piece = parser_->feed(tail);
+    ChatOutputParser::Piece last = parser_->finish();
+    piece.content += last.content;
+    piece.parts.reasoning += last.parts.reasoning;
+    for (auto& c : last.parts.tool_calls) piece.parts.tool_calls.push_back(std::move(c));
+    if (parser_->parsesReasoning()) usage.reasoning_tokens = reasoning_tokens_;
+    const bool tool_calls = parser_->sawToolCalls();
+    if (stream_) {
+      beginStreamLocked();
+      if (!piece.empty()) exchange_.write(chatPartsChunk(shape_, piece.content, piece.parts, {}, {}, cursor_));
+      exchange_.write(finishChunk(shape_, end.reason, nullptr, tool_calls));
+      if (shape_.include_usage) exchange_.write(usageChunk(shape_, usage));
+      exchange_.write(std::string(kSseDone));
+      exchange_.end();
+      return;
+    }
+    addPieceLocked(std::move(piece));
+    message_parts_.reasoning_parsed = parser_->parsesReasoning();
+    http::Response r = http::Response::withBody(
+        200, std::string(kJson),
+        fullResponse(shape_, text_, ids_, logprobs_, end.reason, usage, prompt_ids_, &message_parts_));
+    r.headers.push_back({"X-Request-Id", shape_.id});
+    exchange_.respond(std::move(r));
+  }
+
   void beginStreamLocked() {
     if (stream_started_) return;
     stream_started_ = true;
@@ -384,6 +459,7 @@ class RequestState final : public TokenSink, public std::enable_shared_from_this
     if (control != nullptr) control->abort();
   }
 
+  const std::unique_ptr<ChatOutputParser> parser_;  ///< chat with tools or reasoning parsing; else null
   const std::shared_ptr<FrontEnd> fe_;
   http::Exchange exchange_;
   const ResponseShape shape_;
@@ -408,6 +484,8 @@ class RequestState final : public TokenSink, public std::enable_shared_from_this
   std::string text_;  ///< non-streaming: accumulated output
   std::vector<TokenId> ids_;
   std::vector<LogprobEntry> logprobs_;
+  std::int64_t reasoning_tokens_ = 0;
+  ChatMessageParts message_parts_;  ///< non-streaming with a parser: reasoning and tool calls
 };
 
 std::string_view endpointLabel(Endpoint e) {
@@ -543,6 +621,31 @@ class ApiServer::Impl {
     ex.respond(http::Response::withBody(200, std::string(kJson), w.take()));
   }
 
+  /// Checks a request's output constraint by compiling it (the workers compile the same text with
+  /// the same options); sets its worker-API form. The error to answer, or nullopt.
+  std::optional<ApiError> checkOutputControls(const CompletionParams& p, std::string& constraint, std::string& format) {
+    if (!p.constraint.constrained()) return std::nullopt;
+    const bool tool_calls = p.constraint.kind == structured::ResponseConstraint::Kind::ToolCalls;
+    if (!fe_->grammars) {
+      return invalidRequest(tool_calls ? "'tool_choice' required or a named function is not available on this server"
+                                       : "'response_format' json_object / json_schema is not available on this server");
+    }
+    if (tool_calls && !fe_->tool_parser) {
+      return invalidRequest(
+          "'tool_choice' required or a named function needs a tool-call format (router.tool_parser is none)");
+    }
+    if (p.ignore_eos) return invalidRequest("'ignore_eos' cannot be combined with 'response_format' or 'tool_choice'");
+    auto grammar = fe_->grammars->get(p.constraint);
+    if (!grammar.ok()) {
+      return invalidRequest(fmt::format("{}: {}", tool_calls ? "'tools'" : "'response_format.json_schema.schema'",
+                                        grammar.error().message));
+    }
+    constraint = structured::encodeConstraint(p.constraint);
+    format =
+        std::string(structured::toolCallFormatName(fe_->tool_parser.value_or(structured::ToolCallFormat::DeepSeekV3)));
+    return std::nullopt;
+  }
+
   /// The prompt's token ids, or the error to answer.
   Result<std::vector<TokenId>> promptIds(const CompletionParams& p) {
     if (p.endpoint == Endpoint::ChatCompletions) return fe_->renderer.renderChat(p.conversation);
@@ -584,11 +687,15 @@ class ApiServer::Impl {
     auto parsed = parseCompletionRequest(endpoint, req.body);
     if (!parsed.ok()) return reject(ex, label, invalidRequest(parsed.error().message));
     CompletionParams p = std::move(parsed).value();
+    std::string g_constraint;
+    std::string g_format;
     if (p.model != fe_->served_model_name) {
       return reject(ex, label,
                     ApiError{404, "invalid_request_error", "model_not_found",
                              "the requested model does not exist; GET /v1/models lists the served model"});
     }
+
+    if (auto refused = checkOutputControls(p, g_constraint, g_format); refused) return reject(ex, label, *refused);
 
     auto prompt = promptIds(p);
     if (!prompt.ok()) {
@@ -666,12 +773,23 @@ class ApiServer::Impl {
     g.stop = std::move(p.stop);
     g.stop_token_ids = std::move(p.stop_token_ids);
     g.ignore_eos = p.ignore_eos;
+    g.constraint = std::move(g_constraint);
+    g.tool_call_format = std::move(g_format);
     g.deadline = received + fe_->request_timeout;
 
     ResponseShape shape{endpoint,           id,        unixSeconds(), fe_->served_model_name, p.include_usage,
                         p.return_token_ids, p.logprobs};
+    std::unique_ptr<ChatOutputParser> parser;
+    const bool tools_parsed = p.parse_tool_calls && fe_->tool_parser.has_value();
+    // A constrained answer is the value itself (JSON, or the tool-call section): no reasoning in it.
+    const bool reasoning = fe_->reasoning_parser && !p.constraint.constrained();
+    if (endpoint == Endpoint::ChatCompletions && (tools_parsed || reasoning)) {
+      parser =
+          std::make_unique<ChatOutputParser>(tools_parsed ? fe_->tool_parser : std::nullopt, reasoning,
+                                             fe_->prompt_opens_think, "call_" + id.substr(id.find('-') + 1, 24) + "_");
+    }
     auto state = std::make_shared<RequestState>(fe_, ex, std::move(shape), p.stream, std::string(label),
-                                                std::move(prompt_ids), received, std::move(lease));
+                                                std::move(prompt_ids), received, std::move(lease), std::move(parser));
     const std::weak_ptr<RequestState> weak = state;
     ex.onClientGone([weak] {
       if (auto s = weak.lock()) s->clientGone();

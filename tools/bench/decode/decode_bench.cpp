@@ -29,6 +29,9 @@
 #include "pd/engine/model_config.h"
 #include "pd/engine/model_factory.h"
 #include "pd/engine/thread_pool.h"
+#include "pd/structured/grammar.h"
+#include "pd/structured/token_vocabulary.h"
+#include "pd/structured/worker_grammars.h"
 #include "pd/tokenizer/chat_template.h"
 #include "pd/tokenizer/tokenizer.h"
 
@@ -106,6 +109,8 @@ struct RunSpec {
   std::int64_t drafts = 0;
   DType kv_dtype = DType::BF16;
   ScriptedDrafter::Choose draft_override;  // empty: the model's own drafts
+  // Every request's output constraint (null: free text); such requests stop only on max_tokens.
+  std::shared_ptr<const structured::Grammar> grammar;
 };
 
 // Steps `dec` until every request has produced spec.max_tokens tokens, timing the steps after
@@ -153,6 +158,27 @@ Result<DecodeRun> timeSteps(DecodeEngine& dec, MeteredEngine& engine, const RunS
   return r;
 }
 
+// [{"batch", "plain_step_ms", "schema_step_ms", "ratio"}] of the --schema runs.
+std::string schemaRowsJson(const std::vector<std::pair<std::int64_t, std::array<double, 2>>>& rows) {
+  std::string out = "[";
+  for (std::size_t i = 0; i < rows.size(); ++i) {
+    const auto& [batch, t] = rows[i];
+    out += fmt::format("{}{{\"batch\": {}, \"plain_step_ms\": {:.4f}, \"schema_step_ms\": {:.4f}, \"ratio\": {:.4f}}}",
+                       i ? ", " : "", batch, t[0] * 1e3, t[1] * 1e3, t[1] / t[0]);
+  }
+  return out + "]";
+}
+
+// The lowest token a constrained output may start with (the first token comes with the KV).
+std::int32_t firstAllowed(const std::shared_ptr<const structured::Grammar>& grammar) {
+  std::vector<structured::MaskWord> mask(grammar->vocabulary().maskWords());
+  structured::Matcher(grammar).fillMask(mask);
+  for (std::size_t w = 0; w < mask.size(); ++w) {
+    if (mask[w] != 0) return static_cast<std::int32_t>(w * 64 + static_cast<std::size_t>(__builtin_ctzll(mask[w])));
+  }
+  return 0;  // unreachable: a grammar allows a first token
+}
+
 // Admits `batch` requests whose prompt KV is random latents (a step's cost does not depend on
 // their values) and whose first token and hidden state are random, then steps the engine until
 // every request has produced max_tokens tokens (greedy, EOS ignored).
@@ -180,7 +206,8 @@ Result<DecodeRun> runDecode(MeteredEngine& engine, const RunSpec& spec, int thre
     req.id = static_cast<std::uint64_t>(i + 1);
     req.prompt_tokens = spec.context;
     req.max_tokens = spec.max_tokens;
-    req.ignore_eos = true;
+    req.ignore_eos = spec.grammar == nullptr;  // a constrained one cannot emit EOS before its value is complete
+    req.grammar = spec.grammar;
     std::vector<std::int32_t>* out = &r.outputs[static_cast<std::size_t>(i)];
     req.sink = [out](const decode::TokenEvent& e) {
       for (const auto& t : e.tokens) out->push_back(t.token);
@@ -195,6 +222,7 @@ Result<DecodeRun> runDecode(MeteredEngine& engine, const RunSpec& spec, int thre
     kvtransfer::CompletionRecord rec;
     rec.num_tokens = static_cast<std::uint32_t>(spec.context);
     rec.first_token = token(rng);
+    if (spec.grammar) rec.first_token = firstAllowed(spec.grammar);
     rec.hidden_state.resize(static_cast<std::size_t>(cfg.hidden_size));
     for (float& v : rec.hidden_state) v = normal(rng);
     PD_TRY(dec.onKvReady(static_cast<std::uint64_t>(i + 1), std::move(rec)));
@@ -408,6 +436,39 @@ Result<void> runDecodeBench(const DecodeBenchConfig& cfg) {
     }
   }
 
+  // The same batches with every sequence constrained to --schema, each right after a plain run
+  // (the machine's speed drifts between runs): the grammar's share of a decode step.
+  std::vector<std::pair<std::int64_t, std::array<double, 2>>> schema_rows;  // batch, {plain, schema} median s
+  if (!cfg.schema.empty()) {
+    const fs::path tok_dir = cfg.tokenizer.empty() ? model_dir : cfg.tokenizer;
+    auto tok = tokenizer::Tokenizer::load(tok_dir);
+    if (!tok.ok()) return tok.error();
+    const auto vocab_size = static_cast<std::size_t>((*engine)->config().vocab_size);
+    auto vocabulary = structured::TokenVocabulary::fromTokenizer(*tok, vocab_size);
+    if (!vocabulary.ok()) return vocabulary.error();
+    auto grammar = structured::Grammar::fromJsonSchema(cfg.schema, *vocabulary, structured::servingGrammarOptions());
+    if (!grammar.ok()) return grammar.error();
+    for (const std::int64_t b : cfg.batches) {
+      RunSpec spec;
+      spec.batch = b;
+      spec.context = context;
+      spec.max_tokens = 1 + 2 + steps;
+      spec.kv_dtype = pool_dtype;
+      auto plain = runDecode(metered, spec, caps.threads, 2000 + static_cast<std::uint64_t>(b));
+      if (!plain.ok()) return plain.error();
+      spec.grammar = *grammar;
+      auto constrained = runDecode(metered, spec, caps.threads, 2000 + static_cast<std::uint64_t>(b));
+      if (!constrained.ok()) return constrained.error();
+      const double p = plain->medianStep();
+      const double c = constrained->medianStep();
+      schema_rows.push_back({b, {p, c}});
+      if (!json) {
+        std::printf("decode batch %3lld with --schema: %8.2f ms/step vs %8.2f ms/step plain, ratio %.3f\n",
+                    static_cast<long long>(b), c * 1e3, p * 1e3, c / p);
+      }
+    }
+  }
+
   // MTP at batch 1: the plain greedy run gives the baseline and the continuation to propose.
   std::vector<MtpRow> mtp;
   double plain_tps = 0.0;
@@ -536,10 +597,11 @@ Result<void> runDecodeBench(const DecodeBenchConfig& cfg) {
         "\"context\": {}, \"decode\": {}, \"mbu_batch1\": {:.4f}, \"mtp_plain_tokens_per_s\": {:.3f}, \"mtp\": {}, "
         "\"mtp_speedup_at_p085\": {:.4f}, \"mtp_speedup_over_ideal\": {:.4f}, "
         "\"draft_override\": \"bench-only: proposes the greedy continuation with probability p\", "
-        "\"mtp_real_prompts\": {}, \"mtp_real_tokens\": {}, \"mtp_real\": {}, \"mtp_real_skipped\": {}}}",
+        "\"mtp_real_prompts\": {}, \"mtp_real_tokens\": {}, \"mtp_real\": {}, \"mtp_real_skipped\": {}, "
+        "\"schema\": {}}}",
         jsonString(model_dir.string()), dtypeName(caps.weight_dtype), caps.backend, caps.threads, weights, l3, over_l3,
         bandwidth / 1e9, kv_dtype, context, d, mbu1, plain_tps, m, speedup_085, over_ideal_085, kMtpQuestions.size(),
-        mtp_tokens, rm, jsonString(real_skipped));
+        mtp_tokens, rm, jsonString(real_skipped), schemaRowsJson(schema_rows));
     std::printf("%s\n", line.c_str());
   }
   return okStatus();

@@ -40,6 +40,13 @@ struct DecodeBenchConfig {
   std::vector<std::int64_t> mtp_ks{1};
   std::int64_t mtp_tokens = 40;  ///< tokens per MTP run at batch 1
   std::int64_t bandwidth_mb = 2048;
+  /// A JSON Schema: each batch size also runs with every sequence constrained to it (masks from
+  /// the tokenizer's vocabulary, docs/structured-outputs.md) right after a plain run, and the step
+  /// time ratio is printed. Empty: no constrained runs. The schema must not let a value end
+  /// within the run (the requests stop only on max_tokens).
+  std::string schema;
+  /// The tokenizer for --schema (its vocabulary must fit the model's); empty: the model folder.
+  std::filesystem::path tokenizer;
   bool json = false;  ///< one JSON object at the end instead of lines of text as it goes
 };
 

@@ -32,6 +32,10 @@ inline constexpr std::string_view kPrefillCancelPath = "/v1/internal/prefill/can
 inline constexpr std::size_t kMaxIdBytes = 256;
 /// Largest `traceparent` field accepted (a W3C version-00 value is 55 bytes).
 inline constexpr std::size_t kMaxTraceparentBytes = 128;
+/// Largest `constraint` field accepted (the encoded output constraint), in bytes.
+inline constexpr std::size_t kMaxConstraintBytes = std::size_t{256} << 10;
+/// Largest `tool_call_format` field accepted, in bytes.
+inline constexpr std::size_t kMaxToolCallFormatBytes = 32;
 
 /// POST kDecodeOpenPath: admit a request and stream its tokens (NDJSON DecodeEvent lines).
 struct DecodeOpen {
@@ -51,6 +55,14 @@ struct DecodeOpen {
   /// W3C traceparent of the caller's span (docs/observability.md); optional. Carried as text: the
   /// worker parses it strictly and starts a new trace when it is malformed.
   std::string traceparent;
+  /// What the output must look like (grammar-constrained decoding, docs/structured-outputs.md):
+  /// pd::structured::encodeConstraint's JSON text, at most kMaxConstraintBytes; empty: free text.
+  /// Carried as text (pd_common does not link pd_structured): the worker decodes and compiles it
+  /// and refuses it with InvalidArgument / Unsupported. Optional in the JSON.
+  std::string constraint;
+  /// The tool-call format a ToolCalls constraint is written in ("deepseek_v3", "deepseek_v31"), as
+  /// the router's tool parser reads it; empty: deepseek_v3. Optional in the JSON.
+  std::string tool_call_format;
 };
 
 enum class DecodeEventType { Descriptor, Tokens, Finish, Error };
@@ -93,6 +105,9 @@ struct PrefillSubmit {
   std::int64_t timeout_ms = 60000;
   /// W3C traceparent of the caller's span; optional (see DecodeOpen::traceparent).
   std::string traceparent;
+  /// As DecodeOpen::constraint: the first token is sampled under it. Must equal D's.
+  std::string constraint;
+  std::string tool_call_format;  ///< as DecodeOpen::tool_call_format
 };
 
 struct PrefillOutcome {

@@ -59,6 +59,10 @@ struct GenerationRequest {
   std::vector<std::string> stop;        ///< stop strings; the returned text ends before the match
   std::vector<TokenId> stop_token_ids;  ///< extra end tokens (besides the model's EOS)
   bool ignore_eos = false;              ///< keep going past EOS (benchmarks)
+  /// The output constraint both workers sample under (worker_api::DecodeOpen::constraint:
+  /// pd::structured::encodeConstraint's text); empty: free text.
+  std::string constraint;
+  std::string tool_call_format;  ///< of a tool-call constraint ("deepseek_v3" / "deepseek_v31")
   /// The front end aborts the generation at this time; the backend should give up before it.
   std::chrono::steady_clock::time_point deadline;
 };

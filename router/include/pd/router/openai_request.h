@@ -4,8 +4,10 @@
 ///
 /// The body must be valid UTF-8 without lone surrogate escapes, a JSON object, and each known
 /// parameter must have the right type and range; unknown parameters are ignored (as vLLM does),
-/// known features this server does not offer (n > 1, tools, echo, suffix, logit_bias, best_of,
-/// non-text response formats, non-text content parts) are refused rather than silently ignored.
+/// known features this server does not offer (n > 1, echo, suffix, best_of, legacy `functions`,
+/// non-text content parts) are refused rather than silently ignored. `tools`, `tool_choice`,
+/// `parallel_tool_calls` and `response_format` become the output constraint
+/// (pd/structured/response_constraint.h) and the chat template's tools.
 ///
 /// Errors: InvalidArgument with a message for the client that names the parameter but never
 /// repeats the client's text. Checks that need the model (name, context length, vocabulary)
@@ -22,6 +24,7 @@
 #include "pd/common/result.h"
 #include "pd/router/completion_backend.h"
 #include "pd/router/prompt_renderer.h"
+#include "pd/structured/response_constraint.h"
 
 namespace pd::router {
 
@@ -52,6 +55,11 @@ struct CompletionParams {
   bool logprobs = false;
   bool return_token_ids = false;
   std::string user;
+  /// `response_format` json_object / json_schema, or `tool_choice` "required" / a named function:
+  /// what the workers constrain the output to (Kind::None: free text). Compiled by the API server.
+  structured::ResponseConstraint constraint;
+  /// chat: `tools` were given and `tool_choice` is not "none": the output is parsed for tool calls.
+  bool parse_tool_calls = false;
 };
 
 /// Parses a request body for `endpoint`.
