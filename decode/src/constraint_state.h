@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <memory>
 #include <span>
+#include <utility>
 #include <vector>
 
 #include "pd/common/result.h"
@@ -30,10 +31,14 @@ class ConstraintState {
   [[nodiscard]] std::size_t acceptablePrefix(std::span<const std::int32_t> drafts);
   /// True once a stop token was accepted: the output is complete and nothing may follow.
   [[nodiscard]] bool terminated() const { return matcher_.isTerminated(); }
+  /// Wall time spent in mask(), accept() and acceptablePrefix() since the last call (the
+  /// grammar's share of a decode step; DecodeStats::grammar_seconds).
+  [[nodiscard]] double takeSeconds() { return std::exchange(seconds_, 0.0); }
 
  private:
   std::vector<structured::MaskWord> mask_;  // sized from the grammar before matcher_ takes it
   structured::Matcher matcher_;
+  double seconds_ = 0.0;
 };
 
 }  // namespace pd::decode

@@ -420,6 +420,9 @@ void DecodeEngine::runBatch(std::span<Sequence* const> all) {
     accepted_tokens += (*verified)[i].accepted;
     emitted_tokens += static_cast<std::int64_t>((*verified)[i].tokens.size());
   }
+  for (Sequence* seq : batch) {
+    if (seq->constraint) stats_.grammar_seconds += seq->constraint->takeSeconds();
+  }
   stats_.drafts_proposed += proposed_tokens;
   stats_.drafts_accepted += accepted_tokens;
   stats_.tokens_generated += emitted_tokens;

@@ -141,6 +141,7 @@ Result<DecodeRun> timeSteps(DecodeEngine& dec, MeteredEngine& engine, const RunS
     r.bytes += static_cast<double>(m.bytes);
     r.experts += static_cast<double>(m.experts);
     r.cpu_share += cpu / (dt * threads);
+    r.grammar_seconds += after.grammar_seconds - before.grammar_seconds;
     r.drafts_proposed += after.drafts_proposed - before.drafts_proposed;
     r.drafts_accepted += after.drafts_accepted - before.drafts_accepted;
     ++r.steps;
@@ -167,6 +168,16 @@ std::string schemaRowsJson(const std::vector<std::pair<std::int64_t, std::array<
                        i ? ", " : "", batch, t[0] * 1e3, t[1] * 1e3, t[1] / t[0]);
   }
   return out + "]";
+}
+
+// Distinct tokens per sequence of a run, averaged.
+double distinctPerSequence(const DecodeRun& run) {
+  double total = 0.0;
+  for (std::vector<std::int32_t> out : run.outputs) {
+    std::sort(out.begin(), out.end());
+    total += static_cast<double>(std::unique(out.begin(), out.end()) - out.begin());
+  }
+  return run.outputs.empty() ? 0.0 : total / static_cast<double>(run.outputs.size());
 }
 
 // The lowest token a constrained output may start with (the first token comes with the KV).
@@ -448,23 +459,57 @@ Result<void> runDecodeBench(const DecodeBenchConfig& cfg) {
     if (!vocabulary.ok()) return vocabulary.error();
     auto grammar = structured::Grammar::fromJsonSchema(cfg.schema, *vocabulary, structured::servingGrammarOptions());
     if (!grammar.ok()) return grammar.error();
+    // Plain and constrained runs alternate (kRepeats pairs, the order flipping each time); the medians of their median
+    // step times are compared (a loaded machine's speed drifts between runs).
+    constexpr int kRepeats = 4;
+    const auto median = [](std::vector<double> v) {
+      std::sort(v.begin(), v.end());
+      return v[v.size() / 2];
+    };
     for (const std::int64_t b : cfg.batches) {
       RunSpec spec;
       spec.batch = b;
       spec.context = context;
       spec.max_tokens = 1 + 2 + steps;
       spec.kv_dtype = pool_dtype;
-      auto plain = runDecode(metered, spec, caps.threads, 2000 + static_cast<std::uint64_t>(b));
-      if (!plain.ok()) return plain.error();
-      spec.grammar = *grammar;
-      auto constrained = runDecode(metered, spec, caps.threads, 2000 + static_cast<std::uint64_t>(b));
-      if (!constrained.ok()) return constrained.error();
-      const double p = plain->medianStep();
-      const double c = constrained->medianStep();
+      std::vector<double> plain_steps;
+      std::vector<double> schema_steps;
+      double plain_experts = 0.0;
+      double schema_experts = 0.0;
+      std::vector<double> grammar_steps;  // grammar seconds per timed step, per constrained run
+      double plain_distinct = 0.0;        // distinct tokens per sequence (a greedy random model repeats)
+      double schema_distinct = 0.0;
+      for (int rep = 0; rep < kRepeats; ++rep) {
+        // Which goes first alternates too: a run right after another is not always as fast.
+        const auto run = [&](bool constrained_run) {
+          RunSpec one = spec;
+          one.grammar = constrained_run ? *grammar : nullptr;
+          return runDecode(metered, one, caps.threads, 2000 + static_cast<std::uint64_t>(b));
+        };
+        auto first = run(rep % 2 == 1);
+        if (!first.ok()) return first.error();
+        auto second = run(rep % 2 == 0);
+        if (!second.ok()) return second.error();
+        auto& plain = rep % 2 == 0 ? first : second;
+        auto& constrained = rep % 2 == 0 ? second : first;
+        plain_steps.push_back(plain->medianStep());
+        schema_steps.push_back(constrained->medianStep());
+        grammar_steps.push_back(constrained->grammar_seconds / static_cast<double>(constrained->steps));
+        plain_distinct = distinctPerSequence(*plain);
+        schema_distinct = distinctPerSequence(*constrained);
+        plain_experts = plain->experts / static_cast<double>(plain->steps);
+        schema_experts = constrained->experts / static_cast<double>(constrained->steps);
+      }
+      const double p = median(plain_steps);
+      const double c = median(schema_steps);
       schema_rows.push_back({b, {p, c}});
       if (!json) {
-        std::printf("decode batch %3lld with --schema: %8.2f ms/step vs %8.2f ms/step plain, ratio %.3f\n",
-                    static_cast<long long>(b), c * 1e3, p * 1e3, c / p);
+        std::printf(
+            "decode batch %3lld with --schema: %8.2f ms/step vs %8.2f ms/step plain, ratio %.3f (median of %d "
+            "alternating runs); grammar %.3f ms/step = %.2f%% of the constrained step; %.0f vs %.0f experts/step, "
+            "%.1f vs %.1f distinct tokens per sequence\n",
+            static_cast<long long>(b), c * 1e3, p * 1e3, c / p, kRepeats, median(grammar_steps) * 1e3,
+            100.0 * median(grammar_steps) / c, schema_experts, plain_experts, schema_distinct, plain_distinct);
       }
     }
   }

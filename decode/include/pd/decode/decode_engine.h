@@ -142,6 +142,8 @@ struct DecodeStats {
   std::int64_t drafts_accepted = 0;
   std::int64_t prefill_retries = 0;  ///< prefill failures absorbed (noteKvRetry)
   std::int64_t quarantined = 0;      ///< requests whose blocks were quarantined (late-write guard)
+  /// Wall time in output constraints (masks, accepts, draft checks) during steps, all sequences.
+  double grammar_seconds = 0.0;
 };
 
 class DecodeEngine {
