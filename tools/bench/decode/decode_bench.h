@@ -61,7 +61,7 @@ struct DecodeRun {
   double mtp_seconds = 0.0;      ///< MTP forward calls of the timed steps
   double bytes = 0.0;
   double experts = 0.0;
-  double cpu_share = 0.0;  ///< CPU time / (step time x threads), averaged over the timed steps
+  double cpu_share = 0.0;        ///< CPU time / (step time x threads), averaged over the timed steps
   double grammar_seconds = 0.0;  ///< in output constraints (masks, accepts) during the timed steps
   std::int64_t drafts_proposed = 0;
   std::int64_t drafts_accepted = 0;
