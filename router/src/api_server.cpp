@@ -209,7 +209,7 @@ class RequestState final : public TokenSink, public std::enable_shared_from_this
     last_token_at_ = now;
     completion_tokens_ += static_cast<std::int64_t>(delta.token_ids.size());
     std::string text = sanitizer_.push(delta.text);
-    if (parser_) return parsedTokensLocked(std::move(text), delta);
+    if (parser_) return parsedTokensLocked(text, delta);
     if (!stream_) {
       text_ += text;
       ids_.insert(ids_.end(), delta.token_ids.begin(), delta.token_ids.end());
@@ -235,7 +235,7 @@ class RequestState final : public TokenSink, public std::enable_shared_from_this
       tail += sanitizer_.finish();
       Usage usage{static_cast<std::int64_t>(prompt_ids_.size()), completion_tokens_, end.cached_prompt_tokens};
       if (parser_) {
-        parsedFinishLocked(std::move(tail), end, usage);
+        parsedFinishLocked(tail, end, usage);
       } else if (stream_) {
         beginStreamLocked();
         if (!tail.empty()) exchange_.write(deltaChunk(shape_, tail, {}, {}, cursor_, promptIdsForChunk()));
@@ -326,7 +326,7 @@ class RequestState final : public TokenSink, public std::enable_shared_from_this
   void leaveQueue() { fe_->metrics.waiting.set(static_cast<double>(--fe_->waiting)); }
 
   /// onTokens with a ChatOutputParser: content, reasoning and tool calls split out of the text.
-  void parsedTokensLocked(std::string text, TokenDelta& delta) {
+  void parsedTokensLocked(const std::string& text, TokenDelta& delta) {
     const bool was_reasoning = parser_->inReasoning();
     ChatOutputParser::Piece piece = parser_->feed(text);
     // A stream event's tokens count as reasoning when the parser was inside the reasoning before
@@ -361,7 +361,7 @@ class RequestState final : public TokenSink, public std::enable_shared_from_this
   }
 
   /// onFinish with a ChatOutputParser: the parsers' held-back text, then the finish.
-  void parsedFinishLocked(std::string tail, const GenerationEnd& end, Usage& usage) {
+  void parsedFinishLocked(const std::string& tail, const GenerationEnd& end, Usage& usage) {
     ChatOutputParser::Piece piece = parser_->feed(tail);
     ChatOutputParser::Piece last = parser_->finish();
     piece.content += last.content;
