@@ -254,6 +254,8 @@ std::string toJson(const DecodeOpen& v) {
     o["resumed_token_ids"] = std::move(resumed);
   }
   if (v.arrival_us > 0) o["arrival_us"] = v.arrival_us;
+  if (!v.constraint.empty()) o["constraint"] = v.constraint;
+  if (!v.tool_call_format.empty()) o["tool_call_format"] = v.tool_call_format;
   return dump(o);
 }
 
@@ -278,6 +280,8 @@ Result<DecodeOpen> parseDecodeOpen(std::string_view text) {
   if (r.ok() && static_cast<std::int64_t>(v.resumed_token_ids.size()) >= v.prompt_tokens) {
     r.fail("resumed_token_ids", "must be fewer than prompt_tokens");
   }
+  r.str("constraint", v.constraint, false, kMaxConstraintBytes);
+  r.str("tool_call_format", v.tool_call_format, false, kMaxToolCallFormatBytes);
   if (!r.ok()) return r.status().error();
   return v;
 }
@@ -405,6 +409,8 @@ std::string toJson(const PrefillSubmit& v) {
   if (!v.traceparent.empty()) o["traceparent"] = v.traceparent;
   if (v.resumed_tokens > 0) o["resumed_tokens"] = v.resumed_tokens;
   if (v.forced_first_token >= 0) o["forced_first_token"] = v.forced_first_token;
+  if (!v.constraint.empty()) o["constraint"] = v.constraint;
+  if (!v.tool_call_format.empty()) o["tool_call_format"] = v.tool_call_format;
   return dump(o);
 }
 
@@ -429,6 +435,8 @@ Result<PrefillSubmit> parsePrefillSubmit(std::string_view text) {
   if (r.ok() && v.resumed_tokens >= static_cast<std::int64_t>(v.token_ids.size())) {
     r.fail("resumed_tokens", "must be fewer than the token ids");
   }
+  r.str("constraint", v.constraint, false, kMaxConstraintBytes);
+  r.str("tool_call_format", v.tool_call_format, false, kMaxToolCallFormatBytes);
   if (!r.ok()) return r.status().error();
   auto bytes = base64Decode(b64);
   if (!bytes.ok())

@@ -24,8 +24,20 @@ struct DecodeEngine::Sequence {
   enum class State { WaitingKv, Ready, Running };
 
   Sequence(DecodeRequest r, bool spec, std::pair<std::int64_t, std::uint64_t> order)
-      : req(std::move(r)), sampler(req.sampling, req.logprobs), speculate(spec), admitted(order) {
+      : req(std::move(r)),
+        sampler(req.sampling, req.logprobs),
+        speculate(spec),
+        admitted(order),
+        constraint(req.grammar ? std::make_unique<ConstraintState>(req.grammar) : nullptr) {
     sampler.resumeAfter(req.resumed_tokens);
+    // A resumed generation's output so far is part of its prompt now: the grammar continues
+    // after it. A token the grammar refuses leaves the state there; the first token's check
+    // then ends the stream.
+    if (constraint) {
+      for (pd::TokenId t : req.resumed_tokens) {
+        if (!constraint->accept(t).ok()) break;
+      }
+    }
   }
 
   [[nodiscard]] std::int64_t len() const { return req.prompt_tokens + static_cast<std::int64_t>(generated.size()); }
@@ -36,8 +48,9 @@ struct DecodeEngine::Sequence {
   bool speculate;
   // (arrival, admission counter): the latest is preempted first (header comment, "Preemption").
   std::pair<std::int64_t, std::uint64_t> admitted;
-  std::vector<std::int32_t> generated;  // tokens after the prompt; the last is not yet in the cache
-  MtpState mtp;                         // the MTP layer's catch-up state (speculating sequences)
+  std::vector<std::int32_t> generated;          // tokens after the prompt; the last is not yet in the cache
+  MtpState mtp;                                 // the MTP layer's catch-up state (speculating sequences)
+  std::unique_ptr<ConstraintState> constraint;  // null: free text
 };
 
 DecodeEngine::DecodeEngine(model::Engine& engine, KvPool& pool, DecodeEngineOptions options,
@@ -76,6 +89,11 @@ Result<std::vector<std::int32_t>> DecodeEngine::admit(DecodeRequest request) {
                                  request.prompt_tokens, request.max_tokens));
   }
   PD_TRY(pd::validate(request.sampling));
+  if (request.grammar && request.ignore_eos) {
+    // After its stop token a grammar allows nothing: the sequence must end there.
+    return makeError(ErrorCode::InvalidArgument,
+                     fmt::format("request {}: ignore_eos cannot be combined with a constraint", request.id));
+  }
   if (request.prefill_attempts < 1) {
     return makeError(ErrorCode::InvalidArgument, fmt::format("request {}: prefill_attempts ({}) must be >= 1",
                                                              request.id, request.prefill_attempts));
@@ -161,6 +179,14 @@ void DecodeEngine::startRunning(Sequence& seq, kvtransfer::CompletionRecord reco
   std::vector<float> only(static_cast<std::size_t>(engine_.config().vocab_size), std::numeric_limits<float>::lowest());
   only[static_cast<std::size_t>(first.token)] = 0.0F;
   PD_CHECK(seq.sampler.sample(only).token == first.token);
+  if (seq.constraint && !seq.constraint->accept(first.token).ok()) {
+    finish(
+        seq.req.id, FinishReason::Error,
+        makeError(ErrorCode::Corrupt,
+                  fmt::format("the prefill worker's first token {} is outside the request's constraint", first.token)),
+        RequestOutcome::KvFailed);
+    return;
+  }
   // The prefill side wrote MTP positions [0, n - 1); position n - 1 pairs h[n - 1] with the first token.
   seq.mtp.done = seq.req.prompt_tokens - 1;
   seq.mtp.hidden = std::move(record.hidden_state);
@@ -181,7 +207,10 @@ bool DecodeEngine::emit(Sequence& seq, std::vector<model::SampledToken> tokens) 
   for (const auto& t : tokens) {
     seq.generated.push_back(t.token);
     ++kept;
-    const bool stop = (!seq.req.ignore_eos && t.token == eos) ||
+    // A constraint's stop token ends the output even if it is not the model's EOS (the verifier
+    // emits nothing after it, so it is the step's last token).
+    const bool grammar_done = seq.constraint && seq.constraint->terminated() && kept == tokens.size();
+    const bool stop = (!seq.req.ignore_eos && t.token == eos) || grammar_done ||
                       std::find(seq.req.stop_token_ids.begin(), seq.req.stop_token_ids.end(), t.token) !=
                           seq.req.stop_token_ids.end();
     if (stop) {
@@ -424,6 +453,14 @@ void DecodeEngine::runBatch(std::span<Sequence* const> all) {
     }
   }
 
+  // A draft the grammar refuses can never equal a sample drawn under its mask: verify only the
+  // prefix it accepts.
+  for (std::size_t i = 0; i < n; ++i) {
+    if (batch[i]->constraint && !drafts[i].empty()) {
+      drafts[i].resize(batch[i]->constraint->acceptablePrefix(drafts[i]));
+    }
+  }
+
   // Verify: one forward of the main model over (last token, drafts...) of every sequence.
   std::vector<VerifySlot> verify_slots;
   verify_slots.reserve(n);
@@ -431,7 +468,7 @@ void DecodeEngine::runBatch(std::span<Sequence* const> all) {
     Sequence& s = *batch[i];
     verify_slots.push_back(VerifySlot{s.generated.back(), s.len() - 1, drafts[i], blocks_.blockTable(s.req.id),
                                       &s.sampler, static_cast<std::size_t>(s.req.max_tokens) - s.generated.size(),
-                                      s.speculate ? &s.mtp : nullptr});
+                                      s.speculate ? &s.mtp : nullptr, s.constraint.get()});
   }
   auto verified = verifier_->verify(verify_slots);
   if (!verified.ok()) return fail_all(verified.error());
@@ -443,6 +480,9 @@ void DecodeEngine::runBatch(std::span<Sequence* const> all) {
     proposed_tokens += static_cast<std::int64_t>(drafts[i].size());
     accepted_tokens += (*verified)[i].accepted;
     emitted_tokens += static_cast<std::int64_t>((*verified)[i].tokens.size());
+  }
+  for (Sequence* seq : batch) {
+    if (seq->constraint) stats_.grammar_seconds += seq->constraint->takeSeconds();
   }
   stats_.drafts_proposed += proposed_tokens;
   stats_.drafts_accepted += accepted_tokens;

@@ -272,6 +272,15 @@ void DecodeServer::Impl::handleOpen(const http::Request& request, http::Exchange
     return;
   }
   worker_api::DecodeOpen& open = *parsed;
+  auto grammar = structured::requestGrammar(options_.grammars.get(), open.constraint, open.tool_call_format);
+  if (!grammar.ok()) {
+    refuse(exchange, grammar.error());
+    return;
+  }
+  if (*grammar && open.ignore_eos) {
+    refuse(exchange, makeError(ErrorCode::InvalidArgument, "ignore_eos cannot be combined with a constraint"));
+    return;
+  }
   auto stream = std::make_shared<Stream>(Stream{open.request_id, newLocalId(), exchange, open.logprobs});
   stream->opened = trace::Clock::now();
   stream->span = tracer_->startFromHeader("decode.request", open.traceparent, trace::SpanKind::Server, stream->opened);
@@ -299,6 +308,7 @@ void DecodeServer::Impl::handleOpen(const http::Request& request, http::Exchange
   r.logprobs = open.logprobs;
   r.kv_deadline = Clock::now() + std::chrono::milliseconds(kv_timeout_ms) + receive_grace_;
   r.prefill_attempts = open.prefill_attempts;
+  r.grammar = std::move(grammar).value();
   // Runs on the loop thread; Exchange::write only queues, so it never blocks the loop.
   r.sink = [this, stream](const TokenEvent& e) {
     if (!e.tokens.empty()) stream->exchange.write(worker_api::toJson(tokensEvent(e, stream->logprobs)) + "\n");

@@ -1,5 +1,7 @@
 #include "draft_verifier.h"
 
+#include "pd/common/check.h"
+
 namespace pd::decode {
 
 Result<std::vector<Verified>> DraftVerifier::verify(std::span<const VerifySlot> slots) {
@@ -35,7 +37,14 @@ Result<std::vector<Verified>> DraftVerifier::verify(std::span<const VerifySlot> 
         const auto* h = out.hidden.data() + (row + j) * d;
         s.mtp->hidden.insert(s.mtp->hidden.end(), h, h + d);
       }
-      v.tokens.push_back(s.sampler->sample(std::span<const float>(out.logits.data() + (row + j) * vocab, vocab)));
+      const std::span<const float> logits(out.logits.data() + (row + j) * vocab, vocab);
+      if (s.constraint != nullptr) {
+        v.tokens.push_back(s.sampler->sample(logits, s.constraint->mask()));
+        PD_CHECK(s.constraint->accept(v.tokens.back().token).ok());  // sampled under the mask
+        if (s.constraint->terminated()) break;                       // nothing may follow the stop token
+      } else {
+        v.tokens.push_back(s.sampler->sample(logits));
+      }
       if (j >= s.drafts.size() || v.tokens.back().token != s.drafts[j]) break;
       ++v.accepted;
     }

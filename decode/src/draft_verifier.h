@@ -10,6 +10,7 @@
 #include <span>
 #include <vector>
 
+#include "constraint_state.h"
 #include "pd/common/result.h"
 #include "pd/decode/drafter.h"
 #include "pd/decode/kv_pool.h"
@@ -29,6 +30,9 @@ struct VerifySlot {
   /// A speculating sequence: the verified positions' hidden states are appended to its
   /// MtpState (the MTP layer's next inputs). Null when the sequence does not speculate.
   MtpState* mtp = nullptr;
+  /// The sequence's output constraint: every position is sampled under its mask and the sample
+  /// accepted into it. Null: free text.
+  ConstraintState* constraint = nullptr;
 };
 
 struct Verified {

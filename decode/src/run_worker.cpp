@@ -23,6 +23,7 @@
 #include "pd/engine/model_hash.h"
 #include "pd/engine/serving_engine.h"
 #include "pd/engine/tp_engine.h"
+#include "pd/structured/worker_grammars.h"
 
 namespace pd::decode {
 namespace {
@@ -144,6 +145,18 @@ void drain(DecodeServer& server, const sigset_t& signals, std::chrono::milliseco
                      [&] { return fmt::format("{} open stream(s)", server.openStreams()); });
 }
 
+// The vocabulary output constraints compile against; none (free text only, logged) when the
+// tokenizer does not load or does not fit the model.
+std::shared_ptr<const structured::WorkerGrammars> loadGrammars(const DecodeWorkerConfig& cfg, std::int64_t vocab_size) {
+  const std::filesystem::path dir = cfg.tokenizer_dir.empty() ? cfg.model_dir : cfg.tokenizer_dir;
+  auto grammars = structured::WorkerGrammars::load(dir, static_cast<std::size_t>(vocab_size));
+  if (!grammars.ok()) {
+    log::warn(kLog, "no output constraints (response_format, tool_choice): {}", grammars.error().toString());
+    return nullptr;
+  }
+  return std::move(grammars).value();
+}
+
 }  // namespace
 
 Status validate(const DecodeWorkerConfig& cfg) {
@@ -189,6 +202,7 @@ Status runWorker(const DecodeWorkerConfig& cfg) {
   options.kvtransfer = cfg.kvtransfer;
   options.trace = cfg.trace;
   options.model_hash = hash;
+  options.grammars = loadGrammars(cfg, loaded.engine->config().vocab_size);
   options.tp_leader = tp_leader;
   // The server owns the engine (and so the TpLeaderEngine); `group` outlives it (declared first).
   PD_ASSIGN_OR_RETURN(auto server, DecodeServer::start(std::move(loaded.engine), options));

@@ -63,12 +63,28 @@ SampledToken Sampler::sample(std::span<const float> logits, std::span<const std:
   }
   if (!allowed.empty()) {
     PD_CHECK_MSG(allowed.size() * 64 >= logits.size(), "Sampler: the allowed-token mask is shorter than the logits");
+    // Word by word: a grammar's mask is mostly all-zero words (skipped with one fill) or, inside a
+    // string, all-one words (left alone), so this costs far less than a test per token.
     bool any = false;
-    for (std::size_t i = 0; i < work_.size(); ++i) {
-      if (((allowed[i / 64] >> (i % 64)) & 1U) == 0) {
-        work_[i] = -std::numeric_limits<float>::infinity();
-      } else {
+    constexpr float kMasked = -std::numeric_limits<float>::infinity();
+    for (std::size_t lo = 0; lo < work_.size(); lo += 64) {
+      const std::uint64_t bits = allowed[lo / 64];
+      const std::size_t hi = std::min(work_.size(), lo + 64);
+      if (bits == 0) {
+        std::fill(work_.begin() + static_cast<std::ptrdiff_t>(lo), work_.begin() + static_cast<std::ptrdiff_t>(hi),
+                  kMasked);
+        continue;
+      }
+      if (bits == ~std::uint64_t{0}) {
         any = true;
+        continue;
+      }
+      for (std::size_t i = lo; i < hi; ++i) {
+        if (((bits >> (i - lo)) & 1U) == 0) {
+          work_[i] = kMasked;
+        } else {
+          any = true;
+        }
       }
     }
     PD_CHECK_MSG(any, "Sampler: the allowed-token mask allows no token");

@@ -322,8 +322,20 @@ void PrefillEngine::finishPrompt(std::vector<Running*>& done) {
     model::Sampler sampler(r->request.sampling, r->request.logprobs);
     const auto resumed = static_cast<std::size_t>(
         std::clamp<std::int64_t>(r->request.resumed_tokens, 0, static_cast<std::int64_t>(r->request.tokens.size())));
-    sampler.resumeAfter(std::span(r->request.tokens).last(resumed));
-    first.push_back(sampler.sample(r->last_logits));
+    const auto resumed_ids = std::span(r->request.tokens).last(resumed);
+    sampler.resumeAfter(resumed_ids);
+    std::vector<structured::MaskWord> allowed;  // empty: free text
+    if (r->request.grammar && r->request.forced_first_token < 0) {
+      // The first token is sampled under the constraint like every later one (decode checks it);
+      // a resumed generation's grammar continues after the output it already produced.
+      allowed.resize(r->request.grammar->vocabulary().maskWords());
+      structured::Matcher matcher(r->request.grammar);
+      for (pd::TokenId t : resumed_ids) {
+        if (!matcher.accept(t).ok()) break;
+      }
+      matcher.fillMask(allowed);
+    }
+    first.push_back(sampler.sample(r->last_logits, allowed));
     if (r->request.forced_first_token >= 0) first.back().token = r->request.forced_first_token;
   }
   if (cfg.num_nextn_predict_layers > 0) {

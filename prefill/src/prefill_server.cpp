@@ -336,6 +336,8 @@ class PrefillServer::Impl {
     Result<worker_api::PrefillSubmit> parsed = worker_api::parsePrefillSubmit(request.body);
     if (!parsed.ok()) return reject(ex, parsed.error());
     worker_api::PrefillSubmit& sub = *parsed;
+    auto grammar = structured::requestGrammar(options_.grammars.get(), sub.constraint, sub.tool_call_format);
+    if (!grammar.ok()) return reject(ex, grammar.error());
     const auto& raw = sub.kv_descriptor;
     // With a cluster secret, only a descriptor a decode worker of this cluster made reaches the
     // decoder and UCX (docs/security.md).
@@ -413,6 +415,7 @@ class PrefillServer::Impl {
     pr.resumed_tokens = sub.resumed_tokens;
     pr.forced_first_token = static_cast<std::int32_t>(sub.forced_first_token);
     pr.logprobs = sub.logprobs;
+    pr.grammar = std::move(grammar).value();
     pr.deadline = deadline;
     pr.sink = std::move(sink).value();
     Status submitted = makeError(ErrorCode::Cancelled, "the prefill worker is shutting down");

@@ -14,6 +14,7 @@
 #include "pd/engine/serving_engine.h"
 #include "pd/engine/tp_engine.h"
 #include "pd/prefill/prefill_server.h"
+#include "pd/structured/worker_grammars.h"
 
 namespace pd::prefill {
 namespace {
@@ -48,6 +49,19 @@ void drain(PrefillServer& server, const sigset_t& signals, std::chrono::millisec
   server.beginDrain();
   proc::waitForDrain([&] { return server.waitIdle(std::chrono::milliseconds(50)); }, signals, timeout, kLog,
                      [] { return std::string("what is left"); });
+}
+
+// The vocabulary output constraints compile against; none (free text only, logged) when the
+// tokenizer does not load or does not fit the model.
+std::shared_ptr<const structured::WorkerGrammars> loadGrammars(const PrefillWorkerConfig& cfg,
+                                                               std::int64_t vocab_size) {
+  const std::filesystem::path dir = cfg.tokenizer_dir.empty() ? cfg.model_dir : cfg.tokenizer_dir;
+  auto grammars = structured::WorkerGrammars::load(dir, static_cast<std::size_t>(vocab_size));
+  if (!grammars.ok()) {
+    log::warn(kLog, "no output constraints (response_format, tool_choice): {}", grammars.error().toString());
+    return nullptr;
+  }
+  return std::move(grammars).value();
 }
 
 }  // namespace
@@ -93,6 +107,7 @@ Status runWorker(const PrefillWorkerConfig& cfg) {
   options.kvtransfer = cfg.kvtransfer;
   options.trace = cfg.trace;
   options.model_hash = *hash;
+  options.grammars = loadGrammars(cfg, loaded.engine->config().vocab_size);
   if (tp_leader != nullptr) options.broken = [tp_leader] { return tp_leader->broken(); };
   // The server owns the engine (and so the TpLeaderEngine); `group` outlives it (declared first).
   PD_ASSIGN_OR_RETURN(auto server, PrefillServer::start(std::move(loaded.engine), options));

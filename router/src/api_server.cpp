@@ -8,6 +8,7 @@
 #include <optional>
 #include <utility>
 
+#include "chat_output.h"
 #include "cpu_pool.h"
 #include "deadline_scheduler.h"
 #include "json_writer.h"
@@ -107,6 +108,10 @@ struct FrontEnd {
         request_timeout(o.request_timeout),
         retry_after(o.retry_after),
         api_keys(o.api_keys),
+        grammars(o.grammars),
+        tool_parser(o.tool_parser),
+        reasoning_parser(o.reasoning_parser),
+        prompt_opens_think(o.prompt_opens_think),
         key_limiter(o.api_keys.limits()),
         backend(b),
         renderer(pr),
@@ -134,6 +139,10 @@ struct FrontEnd {
   const std::chrono::milliseconds request_timeout;
   const std::chrono::seconds retry_after;
   const ApiKeySet api_keys;
+  const std::shared_ptr<structured::GrammarCache> grammars;
+  const std::optional<structured::ToolCallFormat> tool_parser;
+  const bool reasoning_parser;
+  const bool prompt_opens_think;
   KeyLimiter key_limiter;
   CompletionBackend& backend;
   const PromptRenderer& renderer;
@@ -201,8 +210,9 @@ class RequestState final : public TokenSink, public std::enable_shared_from_this
  public:
   RequestState(std::shared_ptr<FrontEnd> fe, http::Exchange exchange, ResponseShape shape, bool stream,
                std::string endpoint, std::vector<TokenId> prompt_ids, Clock::time_point received,
-               KeyLimiter::Lease lease, trace::Span span, RequestLog log)
-      : fe_(std::move(fe)),
+               KeyLimiter::Lease lease, trace::Span span, RequestLog log, std::unique_ptr<ChatOutputParser> parser)
+      : parser_(std::move(parser)),
+        fe_(std::move(fe)),
         exchange_(std::move(exchange)),
         shape_(std::move(shape)),
         stream_(stream),
@@ -230,6 +240,7 @@ class RequestState final : public TokenSink, public std::enable_shared_from_this
     last_token_at_ = now;
     completion_tokens_ += static_cast<std::int64_t>(delta.token_ids.size());
     std::string text = sanitizer_.push(delta.text);
+    if (parser_) return parsedTokensLocked(text, delta);
     if (!stream_) {
       text_ += text;
       ids_.insert(ids_.end(), delta.token_ids.begin(), delta.token_ids.end());
@@ -273,10 +284,12 @@ class RequestState final : public TokenSink, public std::enable_shared_from_this
       settleLeaseLocked();  // before the answer: a client that saw it may send its next request at once
       std::string tail = sanitizer_.push(finish.text);
       tail += sanitizer_.finish();
-      const Usage usage{static_cast<std::int64_t>(prompt_ids_.size()), completion_tokens_, end.cached_prompt_tokens};
+      Usage usage{static_cast<std::int64_t>(prompt_ids_.size()), completion_tokens_, end.cached_prompt_tokens};
       // Booked before the answer is written: a client that has the answer sees it in /metrics.
       cancel = finishLocked(200);
-      if (stream_) {
+      if (parser_) {
+        parsedFinishLocked(tail, end, usage);
+      } else if (stream_) {
         beginStreamLocked();
         if (!tail.empty()) exchange_.write(deltaChunk(shape_, tail, {}, {}, cursor_, promptIdsForChunk()));
         exchange_.write(finishChunk(shape_, end.reason, promptIdsForChunk()));
@@ -365,6 +378,68 @@ class RequestState final : public TokenSink, public std::enable_shared_from_this
 
  private:
   void leaveQueue() { fe_->metrics.waiting.set(static_cast<double>(--fe_->waiting)); }
+
+  /// onTokens with a ChatOutputParser: content, reasoning and tool calls split out of the text.
+  void parsedTokensLocked(const std::string& text, TokenDelta& delta) {
+    const bool was_reasoning = parser_->inReasoning();
+    ChatOutputParser::Piece piece = parser_->feed(text);
+    // A stream event's tokens count as reasoning when the parser was inside the reasoning before
+    // or after them, or they added to it: the tokens that open and close it count (exact when each
+    // event carries one token, i.e. without MTP).
+    if (was_reasoning || parser_->inReasoning() || !piece.parts.reasoning.empty()) {
+      reasoning_tokens_ += static_cast<std::int64_t>(delta.token_ids.size());
+    }
+    if (!stream_) {
+      addPieceLocked(std::move(piece));
+      ids_.insert(ids_.end(), delta.token_ids.begin(), delta.token_ids.end());
+      for (auto& lp : delta.logprobs) logprobs_.push_back(std::move(lp));
+      return;
+    }
+    beginStreamLocked();
+    const bool has_payload =
+        !piece.empty() || (!delta.token_ids.empty() && (shape_.return_token_ids || shape_.logprobs));
+    if (!has_payload) return;
+    exchange_.write(chatPartsChunk(shape_, piece.content, piece.parts, delta.token_ids, delta.logprobs, cursor_));
+  }
+
+  void addPieceLocked(ChatOutputParser::Piece piece) {
+    text_ += piece.content;
+    message_parts_.reasoning += piece.parts.reasoning;
+    for (auto& d : piece.parts.tool_calls) {
+      if (d.index >= message_parts_.tool_calls.size()) message_parts_.tool_calls.resize(d.index + 1);
+      structured::ToolCall& call = message_parts_.tool_calls[d.index];
+      if (!d.id.empty()) call.id = std::move(d.id);
+      if (!d.name.empty()) call.name = std::move(d.name);
+      call.arguments += d.arguments;
+    }
+  }
+
+  /// onFinish with a ChatOutputParser: the parsers' held-back text, then the finish.
+  void parsedFinishLocked(const std::string& tail, const GenerationEnd& end, Usage& usage) {
+    ChatOutputParser::Piece piece = parser_->feed(tail);
+    ChatOutputParser::Piece last = parser_->finish();
+    piece.content += last.content;
+    piece.parts.reasoning += last.parts.reasoning;
+    for (auto& c : last.parts.tool_calls) piece.parts.tool_calls.push_back(std::move(c));
+    if (parser_->parsesReasoning()) usage.reasoning_tokens = reasoning_tokens_;
+    const bool tool_calls = parser_->sawToolCalls();
+    if (stream_) {
+      beginStreamLocked();
+      if (!piece.empty()) exchange_.write(chatPartsChunk(shape_, piece.content, piece.parts, {}, {}, cursor_));
+      exchange_.write(finishChunk(shape_, end.reason, nullptr, tool_calls));
+      if (shape_.include_usage) exchange_.write(usageChunk(shape_, usage));
+      exchange_.write(std::string(kSseDone));
+      exchange_.end();
+      return;
+    }
+    addPieceLocked(std::move(piece));
+    message_parts_.reasoning_parsed = parser_->parsesReasoning();
+    http::Response r = http::Response::withBody(
+        200, std::string(kJson),
+        fullResponse(shape_, text_, ids_, logprobs_, end.reason, usage, prompt_ids_, &message_parts_));
+    r.headers.push_back({"X-Request-Id", shape_.id});
+    exchange_.respond(std::move(r));
+  }
 
   void beginStreamLocked() {
     if (stream_started_) return;
@@ -501,6 +576,7 @@ class RequestState final : public TokenSink, public std::enable_shared_from_this
     if (control != nullptr) control->abort();
   }
 
+  const std::unique_ptr<ChatOutputParser> parser_;  ///< chat with tools or reasoning parsing; else null
   const std::shared_ptr<FrontEnd> fe_;
   http::Exchange exchange_;
   const ResponseShape shape_;
@@ -535,6 +611,8 @@ class RequestState final : public TokenSink, public std::enable_shared_from_this
   trace::Span span_;         ///< router.request: ends with the answer
   trace::Span stream_span_;  ///< router.stream: first token to the answer's end
   RequestLog log_;
+  std::int64_t reasoning_tokens_ = 0;
+  ChatMessageParts message_parts_;  ///< non-streaming with a parser: reasoning and tool calls
 };
 
 std::string_view endpointLabel(Endpoint e) {
@@ -704,185 +782,225 @@ class ApiServer::Impl {
     return TimedPrompt{std::move(ids), parsed};
   }
 
+  /// Checks a request's output constraint by compiling it (the workers compile the same text with
+  /// the same options); sets its worker-API form. The error to answer, or nullopt.
+  std::optional<ApiError> checkOutputControls(const CompletionParams& p, std::string& constraint, std::string& format) {
+    if (!p.constraint.constrained()) return std::nullopt;
+    const bool tool_calls = p.constraint.kind == structured::ResponseConstraint::Kind::ToolCalls;
+    if (!fe_->grammars) {
+      return invalidRequest(tool_calls ? "'tool_choice' required or a named function is not available on this server"
+                                       : "'response_format' json_object / json_schema is not available on this server");
+    }
+    if (tool_calls && !fe_->tool_parser) {
+      return invalidRequest(
+          "'tool_choice' required or a named function needs a tool-call format (router.tool_parser is none)");
+    }
+    if (p.ignore_eos) return invalidRequest("'ignore_eos' cannot be combined with 'response_format' or 'tool_choice'");
+    auto grammar = fe_->grammars->get(p.constraint);
+    if (!grammar.ok()) {
+      return invalidRequest(fmt::format("{}: {}", tool_calls ? "'tools'" : "'response_format.json_schema.schema'",
+                                        grammar.error().message));
+    }
+    constraint = structured::encodeConstraint(p.constraint);
+    format =
+        std::string(structured::toolCallFormatName(fe_->tool_parser.value_or(structured::ToolCallFormat::DeepSeekV3)));
+    return std::nullopt;
+  }
+}
+
   /// On an io thread: authorizes, then hands the request to the CPU pool (parsing, templating and
   /// tokenizing a large body must not hold an io thread); a full queue answers 503 + Retry-After.
   /// A body of at most cpu_inline_bytes is prepared right here: its work is linear in its size and
   /// takes microseconds, less than the two thread hand-offs the pool would add to its latency.
   void handleCompletion(Endpoint endpoint, http::Request req, http::Exchange ex) {
-    const Received received{Clock::now(), trace::Clock::now()};
-    const std::string_view label = endpointLabel(endpoint);
-    const std::optional<Caller> caller = authorize(req, ex, label);
-    if (!caller) return;
-    if (req.body.size() <= cpu_inline_bytes_) return admitCompletion(endpoint, req, std::move(ex), received, *caller);
-    const bool queued =
-        cpu_->trySubmit([this, endpoint, req = std::move(req), ex, received, caller = *caller]() mutable {
-          fe_->metrics.cpu_queue.set(static_cast<double>(cpu_->queued()));
-          admitCompletion(endpoint, req, std::move(ex), received, caller);
-        });
-    if (!queued) {
-      fe_->metrics.cpu_rejected.inc();
-      return reject(
-          ex, label,
-          serverError(503, "service_unavailable", "the router is busy preparing other requests; retry later"));
-    }
+  const Received received{Clock::now(), trace::Clock::now()};
+  const std::string_view label = endpointLabel(endpoint);
+  const std::optional<Caller> caller = authorize(req, ex, label);
+  if (!caller) return;
+  if (req.body.size() <= cpu_inline_bytes_) return admitCompletion(endpoint, req, std::move(ex), received, *caller);
+  const bool queued = cpu_->trySubmit([this, endpoint, req = std::move(req), ex, received, caller = *caller]() mutable {
     fe_->metrics.cpu_queue.set(static_cast<double>(cpu_->queued()));
+    admitCompletion(endpoint, req, std::move(ex), received, caller);
+  });
+  if (!queued) {
+    fe_->metrics.cpu_rejected.inc();
+    return reject(ex, label,
+                  serverError(503, "service_unavailable", "the router is busy preparing other requests; retry later"));
   }
+  fe_->metrics.cpu_queue.set(static_cast<double>(cpu_->queued()));
+}
 
-  /// On a CPU thread (or an io thread for a small body): parses, renders and validates the request,
-  /// then starts its generation. Its router.request span starts at `received`; the phases
-  /// validate, template, tokenize and route follow one another without gaps (each starts where
-  /// the previous ended), so with the backend's decode leg they tile the request.
-  void admitCompletion(Endpoint endpoint, const http::Request& req, http::Exchange ex, Received received,
-                       const Caller& caller) {
-    const std::string_view label = endpointLabel(endpoint);
-    if (ex.clientGone()) return fe_->countRequest(label, 499);  // hung up while queued: skip the work
-    const trace::Tracer& tracer = fe_->tracer;
-    trace::Span span = tracer.startFromHeader("router.request", req.header(trace::kTraceparentHeader),
-                                              trace::SpanKind::Server, received.wall);
-    span.setAttribute("http.route", std::string(label));
+/// On a CPU thread (or an io thread for a small body): parses, renders and validates the request,
+/// then starts its generation. Its router.request span starts at `received`; the phases
+/// validate, template, tokenize and route follow one another without gaps (each starts where
+/// the previous ended), so with the backend's decode leg they tile the request.
+void admitCompletion(Endpoint endpoint, const http::Request& req, http::Exchange ex, Received received,
+                     const Caller& caller) {
+  const std::string_view label = endpointLabel(endpoint);
+  if (ex.clientGone()) return fe_->countRequest(label, 499);  // hung up while queued: skip the work
+  const trace::Tracer& tracer = fe_->tracer;
+  trace::Span span = tracer.startFromHeader("router.request", req.header(trace::kTraceparentHeader),
+                                            trace::SpanKind::Server, received.wall);
+  span.setAttribute("http.route", std::string(label));
 
-    auto parsed = parseCompletionRequest(endpoint, req.body);
-    if (!parsed.ok()) return reject(ex, label, invalidRequest(parsed.error().message), span);
-    CompletionParams p = std::move(parsed).value();
-    if (p.model != fe_->served_model_name) {
+  auto parsed = parseCompletionRequest(endpoint, req.body);
+  if (!parsed.ok()) return reject(ex, label, invalidRequest(parsed.error().message), span);
+  CompletionParams p = std::move(parsed).value();
+  std::string g_constraint;
+  std::string g_format;
+  if (p.model != fe_->served_model_name) {
+    return reject(ex, label,
+                  ApiError{404, "invalid_request_error", "model_not_found",
+                           "the requested model does not exist; GET /v1/models lists the served model", "model"},
+                  span);
+  }
+  if (auto refused = checkOutputControls(p, g_constraint, g_format); refused) {
+    return reject(ex, label, *refused, span);
+  }
+  const trace::TimePoint validated = trace::Clock::now();
+  tracer.record(span.context(), "router.validate", received.wall, validated);
+
+  auto prompt = promptIds(p, validated);
+  if (!prompt.ok()) {
+    if (prompt.error().code == ErrorCode::InvalidArgument) {
+      return reject(ex, label, invalidRequest(prompt.error().message), span);
+    }
+    log::error(kLog, "rendering a prompt failed: {}", prompt.error().toString());
+    return reject(ex, label, serverError(500, "internal_error", "the prompt could not be rendered"), span);
+  }
+  const trace::TimePoint templated = prompt->templated;
+  if (endpoint == Endpoint::ChatCompletions) tracer.record(span.context(), "router.template", validated, templated);
+  std::vector<TokenId> prompt_ids = std::move(prompt->ids);
+  if (prompt_ids.empty()) return reject(ex, label, invalidRequest("the prompt is empty"), span);
+  const std::size_t vocab = fe_->renderer.vocabSize();
+  const auto outside = [vocab](TokenId id) { return id < 0 || static_cast<std::size_t>(id) >= vocab; };
+  for (TokenId id : prompt_ids) {
+    if (outside(id))
+      return reject(ex, label, invalidRequest("'prompt' contains a token id outside the vocabulary"), span);
+  }
+  for (TokenId id : p.stop_token_ids) {
+    if (outside(id))
+      return reject(ex, label, invalidRequest("'stop_token_ids' contains an id outside the vocabulary"), span);
+  }
+  const auto prompt_len = static_cast<std::int64_t>(prompt_ids.size());
+  const std::int64_t room = fe_->max_model_len - prompt_len;
+  if (room < 1) {
+    return reject(ex, label,
+                  invalidRequest(fmt::format("the prompt has {} tokens, which leaves no room to generate within the "
+                                             "model's context length of {} tokens",
+                                             prompt_len, fe_->max_model_len),
+                                 "context_length_exceeded"),
+                  span);
+  }
+  std::int64_t max_tokens = 0;
+  if (p.max_tokens) {
+    if (*p.max_tokens > room) {
       return reject(ex, label,
-                    ApiError{404, "invalid_request_error", "model_not_found",
-                             "the requested model does not exist; GET /v1/models lists the served model", "model"},
-                    span);
-    }
-    const trace::TimePoint validated = trace::Clock::now();
-    tracer.record(span.context(), "router.validate", received.wall, validated);
-
-    auto prompt = promptIds(p, validated);
-    if (!prompt.ok()) {
-      if (prompt.error().code == ErrorCode::InvalidArgument) {
-        return reject(ex, label, invalidRequest(prompt.error().message), span);
-      }
-      log::error(kLog, "rendering a prompt failed: {}", prompt.error().toString());
-      return reject(ex, label, serverError(500, "internal_error", "the prompt could not be rendered"), span);
-    }
-    const trace::TimePoint templated = prompt->templated;
-    if (endpoint == Endpoint::ChatCompletions) tracer.record(span.context(), "router.template", validated, templated);
-    std::vector<TokenId> prompt_ids = std::move(prompt->ids);
-    if (prompt_ids.empty()) return reject(ex, label, invalidRequest("the prompt is empty"), span);
-    const std::size_t vocab = fe_->renderer.vocabSize();
-    const auto outside = [vocab](TokenId id) { return id < 0 || static_cast<std::size_t>(id) >= vocab; };
-    for (TokenId id : prompt_ids) {
-      if (outside(id))
-        return reject(ex, label, invalidRequest("'prompt' contains a token id outside the vocabulary"), span);
-    }
-    for (TokenId id : p.stop_token_ids) {
-      if (outside(id))
-        return reject(ex, label, invalidRequest("'stop_token_ids' contains an id outside the vocabulary"), span);
-    }
-    const auto prompt_len = static_cast<std::int64_t>(prompt_ids.size());
-    const std::int64_t room = fe_->max_model_len - prompt_len;
-    if (room < 1) {
-      return reject(ex, label,
-                    invalidRequest(fmt::format("the prompt has {} tokens, which leaves no room to generate within the "
-                                               "model's context length of {} tokens",
-                                               prompt_len, fe_->max_model_len),
+                    invalidRequest(fmt::format("the prompt has {} tokens; with the requested max_tokens the request "
+                                               "exceeds the model's context length of {} tokens (at most {} more)",
+                                               prompt_len, fe_->max_model_len, room),
                                    "context_length_exceeded"),
                     span);
     }
-    std::int64_t max_tokens = 0;
-    if (p.max_tokens) {
-      if (*p.max_tokens > room) {
-        return reject(ex, label,
-                      invalidRequest(fmt::format("the prompt has {} tokens; with the requested max_tokens the request "
-                                                 "exceeds the model's context length of {} tokens (at most {} more)",
-                                                 prompt_len, fe_->max_model_len, room),
-                                     "context_length_exceeded"),
-                      span);
-      }
-      max_tokens = *p.max_tokens;
-    } else {
-      max_tokens = endpoint == Endpoint::Completions ? std::min(room, fe_->default_completion_max_tokens) : room;
-    }
-
-    const trace::TimePoint tokenized = trace::Clock::now();
-    tracer.record(span.context(), "router.tokenize", templated, tokenized, {{"pd.prompt_tokens", prompt_len}});
-    RequestLog request_log{msBetween(received.wall, validated), std::nullopt, msBetween(templated, tokenized),
-                           std::nullopt};
-    if (endpoint == Endpoint::ChatCompletions) request_log.template_ms = msBetween(validated, templated);
-    if (fe_->log_prompts) request_log.prompt = promptForLog(p);
-
-    if (!fe_->backend.ready()) {
-      return reject(ex, label,
-                    serverError(503, "service_unavailable", "no prefill and decode workers are ready; retry later"),
-                    span);
-    }
-    KeyLimiter::Lease lease;
-    if (caller.key) {
-      KeyLimiter::Admission admission = fe_->key_limiter.admit(*caller.key, prompt_len + max_tokens);
-      if (!admission.lease) {
-        span.setAttribute("http.response.status_code", std::int64_t{429});
-        span.end();
-        return rejectLimited(ex, label, admission);
-      }
-      lease = std::move(*admission.lease);
-    }
-    if (fe_->waiting.fetch_add(1) >= fe_->max_queued_requests) {
-      fe_->waiting.fetch_sub(1);
-      lease.finish(0);  // refused before any work: nothing is charged
-      return reject(
-          ex, label,
-          ApiError{429, "requests", "rate_limit_exceeded", "too many requests are waiting for a worker; retry later"},
-          span);
-    }
-    fe_->metrics.waiting.set(static_cast<double>(fe_->waiting.load()));
-    fe_->metrics.in_flight.set(static_cast<double>(++fe_->in_flight));
-    fe_->metrics.prompt_tokens.inc(static_cast<double>(prompt_len));
-
-    // 128 bits from the CSPRNG: an id names a request to the workers (abort), so it must not be guessable.
-    const std::string id =
-        fmt::format("{}-{}", endpoint == Endpoint::ChatCompletions ? "chatcmpl" : "cmpl", crypto::randomHex128());
-    GenerationRequest g;
-    g.request_id = id;
-    g.prompt_token_ids = prompt_ids;
-    g.max_tokens = max_tokens;
-    g.sampling = p.sampling;
-    g.seed = p.seed;
-    g.logprobs = p.logprobs;
-    g.stop = std::move(p.stop);
-    g.stop_token_ids = std::move(p.stop_token_ids);
-    g.ignore_eos = p.ignore_eos;
-    g.skip_special_tokens = p.skip_special_tokens;
-    g.include_stop_str_in_output = p.include_stop_str_in_output;
-    g.deadline = received.steady + fe_->request_timeout;
-    g.trace = span.context();
-    g.handed_at = tokenized;
-    span.setAttribute("pd.request_id", id);
-    span.setAttribute("pd.prompt_tokens", prompt_len);
-    // {:?} escapes: the client's strings cannot forge log lines.
-    if (!p.user.empty()) log::info(kLog, "{}: user {:?}", id, p.user);
-    if (!p.safety_identifier.empty()) log::info(kLog, "{}: safety_identifier {:?}", id, p.safety_identifier);
-
-    ResponseShape shape{endpoint,           id,        unixSeconds(), fe_->served_model_name, p.include_usage,
-                        p.return_token_ids, p.logprobs};
-    auto state =
-        std::make_shared<RequestState>(fe_, ex, std::move(shape), p.stream, std::string(label), std::move(prompt_ids),
-                                       received.steady, std::move(lease), std::move(span), std::move(request_log));
-    const std::weak_ptr<RequestState> weak = state;
-    ex.onClientGone([weak] {
-      if (auto s = weak.lock()) s->clientGone();
-    });
-    if (auto scheduler = fe_->deadlines.lock()) {
-      state->setDeadline(scheduler->schedule(g.deadline, [weak] {
-        if (auto s = weak.lock()) s->deadlinePassed();
-      }));
-    }
-    auto started = fe_->backend.start(std::move(g), state);
-    if (!started.ok()) return state->startFailed(started.error());
-    state->setControl(std::move(started).value());
+    max_tokens = *p.max_tokens;
+  } else {
+    max_tokens = endpoint == Endpoint::Completions ? std::min(room, fe_->default_completion_max_tokens) : room;
   }
 
-  std::shared_ptr<FrontEnd> fe_;
-  std::shared_ptr<http::IoThreads> own_io_;       // when the backend has no io threads to share
-  std::shared_ptr<DeadlineScheduler> deadlines_;  // shared only so requests can hold it weakly
-  std::unique_ptr<CpuPool> cpu_;                  // before http_: handlers queue on it
-  std::size_t cpu_inline_bytes_ = 0;              // set before http_ starts
-  std::unique_ptr<http::Server> http_;
+  const trace::TimePoint tokenized = trace::Clock::now();
+  tracer.record(span.context(), "router.tokenize", templated, tokenized, {{"pd.prompt_tokens", prompt_len}});
+  RequestLog request_log{msBetween(received.wall, validated), std::nullopt, msBetween(templated, tokenized),
+                         std::nullopt};
+  if (endpoint == Endpoint::ChatCompletions) request_log.template_ms = msBetween(validated, templated);
+  if (fe_->log_prompts) request_log.prompt = promptForLog(p);
+
+  if (!fe_->backend.ready()) {
+    return reject(ex, label,
+                  serverError(503, "service_unavailable", "no prefill and decode workers are ready; retry later"),
+                  span);
+  }
+  KeyLimiter::Lease lease;
+  if (caller.key) {
+    KeyLimiter::Admission admission = fe_->key_limiter.admit(*caller.key, prompt_len + max_tokens);
+    if (!admission.lease) {
+      span.setAttribute("http.response.status_code", std::int64_t{429});
+      span.end();
+      return rejectLimited(ex, label, admission);
+    }
+    lease = std::move(*admission.lease);
+  }
+  if (fe_->waiting.fetch_add(1) >= fe_->max_queued_requests) {
+    fe_->waiting.fetch_sub(1);
+    lease.finish(0);  // refused before any work: nothing is charged
+    return reject(
+        ex, label,
+        ApiError{429, "requests", "rate_limit_exceeded", "too many requests are waiting for a worker; retry later"},
+        span);
+  }
+  fe_->metrics.waiting.set(static_cast<double>(fe_->waiting.load()));
+  fe_->metrics.in_flight.set(static_cast<double>(++fe_->in_flight));
+  fe_->metrics.prompt_tokens.inc(static_cast<double>(prompt_len));
+
+  // 128 bits from the CSPRNG: an id names a request to the workers (abort), so it must not be guessable.
+  const std::string id =
+      fmt::format("{}-{}", endpoint == Endpoint::ChatCompletions ? "chatcmpl" : "cmpl", crypto::randomHex128());
+  GenerationRequest g;
+  g.request_id = id;
+  g.prompt_token_ids = prompt_ids;
+  g.max_tokens = max_tokens;
+  g.sampling = p.sampling;
+  g.seed = p.seed;
+  g.logprobs = p.logprobs;
+  g.stop = std::move(p.stop);
+  g.stop_token_ids = std::move(p.stop_token_ids);
+  g.ignore_eos = p.ignore_eos;
+  g.skip_special_tokens = p.skip_special_tokens;
+  g.include_stop_str_in_output = p.include_stop_str_in_output;
+  g.deadline = received.steady + fe_->request_timeout;
+  g.trace = span.context();
+  g.handed_at = tokenized;
+  span.setAttribute("pd.request_id", id);
+  span.setAttribute("pd.prompt_tokens", prompt_len);
+  // {:?} escapes: the client's strings cannot forge log lines.
+  if (!p.user.empty()) log::info(kLog, "{}: user {:?}", id, p.user);
+  if (!p.safety_identifier.empty()) log::info(kLog, "{}: safety_identifier {:?}", id, p.safety_identifier);
+  g.constraint = std::move(g_constraint);
+  g.tool_call_format = std::move(g_format);
+
+  ResponseShape shape{endpoint,           id,        unixSeconds(), fe_->served_model_name, p.include_usage,
+                      p.return_token_ids, p.logprobs};
+  std::unique_ptr<ChatOutputParser> parser;
+  const bool tools_parsed = p.parse_tool_calls && fe_->tool_parser.has_value();
+  // A constrained answer is the value itself (JSON, or the tool-call section): no reasoning in it.
+  const bool reasoning = fe_->reasoning_parser && !p.constraint.constrained();
+  if (endpoint == Endpoint::ChatCompletions && (tools_parsed || reasoning)) {
+    parser =
+        std::make_unique<ChatOutputParser>(tools_parsed ? fe_->tool_parser : std::nullopt, reasoning,
+                                           fe_->prompt_opens_think, "call_" + id.substr(id.find('-') + 1, 24) + "_");
+  }
+  auto state = std::make_shared<RequestState>(fe_, ex, std::move(shape), p.stream, std::string(label),
+                                              std::move(prompt_ids), received.steady, std::move(lease), std::move(span),
+                                              std::move(request_log), std::move(parser));
+  const std::weak_ptr<RequestState> weak = state;
+  ex.onClientGone([weak] {
+    if (auto s = weak.lock()) s->clientGone();
+  });
+  if (auto scheduler = fe_->deadlines.lock()) {
+    state->setDeadline(scheduler->schedule(g.deadline, [weak] {
+      if (auto s = weak.lock()) s->deadlinePassed();
+    }));
+  }
+  auto started = fe_->backend.start(std::move(g), state);
+  if (!started.ok()) return state->startFailed(started.error());
+  state->setControl(std::move(started).value());
+}
+
+std::shared_ptr<FrontEnd> fe_;
+std::shared_ptr<http::IoThreads> own_io_;       // when the backend has no io threads to share
+std::shared_ptr<DeadlineScheduler> deadlines_;  // shared only so requests can hold it weakly
+std::unique_ptr<CpuPool> cpu_;                  // before http_: handlers queue on it
+std::size_t cpu_inline_bytes_ = 0;              // set before http_ starts
+std::unique_ptr<http::Server> http_;
 };
 
 Result<ApiServerOptions> apiServerOptionsFromConfig(const RouterConfig& config, std::int64_t max_model_len) {

@@ -252,23 +252,74 @@ Status refuseUnsupported(const json::object& o, Endpoint endpoint) {
     if (!v->is_string()) return bad("'suffix' must be a string");
     if (!v->get_string().empty()) return bad("'suffix' is not supported");
   }
-  for (std::string_view name : {"tools", "functions"}) {
-    if (const auto* v = field(o, name)) {
-      if (!v->is_array()) return bad(fmt::format("'{}' must be an array", name));
-      if (!v->get_array().empty()) return bad(fmt::format("'{}' (tool calling) is not supported yet", name));
-    }
+  if (const auto* v = field(o, "functions")) {
+    if (!v->is_array()) return bad("'functions' must be an array");
+    if (!v->get_array().empty()) return bad("'functions' (legacy function calling) is not supported: use 'tools'");
   }
-  if (const auto* v = field(o, "tool_choice")) {
-    if (!v->is_string() || (v->get_string() != "none" && v->get_string() != "auto")) {
-      return bad("'tool_choice' is not supported: tool calling is not available yet");
-    }
+  if (const auto* v = field(o, "function_call")) {
+    (void)v;
+    return bad("'function_call' (legacy function calling) is not supported: use 'tool_choice'");
   }
-  if (const auto* v = field(o, "response_format")) {
-    const json::value* type = v->is_object() ? field(v->get_object(), "type") : nullptr;
-    if (type == nullptr || !type->is_string()) return bad("'response_format' must be an object with a 'type'");
-    if (type->get_string() != "text") return bad("'response_format' other than text is not supported yet");
+  if (endpoint == Endpoint::Completions) {
+    for (std::string_view name : {"tools", "tool_choice", "parallel_tool_calls"}) {
+      if (field(o, name) != nullptr) return bad(fmt::format("'{}' is only accepted by /v1/chat/completions", name));
+    }
   }
   return refuseUnsupportedService(o, endpoint);
+}
+
+/// `response_format`, `tools`, `tool_choice` and `parallel_tool_calls` (docs/api.md): the output
+/// constraint, the tools the chat template renders, and whether tool calls are parsed.
+Status parseOutputControls(const json::object& o, CompletionParams& p) {
+  PD_ASSIGN_OR_RETURN(auto parallel, getBool(o, "parallel_tool_calls"));
+  const json::value* tools = field(o, "tools");
+  const json::value* tool_choice = field(o, "tool_choice");
+  PD_ASSIGN_OR_RETURN(structured::ResponseConstraint from_tools,
+                      structured::toolChoiceConstraint(tools, tool_choice, parallel.value_or(true)));
+  PD_ASSIGN_OR_RETURN(structured::ResponseConstraint from_format,
+                      structured::responseFormatConstraint(field(o, "response_format")));
+  if (from_tools.constrained() && from_format.constrained()) {
+    return bad("'response_format' cannot be combined with a 'tool_choice' that requires a tool call");
+  }
+  p.constraint = from_tools.constrained() ? std::move(from_tools) : std::move(from_format);
+  const bool none = tool_choice != nullptr && tool_choice->is_string() && tool_choice->get_string() == "none";
+  if (tools != nullptr && !tools->get_array().empty() && !none) {
+    p.parse_tool_calls = true;
+    p.conversation.tools_json = json::serialize(*tools);
+  }
+  return okStatus();
+}
+
+/// An assistant message's `tool_calls` as the chat templates read them:
+/// [{"id", "type": "function", "function": {"name", "arguments": "<JSON text>"}}].
+Result<json::array> normalizeToolCalls(const json::value& calls, std::size_t i) {
+  if (!calls.is_array()) return bad(fmt::format("'messages[{}].tool_calls' must be an array", i));
+  json::array out;
+  for (std::size_t k = 0; k < calls.get_array().size(); ++k) {
+    const std::string where = fmt::format("'messages[{}].tool_calls[{}]", i, k);
+    const json::object* call = calls.get_array()[k].if_object();
+    if (call == nullptr) return bad(where + "' must be an object");
+    const json::value* type = field(*call, "type");
+    if (type != nullptr && (!type->is_string() || type->get_string() != "function")) {
+      return bad(where + ".type' must be 'function'");
+    }
+    const json::value* fn = field(*call, "function");
+    if (fn == nullptr || !fn->is_object()) return bad(where + ".function' must be an object");
+    const json::value* name = field(fn->get_object(), "name");
+    if (name == nullptr || !name->is_string() || name->get_string().empty()) {
+      return bad(where + ".function.name' must be a non-empty string");
+    }
+    const json::value* args = field(fn->get_object(), "arguments");
+    if (args != nullptr && !args->is_string()) return bad(where + ".function.arguments' must be a string");
+    const json::value* id = field(*call, "id");
+    if (id != nullptr && !id->is_string()) return bad(where + ".id' must be a string");
+    out.push_back(json::object{
+        {"id", id != nullptr ? json::value(id->get_string()) : json::value(fmt::format("call_{}", k))},
+        {"type", "function"},
+        {"function", json::object{{"name", name->get_string()},
+                                  {"arguments", args != nullptr ? args->get_string() : json::string("{}")}}}});
+  }
+  return out;
 }
 
 Result<ChatConversation> parseMessages(const json::object& o) {
@@ -286,19 +337,28 @@ Result<ChatConversation> parseMessages(const json::object& o) {
     const json::value* role = field(m, "role");
     if (role == nullptr || !role->is_string()) return bad(fmt::format("'messages[{}].role' must be a string", i));
     const std::string_view r = role->get_string();
-    if (r != "system" && r != "developer" && r != "user" && r != "assistant") {
-      if (r == "tool" || r == "function") {
-        return bad(fmt::format("'messages[{}].role': tool messages are not supported yet", i));
+    if (r != "system" && r != "developer" && r != "user" && r != "assistant" && r != "tool") {
+      if (r == "function") {
+        return bad(fmt::format("'messages[{}].role': 'function' (legacy) is not supported: use 'tool'", i));
       }
-      return bad(fmt::format("'messages[{}].role' must be system, developer, user or assistant", i));
-    }
-    if (const json::value* calls = field(m, "tool_calls")) {
-      if (!calls->is_array() || !calls->get_array().empty()) {
-        return bad(fmt::format("'messages[{}].tool_calls': tool calling is not supported yet", i));
-      }
+      return bad(fmt::format("'messages[{}].role' must be system, developer, user, assistant or tool", i));
     }
     ChatMessage msg;
     msg.role = std::string(r);
+    json::array calls_normalized;
+    if (const json::value* calls = field(m, "tool_calls")) {
+      if (r != "assistant")
+        return bad(fmt::format("'messages[{}].tool_calls' is only allowed on assistant messages", i));
+      PD_ASSIGN_OR_RETURN(calls_normalized, normalizeToolCalls(*calls, i));
+      if (!calls_normalized.empty()) msg.tool_calls_json = json::serialize(calls_normalized);
+    }
+    if (r == "tool") {
+      const json::value* id = field(m, "tool_call_id");
+      if (id == nullptr || !id->is_string()) {
+        return bad(fmt::format("'messages[{}].tool_call_id' must be a string", i));
+      }
+      msg.tool_call_id = std::string(id->get_string());
+    }
     const json::value* content = field(m, "content");
     if (content == nullptr) {
       if (r != "assistant") return bad(fmt::format("'messages[{}].content' is required", i));
@@ -326,7 +386,14 @@ Result<ChatConversation> parseMessages(const json::object& o) {
     } else {
       return bad(fmt::format("'messages[{}].content' must be a string or an array of text parts", i));
     }
-    normalized.push_back(json::object{{"role", msg.role}, {"content", msg.content}});
+    json::object out{{"role", msg.role}, {"content", msg.content}};
+    // The DeepSeek templates render an assistant turn's calls only when its content is null.
+    if (!msg.tool_calls_json.empty()) {
+      if (content == nullptr) out["content"] = nullptr;
+      out["tool_calls"] = std::move(calls_normalized);
+    }
+    if (r == "tool") out["tool_call_id"] = msg.tool_call_id;
+    normalized.push_back(std::move(out));
     conv.messages.push_back(std::move(msg));
   }
   conv.messages_json = json::serialize(normalized);
@@ -516,6 +583,7 @@ Result<CompletionParams> parseCompletionRequest(Endpoint endpoint, std::string_v
                       getInt(o, "max_completion_tokens", 1, std::numeric_limits<std::int64_t>::max()));
   p.max_tokens = max_completion_tokens ? max_completion_tokens : max_tokens;
 
+  PD_TRY(parseOutputControls(o, p));
   PD_TRY(parseSampling(o, p));
   PD_TRY(parseStop(o, p));
   PD_TRY(parseLogprobs(o, endpoint, p));

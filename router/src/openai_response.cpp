@@ -13,9 +13,26 @@ bool isChat(const ResponseShape& s) {
   return s.endpoint == Endpoint::ChatCompletions;
 }
 
-/// The OpenAI finish_reason: only Stop and Length reach a response.
-std::string_view openAiFinishReason(FinishReason r) {
-  return r == FinishReason::Length ? "length" : "stop";
+/// The OpenAI finish_reason: only Stop and Length reach a response; a Stop after tool calls is
+/// "tool_calls".
+std::string_view openAiFinishReason(FinishReason r, bool tool_calls = false) {
+  if (r == FinishReason::Length) return "length";
+  return tool_calls ? "tool_calls" : "stop";
+}
+
+void writeToolCallDeltas(JsonWriter& w, const std::vector<structured::ToolCallDelta>& calls) {
+  w.beginArray();
+  for (const auto& c : calls) {
+    w.beginObject();
+    w.key("index").number(static_cast<std::int64_t>(c.index));
+    if (!c.id.empty()) w.key("id").string(c.id).key("type").string("function");
+    w.key("function").beginObject();
+    if (!c.name.empty()) w.key("name").string(c.name);
+    w.key("arguments").string(c.arguments);
+    w.endObject();
+    w.endObject();
+  }
+  w.endArray();
 }
 
 void writeCommon(JsonWriter& w, const ResponseShape& s, bool chunk) {
@@ -42,6 +59,9 @@ void writeUsage(JsonWriter& w, const Usage& u) {
   w.key("prompt_tokens").number(u.prompt_tokens);
   w.key("completion_tokens").number(u.completion_tokens);
   w.key("total_tokens").number(u.prompt_tokens + u.completion_tokens);
+  if (u.reasoning_tokens >= 0) {
+    w.key("completion_tokens_details").beginObject().key("reasoning_tokens").number(u.reasoning_tokens).endObject();
+  }
   if (u.cached_tokens > 0) {
     w.key("prompt_tokens_details").beginObject().key("cached_tokens").number(u.cached_tokens).endObject();
   }
@@ -112,7 +132,8 @@ void writeLogprobs(JsonWriter& w, const ResponseShape& s, const std::vector<Logp
 /// One streamed choice; `delta_text` null means an empty chat delta ({}).
 std::string chunk(const ResponseShape& s, const std::string_view* delta_text, bool role,
                   const std::vector<TokenId>& ids, const std::vector<LogprobEntry>& lps, LogprobCursor& cursor,
-                  std::optional<FinishReason> finish, const std::vector<TokenId>* prompt_ids) {
+                  std::optional<FinishReason> finish, const std::vector<TokenId>* prompt_ids,
+                  const ChatDeltaParts* parts = nullptr, bool tool_calls_finish = false) {
   JsonWriter w;
   w.beginObject();
   writeCommon(w, s, true);
@@ -121,7 +142,12 @@ std::string chunk(const ResponseShape& s, const std::string_view* delta_text, bo
   if (isChat(s)) {
     w.key("delta").beginObject();
     if (role) w.key("role").string("assistant");
-    if (delta_text != nullptr) w.key("content").string(*delta_text);
+    if (delta_text != nullptr && (parts == nullptr || !delta_text->empty())) w.key("content").string(*delta_text);
+    if (parts != nullptr && !parts->reasoning.empty()) w.key("reasoning_content").string(parts->reasoning);
+    if (parts != nullptr && !parts->tool_calls.empty()) {
+      w.key("tool_calls");
+      writeToolCallDeltas(w, parts->tool_calls);
+    }
     w.endObject();
   } else {
     w.key("text").string(delta_text != nullptr ? *delta_text : std::string_view{});
@@ -134,7 +160,7 @@ std::string chunk(const ResponseShape& s, const std::string_view* delta_text, bo
   }
   w.key("finish_reason");
   if (finish) {
-    w.string(openAiFinishReason(*finish));
+    w.string(openAiFinishReason(*finish, tool_calls_finish));
   } else {
     w.null();
   }
@@ -216,9 +242,16 @@ std::string deltaChunk(const ResponseShape& shape, std::string_view text, const 
   return chunk(shape, &text, false, ids, logprobs, cursor, std::nullopt, prompt_ids);
 }
 
-std::string finishChunk(const ResponseShape& shape, FinishReason reason, const std::vector<TokenId>* prompt_ids) {
+std::string finishChunk(const ResponseShape& shape, FinishReason reason, const std::vector<TokenId>* prompt_ids,
+                        bool tool_calls) {
   LogprobCursor unused;
-  return chunk(shape, nullptr, false, {}, {}, unused, reason, prompt_ids);
+  return chunk(shape, nullptr, false, {}, {}, unused, reason, prompt_ids, nullptr, tool_calls);
+}
+
+std::string chatPartsChunk(const ResponseShape& shape, std::string_view content, const ChatDeltaParts& parts,
+                           const std::vector<TokenId>& ids, const std::vector<LogprobEntry>& logprobs,
+                           LogprobCursor& cursor) {
+  return chunk(shape, &content, false, ids, logprobs, cursor, std::nullopt, nullptr, &parts);
 }
 
 std::string usageChunk(const ResponseShape& shape, const Usage& usage) {
@@ -234,21 +267,45 @@ std::string usageChunk(const ResponseShape& shape, const Usage& usage) {
 
 std::string fullResponse(const ResponseShape& shape, std::string_view text, const std::vector<TokenId>& ids,
                          const std::vector<LogprobEntry>& logprobs, FinishReason reason, const Usage& usage,
-                         const std::vector<TokenId>& prompt_ids) {
+                         const std::vector<TokenId>& prompt_ids, const ChatMessageParts* parts) {
   LogprobCursor cursor;
+  const bool tool_calls = parts != nullptr && !parts->tool_calls.empty();
   JsonWriter w;
   w.beginObject();
   writeCommon(w, shape, false);
   w.key("choices").beginArray().beginObject();
   w.key("index").number(std::int64_t{0});
   if (isChat(shape)) {
-    w.key("message").beginObject().key("role").string("assistant").key("content").string(text).endObject();
+    w.key("message").beginObject().key("role").string("assistant").key("content");
+    if (tool_calls && text.empty()) {
+      w.null();
+    } else {
+      w.string(text);
+    }
+    if (parts != nullptr && parts->reasoning_parsed) {
+      w.key("reasoning_content");
+      if (parts->reasoning.empty()) {
+        w.null();
+      } else {
+        w.string(parts->reasoning);
+      }
+    }
+    if (tool_calls) {
+      w.key("tool_calls").beginArray();
+      for (const auto& c : parts->tool_calls) {
+        w.beginObject().key("id").string(c.id).key("type").string("function");
+        w.key("function").beginObject().key("name").string(c.name).key("arguments").string(c.arguments).endObject();
+        w.endObject();
+      }
+      w.endArray();
+    }
+    w.endObject();
   } else {
     w.key("text").string(text);
   }
   w.key("logprobs");
   writeLogprobs(w, shape, logprobs, cursor);
-  w.key("finish_reason").string(openAiFinishReason(reason));
+  w.key("finish_reason").string(openAiFinishReason(reason, tool_calls));
   if (shape.return_token_ids) {
     if (!isChat(shape)) {
       w.key("prompt_token_ids");

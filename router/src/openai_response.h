@@ -12,6 +12,7 @@
 
 #include "pd/router/completion_backend.h"
 #include "pd/router/openai_request.h"
+#include "pd/structured/tool_call_parser.h"
 
 namespace pd::router {
 
@@ -45,6 +46,25 @@ struct Usage {
   std::int64_t prompt_tokens = 0;
   std::int64_t completion_tokens = 0;
   std::int64_t cached_tokens = 0;
+  /// completion_tokens_details.reasoning_tokens; negative: omitted (no reasoning parser).
+  std::int64_t reasoning_tokens = -1;
+};
+
+/// A chat delta's parts besides content, when the router parses the output (chat_output.h):
+/// `delta.reasoning_content` and `delta.tool_calls` (each omitted when empty).
+struct ChatDeltaParts {
+  std::string reasoning;
+  std::vector<structured::ToolCallDelta> tool_calls;
+  [[nodiscard]] bool empty() const { return reasoning.empty() && tool_calls.empty(); }
+};
+
+/// A whole chat message's parts besides content: `message.reasoning_content` (omitted when
+/// empty; null when reasoning is parsed but there was none), `message.tool_calls`; with tool
+/// calls an empty content is null and a Stop finish is "tool_calls".
+struct ChatMessageParts {
+  bool reasoning_parsed = false;
+  std::string reasoning;
+  std::vector<structured::ToolCall> tool_calls;
 };
 
 /// Accumulates completions-style logprobs text offsets across chunks.
@@ -64,11 +84,16 @@ inline constexpr std::string_view kSseDone = "data: [DONE]\n\n";
                                      const std::vector<LogprobEntry>& logprobs, LogprobCursor& cursor,
                                      const std::vector<TokenId>* prompt_ids);
 [[nodiscard]] std::string finishChunk(const ResponseShape& shape, FinishReason reason,
-                                      const std::vector<TokenId>* prompt_ids);
+                                      const std::vector<TokenId>* prompt_ids, bool tool_calls = false);
+/// A chat chunk of parsed output: content (omitted when empty), reasoning and tool-call deltas.
+[[nodiscard]] std::string chatPartsChunk(const ResponseShape& shape, std::string_view content,
+                                         const ChatDeltaParts& parts, const std::vector<TokenId>& ids,
+                                         const std::vector<LogprobEntry>& logprobs, LogprobCursor& cursor);
 [[nodiscard]] std::string usageChunk(const ResponseShape& shape, const Usage& usage);
 /// The whole non-streaming response.
 [[nodiscard]] std::string fullResponse(const ResponseShape& shape, std::string_view text,
                                        const std::vector<TokenId>& ids, const std::vector<LogprobEntry>& logprobs,
-                                       FinishReason reason, const Usage& usage, const std::vector<TokenId>& prompt_ids);
+                                       FinishReason reason, const Usage& usage, const std::vector<TokenId>& prompt_ids,
+                                       const ChatMessageParts* parts = nullptr);
 
 }  // namespace pd::router

@@ -336,6 +336,8 @@ class Generation : public std::enable_shared_from_this<Generation> {
     open.logprobs = req_.logprobs;
     open.stop_token_ids = req_.stop_token_ids;
     open.ignore_eos = req_.ignore_eos;
+    open.constraint = req_.constraint;
+    open.tool_call_format = req_.tool_call_format;
     open.kv_timeout_ms = std::min(s_.options.kv_timeout, remainingUntil(req_.deadline)).count();
     open.prefill_attempts = s_.options.prefill_retries + 1;
     const trace::TimePoint sent = trace::Clock::now();
@@ -414,6 +416,8 @@ class Generation : public std::enable_shared_from_this<Generation> {
       resume_.shapePrefill(req_, leg.submit);
       leg.submit.sampling = req_.sampling;
       leg.submit.logprobs = req_.logprobs;
+      leg.submit.constraint = req_.constraint;
+      leg.submit.tool_call_format = req_.tool_call_format;
       leg.submit.kv_descriptor = std::move(ev.kv_descriptor);
       leg.submit.kv_descriptor_tag = std::move(ev.kv_descriptor_tag);
       lock.unlock();

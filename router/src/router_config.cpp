@@ -56,7 +56,14 @@ void registerOptions(config::OptionSet& set, RouterConfig& cfg) {
       .add("max_generations", &cfg.max_generations, "generations running at once; more are refused (503)", 1, 1 << 20)
       .add("pool_idle_ms", &cfg.pool_idle_ms,
            "a pooled connection to a worker idle this long is closed (keep it below the workers' idle timeout)", 1,
-           3600000);
+           3600000)
+      .add("tool_parser", &cfg.tool_parser,
+           "tool-call format read out of chat answers and enforced by tool_choice required / named (auto: from the "
+           "chat template; none: tool calls stay in content)",
+           {"auto", "deepseek_v3", "deepseek_v31", "none"})
+      .add("reasoning_parser", &cfg.reasoning_parser,
+           "split <think>...</think> into reasoning_content (auto: when the chat template uses <think>)",
+           {"auto", "deepseek_r1", "none"});
 }
 
 }  // namespace pd::router

@@ -27,6 +27,7 @@ Result<TimedPrompt> TokenizerPromptRenderer::renderChatTimed(const ChatConversat
   request.messages_json = conversation.messages_json;
   request.add_generation_prompt = true;
   request.extra_context_json = conversation.template_kwargs_json;
+  request.tools_json = conversation.tools_json;
   auto text = template_.render(request);
   if (!text.ok()) {
     return makeError(ErrorCode::InvalidArgument,

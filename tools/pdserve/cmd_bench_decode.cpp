@@ -30,7 +30,10 @@ int runBenchDecode(const std::vector<std::string>& args) {
       .add("bandwidth_mb", &cfg.bandwidth_mb, "buffer size of the read-bandwidth probe in MiB", 64, 1 << 20)
       .add("tracing", &cfg.tracing,
            "time the step with the decode worker's span work at trace sample ratio 1.0 against without it")
-      .add("json", &cfg.json, "print one JSON object instead of text");
+      .add("json", &cfg.json, "print one JSON object instead of text")
+      .add("schema", &cfg.schema,
+           "a JSON Schema: each batch size also runs constrained to it, after a plain run, and prints the step-time "
+           "ratio (the value must not end within the run; needs a model whose vocabulary fits the tokenizer)");
   auto loaded = loadCommandOptions(
       "usage: pdserve bench decode [--model DIR | --preset bench] [--batches 1,4,16,64] [--mtp-k 1] [--json]\n"
       "Decode step time, tokens/s and memory-bandwidth utilization (MBU) per batch size through the decode\n"
@@ -46,6 +49,7 @@ int runBenchDecode(const std::vector<std::string>& args) {
   cfg.batches = std::move(*batches);
   cfg.mtp_ks = std::move(*ks);
   cfg.cache_dir = common.cache_dir;
+  cfg.tokenizer = common.tokenizer_path;
   auto done = bench::runDecodeBench(cfg);
   return done.ok() ? 0 : reportFailure(done.error());
 }

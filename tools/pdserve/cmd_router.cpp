@@ -106,6 +106,11 @@ int runRouter(const std::vector<std::string>& raw_args) {
 
   auto api_options = router::apiServerOptionsFromConfig(cfg, model_config->max_position_embeddings);
   if (!api_options.ok()) return reportFailure(api_options.error());
+  if (Status s = router::configureOutput(*api_options, cfg, (*renderer)->tokenizer(),
+                                         static_cast<std::size_t>(model_config->vocab_size));
+      !s.ok()) {
+    return reportFailure(s.error());
+  }
   auto auth = loadInternalAuth(common.cluster_secret_file);
   if (!auth.ok()) return reportFailure(auth.error());
   if (!*auth) log::warn(kLog, "no cluster secret: calls to the workers are unsigned (docs/security.md)");

@@ -62,6 +62,7 @@ int runWorkerCommand(const WorkerRole& role, const std::vector<std::string>& raw
   auto model_dir = resolveModelDir(common);
   if (!model_dir.ok()) return reportFailure(model_dir.error());
   cfg.model_dir = *model_dir;
+  cfg.tokenizer_dir = common.tokenizer_path;
   cfg.on_ready = printReadyLine;
   cfg.cluster_secret_file = common.cluster_secret_file;
   if (Status s = run(cfg); !s.ok()) return reportFailure(s.error());

@@ -278,4 +278,47 @@ TEST(WorkerApi, HttpStatusTableReadsBackBothWays) {
 }
 
 }  // namespace
+// The output constraint travels as text in both requests; absent stays empty and is not written;
+// a non-string or one over kMaxConstraintBytes is refused naming the field.
+TEST(WorkerApi, ConstraintRoundTripsInBothRequestsAndIsSizeLimited) {
+  const std::string constraint = R"({"kind":"json_schema","schema":"{\"type\":\"object\"}"})";
+  DecodeOpen d;
+  d.request_id = "chatcmpl-1";
+  d.prompt_tokens = 3;
+  d.max_tokens = 4;
+  EXPECT_EQ(toJson(d).find("constraint"), std::string::npos);
+  EXPECT_EQ(toJson(d).find("tool_call_format"), std::string::npos);
+  d.constraint = constraint;
+  d.tool_call_format = "deepseek_v31";
+  auto db = parseDecodeOpen(toJson(d));
+  ASSERT_TRUE(db.ok()) << db.error().toString();
+  EXPECT_EQ(db->constraint, constraint);
+  EXPECT_EQ(db->tool_call_format, "deepseek_v31");
+  PrefillSubmit p;
+  p.request_id = "chatcmpl-1";
+  p.token_ids = {1, 2, 3};
+  p.kv_descriptor = "x";
+  p.constraint = constraint;
+  p.tool_call_format = "deepseek_v3";
+  auto pb = parsePrefillSubmit(toJson(p));
+  ASSERT_TRUE(pb.ok()) << pb.error().toString();
+  EXPECT_EQ(pb->constraint, constraint);
+  EXPECT_EQ(pb->tool_call_format, "deepseek_v3");
+
+  d.constraint = std::string(kMaxConstraintBytes + 1, 'a');
+  auto too_long = parseDecodeOpen(toJson(d));
+  ASSERT_FALSE(too_long.ok());
+  EXPECT_NE(too_long.error().message.find("constraint"), std::string::npos);
+  p.constraint = d.constraint;
+  EXPECT_FALSE(parsePrefillSubmit(toJson(p)).ok());
+  auto not_text =
+      parseDecodeOpen(R"({"request_id":"a","prompt_tokens":1,"max_tokens":1,"sampling":{},"constraint":{}})");
+  ASSERT_FALSE(not_text.ok());
+  EXPECT_NE(not_text.error().message.find("constraint"), std::string::npos);
+  EXPECT_FALSE(
+      parseDecodeOpen(R"({"request_id":"a","prompt_tokens":1,"max_tokens":1,"sampling":{},"tool_call_format":")" +
+                      std::string(64, 'x') + R"("})")
+          .ok());
+}
+
 }  // namespace pd::worker_api

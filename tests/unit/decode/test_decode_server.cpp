@@ -599,6 +599,20 @@ TEST_P(DecodeServerTest, RecordsNotSignedWithTheClusterSecretFailTheRequestAndFr
   EXPECT_EQ(get("/health").status, 200);
 }
 
+// A worker started without a tokenizer vocabulary (options.grammars null) cannot honour an output
+// constraint: it refuses the open with Unsupported (a 400) instead of decoding unconstrained text.
+TEST_P(DecodeServerTest, AConstraintIsRefusedWithoutAVocabulary) {
+  auto open = api::parseDecodeOpen(openBody("cmpl-json", 4));
+  ASSERT_TRUE(open.ok());
+  open->ignore_eos = false;
+  open->constraint = R"({"kind":"json_object"})";
+  const http::ClientResponse r = post(api::kDecodeOpenPath, api::toJson(*open));
+  EXPECT_EQ(r.status, 400);
+  EXPECT_EQ(api::parseErrorJson(r.status, r.body).code, ErrorCode::Unsupported) << r.body;
+  EXPECT_EQ(status().queued_requests, 0);
+  EXPECT_EQ(status().free_blocks, kBlocks);
+}
+
 INSTANTIATE_TEST_SUITE_P(Golden, DecodeServerTest,
                          ::testing::Combine(::testing::Values("tiny-bf16", "tiny-fp8"), ::testing::Values(0, 1)),
                          [](const auto& param_info) {

@@ -8,6 +8,7 @@
 #include <cstring>
 #include <map>
 #include <random>
+#include <set>
 #include <vector>
 
 #include "pd/common/dtype.h"
@@ -411,6 +412,34 @@ TEST(Sampling, AllowedMaskRestrictsEveryMode) {
     EXPECT_TRUE(isAllowed(b)) << b;
   }
   EXPECT_EQ(seen.size(), allowed_ids.size()) << "at temperature 5 every allowed token comes out";
+}
+
+// Whole mask words (all allowed, none allowed) and a partial last word (500 tokens end inside
+// word 7) restrict sampling exactly as a per-token test would.
+TEST(Sampling, AllowedMaskWithWholeWordsAndAPartialLastWord) {
+  const std::vector<float> l = someLogits();  // 500 tokens
+  std::vector<std::uint64_t> mask(8, 0);
+  mask[1] = ~std::uint64_t{0};                   // 64..127
+  mask[7] = std::uint64_t{1} << (498 - 7 * 64);  // 498
+  const auto allowed = [](std::int32_t t) { return (t >= 64 && t < 128) || t == 498; };
+  std::int32_t best = 64;
+  for (std::int32_t t = 0; t < 500; ++t) {
+    if (allowed(t) && l[static_cast<std::size_t>(t)] > l[static_cast<std::size_t>(best)]) best = t;
+  }
+  SamplingParams p;
+  Sampler greedy(p);
+  EXPECT_EQ(greedy.sample(l, mask).token, best);
+  p.temperature = 50.0;
+  p.seed = 5;
+  Sampler flat(p);
+  std::set<std::int32_t> seen;
+  for (int i = 0; i < 3000; ++i) {
+    const auto t = flat.sample(l, mask).token;
+    EXPECT_TRUE(allowed(t)) << t;
+    seen.insert(t);
+  }
+  EXPECT_TRUE(seen.contains(498));
+  EXPECT_GT(seen.size(), 40U) << "a hot sampler reaches most of the all-allowed word";
 }
 
 TEST(Sampling, ValidateRejectsOutOfRange) {

@@ -196,8 +196,9 @@ TEST(OpenAiRequest, RefusesWhatItCannotDo) {
                 .find("at most 16"),
             std::string::npos);
   EXPECT_NE(chat(R"("stop_token_ids":[-1])").find("'stop_token_ids'"), std::string::npos);
-  EXPECT_NE(chat(R"("tools":[{"type":"function"}])").find("not supported"), std::string::npos);
-  EXPECT_NE(chat(R"("tool_choice":"required")").find("not supported"), std::string::npos);
+  EXPECT_NE(chat(R"("tools":[{"type":"function"}])").find("'tools[0].function' must be an object"), std::string::npos);
+  EXPECT_NE(chat(R"("tool_choice":"required")").find("'tools' is empty"), std::string::npos);
+  EXPECT_NE(chat(R"("functions":[{"name":"f"}])").find("legacy"), std::string::npos);
   EXPECT_NE(chat(R"("logit_bias":{"x":5})").find("token ids"), std::string::npos);
   EXPECT_NE(chat(R"("logit_bias":{"-1":5})").find("token ids"), std::string::npos);
   EXPECT_NE(chat(R"("logit_bias":{"3":101})").find("between -100 and 100"), std::string::npos);
@@ -205,7 +206,13 @@ TEST(OpenAiRequest, RefusesWhatItCannotDo) {
   EXPECT_NE(chat(R"("logit_bias":{"3":1,"03":2})").find("twice"), std::string::npos);
   EXPECT_NE(chat(R"("logit_bias":[1])").find("'logit_bias' must be an object"), std::string::npos);
   EXPECT_NE(chat(R"("min_p":1.5)").find("'min_p'"), std::string::npos);
-  EXPECT_NE(chat(R"("response_format":{"type":"json_object"})").find("not supported"), std::string::npos);
+  EXPECT_NE(chat(R"("response_format":{"type":"xml"})").find("'response_format.type'"), std::string::npos);
+  EXPECT_NE(chat(R"("response_format":{"type":"json_schema","json_schema":{}})").find("schema' is required"),
+            std::string::npos);
+  EXPECT_NE(chat(R"("response_format":{"type":"json_object"},"tools":[{"type":"function","function":{"name":"f"}}],)"
+                 R"("tool_choice":"required")")
+                .find("cannot be combined"),
+            std::string::npos);
   EXPECT_NE(chat(R"("seed":"ZQX-secret-input")").find("'seed' must be an integer"), std::string::npos);
   EXPECT_NE(chat(R"("seed":18446744073709551615)").find("'seed'"), std::string::npos);
 
@@ -220,6 +227,8 @@ TEST(OpenAiRequest, RefusesWhatItCannotDo) {
   EXPECT_NE(completion(R"({"model":"m","prompt":"x","suffix":"ZQX-secret-input"})").find("'suffix'"),
             std::string::npos);
   EXPECT_NE(completion(R"({"model":"m","prompt":"x","best_of":3})").find("'best_of'"), std::string::npos);
+  EXPECT_NE(completion(R"({"model":"m","prompt":"x","tools":[]})").find("only accepted by /v1/chat/completions"),
+            std::string::npos);
   EXPECT_NE(completion(R"({"model":"m","prompt":"x","logprobs":true})").find("'logprobs' must be an integer"),
             std::string::npos);
   EXPECT_EQ(completion(R"({"prompt":"x"})"), "'model' is required");
@@ -234,15 +243,59 @@ TEST(OpenAiRequest, ValidatesMessages) {
   EXPECT_EQ(chat("[]"), "'messages' must not be empty");
   EXPECT_EQ(chat(R"("ZQX-secret-input")"), "'messages' must be an array");
   EXPECT_EQ(chat(R"([{"role":"ZQX-secret-input","content":"x"}])"),
-            "'messages[0].role' must be system, developer, user or assistant");
-  EXPECT_NE(chat(R"([{"role":"tool","content":"x","tool_call_id":"1"}])").find("tool messages"), std::string::npos);
+            "'messages[0].role' must be system, developer, user, assistant or tool");
+  EXPECT_EQ(chat(R"([{"role":"tool","content":"x"}])"), "'messages[0].tool_call_id' must be a string");
   EXPECT_EQ(chat(R"([{"role":"user"}])"), "'messages[0].content' is required");
   EXPECT_NE(chat(R"([{"role":"user","content":[{"type":"image_url","image_url":{"url":"x"}}]}])").find("only text"),
             std::string::npos);
   EXPECT_NE(chat(R"([{"role":"user","content":5}])").find("must be a string or an array"), std::string::npos);
-  EXPECT_NE(chat(R"([{"role":"assistant","content":"x","tool_calls":[{"id":"1"}]}])").find("tool calling"),
-            std::string::npos);
+  EXPECT_EQ(chat(R"([{"role":"assistant","content":"x","tool_calls":[{"id":"1"}]}])"),
+            "'messages[0].tool_calls[0].function' must be an object");
+  EXPECT_EQ(chat(R"([{"role":"user","content":"x","tool_calls":[]}])"),
+            "'messages[0].tool_calls' is only allowed on assistant messages");
   EXPECT_EQ(chat(R"([{"role":"user","content":"x"}, 3])"), "'messages[1]' must be an object");
+}
+
+// Tools, tool_choice and response_format become the output constraint and the template's tools;
+// tool and assistant-with-calls messages are normalized as the DeepSeek templates read them.
+TEST(OpenAiRequest, ToolsToolMessagesAndResponseFormat) {
+  const std::string tools =
+      R"("tools":[{"type":"function","function":{"name":"get_time","parameters":{"type":"object"}}}])";
+  const std::string messages =
+      R"("messages":[{"role":"user","content":"t?"},{"role":"assistant","content":null,"tool_calls":[{"id":"c1",)"
+      R"("type":"function","function":{"name":"get_time","arguments":"{}"}}]},{"role":"tool","tool_call_id":"c1",)"
+      R"("content":"noon"}])";
+  auto named = parseCompletionRequest(Endpoint::ChatCompletions,
+                                      R"({"model":"m",)" + messages + "," + tools +
+                                          R"(,"tool_choice":{"type":"function","function":{"name":"get_time"}}})");
+  ASSERT_TRUE(named.ok()) << named.error().message;
+  EXPECT_EQ(named->constraint.kind, pd::structured::ResponseConstraint::Kind::ToolCalls);
+  ASSERT_EQ(named->constraint.tools.size(), 1U);
+  EXPECT_FALSE(named->constraint.parallel_tool_calls);
+  EXPECT_TRUE(named->parse_tool_calls);
+  EXPECT_NE(named->conversation.tools_json.find("get_time"), std::string::npos);
+  EXPECT_NE(
+      named->conversation.messages_json.find(
+          R"({"role":"assistant","content":null,"tool_calls":[{"id":"c1","type":"function","function":{"name":"get_time","arguments":"{}"}}]})"),
+      std::string::npos)
+      << named->conversation.messages_json;
+  EXPECT_NE(named->conversation.messages_json.find(R"({"role":"tool","content":"noon","tool_call_id":"c1"})"),
+            std::string::npos)
+      << named->conversation.messages_json;
+
+  auto none = parseCompletionRequest(Endpoint::ChatCompletions,
+                                     R"({"model":"m",)" + messages + "," + tools + R"(,"tool_choice":"none"})");
+  ASSERT_TRUE(none.ok());
+  EXPECT_FALSE(none->constraint.constrained());
+  EXPECT_FALSE(none->parse_tool_calls);
+  EXPECT_TRUE(none->conversation.tools_json.empty());
+
+  auto schema = parseCompletionRequest(
+      Endpoint::Completions,
+      R"({"model":"m","prompt":"x","response_format":{"type":"json_schema","json_schema":{"name":"a","schema":{"type":"integer"}}}})");
+  ASSERT_TRUE(schema.ok()) << schema.error().message;
+  EXPECT_EQ(schema->constraint.kind, pd::structured::ResponseConstraint::Kind::JsonSchema);
+  EXPECT_EQ(schema->constraint.schema_json, R"({"type":"integer"})");
 }
 
 }  // namespace

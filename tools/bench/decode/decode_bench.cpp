@@ -29,6 +29,9 @@
 #include "pd/engine/model_config.h"
 #include "pd/engine/model_factory.h"
 #include "pd/engine/thread_pool.h"
+#include "pd/structured/grammar.h"
+#include "pd/structured/token_vocabulary.h"
+#include "pd/structured/worker_grammars.h"
 #include "pd/tokenizer/chat_template.h"
 #include "pd/tokenizer/tokenizer.h"
 #include "pd/trace/tracer.h"
@@ -108,6 +111,8 @@ struct RunSpec {
   DType kv_dtype = DType::BF16;
   ScriptedDrafter::Choose draft_override;  // empty: the model's own drafts
   const trace::Tracer* tracer = nullptr;   // set: each request's sink does the decode worker's span work
+  // Every request's output constraint (null: free text); such requests stop only on max_tokens.
+  std::shared_ptr<const structured::Grammar> grammar;
 };
 
 // What the decode worker's stream sink does for tracing (decode_server.cpp: its sink and
@@ -193,6 +198,7 @@ Result<DecodeRun> timeSteps(DecodeEngine& dec, MeteredEngine& engine, const RunS
     r.bytes += static_cast<double>(m.bytes);
     r.experts += static_cast<double>(m.experts);
     r.cpu_share += cpu / (dt * threads);
+    r.grammar_seconds += after.grammar_seconds - before.grammar_seconds;
     r.drafts_proposed += after.drafts_proposed - before.drafts_proposed;
     r.drafts_accepted += after.drafts_accepted - before.drafts_accepted;
     ++r.steps;
@@ -208,6 +214,37 @@ Result<DecodeRun> timeSteps(DecodeEngine& dec, MeteredEngine& engine, const RunS
     }
   }
   return r;
+}
+
+// [{"batch", "plain_step_ms", "schema_step_ms", "ratio"}] of the --schema runs.
+std::string schemaRowsJson(const std::vector<std::pair<std::int64_t, std::array<double, 2>>>& rows) {
+  std::string out = "[";
+  for (std::size_t i = 0; i < rows.size(); ++i) {
+    const auto& [batch, t] = rows[i];
+    out += fmt::format("{}{{\"batch\": {}, \"plain_step_ms\": {:.4f}, \"schema_step_ms\": {:.4f}, \"ratio\": {:.4f}}}",
+                       i ? ", " : "", batch, t[0] * 1e3, t[1] * 1e3, t[1] / t[0]);
+  }
+  return out + "]";
+}
+
+// Distinct tokens per sequence of a run, averaged.
+double distinctPerSequence(const DecodeRun& run) {
+  double total = 0.0;
+  for (std::vector<std::int32_t> out : run.outputs) {
+    std::sort(out.begin(), out.end());
+    total += static_cast<double>(std::unique(out.begin(), out.end()) - out.begin());
+  }
+  return run.outputs.empty() ? 0.0 : total / static_cast<double>(run.outputs.size());
+}
+
+// The lowest token a constrained output may start with (the first token comes with the KV).
+std::int32_t firstAllowed(const std::shared_ptr<const structured::Grammar>& grammar) {
+  std::vector<structured::MaskWord> mask(grammar->vocabulary().maskWords());
+  structured::Matcher(grammar).fillMask(mask);
+  for (std::size_t w = 0; w < mask.size(); ++w) {
+    if (mask[w] != 0) return static_cast<std::int32_t>(w * 64 + static_cast<std::size_t>(__builtin_ctzll(mask[w])));
+  }
+  return 0;  // unreachable: a grammar allows a first token
 }
 
 // Admits `batch` requests whose prompt KV is random latents (a step's cost does not depend on
@@ -237,7 +274,8 @@ Result<DecodeRun> runDecode(MeteredEngine& engine, const RunSpec& spec, int thre
     req.id = static_cast<std::uint64_t>(i + 1);
     req.prompt_tokens = spec.context;
     req.max_tokens = spec.max_tokens;
-    req.ignore_eos = true;
+    req.ignore_eos = spec.grammar == nullptr;  // a constrained one cannot emit EOS before its value is complete
+    req.grammar = spec.grammar;
     std::vector<std::int32_t>* out = &r.outputs[static_cast<std::size_t>(i)];
     std::shared_ptr<TracedStream> traced;
     if (spec.tracer != nullptr) traced = std::make_shared<TracedStream>(*spec.tracer, spec.context);
@@ -255,6 +293,7 @@ Result<DecodeRun> runDecode(MeteredEngine& engine, const RunSpec& spec, int thre
     kvtransfer::CompletionRecord rec;
     rec.num_tokens = static_cast<std::uint32_t>(spec.context);
     rec.first_token = token(rng);
+    if (spec.grammar) rec.first_token = firstAllowed(spec.grammar);
     rec.hidden_state.resize(static_cast<std::size_t>(cfg.hidden_size));
     for (float& v : rec.hidden_state) v = normal(rng);
     PD_TRY(dec.onKvReady(static_cast<std::uint64_t>(i + 1), std::move(rec)));
@@ -549,6 +588,73 @@ Result<void> runDecodeBench(const DecodeBenchConfig& cfg) {
         t.batch, t.runs, t.plain_step * 1e3, t.traced_step * 1e3, t.ratio(), t.spans);
   }
 
+  // The same batches with every sequence constrained to --schema, each right after a plain run
+  // (the machine's speed drifts between runs): the grammar's share of a decode step.
+  std::vector<std::pair<std::int64_t, std::array<double, 2>>> schema_rows;  // batch, {plain, schema} median s
+  if (!cfg.schema.empty()) {
+    const fs::path tok_dir = cfg.tokenizer.empty() ? model_dir : cfg.tokenizer;
+    auto tok = tokenizer::Tokenizer::load(tok_dir);
+    if (!tok.ok()) return tok.error();
+    const auto vocab_size = static_cast<std::size_t>((*engine)->config().vocab_size);
+    auto vocabulary = structured::TokenVocabulary::fromTokenizer(*tok, vocab_size);
+    if (!vocabulary.ok()) return vocabulary.error();
+    auto grammar = structured::Grammar::fromJsonSchema(cfg.schema, *vocabulary, structured::servingGrammarOptions());
+    if (!grammar.ok()) return grammar.error();
+    // Plain and constrained runs alternate (kRepeats pairs, the order flipping each time); the medians of their median
+    // step times are compared (a loaded machine's speed drifts between runs).
+    constexpr int kRepeats = 4;
+    const auto median = [](std::vector<double> v) {
+      std::sort(v.begin(), v.end());
+      return v[v.size() / 2];
+    };
+    for (const std::int64_t b : cfg.batches) {
+      RunSpec spec;
+      spec.batch = b;
+      spec.context = context;
+      spec.max_tokens = 1 + 2 + steps;
+      spec.kv_dtype = pool_dtype;
+      std::vector<double> plain_steps;
+      std::vector<double> schema_steps;
+      double plain_experts = 0.0;
+      double schema_experts = 0.0;
+      std::vector<double> grammar_steps;  // grammar seconds per timed step, per constrained run
+      double plain_distinct = 0.0;        // distinct tokens per sequence (a greedy random model repeats)
+      double schema_distinct = 0.0;
+      for (int rep = 0; rep < kRepeats; ++rep) {
+        // Which goes first alternates too: a run right after another is not always as fast.
+        const auto run = [&](bool constrained_run) {
+          RunSpec one = spec;
+          one.grammar = constrained_run ? *grammar : nullptr;
+          return runDecode(metered, one, caps.threads, 2000 + static_cast<std::uint64_t>(b));
+        };
+        auto first = run(rep % 2 == 1);
+        if (!first.ok()) return first.error();
+        auto second = run(rep % 2 == 0);
+        if (!second.ok()) return second.error();
+        auto& plain = rep % 2 == 0 ? first : second;
+        auto& constrained = rep % 2 == 0 ? second : first;
+        plain_steps.push_back(plain->medianStep());
+        schema_steps.push_back(constrained->medianStep());
+        grammar_steps.push_back(constrained->grammar_seconds / static_cast<double>(constrained->steps));
+        plain_distinct = distinctPerSequence(*plain);
+        schema_distinct = distinctPerSequence(*constrained);
+        plain_experts = plain->experts / static_cast<double>(plain->steps);
+        schema_experts = constrained->experts / static_cast<double>(constrained->steps);
+      }
+      const double p = median(plain_steps);
+      const double c = median(schema_steps);
+      schema_rows.push_back({b, {p, c}});
+      if (!json) {
+        std::printf(
+            "decode batch %3lld with --schema: %8.2f ms/step vs %8.2f ms/step plain, ratio %.3f (median of %d "
+            "alternating runs); grammar %.3f ms/step = %.2f%% of the constrained step; %.0f vs %.0f experts/step, "
+            "%.1f vs %.1f distinct tokens per sequence\n",
+            static_cast<long long>(b), c * 1e3, p * 1e3, c / p, kRepeats, median(grammar_steps) * 1e3,
+            100.0 * median(grammar_steps) / c, schema_experts, plain_experts, schema_distinct, plain_distinct);
+      }
+    }
+  }
+
   // MTP at batch 1: the plain greedy run gives the baseline and the continuation to propose.
   std::vector<MtpRow> mtp;
   double plain_tps = 0.0;
@@ -678,10 +784,10 @@ Result<void> runDecodeBench(const DecodeBenchConfig& cfg) {
         "\"mtp_speedup_at_p085\": {:.4f}, \"mtp_speedup_over_ideal\": {:.4f}, "
         "\"draft_override\": \"bench-only: proposes the greedy continuation with probability p\", "
         "\"mtp_real_prompts\": {}, \"mtp_real_tokens\": {}, \"mtp_real\": {}, \"mtp_real_skipped\": {}, "
-        "\"tracing\": {}}}",
+        "\"tracing\": {}, \"schema\": {}}}",
         jsonString(model_dir.string()), dtypeName(caps.weight_dtype), caps.backend, caps.threads, weights, l3, over_l3,
         bandwidth / 1e9, kv_dtype, context, d, mbu1, plain_tps, m, speedup_085, over_ideal_085, kMtpQuestions.size(),
-        mtp_tokens, rm, jsonString(real_skipped), tracing_json);
+        mtp_tokens, rm, jsonString(real_skipped), tracing_json, schemaRowsJson(schema_rows));
     std::printf("%s\n", line.c_str());
   }
   return okStatus();

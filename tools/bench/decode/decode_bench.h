@@ -42,6 +42,13 @@ struct DecodeBenchConfig {
   std::vector<std::int64_t> mtp_ks{1};
   std::int64_t mtp_tokens = 40;  ///< tokens per MTP run at batch 1
   std::int64_t bandwidth_mb = 2048;
+  /// A JSON Schema: each batch size also runs with every sequence constrained to it (masks from
+  /// the tokenizer's vocabulary, docs/structured-outputs.md) right after a plain run, and the step
+  /// time ratio is printed. Empty: no constrained runs. The schema must not let a value end
+  /// within the run (the requests stop only on max_tokens).
+  std::string schema;
+  /// The tokenizer for --schema (its vocabulary must fit the model's); empty: the model folder.
+  std::filesystem::path tokenizer;
   bool json = false;  ///< one JSON object at the end instead of lines of text as it goes
   /// Time the step with and without the decode worker's span work (sample ratio 1.0) at
   /// min(16, largest batch), 5 alternating runs of max(steps, 16) timed steps each; prints the
@@ -60,7 +67,8 @@ struct DecodeRun {
   double mtp_seconds = 0.0;      ///< MTP forward calls of the timed steps
   double bytes = 0.0;
   double experts = 0.0;
-  double cpu_share = 0.0;  ///< CPU time / (step time x threads), averaged over the timed steps
+  double cpu_share = 0.0;        ///< CPU time / (step time x threads), averaged over the timed steps
+  double grammar_seconds = 0.0;  ///< in output constraints (masks, accepts) during the timed steps
   std::int64_t drafts_proposed = 0;
   std::int64_t drafts_accepted = 0;
   std::vector<std::vector<std::int32_t>> outputs;  ///< per request: every token, the first included

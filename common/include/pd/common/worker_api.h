@@ -32,6 +32,10 @@ inline constexpr std::string_view kPrefillCancelPath = "/v1/internal/prefill/can
 inline constexpr std::size_t kMaxIdBytes = 256;
 /// Largest `traceparent` field accepted (a W3C version-00 value is 55 bytes).
 inline constexpr std::size_t kMaxTraceparentBytes = 128;
+/// Largest `constraint` field accepted (the encoded output constraint), in bytes.
+inline constexpr std::size_t kMaxConstraintBytes = std::size_t{256} << 10;
+/// Largest `tool_call_format` field accepted, in bytes.
+inline constexpr std::size_t kMaxToolCallFormatBytes = 32;
 
 /// POST kDecodeOpenPath: admit a request and stream its tokens (NDJSON DecodeEvent lines).
 struct DecodeOpen {
@@ -58,6 +62,14 @@ struct DecodeOpen {
   /// When the generation arrived at the router (µs since the Unix epoch); the same on every leg
   /// of it. A decode worker preempts the latest arrival first. Optional (0: the open's arrival).
   std::int64_t arrival_us = 0;
+  /// What the output must look like (grammar-constrained decoding, docs/structured-outputs.md):
+  /// pd::structured::encodeConstraint's JSON text, at most kMaxConstraintBytes; empty: free text.
+  /// Carried as text (pd_common does not link pd_structured): the worker decodes and compiles it
+  /// and refuses it with InvalidArgument / Unsupported. Optional in the JSON.
+  std::string constraint;
+  /// The tool-call format a ToolCalls constraint is written in ("deepseek_v3", "deepseek_v31"), as
+  /// the router's tool parser reads it; empty: deepseek_v3. Optional in the JSON.
+  std::string tool_call_format;
 };
 
 enum class DecodeEventType { Descriptor, Tokens, Finish, Error, Preempted };
@@ -110,6 +122,9 @@ struct PrefillSubmit {
   /// sends it as the first token instead of sampling one, so that the token after it is sampled
   /// by the decode worker from the decode path's logits (docs/kv-memory.md). Optional (-1: none).
   std::int64_t forced_first_token = -1;
+  /// As DecodeOpen::constraint: the first token is sampled under it. Must equal D's.
+  std::string constraint;
+  std::string tool_call_format;  ///< as DecodeOpen::tool_call_format
 };
 
 struct PrefillOutcome {

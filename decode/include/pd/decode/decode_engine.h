@@ -84,6 +84,7 @@
 #include "pd/engine/engine.h"
 #include "pd/engine/sampling.h"
 #include "pd/kvtransfer/wire.h"
+#include "pd/structured/grammar.h"
 
 namespace pd::decode {
 
@@ -132,6 +133,11 @@ struct DecodeRequest {
   /// records, keeping the blocks, before a failure ends the request. Within kv_deadline.
   std::int64_t prefill_attempts = 1;
   TokenEventSink sink;
+  /// The output constraint (docs/structured-outputs.md): every token after the first is sampled
+  /// under the grammar's mask, MTP drafts are trimmed to what the grammar accepts, and a first
+  /// token (sampled by prefill under the same grammar) the grammar refuses ends the request with
+  /// Corrupt. Null: free text.
+  std::shared_ptr<const structured::Grammar> grammar;
   /// Called once on the engine thread when the request ends while its KV is still awaited
   /// (abort, deadline, a bad record, shutdown), before its blocks are freed: stops the transport's
   /// expectation so that late bytes are dropped instead of landing in reused blocks; with
@@ -169,6 +175,8 @@ struct DecodeStats {
   std::int64_t prefill_retries = 0;  ///< prefill failures absorbed (noteKvRetry)
   std::int64_t quarantined = 0;      ///< requests whose blocks were quarantined (late-write guard)
   std::int64_t preemptions = 0;      ///< requests preempted because a step could not get a block
+  /// Wall time in output constraints (masks, accepts, draft checks) during steps, all sequences.
+  double grammar_seconds = 0.0;
 };
 
 class DecodeEngine {

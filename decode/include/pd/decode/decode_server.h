@@ -42,6 +42,7 @@
 #include "pd/engine/tp_engine.h"
 #include "pd/kvtransfer/kvtransfer_config.h"
 #include "pd/kvtransfer/transport.h"
+#include "pd/structured/worker_grammars.h"
 #include "pd/trace/trace_config.h"
 
 namespace pd::decode {
@@ -65,6 +66,9 @@ struct DecodeServerOptions {
   /// traceparent, with children decode.admission, decode.kv_wait, decode.first_step and
   /// decode.steps (the later steps together), recorded when the stream ends.
   trace::TraceConfig trace;
+  /// Output constraints (worker_api::DecodeOpen::constraint) compile against this vocabulary.
+  /// Null: an open that carries a constraint is refused with Unsupported.
+  std::shared_ptr<const structured::WorkerGrammars> grammars;
 };
 
 class DecodeServer {

@@ -36,6 +36,9 @@ struct DecodeWorkerConfig {
   kvtransfer::KvTransferConfig kvtransfer;
   /// The model folder (resolved: the embedded default model is already written out).
   std::filesystem::path model_dir;
+  /// The folder of the tokenizer whose vocabulary output constraints compile against (the
+  /// router's); empty: model_dir. Without a loadable tokenizer the worker serves free text only.
+  std::filesystem::path tokenizer_dir;
   /// The command line that starts another rank of this worker (executable, subcommand, flags);
   /// a node's process appends each spawned rank's --decode.tp_rank (and --decode.tp_group) to it.
   std::vector<std::string> rank_argv;

@@ -40,6 +40,7 @@
 #include "pd/engine/sampling.h"
 #include "pd/prefill/kv_sink.h"
 #include "pd/prefill/prefill_config.h"
+#include "pd/structured/grammar.h"
 
 namespace pd::prefill {
 
@@ -56,6 +57,9 @@ struct PrefillRequest {
   /// sampled one (within the vocabulary). -1: sample it.
   std::int32_t forced_first_token = -1;
   bool logprobs = false;  ///< fill first_logprob (and top_logprobs per sampling)
+  /// The output constraint: the first token is sampled under the grammar's initial mask (its
+  /// vocabulary must cover the model's, PD_CHECKed by the sampler). Null: free text.
+  std::shared_ptr<const structured::Grammar> grammar;
   Clock::time_point deadline = Clock::time_point::max();
   std::unique_ptr<KvSink> sink;  ///< where the KV and the outcome go; required
 };

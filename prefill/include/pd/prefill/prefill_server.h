@@ -43,6 +43,7 @@
 #include "pd/engine/engine.h"
 #include "pd/kvtransfer/kvtransfer_config.h"
 #include "pd/prefill/prefill_config.h"
+#include "pd/structured/worker_grammars.h"
 #include "pd/trace/trace_config.h"
 
 namespace pd::prefill {
@@ -63,6 +64,9 @@ struct PrefillServerOptions {
   std::shared_ptr<InternalAuth> auth;
   /// Tracing (docs/observability.md): each submission's spans continue its `traceparent`.
   trace::TraceConfig trace;
+  /// Output constraints (worker_api::PrefillSubmit::constraint) compile against this vocabulary.
+  /// Null: a submission that carries a constraint is refused with Unsupported.
+  std::shared_ptr<const structured::WorkerGrammars> grammars;
 };
 
 /// What the server holds right now (tests and the status endpoint).

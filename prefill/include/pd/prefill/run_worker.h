@@ -33,6 +33,9 @@ struct PrefillWorkerConfig {
   kvtransfer::KvTransferConfig kvtransfer;
   /// The model folder (resolved: the embedded default model is already written out).
   std::filesystem::path model_dir;
+  /// The folder of the tokenizer whose vocabulary output constraints compile against (the
+  /// router's); empty: model_dir. Without a loadable tokenizer the worker serves free text only.
+  std::filesystem::path tokenizer_dir;
   /// The command line that starts another rank of this worker (executable, subcommand, flags);
   /// rank 0 appends each spawned rank's --prefill.tp_rank / --prefill.tp_group to it.
   std::vector<std::string> rank_argv;

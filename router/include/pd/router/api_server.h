@@ -24,6 +24,7 @@
 #include <chrono>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "pd/common/http_server.h"
@@ -33,6 +34,8 @@
 #include "pd/router/completion_backend.h"
 #include "pd/router/prompt_renderer.h"
 #include "pd/router/router_config.h"
+#include "pd/structured/response_constraint.h"
+#include "pd/tokenizer/tokenizer.h"
 #include "pd/trace/tracer.h"
 
 namespace pd::router {
@@ -64,7 +67,25 @@ struct ApiServerOptions {
   /// The per-request log line carries the prompt (chat messages as JSON, a completion's text or
   /// ids). Off by default: prompts are the users' data.
   bool log_prompts = false;
+  /// Output constraints (docs/api.md, "Structured outputs"): each request's `response_format` /
+  /// `tool_choice` constraint is compiled here first, so an unsupported schema feature is a 400
+  /// naming it before any worker sees it. Null: such requests are refused with 400.
+  std::shared_ptr<structured::GrammarCache> grammars;
+  /// The tool-call format parsed out of chat answers (and that `tool_choice` required / named
+  /// constrains to); nullopt: tool calls are not parsed and required / named are refused.
+  std::optional<structured::ToolCallFormat> tool_parser;
+  /// Split R1 reasoning (`<think>…</think>`) out of chat answers into reasoning_content.
+  bool reasoning_parser = false;
+  /// The chat template's generation prompt already opens `<think>` (R1).
+  bool prompt_opens_think = false;
 };
+
+/// Sets the output options above from router.tool_parser / router.reasoning_parser ("auto" reads
+/// the chat template) and builds the grammar cache over `tokenizer`'s vocabulary (masks sized for
+/// `model_vocab_size`). InvalidArgument for an unknown option value; a vocabulary that cannot be
+/// built is logged and leaves constraints off.
+[[nodiscard]] Status configureOutput(ApiServerOptions& options, const RouterConfig& config,
+                                     const tokenizer::Tokenizer& tokenizer, std::size_t model_vocab_size);
 
 /// Options from the router's config section; reads the API key file if one is set.
 /// `max_model_len` comes from the model's config.

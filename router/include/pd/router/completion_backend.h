@@ -62,6 +62,10 @@ struct GenerationRequest {
   bool ignore_eos = false;                  ///< keep going past EOS (benchmarks)
   bool skip_special_tokens = true;          ///< special tokens add no text (logprob entries keep theirs)
   bool include_stop_str_in_output = false;  ///< the text ends after the matched stop string, not before
+  /// The output constraint both workers sample under (worker_api::DecodeOpen::constraint:
+  /// pd::structured::encodeConstraint's text); empty: free text.
+  std::string constraint;
+  std::string tool_call_format;  ///< of a tool-call constraint ("deepseek_v3" / "deepseek_v31")
   /// The front end aborts the generation at this time; the backend should give up before it.
   std::chrono::steady_clock::time_point deadline;
   /// The front end's `router.request` span (docs/observability.md): the backend's spans are its

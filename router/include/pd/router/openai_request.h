@@ -5,9 +5,11 @@
 /// The body must be valid UTF-8 without lone surrogate escapes, a JSON object, and each known
 /// parameter must have the right type and range. Every top-level parameter is either honoured or
 /// refused: a parameter the endpoint does not know (and one of `stream_options`) is a 400 naming
-/// it, and known features this server does not offer (n > 1, tools, echo, suffix, best_of,
-/// non-text response formats and modalities, stored completions, non-text content parts) are
-/// refused unless given their neutral value (docs/api.md has the table).
+/// it, and known features this server does not offer (n > 1, echo, suffix, best_of, legacy
+/// `functions`, non-text response formats and modalities, stored completions, non-text content
+/// parts) are refused unless given their neutral value (docs/api.md has the table). `tools`,
+/// `tool_choice`, `parallel_tool_calls` and `response_format` become the output constraint
+/// (pd/structured/response_constraint.h) and the chat template's tools.
 ///
 /// Errors: InvalidArgument with a message for the client that names the parameter but never
 /// repeats the client's text (an unknown parameter's name is repeated only when it is a short
@@ -25,6 +27,7 @@
 #include "pd/common/result.h"
 #include "pd/router/completion_backend.h"
 #include "pd/router/prompt_renderer.h"
+#include "pd/structured/response_constraint.h"
 
 namespace pd::router {
 
@@ -60,6 +63,11 @@ struct CompletionParams {
   /// else uses them); each at most kMaxUserBytes.
   std::string user;
   std::string safety_identifier;
+  /// `response_format` json_object / json_schema, or `tool_choice` "required" / a named function:
+  /// what the workers constrain the output to (Kind::None: free text). Compiled by the API server.
+  structured::ResponseConstraint constraint;
+  /// chat: `tools` were given and `tool_choice` is not "none": the output is parsed for tool calls.
+  bool parse_tool_calls = false;
 };
 
 /// Longest `user` / `safety_identifier` accepted (bytes).

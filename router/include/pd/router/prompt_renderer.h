@@ -22,6 +22,10 @@ namespace pd::router {
 struct ChatMessage {
   std::string role;     ///< system, developer, user, assistant or tool
   std::string content;  ///< text parts joined with "\n"; "" for a null content
+  /// assistant: the calls it made, as normalized JSON (`[{"id","type","function":{"name",
+  /// "arguments"}}]`); empty: none. tool: the id of the call it answers.
+  std::string tool_calls_json;
+  std::string tool_call_id;
 };
 
 /// A validated chat conversation in two equivalent forms: structured, and as the normalized
@@ -32,6 +36,8 @@ struct ChatConversation {
   std::string messages_json;
   /// `chat_template_kwargs` of the request as a JSON object text, or empty.
   std::string template_kwargs_json;
+  /// The request's `tools` (a JSON array text) for the template's `tools` variable; empty: none.
+  std::string tools_json;
 };
 
 /// A chat prompt's ids and when the template was done (the rest was the tokenizer's time).

@@ -51,6 +51,9 @@ struct RouterConfig {
   std::int64_t abort_timeout_ms = 2000;
   std::int64_t max_generations = 4096;
   std::int64_t pool_idle_ms = 55000;
+  // Output parsing (docs/api.md): auto reads the chat template.
+  std::string tool_parser = "auto";       ///< auto | deepseek_v3 | deepseek_v31 | none
+  std::string reasoning_parser = "auto";  ///< auto | deepseek_r1 | none
 };
 
 void registerOptions(config::OptionSet& set, RouterConfig& cfg);
