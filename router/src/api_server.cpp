@@ -806,7 +806,6 @@ class ApiServer::Impl {
         std::string(structured::toolCallFormatName(fe_->tool_parser.value_or(structured::ToolCallFormat::DeepSeekV3)));
     return std::nullopt;
   }
-}
 
   /// On an io thread: authorizes, then hands the request to the CPU pool (parsing, templating and
   /// tokenizing a large body must not hold an io thread); a full queue answers 503 + Retry-After.
