@@ -523,6 +523,7 @@ class PrefillServer::Impl {
     if (!status.ok()) failure = timeline.failure ? *timeline.failure : status.error();
     outcome.first_token = timeline.first_token;
     outcome.prompt_tokens = call->prompt_tokens;
+    outcome.cached_tokens = timeline.cached_tokens;
     const Clock::time_point admitted = timeline.admitted.value_or(now);
     const Clock::time_point computed = timeline.computed.value_or(now);
     outcome.queue_ms = msBetween(call->received, admitted);

@@ -410,6 +410,7 @@ class Generation : public std::enable_shared_from_this<Generation> {
       if (!a.stop_hit && !a.timed_out && response.value().complete) s_.release(a.worker, std::move(client));
       const bool stop_hit = a.stop_hit;
       const auto reason = stop_hit ? FinishReason::Stop : a.finish->finish_reason;
+      const std::int64_t cached = cached_tokens_;
       lock.unlock();
       FinishEvent end = TokenRelay::stopped();
       bool cut = stop_hit;
@@ -418,6 +419,7 @@ class Generation : public std::enable_shared_from_this<Generation> {
         cut = tail.stop_matched;
         end = std::move(tail.event);
       }
+      end.end.cached_prompt_tokens = cached;
       sink_->onFinish(std::move(end));
       lock.lock();
       a.succeeded = true;
@@ -571,8 +573,11 @@ class Generation : public std::enable_shared_from_this<Generation> {
     if (response.ok() && response.value().status == 200) {
       auto outcome = worker_api::parsePrefillOutcome(response.value().body);
       if (outcome.ok()) {
-        log::debug(kLog, "{}: prefilled on {}: queue {:.1f} ms, compute {:.1f} ms, transfer {:.1f} ms", id, p.key(),
-                   outcome.value().queue_ms, outcome.value().compute_ms, outcome.value().transfer_ms);
+        log::debug(kLog,
+                   "{}: prefilled on {}: {} cached tokens, queue {:.1f} ms, compute {:.1f} ms, transfer {:.1f} ms", id,
+                   p.key(), outcome.value().cached_tokens, outcome.value().queue_ms, outcome.value().compute_ms,
+                   outcome.value().transfer_ms);
+        cached_tokens_ = outcome.value().cached_tokens;
         return endPrefill(lock);
       }
       leg.last = makeError(ErrorCode::Corrupt,
@@ -663,6 +668,7 @@ class Generation : public std::enable_shared_from_this<Generation> {
   std::uint64_t watch_armed_ = 0;         // guarded by mu_
   std::string watch_reason_;              // guarded by mu_
   std::optional<std::string> timed_out_;  // guarded by mu_
+  std::int64_t cached_tokens_ = 0;        // guarded by mu_: the last prefill answer's prefix-cache reuse
 };
 
 namespace {
