@@ -448,6 +448,7 @@ Result<PrefillSubmit> parsePrefillSubmit(std::string_view text) {
 std::string toJson(const PrefillOutcome& v) {
   return dump(json::object{{"first_token", v.first_token},
                            {"prompt_tokens", v.prompt_tokens},
+                           {"cached_tokens", v.cached_tokens},
                            {"queue_ms", v.queue_ms},
                            {"compute_ms", v.compute_ms},
                            {"transfer_ms", v.transfer_ms}});
@@ -462,6 +463,10 @@ Result<PrefillOutcome> parsePrefillOutcome(std::string_view text) {
   r.integer("first_token", first, true, 0, std::numeric_limits<pd::TokenId>::max());
   v.first_token = static_cast<pd::TokenId>(first);
   r.integer("prompt_tokens", v.prompt_tokens, false, 0);
+  r.integer("cached_tokens", v.cached_tokens, false, 0);
+  if (r.ok() && v.cached_tokens > v.prompt_tokens) {
+    return makeError(ErrorCode::InvalidArgument, "prefill outcome: cached_tokens exceeds prompt_tokens");
+  }
   r.number("queue_ms", v.queue_ms, false);
   r.number("compute_ms", v.compute_ms, false);
   r.number("transfer_ms", v.transfer_ms, false);

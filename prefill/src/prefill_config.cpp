@@ -14,6 +14,10 @@ void registerOptions(config::OptionSet& set, PrefillConfig& cfg) {
       .add("cache_blocks", &cfg.cache_blocks, "blocks of the prefill-local latent cache (bounds prompts in flight)", 1,
            1 << 24)
       .add("cache_block_size", &cfg.cache_block_size, "tokens per block of the prefill-local latent cache", 1, 1 << 16)
+      .add("prefix_cache_blocks", &cfg.prefix_cache_blocks,
+           "local cache blocks kept for prompt-prefix reuse, LRU-evicted; beyond cache_blocks means cache_blocks (0: "
+           "off)",
+           0, 1 << 24)
       .add("drain_timeout_ms", &cfg.drain_timeout_ms,
            "on SIGTERM/SIGINT, how long in-flight prefills may finish before they are aborted", 0, 86400000)
       .add("threads", &cfg.threads, "compute threads of the model engine (0: every hardware thread)", 0, 1024)

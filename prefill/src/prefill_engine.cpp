@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <functional>
+#include <numeric>
 #include <optional>
 #include <utility>
 
@@ -16,7 +17,9 @@ struct PrefillEngine::Running {
   std::vector<float> hidden;       // [next_pos, hidden_size] final hidden states (the MTP input)
   std::vector<float> last_logits;  // the last prompt position's logits
   std::vector<std::int32_t> mtp_tokens;
-  std::optional<Error> error;  // first put error
+  std::optional<Error> error;              // first put error
+  std::vector<std::uint64_t> cached_keys;  // prefix-cache blocks it references: blocks[0, size)
+  std::int64_t cached_tokens = 0;          // prompt positions whose KV came from the prefix cache
   bool finished = false;
 
   [[nodiscard]] std::int64_t size() const { return static_cast<std::int64_t>(request.tokens.size()); }
@@ -61,15 +64,17 @@ PrefillEngineOptions engineOptions(const PrefillConfig& config) {
   o.max_queued_requests = config.max_queued_requests;
   o.cache_blocks = config.cache_blocks;
   o.block_size = config.cache_block_size;
+  o.prefix_cache_blocks = std::min(config.prefix_cache_blocks, config.cache_blocks);
   return o;
 }
 
 Result<std::unique_ptr<PrefillEngine>> PrefillEngine::create(model::Engine& engine, PrefillEngineOptions options) {
   if (options.chunk_size <= 0 || options.token_budget <= 0 || options.max_queued_requests <= 0 ||
-      options.cache_blocks <= 0 || options.block_size <= 0 || !options.now) {
+      options.cache_blocks <= 0 || options.block_size <= 0 || !options.now || options.prefix_cache_blocks < 0 ||
+      options.prefix_cache_blocks > options.cache_blocks) {
     return makeError(ErrorCode::InvalidArgument,
                      "prefill engine: chunk_size, token_budget, max_queued_requests, cache_blocks and block_size "
-                     "must be positive and a clock given");
+                     "must be positive, prefix_cache_blocks within [0, cache_blocks] and a clock given");
   }
   PD_ASSIGN_OR_RETURN(auto cache, model::PagedLatentCache::create(engine.config(), options.cache_blocks,
                                                                   options.block_size, DType::F32));
@@ -80,6 +85,9 @@ PrefillEngine::PrefillEngine(model::Engine& engine, PrefillEngineOptions options
     : engine_(engine), options_(std::move(options)), cache_(std::move(cache)) {
   for (std::int64_t b = options_.cache_blocks - 1; b >= 0; --b) free_blocks_.push_back(static_cast<std::int32_t>(b));
   stats_.free_blocks = options_.cache_blocks;
+  reuse_granule_ = std::lcm(options_.block_size, std::min(options_.chunk_size, options_.token_budget));
+  if (options_.prefix_cache_blocks > 0)
+    prefix_.emplace(options_.prefix_cache_blocks, options_.block_size, options_.model_hash);
 }
 
 PrefillEngine::~PrefillEngine() {
@@ -154,15 +162,63 @@ PrefillEngineStats PrefillEngine::stats() const {
   return stats_;
 }
 
-void PrefillEngine::release(Running& r) {
-  free_blocks_.insert(free_blocks_.end(), r.blocks.begin(), r.blocks.end());
+void PrefillEngine::release(Running& r, bool completed) {
+  const auto shared = static_cast<std::ptrdiff_t>(r.cached_keys.size());
+  const std::span<const std::int32_t> own(r.blocks.begin() + shared, r.blocks.end());
+  if (!prefix_) {
+    free_blocks_.insert(free_blocks_.end(), own.begin(), own.end());
+  } else {
+    std::vector<std::int32_t> back(own.begin(), own.end());
+    if (completed) {
+      // Every main layer of every prompt position is in the blocks: offer the full ones.
+      std::vector<std::vector<float>> payloads;
+      if (engine_.config().num_nextn_predict_layers > 0) {
+        const auto per_block = static_cast<std::size_t>(options_.block_size * engine_.config().hidden_size);
+        for (std::size_t b = static_cast<std::size_t>(shared); (b + 1) * per_block <= r.hidden.size(); ++b) {
+          payloads.emplace_back(r.hidden.begin() + static_cast<std::ptrdiff_t>(b * per_block),
+                                r.hidden.begin() + static_cast<std::ptrdiff_t>((b + 1) * per_block));
+        }
+      }
+      back = prefix_->insert(r.request.tokens, shared, own, std::move(payloads));
+    }
+    prefix_->release(r.cached_keys);
+    free_blocks_.insert(free_blocks_.end(), back.begin(), back.end());
+  }
   r.blocks.clear();
+  r.cached_keys.clear();
   r.finished = true;
+  {
+    std::lock_guard lock(mutex_);
+    held_ids_.erase(r.request.id);
+    cancels_.erase(r.request.id);  // a late cancel must not hit a later request with this id
+    stats_.running_requests -= 1;
+  }
+  updateCacheStats();
+}
+
+void PrefillEngine::updateCacheStats() {
+  const PrefixCacheStats c = prefix_ ? prefix_->stats() : PrefixCacheStats{};
   std::lock_guard lock(mutex_);
-  held_ids_.erase(r.request.id);
-  cancels_.erase(r.request.id);  // a late cancel must not hit a later request with this id
-  stats_.running_requests -= 1;
-  stats_.free_blocks = static_cast<std::int64_t>(free_blocks_.size());
+  stats_.free_blocks = static_cast<std::int64_t>(free_blocks_.size()) + c.idle_blocks;
+  stats_.prefix_cached_blocks = c.cached_blocks;
+  stats_.prefix_evictions = c.evictions;
+}
+
+bool PrefillEngine::shipCachedPrefix(Running& r) {
+  if (r.cached_tokens == 0) return true;
+  r.request.sink->prefixCached(r.cached_tokens);
+  const std::int64_t dim = engine_.config().latentDim();
+  std::vector<float> rows(static_cast<std::size_t>(r.cached_tokens * dim));
+  for (std::int64_t layer = 0; layer < engine_.config().num_hidden_layers; ++layer) {
+    for (std::int64_t p = 0; p < r.cached_tokens; ++p) {
+      model::readLatent(cache_.view(), layer, r.blocks, p, rows.data() + p * dim);
+    }
+    if (Status s = r.request.sink->putLayer(static_cast<std::uint32_t>(layer), 0, rows); !s.ok()) {
+      failRunning(r, s.error());
+      return false;
+    }
+  }
+  return true;
 }
 
 void PrefillEngine::failRunning(Running& r, const Error& reason) {
@@ -228,11 +284,47 @@ bool PrefillEngine::step() {
   {
     std::lock_guard lock(mutex_);
     while (!queue_.empty()) {
-      const std::int64_t need = ceilDiv(static_cast<std::int64_t>(queue_.front().tokens.size()), options_.block_size);
-      if (need > static_cast<std::int64_t>(free_blocks_.size())) break;
+      const auto n = static_cast<std::int64_t>(queue_.front().tokens.size());
+      // Cached full blocks of the prompt, short of its last token (whose logits we need), in whole
+      // reuse granules: the suffix's chunks then start where a cold prefill's do, so the results
+      // are bit-equal to it (the engine's GEMM and MoE paths depend on the rows of a chunk).
+      std::vector<PrefixCache::Hit> hits;
+      if (prefix_) {
+        const std::int64_t per = reuse_granule_ / options_.block_size;
+        hits = prefix_->acquire(queue_.front().tokens, (n - 1) / reuse_granule_ * per);
+        const auto keep = static_cast<std::size_t>(static_cast<std::int64_t>(hits.size()) / per * per);
+        std::vector<std::uint64_t> extra;
+        for (std::size_t i = keep; i < hits.size(); ++i) extra.push_back(hits[i].key);
+        prefix_->release(extra);
+        hits.resize(keep);
+      }
+      const std::int64_t need = ceilDiv(n, options_.block_size) - static_cast<std::int64_t>(hits.size());
+      if (prefix_ && need > static_cast<std::int64_t>(free_blocks_.size())) {
+        for (const std::int32_t b : prefix_->evict(need - static_cast<std::int64_t>(free_blocks_.size()))) {
+          free_blocks_.push_back(b);
+        }
+      }
+      if (need > static_cast<std::int64_t>(free_blocks_.size())) {
+        std::vector<std::uint64_t> keys;
+        for (const auto& h : hits) keys.push_back(h.key);
+        if (prefix_) prefix_->release(keys);
+        break;
+      }
       auto r = std::make_unique<Running>();
       r->request = std::move(queue_.front());
       queue_.pop_front();
+      for (const auto& h : hits) {
+        r->blocks.push_back(h.block);
+        r->cached_keys.push_back(h.key);
+        r->hidden.insert(r->hidden.end(), h.payload.begin(), h.payload.end());
+      }
+      r->cached_tokens = static_cast<std::int64_t>(hits.size()) * options_.block_size;
+      r->next_pos = r->cached_tokens;
+      if (engine_.config().num_nextn_predict_layers == 0) r->hidden.clear();
+      if (prefix_) {
+        stats_.prefix_hit_tokens += r->cached_tokens;
+        stats_.prefix_miss_tokens += n - r->cached_tokens;
+      }
       for (std::int64_t i = 0; i < need; ++i) {
         r->blocks.push_back(free_blocks_.back());
         free_blocks_.pop_back();
@@ -240,11 +332,15 @@ bool PrefillEngine::step() {
       stats_.queued_requests -= 1;
       stats_.queued_tokens -= r->size();
       stats_.running_requests += 1;
-      stats_.free_blocks = static_cast<std::int64_t>(free_blocks_.size());
       running_.push_back(std::move(r));
     }
   }
-  for (std::size_t i = first_admitted; i < running_.size(); ++i) running_[i]->request.sink->admitted();
+  updateCacheStats();
+  for (std::size_t i = first_admitted; i < running_.size(); ++i) {
+    running_[i]->request.sink->admitted();
+    if (shipCachedPrefix(*running_[i])) continue;
+    worked = true;
+  }
 
   // One forward over up to token_budget new tokens, at most chunk_size per request.
   std::vector<Running*> rows;
@@ -338,13 +434,38 @@ void PrefillEngine::finishPrompt(std::vector<Running*>& done) {
     first.push_back(sampler.sample(r->last_logits, allowed));
     if (r->request.forced_first_token >= 0) first.back().token = r->request.forced_first_token;
   }
-  if (cfg.num_nextn_predict_layers > 0) {
+  // MTP passes write the MTP layer of every prompt block, prefix-cache blocks included; the last
+  // position of a shared block depends on the token after it, so two rows of one MTP forward must
+  // not share a block: such rows go to separate forwards.
+  std::vector<std::vector<std::size_t>> groups;
+  {
+    std::vector<std::unordered_set<std::int32_t>> shared;
+    for (std::size_t i = 0; i < done.size(); ++i) {
+      const auto n_shared = static_cast<std::ptrdiff_t>(done[i]->cached_keys.size());
+      std::size_t g = 0;
+      for (; g < groups.size(); ++g) {
+        if (std::none_of(done[i]->blocks.begin(), done[i]->blocks.begin() + n_shared,
+                         [&](std::int32_t b) { return shared[g].contains(b); }))
+          break;
+      }
+      if (g == groups.size()) {
+        groups.emplace_back();
+        shared.emplace_back();
+      }
+      groups[g].push_back(i);
+      shared[g].insert(done[i]->blocks.begin(), done[i]->blocks.begin() + n_shared);
+    }
+  }
+  for (const std::vector<std::size_t>& group : groups) {
+    if (cfg.num_nextn_predict_layers == 0) break;
     // MTP row i pairs token i+1 with final hidden state i; the last row takes the first sampled token.
     std::vector<model::SequenceChunk> batch;
     std::vector<KvSink*> sinks;
     std::vector<std::optional<Error>*> errors;
-    for (std::size_t i = 0; i < done.size(); ++i) {
+    std::vector<Running*> rows;
+    for (const std::size_t i : group) {
       Running& r = *done[i];
+      rows.push_back(&r);
       r.mtp_tokens.assign(r.request.tokens.begin() + 1, r.request.tokens.end());
       r.mtp_tokens.push_back(first[i].token);
       model::SequenceChunk c{r.mtp_tokens, 0, r.blocks};
@@ -353,7 +474,7 @@ void PrefillEngine::finishPrompt(std::vector<Running*>& done) {
       sinks.push_back(r.request.sink.get());
       errors.push_back(&r.error);
     }
-    BatchSink sink(std::move(sinks), std::move(errors), [&](std::size_t row) { return stopReason(*done[row]); });
+    BatchSink sink(std::move(sinks), std::move(errors), [&](std::size_t row) { return stopReason(*rows[row]); });
     model::ForwardOptions fo;
     fo.logits = model::OutputRows::None;
     fo.hidden = model::OutputRows::None;
@@ -361,19 +482,19 @@ void PrefillEngine::finishPrompt(std::vector<Running*>& done) {
     const auto t0 = Clock::now();
     Result<model::ForwardOutput> out = engine_.forwardMtp(batch, cache_.view(), fo);
     const auto t1 = Clock::now();
-    for (Running* r : done) r->request.sink->forwardTimed(0, r->size(), true, t0, t1);
+    for (Running* r : rows) r->request.sink->forwardTimed(0, r->size(), true, t0, t1);
     {
       std::lock_guard lock(mutex_);
       stats_.compute_seconds += std::chrono::duration<double>(t1 - t0).count();
     }
     if (!out.ok()) {
-      for (Running* r : done) failRunning(*r, out.error());
-      return;
+      for (Running* r : rows) failRunning(*r, out.error());
     }
   }
   const auto hidden_size = static_cast<std::size_t>(cfg.hidden_size);
   for (std::size_t i = 0; i < done.size(); ++i) {
     Running& r = *done[i];
+    if (r.finished) continue;  // its MTP forward failed
     if (r.error) {
       failRunning(r, *r.error);
       continue;
@@ -387,7 +508,7 @@ void PrefillEngine::finishPrompt(std::vector<Running*>& done) {
       record.top_logprobs = first[i].top;
     }
     r.request.sink->complete(std::move(record));
-    release(r);
+    release(r, true);
     std::lock_guard lock(mutex_);
     stats_.completed += 1;
   }

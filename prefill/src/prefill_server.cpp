@@ -82,7 +82,7 @@ class PrefillServer::Impl {
 
   Status start() {
     PD_ASSIGN_OR_RETURN(tracer_, trace::Tracer::create(options_.trace, "pdserve-prefill", &registry_));
-    PD_ASSIGN_OR_RETURN(prefill_, PrefillEngine::create(*model_, engineOptions(options_.prefill)));
+    PD_ASSIGN_OR_RETURN(prefill_, PrefillEngine::create(*model_, engineOptionsWithHash()));
     prefill_->start();
     http::ServerOptions so;
     so.host = options_.prefill.host;
@@ -206,7 +206,17 @@ class PrefillServer::Impl {
     metrics::Histogram* compute_s = nullptr;
     metrics::Histogram* transfer_s = nullptr;
     metrics::Histogram* total_s = nullptr;
+    metrics::Counter* prefix_hit_tokens = nullptr;
+    metrics::Counter* prefix_miss_tokens = nullptr;
+    metrics::Counter* prefix_evictions = nullptr;
+    metrics::Gauge* prefix_cached_blocks = nullptr;
   };
+
+  PrefillEngineOptions engineOptionsWithHash() const {
+    PrefillEngineOptions o = engineOptions(options_.prefill);
+    o.model_hash = options_.model_hash;  // the prefix cache's chain root: KV of one model only
+    return o;
+  }
 
   void registerMetrics() {
     auto& r = registry_;
@@ -236,7 +246,23 @@ class PrefillServer::Impl {
     m_.transfer_s = &r.histogram("pdserve_prefill_transfer_seconds",
                                  "TTFT component: last layer computed to completion record delivered.", b)
                          .get();
+    m_.prefix_hit_tokens = &r.counter("pdserve_prefill_prefix_cache_hit_tokens_total",
+                                      "Prompt tokens whose KV came from the prefix cache (not recomputed).")
+                                .get();
+    m_.prefix_miss_tokens =
+        &r.counter("pdserve_prefill_prefix_cache_miss_tokens_total", "Prompt tokens computed with the prefix cache on.")
+             .get();
+    m_.prefix_evictions =
+        &r.counter("pdserve_prefill_prefix_cache_evictions_total", "Prefix-cache blocks evicted (LRU).").get();
+    m_.prefix_cached_blocks =
+        &r.gauge("pdserve_prefill_prefix_cache_blocks", "Local cache blocks held by the prefix cache.").get();
     m_.total_s = &r.histogram("pdserve_prefill_request_seconds", "Submit to answer of successful prefills.", b).get();
+  }
+
+  // Adds to `counter` what the engine's `total` gained since `seen` (mirror_mutex_ held).
+  static void mirror(metrics::Counter& counter, std::int64_t total, std::int64_t& seen) {
+    if (total > seen) counter.inc(static_cast<double>(total - seen));
+    seen = std::max(seen, total);
   }
 
   // Gauges and the counters mirrored from the engine's totals; refreshed when read.
@@ -255,6 +281,10 @@ class PrefillServer::Impl {
     if (e.compute_seconds > mirrored_seconds_) m_.forward_seconds->inc(e.compute_seconds - mirrored_seconds_);
     mirrored_tokens_ = std::max(mirrored_tokens_, e.prompt_tokens);
     mirrored_seconds_ = std::max(mirrored_seconds_, e.compute_seconds);
+    m_.prefix_cached_blocks->set(static_cast<double>(e.prefix_cached_blocks));
+    mirror(*m_.prefix_hit_tokens, e.prefix_hit_tokens, mirrored_hits_);
+    mirror(*m_.prefix_miss_tokens, e.prefix_miss_tokens, mirrored_misses_);
+    mirror(*m_.prefix_evictions, e.prefix_evictions, mirrored_evictions_);
     if (e.compute_seconds > 0) m_.tokens_per_second->set(static_cast<double>(e.prompt_tokens) / e.compute_seconds);
   }
 
@@ -497,6 +527,7 @@ class PrefillServer::Impl {
     if (!status.ok()) failure = timeline.failure ? *timeline.failure : status.error();
     outcome.first_token = timeline.first_token;
     outcome.prompt_tokens = call->prompt_tokens;
+    outcome.cached_tokens = timeline.cached_tokens;
     const Clock::time_point admitted = timeline.admitted.value_or(now);
     const Clock::time_point computed = timeline.computed.value_or(now);
     outcome.queue_ms = msBetween(call->received, admitted);
@@ -605,8 +636,11 @@ class PrefillServer::Impl {
   std::uint64_t next_engine_id_ = 1;                                 // guarded by mutex_
 
   std::mutex mirror_mutex_;
-  std::int64_t mirrored_tokens_ = 0;  // guarded by mirror_mutex_
-  double mirrored_seconds_ = 0.0;     // guarded by mirror_mutex_
+  std::int64_t mirrored_tokens_ = 0;     // guarded by mirror_mutex_
+  double mirrored_seconds_ = 0.0;        // guarded by mirror_mutex_
+  std::int64_t mirrored_hits_ = 0;       // guarded by mirror_mutex_
+  std::int64_t mirrored_misses_ = 0;     // guarded by mirror_mutex_
+  std::int64_t mirrored_evictions_ = 0;  // guarded by mirror_mutex_
 
   std::atomic<bool> draining_{false};
   bool stopped_ = false;  // control thread only

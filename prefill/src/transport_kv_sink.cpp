@@ -17,6 +17,11 @@ void TransferTimeline::admitted() {
   state_.admitted = Clock::now();
 }
 
+void TransferTimeline::prefixCached(std::int64_t tokens) {
+  std::lock_guard lock(mutex_);
+  state_.cached_tokens = tokens;
+}
+
 void TransferTimeline::computed(std::int32_t first_token) {
   std::lock_guard lock(mutex_);
   state_.computed = Clock::now();
@@ -99,6 +104,10 @@ TransportKvSink::~TransportKvSink() {
 
 void TransportKvSink::admitted() {
   if (timeline_) timeline_->admitted();
+}
+
+void TransportKvSink::prefixCached(std::int64_t tokens) {
+  if (timeline_) timeline_->prefixCached(tokens);
 }
 
 void TransportKvSink::forwardTimed(std::int64_t first_pos, std::int64_t n, bool mtp,

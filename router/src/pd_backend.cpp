@@ -477,6 +477,7 @@ class Generation : public std::enable_shared_from_this<Generation> {
       if (!a.stop_hit && !a.timed_out && response.value().complete) s_.release(a.worker, std::move(client));
       const bool stop_hit = a.stop_hit;
       const auto reason = stop_hit ? FinishReason::Stop : a.finish->finish_reason;
+      const std::int64_t cached = cached_tokens_;
       lock.unlock();
       FinishEvent end = TokenRelay::stopped();
       bool cut = stop_hit;
@@ -485,6 +486,7 @@ class Generation : public std::enable_shared_from_this<Generation> {
         cut = tail.stop_matched;
         end = std::move(tail.event);
       }
+      end.end.cached_prompt_tokens = cached;
       sink_->onFinish(std::move(end));
       lock.lock();
       a.succeeded = true;
@@ -711,6 +713,7 @@ class Generation : public std::enable_shared_from_this<Generation> {
         report_.prefill_queue_ms = outcome.value().queue_ms;
         report_.prefill_compute_ms = outcome.value().compute_ms;
         report_.prefill_transfer_ms = outcome.value().transfer_ms;
+        cached_tokens_ = outcome.value().cached_tokens;
         return endPrefill(lock);
       }
       leg.last = makeError(ErrorCode::Corrupt,
@@ -814,6 +817,7 @@ class Generation : public std::enable_shared_from_this<Generation> {
   std::string watch_reason_;              // guarded by mu_
   std::optional<std::string> timed_out_;  // guarded by mu_
   GenerationReport report_;               // guarded by mu_
+  std::int64_t cached_tokens_ = 0;        // guarded by mu_: the last prefill answer's prefix-cache reuse
 };
 
 namespace {

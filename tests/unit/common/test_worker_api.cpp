@@ -209,6 +209,15 @@ TEST(WorkerApi, PrefillMessagesRoundTrip) {
   ASSERT_TRUE(ob.ok());
   EXPECT_EQ(ob->first_token, 17);
   EXPECT_DOUBLE_EQ(ob->compute_ms, 12.25);
+  EXPECT_EQ(ob->cached_tokens, 0);
+  // The prefix cache's reuse: additive (absent means 0), never above the prompt.
+  o.cached_tokens = 4;
+  ob = parsePrefillOutcome(toJson(o));
+  ASSERT_TRUE(ob.ok());
+  EXPECT_EQ(ob->cached_tokens, 4);
+  EXPECT_FALSE(parsePrefillOutcome(R"({"first_token":1,"prompt_tokens":4,"cached_tokens":5})").ok());
+  EXPECT_FALSE(parsePrefillOutcome(R"({"first_token":1,"prompt_tokens":4,"cached_tokens":-1})").ok());
+  EXPECT_FALSE(parsePrefillOutcome(R"({"first_token":1,"prompt_tokens":4,"cached_tokens":"2"})").ok());
 }
 
 TEST(WorkerApi, StatusAndErrorsRoundTrip) {

@@ -44,12 +44,14 @@ struct Shipped {
   int endings = 0;
   int admitted = 0;
   int puts_before_admitted = 0;
+  std::int64_t cached_tokens = -1;  // what prefixCached() said (-1: never called)
 };
 
 class MemorySink final : public KvSink {
  public:
   MemorySink(Shipped& out, std::int64_t latent_dim) : out_(out), dim_(latent_dim) {}
   void admitted() override { ++out_.admitted; }
+  void prefixCached(std::int64_t tokens) override { out_.cached_tokens = tokens; }
   Status putLayer(std::uint32_t layer, std::int64_t first_pos, std::span<const float> rows) override {
     if (out_.admitted == 0) ++out_.puts_before_admitted;
     ++out_.puts;
@@ -607,6 +609,107 @@ TEST_P(PrefillGolden, DeadlineDuringTheMtpLayerFailsTheRequest) {
   EXPECT_EQ(p->stats().free_blocks, 64);
 }
 
+TEST_P(PrefillGolden, PrefixCacheSecondTurnEqualsAColdPrefillBitForBit) {
+  // Turn 2 of a chat: turn 1's prompt, its greedy answer and a new question.
+  const std::vector<std::int32_t> turn1 = prompt_;
+  std::vector<std::int32_t> turn2 = prompt_;
+  turn2.insert(turn2.end(), greedy_.begin(), greedy_.end());
+  turn2.insert(turn2.end(), prompt_.begin(), prompt_.begin() + 5);
+  Shipped cold;
+  {
+    auto p = makePrefill({.chunk_size = 12, .block_size = 4});
+    ASSERT_TRUE(p->submit(request(1, turn2, cold)).ok());
+    drain(*p);
+    ASSERT_TRUE(cold.record.has_value());
+    EXPECT_EQ(cold.cached_tokens, -1);
+  }
+  // Reuse comes in granules of lcm(block 4, chunk 12) = 12 tokens: 10 cached blocks, 9 reused.
+  auto p = makePrefill({.chunk_size = 12, .block_size = 4, .prefix_cache_blocks = 32, .model_hash = 5});
+  Shipped first;
+  ASSERT_TRUE(p->submit(request(1, turn1, first)).ok());
+  drain(*p);
+  ASSERT_TRUE(first.record.has_value());
+  EXPECT_EQ(first.cached_tokens, -1) << "nothing cached yet";
+  const auto full = static_cast<std::int64_t>(turn1.size() / 4 * 4);
+  EXPECT_EQ(p->stats().prefix_cached_blocks, full / 4);
+  EXPECT_EQ(p->stats().free_blocks, 64) << "idle cached blocks count as available";
+
+  Shipped warm;
+  ASSERT_TRUE(p->submit(request(2, turn2, warm)).ok());
+  drain(*p);
+  ASSERT_TRUE(warm.record.has_value()) << (warm.failure ? warm.failure->toString() : "");
+  const std::int64_t reused = std::min(full, static_cast<std::int64_t>(turn2.size() - 1)) / 12 * 12;
+  ASSERT_GT(reused, 0);
+  EXPECT_EQ(warm.cached_tokens, reused);
+  const PrefillEngineStats st = p->stats();
+  EXPECT_EQ(st.prefix_hit_tokens, reused);
+  EXPECT_EQ(st.prefix_miss_tokens, static_cast<std::int64_t>(turn1.size() + turn2.size()) - reused);
+  EXPECT_EQ(st.prompt_tokens, static_cast<std::int64_t>(turn1.size() + turn2.size()) - reused)
+      << "the cached prefix is not recomputed";
+  EXPECT_EQ(st.prefix_cached_blocks, static_cast<std::int64_t>(turn2.size() / 4));
+  // Every layer (main and MTP) of every position, the first token and the hidden state: bit-equal.
+  EXPECT_EQ(warm.rows.size(), static_cast<std::size_t>(cfg().kvLayers()));
+  EXPECT_TRUE(warm.rows == cold.rows) << "the shipped KV differs from a cold prefill's";
+  EXPECT_EQ(warm.record->first_token, cold.record->first_token);
+  EXPECT_TRUE(warm.record->hidden_state == cold.record->hidden_state);
+}
+
+TEST_P(PrefillGolden, PrefixCacheSharedByConcurrentRequestsAndEvictedUnderPressure) {
+  const auto n = static_cast<std::int64_t>(prompt_.size());
+  std::vector<std::int32_t> a = prompt_, b = prompt_;
+  a.push_back(1);
+  b.push_back(2);
+  std::vector<std::int32_t> big(prompt_.rbegin(), prompt_.rend());  // shares no leading block
+  big.insert(big.end(), prompt_.begin(), prompt_.end());
+  const std::int64_t pool = (static_cast<std::int64_t>(big.size()) + 3) / 4;  // exactly what `big` needs
+  std::map<int, Shipped> cold;
+  for (const auto& [i, tokens] : std::map<int, std::vector<std::int32_t>>{{0, a}, {1, b}, {2, big}}) {
+    auto p = makePrefill({.chunk_size = 4, .block_size = 4});
+    ASSERT_TRUE(p->submit(request(1, tokens, cold[i])).ok());
+    drain(*p);
+    ASSERT_TRUE(cold[i].record.has_value());
+  }
+  auto p = makePrefill(
+      {.chunk_size = 4, .cache_blocks = pool, .block_size = 4, .prefix_cache_blocks = pool, .model_hash = 9});
+  Shipped first;
+  ASSERT_TRUE(p->submit(request(1, prompt_, first)).ok());
+  drain(*p);
+  // Two requests at once share the cached blocks (one step admits both; their MTP passes split).
+  Shipped wa, wb;
+  ASSERT_TRUE(p->submit(request(2, a, wa)).ok());
+  ASSERT_TRUE(p->submit(request(3, b, wb)).ok());
+  drain(*p);
+  EXPECT_EQ(wa.cached_tokens, n / 4 * 4);
+  EXPECT_EQ(wb.cached_tokens, n / 4 * 4);
+  // Batched together their suffix rows share a forward (and its MoE expert GEMMs), which moves low
+  // bits with or without the cache; a wrong or overwritten shared block would be far off.
+  EXPECT_EQ(wa.rows.size(), cold[0].rows.size());
+  for (const auto& [layer, rows] : cold[0].rows) {
+    const auto l = static_cast<std::uint32_t>(layer);
+    expectClose("shared a layer " + std::to_string(l), part(wa, l, n + 1, 0, dim()), part(cold[0], l, n + 1, 0, dim()));
+    expectClose("shared b layer " + std::to_string(l), part(wb, l, n + 1, 0, dim()), part(cold[1], l, n + 1, 0, dim()));
+  }
+  ASSERT_TRUE(wa.record && wb.record);
+  EXPECT_EQ(wa.record->first_token, cold[0].record->first_token);
+  EXPECT_EQ(wb.record->first_token, cold[1].record->first_token);
+  // `big` needs the whole pool: admission evicts every idle cached block, and is still exact.
+  Shipped wbig;
+  ASSERT_TRUE(p->submit(request(4, big, wbig)).ok());
+  drain(*p);
+  ASSERT_TRUE(wbig.record.has_value()) << (wbig.failure ? wbig.failure->toString() : "");
+  EXPECT_EQ(wbig.cached_tokens, -1);
+  EXPECT_TRUE(wbig.rows == cold[2].rows);
+  EXPECT_GT(p->stats().prefix_evictions, 0);
+  // The prompt's blocks are gone (big's own took their place): a cold run, still bit-equal.
+  Shipped again;
+  ASSERT_TRUE(p->submit(request(5, a, again)).ok());
+  drain(*p);
+  EXPECT_EQ(again.cached_tokens, -1);
+  EXPECT_TRUE(again.rows == cold[0].rows);
+  EXPECT_EQ(p->stats().running_requests, 0);
+  EXPECT_EQ(p->stats().free_blocks, pool) << "every block free or idle in the cache";
+}
+
 TEST(PrefillEngineOptionsTest, FollowTheConfig) {
   PrefillConfig c;
   c.chunk_size = 3;
@@ -614,7 +717,9 @@ TEST(PrefillEngineOptionsTest, FollowTheConfig) {
   c.max_queued_requests = 7;
   c.cache_blocks = 11;
   c.cache_block_size = 13;
+  c.prefix_cache_blocks = 12;  // beyond cache_blocks: clamped
   const PrefillEngineOptions o = engineOptions(c);
+  EXPECT_EQ(o.prefix_cache_blocks, 11);
   EXPECT_EQ(o.chunk_size, 3);
   EXPECT_EQ(o.token_budget, 5);
   EXPECT_EQ(o.max_queued_requests, 7);

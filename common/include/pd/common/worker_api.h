@@ -133,6 +133,9 @@ struct PrefillOutcome {
   double queue_ms = 0.0;     ///< submit to first forward
   double compute_ms = 0.0;   ///< first forward to last layer computed
   double transfer_ms = 0.0;  ///< last layer computed to the record delivered
+  /// Leading prompt tokens whose KV came from the worker's prefix cache (not recomputed).
+  /// Optional in the JSON (0 when absent).
+  std::int64_t cached_tokens = 0;
 };
 
 /// GET kStatusPath: what the router's policies and health polling read.

@@ -33,6 +33,9 @@ class KvSink {
   /// The engine admitted the request into its running set: its first forward comes next (the end
   /// of its queueing time). Called once, before any putLayer(); the default does nothing.
   virtual void admitted() {}
+  /// The first `tokens` prompt positions come from the prefix cache (not recomputed; their main
+  /// layers are still put). Called at most once, right after admitted(); the default ignores it.
+  virtual void prefixCached(std::int64_t tokens) { (void)tokens; }
   /// A forward over prompt positions [first_pos, first_pos + n) of this request ran from `start`
   /// to `end` (its batch may hold other requests' rows); `mtp` for the MTP layer's pass over the
   /// whole prompt. Called after the forward's putLayer() calls, whatever its outcome. For traces;

@@ -16,8 +16,11 @@ struct PrefillConfig {
   std::int64_t token_budget = 2048;
   std::int64_t max_queued_requests = 256;
   std::int64_t request_timeout_ms = 120000;
-  std::int64_t cache_blocks = 512;        ///< prefill-local latent cache, in blocks
-  std::int64_t cache_block_size = 64;     ///< tokens per prefill-local cache block
+  std::int64_t cache_blocks = 512;     ///< prefill-local latent cache, in blocks
+  std::int64_t cache_block_size = 64;  ///< tokens per prefill-local cache block
+  /// Blocks of the local cache the prefix cache may keep for reuse (0: off); values above cache_blocks mean
+  /// cache_blocks.
+  std::int64_t prefix_cache_blocks = 256;
   std::int64_t drain_timeout_ms = 30000;  ///< SIGTERM: how long in-flight requests may finish
   std::int64_t threads = 0;               ///< compute threads of the model engine (0: every hardware thread)
   std::int64_t io_threads = 2;            ///< HTTP server threads

@@ -12,11 +12,21 @@
 /// calls KvSink::complete() with the first token, the last position's final hidden state and,
 /// when asked, logprobs.
 ///
+/// Prefix cache (prefix_cache_blocks > 0): when a prompt is done its full blocks stay in the
+/// local cache under their token hash chain (prefix_cache.h). A later prompt that starts with
+/// cached blocks references them (shared by every request using them, never evicted while
+/// referenced), puts their main layers' KV to its sink at admission (the decode worker gets every
+/// block) and computes only the rest. Admission evicts idle cached blocks, least recently used
+/// first, when the free blocks do not suffice. The MTP layer is recomputed over the whole prompt
+/// (its last row of a block depends on the next token); cached blocks also keep their final
+/// hidden states, its input. Two MTP rows of one forward never share a block.
+///
 /// Failures: a request past its deadline ends with Timeout and a cancel()led one with Cancelled;
 /// both are checked before every step and before every layer's put (its sink gets no further
 /// layers; the forward in progress still finishes, then the request is failed). A forward error
 /// fails every request of that forward; a putLayer error fails its request. Each ends with
-/// exactly one KvSink::fail() call, after which its local blocks are free again.
+/// exactly one KvSink::fail() call, after which its local blocks are free again (a failed request's
+/// blocks never enter the prefix cache).
 ///
 /// Thread rules: submit(), cancel() and stats() are thread-safe. step() is the engine thread's
 /// work; call it either from the thread start() launches or, with no thread started, from one
@@ -40,6 +50,7 @@
 #include "pd/engine/sampling.h"
 #include "pd/prefill/kv_sink.h"
 #include "pd/prefill/prefill_config.h"
+#include "pd/prefill/prefix_cache.h"
 #include "pd/structured/grammar.h"
 
 namespace pd::prefill {
@@ -70,6 +81,13 @@ struct PrefillEngineOptions {
   std::int64_t max_queued_requests = 256;  ///< submit() answers Overloaded beyond this
   std::int64_t cache_blocks = 64;          ///< local latent cache size, in blocks
   std::int64_t block_size = 64;            ///< tokens per local cache block
+  /// Prefix cache (prefix_cache.h): most local blocks kept for reuse after their prompt is done;
+  /// 0 turns it off. At most cache_blocks. A prompt reuses its cached prefix in whole granules of
+  /// lcm(block_size, min(chunk_size, token_budget)) tokens, so that its remaining chunks start
+  /// where a cold prefill's would: a request prefilled alone gets bit-equal KV, hidden state and
+  /// first token with the cache on or off.
+  std::int64_t prefix_cache_blocks = 0;
+  std::uint64_t model_hash = 0;  ///< the root of the prefix cache's hash chain
   /// The clock deadlines are checked against (a fake in tests).
   std::function<Clock::time_point()> now = [] { return Clock::now(); };
 };
@@ -83,9 +101,13 @@ struct PrefillEngineStats {
   std::int64_t running_requests = 0;
   std::int64_t completed = 0;
   std::int64_t failed = 0;
-  std::int64_t free_blocks = 0;
-  std::int64_t prompt_tokens = 0;  ///< prompt tokens run through the main model, all requests
-  double compute_seconds = 0.0;    ///< wall time inside forward() and forwardMtp()
+  std::int64_t free_blocks = 0;         ///< blocks admission can use: free plus idle prefix-cache blocks
+  std::int64_t prompt_tokens = 0;       ///< prompt tokens run through the main model, all requests
+  double compute_seconds = 0.0;         ///< wall time inside forward() and forwardMtp()
+  std::int64_t prefix_hit_tokens = 0;   ///< prompt tokens whose KV came from the prefix cache
+  std::int64_t prefix_miss_tokens = 0;  ///< prompt tokens computed (prefix cache on)
+  std::int64_t prefix_cached_blocks = 0;
+  std::int64_t prefix_evictions = 0;
 };
 
 class PrefillEngine {
@@ -124,7 +146,10 @@ class PrefillEngine {
   PrefillEngine(model::Engine& engine, PrefillEngineOptions options, model::PagedLatentCache cache);
   void failRunning(Running& r, const Error& reason);
   void finishPrompt(std::vector<Running*>& done);
-  void release(Running& r);
+  void release(Running& r, bool completed = false);
+  // Ships the cached prefix's main-layer KV to r's sink (at admission). False when r failed.
+  bool shipCachedPrefix(Running& r);
+  void updateCacheStats();  // engine thread; takes mutex_
   // Why `r` must stop now (deadline passed, cancel asked), checked before each layer's put.
   [[nodiscard]] std::optional<Error> stopReason(const Running& r) const;
   void loop();
@@ -144,6 +169,8 @@ class PrefillEngine {
   // Engine thread only.
   std::vector<std::unique_ptr<Running>> running_;
   std::vector<std::int32_t> free_blocks_;
+  std::optional<PrefixCache> prefix_;  // engaged when prefix_cache_blocks > 0
+  std::int64_t reuse_granule_ = 0;     // lcm(block_size, min(chunk_size, token_budget)), in tokens
 
   std::thread thread_;  // last: joined before the state above goes
 };

@@ -56,6 +56,7 @@ class TransferTimeline {
     std::optional<Clock::time_point> admitted;
     std::optional<Clock::time_point> computed;
     std::int32_t first_token = 0;
+    std::int64_t cached_tokens = 0;  ///< prompt tokens served from the prefix cache
     std::optional<Error> failure;
     std::vector<Forward> forwards;  ///< detailed only
     std::vector<Put> puts;          ///< detailed only
@@ -64,6 +65,7 @@ class TransferTimeline {
   explicit TransferTimeline(bool detailed = false) : detailed_(detailed) {}
 
   void admitted();
+  void prefixCached(std::int64_t tokens);
   void computed(std::int32_t first_token);
   void failed(const Error& reason);
   /// Detailed timelines only (otherwise no-ops).
@@ -98,6 +100,7 @@ class TransportKvSink final : public KvSink {
   /// InvalidArgument for a layer or positions outside the descriptor or rows of the wrong width;
   /// the transport's error when the put is refused (NotFound once the transfer has ended).
   void admitted() override;
+  void prefixCached(std::int64_t tokens) override;
   void forwardTimed(std::int64_t first_pos, std::int64_t n, bool mtp, std::chrono::steady_clock::time_point start,
                     std::chrono::steady_clock::time_point end) override;
   [[nodiscard]] Status putLayer(std::uint32_t layer, std::int64_t first_pos, std::span<const float> rows) override;
