@@ -154,12 +154,12 @@ constexpr KnownParameter kKnownParameters[] = {
     {"messages", true, false},
     {"top_logprobs", true, false},
     {"chat_template_kwargs", true, false},
-    {"tools", true, false},
-    {"tool_choice", true, false},
-    {"parallel_tool_calls", true, false},
+    {"tools", true, true},
+    {"tool_choice", true, true},
+    {"parallel_tool_calls", true, true},
     {"functions", true, false},
     {"function_call", true, false},
-    {"response_format", true, false},
+    {"response_format", true, true},
     {"store", true, false},
     {"metadata", true, false},
     {"service_tier", true, false},
@@ -208,7 +208,7 @@ Status refuseUnsupportedService(const json::object& o, Endpoint endpoint) {
   }
   if (const auto* v = field(o, "function_call")) {
     if (!v->is_string() || (v->get_string() != "none" && v->get_string() != "auto")) {
-      return bad("'function_call' is not supported: tool calling is not available yet");
+      return bad("'function_call' is not supported (legacy function calling): use 'tools' and 'tool_choice'");
     }
   }
   if (const auto* v = field(o, "store")) {
@@ -255,10 +255,6 @@ Status refuseUnsupported(const json::object& o, Endpoint endpoint) {
   if (const auto* v = field(o, "functions")) {
     if (!v->is_array()) return bad("'functions' must be an array");
     if (!v->get_array().empty()) return bad("'functions' (legacy function calling) is not supported: use 'tools'");
-  }
-  if (const auto* v = field(o, "function_call")) {
-    (void)v;
-    return bad("'function_call' (legacy function calling) is not supported: use 'tool_choice'");
   }
   if (endpoint == Endpoint::Completions) {
     for (std::string_view name : {"tools", "tool_choice", "parallel_tool_calls"}) {

@@ -294,6 +294,9 @@ class Generation : public std::enable_shared_from_this<Generation> {
     std::optional<Error> protocol_error;
     bool decode_done = false;
     bool succeeded = false;
+    /// A finished decode stream whose prefill answer (with its cached_tokens) has not come yet:
+    /// delivered when the prefill leg ends (endPrefill), so usage always has the prefix reuse.
+    std::optional<FinishEvent> pending_finish;
     std::optional<Result<http::ClientResponse>> response;
     std::optional<std::string> timed_out;
     bool ended = false;
@@ -486,8 +489,6 @@ class Generation : public std::enable_shared_from_this<Generation> {
         cut = tail.stop_matched;
         end = std::move(tail.event);
       }
-      end.end.cached_prompt_tokens = cached;
-      sink_->onFinish(std::move(end));
       lock.lock();
       a.succeeded = true;
       a.decode_done = true;
@@ -495,7 +496,16 @@ class Generation : public std::enable_shared_from_this<Generation> {
       // covers a worker that has not noticed yet. The prefill is over (its first token came).
       if (cut && a.leg.running) stopPrefillLocked();
       if (cut) s_.tellAbort(a.worker, worker_api::kDecodeAbortPath, a.id, [self = shared_from_this()] {});
+      if (!cut && a.leg.running) {
+        // P's answer (queue, compute, cached_tokens) is still on its way: the finish waits for it.
+        a.pending_finish = std::move(end);
+        lock.unlock();
+        maybeEndAttempt();
+        return;
+      }
+      end.end.cached_prompt_tokens = cut ? cached : cached_tokens_;
       lock.unlock();
+      sink_->onFinish(std::move(end));
       maybeEndAttempt();
       return;
     }
@@ -750,7 +760,10 @@ class Generation : public std::enable_shared_from_this<Generation> {
 
   void endPrefill(std::unique_lock<std::mutex>& lock) {
     a_->leg.running = false;
+    std::optional<FinishEvent> finish = std::exchange(a_->pending_finish, std::nullopt);
+    if (finish) finish->end.cached_prompt_tokens = cached_tokens_;
     lock.unlock();
+    if (finish) sink_->onFinish(std::move(*finish));
     maybeEndAttempt();
   }
 

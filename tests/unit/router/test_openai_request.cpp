@@ -113,7 +113,7 @@ TEST(OpenAiRequest, EveryParameterIsHonouredOrRefusedByName) {
                                          R"("stream_options":{"include_usage":true,"continuous_usage_stats":null}})");
   EXPECT_EQ(completion(R"("messages":[])"), "'messages' is not a parameter /v1/completions supports");
   EXPECT_EQ(completion(R"("top_logprobs":2)"), "'top_logprobs' is not a parameter /v1/completions supports");
-  EXPECT_EQ(completion(R"("tools":[])"), "'tools' is not a parameter /v1/completions supports");
+  EXPECT_EQ(completion(R"("tools":[])"), "'tools' is only accepted by /v1/chat/completions");
   EXPECT_EQ(chat(R"("echo":false)"), "'echo' is not a parameter /v1/chat/completions supports");
   // A name that is not a short identifier is not repeated.
   EXPECT_EQ(chat(R"("ZQX-secret-input with spaces":1)"),
