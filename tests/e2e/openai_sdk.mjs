@@ -6,20 +6,19 @@
 // AuthenticationError, NotFoundError). The SDK's retries are off, so every error is the router's
 // first answer.
 //
-// Cases that need router features still on their way (tool calls, structured outputs through the
-// SDK's own parse helper, R1 reasoning) are written here and listed in PENDING: they are skipped
-// (and reported) until that feature lands; enable one by deleting it from PENDING.
+// The cases of a `feature` (tool calls, structured outputs through the SDK's own parse helper, R1
+// reasoning) run on a second cluster: a random-weight `make-model` checkpoint with the real
+// DeepSeek-V3 tokenizer (its tool-call tokens and template) whose generation prompt opens
+// `<think>` as R1's does, served with --router.reasoning_parser=deepseek_r1.
 //
-// Usage: node openai_sdk.mjs --pdserve BIN --sdk DIR --model DIR
+// Usage: node openai_sdk.mjs --pdserve BIN --sdk DIR --model DIR --tokenizer DIR
 // Exit: 0 pass, 1 fail, 2 usage, 77 skip (node older than 20, which the SDK does not support).
 import { spawn } from 'node:child_process';
-import { existsSync, mkdtempSync, rmSync, writeFileSync } from 'node:fs';
+import { existsSync, mkdtempSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import readline from 'node:readline';
 import { pathToFileURL } from 'node:url';
-
-const PENDING = new Set(['tools', 'json_schema', 'reasoning']);
 
 const argv = process.argv.slice(2);
 const arg = (name) => {
@@ -29,7 +28,8 @@ const arg = (name) => {
 const pdserve = arg('--pdserve');
 const sdkDir = arg('--sdk');
 const modelDir = arg('--model');
-if (!pdserve || !sdkDir || !modelDir) {
+const tokenizerDir = arg('--tokenizer');
+if (!pdserve || !sdkDir || !modelDir || !tokenizerDir) {
   console.error('usage: openai_sdk.mjs --pdserve BIN --sdk DIR --model DIR');
   process.exit(2);
 }
@@ -234,20 +234,22 @@ test('errors are the SDK\'s typed exceptions', async (client, { baseURL }) => {
     badKey.chat.completions.create({ model: MODEL, messages: user('x') }));
 });
 
-// ---- Pending features (see PENDING above). ----------------------------------------------------------
+// ---- Features served on the second cluster (DeepSeek-V3 tokenizer, R1 template). ---------------------
 const weather = {
   type: 'function',
   function: {
     name: 'get_weather',
     description: 'The weather in a city.',
-    parameters: { type: 'object', properties: { city: { type: 'string' } }, required: ['city'], additionalProperties: false },
+    parameters: { type: 'object', properties: { city: { type: 'string', maxLength: 12 } }, required: ['city'],
+                  additionalProperties: false },
   },
 };
 
 test('tool calls: required and named, then a round trip through a tool message', async (client) => {
   for (const tool_choice of ['required', { type: 'function', function: { name: 'get_weather' } }]) {
     const r = await client.chat.completions.create({
-      model: MODEL, messages: user('What is the weather in Paris?'), tools: [weather], tool_choice, max_tokens: 64,
+      model: MODEL, messages: user('What is the weather in Paris?'), tools: [weather], tool_choice,
+      parallel_tool_calls: false, max_tokens: 160,
     });
     const msg = r.choices[0].message;
     eq(r.choices[0].finish_reason, 'tool_calls', 'finish_reason tool_calls');
@@ -267,7 +269,8 @@ test('tool calls: required and named, then a round trip through a tool message',
   }
   // Streaming: the SDK's stream helper assembles the incremental arguments.
   const stream = client.chat.completions.stream({
-    model: MODEL, messages: user('Weather in Rome?'), tools: [weather], tool_choice: 'required', max_tokens: 64,
+    model: MODEL, messages: user('Weather in Rome?'), tools: [weather], tool_choice: 'required',
+    parallel_tool_calls: false, max_tokens: 160,
   });
   const final = await stream.finalChatCompletion();
   const call = final.choices[0].message.tool_calls?.[0];
@@ -278,12 +281,13 @@ test('tool calls: required and named, then a round trip through a tool message',
 test('structured output: json_schema through the SDK\'s parse helper', async (client) => {
   const schema = {
     type: 'object',
-    properties: { name: { type: 'string' }, age: { type: 'integer' }, tags: { type: 'array', items: { type: 'string' }, maxItems: 3 } },
+    properties: { name: { type: 'string', maxLength: 12 }, age: { type: 'integer' },
+                  tags: { type: 'array', items: { type: 'string', maxLength: 8 }, maxItems: 3 } },
     required: ['name', 'age', 'tags'],
     additionalProperties: false,
   };
   const r = await client.chat.completions.parse({
-    model: MODEL, messages: user('Describe a person.'), max_tokens: 128,
+    model: MODEL, messages: user('Describe a person.'), max_tokens: 200,
     response_format: { type: 'json_schema', json_schema: { name: 'person', schema, strict: true } },
   });
   const parsed = r.choices[0].message.parsed;
@@ -292,19 +296,20 @@ test('structured output: json_schema through the SDK\'s parse helper', async (cl
 }, 'json_schema');
 
 test('reasoning: reasoning_content apart from content', async (client) => {
-  // Needs a cluster started with --router.reasoning_parser=deepseek_r1 (or an R1-template model).
+  // The prompt opens <think>: what the model writes up to </think> (or all of it) is reasoning.
   const r = await client.chat.completions.create({ model: MODEL, messages: user('Think, then answer.'), max_tokens: 32 });
   const msg = r.choices[0].message;
   check(typeof msg.reasoning_content === 'string', 'reasoning_content is text');
   check(Number.isInteger(r.usage.completion_tokens_details?.reasoning_tokens), 'reasoning_tokens counted');
 }, 'reasoning');
 
-// ---- The cluster. -----------------------------------------------------------------------------------
-async function main() {
+// ---- The clusters. ----------------------------------------------------------------------------------
+async function runCluster(label, model, extraArgs, selected) {
   const key = 'sk-openai-sdk-test-' + process.pid;
   writeFileSync(join(tmp, 'keys'), key + '\n', { mode: 0o600 });
-  const up = spawn(pdserve, ['up', '--router.port=0', '--log.level=warn', `--model.path=${modelDir}`,
-                             `--model.cache_dir=${join(tmp, 'cache')}`, `--router.api_keys_file=${join(tmp, 'keys')}`],
+  const up = spawn(pdserve, ['up', '--router.port=0', '--log.level=warn', `--model.path=${model}`,
+                             `--model.cache_dir=${join(tmp, 'cache-' + label)}`,
+                             `--router.api_keys_file=${join(tmp, 'keys')}`, ...extraArgs],
                    { stdio: ['ignore', 'pipe', 'inherit'] });
   const exited = new Promise((resolve) => up.on('exit', (code, signal) => resolve(code ?? signal)));
   try {
@@ -314,24 +319,45 @@ async function main() {
     await waitUntil(async () => (await fetch(router + '/ready')).status === 200, 120000, 'the router\'s /ready');
     const baseURL = router + '/v1';
     const client = new OpenAI({ baseURL, apiKey: key, maxRetries: 0, timeout: 120000 });
-    for (const c of cases) {
-      if (c.feature && PENDING.has(c.feature)) {
-        console.log(`SKIP (pending feature '${c.feature}'): ${c.name}`);
-        continue;
-      }
+    for (const c of selected) {
       const before = failures;
       try {
         await c.fn(client, { baseURL });
       } catch (e) {
         check(false, `${c.name}: ${e?.stack ?? e}`);
       }
-      console.log(`${failures === before ? 'ok' : 'FAILED'}: ${c.name}`);
+      console.log(`${failures === before ? 'ok' : 'FAILED'} (${label}): ${c.name}`);
     }
   } finally {
     up.kill('SIGTERM');
     const status = await exited;
-    check(status === 0, `pdserve up exited with ${status}`);
+    check(status === 0, `pdserve up (${label}) exited with ${status}`);
   }
+}
+
+// A random-weight checkpoint with the real DeepSeek-V3 tokenizer; its template's generation prompt
+// opens `<think>` (R1's).
+async function makeR1Model() {
+  const dir = join(tmp, 'r1');
+  const make = spawn(pdserve, ['make-model', dir, '--preset', 'default', '--tokenizer', tokenizerDir],
+                     { stdio: ['ignore', 'inherit', 'inherit'] });
+  const code = await new Promise((resolve) => make.on('exit', (c, sig) => resolve(c ?? sig)));
+  if (code !== 0) throw new Error(`pdserve make-model exited with ${code}`);
+  const cfgPath = join(dir, 'tokenizer_config.json');
+  const cfg = JSON.parse(readFileSync(cfgPath, 'utf8'));
+  const tail = "{% if add_generation_prompt and not ns.is_tool %}{{'<｜Assistant｜>'}}{% endif %}";
+  if (!cfg.chat_template.includes(tail)) throw new Error('the DeepSeek-V3 template changed: no generation prompt to patch');
+  cfg.chat_template = cfg.chat_template.replace(
+    tail, "{% if add_generation_prompt and not ns.is_tool %}{{'<｜Assistant｜><think>\\n'}}{% endif %}");
+  writeFileSync(cfgPath, JSON.stringify(cfg));
+  return dir;
+}
+
+async function main() {
+  await runCluster('tiny-dsv3', modelDir, [], cases.filter((c) => !c.feature));
+  const r1 = await makeR1Model();
+  await runCluster('r1-template', r1, ['--router.reasoning_parser=deepseek_r1', '--router.tool_parser=deepseek_v3'],
+                   cases.filter((c) => c.feature));
 }
 
 try {
