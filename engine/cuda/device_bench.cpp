@@ -219,7 +219,7 @@ Result<WeightUploadResult> measureWeightUpload(const std::filesystem::path& mode
   DeviceWeights::Options options;
   options.device = device;
   // The smallest serving shape the plan accepts: one decode batch of 64 at a 4k context.
-  options.serving = DeviceServingShape{.kv_blocks = 64 * 64,
+  options.serving = DeviceServingShape{.kv_blocks = std::int64_t{64} * 64,
                                        .kv_block_size = 64,
                                        .kv_dtype = DType::BF16,
                                        .max_batch_tokens = 64,

@@ -428,7 +428,7 @@ PD_HD std::int32_t drawToken(const float* logits, std::int64_t vocab, const std:
 
 constexpr int kGemvWarp = 32;
 constexpr int kGemvColsPerLane = 4;
-constexpr std::int64_t kGemvTileCols = kGemvWarp * kGemvColsPerLane;  // 128
+constexpr std::int64_t kGemvTileCols = std::int64_t{kGemvWarp} * kGemvColsPerLane;  // 128
 
 /// Lane `lane`'s partial sum of row `q_row` [cols] (scales `scale_row` [scale_cols], this row's
 /// block row) against x [cols].

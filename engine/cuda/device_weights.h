@@ -64,6 +64,8 @@ class DeviceWeights {
   /// Copies one tensor back to the host (synchronously): for tests and checks.
   [[nodiscard]] Result<std::vector<std::byte>> readBack(const Tensor& tensor) const;
 
+  DeviceWeights(const DeviceWeights&) = delete;
+  DeviceWeights& operator=(const DeviceWeights&) = delete;
   DeviceWeights(DeviceWeights&&) noexcept = default;
   DeviceWeights& operator=(DeviceWeights&&) noexcept = default;
   ~DeviceWeights();

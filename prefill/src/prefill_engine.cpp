@@ -306,6 +306,7 @@ bool PrefillEngine::step() {
       }
       if (need > static_cast<std::int64_t>(free_blocks_.size())) {
         std::vector<std::uint64_t> keys;
+        keys.reserve(hits.size());
         for (const auto& h : hits) keys.push_back(h.key);
         if (prefix_) prefix_->release(keys);
         break;

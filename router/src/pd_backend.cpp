@@ -856,6 +856,7 @@ class PdBackend::Impl {
   Impl(Impl&&) = delete;
   Impl& operator=(Impl&&) = delete;
 
+  // NOLINTNEXTLINE(bugprone-exception-escape): only allocation or mutex failures throw here; terminate is right then
   ~Impl() {
     std::vector<std::shared_ptr<Generation>> all;
     {

@@ -178,7 +178,8 @@ int runReceiver(int control, const kvtransfer::UcxTransportOptions& options, std
     } else if (verify != 0) {
       for (std::uint32_t l = 0; l < c.num_layers && result == "ok"; ++l) {
         for (std::uint32_t tok = 0; tok < tokens; ++tok) {
-          const std::byte* p = pool.data() + l * layout.layer_stride + d.block_ids[tok / c.block_size] * block_bytes +
+          const std::byte* p = pool.data() + l * layout.layer_stride +
+                               granted->block_ids[tok / c.block_size] * block_bytes +
                                (tok % c.block_size) * c.tokenBytes();
           bool same = true;
           for (std::uint64_t w = 0; w * 8 < c.tokenBytes(); ++w) {

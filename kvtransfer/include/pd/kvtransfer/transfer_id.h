@@ -39,6 +39,7 @@ struct TransferId {
   [[nodiscard]] bool empty() const { return hi == 0 && lo == 0; }
 
   friend bool operator==(const TransferId&, const TransferId&) = default;
+  // NOLINTNEXTLINE(modernize-use-nullptr): clang-tidy misreads a defaulted <=> (the 0 it compares with)
   friend auto operator<=>(const TransferId&, const TransferId&) = default;
 };
 
