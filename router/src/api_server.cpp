@@ -812,194 +812,196 @@ class ApiServer::Impl {
   /// A body of at most cpu_inline_bytes is prepared right here: its work is linear in its size and
   /// takes microseconds, less than the two thread hand-offs the pool would add to its latency.
   void handleCompletion(Endpoint endpoint, http::Request req, http::Exchange ex) {
-  const Received received{Clock::now(), trace::Clock::now()};
-  const std::string_view label = endpointLabel(endpoint);
-  const std::optional<Caller> caller = authorize(req, ex, label);
-  if (!caller) return;
-  if (req.body.size() <= cpu_inline_bytes_) return admitCompletion(endpoint, req, std::move(ex), received, *caller);
-  const bool queued = cpu_->trySubmit([this, endpoint, req = std::move(req), ex, received, caller = *caller]() mutable {
-    fe_->metrics.cpu_queue.set(static_cast<double>(cpu_->queued()));
-    admitCompletion(endpoint, req, std::move(ex), received, caller);
-  });
-  if (!queued) {
-    fe_->metrics.cpu_rejected.inc();
-    return reject(ex, label,
-                  serverError(503, "service_unavailable", "the router is busy preparing other requests; retry later"));
-  }
-  fe_->metrics.cpu_queue.set(static_cast<double>(cpu_->queued()));
-}
-
-/// On a CPU thread (or an io thread for a small body): parses, renders and validates the request,
-/// then starts its generation. Its router.request span starts at `received`; the phases
-/// validate, template, tokenize and route follow one another without gaps (each starts where
-/// the previous ended), so with the backend's decode leg they tile the request.
-void admitCompletion(Endpoint endpoint, const http::Request& req, http::Exchange ex, Received received,
-                     const Caller& caller) {
-  const std::string_view label = endpointLabel(endpoint);
-  if (ex.clientGone()) return fe_->countRequest(label, 499);  // hung up while queued: skip the work
-  const trace::Tracer& tracer = fe_->tracer;
-  trace::Span span = tracer.startFromHeader("router.request", req.header(trace::kTraceparentHeader),
-                                            trace::SpanKind::Server, received.wall);
-  span.setAttribute("http.route", std::string(label));
-
-  auto parsed = parseCompletionRequest(endpoint, req.body);
-  if (!parsed.ok()) return reject(ex, label, invalidRequest(parsed.error().message), span);
-  CompletionParams p = std::move(parsed).value();
-  std::string g_constraint;
-  std::string g_format;
-  if (p.model != fe_->served_model_name) {
-    return reject(ex, label,
-                  ApiError{404, "invalid_request_error", "model_not_found",
-                           "the requested model does not exist; GET /v1/models lists the served model", "model"},
-                  span);
-  }
-  if (auto refused = checkOutputControls(p, g_constraint, g_format); refused) {
-    return reject(ex, label, *refused, span);
-  }
-  const trace::TimePoint validated = trace::Clock::now();
-  tracer.record(span.context(), "router.validate", received.wall, validated);
-
-  auto prompt = promptIds(p, validated);
-  if (!prompt.ok()) {
-    if (prompt.error().code == ErrorCode::InvalidArgument) {
-      return reject(ex, label, invalidRequest(prompt.error().message), span);
+    const Received received{Clock::now(), trace::Clock::now()};
+    const std::string_view label = endpointLabel(endpoint);
+    const std::optional<Caller> caller = authorize(req, ex, label);
+    if (!caller) return;
+    if (req.body.size() <= cpu_inline_bytes_) return admitCompletion(endpoint, req, std::move(ex), received, *caller);
+    const bool queued =
+        cpu_->trySubmit([this, endpoint, req = std::move(req), ex, received, caller = *caller]() mutable {
+          fe_->metrics.cpu_queue.set(static_cast<double>(cpu_->queued()));
+          admitCompletion(endpoint, req, std::move(ex), received, caller);
+        });
+    if (!queued) {
+      fe_->metrics.cpu_rejected.inc();
+      return reject(
+          ex, label,
+          serverError(503, "service_unavailable", "the router is busy preparing other requests; retry later"));
     }
-    log::error(kLog, "rendering a prompt failed: {}", prompt.error().toString());
-    return reject(ex, label, serverError(500, "internal_error", "the prompt could not be rendered"), span);
+    fe_->metrics.cpu_queue.set(static_cast<double>(cpu_->queued()));
   }
-  const trace::TimePoint templated = prompt->templated;
-  if (endpoint == Endpoint::ChatCompletions) tracer.record(span.context(), "router.template", validated, templated);
-  std::vector<TokenId> prompt_ids = std::move(prompt->ids);
-  if (prompt_ids.empty()) return reject(ex, label, invalidRequest("the prompt is empty"), span);
-  const std::size_t vocab = fe_->renderer.vocabSize();
-  const auto outside = [vocab](TokenId id) { return id < 0 || static_cast<std::size_t>(id) >= vocab; };
-  for (TokenId id : prompt_ids) {
-    if (outside(id))
-      return reject(ex, label, invalidRequest("'prompt' contains a token id outside the vocabulary"), span);
-  }
-  for (TokenId id : p.stop_token_ids) {
-    if (outside(id))
-      return reject(ex, label, invalidRequest("'stop_token_ids' contains an id outside the vocabulary"), span);
-  }
-  const auto prompt_len = static_cast<std::int64_t>(prompt_ids.size());
-  const std::int64_t room = fe_->max_model_len - prompt_len;
-  if (room < 1) {
-    return reject(ex, label,
-                  invalidRequest(fmt::format("the prompt has {} tokens, which leaves no room to generate within the "
-                                             "model's context length of {} tokens",
-                                             prompt_len, fe_->max_model_len),
-                                 "context_length_exceeded"),
-                  span);
-  }
-  std::int64_t max_tokens = 0;
-  if (p.max_tokens) {
-    if (*p.max_tokens > room) {
+
+  /// On a CPU thread (or an io thread for a small body): parses, renders and validates the request,
+  /// then starts its generation. Its router.request span starts at `received`; the phases
+  /// validate, template, tokenize and route follow one another without gaps (each starts where
+  /// the previous ended), so with the backend's decode leg they tile the request.
+  void admitCompletion(Endpoint endpoint, const http::Request& req, http::Exchange ex, Received received,
+                       const Caller& caller) {
+    const std::string_view label = endpointLabel(endpoint);
+    if (ex.clientGone()) return fe_->countRequest(label, 499);  // hung up while queued: skip the work
+    const trace::Tracer& tracer = fe_->tracer;
+    trace::Span span = tracer.startFromHeader("router.request", req.header(trace::kTraceparentHeader),
+                                              trace::SpanKind::Server, received.wall);
+    span.setAttribute("http.route", std::string(label));
+
+    auto parsed = parseCompletionRequest(endpoint, req.body);
+    if (!parsed.ok()) return reject(ex, label, invalidRequest(parsed.error().message), span);
+    CompletionParams p = std::move(parsed).value();
+    std::string g_constraint;
+    std::string g_format;
+    if (p.model != fe_->served_model_name) {
       return reject(ex, label,
-                    invalidRequest(fmt::format("the prompt has {} tokens; with the requested max_tokens the request "
-                                               "exceeds the model's context length of {} tokens (at most {} more)",
-                                               prompt_len, fe_->max_model_len, room),
+                    ApiError{404, "invalid_request_error", "model_not_found",
+                             "the requested model does not exist; GET /v1/models lists the served model", "model"},
+                    span);
+    }
+    if (auto refused = checkOutputControls(p, g_constraint, g_format); refused) {
+      return reject(ex, label, *refused, span);
+    }
+    const trace::TimePoint validated = trace::Clock::now();
+    tracer.record(span.context(), "router.validate", received.wall, validated);
+
+    auto prompt = promptIds(p, validated);
+    if (!prompt.ok()) {
+      if (prompt.error().code == ErrorCode::InvalidArgument) {
+        return reject(ex, label, invalidRequest(prompt.error().message), span);
+      }
+      log::error(kLog, "rendering a prompt failed: {}", prompt.error().toString());
+      return reject(ex, label, serverError(500, "internal_error", "the prompt could not be rendered"), span);
+    }
+    const trace::TimePoint templated = prompt->templated;
+    if (endpoint == Endpoint::ChatCompletions) tracer.record(span.context(), "router.template", validated, templated);
+    std::vector<TokenId> prompt_ids = std::move(prompt->ids);
+    if (prompt_ids.empty()) return reject(ex, label, invalidRequest("the prompt is empty"), span);
+    const std::size_t vocab = fe_->renderer.vocabSize();
+    const auto outside = [vocab](TokenId id) { return id < 0 || static_cast<std::size_t>(id) >= vocab; };
+    for (TokenId id : prompt_ids) {
+      if (outside(id))
+        return reject(ex, label, invalidRequest("'prompt' contains a token id outside the vocabulary"), span);
+    }
+    for (TokenId id : p.stop_token_ids) {
+      if (outside(id))
+        return reject(ex, label, invalidRequest("'stop_token_ids' contains an id outside the vocabulary"), span);
+    }
+    const auto prompt_len = static_cast<std::int64_t>(prompt_ids.size());
+    const std::int64_t room = fe_->max_model_len - prompt_len;
+    if (room < 1) {
+      return reject(ex, label,
+                    invalidRequest(fmt::format("the prompt has {} tokens, which leaves no room to generate within the "
+                                               "model's context length of {} tokens",
+                                               prompt_len, fe_->max_model_len),
                                    "context_length_exceeded"),
                     span);
     }
-    max_tokens = *p.max_tokens;
-  } else {
-    max_tokens = endpoint == Endpoint::Completions ? std::min(room, fe_->default_completion_max_tokens) : room;
-  }
-
-  const trace::TimePoint tokenized = trace::Clock::now();
-  tracer.record(span.context(), "router.tokenize", templated, tokenized, {{"pd.prompt_tokens", prompt_len}});
-  RequestLog request_log{msBetween(received.wall, validated), std::nullopt, msBetween(templated, tokenized),
-                         std::nullopt};
-  if (endpoint == Endpoint::ChatCompletions) request_log.template_ms = msBetween(validated, templated);
-  if (fe_->log_prompts) request_log.prompt = promptForLog(p);
-
-  if (!fe_->backend.ready()) {
-    return reject(ex, label,
-                  serverError(503, "service_unavailable", "no prefill and decode workers are ready; retry later"),
-                  span);
-  }
-  KeyLimiter::Lease lease;
-  if (caller.key) {
-    KeyLimiter::Admission admission = fe_->key_limiter.admit(*caller.key, prompt_len + max_tokens);
-    if (!admission.lease) {
-      span.setAttribute("http.response.status_code", std::int64_t{429});
-      span.end();
-      return rejectLimited(ex, label, admission);
+    std::int64_t max_tokens = 0;
+    if (p.max_tokens) {
+      if (*p.max_tokens > room) {
+        return reject(ex, label,
+                      invalidRequest(fmt::format("the prompt has {} tokens; with the requested max_tokens the request "
+                                                 "exceeds the model's context length of {} tokens (at most {} more)",
+                                                 prompt_len, fe_->max_model_len, room),
+                                     "context_length_exceeded"),
+                      span);
+      }
+      max_tokens = *p.max_tokens;
+    } else {
+      max_tokens = endpoint == Endpoint::Completions ? std::min(room, fe_->default_completion_max_tokens) : room;
     }
-    lease = std::move(*admission.lease);
-  }
-  if (fe_->waiting.fetch_add(1) >= fe_->max_queued_requests) {
-    fe_->waiting.fetch_sub(1);
-    lease.finish(0);  // refused before any work: nothing is charged
-    return reject(
-        ex, label,
-        ApiError{429, "requests", "rate_limit_exceeded", "too many requests are waiting for a worker; retry later"},
-        span);
-  }
-  fe_->metrics.waiting.set(static_cast<double>(fe_->waiting.load()));
-  fe_->metrics.in_flight.set(static_cast<double>(++fe_->in_flight));
-  fe_->metrics.prompt_tokens.inc(static_cast<double>(prompt_len));
 
-  // 128 bits from the CSPRNG: an id names a request to the workers (abort), so it must not be guessable.
-  const std::string id =
-      fmt::format("{}-{}", endpoint == Endpoint::ChatCompletions ? "chatcmpl" : "cmpl", crypto::randomHex128());
-  GenerationRequest g;
-  g.request_id = id;
-  g.prompt_token_ids = prompt_ids;
-  g.max_tokens = max_tokens;
-  g.sampling = p.sampling;
-  g.seed = p.seed;
-  g.logprobs = p.logprobs;
-  g.stop = std::move(p.stop);
-  g.stop_token_ids = std::move(p.stop_token_ids);
-  g.ignore_eos = p.ignore_eos;
-  g.skip_special_tokens = p.skip_special_tokens;
-  g.include_stop_str_in_output = p.include_stop_str_in_output;
-  g.deadline = received.steady + fe_->request_timeout;
-  g.trace = span.context();
-  g.handed_at = tokenized;
-  span.setAttribute("pd.request_id", id);
-  span.setAttribute("pd.prompt_tokens", prompt_len);
-  // {:?} escapes: the client's strings cannot forge log lines.
-  if (!p.user.empty()) log::info(kLog, "{}: user {:?}", id, p.user);
-  if (!p.safety_identifier.empty()) log::info(kLog, "{}: safety_identifier {:?}", id, p.safety_identifier);
-  g.constraint = std::move(g_constraint);
-  g.tool_call_format = std::move(g_format);
+    const trace::TimePoint tokenized = trace::Clock::now();
+    tracer.record(span.context(), "router.tokenize", templated, tokenized, {{"pd.prompt_tokens", prompt_len}});
+    RequestLog request_log{msBetween(received.wall, validated), std::nullopt, msBetween(templated, tokenized),
+                           std::nullopt};
+    if (endpoint == Endpoint::ChatCompletions) request_log.template_ms = msBetween(validated, templated);
+    if (fe_->log_prompts) request_log.prompt = promptForLog(p);
 
-  ResponseShape shape{endpoint,           id,        unixSeconds(), fe_->served_model_name, p.include_usage,
-                      p.return_token_ids, p.logprobs};
-  std::unique_ptr<ChatOutputParser> parser;
-  const bool tools_parsed = p.parse_tool_calls && fe_->tool_parser.has_value();
-  // A constrained answer is the value itself (JSON, or the tool-call section): no reasoning in it.
-  const bool reasoning = fe_->reasoning_parser && !p.constraint.constrained();
-  if (endpoint == Endpoint::ChatCompletions && (tools_parsed || reasoning)) {
-    parser =
-        std::make_unique<ChatOutputParser>(tools_parsed ? fe_->tool_parser : std::nullopt, reasoning,
-                                           fe_->prompt_opens_think, "call_" + id.substr(id.find('-') + 1, 24) + "_");
-  }
-  auto state = std::make_shared<RequestState>(fe_, ex, std::move(shape), p.stream, std::string(label),
-                                              std::move(prompt_ids), received.steady, std::move(lease), std::move(span),
-                                              std::move(request_log), std::move(parser));
-  const std::weak_ptr<RequestState> weak = state;
-  ex.onClientGone([weak] {
-    if (auto s = weak.lock()) s->clientGone();
-  });
-  if (auto scheduler = fe_->deadlines.lock()) {
-    state->setDeadline(scheduler->schedule(g.deadline, [weak] {
-      if (auto s = weak.lock()) s->deadlinePassed();
-    }));
-  }
-  auto started = fe_->backend.start(std::move(g), state);
-  if (!started.ok()) return state->startFailed(started.error());
-  state->setControl(std::move(started).value());
-}
+    if (!fe_->backend.ready()) {
+      return reject(ex, label,
+                    serverError(503, "service_unavailable", "no prefill and decode workers are ready; retry later"),
+                    span);
+    }
+    KeyLimiter::Lease lease;
+    if (caller.key) {
+      KeyLimiter::Admission admission = fe_->key_limiter.admit(*caller.key, prompt_len + max_tokens);
+      if (!admission.lease) {
+        span.setAttribute("http.response.status_code", std::int64_t{429});
+        span.end();
+        return rejectLimited(ex, label, admission);
+      }
+      lease = std::move(*admission.lease);
+    }
+    if (fe_->waiting.fetch_add(1) >= fe_->max_queued_requests) {
+      fe_->waiting.fetch_sub(1);
+      lease.finish(0);  // refused before any work: nothing is charged
+      return reject(
+          ex, label,
+          ApiError{429, "requests", "rate_limit_exceeded", "too many requests are waiting for a worker; retry later"},
+          span);
+    }
+    fe_->metrics.waiting.set(static_cast<double>(fe_->waiting.load()));
+    fe_->metrics.in_flight.set(static_cast<double>(++fe_->in_flight));
+    fe_->metrics.prompt_tokens.inc(static_cast<double>(prompt_len));
 
-std::shared_ptr<FrontEnd> fe_;
-std::shared_ptr<http::IoThreads> own_io_;       // when the backend has no io threads to share
-std::shared_ptr<DeadlineScheduler> deadlines_;  // shared only so requests can hold it weakly
-std::unique_ptr<CpuPool> cpu_;                  // before http_: handlers queue on it
-std::size_t cpu_inline_bytes_ = 0;              // set before http_ starts
-std::unique_ptr<http::Server> http_;
+    // 128 bits from the CSPRNG: an id names a request to the workers (abort), so it must not be guessable.
+    const std::string id =
+        fmt::format("{}-{}", endpoint == Endpoint::ChatCompletions ? "chatcmpl" : "cmpl", crypto::randomHex128());
+    GenerationRequest g;
+    g.request_id = id;
+    g.prompt_token_ids = prompt_ids;
+    g.max_tokens = max_tokens;
+    g.sampling = p.sampling;
+    g.seed = p.seed;
+    g.logprobs = p.logprobs;
+    g.stop = std::move(p.stop);
+    g.stop_token_ids = std::move(p.stop_token_ids);
+    g.ignore_eos = p.ignore_eos;
+    g.skip_special_tokens = p.skip_special_tokens;
+    g.include_stop_str_in_output = p.include_stop_str_in_output;
+    g.deadline = received.steady + fe_->request_timeout;
+    g.trace = span.context();
+    g.handed_at = tokenized;
+    span.setAttribute("pd.request_id", id);
+    span.setAttribute("pd.prompt_tokens", prompt_len);
+    // {:?} escapes: the client's strings cannot forge log lines.
+    if (!p.user.empty()) log::info(kLog, "{}: user {:?}", id, p.user);
+    if (!p.safety_identifier.empty()) log::info(kLog, "{}: safety_identifier {:?}", id, p.safety_identifier);
+    g.constraint = std::move(g_constraint);
+    g.tool_call_format = std::move(g_format);
+
+    ResponseShape shape{endpoint,           id,        unixSeconds(), fe_->served_model_name, p.include_usage,
+                        p.return_token_ids, p.logprobs};
+    std::unique_ptr<ChatOutputParser> parser;
+    const bool tools_parsed = p.parse_tool_calls && fe_->tool_parser.has_value();
+    // A constrained answer is the value itself (JSON, or the tool-call section): no reasoning in it.
+    const bool reasoning = fe_->reasoning_parser && !p.constraint.constrained();
+    if (endpoint == Endpoint::ChatCompletions && (tools_parsed || reasoning)) {
+      parser =
+          std::make_unique<ChatOutputParser>(tools_parsed ? fe_->tool_parser : std::nullopt, reasoning,
+                                             fe_->prompt_opens_think, "call_" + id.substr(id.find('-') + 1, 24) + "_");
+    }
+    auto state = std::make_shared<RequestState>(fe_, ex, std::move(shape), p.stream, std::string(label),
+                                                std::move(prompt_ids), received.steady, std::move(lease),
+                                                std::move(span), std::move(request_log), std::move(parser));
+    const std::weak_ptr<RequestState> weak = state;
+    ex.onClientGone([weak] {
+      if (auto s = weak.lock()) s->clientGone();
+    });
+    if (auto scheduler = fe_->deadlines.lock()) {
+      state->setDeadline(scheduler->schedule(g.deadline, [weak] {
+        if (auto s = weak.lock()) s->deadlinePassed();
+      }));
+    }
+    auto started = fe_->backend.start(std::move(g), state);
+    if (!started.ok()) return state->startFailed(started.error());
+    state->setControl(std::move(started).value());
+  }
+
+  std::shared_ptr<FrontEnd> fe_;
+  std::shared_ptr<http::IoThreads> own_io_;       // when the backend has no io threads to share
+  std::shared_ptr<DeadlineScheduler> deadlines_;  // shared only so requests can hold it weakly
+  std::unique_ptr<CpuPool> cpu_;                  // before http_: handlers queue on it
+  std::size_t cpu_inline_bytes_ = 0;              // set before http_ starts
+  std::unique_ptr<http::Server> http_;
 };
 
 Result<ApiServerOptions> apiServerOptionsFromConfig(const RouterConfig& config, std::int64_t max_model_len) {
