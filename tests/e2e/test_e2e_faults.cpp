@@ -20,6 +20,7 @@
 #include "pd/common/worker_api.h"
 #include "support/local_cluster.h"
 #include "support/role_process.h"
+#include "support/router_serving.h"
 #include "support/test_files.h"
 
 namespace pd::test {
@@ -82,6 +83,7 @@ class Faults : public ::testing::Test {
                                            "--router.kv_timeout_ms=20000", "--router.stream_stall_timeout_ms=6000",
                                            "--router.request_timeout_ms=45000", "--log.level=warn"});
     ASSERT_TRUE(router_->ready());
+    ASSERT_TRUE(waitRouterServing(router_->host(), router_->port())) << "the router never saw its workers ready";
   }
 
   static std::string list(const std::vector<std::unique_ptr<RoleProcess>>& workers) {

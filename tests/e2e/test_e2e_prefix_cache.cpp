@@ -15,6 +15,7 @@
 #include "pd/common/http_client.h"
 #include "pd/common/subprocess.h"
 #include "support/role_process.h"
+#include "support/router_serving.h"
 #include "support/test_files.h"
 
 namespace pd::test {
@@ -59,7 +60,7 @@ class Deployment {
     router_ = std::make_unique<RoleProcess>(
         "router", std::vector<std::string>{model, "--router.port=0", "--router.prefill_workers=" + prefill_->hostPort(),
                                            "--router.decode_workers=" + decode_->hostPort(), "--log.level=warn"});
-    ok_ = router_->ready();
+    ok_ = router_->ready() && waitRouterServing(router_->host(), router_->port());
   }
   [[nodiscard]] bool ok() const { return ok_; }
 

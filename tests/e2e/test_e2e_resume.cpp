@@ -25,6 +25,7 @@
 #include "pd/common/http_client.h"
 #include "pd/common/worker_api.h"
 #include "support/role_process.h"
+#include "support/router_serving.h"
 #include "support/test_files.h"
 
 namespace pd::test {
@@ -100,16 +101,7 @@ class Resume : public ::testing::Test {
                                            "--log.level=info"});  // its resumes are worth reading
     ASSERT_TRUE(router_->ready());
     // The router's READY line comes before its first health polls: wait until it sees workers.
-    bool serving = false;
-    for (const auto until = Clock::now() + 60s; !serving && Clock::now() < until;) {
-      http::Client client(router_->host(), router_->port());
-      http::ClientRequest req;
-      req.target = "/ready";
-      auto r = client.send(req, 5s);
-      serving = r.ok() && r->status == 200;
-      if (!serving) std::this_thread::sleep_for(50ms);
-    }
-    ASSERT_TRUE(serving) << "the router never saw its workers ready";
+    ASSERT_TRUE(waitRouterServing(router_->host(), router_->port())) << "the router never saw its workers ready";
   }
 
   // One streamed chat; `seed` < 0: greedy, else temperature 0.8 with that seed. `max_tokens` 0:
