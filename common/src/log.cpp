@@ -8,6 +8,7 @@
 #include <ctime>
 #include <mutex>
 
+#include "pd/common/json_text.h"
 #include "pd/common/log_format.h"
 
 namespace pd::log {
@@ -46,72 +47,6 @@ std::string_view levelName(Level l) {
       return "off";
   }
   return "?";
-}
-
-/// `text` as a JSON string: quotes, backslashes and control characters escaped; bytes that are
-/// not valid UTF-8 become U+FFFD, so every line is valid JSON whatever a message holds.
-void appendJsonString(std::string& out, std::string_view text) {
-  out += '"';
-  std::size_t i = 0;
-  while (i < text.size()) {
-    const auto c = static_cast<unsigned char>(text[i]);
-    if (c < 0x80) {
-      switch (c) {
-        case '"':
-          out += "\\\"";
-          break;
-        case '\\':
-          out += "\\\\";
-          break;
-        case '\n':
-          out += "\\n";
-          break;
-        case '\r':
-          out += "\\r";
-          break;
-        case '\t':
-          out += "\\t";
-          break;
-        default:
-          if (c < 0x20 || c == 0x7f) {
-            out += fmt::format("\\u{:04x}", c);
-          } else {
-            out += static_cast<char>(c);
-          }
-      }
-      ++i;
-      continue;
-    }
-    // A multi-byte sequence: copied when well formed (no overlong forms, no surrogates, <= U+10FFFF).
-    std::size_t len = 0;
-    std::uint32_t cp = 0;
-    if ((c & 0xe0) == 0xc0) {
-      len = 2;
-      cp = c & 0x1f;
-    } else if ((c & 0xf0) == 0xe0) {
-      len = 3;
-      cp = c & 0x0f;
-    } else if ((c & 0xf8) == 0xf0) {
-      len = 4;
-      cp = c & 0x07;
-    }
-    bool ok = len != 0 && i + len <= text.size();
-    for (std::size_t k = 1; ok && k < len; ++k) {
-      const auto cc = static_cast<unsigned char>(text[i + k]);
-      ok = (cc & 0xc0) == 0x80;
-      cp = (cp << 6) | (cc & 0x3f);
-    }
-    static constexpr std::uint32_t kMin[] = {0, 0, 0x80, 0x800, 0x10000};
-    ok = ok && cp >= kMin[len] && cp <= 0x10ffff && (cp < 0xd800 || cp > 0xdfff);
-    if (ok) {
-      out.append(text.substr(i, len));
-      i += len;
-    } else {
-      out += "\\ufffd";
-      ++i;
-    }
-  }
-  out += '"';
 }
 
 std::string timestamp(std::int64_t at_ms) {
