@@ -15,6 +15,7 @@
 #include "support/local_cluster.h"
 #include "support/role_process.h"
 #include "support/test_files.h"
+#include "support/test_model.h"
 
 namespace pd::test {
 namespace {
@@ -43,13 +44,8 @@ class E2eChat : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
     model_dir_ = std::make_unique<TempDir>();
-    auto make = proc::Subprocess::spawn({{PD_PDSERVE_BIN, "make-model", (model_dir_->path() / "m").string(), "--preset",
-                                          "default", "--tokenizer", PD_TOKENIZER_DIR},
-                                         {},
-                                         false,
-                                         false});
-    ASSERT_TRUE(make.ok());
-    ASSERT_EQ((*make)->wait(120s), 0) << "make-model failed";
+    makeDefaultModel(model_dir_->path() / "m");
+    if (HasFatalFailure()) return;
     cluster_ = std::make_unique<LocalCluster>(std::vector<std::string>{
         "--model.path=" + (model_dir_->path() / "m").string(), "--model.cache_dir=" + model_dir_->path().string(),
         "--router.port=0", "--router.max_body_bytes=65536", "--log.level=warn"});

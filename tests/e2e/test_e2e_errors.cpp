@@ -16,6 +16,7 @@
 #include "pd/common/worker_api.h"
 #include "support/role_process.h"
 #include "support/test_files.h"
+#include "support/test_model.h"
 
 namespace pd::test {
 namespace {
@@ -27,13 +28,7 @@ class E2eErrors : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
     model_dir_ = std::make_unique<TempDir>();
-    auto make = proc::Subprocess::spawn({{PD_PDSERVE_BIN, "make-model", (model_dir_->path() / "m").string(), "--preset",
-                                          "default", "--tokenizer", PD_TOKENIZER_DIR},
-                                         {},
-                                         false,
-                                         false});
-    ASSERT_TRUE(make.ok());
-    ASSERT_EQ((*make)->wait(120s), 0) << "make-model failed";
+    makeDefaultModel(model_dir_->path() / "m");
   }
   static void TearDownTestSuite() { model_dir_.reset(); }
 

@@ -17,6 +17,7 @@
 #include "support/role_process.h"
 #include "support/router_serving.h"
 #include "support/test_files.h"
+#include "support/test_model.h"
 
 namespace pd::test {
 namespace {
@@ -122,13 +123,7 @@ class PrefixCacheE2e : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
     model_dir_ = std::make_unique<TempDir>();
-    auto make = proc::Subprocess::spawn({{PD_PDSERVE_BIN, "make-model", (model_dir_->path() / "m").string(), "--preset",
-                                          "default", "--tokenizer", PD_TOKENIZER_DIR},
-                                         {},
-                                         false,
-                                         false});
-    ASSERT_TRUE(make.ok());
-    ASSERT_EQ((*make)->wait(120s), 0) << "make-model failed";
+    makeDefaultModel(model_dir_->path() / "m");
   }
   static void TearDownTestSuite() { model_dir_.reset(); }
   static std::string modelDir() { return (model_dir_->path() / "m").string(); }

@@ -25,6 +25,7 @@
 #include "pd/tokenizer/tokenizer.h"
 #include "support/local_cluster.h"
 #include "support/test_files.h"
+#include "support/test_model.h"
 
 namespace pd::test {
 namespace {
@@ -61,13 +62,8 @@ class E2eStructured : public ::testing::Test {
   static void SetUpTestSuite() {
     dir_ = std::make_unique<TempDir>();
     const auto model = dir_->path() / "m";
-    auto make = proc::Subprocess::spawn(
-        {{PD_PDSERVE_BIN, "make-model", model.string(), "--preset", "default", "--tokenizer", PD_TOKENIZER_DIR},
-         {},
-         false,
-         false});
-    ASSERT_TRUE(make.ok());
-    ASSERT_EQ((*make)->wait(120s), 0) << "make-model failed";
+    makeDefaultModel(model);
+    if (HasFatalFailure()) return;
     // R1's generation prompt: the DeepSeek-V3 template with `<think>\n` after the assistant tag.
     auto config = json::parse(readFile(model / "tokenizer_config.json")).as_object();
     std::string tmpl(config.at("chat_template").as_string());
