@@ -685,9 +685,10 @@ class ApiServer::Impl {
   std::int64_t inFlight() const { return fe_->in_flight.load(); }
 
   void stop(std::chrono::milliseconds drain) {
-    if (http_) http_->stop(drain);  // cuts remaining clients: their generations are aborted
-    if (cpu_) cpu_->stop();         // no handler runs now: nothing is queued after this
-    deadlines_.reset();             // cancels the deadlines left
+    if (http_) http_->stop(drain);        // cuts remaining clients: their generations are aborted
+    if (cpu_) cpu_->stop();               // no handler runs now: nothing is queued after this
+    if (deadlines_) deadlines_->close();  // cancels the deadlines left; requests that still hold
+    deadlines_.reset();                   // it touch no timer once the io threads are gone
     if (own_io_) own_io_->stop();
   }
 

@@ -47,8 +47,12 @@ struct DeadlineScheduler::State {
 };
 
 namespace {
-void cancelTimer(const std::shared_ptr<Pending>& p) {
-  net::post(p->timer.get_executor(), [p] { p->timer.cancel(); });
+/// Queues the timer's cancel on its strand and hands the last reference to that handler, so that
+/// the timer is destroyed on an io thread or with the io_context, never after it. Called with the
+/// scheduler's lock held: close() waits for it, so nothing is posted once close() has returned.
+void cancelTimerLocked(std::shared_ptr<Pending> p) {
+  const auto executor = p->timer.get_executor();
+  net::post(executor, [p = std::move(p)] { p->timer.cancel(); });
 }
 }  // namespace
 
@@ -56,32 +60,33 @@ DeadlineScheduler::DeadlineScheduler(net::any_io_executor executor)
     : state_(std::make_shared<State>(std::move(executor))) {}
 
 DeadlineScheduler::~DeadlineScheduler() {
+  close();
+}
+
+void DeadlineScheduler::close() noexcept {
   try {
-    std::unordered_map<Id, std::shared_ptr<Pending>> all;
-    {
-      std::lock_guard lock(state_->mu);
-      state_->closed = true;
-      all.swap(state_->pending);
-    }
-    for (auto& [id, p] : all) cancelTimer(p);
+    std::lock_guard lock(state_->mu);
+    if (state_->closed) return;
+    state_->closed = true;
+    for (auto& entry : state_->pending) cancelTimerLocked(std::move(entry.second));
+    state_->pending.clear();
   } catch (const std::exception& e) {
-    // A timer left armed only fires into a closed scheduler (its handler holds it weakly).
+    // A timer left armed only fires into a closed scheduler, which runs nothing.
     log::error("router", "cancelling the pending deadlines failed: {}", e.what());
   }
 }
 
 DeadlineScheduler::Id DeadlineScheduler::schedule(Clock::time_point when, std::function<void()> fn) {
+  std::lock_guard lock(state_->mu);
+  if (state_->closed) return 0;
   auto p = std::make_shared<Pending>(state_->executor);
   p->fn = std::move(fn);
-  Id id = 0;
-  {
-    std::lock_guard lock(state_->mu);
-    if (state_->closed) return 0;
-    id = state_->next_id++;
-    state_->pending.emplace(id, p);
-  }
-  // Armed on the timer's strand, where a later cancel() is queued behind it.
-  net::post(p->timer.get_executor(), [p, when, id, weak = std::weak_ptr<State>(state_)] {
+  const Id id = state_->next_id++;
+  state_->pending.emplace(id, p);
+  // Armed on the timer's strand, where a later cancel() is queued behind it. Posted under the
+  // lock, so that it is queued before close() returns.
+  const auto executor = p->timer.get_executor();
+  net::post(executor, [p = std::move(p), when, id, weak = std::weak_ptr<State>(state_)] {
     p->timer.expires_at(when);
     p->timer.async_wait([id, weak](const boost::system::error_code& ec) {
       if (ec) return;
@@ -92,15 +97,12 @@ DeadlineScheduler::Id DeadlineScheduler::schedule(Clock::time_point when, std::f
 }
 
 void DeadlineScheduler::cancel(Id id) {
-  std::shared_ptr<Pending> p;
-  {
-    std::lock_guard lock(state_->mu);
-    auto it = state_->pending.find(id);
-    if (it == state_->pending.end()) return;
-    p = std::move(it->second);
-    state_->pending.erase(it);
-  }
-  cancelTimer(p);
+  std::lock_guard lock(state_->mu);
+  auto it = state_->pending.find(id);
+  if (it == state_->pending.end()) return;
+  std::shared_ptr<Pending> p = std::move(it->second);
+  state_->pending.erase(it);
+  cancelTimerLocked(std::move(p));
 }
 
 std::size_t DeadlineScheduler::pending() const {

@@ -6,7 +6,9 @@
 ///
 /// Thread rules: thread-safe. Callbacks run on an io thread without the scheduler's lock held,
 /// at most once each, never after cancel() of their id returned; they must not block. The
-/// io_context must keep running while callbacks are pending (or the scheduler is destroyed).
+/// io_context must keep running while callbacks are pending, and must outlive the scheduler or
+/// its close(): after close() returns the scheduler touches no timer and posts nothing, so the
+/// io_context may be destroyed even while other threads still hold and call the scheduler.
 
 #include <boost/asio/any_io_executor.hpp>
 #include <chrono>
@@ -29,7 +31,11 @@ class DeadlineScheduler {
   /// Cancels every pending callback.
   ~DeadlineScheduler();
 
-  /// Runs `fn` at `when` (soon, if it has passed) unless cancelled first.
+  /// Cancels every pending callback; later schedule() calls return 0 and run nothing, later
+  /// cancel() calls do nothing. Idempotent.
+  void close() noexcept;
+
+  /// Runs `fn` at `when` (soon, if it has passed) unless cancelled first; 0 once closed.
   Id schedule(Clock::time_point when, std::function<void()> fn);
   /// Forgets a pending callback; no effect once it has begun.
   void cancel(Id id);
