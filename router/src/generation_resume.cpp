@@ -45,7 +45,7 @@ std::optional<ResumeCause> classifyLegEnd(const LegEnd& end) {
   if (end.protocol_error) return std::nullopt;
   if (end.preempted) return ResumeCause::Preempted;
   if (end.stalled) return ResumeCause::Stalled;
-  if (end.transport_failed) return ResumeCause::WorkerLost;
+  if (end.transport_failed || end.kv_unreachable) return ResumeCause::WorkerLost;
   if (end.refused) return fromCode(*end.refused);
   if (end.error) return fromCode(*end.error);
   return ResumeCause::WorkerLost;  // a clean end of the stream without a last event

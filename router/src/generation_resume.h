@@ -53,6 +53,7 @@ struct LegEnd {
   std::optional<ErrorCode> refused;  ///< a non-200 answer to the open: its code
   std::optional<ErrorCode> error;    ///< the worker's Error event: its code
   bool protocol_error = false;       ///< the worker broke the protocol (not resumed)
+  bool kv_unreachable = false;       ///< the prefill worker could not deliver the KV to it
 };
 
 /// The cause a leg's end counts as, or nullopt when it must not be resumed (the request itself

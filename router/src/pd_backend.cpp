@@ -269,6 +269,10 @@ class Generation : public std::enable_shared_from_this<Generation> {
     bool failed = false;   // ended on its own: every attempt failed
     Error error;           // when failed
     Error last;            // the latest attempt's failure
+    // The latest attempt's prefill worker answered that the KV could not reach the decode worker
+    // (PeerFailed or Timeout in its answer): the decode target is at fault, not the prefill.
+    bool last_blames_decode = false;
+    bool blames_decode = false;  // when failed: the leg failed for the decode target's sake
     std::int64_t attempts = 0;
     std::set<std::string> tried;
     worker_api::PrefillSubmit submit;
@@ -555,13 +559,19 @@ class Generation : public std::enable_shared_from_this<Generation> {
       std::lock_guard lock(mu_);
       Attempt& a = *a_;
       Error error;
+      LegEnd end;  // what the resume logic needs to know (generation_resume.h)
+      bool judge_decode = true;
       if (aborted_) {
         error = makeError(ErrorCode::Cancelled, "the generation was aborted");
+        judge_decode = false;
       } else if (a.leg.failed) {
         error = a.leg.error;
+        // The KV could not reach this decode worker: another decode worker may take the attempt
+        // (or the resume), as if its stream had been cut.
+        end.kv_unreachable = a.leg.blames_decode;
+        judge_decode = a.leg.blames_decode;
       } else {
         const auto& response = *a.response;
-        LegEnd end;  // what the resume logic needs to know (generation_resume.h)
         end.preempted = a.preempted;
         end.stalled = a.timed_out.has_value() && Clock::now() < req_.deadline;
         end.transport_failed = !a.timed_out && !response.ok();
@@ -588,6 +598,8 @@ class Generation : public std::enable_shared_from_this<Generation> {
           error = makeError(ErrorCode::PeerFailed,
                             fmt::format("the stream of decode worker {} ended without a finish event", a.worker.key()));
         }
+      }
+      if (judge_decode) {
         const std::optional<ResumeCause> cause = classifyLegEnd(end);
         const bool in_time = Clock::now() < req_.deadline;
         // D refused the open because its pool is full now (or it drains): once the retries on
@@ -659,6 +671,9 @@ class Generation : public std::enable_shared_from_this<Generation> {
     PrefillLeg& leg = a_->leg;
     // No new attempt once D's stream is over (it finished: the prefill's work is done anyway).
     if (aborted_ || leg.stop || a_->decode_done) return endPrefill(lock);
+    // A prefill that could not deliver the KV is retried on another prefill worker into the
+    // same decode worker (the fault may be the first one's link); when all fail that way, the
+    // decode worker counts as lost (judgeFailedAttempt).
     if (leg.attempts > 0 && (!prefillRetryable(leg.last.code) || Clock::now() >= req_.deadline)) {
       return prefillFailed(lock);
     }
@@ -730,6 +745,8 @@ class Generation : public std::enable_shared_from_this<Generation> {
                            fmt::format("prefill worker {} answered malformed: {}", p.key(), outcome.error().message));
     } else {
       leg.last = fromWorker(responseError(response), "prefill", p);
+      // The prefill worker itself answered: a PeerFailed or Timeout is its KV transfer's.
+      leg.last_blames_decode = response.ok() && workerUnreachable(leg.last.code) && !ownDeadline(leg.last.code);
       if (!response.ok() && workerUnreachable(leg.last.code) && !ownDeadline(leg.last.code)) {
         s_.registry.reportFailure(WorkerRole::Prefill, p.key(), leg.last.message);
         cancel_at_p = true;
@@ -753,6 +770,7 @@ class Generation : public std::enable_shared_from_this<Generation> {
       log::warn(kLog, "{}: prefill failed: {}", leg.submit.request_id, leg.last.toString());
       leg.failed = true;
       leg.error = leg.last;
+      leg.blames_decode = leg.last_blames_decode;
       if (a_->client) a_->client->cancel();
     }
     endPrefill(lock);

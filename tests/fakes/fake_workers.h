@@ -15,6 +15,7 @@
 /// Thread rules: thread-safe. Handlers never block an io thread: waiting work runs on the fake's
 /// own threads, joined by the destructor (which first stops the HTTP server).
 
+#include <algorithm>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
@@ -194,6 +195,15 @@ class FakeDecodeWorker final : public FakeWorkerBase {
   }
 
   /// A prefill worker's KV record (or failure record) for `descriptor`; false if it is not ours.
+  /// Whether `descriptor` is one of this worker's live requests'.
+  [[nodiscard]] bool holdsDescriptor(const std::string& descriptor) const {
+    std::lock_guard lock(mu_);
+    for (const auto& entry : live_) {
+      if (entry.second->descriptor == descriptor) return true;
+    }
+    return false;
+  }
+
   bool deliverKv(const std::string& descriptor, bool success) {
     std::lock_guard lock(mu_);
     for (auto& [id, req] : live_) {
@@ -413,6 +423,12 @@ class FakePrefillWorker final : public FakeWorkerBase {
     std::lock_guard lock(mu_);
     behaviour_ = behaviour;
   }
+  /// KV for `decoder` cannot reach it (a cut link): nothing arrives there, not even a failure
+  /// record, and the submit is answered 504 Timeout, as a real worker's transfer deadline does.
+  void addUnreachable(const FakeDecodeWorker* decoder) {
+    std::lock_guard lock(mu_);
+    unreachable_.push_back(decoder);
+  }
   [[nodiscard]] std::vector<worker_api::PrefillSubmit> submits() const {
     std::lock_guard lock(mu_);
     return submits_;
@@ -444,10 +460,17 @@ class FakePrefillWorker final : public FakeWorkerBase {
     if (!parsed.ok()) return (void)ex.respond(workerError(ErrorCode::InvalidArgument, parsed.error().message));
     const auto req = parsed.value();
     PrefillBehaviour behaviour{};
+    std::vector<const FakeDecodeWorker*> unreachable;
     {
       std::lock_guard lock(mu_);
       submits_.push_back(req);
       behaviour = behaviour_;
+      unreachable = unreachable_;
+    }
+    if (std::any_of(unreachable.begin(), unreachable.end(),
+                    [&](const FakeDecodeWorker* d) { return d->holdsDescriptor(req.kv_descriptor); })) {
+      ex.respond(workerError(ErrorCode::Timeout, "the KV transfer timed out"));
+      return;
     }
     switch (behaviour) {
       case PrefillBehaviour::Ok: {
@@ -488,6 +511,7 @@ class FakePrefillWorker final : public FakeWorkerBase {
 
   std::vector<FakeDecodeWorker*> decoders_;
   PrefillBehaviour behaviour_ = PrefillBehaviour::Ok;
+  std::vector<const FakeDecodeWorker*> unreachable_;  // guarded by mu_
   std::vector<worker_api::PrefillSubmit> submits_;
   std::vector<std::string> cancels_;
   std::vector<std::string> gone_;

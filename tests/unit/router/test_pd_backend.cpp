@@ -306,6 +306,56 @@ TEST_F(PdBackendTest, PrefillFailureIsRetriedOnTheOtherPrefillWorkerWhileDecodeK
   EXPECT_EQ(retries("decode"), 0.0);
 }
 
+// The KV cannot reach the chosen decode worker (its link is cut; its HTTP stream stays up): once
+// the prefill attempts into it are spent, the attempt is retried on another decode worker instead
+// of failing the request.
+TEST_F(PdBackendTest, DecodeWorkerTheKvCannotReachIsRetriedOnAnother) {
+  p1.addUnreachable(&d1);
+  p2.addUnreachable(&d1);
+  DecodeScript never;  // d1 would stream, but its KV never arrives
+  never.tokens = {{kHello}};
+  d1.setScript(never);
+  DecodeScript ok;
+  ok.tokens = {{kHello}, {kBang}};
+  d2.setScript(ok);
+  startBackend();
+  auto sink = std::make_shared<RecordingSink>();
+  ASSERT_TRUE(backend->start(request(), sink).ok());
+  ASSERT_TRUE(sink->waitEnd());
+  ASSERT_FALSE(sink->error()) << sink->error()->toString();
+  EXPECT_EQ(sink->text(), "Hello!");
+  ASSERT_EQ(d1.opens().size(), 1U);
+  ASSERT_EQ(d2.opens().size(), 1U);
+  EXPECT_EQ(d2.opens()[0].request_id, "cmpl-t1-retry1");
+  EXPECT_EQ(p1.submits().size() + p2.submits().size(), 3U);  // two into d1, one into d2
+  EXPECT_EQ(retries("prefill"), 1.0);
+  EXPECT_EQ(retries("decode"), 1.0);
+  // d1 was told to free its blocks.
+  EXPECT_TRUE(waitFor([&] { return d1.live() == 0; }));
+}
+
+// When the KV can reach no decode worker, the request fails with the transfer's error once each
+// has been tried (no endless retries), and every worker's blocks are freed.
+TEST_F(PdBackendTest, NoDecodeWorkerTheKvCanReachFailsTheRequest) {
+  for (auto* p : {&p1, &p2}) {
+    p->addUnreachable(&d1);
+    p->addUnreachable(&d2);
+  }
+  DecodeScript never;
+  never.tokens = {{kHello}};
+  d1.setScript(never);
+  d2.setScript(never);
+  startBackend();
+  auto sink = std::make_shared<RecordingSink>();
+  ASSERT_TRUE(backend->start(request(), sink).ok());
+  ASSERT_TRUE(sink->waitEnd());
+  ASSERT_TRUE(sink->error());
+  EXPECT_EQ(sink->error()->code, ErrorCode::Timeout) << sink->error()->toString();
+  EXPECT_EQ(d1.opens().size(), 1U);
+  EXPECT_EQ(d2.opens().size(), 1U);
+  EXPECT_TRUE(waitFor([&] { return d1.live() == 0 && d2.live() == 0; }));
+}
+
 TEST_F(PdBackendTest, OverloadedPrefillIsRetriedAndExhaustedRetriesFailTheRequestAndFreeDecode) {
   p1.setBehaviour(PrefillBehaviour::Overloaded);
   p2.setBehaviour(PrefillBehaviour::Overloaded);
