@@ -16,6 +16,7 @@
 #include "pd/common/log.h"
 #include "pd/engine/engine.h"
 #include "pd/engine/model_weights.h"
+#include "pd/engine/moe_routing.h"
 #include "pd/engine/rope.h"
 #include "pd/engine/thread_pool.h"
 
@@ -42,9 +43,6 @@ void rmsNorm(const float* x, const float* w, i64 n, float eps, float* out) {
   for (i64 i = 0; i < n; ++i) out[i] = (x[i] * inv) * w[i];
 }
 
-float sigmoid(float x) {
-  return 1.0F / (1.0F + std::exp(-x));
-}
 float silu(float x) {
   return x / (1.0F + std::exp(-x));
 }
@@ -672,59 +670,17 @@ class CpuEngine final : public Engine {
     const i64 n_exp = cfg_.n_routed_experts;
     const i64 top_k = cfg_.num_experts_per_tok;
     const i64 groups = cfg_.n_group;
-    const i64 per_group = n_exp / groups;
     const float* xn = ws_.xn.data();
     float* logits = grow(ws_.router_logits, n * n_exp);
     linear(lw.router, xn, d, n, logits, n_exp, stats);
 
     std::vector<std::int32_t> chosen(sz(n * top_k));
     std::vector<float> weight(sz(n * top_k));
-    std::vector<float> score(sz(n_exp));
-    std::vector<float> biased(sz(n_exp));
-    std::vector<float> group_score(sz(groups));
-    std::vector<i64> order(sz(std::max(n_exp, groups)));
-    const float neg_inf = -std::numeric_limits<float>::infinity();
+    RoutingScratch scratch;
     for (i64 t = 0; t < n; ++t) {
-      for (i64 e = 0; e < n_exp; ++e) {
-        score[sz(e)] = sigmoid(logits[t * n_exp + e]);
-        biased[sz(e)] = lw.router_bias.empty() ? score[sz(e)] : score[sz(e)] + lw.router_bias[sz(e)];
-      }
-      if (groups > 1) {
-        for (i64 g = 0; g < groups; ++g) {
-          const float* gb = biased.data() + g * per_group;
-          if (lw.router_bias.empty()) {
-            group_score[sz(g)] = *std::max_element(gb, gb + per_group);
-          } else {
-            float a = neg_inf, b = neg_inf;  // the two largest
-            for (i64 i = 0; i < per_group; ++i) {
-              if (gb[i] > a) {
-                b = a;
-                a = gb[i];
-              } else if (gb[i] > b) {
-                b = gb[i];
-              }
-            }
-            group_score[sz(g)] = per_group > 1 ? a + b : a;
-          }
-        }
-        std::iota(order.begin(), order.begin() + groups, 0);
-        std::stable_sort(order.begin(), order.begin() + groups,
-                         [&](i64 x, i64 y) { return group_score[sz(x)] > group_score[sz(y)]; });
-        for (i64 gi = cfg_.topk_group; gi < groups; ++gi) {
-          const i64 g = order[sz(gi)];
-          std::fill(biased.begin() + g * per_group, biased.begin() + (g + 1) * per_group, neg_inf);
-        }
-      }
-      std::iota(order.begin(), order.begin() + n_exp, 0);
-      std::partial_sort(order.begin(), order.begin() + top_k, order.begin() + n_exp, [&](i64 x, i64 y) {
-        return biased[sz(x)] > biased[sz(y)] || (biased[sz(x)] == biased[sz(y)] && x < y);
-      });
-      float sum = 0.0F;
-      for (i64 k = 0; k < top_k; ++k) sum += score[sz(order[sz(k)])];
-      for (i64 k = 0; k < top_k; ++k) {
-        chosen[sz(t * top_k + k)] = static_cast<std::int32_t>(order[sz(k)]);
-        weight[sz(t * top_k + k)] = score[sz(order[sz(k)])] / sum * static_cast<float>(cfg_.routed_scaling_factor);
-      }
+      routeToken(std::span<const float>(logits + t * n_exp, sz(n_exp)), lw.router_bias, groups, cfg_.topk_group, top_k,
+                 cfg_.routed_scaling_factor, std::span<std::int32_t>(chosen).subspan(sz(t * top_k), sz(top_k)),
+                 std::span<float>(weight).subspan(sz(t * top_k), sz(top_k)), scratch);
     }
     if (options.trace) {
       options.trace->topk_idx.insert(options.trace->topk_idx.end(), chosen.begin(), chosen.end());

@@ -1,8 +1,10 @@
 #pragma once
-// The CPU engine's computations that engine/src/cpu/cpu_engine.cpp keeps private, written out
-// step for step for the CUDA tests: the host tests check engine/cuda/device_math.h against them,
-// the GPU parity tests check the kernels. Everything public in the CPU engine (rope.h,
-// sampling.h, kernels.h, dequantizeRow, the engine's traces) is called directly instead.
+// The CPU engine's computations for the CUDA tests: the host tests check
+// engine/cuda/device_math.h against them, the GPU parity tests check the kernels. Routing is the
+// engine's own model::routeToken; the latent attention of one query token is written out here,
+// step for step, because cpu_engine.cpp's is fused into its batched, threaded forward.
+// Everything else public in the CPU engine (rope.h, sampling.h, kernels.h, dequantizeRow, the
+// engine's traces) is called directly.
 
 #include <algorithm>
 #include <cmath>
@@ -14,66 +16,22 @@
 
 #include "pd/engine/kernels.h"
 #include "pd/engine/latent_cache.h"
+#include "pd/engine/moe_routing.h"
 
 namespace pd::test {
 
-/// cpu_engine.cpp moe()'s routing of one token, line for line (sigmoid, bias for selection,
-/// group top-2 (or max without bias), stable_sort of groups, partial_sort of experts with the
-/// lower id first on ties, weights renormalized and scaled).
+/// The CPU engine's routing of one token (model::routeToken, which its moe() calls).
 struct CpuRouting {
   std::vector<std::int32_t> idx;
   std::vector<float> weight;
 };
 inline CpuRouting cpuRouteToken(std::span<const float> logits, std::span<const float> bias, std::int64_t groups,
                                 std::int64_t topk_group, std::int64_t top_k, double routed_scaling) {
-  using i64 = std::int64_t;
-  const auto sz = [](i64 n) { return static_cast<std::size_t>(n); };
-  const i64 n_exp = static_cast<i64>(logits.size());
-  const i64 per_group = n_exp / groups;
-  std::vector<float> score(sz(n_exp)), biased(sz(n_exp)), group_score(sz(groups));
-  std::vector<i64> order(sz(std::max(n_exp, groups)));
-  const float neg_inf = -std::numeric_limits<float>::infinity();
-  for (i64 e = 0; e < n_exp; ++e) {
-    score[sz(e)] = 1.0F / (1.0F + std::exp(-logits[sz(e)]));
-    biased[sz(e)] = bias.empty() ? score[sz(e)] : score[sz(e)] + bias[sz(e)];
-  }
-  if (groups > 1) {
-    for (i64 g = 0; g < groups; ++g) {
-      const float* gb = biased.data() + g * per_group;
-      if (bias.empty()) {
-        group_score[sz(g)] = *std::max_element(gb, gb + per_group);
-      } else {
-        float a = neg_inf, b = neg_inf;
-        for (i64 i = 0; i < per_group; ++i) {
-          if (gb[i] > a) {
-            b = a;
-            a = gb[i];
-          } else if (gb[i] > b) {
-            b = gb[i];
-          }
-        }
-        group_score[sz(g)] = per_group > 1 ? a + b : a;
-      }
-    }
-    std::iota(order.begin(), order.begin() + groups, 0);
-    std::stable_sort(order.begin(), order.begin() + groups,
-                     [&](i64 x, i64 y) { return group_score[sz(x)] > group_score[sz(y)]; });
-    for (i64 gi = topk_group; gi < groups; ++gi) {
-      const i64 g = order[sz(gi)];
-      std::fill(biased.begin() + g * per_group, biased.begin() + (g + 1) * per_group, neg_inf);
-    }
-  }
-  std::iota(order.begin(), order.begin() + n_exp, 0);
-  std::partial_sort(order.begin(), order.begin() + top_k, order.begin() + n_exp, [&](i64 x, i64 y) {
-    return biased[sz(x)] > biased[sz(y)] || (biased[sz(x)] == biased[sz(y)] && x < y);
-  });
   CpuRouting out;
-  float sum = 0.0F;
-  for (i64 k = 0; k < top_k; ++k) sum += score[sz(order[sz(k)])];
-  for (i64 k = 0; k < top_k; ++k) {
-    out.idx.push_back(static_cast<std::int32_t>(order[sz(k)]));
-    out.weight.push_back(score[sz(order[sz(k)])] / sum * static_cast<float>(routed_scaling));
-  }
+  out.idx.resize(static_cast<std::size_t>(top_k));
+  out.weight.resize(static_cast<std::size_t>(top_k));
+  model::RoutingScratch scratch;
+  model::routeToken(logits, bias, groups, topk_group, top_k, routed_scaling, out.idx, out.weight, scratch);
   return out;
 }
 
