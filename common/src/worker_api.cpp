@@ -256,6 +256,13 @@ std::string toJson(const DecodeOpen& v) {
   if (v.arrival_us > 0) o["arrival_us"] = v.arrival_us;
   if (!v.constraint.empty()) o["constraint"] = v.constraint;
   if (!v.tool_call_format.empty()) o["tool_call_format"] = v.tool_call_format;
+  if (!v.local_prompt_token_ids.empty()) {
+    json::array local;
+    local.reserve(v.local_prompt_token_ids.size());
+    for (auto id : v.local_prompt_token_ids) local.push_back(id);
+    o["local_prompt_token_ids"] = std::move(local);
+  }
+  if (v.forced_first_token >= 0) o["forced_first_token"] = v.forced_first_token;
   return dump(o);
 }
 
@@ -282,6 +289,17 @@ Result<DecodeOpen> parseDecodeOpen(std::string_view text) {
   }
   r.str("constraint", v.constraint, false, kMaxConstraintBytes);
   r.str("tool_call_format", v.tool_call_format, false, kMaxToolCallFormatBytes);
+  r.tokenIds("local_prompt_token_ids", v.local_prompt_token_ids, false);
+  if (r.ok() && !v.local_prompt_token_ids.empty() &&
+      static_cast<std::int64_t>(v.local_prompt_token_ids.size()) != v.prompt_tokens) {
+    r.fail("local_prompt_token_ids", "must hold prompt_tokens token ids");
+  }
+  std::int64_t forced = -1;
+  r.integer("forced_first_token", forced, false, 0, std::numeric_limits<pd::TokenId>::max());
+  v.forced_first_token = static_cast<pd::TokenId>(forced);
+  if (r.ok() && v.forced_first_token >= 0 && v.local_prompt_token_ids.empty()) {
+    r.fail("forced_first_token", "is only allowed with local_prompt_token_ids");
+  }
   if (!r.ok()) return r.status().error();
   return v;
 }

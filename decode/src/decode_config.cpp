@@ -15,6 +15,13 @@ void registerOptions(config::OptionSet& set, DecodeConfig& cfg) {
       .add("kv_headroom_blocks", &cfg.kv_headroom_blocks,
            "KV blocks an admission must leave free for running requests to grow into (then preemption)", 0, 1 << 24)
       .add("num_speculative_tokens", &cfg.num_speculative_tokens, "MTP draft tokens per step (0 = off)", 0, 8)
+      .add("local_prefill_max_tokens", &cfg.local_prefill_max_tokens,
+           "longest prompt this worker prefills itself when the router asks (0 = never)", 0, 1 << 24)
+      .add("local_prefill_chunk_size", &cfg.local_prefill_chunk_size,
+           "prompt tokens per forward of a local prefill (the prefill workers' chunk_size gives identical KV)", 1,
+           1 << 20)
+      .add("local_prefill_token_budget", &cfg.local_prefill_token_budget,
+           "prompt tokens prefilled locally between two decode steps (at least one prompt)", 1, 1 << 24)
       .add("tensor_parallel", &cfg.tensor_parallel, "tensor-parallel ranks", 1, 64)
       .add("nnodes", &cfg.nnodes, "machines the tensor-parallel group spans (> 1 needs dist_init_address)", 1, 64)
       .add("node_rank", &cfg.node_rank, "this machine's index in the tensor-parallel group (0 serves the API)", 0, 63)

@@ -5,23 +5,49 @@
 #include <algorithm>
 #include <chrono>
 #include <limits>
+#include <numeric>
 #include <utility>
 
 #include "draft_verifier.h"
 #include "pd/common/log.h"
+#include "pd/engine/latent_cache.h"
 
 namespace pd::decode {
+
+namespace {
+
+// A local prefill's layers, computed in a float32 scratch cache as a prefill worker computes them
+// in its own, written into the request's pool blocks as its transfer would land them.
+class PoolWriter final : public model::LatentKvSink {
+ public:
+  PoolWriter(const model::LatentCacheView& pool, std::span<const std::int32_t> blocks) : pool_(pool), blocks_(blocks) {}
+  void onLayer(std::int64_t kv_layer, std::size_t /*sequence*/, std::int64_t start_pos,
+               std::span<const float> latent) override {
+    const auto dim = static_cast<std::size_t>(pool_.latent_dim);
+    for (std::size_t t = 0; (t + 1) * dim <= latent.size(); ++t) {
+      model::writeLatent(pool_, kv_layer, blocks_, start_pos + static_cast<std::int64_t>(t), latent.data() + t * dim);
+    }
+  }
+
+ private:
+  const model::LatentCacheView& pool_;
+  std::span<const std::int32_t> blocks_;
+};
+
+}  // namespace
 
 DecodeEngineOptions engineOptions(const DecodeConfig& config) {
   DecodeEngineOptions options;
   options.num_speculative_tokens = config.num_speculative_tokens;
   options.max_running_requests = config.max_running_requests;
   options.kv_headroom_blocks = config.kv_headroom_blocks;
+  options.local_prefill_chunk_size = config.local_prefill_chunk_size;
+  options.local_prefill_token_budget = config.local_prefill_token_budget;
   return options;
 }
 
 struct DecodeEngine::Sequence {
-  enum class State { WaitingKv, Ready, Running };
+  enum class State { WaitingKv, LocalPrefill, Ready, Running };
 
   Sequence(DecodeRequest r, bool spec, std::pair<std::int64_t, std::uint64_t> order)
       : req(std::move(r)),
@@ -56,6 +82,7 @@ struct DecodeEngine::Sequence {
 DecodeEngine::DecodeEngine(model::Engine& engine, KvPool& pool, DecodeEngineOptions options,
                            std::unique_ptr<Drafter> drafter)
     : engine_(engine),
+      pool_(pool),
       options_(options),
       blocks_(pool.numBlocks(), pool.blockSize(), std::min(options.kv_headroom_blocks, pool.numBlocks() - 1)),
       drafter_(drafter ? std::move(drafter) : std::make_unique<MtpDrafter>(engine, pool)),
@@ -63,7 +90,8 @@ DecodeEngine::DecodeEngine(model::Engine& engine, KvPool& pool, DecodeEngineOpti
   PD_CHECK(pool.latentDim() == engine.config().latentDim());
   PD_CHECK(pool.numLayers() == engine.config().kvLayers());
   PD_CHECK(options_.num_speculative_tokens >= 0 && options_.max_running_requests >= 1 &&
-           options_.kv_headroom_blocks >= 0);
+           options_.kv_headroom_blocks >= 0 && options_.local_prefill_chunk_size >= 1 &&
+           options_.local_prefill_token_budget >= 1);
   publishGauges();
 }
 
@@ -115,6 +143,25 @@ Result<std::vector<std::int32_t>> DecodeEngine::admit(DecodeRequest request) {
   if (requests_.contains(request.id)) {
     return makeError(ErrorCode::InvalidArgument, fmt::format("request {} is already admitted", request.id));
   }
+  const bool local = !request.local_prompt.empty();
+  if (local) {
+    if (static_cast<std::int64_t>(request.local_prompt.size()) != request.prompt_tokens) {
+      return makeError(ErrorCode::InvalidArgument,
+                       fmt::format("request {}: {} local prompt tokens for a {}-token prompt", request.id,
+                                   request.local_prompt.size(), request.prompt_tokens));
+    }
+    for (const pd::TokenId t : request.local_prompt) {
+      if (t < 0 || t >= cfg.vocab_size) {
+        return makeError(ErrorCode::InvalidArgument,
+                         fmt::format("request {}: prompt token {} is outside the vocabulary", request.id, t));
+      }
+    }
+  }
+  if (request.forced_first_token >= cfg.vocab_size || request.forced_first_token < -1 ||
+      (request.forced_first_token >= 0 && !local)) {
+    return makeError(ErrorCode::InvalidArgument,
+                     fmt::format("request {}: bad forced_first_token {}", request.id, request.forced_first_token));
+  }
   PD_TRY(blocks_.admit(request.id, request.prompt_tokens));
   const std::uint64_t id = request.id;
   const std::span<const std::int32_t> table = blocks_.blockTable(id);
@@ -126,6 +173,10 @@ Result<std::vector<std::int32_t>> DecodeEngine::admit(DecodeRequest request) {
           : std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::system_clock::now().time_since_epoch())
                 .count();
   auto seq = std::make_unique<Sequence>(std::move(request), speculate, std::pair(arrival, ++admissions_));
+  if (local) {
+    seq->state = Sequence::State::LocalPrefill;
+    local_.push_back(id);
+  }
   requests_.emplace(id, std::move(seq));
   publishGauges();
   return ids;
@@ -200,6 +251,97 @@ void DecodeEngine::startRunning(Sequence& seq, kvtransfer::CompletionRecord reco
   }
 }
 
+void DecodeEngine::runLocalPrefills() {
+  std::int64_t budget = options_.local_prefill_token_budget;
+  while (!local_.empty() && budget > 0) {
+    const std::uint64_t id = local_.front();
+    local_.pop_front();
+    Sequence& seq = *requests_.at(id);  // finish() takes ended requests out of local_
+    budget -= seq.req.prompt_tokens;
+    const auto started = Clock::now();
+    Result<kvtransfer::CompletionRecord> record = localPrefill(seq);
+    ++stats_.local_prefills;
+    stats_.local_prefill_tokens += seq.req.prompt_tokens;
+    if (options_.metrics != nullptr) {
+      options_.metrics->localPrefilled(seq.req.prompt_tokens,
+                                       std::chrono::duration<double>(Clock::now() - started).count());
+    }
+    if (!record.ok()) {
+      const ErrorCode code = record.error().code == ErrorCode::PeerFailed || record.error().code == ErrorCode::Timeout
+                                 ? record.error().code
+                                 : ErrorCode::Internal;
+      finish(id, FinishReason::Error,
+             makeError(code, fmt::format("request {}: local prefill failed: {}", id, record.error().toString())),
+             RequestOutcome::Error);
+      continue;
+    }
+    startRunning(seq, std::move(record).value());
+  }
+}
+
+Result<kvtransfer::CompletionRecord> DecodeEngine::localPrefill(Sequence& seq) {
+  const ModelConfig& cfg = engine_.config();
+  const std::span<const std::int32_t> tokens(seq.req.local_prompt);
+  const std::span<const std::int32_t> table = blocks_.blockTable(seq.req.id);
+  const auto n = static_cast<std::int64_t>(tokens.size());
+  const bool mtp = seq.speculate && cfg.num_nextn_predict_layers > 0;
+  std::vector<float> hidden;  // [n, hidden_size] when mtp, else the last row only
+  std::vector<float> last_logits;
+  // As a prefill worker computes it: in prefill-worker-sized chunks over a float32 cache of its
+  // own (attention reads float32 latents), every layer also written into the pool, converted as a
+  // transfer lands it. The same chunks give the same KV bit for bit.
+  const std::int64_t bs = pool_.blockSize();
+  PD_ASSIGN_OR_RETURN(model::PagedLatentCache scratch,
+                      model::PagedLatentCache::create(cfg, (n + bs - 1) / bs, bs, DType::F32));
+  std::vector<std::int32_t> scratch_table(static_cast<std::size_t>((n + bs - 1) / bs));
+  std::iota(scratch_table.begin(), scratch_table.end(), 0);
+  PoolWriter writer(pool_.view(), table);
+  for (std::int64_t pos = 0; pos < n; pos += options_.local_prefill_chunk_size) {
+    const std::int64_t take = std::min(options_.local_prefill_chunk_size, n - pos);
+    const model::SequenceChunk chunk{tokens.subspan(static_cast<std::size_t>(pos), static_cast<std::size_t>(take)), pos,
+                                     scratch_table};
+    model::ForwardOptions fo;
+    fo.logits = pos + take == n ? model::OutputRows::Last : model::OutputRows::None;
+    fo.hidden = mtp ? model::OutputRows::All : (pos + take == n ? model::OutputRows::Last : model::OutputRows::None);
+    fo.sink = &writer;
+    PD_ASSIGN_OR_RETURN(model::ForwardOutput out, engine_.forward(std::span(&chunk, 1), scratch.view(), fo));
+    hidden.insert(hidden.end(), out.hidden.begin(), out.hidden.end());
+    if (pos + take == n) last_logits = std::move(out.logits);
+  }
+  // The first token as a prefill worker samples it: a fresh sampler of the request's params,
+  // resumed after the tokens this generation already produced, under the constraint's mask.
+  model::Sampler sampler(seq.req.sampling, seq.req.logprobs);
+  sampler.resumeAfter(seq.req.resumed_tokens);
+  std::span<const std::uint64_t> allowed;
+  if (seq.constraint && seq.req.forced_first_token < 0) allowed = seq.constraint->mask();
+  model::SampledToken first = sampler.sample(last_logits, allowed);
+  if (seq.req.forced_first_token >= 0) first.token = seq.req.forced_first_token;
+  const auto hidden_size = static_cast<std::size_t>(cfg.hidden_size);
+  if (mtp) {
+    // MTP row i pairs token i+1 with final hidden state i; the last row takes the first token.
+    std::vector<std::int32_t> mtp_tokens(tokens.begin() + 1, tokens.end());
+    mtp_tokens.push_back(first.token);
+    model::SequenceChunk chunk{mtp_tokens, 0, scratch_table};
+    chunk.prev_hidden = hidden;
+    model::ForwardOptions fo;
+    fo.logits = model::OutputRows::None;
+    fo.hidden = model::OutputRows::None;
+    fo.sink = &writer;
+    PD_TRY(engine_.forwardMtp(std::span(&chunk, 1), scratch.view(), fo));
+  }
+  kvtransfer::CompletionRecord record;
+  record.num_tokens = static_cast<std::uint32_t>(n);
+  record.first_token = first.token;
+  if (hidden.size() >= hidden_size) {
+    record.hidden_state.assign(hidden.end() - static_cast<std::ptrdiff_t>(hidden_size), hidden.end());
+  }
+  if (seq.req.logprobs) {
+    record.first_logprob = pd::TokenLogprob{first.token, first.logprob};
+    record.top_logprobs = first.top;
+  }
+  return record;
+}
+
 bool DecodeEngine::emit(Sequence& seq, std::vector<model::SampledToken> tokens) {
   const std::int32_t eos = static_cast<std::int32_t>(engine_.config().eos_token_id);
   std::optional<FinishReason> reason;
@@ -249,6 +391,7 @@ void DecodeEngine::finish(std::uint64_t request_id, FinishReason reason, std::op
   requests_.erase(it);
   std::erase(running_, request_id);
   std::erase(ready_, request_id);
+  std::erase(local_, request_id);
   const bool awaited = seq->state == Sequence::State::WaitingKv;
   if (awaited && options_.quarantine_late_writes && reason == FinishReason::Aborted &&
       seq->req.kv_deadline > Clock::now()) {
@@ -338,7 +481,7 @@ void DecodeEngine::publishGauges() const {
   std::int64_t waiting = 0;
   std::int64_t waiting_tokens = 0;
   for (const auto& [id, seq] : requests_) {
-    if (seq->state != Sequence::State::WaitingKv) continue;
+    if (seq->state != Sequence::State::WaitingKv && seq->state != Sequence::State::LocalPrefill) continue;
     ++waiting;
     waiting_tokens += seq->req.prompt_tokens;
   }
@@ -375,6 +518,7 @@ void DecodeEngine::step(Clock::time_point now) {
     if (q.until <= now) released.push_back(id);
   }
   for (const std::uint64_t id : released) endQuarantine(id, true);
+  runLocalPrefills();
   while (!ready_.empty() && static_cast<std::int64_t>(running_.size()) < options_.max_running_requests) {
     const std::uint64_t id = ready_.front();
     ready_.pop_front();

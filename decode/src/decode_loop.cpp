@@ -101,6 +101,17 @@ kvtransfer::ArrivalFn DecodeLoop::waitArrival(std::shared_ptr<KvWait> wait) {
   };
 }
 
+void DecodeLoop::openLocalAsync(DecodeRequest request, LocalDone done) {
+  PD_CHECK(!request.local_prompt.empty());
+  auto req = std::make_shared<DecodeRequest>(std::move(request));
+  auto answer = std::make_shared<LocalDone>(std::move(done));
+  const bool posted = inbox_->post([req, answer](DecodeEngine& e) {
+    Result<std::vector<std::int32_t>> blocks = e.admit(std::move(*req));
+    (*answer)(blocks.ok() ? okStatus() : Status(std::move(blocks).error()));
+  });
+  if (!posted) (*answer)(makeError(ErrorCode::Cancelled, "the decode loop has stopped"));
+}
+
 void DecodeLoop::openStreamAsync(DecodeRequest request, kvtransfer::Transport& transport,
                                  const kvtransfer::CompatInfo& compat, const std::vector<kvtransfer::KvTarget>& targets,
                                  std::uint32_t timeout_ms, OpenDone done) {

@@ -61,6 +61,18 @@ DecodeMetrics::DecodeMetrics(metrics::Registry& registry) : registry_(registry) 
                                "Requests preempted because a decode step could not get a KV block (the router "
                                "resumes them).")
                       .get();
+  local_prefills_ = &registry_
+                         .counter("pdserve_decode_local_prefills_total",
+                                  "Prompts this decode worker prefilled itself (conditional disaggregation).")
+                         .get();
+  local_prefill_tokens_ =
+      &registry_
+           .counter("pdserve_decode_local_prefill_tokens_total", "Prompt tokens this decode worker prefilled itself.")
+           .get();
+  local_prefill_seconds_ = &registry_
+                                .counter("pdserve_decode_local_prefill_seconds_total",
+                                         "Wall time of the local prefills (they run between decode steps).")
+                                .get();
   step_seconds_ =
       &registry_.histogram("pdserve_decode_step_seconds", "Wall time of one batched decode step.", stepBuckets()).get();
   blocks_free_ = &registry_.gauge("pdserve_kv_blocks_free", "KV pool blocks not allocated to any request.").get();
@@ -110,6 +122,12 @@ void DecodeMetrics::prefillRetried() {
 
 void DecodeMetrics::preempted() {
   preemptions_->inc();
+}
+
+void DecodeMetrics::localPrefilled(std::int64_t tokens, double seconds) {
+  local_prefills_->inc();
+  local_prefill_tokens_->inc(static_cast<double>(tokens));
+  local_prefill_seconds_->inc(seconds);
 }
 
 void DecodeMetrics::setBlocks(std::int64_t free, std::int64_t available, std::int64_t total, std::int64_t quarantined) {

@@ -327,6 +327,38 @@ void DecodeServer::Impl::handleOpen(const http::Request& request, http::Exchange
   };
 
   DecodeLoop* loop = loop_.get();
+  if (!open.local_prompt_token_ids.empty()) {
+    // Conditional disaggregation: this worker prefills the prompt itself; no KV is awaited.
+    if (open.prompt_tokens > options_.decode.local_prefill_max_tokens) {
+      stream->span.end();
+      refuse(exchange,
+             makeError(ErrorCode::InvalidArgument,
+                       fmt::format("a local prefill of {} tokens exceeds decode.local_prefill_max_tokens ({})",
+                                   open.prompt_tokens, options_.decode.local_prefill_max_tokens)));
+      streamEnded(open.request_id);
+      return;
+    }
+    r.local_prompt = std::move(open.local_prompt_token_ids);
+    r.forced_first_token = open.forced_first_token;
+    r.kv_deadline = Clock::time_point::max();
+    loop_->openLocalAsync(std::move(r), [this, stream, loop](Status admitted) {
+      stream->admitted = trace::Clock::now();
+      if (!admitted.ok()) {
+        stream->span.setError(admitted.error().toString());
+        stream->span.end();
+        refuse(stream->exchange, admitted.error());
+        streamEnded(stream->request_id);
+        return;
+      }
+      worker_api::DecodeEvent first;  // a descriptor event without a descriptor: nothing to transfer
+      first.type = worker_api::DecodeEventType::Descriptor;
+      stream->exchange.beginStream(200, {{"Content-Type", std::string(kNdjson)}, {"Cache-Control", "no-store"}});
+      stream->exchange.write(worker_api::toJson(first) + "\n");
+      const std::uint64_t id = stream->local_id;
+      stream->exchange.onClientGone([loop, id] { loop->postAbort(id); });
+    });
+    return;
+  }
   loop_->openStreamAsync(
       std::move(r), *transport_, compat_, targets_, static_cast<std::uint32_t>(kv_timeout_ms),
       [this, stream, loop](Result<kvtransfer::KvDescriptor> descriptor) {

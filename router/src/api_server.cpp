@@ -541,6 +541,8 @@ class RequestState final : public TokenSink, public std::enable_shared_from_this
     opt("prefill_compute_ms", report_.prefill_compute_ms);
     opt("prefill_transfer_ms", report_.prefill_transfer_ms);
     if (first_token_at_) f.push_back({"stream_ms", ms(*first_token_at_, now)});
+    if (!report_.prefill_where.empty()) f.push_back({"prefill", report_.prefill_where});
+    if (!report_.prefill_reason.empty()) f.push_back({"prefill_reason", report_.prefill_reason});
     if (!report_.prefill_worker.empty()) f.push_back({"prefill_worker", report_.prefill_worker});
     if (!report_.decode_worker.empty()) f.push_back({"decode_worker", report_.decode_worker});
     if (report_.prefill_attempts > 1) f.push_back({"prefill_attempts", report_.prefill_attempts});

@@ -125,6 +125,7 @@ PdBackendOptions pdBackendOptionsFromConfig(const RouterConfig& config) {
   o.prefill_retries = config.prefill_retries;
   o.decode_retries = config.decode_retries;
   o.max_resumes = config.max_resumes;
+  o.remote_prefill_min_tokens = config.remote_prefill_min_tokens;
   o.decode_open_timeout = milliseconds{config.decode_open_timeout_ms};
   o.kv_timeout = milliseconds{config.kv_timeout_ms};
   o.prefill_timeout = milliseconds{config.prefill_timeout_ms};
@@ -150,6 +151,8 @@ struct Shared {
   std::shared_ptr<http::IoThreads> io;
   bool owns_io = false;
   std::shared_ptr<WorkerClientPool> clients;
+  /// pdserve_router_prefills_total{where, reason}: conditional disaggregation's decisions.
+  metrics::Family<metrics::Counter>* prefills = nullptr;
 
   const trace::Tracer& tracer() const {
     return options.tracer != nullptr ? *options.tracer : trace::Tracer::disabled();
@@ -290,7 +293,8 @@ class Generation : public std::enable_shared_from_this<Generation> {
     std::unique_ptr<http::AsyncClient> client;  // while D's stream is open
     bool got_descriptor = false;
     bool stop_hit = false;
-    bool preempted = false;  // D's last event was Preempted (stream_error holds its message)
+    bool preempted = false;      // D's last event was Preempted (stream_error holds its message)
+    bool local_prefill = false;  // D prefills the prompt itself (no prefill leg)
     // A resumed leg streams the last token the client has first (GenerationResume::skipFirst).
     std::optional<TokenId> skip_first;
     std::optional<worker_api::DecodeEvent> finish;
@@ -339,6 +343,16 @@ class Generation : public std::enable_shared_from_this<Generation> {
     open.arrival_us = arrival_us_;
     resume_.shapeOpen(req_, open);
     const std::int64_t prompt_tokens = open.prompt_tokens;
+    // Conditional disaggregation: a short prompt is prefilled by the decode worker itself.
+    const std::int64_t min_remote = s_.options.remote_prefill_min_tokens;
+    const bool local = min_remote > 0 && prompt_tokens < min_remote;
+    const char* reason = min_remote == 0 ? "disabled" : (local ? "short_prompt" : "long_prompt");
+    if (local) {
+      worker_api::PrefillSubmit shaped;  // the tokens and first token a prefill worker would get
+      resume_.shapePrefill(req_, shaped);
+      open.local_prompt_token_ids = std::move(shaped.token_ids);
+      open.forced_first_token = shaped.forced_first_token;
+    }
     open.sampling = req_.sampling;
     open.logprobs = req_.logprobs;
     open.stop_token_ids = req_.stop_token_ids;
@@ -373,6 +387,10 @@ class Generation : public std::enable_shared_from_this<Generation> {
     report_.decode_attempts = attempt_ + 1;
     if (attempt_ == 0 && req_.handed_at != trace::TimePoint{}) report_.route_ms = msBetween(req_.handed_at, sent);
     a_->skip_first = resume_.skipFirst();
+    a_->local_prefill = local;
+    report_.prefill_where = local ? "local" : "remote";
+    report_.prefill_reason = reason;
+    if (s_.prefills != nullptr) s_.prefills->labels({local ? "local" : "remote", reason}).inc();
     s_.registry.noteSent(WorkerRole::Decode, d->key(), prompt_tokens + open.max_tokens);
     armWatchLocked(s_.options.decode_open_timeout, fmt::format("decode worker {} sent no KV descriptor within {} ms",
                                                                d->key(), s_.options.decode_open_timeout.count()));
@@ -414,6 +432,14 @@ class Generation : public std::enable_shared_from_this<Generation> {
       }
       a.got_descriptor = true;
       report_.decode_open_ms = msBetween(a.sent, trace::Clock::now());
+      if (a.local_prefill) {
+        // The decode worker prefills the prompt itself: no prefill leg, no KV to wait for beyond
+        // its own compute (the same deadline as a transfer's).
+        armWatchLocked(s_.options.kv_timeout + s_.options.stream_stall_timeout,
+                       fmt::format("no token from decode worker {} within {} ms of its local prefill's start",
+                                   a.worker.key(), (s_.options.kv_timeout + s_.options.stream_stall_timeout).count()));
+        return true;
+      }
       armWatchLocked(s_.options.kv_timeout + s_.options.stream_stall_timeout,
                      fmt::format("no token from decode worker {} within {} ms of its descriptor", a.worker.key(),
                                  (s_.options.kv_timeout + s_.options.stream_stall_timeout).count()));
@@ -965,6 +991,11 @@ Result<std::unique_ptr<PdBackend>> PdBackend::create(PdBackendOptions options, W
                 std::move(io),
                 owns_io,
                 std::move(clients)};
+  shared.prefills = &metrics.counter(
+      "pdserve_router_prefills_total",
+      "Prompts (of every leg) by where they were prefilled: remote (a prefill worker) or local (the decode "
+      "worker itself, router.remote_prefill_min_tokens), and why.",
+      {"where", "reason"});
   return std::unique_ptr<PdBackend>(new PdBackend(std::make_unique<Impl>(std::move(shared))));
 }
 

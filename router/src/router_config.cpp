@@ -40,6 +40,10 @@ void registerOptions(config::OptionSet& set, RouterConfig& cfg) {
       .add("prefill_retries", &cfg.prefill_retries, "retries of a failed prefill on another prefill worker", 0, 16)
       .add("decode_retries", &cfg.decode_retries,
            "retries of a request on another decode worker while no token reached the client", 0, 16)
+      .add("remote_prefill_min_tokens", &cfg.remote_prefill_min_tokens,
+           "prompts shorter than this are prefilled by their decode worker itself, without a prefill worker or a "
+           "KV transfer (0 = every prompt goes to a prefill worker)",
+           0, 1 << 24)
       .add("max_resumes", &cfg.max_resumes,
            "resumes of a generation whose decode leg failed without a finish (worker lost or drained, stalled): "
            "re-prefilled with the tokens so far on a decode worker with room (preemptions are resumed until the "

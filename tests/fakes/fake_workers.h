@@ -262,6 +262,8 @@ class FakeDecodeWorker final : public FakeWorkerBase {
           return (void)ex.respond(workerError(ErrorCode::InvalidArgument, "duplicate request id"));
         }
         live->descriptor = "fake-kv:" + std::to_string(port()) + ":" + req.request_id;
+        // A local prefill (conditional disaggregation) needs no KV from anyone.
+        live->kv_arrived = !req.local_prompt_token_ids.empty();
         live_[req.request_id] = live;
       }
     }
@@ -274,7 +276,7 @@ class FakeDecodeWorker final : public FakeWorkerBase {
     ex.beginStream(200, {{"Content-Type", "application/x-ndjson"}});
     worker_api::DecodeEvent d;
     d.type = worker_api::DecodeEventType::Descriptor;
-    d.kv_descriptor = live->descriptor;
+    if (req.local_prompt_token_ids.empty()) d.kv_descriptor = live->descriptor;
     d.blocks = 1;
     ex.write(worker_api::toJson(d) + "\n");
     spawn([this, req, script, live, ex]() mutable { stream(req, script, *live, std::move(ex)); });

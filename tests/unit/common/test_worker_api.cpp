@@ -85,6 +85,39 @@ TEST(WorkerApi, DecodeOpenRoundTrips) {
           .ok());
 }
 
+// Conditional disaggregation: the prompt's ids for a local prefill, and a resumed leg's forced
+// first token, travel in the open (docs/kv-memory.md, "Local prefill").
+TEST(WorkerApi, DecodeOpenCarriesALocalPromptAndItsForcedFirstToken) {
+  DecodeOpen v;
+  v.request_id = "local-1";
+  v.prompt_tokens = 4;
+  v.max_tokens = 3;
+  EXPECT_EQ(toJson(v).find("local_prompt_token_ids"), std::string::npos);
+  EXPECT_EQ(toJson(v).find("forced_first_token"), std::string::npos);
+  auto plain = parseDecodeOpen(toJson(v));
+  ASSERT_TRUE(plain.ok());
+  EXPECT_TRUE(plain->local_prompt_token_ids.empty());
+  EXPECT_EQ(plain->forced_first_token, -1);
+  v.local_prompt_token_ids = {0, 17, 4, 99};
+  v.forced_first_token = 12;
+  auto back = parseDecodeOpen(toJson(v));
+  ASSERT_TRUE(back.ok()) << back.error().toString();
+  EXPECT_EQ(back->local_prompt_token_ids, v.local_prompt_token_ids);
+  EXPECT_EQ(back->forced_first_token, 12);
+  // The ids must be the whole prompt; a forced first token needs them.
+  v.local_prompt_token_ids = {0, 17, 4};
+  auto short_prompt = parseDecodeOpen(toJson(v));
+  ASSERT_FALSE(short_prompt.ok());
+  EXPECT_NE(short_prompt.error().message.find("local_prompt_token_ids"), std::string::npos);
+  auto forced_alone =
+      parseDecodeOpen(R"({"request_id":"a","prompt_tokens":4,"max_tokens":1,"sampling":{},"forced_first_token":3})");
+  ASSERT_FALSE(forced_alone.ok());
+  EXPECT_NE(forced_alone.error().message.find("forced_first_token"), std::string::npos);
+  EXPECT_FALSE(parseDecodeOpen(R"({"request_id":"a","prompt_tokens":1,"max_tokens":1,"sampling":{},)"
+                               R"("local_prompt_token_ids":[1],"forced_first_token":-5})")
+                   .ok());
+}
+
 TEST(WorkerApi, DecodeOpenRefusesBadInputNamingTheField) {
   const auto message = [](std::string_view json) {
     auto r = parseDecodeOpen(json);

@@ -210,17 +210,18 @@ class DecodeGolden : public ::testing::TestWithParam<std::string> {
   std::vector<std::vector<std::int32_t>> decodeTogether(const std::vector<std::vector<std::int32_t>>& prompts,
                                                         std::int64_t max_tokens, std::int64_t drafts,
                                                         DecodeStats* stats = nullptr, std::int64_t max_running = 64,
-                                                        const pd::SamplingParams& sampling = {},
-                                                        KvPool* pool = nullptr) {
+                                                        const pd::SamplingParams& sampling = {}, KvPool* pool = nullptr,
+                                                        bool local = false) {
     KvPool& kv = pool != nullptr ? *pool : *pool_;
     std::vector<Stream> streams(prompts.size());  // outlives the engine, whose destructor may call sinks
     DecodeEngine dec(*engine_, kv, DecodeEngineOptions{drafts, max_running});
     for (std::size_t i = 0; i < prompts.size(); ++i) {
       DecodeRequest r = request(i + 1, static_cast<std::int64_t>(prompts[i].size()), max_tokens, streams[i]);
       r.sampling = sampling;
+      if (local) r.local_prompt = prompts[i];  // the decode engine prefills it itself
       auto blocks = dec.admit(std::move(r));
       PD_CHECK_MSG(blocks.ok(), "admission failed");
-      PD_CHECK(dec.onKvReady(i + 1, prefill(*engine_, prompts[i], kv, *blocks, sampling)).ok());
+      if (!local) PD_CHECK(dec.onKvReady(i + 1, prefill(*engine_, prompts[i], kv, *blocks, sampling)).ok());
     }
     for (int guard = 0; dec.hasWork() && guard < 1000; ++guard) dec.step(Clock::now());
     EXPECT_EQ(dec.numRequests(), 0U);
@@ -253,6 +254,60 @@ TEST_P(DecodeGolden, GreedyTokensEqualGoldenWithAndWithoutMtp) {
                 static_cast<long long>(stats.drafts_accepted), static_cast<long long>(stats.drafts_proposed));
     EXPECT_EQ(stats.steps + stats.drafts_accepted, g - 1);  // every token but the first from a step
   }
+}
+
+// Conditional disaggregation: a prompt the decode engine prefills itself (local_prompt) decodes
+// to the golden greedy tokens, with and without MTP (whose KV over the prompt it also writes).
+TEST_P(DecodeGolden, LocalPrefillGivesTheGoldenTokensWithAndWithoutMtp) {
+  const auto g = static_cast<std::int64_t>(greedy_.size());
+  for (const std::int64_t drafts : {0, 1, 2}) {
+    DecodeStats stats;
+    const auto got = decodeTogether({prompt_}, g, drafts, &stats, 64, {}, nullptr, /*local=*/true);
+    EXPECT_EQ(got[0], greedy_) << GetParam() << " with " << drafts << " MTP drafts";
+    EXPECT_EQ(stats.local_prefills, 1);
+    EXPECT_EQ(stats.local_prefill_tokens, static_cast<std::int64_t>(prompt_.size()));
+  }
+}
+
+// Local and remote prefill give the same stream, seeded sampling included (the first token is
+// drawn as a prefill worker draws it), for a batch of mixed lengths.
+TEST_P(DecodeGolden, LocalPrefillEqualsRemotePrefillSeededAndBatched) {
+  std::vector<std::vector<std::int32_t>> prompts{
+      prompt_, {prompt_.begin(), prompt_.begin() + 7}, {prompt_.rbegin(), prompt_.rend() - 13}, {prompt_[5]}};
+  pd::SamplingParams sampling;
+  sampling.temperature = 0.9;
+  sampling.seed = 1234;
+  // A BF16 pool too: the local prefill computes in float32 as a prefill worker does and only its
+  // stored KV is rounded, so the tokens still match.
+  auto bf16 = KvPool::create(engine_->config(), 128, 4, DType::BF16);
+  ASSERT_TRUE(bf16.ok());
+  for (KvPool* pool : {pool_.get(), &*bf16}) {
+    for (const std::int64_t drafts : {0, 1}) {
+      const auto remote = decodeTogether(prompts, 12, drafts, nullptr, 64, sampling, pool);
+      const auto local = decodeTogether(prompts, 12, drafts, nullptr, 64, sampling, pool, /*local=*/true);
+      EXPECT_EQ(local, remote) << GetParam() << " with " << drafts << " MTP drafts, pool " << dtypeName(pool->dtype());
+    }
+  }
+}
+
+TEST_P(DecodeGolden, BadLocalPromptsAreRefusedHoldingNothing) {
+  DecodeEngine dec(*engine_, *pool_, DecodeEngineOptions{});
+  Stream s;
+  DecodeRequest r = request(1, static_cast<std::int64_t>(prompt_.size()), 4, s);
+  r.local_prompt = {prompt_.begin(), prompt_.end() - 1};  // one token short
+  auto short_prompt = dec.admit(r);
+  ASSERT_FALSE(short_prompt.ok());
+  EXPECT_EQ(short_prompt.error().code, ErrorCode::InvalidArgument);
+  r.local_prompt = prompt_;
+  r.local_prompt[3] = static_cast<std::int32_t>(engine_->config().vocab_size);
+  auto outside = dec.admit(r);
+  ASSERT_FALSE(outside.ok());
+  EXPECT_EQ(outside.error().code, ErrorCode::InvalidArgument);
+  r.local_prompt.clear();
+  r.forced_first_token = 3;  // only with a local prompt
+  EXPECT_FALSE(dec.admit(r).ok());
+  EXPECT_EQ(dec.numRequests(), 0U);
+  EXPECT_TRUE(dec.blocks().isFullyFree());
 }
 
 TEST_P(DecodeGolden, BatchOfDifferentLengthsEqualsEachAloneAndSingleProcess) {

@@ -356,6 +356,40 @@ TEST_F(PdBackendTest, NoDecodeWorkerTheKvCanReachFailsTheRequest) {
   EXPECT_TRUE(waitFor([&] { return d1.live() == 0 && d2.live() == 0; }));
 }
 
+// Conditional disaggregation: a prompt shorter than remote_prefill_min_tokens goes to the decode
+// worker with its token ids and no prefill worker is asked; a prompt as long goes remote.
+TEST_F(PdBackendTest, ShortPromptsArePrefilledByTheDecodeWorker) {
+  DecodeScript script;
+  script.tokens = {{kHello}, {kBang}};
+  d1.setScript(script);
+  PdBackendOptions o;
+  o.remote_prefill_min_tokens = 3;
+  startBackend(o);
+  auto sink = std::make_shared<RecordingSink>();
+  ASSERT_TRUE(backend->start(request(), sink).ok());  // a 2-token prompt
+  ASSERT_TRUE(sink->waitEnd());
+  ASSERT_FALSE(sink->error()) << sink->error()->toString();
+  EXPECT_EQ(sink->text(), "Hello!");
+  ASSERT_EQ(d1.opens().size(), 1U);
+  EXPECT_EQ(d1.opens()[0].local_prompt_token_ids, (std::vector<TokenId>{0, static_cast<TokenId>(kHello)}));
+  EXPECT_EQ(d1.opens()[0].forced_first_token, -1);
+  EXPECT_TRUE(p1.submits().empty());
+  EXPECT_TRUE(p2.submits().empty());
+  const auto prefills = [&](const std::string& where, const std::string& reason) {
+    return metrics.counter("pdserve_router_prefills_total", "", {"where", "reason"}).labels({where, reason}).value();
+  };
+  EXPECT_EQ(prefills("local", "short_prompt"), 1.0);
+
+  GenerationRequest longer = request("cmpl-t2");
+  longer.prompt_token_ids.push_back(static_cast<TokenId>(kBang));  // 3 tokens: not shorter than 3
+  auto sink2 = std::make_shared<RecordingSink>();
+  ASSERT_TRUE(backend->start(longer, sink2).ok());
+  ASSERT_TRUE(sink2->waitEnd());
+  ASSERT_FALSE(sink2->error()) << sink2->error()->toString();
+  EXPECT_EQ(p1.submits().size() + p2.submits().size(), 1U);
+  EXPECT_EQ(prefills("remote", "long_prompt"), 1.0);
+}
+
 TEST_F(PdBackendTest, OverloadedPrefillIsRetriedAndExhaustedRetriesFailTheRequestAndFreeDecode) {
   p1.setBehaviour(PrefillBehaviour::Overloaded);
   p2.setBehaviour(PrefillBehaviour::Overloaded);

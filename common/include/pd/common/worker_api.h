@@ -70,6 +70,14 @@ struct DecodeOpen {
   /// The tool-call format a ToolCalls constraint is written in ("deepseek_v3", "deepseek_v31"), as
   /// the router's tool parser reads it; empty: deepseek_v3. Optional in the JSON.
   std::string tool_call_format;
+  /// Conditional disaggregation (docs/kv-memory.md, "Local prefill"): the prompt's token ids
+  /// (prompt_tokens of them) when the decode worker is to prefill the prompt itself; no prefill
+  /// worker is involved and the descriptor event carries no descriptor. Optional (empty: the KV
+  /// comes from a prefill worker).
+  std::vector<pd::TokenId> local_prompt_token_ids;
+  /// With a local prompt of a resumed generation: the first token, which the client already has
+  /// (as PrefillSubmit::forced_first_token). Optional (-1: sampled).
+  pd::TokenId forced_first_token = -1;
 };
 
 enum class DecodeEventType { Descriptor, Tokens, Finish, Error, Preempted };

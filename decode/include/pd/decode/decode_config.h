@@ -20,6 +20,13 @@ struct DecodeConfig {
   /// one must be preempted. Clamped below num_blocks.
   std::int64_t kv_headroom_blocks = 2;
   std::int64_t num_speculative_tokens = 1;
+  /// Conditional disaggregation (docs/kv-memory.md, "Local prefill"): the longest prompt this
+  /// worker prefills itself when the router asks (0 refuses every local prefill), the prompt
+  /// tokens one forward takes (match the prefill workers' chunk_size for identical KV), and the
+  /// prompt tokens prefilled between two decode steps.
+  std::int64_t local_prefill_max_tokens = 4096;
+  std::int64_t local_prefill_chunk_size = 512;
+  std::int64_t local_prefill_token_budget = 2048;
   std::int64_t tensor_parallel = 1;
   /// Machines (pods) the group spans: each runs tensor_parallel / nnodes ranks (docs/tensor-parallel.md,
   /// "Across nodes"). > 1 needs dist_init_address.

@@ -138,6 +138,15 @@ struct DecodeRequest {
   /// token (sampled by prefill under the same grammar) the grammar refuses ends the request with
   /// Corrupt. Null: free text.
   std::shared_ptr<const structured::Grammar> grammar;
+  /// Conditional disaggregation (docs/kv-memory.md, "Local prefill"): the prompt's token ids when
+  /// this worker prefills the prompt itself instead of receiving its KV (prompt_tokens of them,
+  /// each within the vocabulary). Empty: the KV comes from a prefill worker (onKvReady). A local
+  /// request never waits for KV: step() runs its prompt through the model into its own blocks,
+  /// samples the first token exactly as a prefill worker would (same sampler, seed, constraint
+  /// and forced_first_token), runs the MTP layer over the prompt when speculating, and streams on.
+  std::vector<pd::TokenId> local_prompt;
+  /// A resumed local prefill's first token (the one the client already has); -1: sampled.
+  pd::TokenId forced_first_token = -1;
   /// Called once on the engine thread when the request ends while its KV is still awaited
   /// (abort, deadline, a bad record, shutdown), before its blocks are freed: stops the transport's
   /// expectation so that late bytes are dropped instead of landing in reused blocks; with
@@ -161,6 +170,11 @@ struct DecodeEngineOptions {
   /// Blocks an admission must leave free (KvBlockManager's headroom; clamped below the pool's
   /// size). Last, so that positional initializers of the fields above keep working.
   std::int64_t kv_headroom_blocks = 0;
+  /// Local prefills (DecodeRequest::local_prompt): prompt tokens one forward takes (a prefill
+  /// worker's chunk_size: the same chunks give the same KV), and the prompt tokens one step()
+  /// prefills before its decode batch runs (at least one prompt per step).
+  std::int64_t local_prefill_chunk_size = 512;
+  std::int64_t local_prefill_token_budget = 2048;
 };
 
 /// The engine options a worker's typed config implies.
@@ -175,6 +189,8 @@ struct DecodeStats {
   std::int64_t prefill_retries = 0;  ///< prefill failures absorbed (noteKvRetry)
   std::int64_t quarantined = 0;      ///< requests whose blocks were quarantined (late-write guard)
   std::int64_t preemptions = 0;      ///< requests preempted because a step could not get a block
+  std::int64_t local_prefills = 0;   ///< prompts prefilled here (DecodeRequest::local_prompt)
+  std::int64_t local_prefill_tokens = 0;
   /// Wall time in output constraints (masks, accepts, draft checks) during steps, all sequences.
   double grammar_seconds = 0.0;
 };
@@ -225,7 +241,7 @@ class DecodeEngine {
   /// sleeps until then).
   [[nodiscard]] std::optional<Clock::time_point> nextKvDeadline() const;
   /// True when a step() would do work (a sequence is running or ready to run).
-  [[nodiscard]] bool hasWork() const { return !running_.empty() || !ready_.empty(); }
+  [[nodiscard]] bool hasWork() const { return !running_.empty() || !ready_.empty() || !local_.empty(); }
   [[nodiscard]] std::size_t numRequests() const { return requests_.size(); }
   [[nodiscard]] std::size_t numRunning() const { return running_.size(); }
   /// Ended requests whose blocks are still quarantined.
@@ -241,6 +257,10 @@ class DecodeEngine {
   };
 
   void startRunning(Sequence& seq, kvtransfer::CompletionRecord record);
+  // Prefills the queued local prompts (up to the step's token budget) and starts them running.
+  void runLocalPrefills();
+  // One local prompt: forward, first token, MTP; the record a prefill worker would have sent.
+  Result<kvtransfer::CompletionRecord> localPrefill(Sequence& seq);
   // Streams `tokens` and, if a stop condition holds, ends the request. True if it ended.
   bool emit(Sequence& seq, std::vector<model::SampledToken> tokens);
   void finish(std::uint64_t request_id, FinishReason reason, std::optional<Error> error, RequestOutcome outcome,
@@ -259,11 +279,13 @@ class DecodeEngine {
   void endQuarantine(std::uint64_t request_id, bool cancel_wait);
 
   model::Engine& engine_;
+  KvPool& pool_;
   DecodeEngineOptions options_;
   KvBlockManager blocks_;
   std::unique_ptr<Drafter> drafter_;
   std::unique_ptr<DraftVerifier> verifier_;
   std::unordered_map<std::uint64_t, std::unique_ptr<Sequence>> requests_;
+  std::deque<std::uint64_t> local_;                            // local prompts to prefill (FIFO)
   std::deque<std::uint64_t> ready_;                            // KV arrived, waiting for a batch slot (FIFO)
   std::vector<std::uint64_t> running_;                         // in the batch, in join order
   std::unordered_map<std::uint64_t, Quarantined> quarantine_;  // ended, blocks held (late writes)

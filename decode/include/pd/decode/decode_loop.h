@@ -79,6 +79,12 @@ class DecodeLoop {
   using OpenDone = std::function<void(Result<kvtransfer::KvDescriptor>)>;
   void openStreamAsync(DecodeRequest request, kvtransfer::Transport& transport, const kvtransfer::CompatInfo& compat,
                        const std::vector<kvtransfer::KvTarget>& targets, std::uint32_t timeout_ms, OpenDone done);
+  /// A request this worker prefills itself (DecodeRequest::local_prompt, conditional
+  /// disaggregation): admitted on the loop thread with no KV expectation and no descriptor;
+  /// `done` gets the admission's outcome there, before any sink call of the request (or on the
+  /// calling thread when the loop has stopped). `done` must not block.
+  using LocalDone = std::function<void(Status)>;
+  void openLocalAsync(DecodeRequest request, LocalDone done);
   /// DecodeEngine::onKvReady on the loop thread (an unknown id is ignored: it was aborted).
   void postKvReady(std::uint64_t request_id, Result<kvtransfer::CompletionRecord> record);
   /// DecodeEngine::abort on the loop thread (the client went away, the router cancelled).

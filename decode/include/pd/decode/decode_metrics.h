@@ -45,6 +45,8 @@ class DecodeMetrics {
   void prefillRetried();
   /// A request preempted because a step could not get a block (pdserve_decode_preemptions_total).
   void preempted();
+  /// A prompt prefilled by this worker itself (DecodeRequest::local_prompt): its tokens and time.
+  void localPrefilled(std::int64_t tokens, double seconds);
 
   /// Pool blocks: free (on the free list; in use = total - free), available to a new admission
   /// (free minus the admission headroom), total, and
@@ -81,6 +83,9 @@ class DecodeMetrics {
   metrics::Counter* drafts_accepted_ = nullptr;
   metrics::Counter* retries_ = nullptr;
   metrics::Counter* preemptions_ = nullptr;
+  metrics::Counter* local_prefills_ = nullptr;
+  metrics::Counter* local_prefill_tokens_ = nullptr;
+  metrics::Counter* local_prefill_seconds_ = nullptr;
   metrics::Histogram* step_seconds_ = nullptr;
   metrics::Gauge* blocks_free_ = nullptr;
   metrics::Gauge* blocks_used_ = nullptr;

@@ -105,6 +105,10 @@ struct GenerationReport {
   std::string prefill_worker;  ///< host:port of the last prefill attempt; empty when none was sent
   std::int64_t decode_attempts = 0;
   std::int64_t prefill_attempts = 0;
+  /// Where the last attempt's prompt was prefilled: "remote" (a prefill worker) or "local" (the
+  /// decode worker itself), and why ("short_prompt", "long_prompt", "disabled"); empty: nowhere.
+  std::string prefill_where;
+  std::string prefill_reason;
   std::optional<double> route_ms;          ///< handed over -> the first decode open sent
   std::optional<double> decode_open_ms;    ///< the last attempt's open sent -> its KV descriptor
   std::optional<double> prefill_ms;        ///< the answered prefill's submit -> answer

@@ -74,6 +74,9 @@ struct PdBackendOptions {
   std::int64_t decode_retries = 1;
   /// Resumes of a generation whose decode leg ended without a finish (generation_resume.h).
   std::int64_t max_resumes = 2;
+  /// Prompts (of a leg: a resumed one counts its tokens so far) shorter than this are prefilled
+  /// by the decode worker itself (DecodeOpen::local_prompt_token_ids); 0: never.
+  std::int64_t remote_prefill_min_tokens = 0;
   std::chrono::milliseconds decode_open_timeout{10000};
   std::chrono::milliseconds kv_timeout{60000};  ///< DecodeOpen.kv_timeout_ms (every prefill attempt)
   std::chrono::milliseconds prefill_timeout{60000};
