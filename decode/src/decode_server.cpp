@@ -341,7 +341,7 @@ void DecodeServer::Impl::handleOpen(const http::Request& request, http::Exchange
     r.local_prompt = std::move(open.local_prompt_token_ids);
     r.forced_first_token = open.forced_first_token;
     r.kv_deadline = Clock::time_point::max();
-    loop_->openLocalAsync(std::move(r), [this, stream, loop](Status admitted) {
+    loop_->openLocalAsync(std::move(r), [this, stream, loop](const Status& admitted) {
       stream->admitted = trace::Clock::now();
       if (!admitted.ok()) {
         stream->span.setError(admitted.error().toString());
