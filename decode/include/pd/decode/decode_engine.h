@@ -177,6 +177,8 @@ struct DecodeStats {
   std::int64_t preemptions = 0;      ///< requests preempted because a step could not get a block
   /// Wall time in output constraints (masks, accepts, draft checks) during steps, all sequences.
   double grammar_seconds = 0.0;
+  /// Wall time in the samplers during steps, all sequences (a constraint's mask applied included).
+  double sample_seconds = 0.0;
 };
 
 class DecodeEngine {
