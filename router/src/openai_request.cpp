@@ -289,8 +289,6 @@ Status parseOutputControls(const json::object& o, CompletionParams& p) {
   return okStatus();
 }
 
-/// The fields a chat message may carry, by role (docs/api.md "Messages"). Everything else in a
-/// message is refused by name: a client that sends a field expects it to act.
 // Role bits: where a message field is accepted.
 constexpr unsigned kSystem = 1U << 0U;  // system and developer
 constexpr unsigned kUser = 1U << 1U;
@@ -298,6 +296,8 @@ constexpr unsigned kAssistant = 1U << 2U;
 constexpr unsigned kTool = 1U << 3U;
 constexpr unsigned kAnyRole = kSystem | kUser | kAssistant | kTool;
 
+/// The fields a chat message may carry, by role (docs/api.md "Messages"). Everything else in a
+/// message is refused by name: a client that sends a field expects it to act.
 struct MessageField {
   std::string_view name;
   unsigned roles;          // where it is accepted
