@@ -264,7 +264,8 @@ std::vector<std::string> suiteNames() {
   return names;
 }
 
-INSTANTIATE_TEST_SUITE_P(Suite, SchemaSuiteModels, ::testing::ValuesIn(suiteNames()),
+// PD_SUITE_INSTANCE (Quick / Full) keeps the two executables' ctest names apart (their labels differ).
+INSTANTIATE_TEST_SUITE_P(PD_SUITE_INSTANCE, SchemaSuiteModels, ::testing::ValuesIn(suiteNames()),
                          [](const ::testing::TestParamInfo<std::string>& param) { return param.param; });
 
 }  // namespace
