@@ -17,6 +17,7 @@
 // PD_SUITE_GENERATIONS generations per schema and model: 20 in the integration label, 500 in the
 // slow one (test_schema_suite_models_full).
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <boost/json.hpp>
 #include <cstdlib>
@@ -89,6 +90,12 @@ std::vector<std::vector<std::int32_t>> loadPrompts() {
   return prompts;
 }
 
+// This process's own scratch folder: ctest runs each schema as a process of its own, in parallel
+// with -j, and the quick and full executables may run side by side.
+fs::path scratchDir() {
+  return fs::path(::testing::TempDir()) / ("schema_suite_models_" + std::to_string(::getpid()));
+}
+
 struct Model {
   std::unique_ptr<model::Engine> engine;
   std::shared_ptr<const structured::TokenVocabulary> vocabulary;
@@ -103,7 +110,7 @@ class SchemaSuiteModels : public ::testing::TestWithParam<std::string> {
  protected:
   static void SetUpTestSuite() {
     const fs::path trained = fs::path(PD_MODELS_DIR) / "tiny-dsv3";
-    random_dir_ = new fs::path(fs::path(::testing::TempDir()) / "schema_suite_random_model");
+    random_dir_ = new fs::path(scratchDir() / "random_model");
     fs::remove_all(*random_dir_);
     auto config = ModelConfig::load(trained);
     ASSERT_TRUE(config.ok()) << config.error().toString();
@@ -127,7 +134,7 @@ class SchemaSuiteModels : public ::testing::TestWithParam<std::string> {
   static void TearDownTestSuite() {
     delete models_;
     models_ = nullptr;
-    if (random_dir_ != nullptr) fs::remove_all(*random_dir_);
+    fs::remove_all(scratchDir());
     delete random_dir_;
     random_dir_ = nullptr;
   }
@@ -197,7 +204,7 @@ TEST_P(SchemaSuiteModels, GenerationsValidateOnTrainedAndRandomWeights) {
                                          : structured::Grammar::fromJsonSchema(entry->schema, m.vocabulary, options);
     ASSERT_TRUE(grammar.ok()) << grammar.error().toString();
 
-    const fs::path dir = fs::path(::testing::TempDir()) / ("schema_models_" + entry->name + "_" + model_names[mi]);
+    const fs::path dir = scratchDir() / (entry->name + "_" + model_names[mi]);
     fs::create_directories(dir);
     const fs::path out_path = dir / "outputs.jsonl";
     std::ofstream out(out_path);
