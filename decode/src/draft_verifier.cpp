@@ -1,5 +1,7 @@
 #include "draft_verifier.h"
 
+#include <chrono>
+
 #include "pd/common/check.h"
 
 namespace pd::decode {
@@ -39,11 +41,16 @@ Result<std::vector<Verified>> DraftVerifier::verify(std::span<const VerifySlot> 
       }
       const std::span<const float> logits(out.logits.data() + (row + j) * vocab, vocab);
       if (s.constraint != nullptr) {
-        v.tokens.push_back(s.sampler->sample(logits, s.constraint->mask()));
+        const std::span<const std::uint64_t> mask = s.constraint->mask();
+        const auto t0 = std::chrono::steady_clock::now();
+        v.tokens.push_back(s.sampler->sample(logits, mask));
+        sample_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
         PD_CHECK(s.constraint->accept(v.tokens.back().token).ok());  // sampled under the mask
         if (s.constraint->terminated()) break;                       // nothing may follow the stop token
       } else {
+        const auto t0 = std::chrono::steady_clock::now();
         v.tokens.push_back(s.sampler->sample(logits));
+        sample_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       }
       if (j >= s.drafts.size() || v.tokens.back().token != s.drafts[j]) break;
       ++v.accepted;

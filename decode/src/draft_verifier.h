@@ -8,6 +8,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <span>
+#include <utility>
 #include <vector>
 
 #include "constraint_state.h"
@@ -48,9 +49,14 @@ class DraftVerifier {
   /// One result per slot, in order; the forward's error otherwise.
   [[nodiscard]] Result<std::vector<Verified>> verify(std::span<const VerifySlot> slots);
 
+  /// Wall time in the samplers (masks applied included, the grammar's own work not) since the
+  /// last call: DecodeStats::sample_seconds.
+  [[nodiscard]] double takeSampleSeconds() { return std::exchange(sample_seconds_, 0.0); }
+
  private:
   model::Engine& engine_;
   KvPool& pool_;
+  double sample_seconds_ = 0.0;
 };
 
 }  // namespace pd::decode

@@ -2,8 +2,11 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <boost/json.hpp>
 #include <cmath>
+#include <initializer_list>
+#include <iterator>
 #include <limits>
 #include <utility>
 
@@ -286,29 +289,116 @@ Status parseOutputControls(const json::object& o, CompletionParams& p) {
   return okStatus();
 }
 
+// Role bits: where a message field is accepted.
+constexpr unsigned kSystem = 1U << 0U;  // system and developer
+constexpr unsigned kUser = 1U << 1U;
+constexpr unsigned kAssistant = 1U << 2U;
+constexpr unsigned kTool = 1U << 3U;
+constexpr unsigned kAnyRole = kSystem | kUser | kAssistant | kTool;
+
+/// The fields a chat message may carry, by role (docs/api.md "Messages"). Everything else in a
+/// message is refused by name: a client that sends a field expects it to act.
+struct MessageField {
+  std::string_view name;
+  unsigned roles;          // where it is accepted
+  std::string_view where;  // for the refusal when sent on another role
+};
+constexpr MessageField kMessageFields[] = {
+    {"role", kAnyRole, ""},
+    {"content", kAnyRole, ""},
+    {"name", kAnyRole, ""},
+    {"tool_calls", kAssistant, "assistant"},
+    {"reasoning_content", kAssistant, "assistant"},
+    {"reasoning", kAssistant, "assistant"},
+    {"refusal", kAssistant, "assistant"},
+    {"tool_call_id", kTool, "tool"},
+};
+
+/// OpenAI message fields this server knows but does not offer: refused with the reason.
+struct RefusedMessageField {
+  std::string_view name;
+  std::string_view why;
+};
+constexpr RefusedMessageField kRefusedMessageFields[] = {
+    {"function_call", "(legacy function calling) is not supported: use 'tool_calls'"},
+    {"audio", "is not supported: this server reads and writes text only"},
+};
+
+unsigned roleBit(std::string_view role) {
+  if (role == "system" || role == "developer") return kSystem;
+  if (role == "user") return kUser;
+  if (role == "assistant") return kAssistant;
+  return kTool;
+}
+
+Status checkMessageFields(const json::object& m, std::string_view role, std::size_t i) {
+  const unsigned bit = roleBit(role);
+  for (const auto& kv : m) {
+    if (kv.value().is_null()) continue;  // null means "not set", as for top-level parameters
+    const std::string_view name = kv.key();
+    bool known = false;
+    for (const auto& f : kMessageFields) {
+      if (f.name != name) continue;
+      known = true;
+      if ((f.roles & bit) == 0) {
+        return bad(fmt::format("'messages[{}].{}' is only allowed on {} messages", i, name, f.where));
+      }
+    }
+    if (known) continue;
+    for (const auto& f : kRefusedMessageFields) {
+      if (f.name == name) return bad(fmt::format("'messages[{}].{}' {}", i, name, f.why));
+    }
+    if (!printableName(name)) return bad(fmt::format("'messages[{}]' has a field that messages do not have", i));
+    return bad(fmt::format("'messages[{}].{}' is not a field of a {} message", i, name, role));
+  }
+  return okStatus();
+}
+
+/// Refuses any field of `o` (a part, a tool call) outside `allowed`, naming it under `where`.
+Status checkObjectFields(const json::object& o, std::initializer_list<std::string_view> allowed,
+                         const std::string& where, std::string_view what) {
+  for (const auto& kv : o) {
+    if (kv.value().is_null()) continue;
+    if (std::find(allowed.begin(), allowed.end(), kv.key()) != allowed.end()) continue;
+    if (!printableName(kv.key())) return bad(fmt::format("'{}' has a field that {} do not have", where, what));
+    return bad(fmt::format("'{}.{}' is not a field of {}", where, std::string_view(kv.key()), what));
+  }
+  return okStatus();
+}
+
+/// A string-valued optional message field.
+Result<std::optional<std::string>> messageString(const json::object& m, std::string_view name, std::size_t i) {
+  const json::value* v = field(m, name);
+  if (v == nullptr) return std::optional<std::string>{};
+  if (!v->is_string()) return bad(fmt::format("'messages[{}].{}' must be a string", i, name));
+  return std::optional<std::string>{std::string(v->get_string())};
+}
+
 /// An assistant message's `tool_calls` as the chat templates read them:
 /// [{"id", "type": "function", "function": {"name", "arguments": "<JSON text>"}}].
 Result<json::array> normalizeToolCalls(const json::value& calls, std::size_t i) {
   if (!calls.is_array()) return bad(fmt::format("'messages[{}].tool_calls' must be an array", i));
   json::array out;
   for (std::size_t k = 0; k < calls.get_array().size(); ++k) {
-    const std::string where = fmt::format("'messages[{}].tool_calls[{}]", i, k);
+    const std::string where = fmt::format("messages[{}].tool_calls[{}]", i, k);
     const json::object* call = calls.get_array()[k].if_object();
-    if (call == nullptr) return bad(where + "' must be an object");
+    if (call == nullptr) return bad("'" + where + "' must be an object");
+    PD_TRY(checkObjectFields(*call, {"id", "type", "function"}, where, "a tool call"));
     const json::value* type = field(*call, "type");
     if (type != nullptr && (!type->is_string() || type->get_string() != "function")) {
-      return bad(where + ".type' must be 'function'");
+      return bad("'" + where + ".type' must be 'function'");
     }
     const json::value* fn = field(*call, "function");
-    if (fn == nullptr || !fn->is_object()) return bad(where + ".function' must be an object");
+    if (fn == nullptr || !fn->is_object()) return bad("'" + where + ".function' must be an object");
+    PD_TRY(checkObjectFields(fn->get_object(), {"name", "arguments"}, where + ".function", "a tool call's function"));
     const json::value* name = field(fn->get_object(), "name");
     if (name == nullptr || !name->is_string() || name->get_string().empty()) {
-      return bad(where + ".function.name' must be a non-empty string");
+      return bad("'" + where + ".function.name' must be a non-empty string");
     }
     const json::value* args = field(fn->get_object(), "arguments");
-    if (args != nullptr && !args->is_string()) return bad(where + ".function.arguments' must be a string");
+    if (args != nullptr && !args->is_string()) return bad("'" + where + ".function.arguments' must be a string");
     const json::value* id = field(*call, "id");
-    if (id != nullptr && !id->is_string()) return bad(where + ".id' must be a string");
+    if (id != nullptr && !id->is_string()) return bad("'" + where + ".id' must be a string");
     out.push_back(json::object{
         {"id", id != nullptr ? json::value(id->get_string()) : json::value(fmt::format("call_{}", k))},
         {"type", "function"},
@@ -316,6 +406,120 @@ Result<json::array> normalizeToolCalls(const json::value& calls, std::size_t i) 
                                   {"arguments", args != nullptr ? args->get_string() : json::string("{}")}}}});
   }
   return out;
+}
+
+/// Content part types OpenAI and vLLM define that this text-only server refuses by name.
+constexpr std::string_view kMediaPartTypes[] = {"image_url", "input_image", "image",      "image_embeds", "input_audio",
+                                                "audio_url", "video_url",   "input_file", "file"};
+
+/// A message's content as one string: a string, or parts joined with "\n" (text parts; an
+/// assistant's refusal parts are text too, as vLLM renders them). nullopt: absent or null.
+Result<std::optional<std::string>> messageContent(const json::object& m, std::string_view role, std::size_t i) {
+  const json::value* content = field(m, "content");
+  if (content == nullptr) return std::optional<std::string>{};
+  if (content->is_string()) return std::optional<std::string>{std::string(content->get_string())};
+  if (!content->is_array()) {
+    return bad(fmt::format("'messages[{}].content' must be a string or an array of text parts", i));
+  }
+  std::string text;
+  const json::array& parts = content->get_array();
+  for (std::size_t k = 0; k < parts.size(); ++k) {
+    const std::string where = fmt::format("messages[{}].content[{}]", i, k);
+    const json::object* p = parts[k].if_object();
+    const json::value* type = p != nullptr ? field(*p, "type") : nullptr;
+    if (type == nullptr || !type->is_string()) return bad("'" + where + "' must be an object with a string 'type'");
+    const std::string_view t = type->get_string();
+    std::string_view key;
+    if (t == "text") {
+      key = "text";
+    } else if (t == "refusal" && role == "assistant") {
+      key = "refusal";
+    } else if (t == "refusal") {
+      return bad("'" + where + "': 'refusal' parts are only allowed in assistant messages");
+    } else if (std::find(std::begin(kMediaPartTypes), std::end(kMediaPartTypes), t) != std::end(kMediaPartTypes)) {
+      return bad(
+          fmt::format("'{}': '{}' parts are not supported: only text parts are (the model reads text only)", where, t));
+    } else if (printableName(t)) {
+      return bad(fmt::format("'{}.type': '{}' is not a content part type: only text parts are supported", where, t));
+    } else {
+      return bad("'" + where + ".type' is not a content part type: only text parts are supported");
+    }
+    PD_TRY(checkObjectFields(*p, {"type", key}, where, fmt::format("a {} part", t)));
+    const json::value* value = field(*p, key);
+    if (value == nullptr || !value->is_string()) {
+      return bad(fmt::format("'{}.{}' must be a string", where, key));
+    }
+    if (k > 0) text += '\n';
+    text.append(value->get_string());
+  }
+  return std::optional<std::string>{std::move(text)};
+}
+
+/// One message in its two forms: structured, and the object the chat template reads.
+struct ParsedMessage {
+  ChatMessage msg;
+  json::object template_view;
+};
+
+/// One message, validated field by field.
+Result<ParsedMessage> parseMessage(const json::object& m, std::size_t i) {
+  const json::value* role = field(m, "role");
+  if (role == nullptr || !role->is_string()) return bad(fmt::format("'messages[{}].role' must be a string", i));
+  const std::string_view r = role->get_string();
+  if (r != "system" && r != "developer" && r != "user" && r != "assistant" && r != "tool") {
+    if (r == "function") {
+      return bad(fmt::format("'messages[{}].role': 'function' (legacy) is not supported: use 'tool'", i));
+    }
+    return bad(fmt::format("'messages[{}].role' must be system, developer, user, assistant or tool", i));
+  }
+  PD_TRY(checkMessageFields(m, r, i));
+  ParsedMessage parsed;
+  ChatMessage& msg = parsed.msg;
+  json::object& out = parsed.template_view;
+  msg.role = std::string(r);
+  PD_ASSIGN_OR_RETURN(auto name, messageString(m, "name", i));
+  json::array calls_normalized;
+  if (const json::value* calls = field(m, "tool_calls")) {
+    PD_ASSIGN_OR_RETURN(calls_normalized, normalizeToolCalls(*calls, i));
+    if (!calls_normalized.empty()) msg.tool_calls_json = json::serialize(calls_normalized);
+  }
+  if (r == "tool") {
+    PD_ASSIGN_OR_RETURN(auto id, messageString(m, "tool_call_id", i));
+    if (!id) return bad(fmt::format("'messages[{}].tool_call_id' must be a string", i));
+    msg.tool_call_id = std::move(*id);
+  }
+  PD_ASSIGN_OR_RETURN(auto content, messageContent(m, r, i));
+  PD_ASSIGN_OR_RETURN(auto refusal, messageString(m, "refusal", i));
+  if (refusal) {
+    // What the model said when it refused: the turn's text, as long as there is no other.
+    if ((content && !content->empty()) || !calls_normalized.empty()) {
+      return bad(fmt::format("'messages[{}].refusal' cannot be combined with 'content' or 'tool_calls'", i));
+    }
+    content = std::move(refusal);
+  }
+  if (!content && r != "assistant") return bad(fmt::format("'messages[{}].content' is required", i));
+  PD_ASSIGN_OR_RETURN(auto reasoning, messageString(m, "reasoning_content", i));
+  PD_ASSIGN_OR_RETURN(auto reasoning_alias, messageString(m, "reasoning", i));
+  if (reasoning && reasoning_alias) {
+    return bad(fmt::format("'messages[{}].reasoning' and 'reasoning_content' are the same field: send one", i));
+  }
+  if (reasoning_alias) reasoning = std::move(reasoning_alias);
+  msg.content = content.value_or("");
+  msg.name = name.value_or("");
+  msg.reasoning_content = reasoning.value_or("");
+
+  // A developer message is the system message of newer OpenAI models; the DeepSeek templates
+  // know only `system`, and would drop it without a word.
+  out = json::object{{"role", r == "developer" ? std::string_view("system") : r}, {"content", msg.content}};
+  // The DeepSeek templates render an assistant turn's calls only when its content is null.
+  if (!msg.tool_calls_json.empty()) {
+    if (!content) out["content"] = nullptr;
+    out["tool_calls"] = std::move(calls_normalized);
+  }
+  if (r == "tool") out["tool_call_id"] = msg.tool_call_id;
+  if (name) out["name"] = msg.name;
+  if (reasoning) out["reasoning_content"] = msg.reasoning_content;
+  return parsed;
 }
 
 Result<ChatConversation> parseMessages(const json::object& o) {
@@ -329,68 +533,9 @@ Result<ChatConversation> parseMessages(const json::object& o) {
   normalized.reserve(in.size());
   for (std::size_t i = 0; i < in.size(); ++i) {
     if (!in[i].is_object()) return bad(fmt::format("'messages[{}]' must be an object", i));
-    const json::object& m = in[i].get_object();
-    const json::value* role = field(m, "role");
-    if (role == nullptr || !role->is_string()) return bad(fmt::format("'messages[{}].role' must be a string", i));
-    const std::string_view r = role->get_string();
-    if (r != "system" && r != "developer" && r != "user" && r != "assistant" && r != "tool") {
-      if (r == "function") {
-        return bad(fmt::format("'messages[{}].role': 'function' (legacy) is not supported: use 'tool'", i));
-      }
-      return bad(fmt::format("'messages[{}].role' must be system, developer, user, assistant or tool", i));
-    }
-    ChatMessage msg;
-    msg.role = std::string(r);
-    json::array calls_normalized;
-    if (const json::value* calls = field(m, "tool_calls")) {
-      if (r != "assistant")
-        return bad(fmt::format("'messages[{}].tool_calls' is only allowed on assistant messages", i));
-      PD_ASSIGN_OR_RETURN(calls_normalized, normalizeToolCalls(*calls, i));
-      if (!calls_normalized.empty()) msg.tool_calls_json = json::serialize(calls_normalized);
-    }
-    if (r == "tool") {
-      const json::value* id = field(m, "tool_call_id");
-      if (id == nullptr || !id->is_string()) {
-        return bad(fmt::format("'messages[{}].tool_call_id' must be a string", i));
-      }
-      msg.tool_call_id = std::string(id->get_string());
-    }
-    const json::value* content = field(m, "content");
-    if (content == nullptr) {
-      if (r != "assistant") return bad(fmt::format("'messages[{}].content' is required", i));
-    } else if (content->is_string()) {
-      msg.content = std::string(content->get_string());
-    } else if (content->is_array()) {
-      bool first = true;
-      for (const auto& part : content->get_array()) {
-        const json::object* p = part.if_object();
-        const json::value* type = p != nullptr ? field(*p, "type") : nullptr;
-        if (type == nullptr || !type->is_string()) {
-          return bad(fmt::format("'messages[{}].content' parts must be objects with a 'type'", i));
-        }
-        if (type->get_string() != "text") {
-          return bad(fmt::format("'messages[{}].content': only text parts are supported", i));
-        }
-        const json::value* text = field(*p, "text");
-        if (text == nullptr || !text->is_string()) {
-          return bad(fmt::format("'messages[{}].content' text parts need a string 'text'", i));
-        }
-        if (!first) msg.content += '\n';
-        msg.content.append(text->get_string());
-        first = false;
-      }
-    } else {
-      return bad(fmt::format("'messages[{}].content' must be a string or an array of text parts", i));
-    }
-    json::object out{{"role", msg.role}, {"content", msg.content}};
-    // The DeepSeek templates render an assistant turn's calls only when its content is null.
-    if (!msg.tool_calls_json.empty()) {
-      if (content == nullptr) out["content"] = nullptr;
-      out["tool_calls"] = std::move(calls_normalized);
-    }
-    if (r == "tool") out["tool_call_id"] = msg.tool_call_id;
-    normalized.push_back(std::move(out));
-    conv.messages.push_back(std::move(msg));
+    PD_ASSIGN_OR_RETURN(ParsedMessage parsed, parseMessage(in[i].get_object(), i));
+    normalized.push_back(std::move(parsed.template_view));
+    conv.messages.push_back(std::move(parsed.msg));
   }
   conv.messages_json = json::serialize(normalized);
   if (const json::value* kw = field(o, "chat_template_kwargs")) {

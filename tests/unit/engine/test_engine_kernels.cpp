@@ -6,6 +6,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <map>
 #include <random>
 #include <set>
@@ -412,6 +413,51 @@ TEST(Sampling, AllowedMaskRestrictsEveryMode) {
     EXPECT_TRUE(isAllowed(b)) << b;
   }
   EXPECT_EQ(seen.size(), allowed_ids.size()) << "at temperature 5 every allowed token comes out";
+}
+
+// A sparse mask (at most one token in 16 allowed) is applied by gathering the allowed tokens; a
+// dense one by masking a copy of every logit. Both must draw exactly what sampling the logits with
+// -inf outside the mask draws, in every mode (greedy with ties, flat, top-k/top-p/min-p,
+// penalties, logit_bias on allowed and masked ids), draw for draw over one RNG stream.
+TEST(Sampling, SparseAndDenseMasksDrawWhatMinusInfinityLogitsDraw) {
+  std::vector<float> l = randomVector(4096, 7);
+  for (float& v : l) v *= 3.0F;
+  l[1000] = l[2000] = 50.0F;  // a tie for greedy, both allowed below
+  std::mt19937_64 rng(11);
+  for (const std::size_t allowed_count : {1U, 2U, 5U, 60U, 256U, 257U, 1500U}) {  // 256 = 4096 / 16
+    std::vector<std::uint64_t> mask(64, 0);
+    std::vector<float> masked(l.size(), -std::numeric_limits<float>::infinity());
+    std::set<std::size_t> ids{1000, 2000};
+    while (ids.size() < allowed_count) ids.insert(rng() % l.size());
+    while (ids.size() > allowed_count) ids.erase(ids.begin());
+    for (const std::size_t id : ids) {
+      mask[id / 64] |= std::uint64_t{1} << (id % 64);
+      masked[id] = l[id];
+    }
+    SamplingParams greedy;
+    SamplingParams flat;
+    flat.temperature = 1.3;
+    flat.seed = 3;
+    flat.presence_penalty = 0.7;
+    flat.frequency_penalty = 0.3;
+    flat.logit_bias = {{static_cast<std::int32_t>(*ids.begin()), 2.0F}, {4095, 5.0F}};
+    SamplingParams filtered = flat;
+    filtered.top_k = 40;
+    filtered.top_p = 0.8;
+    filtered.min_p = 0.02;
+    SamplingParams wide_k = flat;
+    wide_k.top_k = 3000;  // more than the allowed tokens
+    for (const SamplingParams& p : {greedy, flat, filtered, wide_k}) {
+      Sampler with_mask(p, false);
+      Sampler reference(p, false);
+      for (int i = 0; i < 200; ++i) {
+        const auto a = with_mask.sample(l, mask).token;
+        const auto b = reference.sample(masked).token;
+        ASSERT_EQ(a, b) << allowed_count << " allowed, draw " << i << ", temperature " << p.temperature;
+        ASSERT_TRUE(ids.count(static_cast<std::size_t>(a)) == 1);
+      }
+    }
+  }
 }
 
 // Whole mask words (all allowed, none allowed) and a partial last word (500 tokens end inside

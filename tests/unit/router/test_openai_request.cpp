@@ -256,6 +256,117 @@ TEST(OpenAiRequest, ValidatesMessages) {
   EXPECT_EQ(chat(R"([{"role":"user","content":"x"}, 3])"), "'messages[1]' must be an object");
 }
 
+// Every field of every message is honoured (passed to the chat template) or refused with a 400
+// naming the field and the message index (docs/api.md "Messages").
+TEST(OpenAiRequest, MessageFieldsAreHonouredPerRole) {
+  const auto p = parseOk(
+      Endpoint::ChatCompletions,
+      R"({"model":"m","messages":[{"role":"developer","content":"Be brief.","name":"ops"},)"
+      R"({"role":"system","content":[{"type":"text","text":"s"}],"name":null},)"
+      R"({"role":"user","content":"Hi","name":"alice"},)"
+      R"({"role":"assistant","content":"Hello","name":"bot","reasoning_content":"greet back","refusal":null,)"
+      R"("tool_calls":null,"function_call":null,"audio":null},)"
+      R"({"role":"assistant","reasoning":"r2","content":[{"type":"text","text":"a"},{"type":"refusal","refusal":"no"}]},)"
+      R"({"role":"assistant","refusal":"I can't help with that."},)"
+      R"({"role":"assistant","content":null,"tool_calls":[{"id":"c1","type":"function",)"
+      R"("function":{"name":"f","arguments":"{}"}}]},)"
+      R"({"role":"tool","tool_call_id":"c1","content":[{"type":"text","text":"42"}],"name":"f"}]})");
+  const auto& msgs = p.conversation.messages;
+  ASSERT_EQ(msgs.size(), 8U);
+  EXPECT_EQ(msgs[0].role, "developer");
+  EXPECT_EQ(msgs[0].name, "ops");
+  EXPECT_EQ(msgs[2].name, "alice");
+  EXPECT_EQ(msgs[3].reasoning_content, "greet back");
+  EXPECT_EQ(msgs[4].reasoning_content, "r2");  // `reasoning` is vLLM's newer name for it
+  EXPECT_EQ(msgs[4].content, "a\nno");         // a refusal part is text, as vLLM renders it
+  EXPECT_EQ(msgs[5].content, "I can't help with that.");
+  EXPECT_EQ(msgs[7].tool_call_id, "c1");
+  // What the template reads: developer as system (the DeepSeek templates know only system),
+  // name and reasoning_content passed through.
+  EXPECT_EQ(p.conversation.messages_json,
+            R"([{"role":"system","content":"Be brief.","name":"ops"},{"role":"system","content":"s"},)"
+            R"({"role":"user","content":"Hi","name":"alice"},)"
+            R"({"role":"assistant","content":"Hello","name":"bot","reasoning_content":"greet back"},)"
+            R"({"role":"assistant","content":"a\nno","reasoning_content":"r2"},)"
+            R"({"role":"assistant","content":"I can't help with that."},)"
+            R"({"role":"assistant","content":null,"tool_calls":[{"id":"c1","type":"function",)"
+            R"("function":{"name":"f","arguments":"{}"}}]},)"
+            R"({"role":"tool","content":"42","tool_call_id":"c1","name":"f"}])");
+}
+
+TEST(OpenAiRequest, MessageFieldsAreRefusedByNameAndIndex) {
+  auto chat = [](std::string_view messages) {
+    return parseError(Endpoint::ChatCompletions, R"({"model":"m","messages":)" + std::string(messages) + "}");
+  };
+  const std::string user0 = R"({"role":"user","content":"x"},)";
+  // Unknown fields, per role, at their index.
+  EXPECT_EQ(chat("[" + user0 + R"({"role":"user","content":"x","prefix":true}])"),
+            "'messages[1].prefix' is not a field of a user message");
+  EXPECT_EQ(chat(R"([{"role":"system","content":"x","cache_control":{}}])"),
+            "'messages[0].cache_control' is not a field of a system message");
+  EXPECT_EQ(chat("[" + user0 + R"({"role":"tool","tool_call_id":"c","content":"x","id":"c"}])"),
+            "'messages[1].id' is not a field of a tool message");
+  EXPECT_EQ(chat(R"([{"role":"user","content":"x","ZQX-secret-input!":1}])"),
+            "'messages[0]' has a field that messages do not have");
+  // Fields of another role.
+  EXPECT_EQ(chat(R"([{"role":"user","content":"x","tool_call_id":"c"}])"),
+            "'messages[0].tool_call_id' is only allowed on tool messages");
+  EXPECT_EQ(chat(R"([{"role":"system","content":"x","reasoning_content":"r"}])"),
+            "'messages[0].reasoning_content' is only allowed on assistant messages");
+  EXPECT_EQ(chat(R"([{"role":"tool","tool_call_id":"c","content":"x","refusal":"r"}])"),
+            "'messages[0].refusal' is only allowed on assistant messages");
+  EXPECT_EQ(chat(R"([{"role":"developer","content":"x","tool_calls":[]}])"),
+            "'messages[0].tool_calls' is only allowed on assistant messages");
+  // Known OpenAI fields this server does not offer.
+  EXPECT_EQ(chat("[" + user0 + R"({"role":"assistant","function_call":{"name":"f","arguments":"{}"}}])"),
+            "'messages[1].function_call' (legacy function calling) is not supported: use 'tool_calls'");
+  EXPECT_EQ(chat(R"([{"role":"assistant","content":null,"audio":{"id":"a1"}}])"),
+            "'messages[0].audio' is not supported: this server reads and writes text only");
+  // Types.
+  EXPECT_EQ(chat(R"([{"role":"user","content":"x","name":7}])"), "'messages[0].name' must be a string");
+  EXPECT_EQ(chat(R"([{"role":"assistant","content":"x","reasoning_content":["r"]}])"),
+            "'messages[0].reasoning_content' must be a string");
+  EXPECT_EQ(chat(R"([{"role":"assistant","refusal":true}])"), "'messages[0].refusal' must be a string");
+  EXPECT_EQ(chat(R"([{"role":"tool","tool_call_id":5,"content":"x"}])"), "'messages[0].tool_call_id' must be a string");
+  EXPECT_EQ(chat(R"([{"role":"assistant","content":"x","refusal":"no"}])"),
+            "'messages[0].refusal' cannot be combined with 'content' or 'tool_calls'");
+  EXPECT_EQ(chat(R"([{"role":"assistant","content":"x","reasoning":"a","reasoning_content":"b"}])"),
+            "'messages[0].reasoning' and 'reasoning_content' are the same field: send one");
+  EXPECT_EQ(chat(R"([{"role":"tool","tool_call_id":"c"}])"), "'messages[0].content' is required");
+  EXPECT_EQ(chat(R"([{"role":"system","content":null}])"), "'messages[0].content' is required");
+  // Content parts: media refused by type name, refusal parts only from the assistant, unknown
+  // part fields and types named.
+  EXPECT_EQ(chat("[" + user0 +
+                 R"({"role":"user","content":[{"type":"text","text":"a"},)"
+                 R"({"type":"image_url","image_url":{"url":"ZQX-secret-input"}}]}])"),
+            "'messages[1].content[1]': 'image_url' parts are not supported: only text parts are (the model reads text "
+            "only)");
+  EXPECT_EQ(chat(R"([{"role":"user","content":[{"type":"input_audio","input_audio":{"data":"","format":"wav"}}]}])"),
+            "'messages[0].content[0]': 'input_audio' parts are not supported: only text parts are (the model reads "
+            "text only)");
+  EXPECT_EQ(chat(R"([{"role":"user","content":[{"type":"file","file":{}}]}])"),
+            "'messages[0].content[0]': 'file' parts are not supported: only text parts are (the model reads text "
+            "only)");
+  EXPECT_EQ(chat(R"([{"role":"user","content":[{"type":"refusal","refusal":"x"}]}])"),
+            "'messages[0].content[0]': 'refusal' parts are only allowed in assistant messages");
+  EXPECT_EQ(chat(R"([{"role":"user","content":[{"type":"hologram"}]}])"),
+            "'messages[0].content[0].type': 'hologram' is not a content part type: only text parts are supported");
+  EXPECT_EQ(chat(R"([{"role":"user","content":[{"type":"ZQX-secret-input!"}]}])"),
+            "'messages[0].content[0].type' is not a content part type: only text parts are supported");
+  EXPECT_EQ(chat(R"([{"role":"user","content":[{"type":"text","text":"a","cache_control":{}}]}])"),
+            "'messages[0].content[0].cache_control' is not a field of a text part");
+  EXPECT_EQ(chat(R"([{"role":"user","content":[{"type":"text"}]}])"), "'messages[0].content[0].text' must be a string");
+  EXPECT_EQ(chat(R"([{"role":"user","content":["a"]}])"),
+            "'messages[0].content[0]' must be an object with a string 'type'");
+  // Tool calls: unknown fields named.
+  EXPECT_EQ(chat(R"([{"role":"assistant","tool_calls":[{"id":"c","type":"function","index":0,)"
+                 R"("function":{"name":"f","arguments":"{}"}}]}])"),
+            "'messages[0].tool_calls[0].index' is not a field of a tool call");
+  EXPECT_EQ(chat(R"([{"role":"assistant","tool_calls":[{"id":"c","type":"function",)"
+                 R"("function":{"name":"f","arguments":"{}","strict":true}}]}])"),
+            "'messages[0].tool_calls[0].function.strict' is not a field of a tool call's function");
+}
+
 // Tools, tool_choice and response_format become the output constraint and the template's tools;
 // tool and assistant-with-calls messages are normalized as the DeepSeek templates read them.
 TEST(OpenAiRequest, ToolsToolMessagesAndResponseFormat) {

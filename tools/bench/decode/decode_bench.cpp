@@ -199,6 +199,7 @@ Result<DecodeRun> timeSteps(DecodeEngine& dec, MeteredEngine& engine, const RunS
     r.experts += static_cast<double>(m.experts);
     r.cpu_share += cpu / (dt * threads);
     r.grammar_seconds += after.grammar_seconds - before.grammar_seconds;
+    r.sample_seconds += after.sample_seconds - before.sample_seconds;
     r.drafts_proposed += after.drafts_proposed - before.drafts_proposed;
     r.drafts_accepted += after.drafts_accepted - before.drafts_accepted;
     ++r.steps;
@@ -617,8 +618,10 @@ Result<void> runDecodeBench(const DecodeBenchConfig& cfg) {
       std::vector<double> schema_steps;
       double plain_experts = 0.0;
       double schema_experts = 0.0;
-      std::vector<double> grammar_steps;  // grammar seconds per timed step, per constrained run
-      double plain_distinct = 0.0;        // distinct tokens per sequence (a greedy random model repeats)
+      std::vector<double> grammar_steps;        // grammar seconds per timed step, per constrained run
+      std::vector<double> plain_sample_steps;   // sampler seconds per timed step, per plain run
+      std::vector<double> schema_sample_steps;  // the same, per constrained run (masks applied)
+      double plain_distinct = 0.0;              // distinct tokens per sequence (a greedy random model repeats)
       double schema_distinct = 0.0;
       for (int rep = 0; rep < kRepeats; ++rep) {
         // Which goes first alternates too: a run right after another is not always as fast.
@@ -636,6 +639,8 @@ Result<void> runDecodeBench(const DecodeBenchConfig& cfg) {
         plain_steps.push_back(plain->medianStep());
         schema_steps.push_back(constrained->medianStep());
         grammar_steps.push_back(constrained->grammar_seconds / static_cast<double>(constrained->steps));
+        plain_sample_steps.push_back(plain->sample_seconds / static_cast<double>(plain->steps));
+        schema_sample_steps.push_back(constrained->sample_seconds / static_cast<double>(constrained->steps));
         plain_distinct = distinctPerSequence(*plain);
         schema_distinct = distinctPerSequence(*constrained);
         plain_experts = plain->experts / static_cast<double>(plain->steps);
@@ -647,10 +652,11 @@ Result<void> runDecodeBench(const DecodeBenchConfig& cfg) {
       if (!json) {
         std::printf(
             "decode batch %3lld with --schema: %8.2f ms/step vs %8.2f ms/step plain, ratio %.3f (median of %d "
-            "alternating runs); grammar %.3f ms/step = %.2f%% of the constrained step; %.0f vs %.0f experts/step, "
-            "%.1f vs %.1f distinct tokens per sequence\n",
+            "alternating runs); grammar %.3f ms/step = %.2f%% of the constrained step; sampling %.3f vs %.3f ms/step "
+            "plain; %.0f vs %.0f experts/step, %.1f vs %.1f distinct tokens per sequence\n",
             static_cast<long long>(b), c * 1e3, p * 1e3, c / p, kRepeats, median(grammar_steps) * 1e3,
-            100.0 * median(grammar_steps) / c, schema_experts, plain_experts, schema_distinct, plain_distinct);
+            100.0 * median(grammar_steps) / c, median(schema_sample_steps) * 1e3, median(plain_sample_steps) * 1e3,
+            schema_experts, plain_experts, schema_distinct, plain_distinct);
       }
     }
   }

@@ -69,6 +69,7 @@ struct DecodeRun {
   double experts = 0.0;
   double cpu_share = 0.0;        ///< CPU time / (step time x threads), averaged over the timed steps
   double grammar_seconds = 0.0;  ///< in output constraints (masks, accepts) during the timed steps
+  double sample_seconds = 0.0;   ///< in the samplers (a constraint's mask applied included) during the timed steps
   std::int64_t drafts_proposed = 0;
   std::int64_t drafts_accepted = 0;
   std::vector<std::vector<std::int32_t>> outputs;  ///< per request: every token, the first included

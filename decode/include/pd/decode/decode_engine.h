@@ -193,6 +193,8 @@ struct DecodeStats {
   std::int64_t local_prefill_tokens = 0;
   /// Wall time in output constraints (masks, accepts, draft checks) during steps, all sequences.
   double grammar_seconds = 0.0;
+  /// Wall time in the samplers during steps, all sequences (a constraint's mask applied included).
+  double sample_seconds = 0.0;
 };
 
 class DecodeEngine {

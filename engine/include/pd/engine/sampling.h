@@ -54,12 +54,15 @@ class Sampler {
 
  private:
   double nextUniform();  // [0, 1), 53 random bits
+  /// Draws from work_ (the candidates' adjusted logits): the index of the chosen one.
+  std::int32_t pick();
 
   SamplingParams params_;
   bool logprobs_;
   std::uint64_t rng_state_;
   std::unordered_map<std::int32_t, std::int64_t> counts_;
-  std::vector<float> work_;
+  std::vector<float> work_;               // adjusted logits: of every token, or of candidates_
+  std::vector<std::int32_t> candidates_;  // a sparse mask's allowed ids (ascending); empty: all tokens
   std::vector<std::int32_t> order_;
 };
 

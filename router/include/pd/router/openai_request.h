@@ -7,7 +7,9 @@
 /// refused: a parameter the endpoint does not know (and one of `stream_options`) is a 400 naming
 /// it, and known features this server does not offer (n > 1, echo, suffix, best_of, legacy
 /// `functions`, non-text response formats and modalities, stored completions, non-text content
-/// parts) are refused unless given their neutral value (docs/api.md has the table). `tools`,
+/// parts) are refused unless given their neutral value (docs/api.md has the table). Each message's
+/// fields are checked against its role the same way: passed to the chat template (`name`,
+/// `reasoning_content`, `tool_calls`, ...) or a 400 naming the message index and the field. `tools`,
 /// `tool_choice`, `parallel_tool_calls` and `response_format` become the output constraint
 /// (pd/structured/response_constraint.h) and the chat template's tools.
 ///

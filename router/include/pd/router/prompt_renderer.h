@@ -26,6 +26,8 @@ struct ChatMessage {
   /// "arguments"}}]`); empty: none. tool: the id of the call it answers.
   std::string tool_calls_json;
   std::string tool_call_id;
+  std::string name;               ///< the participant's `name`, passed to the template; "" if none
+  std::string reasoning_content;  ///< assistant: earlier reasoning, passed to the template; "" if none
 };
 
 /// A validated chat conversation in two equivalent forms: structured, and as the normalized
