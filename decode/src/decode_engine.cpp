@@ -77,6 +77,7 @@ struct DecodeEngine::Sequence {
   std::vector<std::int32_t> generated;          // tokens after the prompt; the last is not yet in the cache
   MtpState mtp;                                 // the MTP layer's catch-up state (speculating sequences)
   std::unique_ptr<ConstraintState> constraint;  // null: free text
+  std::string kv_traceparent;                   // the record's trace context, until the first event
 };
 
 DecodeEngine::DecodeEngine(model::Engine& engine, KvPool& pool, DecodeEngineOptions options,
@@ -241,6 +242,7 @@ void DecodeEngine::startRunning(Sequence& seq, kvtransfer::CompletionRecord reco
   // The prefill side wrote MTP positions [0, n - 1); position n - 1 pairs h[n - 1] with the first token.
   seq.mtp.done = seq.req.prompt_tokens - 1;
   seq.mtp.hidden = std::move(record.hidden_state);
+  seq.kv_traceparent = std::move(record.traceparent);
   std::vector<model::SampledToken> tokens;
   tokens.push_back(std::move(first));
   seq.state = Sequence::State::Ready;
@@ -368,6 +370,7 @@ bool DecodeEngine::emit(Sequence& seq, std::vector<model::SampledToken> tokens) 
   event.tokens = std::move(tokens);
   event.prompt_tokens = seq.req.prompt_tokens;
   event.completion_tokens = static_cast<std::int64_t>(seq.generated.size());
+  event.kv_traceparent = std::exchange(seq.kv_traceparent, {});
   if (!reason) {
     seq.req.sink(event);
     return false;
@@ -393,6 +396,7 @@ void DecodeEngine::finish(std::uint64_t request_id, FinishReason reason, std::op
   std::erase(ready_, request_id);
   std::erase(local_, request_id);
   const bool awaited = seq->state == Sequence::State::WaitingKv;
+  const auto held_blocks = preempted ? static_cast<std::int64_t>(blocks_.blockTable(request_id).size()) : 0;
   if (awaited && options_.quarantine_late_writes && reason == FinishReason::Aborted &&
       seq->req.kv_deadline > Clock::now()) {
     // rma: a prefill may be writing these blocks right now. Hold them until the transfer's
@@ -416,6 +420,7 @@ void DecodeEngine::finish(std::uint64_t request_id, FinishReason reason, std::op
   event.prompt_tokens = seq->req.prompt_tokens;
   event.completion_tokens = static_cast<std::int64_t>(seq->generated.size());
   event.preempted = preempted;
+  event.preempted_blocks = held_blocks;
   seq->req.sink(event);
 }
 

@@ -121,6 +121,10 @@ class DecodeServer::Impl {
   };
   // The stream's spans at its last event `e` (loop thread).
   void recordSpans(Stream& stream, const TokenEvent& e);
+  // decode.kv_record (loop thread): a child of the prefill worker's completion span named by the
+  // record's `traceparent`, from `start` (its first token handed to the stream) to now, linked
+  // to the stream's decode.request.
+  void recordKvRecord(const Stream& stream, std::string_view traceparent, trace::TimePoint start);
 
   void handleOpen(const http::Request& request, http::Exchange exchange);
   void handleAbort(const http::Request& request, http::Exchange exchange);
@@ -311,7 +315,9 @@ void DecodeServer::Impl::handleOpen(const http::Request& request, http::Exchange
   r.grammar = std::move(grammar).value();
   // Runs on the loop thread; Exchange::write only queues, so it never blocks the loop.
   r.sink = [this, stream](const TokenEvent& e) {
+    const trace::TimePoint event_at = e.kv_traceparent.empty() ? trace::TimePoint{} : trace::Clock::now();
     if (!e.tokens.empty()) stream->exchange.write(worker_api::toJson(tokensEvent(e, stream->logprobs)) + "\n");
+    if (!e.kv_traceparent.empty()) recordKvRecord(*stream, e.kv_traceparent, event_at);
     if (stream->span.recording() && !e.tokens.empty()) {
       const trace::TimePoint now = trace::Clock::now();
       if (stream->token_events == 0) stream->first_event = now;
@@ -404,12 +410,31 @@ void DecodeServer::Impl::recordSpans(Stream& stream, const TokenEvent& e) {
                      {"pd.tokens", tokens},
                      {"pd.tokens_per_step", static_cast<double>(tokens) / static_cast<double>(steps)}});
   }
+  if (e.preempted) {
+    // The pool ran dry and this request gave its blocks up; the router resumes it (its
+    // router.resume span) with the tokens it has.
+    tracer_->record(parent, "decode.preempted", now, now,
+                    {{"pd.blocks_freed", e.preempted_blocks},
+                     {"pd.completion_tokens", e.completion_tokens},
+                     {"pd.reason", std::string("kv_pool_exhausted")}});
+  }
   stream.span.setAttribute("pd.request_id", stream.request_id);
   stream.span.setAttribute("pd.prompt_tokens", stream.prompt_tokens);
   stream.span.setAttribute("pd.completion_tokens", e.completion_tokens);
   stream.span.setAttribute("pd.finish_reason", std::string(finishReasonName(*e.finish)));
   if (e.error) stream.span.setError(e.error->toString());
   stream.span.end(now);
+}
+
+void DecodeServer::Impl::recordKvRecord(const Stream& stream, std::string_view traceparent, trace::TimePoint start) {
+  if (!tracer_->enabled()) return;
+  // The record's context passed the wire decoder's exact check; parse it as any caller's.
+  const std::optional<trace::SpanContext> completion = trace::parseTraceparent(traceparent);
+  if (!completion) return;
+  trace::Span span = tracer_->startSpan("decode.kv_record", *completion, trace::SpanKind::Internal, start);
+  span.setAttribute("pd.request_id", stream.request_id);
+  span.addLink(stream.span.context());
+  span.end();
 }
 
 void DecodeServer::Impl::handleAbort(const http::Request& request, http::Exchange exchange) {

@@ -79,6 +79,12 @@ class ByteReader {
     return {reinterpret_cast<const char*>(bytes_.data()) + (pos_ - n), n};
   }
 
+  /// The next `n` bytes, without copying (empty, and the reader failed, when fewer are left).
+  std::span<const std::uint8_t> getView(std::size_t n) {
+    if (!take(n)) return {};
+    return bytes_.subspan(pos_ - n, n);
+  }
+
   void fail() { ok_ = false; }
   [[nodiscard]] bool ok() const { return ok_; }
   [[nodiscard]] std::size_t remaining() const { return ok_ ? bytes_.size() - pos_ : 0; }

@@ -89,10 +89,11 @@ TransportMetrics::TransportMetrics(metrics::Registry* registry) {
   auto& records =
       registry->counter("pdserve_kv_records_total",
                         "Completion and failure records; rejected: malformed, under a transfer id no live grant "
-                        "holds, or not signed with the cluster secret; unauthenticated: the last of these.",
+                        "holds, or not signed with the cluster secret; unauthenticated: the last of these; "
+                        "trace_dropped: accepted, but its malformed trace context was dropped.",
                         {"event"});
   p.records = {&records.labels({"sent"}), &records.labels({"received"}), &records.labels({"rejected"}),
-               &records.labels({"unauthenticated"})};
+               &records.labels({"unauthenticated"}), &records.labels({"trace_dropped"})};
   p.in_flight = &registry->gauge("pdserve_kv_in_flight", "KV transfers begun and not yet reported.").get();
   p.pending_receives = &registry->gauge("pdserve_kv_pending_receives", "Expected KV transfers not yet resolved.").get();
   p.regions = &registry->gauge("pdserve_kv_registered_regions", "Memory regions registered for KV transfer.").get();
@@ -188,6 +189,10 @@ void TransportMetrics::recordUnauthenticated() {
   records_unauthenticated_.fetch_add(1, kRelaxed);
   inc(published_.records[3]);
 }
+void TransportMetrics::recordTraceDropped() {
+  records_trace_dropped_.fetch_add(1, kRelaxed);
+  inc(published_.records[4]);
+}
 void TransportMetrics::addBytesReceived(std::uint64_t bytes) {
   bytes_received_.fetch_add(bytes, kRelaxed);
   inc(published_.bytes_received, static_cast<double>(bytes));
@@ -228,6 +233,7 @@ TransportStats TransportMetrics::snapshot() const {
   s.records_received = records_received_.load(kRelaxed);
   s.records_rejected = records_rejected_.load(kRelaxed);
   s.records_unauthenticated = records_unauthenticated_.load(kRelaxed);
+  s.records_trace_dropped = records_trace_dropped_.load(kRelaxed);
   s.bytes_received = bytes_received_.load(kRelaxed);
   s.bytes_dropped = bytes_dropped_.load(kRelaxed);
   s.receive_latency = receive_latency_.snapshot();

@@ -7,6 +7,7 @@
 #include <utility>
 
 #include "byte_io.h"
+#include "pd/trace/trace_context.h"
 
 namespace pd::kvtransfer {
 namespace {
@@ -124,6 +125,14 @@ Status finishMessage(const ByteReader& r, std::string_view what) {
   return okStatus();
 }
 
+// Exactly a W3C version-00 traceparent: 55 bytes, "00-", lower-case hex ids that are not all
+// zero and two flag digits (trace::parseTraceparent checks the fields; the length and the
+// version here rule out the whitespace and later versions it also accepts).
+bool isExactTraceparent(std::string_view text) {
+  constexpr std::size_t kVersion00Bytes = 55;
+  return text.size() == kVersion00Bytes && text.starts_with("00-") && trace::parseTraceparent(text).has_value();
+}
+
 Result<CompatInfo> getCompat(ByteReader& r) {
   CompatInfo c;
   c.protocol_version = r.get<std::uint16_t>();
@@ -227,6 +236,7 @@ std::vector<std::uint8_t> encode(const CompletionRecord& rec) {
     w.put(lp.token);
     w.putF32(lp.logprob);
   }
+  w.putString(rec.traceparent);
   return finish(std::move(w));
 }
 
@@ -337,6 +347,18 @@ Result<CompletionRecord> decodeCompletionRecord(std::span<const std::uint8_t> by
   for (auto& lp : rec.top_logprobs) {
     lp.token = r.get<std::int32_t>();
     lp.logprob = r.getF32();
+  }
+  // The trace context is advisory: one that is too long or not exact W3C is skipped (never
+  // copied) and reads as absent; the record itself stands.
+  const auto trace_bytes = r.getCount(std::numeric_limits<std::uint32_t>::max(), 1);
+  const auto trace_raw = r.getView(trace_bytes);
+  if (r.ok() && trace_bytes > 0) {
+    const std::string_view text(reinterpret_cast<const char*>(trace_raw.data()), trace_raw.size());
+    if (trace_bytes <= kMaxTraceparentBytes && isExactTraceparent(text)) {
+      rec.traceparent = std::string(text);
+    } else {
+      rec.traceparent_dropped = true;
+    }
   }
   PD_TRY(finishMessage(r, kWhat));
   return rec;

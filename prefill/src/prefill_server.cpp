@@ -51,6 +51,8 @@ struct Call {
   std::uint64_t kv_bytes = 0;
   Clock::time_point received;
   trace::Span span;  // prefill.request; ended when answered
+  // prefill.completion's id, drawn at submission: the completion record carries its context.
+  trace::SpanId completion_span_id;
   std::shared_ptr<TransferTimeline> timeline = std::make_shared<TransferTimeline>();
 
   std::mutex mutex;
@@ -426,9 +428,19 @@ class PrefillServer::Impl {
     }
     const auto timeout = std::chrono::milliseconds(std::min(sub.timeout_ms, options_.prefill.request_timeout_ms));
     const Clock::time_point deadline = received + timeout;
+    // The completion record names the prefill.completion span recorded at the answer, so the
+    // decode worker's decode.kv_record is its child; with tracing off here, the caller's context
+    // passes on unchanged (docs/observability.md, "Propagation").
+    std::string record_traceparent = call->span.traceparent();
+    if (call->span.recording()) {
+      call->completion_span_id = trace::newSpanId();
+      const trace::SpanContext& ctx = call->span.context();
+      record_traceparent = trace::formatTraceparent({ctx.trace_id, call->completion_span_id, ctx.flags});
+    }
     Result<std::unique_ptr<TransportKvSink>> sink = TransportKvSink::create(
         **transport, *desc, deadline,
-        [this, call](const kvt::TransferId&, Status s) { onTransferDone(call, std::move(s)); }, call->timeline);
+        [this, call](const kvt::TransferId&, Status s) { onTransferDone(call, std::move(s)); }, call->timeline,
+        std::move(record_traceparent));
     if (!sink.ok()) {
       {
         std::lock_guard lock(mutex_);
@@ -609,7 +621,8 @@ class PrefillServer::Impl {
       }
       if (t.computed) {
         tracer_->record(parent, "prefill.completion", wall(computed), wall(now),
-                        {{"pd.kv_bytes", static_cast<std::int64_t>(call.kv_bytes)}});
+                        {{"pd.kv_bytes", static_cast<std::int64_t>(call.kv_bytes)}}, trace::SpanKind::Internal,
+                        call.completion_span_id);
       }
     }
     call.span.setAttribute("pd.request_id", call.router_id);

@@ -58,11 +58,9 @@ struct TransportKvSink::Staging {
   std::optional<Status> outcome;  // guarded by mutex: the transport's answer, once given
 };
 
-Result<std::unique_ptr<TransportKvSink>> TransportKvSink::create(kvtransfer::Transport& transport,
-                                                                 kvtransfer::KvDescriptor descriptor,
-                                                                 kvtransfer::Deadline deadline,
-                                                                 kvtransfer::TransferDoneFn on_done,
-                                                                 std::shared_ptr<TransferTimeline> timeline) {
+Result<std::unique_ptr<TransportKvSink>> TransportKvSink::create(
+    kvtransfer::Transport& transport, kvtransfer::KvDescriptor descriptor, kvtransfer::Deadline deadline,
+    kvtransfer::TransferDoneFn on_done, std::shared_ptr<TransferTimeline> timeline, std::string record_traceparent) {
   const kvtransfer::CompatInfo& c = descriptor.compat;
   if (c.kv_dtype != DType::BF16 && c.kv_dtype != DType::F32) {
     return makeError(ErrorCode::Unsupported, fmt::format("KV dtype {} cannot be staged", dtypeName(c.kv_dtype)));
@@ -87,16 +85,18 @@ Result<std::unique_ptr<TransportKvSink>> TransportKvSink::create(kvtransfer::Tra
     (void)transport.deregisterRegion(staging->region);
     return std::move(begun).error();
   }
-  return std::unique_ptr<TransportKvSink>(
-      new TransportKvSink(transport, std::move(descriptor), std::move(staging), std::move(timeline)));
+  return std::unique_ptr<TransportKvSink>(new TransportKvSink(transport, std::move(descriptor), std::move(staging),
+                                                              std::move(timeline), std::move(record_traceparent)));
 }
 
 TransportKvSink::TransportKvSink(kvtransfer::Transport& transport, kvtransfer::KvDescriptor descriptor,
-                                 std::shared_ptr<Staging> staging, std::shared_ptr<TransferTimeline> timeline)
+                                 std::shared_ptr<Staging> staging, std::shared_ptr<TransferTimeline> timeline,
+                                 std::string record_traceparent)
     : transport_(transport),
       descriptor_(std::move(descriptor)),
       staging_(std::move(staging)),
-      timeline_(std::move(timeline)) {}
+      timeline_(std::move(timeline)),
+      record_traceparent_(std::move(record_traceparent)) {}
 
 TransportKvSink::~TransportKvSink() {
   if (!ended_) abortTransfer(makeError(ErrorCode::Cancelled, "prefill request dropped"));
@@ -164,6 +164,7 @@ void TransportKvSink::complete(kvtransfer::CompletionRecord record) {
   // The transfer is named by the decode worker's grant (the descriptor), not by the engine.
   const kvtransfer::TransferId id = descriptor_.transfer_id;
   record.transfer_id = id;
+  record.traceparent = record_traceparent_;
   Status s = transport_.finish(std::move(record));
   if (!s.ok()) {
     // NotFound: the transfer already ended (deadline, peer failure) and its done callback says

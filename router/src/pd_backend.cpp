@@ -311,6 +311,7 @@ class Generation : public std::enable_shared_from_this<Generation> {
     PrefillLeg leg;
     trace::Span span;  // router.decode_leg: open sent -> D's stream over
     trace::TimePoint sent;
+    trace::SpanContext parent;  // of this attempt's leg spans: the request's, or its router.resume
   };
 
   // ---- the decode leg ----
@@ -365,7 +366,9 @@ class Generation : public std::enable_shared_from_this<Generation> {
     if (attempt_ == 0 && req_.handed_at != trace::TimePoint{}) {
       s_.tracer().record(req_.trace, "router.route", req_.handed_at, sent, {{"pd.decode_worker", d->key()}});
     }
-    trace::Span leg_span = s_.tracer().startSpan("router.decode_leg", req_.trace, trace::SpanKind::Client, sent);
+    // After a resume the legs are children of its router.resume span (docs/observability.md).
+    const trace::SpanContext leg_parent = resume_span_.context().valid() ? resume_span_.context() : req_.trace;
+    trace::Span leg_span = s_.tracer().startSpan("router.decode_leg", leg_parent, trace::SpanKind::Client, sent);
     leg_span.setAttribute("pd.worker", d->key());
     leg_span.setAttribute("pd.attempt", attempt_);
     open.traceparent = leg_span.traceparent();
@@ -383,6 +386,7 @@ class Generation : public std::enable_shared_from_this<Generation> {
     a_->client = std::move(client);
     a_->span = std::move(leg_span);
     a_->sent = sent;
+    a_->parent = leg_parent;
     report_.decode_worker = d->key();
     report_.decode_attempts = attempt_ + 1;
     if (attempt_ == 0 && req_.handed_at != trace::TimePoint{}) report_.route_ms = msBetween(req_.handed_at, sent);
@@ -654,8 +658,18 @@ class Generation : public std::enable_shared_from_this<Generation> {
       sink_->onFinish(std::move(end));
       return;
     }
+    if (outcome == Outcome::Resume) startResumeSpan();
     ++attempt_;
     nextDecodeAttempt();
+  }
+
+  /// router.resume (driving chain): from the decision to resume to the next resume or the
+  /// generation's end; the legs opened meanwhile are its children. Ends the previous one.
+  void startResumeSpan() {
+    resume_span_ = s_.tracer().startSpan("router.resume", req_.trace);
+    resume_span_.setAttribute("pd.cause", std::string(resumeCauseName(*resuming_)));
+    resume_span_.setAttribute("pd.attempt", resume_.resumes());
+    resume_span_.setAttribute("pd.tokens_carried", static_cast<std::int64_t>(resume_.generated().size()));
   }
 
   /// Every decode worker tried refused for want of room: the next attempt (on whichever worker
@@ -720,7 +734,7 @@ class Generation : public std::enable_shared_from_this<Generation> {
     leg.worker = *p;
     leg.client = s_.acquire(*p);
     s_.registry.noteSent(WorkerRole::Prefill, p->key(), static_cast<std::int64_t>(req_.prompt_token_ids.size()));
-    leg.span = s_.tracer().startSpan("router.prefill_leg", req_.trace, trace::SpanKind::Client);
+    leg.span = s_.tracer().startSpan("router.prefill_leg", a_->parent, trace::SpanKind::Client);
     leg.span.setAttribute("pd.worker", p->key());
     leg.span.setAttribute("pd.attempt", leg.attempts - 1);
     leg.submit.traceparent = leg.span.traceparent();
@@ -854,6 +868,7 @@ class Generation : public std::enable_shared_from_this<Generation> {
   TokenRelay relay_;
   GenerationResume resume_;
   std::optional<ResumeCause> resuming_;  // set once the generation has been resumed (the latest cause)
+  trace::Span resume_span_;              // router.resume of the latest resume (startResumeSpan)
   // When the generation arrived (µs since the epoch): every leg's DecodeOpen.arrival_us.
   const std::int64_t arrival_us_ =
       std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::system_clock::now().time_since_epoch())

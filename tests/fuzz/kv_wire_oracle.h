@@ -2,7 +2,8 @@
 // The property every KV wire decoder must keep on any input, shared by the libFuzzer target
 // (fuzz_kv_wire.cpp) and the seeded gtest that runs in CI (test_kv_wire.cpp):
 //  - no crash, no read outside the input (ASan in the fuzz build);
-//  - a buffer that decodes re-encodes to the same bytes (the encoding is canonical);
+//  - a buffer that decodes re-encodes to the same bytes (the encoding is canonical), except a
+//    completion record whose traceparent was dropped, which re-encodes without it;
 //  - a descriptor that also passes validateDescriptor only ever plans puts inside its regions;
 //  - the UCX blob checks (ucx_blob_check.h) never read outside their input, and accept no proper
 //    prefix of a blob they accept (UCX itself would read such an address or key past its end).
@@ -111,7 +112,14 @@ inline std::string checkKvWireInput(std::span<const std::uint8_t> bytes) {
   }
 
   const auto completion = decodeCompletionRecord(bytes);
-  if (completion.ok() && encode(completion.value()) != std::vector<std::uint8_t>(bytes.begin(), bytes.end())) {
+  if (completion.ok() && completion->traceparent_dropped) {
+    // A dropped trace context reads as absent: the record re-encodes without it.
+    if (!completion->traceparent.empty()) return "a dropped traceparent is still in the record";
+    auto without = decodeCompletionRecord(encode(completion.value()));
+    if (!without.ok() || without->traceparent_dropped || !without->traceparent.empty()) {
+      return "a record whose traceparent was dropped does not re-encode without it";
+    }
+  } else if (completion.ok() && encode(completion.value()) != std::vector<std::uint8_t>(bytes.begin(), bytes.end())) {
     return "completion record does not re-encode to its input";
   }
   const auto failure = decodeFailureRecord(bytes);

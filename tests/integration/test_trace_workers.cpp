@@ -137,6 +137,16 @@ TEST(TraceAcrossWorkers, OneTraceIdAndParentLinksFromRouterToPrefillAndDecode) {
   for (const char* child : {"decode.admission", "decode.kv_wait", "decode.first_step", "decode.steps"}) {
     EXPECT_EQ(one(child).parent_span_id, d.span_id) << child;
   }
+  // The KV completion record carried prefill.completion's context: the decode worker's
+  // decode.kv_record is its child (across the processes, without the router) and links
+  // decode.request.
+  const ReceivedSpan& kv_record = one("decode.kv_record");
+  EXPECT_EQ(kv_record.service, "pdserve-decode");
+  EXPECT_EQ(kv_record.parent_span_id, one("prefill.completion").span_id);
+  ASSERT_EQ(kv_record.links.size(), 1u);
+  EXPECT_EQ(kv_record.links[0], std::make_pair(trace_id.hex(), d.span_id));
+  EXPECT_GE(kv_record.start_ns, one("prefill.completion").start_ns);
+  EXPECT_EQ(by_name.count("decode.preempted"), 0u);  // the pool had room
   // 40 prompt tokens in chunks of 16: three chunks, under prefill.compute, each with its layers.
   EXPECT_EQ(by_name.count("prefill.chunk"), 3u);
   const std::string compute_id = one("prefill.compute").span_id;

@@ -11,6 +11,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "pd/common/http_server.h"
@@ -28,6 +29,8 @@ struct ReceivedSpan {
   bool error = false;
   /// Attribute values as text (a string's value, an int's decimal digits, else the JSON).
   std::map<std::string, std::string> attributes;
+  /// OTLP links: (trace id, span id) of each linked span.
+  std::vector<std::pair<std::string, std::string>> links;
   [[nodiscard]] double ms() const { return static_cast<double>(end_ns - start_ns) / 1e6; }
 };
 
@@ -86,6 +89,12 @@ class OtlpReceiver {
                   str != nullptr   ? boost::json::value_to<std::string>(*str)
                   : num != nullptr ? boost::json::value_to<std::string>(*num)
                                    : boost::json::serialize(v);
+            }
+          }
+          if (const auto* links = s.as_object().if_contains("links")) {
+            for (const auto& l : links->as_array()) {
+              r.links.emplace_back(boost::json::value_to<std::string>(l.at("traceId")),
+                                   boost::json::value_to<std::string>(l.at("spanId")));
             }
           }
           spans_.push_back(std::move(r));

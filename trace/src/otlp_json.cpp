@@ -59,6 +59,15 @@ void appendSpan(std::string& out, const SpanData& span) {
   out += ",\"endTimeUnixNano\":\"" + unixNanos(span.end) + "\"";
   out += ",\"attributes\":";
   appendAttributes(out, span.attributes);
+  if (!span.links.empty()) {
+    out += ",\"links\":[";
+    for (std::size_t i = 0; i < span.links.size(); ++i) {
+      if (i > 0) out += ',';
+      out +=
+          "{\"traceId\":\"" + span.links[i].trace_id.hex() + "\",\"spanId\":\"" + span.links[i].span_id.hex() + "\"}";
+    }
+    out += ']';
+  }
   // Status codes: 0 UNSET, 2 ERROR.
   out += ",\"status\":{";
   if (span.error) {

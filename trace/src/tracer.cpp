@@ -36,6 +36,10 @@ void Span::setAttribute(std::string key, AttributeValue value) {
   if (data_) data_->attributes.push_back({std::move(key), std::move(value)});
 }
 
+void Span::addLink(const SpanContext& other) {
+  if (data_ && other.valid()) data_->links.push_back(other);
+}
+
 void Span::setError(std::string message) {
   if (!data_) return;
   data_->error = true;
@@ -116,10 +120,10 @@ Span Tracer::startFromHeader(std::string name, std::string_view traceparent, Spa
 }
 
 SpanContext Tracer::record(const SpanContext& parent, std::string name, TimePoint start, TimePoint end,
-                           std::vector<Attribute> attributes, SpanKind kind) const {
+                           std::vector<Attribute> attributes, SpanKind kind, SpanId id) const {
   if (!enabled() || !parent.valid() || !parent.sampled()) return {};
   SpanData data;
-  data.context = {parent.trace_id, newSpanId(), parent.flags};
+  data.context = {parent.trace_id, id.valid() ? id : newSpanId(), parent.flags};
   data.parent_span_id = parent.span_id;
   data.name = std::move(name);
   data.kind = kind;

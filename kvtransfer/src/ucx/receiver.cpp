@@ -139,6 +139,9 @@ void UcxTransport::deliverRecord(InboxRecord record) {
     return;
   }
   const bool is_completion = std::holds_alternative<CompletionRecord>(decoded.value());
+  if (is_completion && std::get<CompletionRecord>(decoded.value()).traceparent_dropped) {
+    metrics_.recordTraceDropped();  // advisory: the record goes on without its trace context
+  }
   const TransferId transfer_id = is_completion ? std::get<CompletionRecord>(decoded.value()).transfer_id
                                                : std::get<FailureRecord>(decoded.value()).transfer_id;
   const std::uint64_t hash = is_completion ? std::get<CompletionRecord>(decoded.value()).compat_hash

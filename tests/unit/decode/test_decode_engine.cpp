@@ -109,16 +109,20 @@ struct Stream {
   int finish_events = 0;
   bool after_finish = false;
   bool preempted = false;
+  std::int64_t preempted_blocks = 0;
+  std::vector<std::string> kv_traceparents;  // each event's
 
   TokenEventSink sink() {
     return [this](const TokenEvent& e) {
       if (finish) after_finish = true;
+      kv_traceparents.push_back(e.kv_traceparent);
       for (const auto& t : e.tokens) tokens.push_back(t.token);
       if (e.finish) {
         ++finish_events;
         finish = e.finish;
         error = e.error;
         preempted = e.preempted;
+        preempted_blocks = e.preempted_blocks;
         EXPECT_EQ(e.completion_tokens, static_cast<std::int64_t>(tokens.size()));
       }
     };
@@ -603,16 +607,28 @@ TEST_P(DecodeGolden, PreemptionTakesTheLatestAdmittedFirst) {
   auto b1 = dec.admit(request(1, 8, 20, s[1]));
   auto b2 = dec.admit(request(2, 4, 20, s[2]));
   ASSERT_TRUE(b1.ok() && b2.ok());
-  ASSERT_TRUE(dec.onKvReady(2, prefill(*engine_, p2, *tight, *b2)).ok());
+  // The record's trace context reaches the first event only (the decode server's kv_record span).
+  const std::string traceparent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+  kvtransfer::CompletionRecord rec2 = prefill(*engine_, p2, *tight, *b2);
+  rec2.traceparent = traceparent;
+  ASSERT_TRUE(dec.onKvReady(2, std::move(rec2)).ok());
   ASSERT_TRUE(dec.onKvReady(1, prefill(*engine_, p1, *tight, *b1)).ok());
   for (int i = 0; i < 40 && dec.hasWork() && !s[2].finish; ++i) dec.step(Clock::now());
   ASSERT_TRUE(s[2].finish.has_value());
   EXPECT_TRUE(s[2].preempted);
+  ASSERT_GE(s[2].kv_traceparents.size(), 2U);
+  EXPECT_EQ(s[2].kv_traceparents.front(), traceparent);
+  for (std::size_t i = 1; i < s[2].kv_traceparents.size(); ++i) EXPECT_EQ(s[2].kv_traceparents[i], "") << i;
+  EXPECT_EQ(s[1].kv_traceparents.front(), "");
+  // Its prompt's block and the ones it grew, fewer than the pool's six (the other holds two).
+  EXPECT_GE(s[2].preempted_blocks, 1);
+  EXPECT_LE(s[2].preempted_blocks, 4);
   EXPECT_EQ(s[1].finish_events, 0);  // the older request still runs
   while (dec.hasWork()) dec.step(Clock::now());
   // Alone it runs into the pool's end too (6 blocks hold 24 positions, it needs 27) and, the
   // latest admitted left, preempts itself: a request never takes an older one's blocks.
   EXPECT_TRUE(s[1].preempted);
+  EXPECT_EQ(s[1].preempted_blocks, 6);           // the whole pool
   EXPECT_EQ(s[1].tokens.size(), 24U - 8U + 1U);  // positions 8..23 cached, plus the token after
   EXPECT_EQ(dec.stats().preemptions, 2);
   EXPECT_TRUE(dec.blocks().isFullyFree());

@@ -185,6 +185,7 @@ int corpus(const std::string& dir) {
   write(encode(c));
   c.first_logprob = TokenLogprob{5, -0.5F};
   c.top_logprobs = {{5, -0.5F}, {6, -1.5F}};
+  c.traceparent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
   write(encode(c));
   write(encode(FailureRecord{TransferId{3, 3}, 4, ErrorCode::Timeout, "deadline"}));
   return 0;

@@ -12,6 +12,7 @@
 
 #include "fuzz/kv_wire_oracle.h"
 #include "pd/kvtransfer/wire.h"
+#include "pd/trace/trace_context.h"
 
 namespace pd::kvtransfer {
 namespace {
@@ -68,6 +69,10 @@ CompletionRecord randomCompletion(std::mt19937_64& rng) {
   for (std::uint64_t i = 0, n = rng() % 21; i < n; ++i) {
     r.top_logprobs.push_back(TokenLogprob{static_cast<std::int32_t>(rng() % 129280), value(rng)});
   }
+  if ((rng() & 1) != 0) {
+    r.traceparent = trace::formatTraceparent(
+        trace::SpanContext{trace::newTraceId(), trace::newSpanId(), static_cast<std::uint8_t>(rng() & 1)});
+  }
   return r;
 }
 
@@ -105,6 +110,109 @@ TEST(KvWire, CompletionRecordRoundTrips) {
     ASSERT_TRUE(any.ok());
     ASSERT_TRUE(std::holds_alternative<CompletionRecord>(any.value()));
     EXPECT_EQ(std::get<CompletionRecord>(any.value()), r);
+  }
+}
+
+// The record's trace context (docs/observability.md): the last field, a u32 length and the bytes.
+// It travels exactly; anything that is not an exact W3C version-00 traceparent is dropped (the
+// record reads as carrying none, and says it dropped one) without failing the record.
+std::vector<std::uint8_t> withTraceField(const CompletionRecord& base, std::string_view field) {
+  auto bytes = encode(base);  // base has no traceparent: its bytes end with a zero length
+  bytes.resize(bytes.size() - 4);
+  const auto n = static_cast<std::uint32_t>(field.size());
+  bytes.insert(bytes.end(), reinterpret_cast<const std::uint8_t*>(&n), reinterpret_cast<const std::uint8_t*>(&n) + 4);
+  bytes.insert(bytes.end(), field.begin(), field.end());
+  const auto len = static_cast<std::uint32_t>(bytes.size() - kWireHeaderBytes);
+  std::memcpy(bytes.data() + 8, &len, 4);
+  return bytes;
+}
+
+TEST(KvWire, CompletionRecordTraceparentRoundTripsAndIsTheLastField) {
+  CompletionRecord c;
+  c.transfer_id = TransferId{7, 8};
+  c.hidden_state = {0.5F};
+  const std::string tp = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+  c.traceparent = tp;
+  const auto bytes = encode(c);
+  auto back = decodeCompletionRecord(bytes);
+  ASSERT_TRUE(back.ok()) << back.error().toString();
+  EXPECT_EQ(back->traceparent, tp);
+  EXPECT_FALSE(back->traceparent_dropped);
+  EXPECT_EQ(back.value(), c);
+  EXPECT_EQ(encode(back.value()), bytes);
+  EXPECT_EQ(std::string(bytes.end() - static_cast<std::ptrdiff_t>(tp.size()), bytes.end()), tp);
+  CompletionRecord without = c;
+  without.traceparent.clear();
+  EXPECT_EQ(bytes, withTraceField(without, tp));
+}
+
+TEST(KvWire, CompletionRecordWithoutTraceparentCarriesAnEmptyField) {
+  CompletionRecord c;
+  c.first_token = 3;
+  const auto bytes = encode(c);
+  ASSERT_GE(bytes.size(), 4U);
+  EXPECT_EQ(std::vector<std::uint8_t>(bytes.end() - 4, bytes.end()), std::vector<std::uint8_t>(4, 0));
+  auto back = decodeCompletionRecord(bytes);
+  ASSERT_TRUE(back.ok());
+  EXPECT_TRUE(back->traceparent.empty());
+  EXPECT_FALSE(back->traceparent_dropped);
+  EXPECT_EQ(back->first_token, 3);
+}
+
+TEST(KvWire, MalformedTraceparentIsDroppedAndTheRecordStands) {
+  CompletionRecord base;
+  base.transfer_id = TransferId{1, 2};
+  base.num_tokens = 9;
+  base.first_token = 42;
+  const std::string good = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+  for (const std::string& bad : {
+           std::string("00-4BF92F3577B34DA6A3CE929D0E0E4736-00F067AA0BA902B7-01"),  // upper case
+           std::string("00-00000000000000000000000000000000-00f067aa0ba902b7-01"),  // zero trace id
+           std::string("00-4bf92f3577b34da6a3ce929d0e0e4736-0000000000000000-01"),  // zero span id
+           std::string("ff-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"),  // version ff
+           std::string("01-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"),  // not version 00
+           good + "-x",                                                             // trailing fields
+           " " + good.substr(1),                                                    // whitespace
+           good.substr(0, 54),                                                      // short
+           std::string("00_4bf92f3577b34da6a3ce929d0e0e4736_00f067aa0ba902b7_01"),  // separators
+           std::string("00-4bf92f3577b34da6a3ce929d0e0e473g-00f067aa0ba902b7-01"),  // not hex
+           std::string("\0\1\2", 3),                                                // binary
+       }) {
+    auto back = decodeCompletionRecord(withTraceField(base, bad));
+    ASSERT_TRUE(back.ok()) << bad << ": " << back.error().toString();
+    EXPECT_TRUE(back->traceparent.empty()) << bad;
+    EXPECT_TRUE(back->traceparent_dropped) << bad;
+    EXPECT_EQ(back->first_token, 42);
+    EXPECT_EQ(back->num_tokens, 9U);
+    EXPECT_EQ(back->transfer_id, base.transfer_id);
+  }
+  // The well-formed value in the same frame is kept.
+  auto kept = decodeCompletionRecord(withTraceField(base, good));
+  ASSERT_TRUE(kept.ok());
+  EXPECT_EQ(kept->traceparent, good);
+  EXPECT_FALSE(kept->traceparent_dropped);
+}
+
+TEST(KvWire, OversizeTraceparentIsDroppedWithoutCopyingAndALyingLengthIsCorrupt) {
+  CompletionRecord base;
+  base.first_token = 5;
+  // Over the cap (a valid value padded, and 1 MiB of junk): dropped, the record stands.
+  const std::string good = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+  for (const std::string& big :
+       {good + std::string(kMaxTraceparentBytes - good.size() + 1, '0'), std::string(std::size_t{1} << 20, 'a')}) {
+    auto back = decodeCompletionRecord(withTraceField(base, big));
+    ASSERT_TRUE(back.ok()) << back.error().toString();
+    EXPECT_TRUE(back->traceparent.empty());
+    EXPECT_TRUE(back->traceparent_dropped);
+    EXPECT_EQ(back->first_token, 5);
+  }
+  // A length beyond the message's end (or up to 4 GiB) is a truncated record, as for any field.
+  for (const std::uint32_t lie : {56U, 0xFFFFFFFFU}) {
+    auto bytes = withTraceField(base, good);
+    std::memcpy(bytes.data() + bytes.size() - good.size() - 4, &lie, 4);
+    const auto r = decodeCompletionRecord(bytes);
+    ASSERT_FALSE(r.ok()) << lie;
+    EXPECT_EQ(r.error().code, ErrorCode::Corrupt);
   }
 }
 
@@ -157,11 +265,14 @@ TEST(KvWire, EveryMessageCarriesTheFull128BitTransferIdAfterTheHeader) {
   ASSERT_TRUE(back_c.ok());
   EXPECT_NE(back_c->transfer_id, id);
   EXPECT_EQ(back_c->transfer_id.hi, id.hi);
-  // Messages of the previous protocol (64-bit ids) are refused as another version.
-  auto v2 = encode(c);
-  v2[4] = 2;
-  EXPECT_EQ(decodeCompletionRecord(v2).error().code, ErrorCode::Unsupported);
-  EXPECT_EQ(kProtocolVersion, 3);
+  // Messages of earlier protocols (64-bit ids; 3: no trace context in the record) are refused as
+  // another version.
+  for (const std::uint8_t older : {2, 3}) {
+    auto old = encode(c);
+    old[4] = older;
+    EXPECT_EQ(decodeCompletionRecord(old).error().code, ErrorCode::Unsupported);
+  }
+  EXPECT_EQ(kProtocolVersion, 4);
 }
 
 TEST(KvWire, HeaderIsCheckedFieldByField) {

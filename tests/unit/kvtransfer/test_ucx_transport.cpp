@@ -170,6 +170,8 @@ TEST_P(UcxTransportTest, DataOfAnExpiredReceiveIsDropped) {
   EXPECT_EQ(pool.verify(nothing, 1), "");
 }
 
+constexpr const char* kTraceparent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+
 TEST_P(UcxTransportTest, ConcurrentSmallTransfersAllLand) {
   compat_ = testutil::smallCompat();
   sender_ = makeTransport(GetParam(), compat_, "prefill");
@@ -202,6 +204,10 @@ TEST_P(UcxTransportTest, ConcurrentSmallTransfersAllLand) {
     r.transfer_id = descs[i].transfer_id;
     r.num_tokens = 7;
     r.first_token = i;
+    // The trace context travels with the record; a malformed one is dropped and counted at the
+    // receiver, and its record lands all the same.
+    if (i % 2 == 0) r.traceparent = kTraceparent;
+    if (i % 4 == 1) r.traceparent = "00-NOT-A-TRACEPARENT";
     ASSERT_TRUE(sender_->finish(r).ok());
   }
   for (int i = 0; i < kRequests; ++i) {
@@ -211,10 +217,14 @@ TEST_P(UcxTransportTest, ConcurrentSmallTransfersAllLand) {
     const auto arrived = out_.waitArrival(id, kHangGuard);
     ASSERT_TRUE(arrived && arrived->ok());
     EXPECT_EQ(arrived->value().first_token, i);
+    EXPECT_EQ(arrived->value().traceparent, i % 2 == 0 ? kTraceparent : "");
+    EXPECT_EQ(arrived->value().traceparent_dropped, i % 4 == 1);
     EXPECT_EQ(pool.verify(descs[i], id).find("differs"), std::string::npos) << pool.verify(descs[i], id);
   }
   EXPECT_EQ(out_.doneCalls(), kRequests);
   EXPECT_EQ(out_.arrivalCalls(), kRequests);
+  EXPECT_EQ(receiver_->stats().records_trace_dropped, static_cast<std::uint64_t>(kRequests / 4));
+  EXPECT_EQ(receiver_->stats().records_rejected, 0U);
 }
 
 TEST_P(UcxTransportTest, CompatibilityMismatchIsAClearErrorAtBegin) {

@@ -34,6 +34,8 @@ SpanData sampleSpan(std::string name) {
 TEST(OtlpJson, HasTheExportTraceServiceRequestShape) {
   const SpanData span = sampleSpan("prefill");
   SpanData failed = sampleSpan("decode");
+  const SpanContext linked{newTraceId(), newSpanId(), kSampledFlag};
+  failed.links = {linked};
   failed.parent_span_id = {};
   failed.error = true;
   failed.status_message = "Timeout: no KV";
@@ -66,7 +68,11 @@ TEST(OtlpJson, HasTheExportTraceServiceRequestShape) {
   EXPECT_EQ(attrs[2].at("value").at("doubleValue").as_double(), 0.5);
   EXPECT_EQ(attrs[3].at("value").at("boolValue").as_bool(), true);
   EXPECT_TRUE(s0.at("status").as_object().empty());
+  EXPECT_FALSE(s0.contains("links"));  // none
   const auto& s1 = out[1].as_object();
+  ASSERT_EQ(s1.at("links").as_array().size(), 1u);
+  EXPECT_EQ(s1.at("links").at(0).at("traceId").as_string(), linked.trace_id.hex());
+  EXPECT_EQ(s1.at("links").at(0).at("spanId").as_string(), linked.span_id.hex());
   EXPECT_FALSE(s1.contains("parentSpanId"));  // a root
   EXPECT_EQ(s1.at("status").at("code").as_int64(), 2);
   EXPECT_EQ(s1.at("status").at("message").as_string(), "Timeout: no KV");

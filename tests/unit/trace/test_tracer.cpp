@@ -1,6 +1,7 @@
 // Spans and the tracer: parent links, sampling decisions carried in the context, tracing off.
 #include <gtest/gtest.h>
 
+#include <map>
 #include <mutex>
 
 #include "pd/trace/tracer.h"
@@ -73,6 +74,43 @@ TEST(Tracer, ChildrenAndRecordedSpansLinkToTheirParents) {
   EXPECT_EQ(by_name["prefill.chunk"].end - by_name["prefill.chunk"].start, std::chrono::milliseconds{3});
   EXPECT_TRUE(by_name["prefill.request"].error);
   EXPECT_LE(req.start, req.end);
+}
+
+// A span whose context travels before it ends (the prefill worker's completion span, named in
+// the KV completion record) is recorded later under the id drawn for it.
+TEST(Tracer, ARecordedSpanKeepsAnIdDrawnBeforehand) {
+  Recorder r(1.0);
+  Span parent = r.tracer->startFromHeader("prefill.request", "", SpanKind::Server);
+  const SpanId drawn = newSpanId();
+  const auto t0 = Clock::now();
+  const SpanContext done =
+      r.tracer->record(parent.context(), "prefill.completion", t0, t0, {}, SpanKind::Internal, drawn);
+  EXPECT_EQ(done.span_id, drawn);
+  EXPECT_EQ(done.trace_id, parent.context().trace_id);
+  const SpanContext fresh = r.tracer->record(parent.context(), "prefill.queue", t0, t0);
+  EXPECT_TRUE(fresh.span_id.valid());
+  EXPECT_NE(fresh.span_id, drawn);
+  parent.end();
+  std::map<std::string, SpanData> by_name;
+  for (const auto& s : r.collected()) by_name[s.name] = s;
+  EXPECT_EQ(by_name["prefill.completion"].context.span_id, drawn);
+  EXPECT_EQ(by_name["prefill.completion"].parent_span_id, parent.context().span_id);
+}
+
+TEST(Tracer, ASpanCarriesItsValidLinks) {
+  Recorder r(1.0);
+  const SpanContext remote{newTraceId(), newSpanId(), kSampledFlag};
+  const SpanContext other{newTraceId(), newSpanId(), kSampledFlag};
+  Span s = r.tracer->startSpan("decode.kv_record", remote);
+  s.addLink(other);
+  s.addLink(SpanContext{});  // invalid: ignored
+  s.end();
+  const auto spans = r.collected();
+  ASSERT_EQ(spans.size(), 1u);
+  EXPECT_EQ(spans[0].parent_span_id, remote.span_id);
+  EXPECT_EQ(spans[0].context.trace_id, remote.trace_id);
+  ASSERT_EQ(spans[0].links.size(), 1u);
+  EXPECT_EQ(spans[0].links[0], other);
 }
 
 TEST(Tracer, AnUnsampledCallerIsNotRecordedButPropagates) {

@@ -72,6 +72,7 @@
 #include <memory>
 #include <optional>
 #include <span>
+#include <string>
 #include <unordered_map>
 #include <vector>
 
@@ -108,6 +109,11 @@ struct TokenEvent {
   /// On the last event: the request was preempted (finish Aborted, error Overloaded); the KV
   /// pool ran dry and this request gave its blocks up to be resumed.
   bool preempted = false;
+  /// With `preempted`: the KV blocks the request held and gave up.
+  std::int64_t preempted_blocks = 0;
+  /// On the first event (the first token): the completion record's trace context
+  /// (kvtransfer::CompletionRecord::traceparent), empty when it carried none.
+  std::string kv_traceparent;
 };
 
 /// Called on the engine thread; must not block.

@@ -55,6 +55,9 @@ struct TransportStats {
   /// Rejected (also counted there) because the record's HMAC tag is missing or does not verify
   /// under this transport's cluster secret (UcxTransportOptions::auth).
   std::uint64_t records_unauthenticated = 0;
+  /// Completion records accepted whose trace context was malformed and dropped (wire.h,
+  /// CompletionRecord::traceparent); the record itself was delivered.
+  std::uint64_t records_trace_dropped = 0;
   std::uint64_t bytes_received = 0;  ///< KV bytes accepted as active messages (data path am)
   std::uint64_t bytes_dropped = 0;   ///< KV bytes refused: request not expected, or outside every region
   LatencyHistogram receive_latency;  ///< expect -> completion record delivered
@@ -96,6 +99,8 @@ class TransportMetrics {
   void recordRejected();
   /// A record refused for its tag; call recordRejected() too.
   void recordUnauthenticated();
+  /// A decoded completion record's traceparent was dropped (CompletionRecord::traceparent_dropped).
+  void recordTraceDropped();
   void addBytesReceived(std::uint64_t bytes);
   void addBytesDropped(std::uint64_t bytes);
 
@@ -121,7 +126,7 @@ class TransportMetrics {
     std::array<metrics::Counter*, 2> started{};  // [send, receive]
     std::array<metrics::Counter*, 2> succeeded{};
     std::array<std::array<metrics::Counter*, kFailureCauseCount>, 2> failed{};
-    std::array<metrics::Counter*, 4> records{};  // [sent, received, rejected, unauthenticated]
+    std::array<metrics::Counter*, 5> records{};  // [sent, received, rejected, unauthenticated, trace_dropped]
     std::array<metrics::Histogram*, 2> latency{};
     metrics::Gauge* in_flight = nullptr;
     metrics::Gauge* pending_receives = nullptr;
@@ -149,6 +154,7 @@ class TransportMetrics {
   std::atomic<std::uint64_t> records_received_{0};
   std::atomic<std::uint64_t> records_rejected_{0};
   std::atomic<std::uint64_t> records_unauthenticated_{0};
+  std::atomic<std::uint64_t> records_trace_dropped_{0};
   std::atomic<std::uint64_t> bytes_received_{0};
   std::atomic<std::uint64_t> bytes_dropped_{0};
   AtomicHistogram receive_latency_;

@@ -6,13 +6,15 @@
 ///    decode rank's UCX worker address, the packed remote keys and strides of its KV regions, the
 ///    block ids, the compatibility information and the transfer's time budget.
 ///  - CompletionRecord: prefill -> decode over the transport, after every put of the request is
-///    remotely complete: first sampled token, last hidden state (the MTP input), logprobs.
+///    remotely complete: first sampled token, last hidden state (the MTP input), logprobs, and
+///    the W3C trace context of the prefill worker's completion span.
 ///  - FailureRecord: prefill -> decode, when the prefill side gives up on a request.
 ///
 /// Every message starts with the same 12-byte header: magic "PDKV", protocol version (u16), message
 /// type (u8), a reserved zero byte, payload length (u32). All integers are little-endian; a float
 /// is its IEEE-754 bits. Vectors and byte strings are a u32 count followed by the elements.
-/// Encoding is canonical: a buffer that decodes re-encodes to the same bytes.
+/// Encoding is canonical: a buffer that decodes re-encodes to the same bytes (except a completion
+/// record whose traceparent the decoder dropped: it re-encodes without it).
 ///
 /// Decoders never trust their input: they check the header, every length against the bytes
 /// left, enum values, the compatibility hash and trailing bytes, and return ErrorCode::Corrupt
@@ -36,7 +38,7 @@
 namespace pd::kvtransfer {
 
 /// Bumped on any incompatible change of a message or of the KV layout rules.
-inline constexpr std::uint16_t kProtocolVersion = 3;
+inline constexpr std::uint16_t kProtocolVersion = 4;
 /// "PDKV" read as a little-endian u32.
 inline constexpr std::uint32_t kWireMagic = 0x564B4450;
 inline constexpr std::size_t kWireHeaderBytes = 12;
@@ -107,6 +109,9 @@ struct KvDescriptor {
 
 using pd::TokenLogprob;  // the generation vocabulary's (generation.h)
 
+/// Longest CompletionRecord::traceparent the decoder reads (a W3C version-00 value is 55 bytes).
+inline constexpr std::uint32_t kMaxTraceparentBytes = 64;
+
 /// Sent after every put of the request is remotely complete.
 struct CompletionRecord {
   TransferId transfer_id;         ///< the descriptor's
@@ -116,6 +121,18 @@ struct CompletionRecord {
   std::vector<float> hidden_state;            ///< last position's final hidden state (MTP input)
   std::optional<TokenLogprob> first_logprob;  ///< set when logprobs were requested
   std::vector<TokenLogprob> top_logprobs;     ///< alternatives, best first
+  /// The W3C `traceparent` of the prefill worker's `prefill.completion` span (docs/observability.md),
+  /// so that the decode worker's `decode.kv_record` span is its child; empty: no trace. On the
+  /// wire a byte string after the logprobs, covered by the record's HMAC like the rest. The
+  /// decoder keeps only an exact version-00 value (`00-` 32 hex `-` 16 hex `-` 2 hex, lower case,
+  /// no all-zero id) of at most kMaxTraceparentBytes and drops anything else without copying it
+  /// (a longer one, bad syntax): the field then reads as empty, traceparent_dropped is set, and
+  /// the record is otherwise accepted. A length past the message's end is Corrupt, as for every
+  /// field. The encoder writes the field as it is.
+  std::string traceparent;
+  /// Set by the decoder only (never encoded): the record carried a traceparent it dropped. The
+  /// receiving transport counts these (pdserve_kv_records_total{event="trace_dropped"}).
+  bool traceparent_dropped = false;
   friend bool operator==(const CompletionRecord&, const CompletionRecord&) = default;
 };
 

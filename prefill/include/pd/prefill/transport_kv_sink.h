@@ -85,10 +85,12 @@ class TransportKvSink final : public KvSink {
   /// Registers the staging buffer and begins the transfer (Transport::beginTransfer, which
   /// validates the descriptor). On error nothing stays registered and on_done is never called.
   /// `transport` must outlive the transfer (until on_done). `timeline` (optional) hears the
-  /// engine's calls.
+  /// engine's calls. `record_traceparent` (may be empty) goes into the completion record
+  /// (CompletionRecord::traceparent): the context of the request's `prefill.completion` span.
   [[nodiscard]] static Result<std::unique_ptr<TransportKvSink>> create(
       kvtransfer::Transport& transport, kvtransfer::KvDescriptor descriptor, kvtransfer::Deadline deadline,
-      kvtransfer::TransferDoneFn on_done, std::shared_ptr<TransferTimeline> timeline = nullptr);
+      kvtransfer::TransferDoneFn on_done, std::shared_ptr<TransferTimeline> timeline = nullptr,
+      std::string record_traceparent = {});
   /// Aborts the transfer with Cancelled when neither complete() nor fail() was called (the
   /// timeline records nothing: dropping a sink is not the engine's failure).
   ~TransportKvSink() override;
@@ -111,7 +113,8 @@ class TransportKvSink final : public KvSink {
 
  private:
   TransportKvSink(kvtransfer::Transport& transport, kvtransfer::KvDescriptor descriptor,
-                  std::shared_ptr<Staging> staging, std::shared_ptr<TransferTimeline> timeline);
+                  std::shared_ptr<Staging> staging, std::shared_ptr<TransferTimeline> timeline,
+                  std::string record_traceparent);
   // Ends the transfer with `reason` (Transport::abort).
   void abortTransfer(const Error& reason);
 
@@ -119,6 +122,7 @@ class TransportKvSink final : public KvSink {
   const kvtransfer::KvDescriptor descriptor_;
   std::shared_ptr<Staging> staging_;            // shared with the done callback, which outlives the sink
   std::shared_ptr<TransferTimeline> timeline_;  // may be null; shared with the submitter
+  const std::string record_traceparent_;        // the completion record's trace context
   bool ended_ = false;
 };
 

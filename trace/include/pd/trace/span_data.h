@@ -39,6 +39,10 @@ struct SpanData {
   TimePoint start;
   TimePoint end;
   std::vector<Attribute> attributes;
+  /// OTLP span links: other spans this one relates to besides its parent (such as the decode
+  /// worker's decode.kv_record, a child of the prefill worker's completion span, linking its
+  /// decode.request). Encoded as `links` (traceId, spanId) only when not empty.
+  std::vector<SpanContext> links;
   bool error = false;          ///< OTLP status ERROR (else UNSET)
   std::string status_message;  ///< with error
 };

@@ -55,6 +55,8 @@ class Span {
   [[nodiscard]] Span child(std::string name, SpanKind kind = SpanKind::Internal) const;
 
   void setAttribute(std::string key, AttributeValue value);
+  /// Adds an OTLP link to `other` (ignored when `other` is invalid).
+  void addLink(const SpanContext& other);
   /// Marks the span failed (OTLP status ERROR) with `message`.
   void setError(std::string message);
   /// Ends now; later calls do nothing.
@@ -109,8 +111,11 @@ class Tracer {
   /// Records a finished child of `parent` with the given times (work timed elsewhere, such as
   /// on an engine thread). Nothing happens unless `parent` is valid and sampled and tracing is
   /// on. Returns the new span's context (for grandchildren), invalid when nothing was recorded.
+  /// `id`: the new span's id when it was drawn beforehand (newSpanId()), for a span whose
+  /// context must travel before it ends (the prefill worker's `prefill.completion`, named in the
+  /// KV completion record); invalid (the default): a fresh one.
   SpanContext record(const SpanContext& parent, std::string name, TimePoint start, TimePoint end,
-                     std::vector<Attribute> attributes = {}, SpanKind kind = SpanKind::Internal) const;
+                     std::vector<Attribute> attributes = {}, SpanKind kind = SpanKind::Internal, SpanId id = {}) const;
 
   /// The exporter (null when tracing is off); for flush() in tests and shutdown.
   [[nodiscard]] SpanExporter* exporter() const { return exporter_.get(); }
