@@ -686,7 +686,7 @@ class Generation : public std::enable_shared_from_this<Generation> {
     leg.worker = *p;
     leg.client = s_.acquire(*p);
     s_.registry.noteSent(WorkerRole::Prefill, p->key(), static_cast<std::int64_t>(req_.prompt_token_ids.size()));
-    s_.registry.noteInFlight(WorkerRole::Prefill, p->key(), 1);
+    s_.registry.noteInFlight(WorkerRole::Prefill, p->key(), 1, static_cast<std::int64_t>(leg.submit.token_ids.size()));
     leg.span = s_.tracer().startSpan("router.prefill_leg", req_.trace, trace::SpanKind::Client);
     leg.span.setAttribute("pd.worker", p->key());
     leg.span.setAttribute("pd.attempt", leg.attempts - 1);
@@ -707,7 +707,7 @@ class Generation : public std::enable_shared_from_this<Generation> {
     std::unique_ptr<http::AsyncClient> client = std::move(leg.client);
     const WorkerAddress p = *leg.worker;
     const std::string id = leg.submit.request_id;
-    s_.registry.noteInFlight(WorkerRole::Prefill, p.key(), -1);
+    s_.registry.noteInFlight(WorkerRole::Prefill, p.key(), -1, -static_cast<std::int64_t>(leg.submit.token_ids.size()));
     const bool stopped = leg.stop || aborted_;
     trace::Span span = std::move(leg.span);  // ends as this returns (with an error set on failure)
     if (!stopped && response.ok()) s_.release(p, std::move(client));

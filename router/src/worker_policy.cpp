@@ -97,23 +97,23 @@ class CacheAwarePolicy final : public WorkerPolicy {
       lo = std::min(lo, prefillLoad(w));
       hi = std::max(hi, prefillLoad(w));
     }
-    const auto least_load = [&](std::span<const std::int64_t> eligible_cached, std::int64_t need) {
-      return argmin(candidates, [&](const WorkerView& w, std::size_t i) {
-        // Ineligible candidates sort after every eligible one.
-        const bool eligible = eligible_cached.empty() || eligible_cached[i] == need;
-        return std::make_tuple(!eligible, prefillLoad(w));
-      });
-    };
     const bool imbalanced =
         hi - lo > options_.balance_abs && static_cast<double>(hi) > static_cast<double>(lo) * options_.balance_rel;
-    if (imbalanced) return {least_load({}, 0), "imbalance"};
+    if (imbalanced) {
+      return {argmin(candidates, [](const WorkerView& w, std::size_t) { return prefillLoad(w); }), "imbalance"};
+    }
     std::vector<std::string> keys;
     keys.reserve(candidates.size());
     for (const WorkerView& w : candidates) keys.push_back(w.address.key());
     const std::vector<std::int64_t> cached = index_.cachedTokens(keys, request.prompt);
-    const std::int64_t best = *std::ranges::max_element(cached);
-    if (best > 0) return {least_load(cached, best), "cache_hit"};
-    return {least_load({}, 0), "least_load"};
+    // Balanced against load: the least work before this prompt's first token, its uncached tokens
+    // plus the tokens already waiting there (as Dynamo's KV router weighs overlap against load),
+    // then the fewest requests.
+    const auto prompt = static_cast<std::int64_t>(request.prompt.size());
+    const std::size_t best = argmin(candidates, [&](const WorkerView& w, std::size_t i) {
+      return std::make_tuple(prompt - cached[i] + prefillTokenLoad(w), prefillLoad(w));
+    });
+    return {best, cached[best] > 0 ? "cache_hit" : "least_load"};
   }
 
  private:
@@ -192,10 +192,15 @@ class DecodeAffinityPolicy final : public WorkerPolicy {
 
 }  // namespace
 
+std::int64_t prefillTokenLoad(const WorkerView& w) {
+  return std::max(w.status.queued_tokens, w.in_flight_tokens);
+}
+
 std::int64_t prefillLoad(const WorkerView& w) {
-  // The poll (all routers' load) plus what this router sent since, or this router's own requests
-  // awaiting an answer when that is more (the poll is stale, or the worker stopped answering).
-  return std::max(w.status.queued_requests + w.status.running_requests + w.sent_requests, w.in_flight);
+  // The poll (every router's load) or this router's own requests awaiting an answer, whichever is
+  // more: exact for this router's requests between polls, and not stale once they are answered
+  // (what was sent since the poll would be, until the next poll).
+  return std::max(w.status.queued_requests + w.status.running_requests, w.in_flight);
 }
 
 std::unique_ptr<WorkerPolicy> makeLeastQueuedTokensPolicy() {

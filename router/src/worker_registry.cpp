@@ -131,6 +131,7 @@ struct PolledWorker {
   std::int64_t sent_requests = 0;
   std::int64_t sent_tokens = 0;
   std::int64_t in_flight = 0;
+  std::int64_t in_flight_tokens = 0;
   bool stop = false;
   // Set once at creation (with RegistryOptions::metrics); the gauges are lock-free.
   struct Gauges {
@@ -184,7 +185,8 @@ class WorkerRegistry::Impl {
     for (const auto& [key, w] : workers(role)) {
       if (!w->in_rotation || !w->status) continue;
       (w->status->busy ? busy : out)
-          .push_back(WorkerView{w->address, *w->status, w->sent_requests, w->sent_tokens, w->in_flight});
+          .push_back(
+              WorkerView{w->address, *w->status, w->sent_requests, w->sent_tokens, w->in_flight, w->in_flight_tokens});
     }
     return out.empty() ? busy : out;
   }
@@ -218,11 +220,13 @@ class WorkerRegistry::Impl {
     }
   }
 
-  void noteInFlight(WorkerRole role, const std::string& key, std::int64_t delta) {
+  void noteInFlight(WorkerRole role, const std::string& key, std::int64_t delta, std::int64_t tokens) {
     std::lock_guard lock(mu_);
     auto& map = workers(role);
-    if (auto it = map.find(key); it != map.end())
+    if (auto it = map.find(key); it != map.end()) {
       it->second->in_flight = std::max<std::int64_t>(0, it->second->in_flight + delta);
+      it->second->in_flight_tokens = std::max<std::int64_t>(0, it->second->in_flight_tokens + tokens);
+    }
   }
 
   void reportFailure(WorkerRole role, const std::string& key, const std::string& why) {
@@ -521,8 +525,8 @@ std::vector<WorkerState> WorkerRegistry::workers() const {
 void WorkerRegistry::noteSent(WorkerRole role, const std::string& worker, std::int64_t tokens) {
   impl_->noteSent(role, worker, tokens);
 }
-void WorkerRegistry::noteInFlight(WorkerRole role, const std::string& worker, std::int64_t delta) {
-  impl_->noteInFlight(role, worker, delta);
+void WorkerRegistry::noteInFlight(WorkerRole role, const std::string& worker, std::int64_t delta, std::int64_t tokens) {
+  impl_->noteInFlight(role, worker, delta, tokens);
 }
 void WorkerRegistry::reportFailure(WorkerRole role, const std::string& worker, const std::string& why) {
   impl_->reportFailure(role, worker, why);

@@ -145,7 +145,7 @@ TEST(CacheAwarePolicyTest, PicksTheLongestCachedPrefixThenTheLeastLoaded) {
   // Imbalance: b runs 8 more than a (gap > 4 and ratio > 1.5): the least loaded, cache or not.
   c[1].status.running_requests = 8;
   c[2].status.running_requests = 6;
-  c[2].sent_requests = 1;  // what the router sent since the poll counts too
+  c[2].in_flight = 7;  // the router's own requests awaiting an answer count when more than the poll
   choice = policy->choose(c, {prompt});
   EXPECT_EQ(choice.index, 0u);
   EXPECT_EQ(choice.reason, "imbalance");
@@ -154,6 +154,30 @@ TEST(CacheAwarePolicyTest, PicksTheLongestCachedPrefixThenTheLeastLoaded) {
   choice = policy->choose(c, {prompt});
   EXPECT_EQ(choice.reason, "cache_hit");
   EXPECT_EQ(choice.index, 2u);
+}
+
+TEST(CacheAwarePolicyTest, WorkWaitingBehindASmallReuseOutweighsIt) {
+  // a holds 8 of the prompt's 40 tokens. With 20 tokens of the router's own requests still
+  // waiting there, b (nothing cached, nothing waiting) gets the prompt to its first token sooner.
+  PrefixIndex index(100);
+  auto policy = makeCacheAwarePolicy(index, {});
+  const auto prompt = tokens(0, 40);
+  ASSERT_TRUE(index.apply("a:1", snapshot("ia", 1, chainOf(prompt, 2))).ok());
+  std::vector<WorkerView> c{worker("a"), worker("b")};
+  c[0].in_flight = 1;
+  c[0].in_flight_tokens = 20;
+  auto choice = policy->choose(c, {prompt});
+  EXPECT_EQ(choice.index, 1u);
+  EXPECT_EQ(choice.reason, "least_load");
+  // 4 tokens waiting: the reuse (8) is worth more than the wait.
+  c[0].in_flight_tokens = 4;
+  choice = policy->choose(c, {prompt});
+  EXPECT_EQ(choice.index, 0u);
+  EXPECT_EQ(choice.reason, "cache_hit");
+  // Polled queued tokens count the same way.
+  c[0].in_flight_tokens = 0;
+  c[0].status.queued_tokens = 30;
+  EXPECT_EQ(policy->choose(c, {prompt}).index, 1u);
 }
 
 TEST(CacheAwarePolicyTest, AWorkerOutOfRotationIsNeverChosenWhateverTheIndexSays) {

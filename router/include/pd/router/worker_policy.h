@@ -4,12 +4,14 @@
 /// a burst of requests between two polls spreads over the pool instead of piling onto one worker.
 ///
 /// Prefill (router.prefill_policy):
-///   cache_aware: the worker holding the longest cached prefix of the prompt (PrefixIndex, learnt
-///     from the workers' KV events), ties to the least loaded; least loaded when no worker holds
-///     any of it; and least loaded whenever the load is imbalanced: the most loaded worker's load
-///     exceeds the least loaded one's by more than `balance_abs` requests and by more than
-///     `balance_rel` times (SGLang's router's rule). Load (prefillLoad): queued + running (polled) +
-///     sent since the poll, or the router's own requests awaiting an answer when more.
+///   cache_aware: the worker with the least prefill work ahead of the prompt's first token: the
+///     prompt's tokens not in the worker's cached prefix (PrefixIndex, learnt from the workers'
+///     KV events) plus the tokens waiting there (prefillTokenLoad), then the fewest requests; so
+///     the longest cached prefix wins unless the work queued behind it outweighs the reuse. And the
+///     least loaded worker whenever the load is imbalanced: the most loaded worker's load exceeds
+///     the least loaded one's by more than `balance_abs` requests and by more than `balance_rel`
+///     times (SGLang's router's rule). Load (prefillLoad): queued + running at the last poll, or
+///     the router's own requests awaiting an answer when more.
 ///   power_of_two: the less loaded of two distinct candidates drawn at random.
 ///   least_queued_tokens: fewest queued tokens (polled + sent), then fewest requests.
 ///   round_robin: each worker in turn.
@@ -67,8 +69,11 @@ struct CacheAwareOptions {
   double balance_rel = 1.5;
 };
 
-/// A prefill worker's load as cache_aware and power_of_two count it.
+/// A prefill worker's load as cache_aware and power_of_two count it, in requests.
 [[nodiscard]] std::int64_t prefillLoad(const WorkerView& w);
+/// The prompt tokens waiting at a prefill worker: queued at the last poll, or the router's own
+/// requests' tokens awaiting an answer when more.
+[[nodiscard]] std::int64_t prefillTokenLoad(const WorkerView& w);
 
 [[nodiscard]] std::unique_ptr<WorkerPolicy> makeLeastQueuedTokensPolicy();
 [[nodiscard]] std::unique_ptr<WorkerPolicy> makeRoundRobinPolicy();

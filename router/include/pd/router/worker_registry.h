@@ -76,6 +76,7 @@ struct WorkerView {
   std::int64_t sent_tokens = 0;     ///< their tokens (prefill: prompt; decode: prompt + max_tokens)
   /// Requests the router has sent it and not had answered yet (noteInFlight); not reset by polls.
   std::int64_t in_flight = 0;
+  std::int64_t in_flight_tokens = 0;  ///< their tokens
 };
 
 /// Everything the registry knows about one worker (logs, tests, metrics).
@@ -136,8 +137,9 @@ class WorkerRegistry {
   [[nodiscard]] std::vector<WorkerState> workers() const;
   /// The router sent `worker` a request of `tokens` tokens (see WorkerView).
   void noteSent(WorkerRole role, const std::string& worker, std::int64_t tokens);
-  /// The router's requests to `worker` awaiting an answer changed by `delta` (+1 sent, -1 answered).
-  void noteInFlight(WorkerRole role, const std::string& worker, std::int64_t delta);
+  /// The router's requests to `worker` awaiting an answer changed by `delta` (+1 sent, -1
+  /// answered) and their tokens by `tokens`.
+  void noteInFlight(WorkerRole role, const std::string& worker, std::int64_t delta, std::int64_t tokens);
   /// A request could not reach `worker` (connection failure or timeout): counts as a failed poll.
   void reportFailure(WorkerRole role, const std::string& worker, const std::string& why);
   /// What the prefill workers' KV events say they hold; null without RegistryOptions::kv_events.
