@@ -162,6 +162,16 @@ struct Shared {
   /// is ready.
   std::optional<WorkerAddress> pick(WorkerRole role, const std::set<std::string>& tried,
                                     std::span<const TokenId> prompt) const {
+    auto picked = pickWithWork(role, tried, prompt);
+    if (!picked) return std::nullopt;
+    return picked->first;
+  }
+
+  /// pick(), with the tokens the policy expects the worker to compute (the prompt's when it has no
+  /// estimate): what the prefill leg counts as in flight there.
+  std::optional<std::pair<WorkerAddress, std::int64_t>> pickWithWork(WorkerRole role,
+                                                                     const std::set<std::string>& tried,
+                                                                     std::span<const TokenId> prompt) const {
     auto all = registry.ready(role);
     if (all.empty()) return std::nullopt;
     std::vector<WorkerView> fresh;
@@ -172,7 +182,8 @@ struct Shared {
     auto& policy = role == WorkerRole::Prefill ? *prefill_policy : *decode_policy;
     const RouteChoice choice = policy.choose(pool, RouteRequest{prompt});
     routing_decisions.labels({std::string(roleName(role)), std::string(choice.reason)}).inc();
-    return pool[choice.index].address;
+    const auto work = choice.work_tokens >= 0 ? choice.work_tokens : static_cast<std::int64_t>(prompt.size());
+    return std::make_pair(pool[choice.index].address, work);
   }
 
   std::unique_ptr<http::AsyncClient> acquire(const WorkerAddress& w) const { return clients->acquire(w.host, w.port); }
@@ -283,6 +294,7 @@ class Generation : public std::enable_shared_from_this<Generation> {
     std::unique_ptr<http::AsyncClient> client;  // of the attempt in flight
     trace::Span span;                           // router.prefill_leg of the attempt in flight
     trace::TimePoint submitted;                 // of the attempt in flight
+    std::int64_t work_tokens = 0;               // of the attempt in flight: the policy's estimate
   };
 
   /// One decode attempt. Guarded by mu_ (the fields D's callbacks alone touch too, for clarity).
@@ -670,7 +682,8 @@ class Generation : public std::enable_shared_from_this<Generation> {
       return prefillFailed(lock);
     }
     if (leg.attempts > s_.options.prefill_retries) return prefillFailed(lock);
-    auto p = s_.pick(WorkerRole::Prefill, leg.tried, leg.submit.token_ids);
+    const auto picked = s_.pickWithWork(WorkerRole::Prefill, leg.tried, leg.submit.token_ids);
+    const std::optional<WorkerAddress> p = picked ? std::optional(picked->first) : std::nullopt;
     if (!p) {
       if (leg.attempts == 0) leg.last = makeError(ErrorCode::Overloaded, "no prefill worker is ready");
       return prefillFailed(lock);
@@ -686,7 +699,8 @@ class Generation : public std::enable_shared_from_this<Generation> {
     leg.worker = *p;
     leg.client = s_.acquire(*p);
     s_.registry.noteSent(WorkerRole::Prefill, p->key(), static_cast<std::int64_t>(req_.prompt_token_ids.size()));
-    s_.registry.noteInFlight(WorkerRole::Prefill, p->key(), 1, static_cast<std::int64_t>(leg.submit.token_ids.size()));
+    leg.work_tokens = picked->second;
+    s_.registry.noteInFlight(WorkerRole::Prefill, p->key(), 1, leg.work_tokens);
     leg.span = s_.tracer().startSpan("router.prefill_leg", req_.trace, trace::SpanKind::Client);
     leg.span.setAttribute("pd.worker", p->key());
     leg.span.setAttribute("pd.attempt", leg.attempts - 1);
@@ -707,7 +721,7 @@ class Generation : public std::enable_shared_from_this<Generation> {
     std::unique_ptr<http::AsyncClient> client = std::move(leg.client);
     const WorkerAddress p = *leg.worker;
     const std::string id = leg.submit.request_id;
-    s_.registry.noteInFlight(WorkerRole::Prefill, p.key(), -1, -static_cast<std::int64_t>(leg.submit.token_ids.size()));
+    s_.registry.noteInFlight(WorkerRole::Prefill, p.key(), -1, -leg.work_tokens);
     const bool stopped = leg.stop || aborted_;
     trace::Span span = std::move(leg.span);  // ends as this returns (with an error set on failure)
     if (!stopped && response.ok()) s_.release(p, std::move(client));

@@ -100,7 +100,7 @@ class CacheAwarePolicy final : public WorkerPolicy {
     const bool imbalanced =
         hi - lo > options_.balance_abs && static_cast<double>(hi) > static_cast<double>(lo) * options_.balance_rel;
     if (imbalanced) {
-      return {argmin(candidates, [](const WorkerView& w, std::size_t) { return prefillLoad(w); }), "imbalance"};
+      return {argmin(candidates, [](const WorkerView& w, std::size_t) { return prefillLoad(w); }), "imbalance", -1};
     }
     std::vector<std::string> keys;
     keys.reserve(candidates.size());
@@ -113,7 +113,7 @@ class CacheAwarePolicy final : public WorkerPolicy {
     const std::size_t best = argmin(candidates, [&](const WorkerView& w, std::size_t i) {
       return std::make_tuple(prompt - cached[i] + prefillTokenLoad(w), prefillLoad(w));
     });
-    return {best, cached[best] > 0 ? "cache_hit" : "least_load"};
+    return {best, cached[best] > 0 ? "cache_hit" : "least_load", prompt - cached[best]};
   }
 
  private:

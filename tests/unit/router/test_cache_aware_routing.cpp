@@ -174,6 +174,7 @@ TEST(CacheAwarePolicyTest, WorkWaitingBehindASmallReuseOutweighsIt) {
   choice = policy->choose(c, {prompt});
   EXPECT_EQ(choice.index, 0u);
   EXPECT_EQ(choice.reason, "cache_hit");
+  EXPECT_EQ(choice.work_tokens, 32);  // what a computes: the 32 uncached tokens
   // Polled queued tokens count the same way.
   c[0].in_flight_tokens = 0;
   c[0].status.queued_tokens = 30;

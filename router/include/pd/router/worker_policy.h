@@ -50,6 +50,9 @@ struct RouteRequest {
 struct RouteChoice {
   std::size_t index = 0;    ///< in the candidates
   std::string_view reason;  ///< a static label: cache_hit, least_load, imbalance, power_of_two, ...
+  /// The tokens the chosen worker is expected to compute (cache_aware: the uncached ones); -1: the
+  /// whole prompt. The router counts them as waiting there until the worker answers.
+  std::int64_t work_tokens = -1;
 };
 
 class WorkerPolicy {

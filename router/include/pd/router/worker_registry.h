@@ -76,7 +76,7 @@ struct WorkerView {
   std::int64_t sent_tokens = 0;     ///< their tokens (prefill: prompt; decode: prompt + max_tokens)
   /// Requests the router has sent it and not had answered yet (noteInFlight); not reset by polls.
   std::int64_t in_flight = 0;
-  std::int64_t in_flight_tokens = 0;  ///< their tokens
+  std::int64_t in_flight_tokens = 0;  ///< the tokens the worker computes for them (uncached)
 };
 
 /// Everything the registry knows about one worker (logs, tests, metrics).
