@@ -6,6 +6,8 @@
 #include <cmath>
 #include <limits>
 
+#include "pd/common/prefix_hash.h"
+
 namespace pd::worker_api {
 
 namespace json = boost::json;
@@ -530,6 +532,99 @@ Result<WorkerStatus> parseWorkerStatus(std::string_view text) {
   r.integer("drafts_proposed", v.drafts_proposed, false, 0);
   r.integer("drafts_accepted", v.drafts_accepted, false, 0);
   if (!r.ok()) return r.status().error();
+  return v;
+}
+
+std::string toJson(const KvEvents& v) {
+  json::array blocks;
+  blocks.reserve(v.blocks.size());
+  for (const std::uint64_t b : v.blocks) blocks.emplace_back(hash64Hex(b));
+  json::array events;
+  events.reserve(v.events.size());
+  for (const KvEvent& e : v.events) {
+    events.emplace_back(
+        json::object{{"seq", e.seq}, {"op", e.stored ? "stored" : "removed"}, {"block", hash64Hex(e.block)}});
+  }
+  return dump(json::object{{"instance_id", v.instance_id},
+                           {"model_hash", hash64Hex(v.model_hash)},
+                           {"block_size", v.block_size},
+                           {"seq", v.seq},
+                           {"snapshot", v.snapshot},
+                           {"blocks", std::move(blocks)},
+                           {"events", std::move(events)},
+                           {"more", v.more}});
+}
+
+Result<KvEvents> parseKvEvents(std::string_view text) {
+  auto object = parseObject(text, "kv events");
+  if (!object.ok()) return object.error();
+  KvEvents v;
+  Reader r(*object, "kv events");
+  r.str("instance_id", v.instance_id);
+  if (r.ok() && v.instance_id.empty()) r.fail("instance_id", "must not be empty");
+  std::string model_hash;
+  r.str("model_hash", model_hash);
+  if (r.ok()) {
+    const auto h = parseHash64Hex(model_hash);
+    if (!h) r.fail("model_hash", "must be 16 hex digits");
+    v.model_hash = h.value_or(0);
+  }
+  r.integer("block_size", v.block_size, true, 1, std::int64_t{1} << 20);
+  r.unsignedInt("seq", v.seq, true);
+  r.boolean("snapshot", v.snapshot, true);
+  r.boolean("more", v.more, false);
+  const json::array* blocks = r.array("blocks", false);
+  const json::array* events = r.array("events", false);
+  if (!r.ok()) return r.status().error();
+  const std::size_t n = (blocks ? blocks->size() : 0) + (events ? events->size() : 0);
+  if (n > kMaxKvEventBlocks) return makeError(ErrorCode::InvalidArgument, "kv events: too many blocks");
+  const auto key = [](const json::value& value) -> std::optional<std::uint64_t> {
+    const auto* s = value.if_string();
+    return s ? parseHash64Hex(*s) : std::nullopt;
+  };
+  if (blocks) {
+    v.blocks.reserve(blocks->size());
+    for (const auto& b : *blocks) {
+      const auto k = key(b);
+      if (!k) return makeError(ErrorCode::InvalidArgument, "kv events.blocks must hold 16-hex-digit keys");
+      v.blocks.push_back(*k);
+    }
+  }
+  if (events) {
+    v.events.reserve(events->size());
+    for (const auto& e : *events) {
+      const auto* o = e.if_object();
+      if (o == nullptr) return makeError(ErrorCode::InvalidArgument, "kv events.events must hold objects");
+      KvEvent ev;
+      Reader er(*o, "kv events.events[]");
+      er.unsignedInt("seq", ev.seq, true);
+      std::string op;
+      std::string block;
+      er.str("op", op);
+      er.str("block", block);
+      if (!er.ok()) return er.status().error();
+      if (op != "stored" && op != "removed") {
+        return makeError(ErrorCode::InvalidArgument, "kv events.events[].op must be \"stored\" or \"removed\"");
+      }
+      ev.stored = op == "stored";
+      const auto k = parseHash64Hex(block);
+      if (!k) return makeError(ErrorCode::InvalidArgument, "kv events.events[].block must be 16 hex digits");
+      ev.block = *k;
+      if (!v.events.empty() && ev.seq != v.events.back().seq + 1) {
+        return makeError(ErrorCode::InvalidArgument, "kv events.events are not consecutive");
+      }
+      v.events.push_back(ev);
+    }
+  }
+  if (v.snapshot && !v.events.empty()) {
+    return makeError(ErrorCode::InvalidArgument, "kv events: a snapshot carries no events");
+  }
+  if (!v.snapshot && !v.blocks.empty()) {
+    return makeError(ErrorCode::InvalidArgument, "kv events: only a snapshot carries blocks");
+  }
+  if (!v.events.empty() && v.events.back().seq != v.seq) {
+    return makeError(ErrorCode::InvalidArgument, "kv events: the last event is not seq");
+  }
   return v;
 }
 

@@ -87,7 +87,7 @@ PrefillEngine::PrefillEngine(model::Engine& engine, PrefillEngineOptions options
   stats_.free_blocks = options_.cache_blocks;
   reuse_granule_ = std::lcm(options_.block_size, std::min(options_.chunk_size, options_.token_budget));
   if (options_.prefix_cache_blocks > 0)
-    prefix_.emplace(options_.prefix_cache_blocks, options_.block_size, options_.model_hash);
+    prefix_.emplace(options_.prefix_cache_blocks, options_.block_size, options_.model_hash, options_.kv_events);
 }
 
 PrefillEngine::~PrefillEngine() {

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <charconv>
 #include <condition_variable>
 #include <map>
 #include <mutex>
@@ -20,6 +21,7 @@
 #include "pd/engine/model_hash.h"
 #include "pd/kvtransfer/ucx_transport.h"
 #include "pd/kvtransfer/wire.h"
+#include "pd/prefill/kv_event_log.h"
 #include "pd/prefill/prefill_engine.h"
 #include "pd/prefill/transport_kv_sink.h"
 #include "pd/trace/tracer.h"
@@ -80,6 +82,9 @@ class PrefillServer::Impl {
   Impl(std::unique_ptr<model::Engine> engine, PrefillServerOptions options)
       : options_(std::move(options)), model_(std::move(engine)) {
     registerMetrics();
+    if (std::min(options_.prefill.prefix_cache_blocks, options_.prefill.cache_blocks) > 0) {
+      kv_events_ = std::make_unique<KvEventLog>(instance_id_, options_.model_hash, options_.prefill.cache_block_size);
+    }
   }
 
   Status start() {
@@ -101,6 +106,8 @@ class PrefillServer::Impl {
                       [this](const http::Request& r, http::Exchange ex) { onSubmit(r, std::move(ex)); }});
     routes.push_back({"POST", std::string(worker_api::kPrefillCancelPath),
                       [this](const http::Request& r, http::Exchange ex) { onCancel(r, ex); }});
+    routes.push_back({"GET", std::string(worker_api::kKvEventsPath),
+                      [this](const http::Request& r, http::Exchange ex) { onKvEvents(r, ex); }});
     http::Probes probes;
     probes.not_ready = [this] { return notReadyReason(); };
     probes.metrics = [this] {
@@ -217,6 +224,7 @@ class PrefillServer::Impl {
   PrefillEngineOptions engineOptionsWithHash() const {
     PrefillEngineOptions o = engineOptions(options_.prefill);
     o.model_hash = options_.model_hash;  // the prefix cache's chain root: KV of one model only
+    o.kv_events = kv_events_.get();
     return o;
   }
 
@@ -482,6 +490,42 @@ class PrefillServer::Impl {
     }
   }
 
+  // GET kv_events?after=SEQ&instance=ID (kv_event_log.h). Without a prefix cache the worker holds
+  // nothing: an empty snapshot, so a router's index for it stays empty.
+  void onKvEvents(const http::Request& request, http::Exchange& ex) {
+    std::uint64_t after = 0;
+    std::string_view instance;
+    std::string_view query = request.query;
+    while (!query.empty()) {
+      const std::string_view pair = query.substr(0, query.find('&'));
+      query.remove_prefix(std::min(query.size(), pair.size() + 1));
+      const auto eq = pair.find('=');
+      const std::string_view name = pair.substr(0, eq);
+      const std::string_view value = eq == std::string_view::npos ? std::string_view{} : pair.substr(eq + 1);
+      if (name == "after") {
+        const auto [ptr, ec] = std::from_chars(value.data(), value.data() + value.size(), after);
+        if (ec != std::errc() || ptr != value.data() + value.size()) {
+          return reject(ex, makeError(ErrorCode::InvalidArgument, "kv_events: after must be an unsigned integer"));
+        }
+      } else if (name == "instance") {
+        if (value.size() > worker_api::kMaxIdBytes) {
+          return reject(ex, makeError(ErrorCode::InvalidArgument, "kv_events: instance is too long"));
+        }
+        instance = value;
+      }
+    }
+    worker_api::KvEvents events;
+    if (kv_events_) {
+      events = kv_events_->read(instance, after);
+    } else {
+      events.instance_id = instance_id_;
+      events.model_hash = options_.model_hash;
+      events.block_size = options_.prefill.cache_block_size;
+      events.snapshot = true;
+    }
+    ex.respond(http::Response::withBody(200, std::string(kJson), worker_api::toJson(events)));
+  }
+
   void onCancel(const http::Request& request, http::Exchange& ex) {
     Result<worker_api::AbortRequest> parsed = worker_api::parseAbortRequest(request.body);
     if (!parsed.ok()) return (void)ex.respond(errorResponse(parsed.error()));
@@ -637,6 +681,9 @@ class PrefillServer::Impl {
   Metrics m_;
   std::unique_ptr<trace::Tracer> tracer_;  // after the registry it reports to; before every call
   std::unique_ptr<model::Engine> model_;
+  // The prefix cache's events (null without one); before the engine that appends to it.
+  const std::string instance_id_ = randomInstanceId();
+  std::unique_ptr<KvEventLog> kv_events_;
 
   mutable std::mutex transports_mutex_;
   std::vector<std::pair<kvt::CompatInfo, std::unique_ptr<kvt::Transport>>> transports_;  // guarded

@@ -3,42 +3,17 @@
 #include <algorithm>
 #include <utility>
 
+#include "pd/common/prefix_hash.h"
+
 namespace pd::prefill {
 
-namespace {
-
-// splitmix64's finalizer: spreads every input bit over the output.
-std::uint64_t mix(std::uint64_t x) {
-  x ^= x >> 30;
-  x *= 0xbf58476d1ce4e5b9ULL;
-  x ^= x >> 27;
-  x *= 0x94d049bb133111ebULL;
-  x ^= x >> 31;
-  return x;
-}
-
-std::uint64_t blockKey(std::uint64_t parent, std::span<const std::int32_t> tokens) {
-  std::uint64_t h = mix(parent ^ 0x9e3779b97f4a7c15ULL);
-  for (const std::int32_t t : tokens) h = mix(h ^ static_cast<std::uint32_t>(t)) + 0x9e3779b97f4a7c15ULL;
-  return mix(h ^ tokens.size());
-}
-
-}  // namespace
-
-PrefixCache::PrefixCache(std::int64_t capacity_blocks, std::int64_t block_size, std::uint64_t model_hash)
-    : capacity_(capacity_blocks), block_size_(block_size), model_hash_(model_hash) {}
+PrefixCache::PrefixCache(std::int64_t capacity_blocks, std::int64_t block_size, std::uint64_t model_hash,
+                         KvEventLog* events)
+    : capacity_(capacity_blocks), block_size_(block_size), model_hash_(model_hash), events_(events) {}
 
 std::vector<std::uint64_t> PrefixCache::chain(std::uint64_t model_hash, std::span<const std::int32_t> tokens,
                                               std::int64_t block_size, std::int64_t max_blocks) {
-  std::vector<std::uint64_t> keys;
-  const std::int64_t full = std::min(static_cast<std::int64_t>(tokens.size()) / block_size, max_blocks);
-  std::uint64_t parent = model_hash;
-  for (std::int64_t i = 0; i < full; ++i) {
-    parent = blockKey(parent,
-                      tokens.subspan(static_cast<std::size_t>(i * block_size), static_cast<std::size_t>(block_size)));
-    keys.push_back(parent);
-  }
-  return keys;
+  return prefixHashChain(model_hash, tokens, block_size, max_blocks);
 }
 
 const PrefixCache::Entry* PrefixCache::find(std::uint64_t key, std::uint64_t parent,
@@ -112,6 +87,7 @@ std::vector<std::int32_t> PrefixCache::insert(std::span<const std::int32_t> toke
         continue;
       }
       refused.push_back(entries_.at(*victim).block);
+      if (events_ != nullptr) events_->removed(*victim);
       entries_.erase(*victim);
       idle_.erase(victim);
       evictions_ += 1;
@@ -123,6 +99,7 @@ std::vector<std::int32_t> PrefixCache::insert(std::span<const std::int32_t> toke
     const auto p = static_cast<std::size_t>(i - first_block);
     if (p < payloads.size()) e.payload = std::move(payloads[p]);
     entries_.emplace(key, std::move(e));
+    if (events_ != nullptr) events_->stored(key);
     taken.push_back(key);
   }
   // New blocks start idle, the chain's root most recently used (as release() orders them).
@@ -136,6 +113,7 @@ std::vector<std::int32_t> PrefixCache::evict(std::int64_t n) {
     const std::uint64_t key = idle_.front();
     idle_.pop_front();
     freed.push_back(entries_.at(key).block);
+    if (events_ != nullptr) events_->removed(key);
     entries_.erase(key);
     evictions_ += 1;
   }

@@ -121,7 +121,9 @@ std::uint64_t randomSeed() {
 
 PdBackendOptions pdBackendOptionsFromConfig(const RouterConfig& config) {
   PdBackendOptions o;
-  o.prefill_policy = config.prefill_policy;
+  o.prefill_policy = resolvePrefillPolicy(config);
+  o.cache_aware = {config.cache_aware_balance_abs, config.cache_aware_balance_rel};
+  o.decode_affinity_entries = static_cast<std::size_t>(config.decode_affinity_entries);
   o.prefill_retries = config.prefill_retries;
   o.decode_retries = config.decode_retries;
   o.max_resumes = config.max_resumes;
@@ -147,6 +149,7 @@ struct Shared {
   std::unique_ptr<WorkerPolicy> decode_policy;
   metrics::Counter& prefill_retries;
   metrics::Counter& decode_retries;
+  metrics::Family<metrics::Counter>& routing_decisions;
   ResumeMetrics resume_metrics;
   std::shared_ptr<http::IoThreads> io;
   bool owns_io = false;
@@ -158,8 +161,20 @@ struct Shared {
     return options.tracer != nullptr ? *options.tracer : trace::Tracer::disabled();
   }
 
-  /// A worker of `role` by policy, preferring those not in `tried`; nullopt when none is ready.
-  std::optional<WorkerAddress> pick(WorkerRole role, const std::set<std::string>& tried) const {
+  /// A worker of `role` by policy for `prompt`, preferring those not in `tried`; nullopt when none
+  /// is ready.
+  std::optional<WorkerAddress> pick(WorkerRole role, const std::set<std::string>& tried,
+                                    std::span<const TokenId> prompt) const {
+    auto picked = pickWithWork(role, tried, prompt);
+    if (!picked) return std::nullopt;
+    return picked->first;
+  }
+
+  /// pick(), with the tokens the policy expects the worker to compute (the prompt's when it has no
+  /// estimate): what the prefill leg counts as in flight there.
+  std::optional<std::pair<WorkerAddress, std::int64_t>> pickWithWork(WorkerRole role,
+                                                                     const std::set<std::string>& tried,
+                                                                     std::span<const TokenId> prompt) const {
     auto all = registry.ready(role);
     if (all.empty()) return std::nullopt;
     std::vector<WorkerView> fresh;
@@ -168,7 +183,10 @@ struct Shared {
     }
     const auto& pool = fresh.empty() ? all : fresh;
     auto& policy = role == WorkerRole::Prefill ? *prefill_policy : *decode_policy;
-    return pool[policy.choose(pool)].address;
+    const RouteChoice choice = policy.choose(pool, RouteRequest{prompt});
+    routing_decisions.labels({std::string(roleName(role)), std::string(choice.reason)}).inc();
+    const auto work = choice.work_tokens >= 0 ? choice.work_tokens : static_cast<std::int64_t>(prompt.size());
+    return std::make_pair(pool[choice.index].address, work);
   }
 
   std::unique_ptr<http::AsyncClient> acquire(const WorkerAddress& w) const { return clients->acquire(w.host, w.port); }
@@ -283,6 +301,7 @@ class Generation : public std::enable_shared_from_this<Generation> {
     std::unique_ptr<http::AsyncClient> client;  // of the attempt in flight
     trace::Span span;                           // router.prefill_leg of the attempt in flight
     trace::TimePoint submitted;                 // of the attempt in flight
+    std::int64_t work_tokens = 0;               // of the attempt in flight: the policy's estimate
   };
 
   /// One decode attempt. Guarded by mu_ (the fields D's callbacks alone touch too, for clarity).
@@ -323,7 +342,7 @@ class Generation : public std::enable_shared_from_this<Generation> {
       last_ = makeError(ErrorCode::Timeout, "the request's deadline passed");
       return fail();
     }
-    auto d = s_.pick(WorkerRole::Decode, tried_);
+    auto d = s_.pick(WorkerRole::Decode, tried_, req_.prompt_token_ids);
     if (!d) {
       if (attempt_ == 0) last_ = makeError(ErrorCode::Overloaded, "no decode worker is ready");
       return fail();
@@ -718,7 +737,8 @@ class Generation : public std::enable_shared_from_this<Generation> {
       return prefillFailed(lock);
     }
     if (leg.attempts > s_.options.prefill_retries) return prefillFailed(lock);
-    auto p = s_.pick(WorkerRole::Prefill, leg.tried);
+    const auto picked = s_.pickWithWork(WorkerRole::Prefill, leg.tried, leg.submit.token_ids);
+    const std::optional<WorkerAddress> p = picked ? std::optional(picked->first) : std::nullopt;
     if (!p) {
       if (leg.attempts == 0) leg.last = makeError(ErrorCode::Overloaded, "no prefill worker is ready");
       return prefillFailed(lock);
@@ -734,6 +754,8 @@ class Generation : public std::enable_shared_from_this<Generation> {
     leg.worker = *p;
     leg.client = s_.acquire(*p);
     s_.registry.noteSent(WorkerRole::Prefill, p->key(), static_cast<std::int64_t>(req_.prompt_token_ids.size()));
+    leg.work_tokens = picked->second;
+    s_.registry.noteInFlight(WorkerRole::Prefill, p->key(), 1, leg.work_tokens);
     leg.span = s_.tracer().startSpan("router.prefill_leg", a_->parent, trace::SpanKind::Client);
     leg.span.setAttribute("pd.worker", p->key());
     leg.span.setAttribute("pd.attempt", leg.attempts - 1);
@@ -754,6 +776,7 @@ class Generation : public std::enable_shared_from_this<Generation> {
     std::unique_ptr<http::AsyncClient> client = std::move(leg.client);
     const WorkerAddress p = *leg.worker;
     const std::string id = leg.submit.request_id;
+    s_.registry.noteInFlight(WorkerRole::Prefill, p.key(), -1, -leg.work_tokens);
     const bool stopped = leg.stop || aborted_;
     trace::Span span = std::move(leg.span);  // ends as this returns (with an error set on failure)
     if (!stopped && response.ok()) s_.release(p, std::move(client));
@@ -979,7 +1002,11 @@ PdBackend::~PdBackend() = default;
 Result<std::unique_ptr<PdBackend>> PdBackend::create(PdBackendOptions options, WorkerRegistry& registry,
                                                      const tokenizer::Tokenizer& tokenizer,
                                                      metrics::Registry& metrics) {
-  PD_ASSIGN_OR_RETURN(auto prefill_policy, makePrefillPolicy(options.prefill_policy));
+  PD_ASSIGN_OR_RETURN(auto prefill_policy,
+                      makePrefillPolicy(options.prefill_policy, registry.prefixIndex(), options.cache_aware));
+  if (options.decode_affinity_entries == 0) {
+    return makeError(ErrorCode::InvalidArgument, "decode_affinity_entries must be positive");
+  }
   if (options.prefill_retries < 0 || options.decode_retries < 0 || options.max_resumes < 0 ||
       options.max_generations < 1) {
     return makeError(ErrorCode::InvalidArgument, "retries and max_resumes must be >= 0 and max_generations >= 1");
@@ -995,13 +1022,18 @@ Result<std::unique_ptr<PdBackend>> PdBackend::create(PdBackendOptions options, W
   auto clients = WorkerClientPool::create(io->executor(), {.idle_age = options.pool_idle_age});
   auto& retries = metrics.counter("pdserve_router_retries_total",
                                   "Generation legs retried on another worker, by leg (prefill or decode).", {"leg"});
+  auto& decisions =
+      metrics.counter("pdserve_router_routing_decisions_total",
+                      "Workers chosen, by role and the policy's reason (docs/routing.md).", {"role", "reason"});
+  auto decode_policy = makeDecodeAffinityPolicy(options.decode_affinity_entries);
   Shared shared{std::move(options),
                 registry,
                 tokenizer,
                 std::move(prefill_policy),
-                makeMostFreeBlocksPolicy(),
+                std::move(decode_policy),
                 retries.labels({"prefill"}),
                 retries.labels({"decode"}),
+                decisions,
                 ResumeMetrics(metrics),
                 std::move(io),
                 owns_io,

@@ -35,8 +35,22 @@ void registerOptions(config::OptionSet& set, RouterConfig& cfg) {
       .add("health_failures", &cfg.health_failures, "failed polls in a row that take a worker out of rotation", 1, 1000)
       .add("model_hash", &cfg.model_hash,
            "model_hash every worker must report (empty: the first one a ready worker reports)")
-      .add("prefill_policy", &cfg.prefill_policy, "how a prefill worker is chosen",
-           {"least_queued_tokens", "round_robin"})
+      .add("prefill_policy", &cfg.prefill_policy,
+           "how a prefill worker is chosen (docs/routing.md); auto: cache_aware with more than one prefill worker, "
+           "least_queued_tokens otherwise",
+           {"auto", "cache_aware", "power_of_two", "least_queued_tokens", "round_robin"})
+      .add("kv_events_interval_ms", &cfg.kv_events_interval_ms,
+           "cache_aware: how often each prefill worker's KV events (blocks stored and evicted) are read", 1, 600000)
+      .add("kv_index_max_blocks", &cfg.kv_index_max_blocks,
+           "cache_aware: most prefix-cache blocks indexed per prefill worker (more: the worker is not indexed)", 1,
+           1LL << 24)
+      .add("cache_aware_balance_abs", &cfg.cache_aware_balance_abs,
+           "cache_aware: load gap (requests) beyond which the least loaded worker is taken, with the ratio", 0, 1 << 20)
+      .add("cache_aware_balance_rel", &cfg.cache_aware_balance_rel,
+           "cache_aware: load ratio beyond which the least loaded worker is taken, with the gap", 1.0, 1e6)
+      .add("decode_affinity_entries", &cfg.decode_affinity_entries,
+           "conversations whose decode worker the router remembers (a later turn prefers it while it has room)", 1,
+           1 << 24)
       .add("prefill_retries", &cfg.prefill_retries, "retries of a failed prefill on another prefill worker", 0, 16)
       .add("decode_retries", &cfg.decode_retries,
            "retries of a request on another decode worker while no token reached the client", 0, 16)
@@ -68,6 +82,11 @@ void registerOptions(config::OptionSet& set, RouterConfig& cfg) {
       .add("reasoning_parser", &cfg.reasoning_parser,
            "split <think>...</think> into reasoning_content (auto: when the chat template uses <think>)",
            {"auto", "deepseek_r1", "none"});
+}
+
+std::string resolvePrefillPolicy(const RouterConfig& cfg) {
+  if (cfg.prefill_policy != "auto") return cfg.prefill_policy;
+  return cfg.prefill_workers.size() > 1 || !cfg.prefill_service.empty() ? "cache_aware" : "least_queued_tokens";
 }
 
 }  // namespace pd::router

@@ -15,6 +15,7 @@
 
 #include "pd/common/http_client.h"
 #include "pd/common/log.h"
+#include "pd/common/prefix_hash.h"
 
 namespace pd::router {
 namespace {
@@ -108,6 +109,9 @@ Result<RegistryOptions> registryOptionsFromConfig(const RouterConfig& config) {
   o.health_timeout = std::chrono::milliseconds{config.health_timeout_ms};
   o.health_failures = config.health_failures;
   o.model_hash = config.model_hash;
+  o.kv_events = resolvePrefillPolicy(config) == "cache_aware";
+  o.kv_events_interval = std::chrono::milliseconds{config.kv_events_interval_ms};
+  o.kv_index_max_blocks = config.kv_index_max_blocks;
   return o;
 }
 
@@ -126,6 +130,8 @@ struct PolledWorker {
   std::optional<worker_api::WorkerStatus> status;
   std::int64_t sent_requests = 0;
   std::int64_t sent_tokens = 0;
+  std::int64_t in_flight = 0;
+  std::int64_t in_flight_tokens = 0;
   bool stop = false;
   // Set once at creation (with RegistryOptions::metrics); the gauges are lock-free.
   struct Gauges {
@@ -141,14 +147,26 @@ struct PolledWorker {
   // The poller's own.
   http::Client client;
   std::thread thread;
+  // The KV event follower's own (prefill workers, with kv_events).
+  http::Client events_client;
+  std::thread events_thread;
 
   PolledWorker(WorkerAddress a, WorkerRole r, bool d)
-      : address(std::move(a)), role(r), key(address.key()), discovered(d), client(address.host, address.port) {}
+      : address(std::move(a)),
+        role(r),
+        key(address.key()),
+        discovered(d),
+        client(address.host, address.port),
+        events_client(address.host, address.port) {}
 };
 
 class WorkerRegistry::Impl {
  public:
-  explicit Impl(RegistryOptions options) : options_(std::move(options)), pinned_hash_(options_.model_hash) {}
+  explicit Impl(RegistryOptions options) : options_(std::move(options)), pinned_hash_(options_.model_hash) {
+    if (options_.kv_events) index_ = std::make_unique<PrefixIndex>(options_.kv_index_max_blocks, options_.metrics);
+  }
+
+  const PrefixIndex* prefixIndex() const { return index_.get(); }
   Impl(const Impl&) = delete;
   Impl& operator=(const Impl&) = delete;
 
@@ -166,7 +184,9 @@ class WorkerRegistry::Impl {
     std::vector<WorkerView> busy;
     for (const auto& [key, w] : workers(role)) {
       if (!w->in_rotation || !w->status) continue;
-      (w->status->busy ? busy : out).push_back(WorkerView{w->address, *w->status, w->sent_requests, w->sent_tokens});
+      (w->status->busy ? busy : out)
+          .push_back(
+              WorkerView{w->address, *w->status, w->sent_requests, w->sent_tokens, w->in_flight, w->in_flight_tokens});
     }
     return out.empty() ? busy : out;
   }
@@ -197,6 +217,15 @@ class WorkerRegistry::Impl {
     if (auto it = map.find(key); it != map.end()) {
       ++it->second->sent_requests;
       it->second->sent_tokens += tokens;
+    }
+  }
+
+  void noteInFlight(WorkerRole role, const std::string& key, std::int64_t delta, std::int64_t tokens) {
+    std::lock_guard lock(mu_);
+    auto& map = workers(role);
+    if (auto it = map.find(key); it != map.end()) {
+      it->second->in_flight = std::max<std::int64_t>(0, it->second->in_flight + delta);
+      it->second->in_flight_tokens = std::max<std::int64_t>(0, it->second->in_flight_tokens + tokens);
     }
   }
 
@@ -246,13 +275,17 @@ class WorkerRegistry::Impl {
       map.emplace(raw->key, std::move(w));
     }
     raw->thread = std::thread([this, raw] { pollLoop(*raw); });
+    if (index_ && role == WorkerRole::Prefill) raw->events_thread = std::thread([this, raw] { eventsLoop(*raw); });
   }
 
-  /// Stops and joins the poller of a worker already taken out of the map.
-  static void retire(std::unique_ptr<PolledWorker> w) {
+  /// Stops and joins the threads of a worker already taken out of the map.
+  void retire(std::unique_ptr<PolledWorker> w) {
     if (w->gauges) w->gauges->in_rotation->set(0);
     w->client.cancel();
+    w->events_client.cancel();
     if (w->thread.joinable()) w->thread.join();
+    if (w->events_thread.joinable()) w->events_thread.join();
+    if (index_) index_->forget(w->key);
   }
 
   void stopAll() {
@@ -263,6 +296,7 @@ class WorkerRegistry::Impl {
         for (auto& [key, w] : *map) {
           w->stop = true;
           w->client.cancel();
+          w->events_client.cancel();
         }
       }
     }
@@ -271,8 +305,61 @@ class WorkerRegistry::Impl {
     for (auto* map : {&prefill_, &decode_}) {
       for (auto& [key, w] : *map) {
         if (w->thread.joinable()) w->thread.join();
+        if (w->events_thread.joinable()) w->events_thread.join();
       }
     }
+  }
+
+  /// Follows one prefill worker's KV events into the index while it is in rotation.
+  void eventsLoop(PolledWorker& w) {
+    while (true) {
+      std::string model_hash;
+      bool in_rotation = false;
+      {
+        std::lock_guard lock(mu_);
+        if (w.stop) return;
+        in_rotation = w.in_rotation && w.status.has_value();
+        if (in_rotation) model_hash = w.status->model_hash;
+      }
+      const bool more = in_rotation && readEvents(w, model_hash);
+      std::unique_lock lock(mu_);
+      if (w.stop) return;
+      if (!more) cv_.wait_for(lock, options_.kv_events_interval, [&] { return w.stop; });
+    }
+  }
+
+  /// One read of `w`'s events into the index; true when the worker says more follow at once.
+  bool readEvents(PolledWorker& w, const std::string& model_hash) {
+    const PrefixIndex::Cursor cursor = index_->cursor(w.key);
+    http::ClientRequest get{
+        "GET",
+        fmt::format("{}?after={}&instance={}", worker_api::kKvEventsPath, cursor.after, cursor.instance),
+        {},
+        {}};
+    signRequest(options_.auth.get(), get.method, get.target, get.body, get.headers);
+    auto response = w.events_client.send(get, options_.health_timeout);
+    if (!response.ok() || response.value().status != 200) {
+      log::debug(kLog, "prefill worker {}: kv events: {}", w.key,
+                 response.ok() ? fmt::format("HTTP {}", response.value().status) : response.error().toString());
+      return false;
+    }
+    auto events = worker_api::parseKvEvents(response.value().body);
+    Status applied = okStatus();
+    if (!events.ok()) {
+      index_->forget(w.key);
+      applied = events.error();
+    } else if (hash64Hex(events.value().model_hash) != model_hash) {
+      index_->forget(w.key);
+      applied = makeError(ErrorCode::Corrupt, fmt::format("kv events of model {} from a worker of model {}",
+                                                          hash64Hex(events.value().model_hash), model_hash));
+    } else {
+      applied = index_->apply(w.key, events.value());
+    }
+    if (!applied.ok()) {
+      log::warn(kLog, "prefill worker {}: kv events refused: {}", w.key, applied.error().toString());
+      return false;
+    }
+    return events.value().more;
   }
 
   void pollLoop(PolledWorker& w) {
@@ -406,6 +493,7 @@ class WorkerRegistry::Impl {
   }
 
   RegistryOptions options_;
+  std::unique_ptr<PrefixIndex> index_;  // with kv_events; before the threads that feed it
   mutable std::mutex mu_;
   std::condition_variable cv_;
   WorkerMap prefill_;
@@ -437,8 +525,14 @@ std::vector<WorkerState> WorkerRegistry::workers() const {
 void WorkerRegistry::noteSent(WorkerRole role, const std::string& worker, std::int64_t tokens) {
   impl_->noteSent(role, worker, tokens);
 }
+void WorkerRegistry::noteInFlight(WorkerRole role, const std::string& worker, std::int64_t delta, std::int64_t tokens) {
+  impl_->noteInFlight(role, worker, delta, tokens);
+}
 void WorkerRegistry::reportFailure(WorkerRole role, const std::string& worker, const std::string& why) {
   impl_->reportFailure(role, worker, why);
+}
+const PrefixIndex* WorkerRegistry::prefixIndex() const {
+  return impl_->prefixIndex();
 }
 
 }  // namespace pd::router

@@ -396,7 +396,8 @@ class FakePrefillWorker final : public FakeWorkerBase {
       : FakeWorkerBase("prefill"), decoders_(decoders) {
     serve({{"POST", std::string(worker_api::kPrefillPath),
             [this](http::Request r, http::Exchange ex) { submit(std::move(r), std::move(ex)); }},
-           {"POST", std::string(worker_api::kPrefillCancelPath), [this](http::Request r, http::Exchange ex) {
+           {"POST", std::string(worker_api::kPrefillCancelPath),
+            [this](http::Request r, http::Exchange ex) {
               auto a = worker_api::parseAbortRequest(r.body);
               if (!a.ok()) return (void)ex.respond(workerError(ErrorCode::InvalidArgument, "bad cancel"));
               std::optional<Hung> hung;
@@ -413,7 +414,28 @@ class FakePrefillWorker final : public FakeWorkerBase {
                 hung->exchange.respond(workerError(ErrorCode::Cancelled, "cancelled"));
               }
               ex.respond(workerJson(hung ? R"({"found":true})" : R"({"found":false})"));
+            }},
+           {"GET", std::string(worker_api::kKvEventsPath), [this](http::Request r, http::Exchange ex) {
+              std::function<std::string(const http::Request&)> answer;
+              {
+                std::lock_guard lock(mu_);
+                answer = kv_events_;
+                kv_event_queries_.push_back(r.query);
+              }
+              if (!answer) return (void)ex.respond(workerError(ErrorCode::NotFound, "no kv events"));
+              ex.respond(workerJson(answer(r)));
             }}});
+  }
+
+  /// What GET /v1/internal/kv_events answers (200 with the returned body); unset: 404.
+  void setKvEvents(std::function<std::string(const http::Request&)> answer) {
+    std::lock_guard lock(mu_);
+    kv_events_ = std::move(answer);
+  }
+  /// The query strings of the kv_events reads so far.
+  [[nodiscard]] std::vector<std::string> kvEventQueries() const {
+    std::lock_guard lock(mu_);
+    return kv_event_queries_;
   }
   ~FakePrefillWorker() {
     shutdown();
@@ -514,6 +536,8 @@ class FakePrefillWorker final : public FakeWorkerBase {
   std::vector<FakeDecodeWorker*> decoders_;
   PrefillBehaviour behaviour_ = PrefillBehaviour::Ok;
   std::vector<const FakeDecodeWorker*> unreachable_;  // guarded by mu_
+  std::function<std::string(const http::Request&)> kv_events_;  // guarded by mu_
+  std::vector<std::string> kv_event_queries_;                   // guarded by mu_
   std::vector<worker_api::PrefillSubmit> submits_;
   std::vector<std::string> cancels_;
   std::vector<std::string> gone_;

@@ -71,7 +71,23 @@ int runBenchServe(const std::vector<std::string>& args) {
       .add("svg", &cfg.svg, "write an SVG chart (TTFT vs throughput, tokens/s vs concurrency)")
       .add("net_latency_ms", &cfg.net_latency_ms, "recorded in the JSON for pdserve plan --calibrate (-1: not given)",
            -1, 1e6)
-      .add("quiet", &cfg.quiet, "no progress bar or per-level lines on stderr");
+      .add("quiet", &cfg.quiet, "no progress bar or per-level lines on stderr")
+      .add("workload", &cfg.workload,
+           "random: the sweep; multiturn / shared-prefix: prefix-reuse workloads at the first --concurrency "
+           "(docs/benchmarks.md, \"Prefix reuse\")",
+           {"random", "multiturn", "shared-prefix"})
+      .add("baseline_url", &cfg.baseline_url,
+           "prefix-reuse workloads: a second server run right after --url (e.g. round_robin, prefix cache off); "
+           "multiturn_ttft_ratio compares the two")
+      .add("conversations", &cfg.conversations, "multiturn: conversations (N)", 1, 1 << 20)
+      .add("turns", &cfg.turns, "multiturn: turns per conversation (T)", 1, 1024)
+      .add("system_tokens", &cfg.system_tokens, "multiturn: tokens of the system prompt every conversation shares", 0,
+           1 << 20)
+      .add("turn_tokens", &cfg.turn_tokens, "multiturn: new user tokens per turn", 1, 1 << 20)
+      .add("prefixes", &cfg.prefixes, "shared-prefix: distinct long prefixes (K)", 1, 1 << 20)
+      .add("prefix_tokens", &cfg.prefix_tokens, "shared-prefix: tokens per prefix", 1, 1 << 20)
+      .add("suffix_tokens", &cfg.suffix_tokens, "shared-prefix: tokens per suffix", 0, 1 << 20)
+      .add("requests_per_prefix", &cfg.requests_per_prefix, "shared-prefix: requests per prefix", 1, 1 << 20);
   auto loaded = loadCommandOptions(
       "usage: pdserve bench serve [--url http://127.0.0.1:8000] [--model NAME] [--endpoint completions|chat]\n"
       "                           [--input-tokens N --output-tokens N | --prompts FILE.jsonl]\n"

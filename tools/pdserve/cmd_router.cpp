@@ -53,7 +53,9 @@ Result<router::RegistryOptions> validate(const router::RouterConfig& cfg) {
     return makeError(ErrorCode::InvalidArgument,
                      "no decode workers: set router.decode_workers (host:port list) or router.decode_service");
   }
-  if (auto policy = router::makePrefillPolicy(cfg.prefill_policy); !policy.ok()) return policy.error();
+  if (!router::isPrefillPolicy(cfg.prefill_policy)) {
+    return makeError(ErrorCode::InvalidArgument, fmt::format("unknown router.prefill_policy '{}'", cfg.prefill_policy));
+  }
   return registry;
 }
 

@@ -364,3 +364,62 @@ TEST(WorkerApi, ConstraintRoundTripsInBothRequestsAndIsSizeLimited) {
 }
 
 }  // namespace pd::worker_api
+
+namespace pd::worker_api {
+namespace {
+
+KvEvents sampleEvents() {
+  KvEvents v;
+  v.instance_id = "0123456789abcdef";
+  v.model_hash = 0xfedcba9876543210ULL;
+  v.block_size = 64;
+  v.seq = 12;
+  v.events = {{10, true, 0xffffffffffffffffULL}, {11, false, 1}, {12, true, 0x8000000000000000ULL}};
+  v.more = true;
+  return v;
+}
+
+TEST(WorkerApi, KvEventsRoundTripWithFullWidthKeys) {
+  const KvEvents events = sampleEvents();
+  auto parsed = parseKvEvents(toJson(events));
+  ASSERT_TRUE(parsed.ok()) << parsed.error().toString();
+  EXPECT_EQ(*parsed, events);
+  KvEvents snapshot;
+  snapshot.instance_id = "w-1";
+  snapshot.model_hash = 7;
+  snapshot.block_size = 16;
+  snapshot.seq = 99;
+  snapshot.snapshot = true;
+  snapshot.blocks = {0, 5, 0xdeadbeefcafef00dULL};
+  auto back = parseKvEvents(toJson(snapshot));
+  ASSERT_TRUE(back.ok()) << back.error().toString();
+  EXPECT_EQ(*back, snapshot);
+}
+
+TEST(WorkerApi, KvEventsRefusesGarbledAnswers) {
+  const std::string good = toJson(sampleEvents());
+  const auto with = [&](std::string_view from, std::string_view to) {
+    std::string s = good;
+    const auto at = s.find(from);
+    EXPECT_NE(at, std::string::npos) << from;
+    return s.replace(at, from.size(), to);
+  };
+  EXPECT_TRUE(parseKvEvents(good).ok());
+  EXPECT_FALSE(parseKvEvents(with("\"seq\":11", "\"seq\":13")).ok());                            // not consecutive
+  EXPECT_FALSE(parseKvEvents(with("\"seq\":12,\"snapshot\"", "\"seq\":14,\"snapshot\"")).ok());  // ends elsewhere
+  EXPECT_FALSE(parseKvEvents(with("\"op\":\"removed\"", "\"op\":\"moved\"")).ok());
+  EXPECT_FALSE(parseKvEvents(with("\"block\":\"0000000000000001\"", "\"block\":\"1\"")).ok());
+  EXPECT_FALSE(parseKvEvents(with("\"block\":\"0000000000000001\"", "\"block\":\"000000000000000g\"")).ok());
+  EXPECT_FALSE(parseKvEvents(with("\"block\":\"0000000000000001\"", "\"block\":1")).ok());
+  EXPECT_FALSE(parseKvEvents(with("\"block_size\":64", "\"block_size\":0")).ok());
+  EXPECT_FALSE(parseKvEvents(with("\"model_hash\":\"fedcba9876543210\"", "\"model_hash\":\"-1\"")).ok());
+  EXPECT_FALSE(parseKvEvents(with("\"instance_id\":\"0123456789abcdef\"", "\"instance_id\":\"\"")).ok());
+  EXPECT_FALSE(parseKvEvents(with("\"snapshot\":false", "\"snapshot\":true")).ok());  // a snapshot with events
+  EXPECT_FALSE(parseKvEvents(with("\"blocks\":[]", "\"blocks\":[\"0000000000000001\"]")).ok());
+  EXPECT_FALSE(parseKvEvents("[]").ok());
+  EXPECT_FALSE(parseKvEvents("{").ok());
+  EXPECT_FALSE(parseKvEvents(good.substr(0, good.size() / 2)).ok());
+}
+
+}  // namespace
+}  // namespace pd::worker_api

@@ -295,22 +295,22 @@ WorkerView view(std::int64_t queued_tokens, std::int64_t free_blocks, std::int64
 TEST(WorkerPolicyTest, LeastQueuedTokensCountsWhatWasSentSinceThePoll) {
   auto p = makeLeastQueuedTokensPolicy();
   std::vector<WorkerView> c{view(500, 0, 0), view(100, 0, 0), view(300, 0, 0)};
-  EXPECT_EQ(p->choose(c), 1U);
+  EXPECT_EQ(p->choose(c, {}).index, 1U);
   c[1].sent_tokens = 450;  // the router just sent it 450 tokens
   c[1].sent_requests = 1;
-  EXPECT_EQ(p->choose(c), 2U);
+  EXPECT_EQ(p->choose(c, {}).index, 2U);
   // Equal tokens: fewer requests wins.
   std::vector<WorkerView> tie{view(0, 0, 3), view(0, 0, 1)};
-  EXPECT_EQ(p->choose(tie), 1U);
+  EXPECT_EQ(p->choose(tie, {}).index, 1U);
 }
 
 TEST(WorkerPolicyTest, RoundRobinTakesEachInTurn) {
   auto p = makeRoundRobinPolicy();
   std::vector<WorkerView> c{view(0, 0, 0), view(9, 0, 0), view(0, 0, 0)};
-  EXPECT_EQ(p->choose(c), 0U);
-  EXPECT_EQ(p->choose(c), 1U);
-  EXPECT_EQ(p->choose(c), 2U);
-  EXPECT_EQ(p->choose(c), 0U);
+  EXPECT_EQ(p->choose(c, {}).index, 0U);
+  EXPECT_EQ(p->choose(c, {}).index, 1U);
+  EXPECT_EQ(p->choose(c, {}).index, 2U);
+  EXPECT_EQ(p->choose(c, {}).index, 0U);
   EXPECT_TRUE(makePrefillPolicy("round_robin").ok());
   EXPECT_FALSE(makePrefillPolicy("random").ok());
 }
@@ -318,14 +318,14 @@ TEST(WorkerPolicyTest, RoundRobinTakesEachInTurn) {
 TEST(WorkerPolicyTest, MostFreeBlocksThenFewestRunning) {
   auto p = makeMostFreeBlocksPolicy();
   std::vector<WorkerView> c{view(0, 100, 0), view(0, 300, 5), view(0, 200, 0)};
-  EXPECT_EQ(p->choose(c), 1U);
+  EXPECT_EQ(p->choose(c, {}).index, 1U);
   // 1600 tokens sent to it since the poll: 100 blocks of 16 fewer leaves 200, as many as the
   // third one has, which runs fewer sequences.
   c[1].sent_tokens = 1600;
   c[1].sent_requests = 10;
-  EXPECT_EQ(p->choose(c), 2U);
+  EXPECT_EQ(p->choose(c, {}).index, 2U);
   std::vector<WorkerView> tie{view(0, 100, 4), view(0, 100, 2), view(0, 100, 3)};
-  EXPECT_EQ(p->choose(tie), 1U);
+  EXPECT_EQ(p->choose(tie, {}).index, 1U);
 }
 
 TEST(RouterConfigTest, WorkerListsComeFromYamlSequencesAndCommaFlags) {

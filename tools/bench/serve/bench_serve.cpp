@@ -14,6 +14,7 @@
 #include <map>
 #include <optional>
 
+#include "bench/serve/conversation.h"
 #include "bench/serve/progress_display.h"
 #include "bench/serve/report.h"
 #include "bench/serve/runner.h"
@@ -92,10 +93,68 @@ Result<std::int64_t> vocabularySize(const std::optional<ServedModel>& served, co
   return config.vocab_size;
 }
 
+// A prefix-reuse workload (conversation.h) against --url, then --baseline_url when given.
+Result<void> runConversationBench(const ServeBenchConfig& cfg, const ModelDirSource& model_dir,
+                                  const std::vector<double>& levels) {
+  PD_ASSIGN_OR_RETURN(Target target, parseUrl(cfg.url));
+  target.api_key = cfg.api_key;
+  ConversationOptions o;
+  o.workload = cfg.workload;
+  o.model = cfg.model;
+  std::optional<ServedModel> served;
+  if (auto listed = fetchModelList(target); listed.ok()) {
+    served = std::move(*listed);
+  } else if (o.model.empty()) {
+    return makeError(listed.error().code, listed.error().message + "; pass --model");
+  }
+  if (o.model.empty()) o.model = served->id;
+  o.conversations = cfg.conversations;
+  o.turns = cfg.turns;
+  o.system_tokens = cfg.system_tokens;
+  o.turn_tokens = cfg.turn_tokens;
+  o.prefixes = cfg.prefixes;
+  o.prefix_tokens = cfg.prefix_tokens;
+  o.suffix_tokens = cfg.suffix_tokens;
+  o.requests_per_prefix = cfg.requests_per_prefix;
+  o.output_tokens = cfg.output_tokens;
+  o.concurrency = static_cast<std::int64_t>(levels.front());
+  o.seed = static_cast<std::uint64_t>(cfg.seed);
+  o.timeout = std::chrono::milliseconds(cfg.timeout_s * 1000);
+  o.token_id_min = cfg.token_id_min;
+  if (cfg.token_id_max != 0) {
+    o.token_id_max = cfg.token_id_max;
+  } else {
+    PD_ASSIGN_OR_RETURN(o.token_id_max, vocabularySize(served, model_dir));
+  }
+  if (o.token_id_min >= o.token_id_max) o.token_id_min = 0;
+  const auto run = [&](const Target& t) -> Result<ConversationStats> {
+    double duration = 0;
+    PD_ASSIGN_OR_RETURN(auto requests, runConversations(t, o, &duration));
+    return summarizeConversations(requests, duration);
+  };
+  PD_ASSIGN_OR_RETURN(const ConversationStats main, run(target));
+  std::optional<ConversationStats> baseline;
+  if (!cfg.baseline_url.empty()) {
+    PD_ASSIGN_OR_RETURN(Target base, parseUrl(cfg.baseline_url));
+    base.api_key = cfg.api_key;
+    PD_ASSIGN_OR_RETURN(baseline, run(base));
+  }
+  if (!cfg.json.empty()) {
+    PD_TRY(writeText(cfg.json, conversationReportJson(o, cfg.url, main, cfg.baseline_url, baseline) + "\n"));
+  }
+  if (cfg.json != "-")
+    PD_TRY(writeText(cfg.markdown.empty() ? "-" : cfg.markdown, conversationReportText(o, main, baseline)));
+  if (main.later_requests == 0 || (baseline && baseline->later_requests == 0)) {
+    return makeError(ErrorCode::PeerFailed, "no later request completed (see the failures above)");
+  }
+  return okStatus();
+}
+
 }  // namespace
 
 Result<void> runServeBench(ServeBenchConfig cfg, const ModelDirSource& model_dir) {
   PD_ASSIGN_OR_RETURN(const std::vector<double> levels, serveLevels(cfg));
+  if (cfg.workload != "random") return runConversationBench(cfg, model_dir, levels);
   const bool rate_mode = !cfg.request_rate.empty();
   auto target = parseUrl(cfg.url);
   if (!target.ok()) return target.error();

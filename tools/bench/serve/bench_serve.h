@@ -49,6 +49,19 @@ struct ServeBenchConfig {
   std::filesystem::path svg;
   double net_latency_ms = -1;
   bool quiet = false;
+  /// "random" (the sweep above), or a prefix-reuse workload (conversation.h): "multiturn",
+  /// "shared-prefix". Those run once at the first --concurrency level, against --url and then,
+  /// when given, --baseline_url.
+  std::string workload = "random";
+  std::string baseline_url;
+  std::int64_t conversations = 8;
+  std::int64_t turns = 4;
+  std::int64_t system_tokens = 1024;
+  std::int64_t turn_tokens = 128;
+  std::int64_t prefixes = 4;
+  std::int64_t prefix_tokens = 2048;
+  std::int64_t suffix_tokens = 32;
+  std::int64_t requests_per_prefix = 8;
 };
 
 /// The levels of the sweep after the checks the option table cannot make: token_id_min below a

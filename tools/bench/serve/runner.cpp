@@ -77,6 +77,19 @@ std::int64_t chunkTokens(const boost::json::object& chunk, Endpoint endpoint) {
   return nonEmptyString(choice, "text") ? 1 : 0;
 }
 
+// Appends the token ids a chunk carries (return_token_ids), if any.
+void appendTokenIds(const boost::json::object& chunk, std::vector<std::int64_t>& out) {
+  const auto* choices = chunk.if_contains("choices");
+  if (choices == nullptr || !choices->is_array() || choices->as_array().empty()) return;
+  const auto& first = choices->as_array().front();
+  if (!first.is_object()) return;
+  const auto* ids = first.as_object().if_contains("token_ids");
+  if (ids == nullptr || !ids->is_array()) return;
+  for (const auto& id : ids->as_array()) {
+    if (id.is_int64()) out.push_back(id.as_int64());
+  }
+}
+
 }  // namespace
 
 Result<ServedModel> fetchModelList(const Target& target) {
@@ -168,7 +181,12 @@ RequestResult sendStreaming(http::Client& client, const Target& target, Endpoint
     if (const auto* usage = chunk.if_contains("usage"); usage != nullptr && usage->is_object()) {
       usage_prompt = intOr(usage->as_object(), "prompt_tokens", usage_prompt);
       usage_completion = intOr(usage->as_object(), "completion_tokens", usage_completion);
+      if (const auto* details = usage->as_object().if_contains("prompt_tokens_details");
+          details != nullptr && details->is_object()) {
+        r.cached_tokens = intOr(details->as_object(), "cached_tokens", r.cached_tokens);
+      }
     }
+    appendTokenIds(chunk, r.token_ids);
     const std::int64_t tokens = chunkTokens(chunk, endpoint);
     if (tokens > 0) {
       if (r.chunks == 0) {

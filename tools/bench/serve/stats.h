@@ -31,6 +31,11 @@ struct RequestResult {
   std::int64_t prompt_tokens = 0;  ///< from usage when the server sent it, else the generated length
   std::int64_t output_tokens = 0;  ///< from usage when sent, else token ids or chunks counted
   std::int64_t chunks = 0;         ///< output chunks received
+  /// usage.prompt_tokens_details.cached_tokens: prompt tokens the server reused from its prefix
+  /// cache (0 when not reported).
+  std::int64_t cached_tokens = 0;
+  /// The output's token ids, when the server returned them per chunk (return_token_ids).
+  std::vector<std::int64_t> token_ids;
 };
 
 /// Latency summary in milliseconds.

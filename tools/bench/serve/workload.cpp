@@ -3,6 +3,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <boost/json.hpp>
 #include <cmath>
 #include <fstream>
@@ -52,6 +53,13 @@ boost::json::object baseBody(const WorkloadOptions& o, std::int64_t max_tokens) 
 
 const char* endpointPath(Endpoint endpoint) {
   return endpoint == Endpoint::Chat ? "/v1/chat/completions" : "/v1/completions";
+}
+
+std::vector<std::int64_t> randomTokenIds(std::uint64_t seed, std::int64_t count, std::int64_t min, std::int64_t max) {
+  SplitMix64 rng{seed};
+  std::vector<std::int64_t> ids(static_cast<std::size_t>(std::max<std::int64_t>(count, 0)));
+  for (auto& id : ids) id = min + static_cast<std::int64_t>(rng.below(static_cast<std::uint64_t>(max - min)));
+  return ids;
 }
 
 double unitInterval(std::uint64_t bits) {

@@ -84,6 +84,9 @@ Result<std::vector<RequestSpec>> parsePromptLines(const std::string& text, const
 /// requests/s: exponential gaps, the first one included. `rate` must be > 0.
 std::vector<double> poissonArrivals(double rate, std::int64_t count, std::uint64_t seed);
 
+/// `count` token ids drawn uniformly from [min, max) by a generator seeded with `seed` (max > min).
+std::vector<std::int64_t> randomTokenIds(std::uint64_t seed, std::int64_t count, std::int64_t min, std::int64_t max);
+
 /// A uniform double in [0, 1) from a 64-bit word (the top 53 bits).
 double unitInterval(std::uint64_t bits);
 

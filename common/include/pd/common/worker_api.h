@@ -27,6 +27,9 @@ inline constexpr std::string_view kDecodeAbortPath = "/v1/internal/decode/abort"
 // Prefill worker.
 inline constexpr std::string_view kPrefillPath = "/v1/internal/prefill";
 inline constexpr std::string_view kPrefillCancelPath = "/v1/internal/prefill/cancel";
+/// GET kKvEventsPath?after=SEQ&instance=ID: the prefix-cache blocks stored and removed since SEQ
+/// (KvEvents; docs/internal-api.md, "KV events").
+inline constexpr std::string_view kKvEventsPath = "/v1/internal/kv_events";
 
 /// Largest id or string field accepted, in bytes.
 inline constexpr std::size_t kMaxIdBytes = 256;
@@ -171,12 +174,40 @@ struct WorkerStatus {
   std::int64_t drafts_accepted = 0;
 };
 
+/// Most block keys one KvEvents message may carry (snapshot blocks and events together).
+inline constexpr std::size_t kMaxKvEventBlocks = std::size_t{1} << 20;
+
+/// One change of a prefill worker's prefix cache: a block entered it (Stored) or left it (Removed).
+struct KvEvent {
+  std::uint64_t seq = 0;    ///< the worker's event number: consecutive, from 1
+  bool stored = true;       ///< false: removed
+  std::uint64_t block = 0;  ///< the block's prefix hash chain key (prefix_hash.h)
+  friend bool operator==(const KvEvent&, const KvEvent&) = default;
+};
+
+/// GET kKvEventsPath: what a prefill worker's prefix cache did since the caller's `after`.
+/// Either the events after it (consecutive: events[i].seq == after + 1 + i, the last one `seq`),
+/// or, when the caller named another instance (the worker restarted), asked for events the
+/// worker no longer keeps, or for a future one, a snapshot: every block held now, as of `seq`.
+struct KvEvents {
+  std::string instance_id;       ///< random per worker process; a new one means a restart (at most kMaxIdBytes)
+  std::uint64_t model_hash = 0;  ///< the hash chain's root (16 hex digits on the wire)
+  std::int64_t block_size = 0;   ///< tokens per block of the chain, > 0
+  std::uint64_t seq = 0;         ///< the caller's next `after`
+  bool snapshot = false;
+  std::vector<std::uint64_t> blocks;  ///< snapshot: every block held (16 hex digits each)
+  std::vector<KvEvent> events;        ///< not a snapshot: the events after the caller's `after`
+  bool more = false;                  ///< more events follow `seq` (ask again at once)
+  friend bool operator==(const KvEvents&, const KvEvents&) = default;
+};
+
 [[nodiscard]] std::string toJson(const DecodeOpen& value);
 [[nodiscard]] std::string toJson(const DecodeEvent& value);  ///< one line, no '\n'
 [[nodiscard]] std::string toJson(const AbortRequest& value);
 [[nodiscard]] std::string toJson(const PrefillSubmit& value);
 [[nodiscard]] std::string toJson(const PrefillOutcome& value);
 [[nodiscard]] std::string toJson(const WorkerStatus& value);
+[[nodiscard]] std::string toJson(const KvEvents& value);
 
 [[nodiscard]] Result<DecodeOpen> parseDecodeOpen(std::string_view json);
 [[nodiscard]] Result<DecodeEvent> parseDecodeEvent(std::string_view json);
@@ -184,6 +215,9 @@ struct WorkerStatus {
 [[nodiscard]] Result<PrefillSubmit> parsePrefillSubmit(std::string_view json);
 [[nodiscard]] Result<PrefillOutcome> parsePrefillOutcome(std::string_view json);
 [[nodiscard]] Result<WorkerStatus> parseWorkerStatus(std::string_view json);
+/// Also refuses events that are not consecutive or do not end at `seq`, a snapshot with events,
+/// and more than kMaxKvEventBlocks keys.
+[[nodiscard]] Result<KvEvents> parseKvEvents(std::string_view json);
 
 /// Error bodies of every internal endpoint: {"error":{"code":"Timeout","message":"..."}}.
 [[nodiscard]] std::string errorJson(const Error& error);

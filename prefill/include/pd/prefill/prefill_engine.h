@@ -88,6 +88,9 @@ struct PrefillEngineOptions {
   /// first token with the cache on or off.
   std::int64_t prefix_cache_blocks = 0;
   std::uint64_t model_hash = 0;  ///< the root of the prefix cache's hash chain
+  /// Where the prefix cache reports blocks stored and removed (kv_event_log.h); null: nowhere.
+  /// Must outlive the engine.
+  KvEventLog* kv_events = nullptr;
   /// The clock deadlines are checked against (a fake in tests).
   std::function<Clock::time_point()> now = [] { return Clock::now(); };
 };

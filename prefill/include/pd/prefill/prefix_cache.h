@@ -15,6 +15,9 @@
 /// (idle or referenced); eviction takes idle blocks only, leaves of a chain before their parents
 /// when they were used together.
 ///
+/// Events: with a KvEventLog, every block that enters the cache is reported stored() and every
+/// block that leaves it (evicted or displaced) removed(), so routers can follow what it holds.
+///
 /// Thread rules: not thread-safe; the prefill engine thread owns it.
 
 #include <cstdint>
@@ -22,6 +25,8 @@
 #include <span>
 #include <unordered_map>
 #include <vector>
+
+#include "pd/prefill/kv_event_log.h"
 
 namespace pd::prefill {
 
@@ -40,10 +45,12 @@ class PrefixCache {
     std::span<const float> payload;  ///< what insert() stored with it (valid while referenced)
   };
 
-  /// `capacity_blocks` > 0 and `block_size` > 0 (checked by the caller's options).
-  PrefixCache(std::int64_t capacity_blocks, std::int64_t block_size, std::uint64_t model_hash);
+  /// `capacity_blocks` > 0 and `block_size` > 0 (checked by the caller's options). `events`
+  /// (optional) must outlive the cache.
+  PrefixCache(std::int64_t capacity_blocks, std::int64_t block_size, std::uint64_t model_hash,
+              KvEventLog* events = nullptr);
 
-  /// The hash chain of the first `max_blocks` full blocks of `tokens`.
+  /// The hash chain of the first `max_blocks` full blocks of `tokens` (prefix_hash.h).
   [[nodiscard]] static std::vector<std::uint64_t> chain(std::uint64_t model_hash, std::span<const std::int32_t> tokens,
                                                         std::int64_t block_size, std::int64_t max_blocks);
 
@@ -81,6 +88,7 @@ class PrefixCache {
   const std::int64_t capacity_;
   const std::int64_t block_size_;
   const std::uint64_t model_hash_;
+  KvEventLog* const events_;
   std::unordered_map<std::uint64_t, Entry> entries_;
   std::list<std::uint64_t> idle_;  // least recently used first
   std::int64_t evictions_ = 0;

@@ -2,8 +2,9 @@
 /// The P/D orchestrator: the CompletionBackend that serves a generation with one decode worker
 /// and one prefill worker (DESIGN §3, docs/internal-api.md).
 ///
-/// Per generation: pick D (most free KV blocks), open its decode stream (NDJSON) and read the KV
-/// descriptor; then pick P (least queued tokens, or round robin) and submit the prefill with that
+/// Per generation: pick D (the conversation's previous decode worker while it has room, else most
+/// free KV blocks), open its decode stream (NDJSON) and read the KV descriptor; then pick P (by
+/// router.prefill_policy, worker_policy.h) and submit the prefill with that
 /// descriptor; relay D's tokens to the sink, detokenized incrementally and cut at stop strings
 /// (the stream is then closed, which aborts it at D). The router always sends a seed (a random
 /// one when the client gave none) and the same sampling to both legs.
@@ -34,7 +35,8 @@
 ///     until its deadline;
 ///   - any other decode leg failure after a token reached the client: onError.
 /// Retries are counted on pdserve_router_retries_total{leg="prefill"|"decode"}, resumes on
-/// pdserve_router_resumes_total{cause}.
+/// pdserve_router_resumes_total{cause}, routing choices on
+/// pdserve_router_routing_decisions_total{role,reason}.
 ///
 /// Deadlines: the request's deadline caps every wait; D's descriptor must come within
 /// `decode_open_timeout`, the first token within `kv_timeout` + `stream_stall_timeout`, and
@@ -62,6 +64,7 @@
 #include "pd/common/result.h"
 #include "pd/router/completion_backend.h"
 #include "pd/router/router_config.h"
+#include "pd/router/worker_policy.h"
 #include "pd/router/worker_registry.h"
 #include "pd/tokenizer/tokenizer.h"
 #include "pd/trace/tracer.h"
@@ -69,7 +72,11 @@
 namespace pd::router {
 
 struct PdBackendOptions {
-  std::string prefill_policy = "least_queued_tokens";  ///< or "round_robin"
+  /// least_queued_tokens, round_robin, power_of_two or cache_aware (which needs the registry's
+  /// prefixIndex(); worker_policy.h).
+  std::string prefill_policy = "least_queued_tokens";
+  CacheAwareOptions cache_aware;
+  std::size_t decode_affinity_entries = 65536;  ///< conversations remembered for decode affinity
   std::int64_t prefill_retries = 1;
   std::int64_t decode_retries = 1;
   /// Resumes of a generation whose decode leg ended without a finish (generation_resume.h).

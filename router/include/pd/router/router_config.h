@@ -39,8 +39,13 @@ struct RouterConfig {
   std::int64_t health_failures = 3;
   std::string model_hash;  ///< expected worker model_hash; empty: the first one a ready worker reports
 
-  // Orchestration (pd_backend.h).
-  std::string prefill_policy = "least_queued_tokens";
+  // Orchestration (pd_backend.h); routing (worker_policy.h, docs/routing.md).
+  std::string prefill_policy = "auto";
+  std::int64_t kv_events_interval_ms = 50;       ///< how often each prefill worker's KV events are read
+  std::int64_t kv_index_max_blocks = 262144;     ///< most blocks the router indexes per prefill worker
+  std::int64_t cache_aware_balance_abs = 32;     ///< cache_aware: imbalance threshold, requests
+  double cache_aware_balance_rel = 1.5;          ///< cache_aware: imbalance threshold, ratio
+  std::int64_t decode_affinity_entries = 65536;  ///< conversations remembered for decode affinity
   std::int64_t prefill_retries = 1;
   std::int64_t decode_retries = 1;
   std::int64_t max_resumes = 2;
@@ -61,5 +66,9 @@ struct RouterConfig {
 };
 
 void registerOptions(config::OptionSet& set, RouterConfig& cfg);
+
+/// The prefill policy `cfg.prefill_policy` names, with "auto" resolved: cache_aware with more than
+/// one static prefill worker or a prefill service, least_queued_tokens otherwise.
+[[nodiscard]] std::string resolvePrefillPolicy(const RouterConfig& cfg);
 
 }  // namespace pd::router

@@ -18,11 +18,18 @@
 /// The registry also counts what the router sent each worker since its last good poll, so the
 /// policies (worker_policy.h) see a burst of requests spread out before the next poll shows it.
 ///
+/// With `kv_events`, the registry also follows each prefill worker's KV events (GET
+/// /v1/internal/kv_events every `kv_events_interval` while it is in rotation, at once again while
+/// the worker says more follow) into a PrefixIndex (prefix_index.h) for the cache_aware policy. An
+/// answer that is malformed, names another model hash than the worker's status, or does not
+/// continue the index is refused and the worker's index forgotten (the next read asks for a
+/// snapshot); a worker that leaves the registry is forgotten too.
+///
 /// Errors: start() fails with InvalidArgument for a malformed address or service name.
 ///
-/// Thread rules: thread-safe. Each worker is polled by its own thread; one more thread
-/// re-resolves the service names. The destructor stops and joins them all (a poll in progress
-/// is cancelled, so it returns promptly).
+/// Thread rules: thread-safe. Each worker is polled by its own thread (a prefill worker by a
+/// second one for its KV events, with kv_events); one more thread re-resolves the service names. The destructor stops
+/// and joins them all (a poll in progress is cancelled, so it returns promptly).
 
 #include <chrono>
 #include <cstdint>
@@ -36,6 +43,7 @@
 #include "pd/common/metrics.h"
 #include "pd/common/result.h"
 #include "pd/common/worker_api.h"
+#include "pd/router/prefix_index.h"
 #include "pd/router/router_config.h"
 
 namespace pd::router {
@@ -66,6 +74,9 @@ struct WorkerView {
   worker_api::WorkerStatus status;  ///< from the last good poll
   std::int64_t sent_requests = 0;   ///< requests the router sent it since that poll
   std::int64_t sent_tokens = 0;     ///< their tokens (prefill: prompt; decode: prompt + max_tokens)
+  /// Requests the router has sent it and not had answered yet (noteInFlight); not reset by polls.
+  std::int64_t in_flight = 0;
+  std::int64_t in_flight_tokens = 0;  ///< the tokens the worker computes for them (uncached)
 };
 
 /// Everything the registry knows about one worker (logs, tests, metrics).
@@ -99,6 +110,10 @@ struct RegistryOptions {
   /// pdserve_router_worker_mtp_drafts_{proposed,accepted} (from the last good poll). A worker that
   /// leaves (discovery) reads 0 in rotation.
   metrics::Registry* metrics = nullptr;
+  /// Follow the prefill workers' KV events into prefixIndex() (cache_aware routing).
+  bool kv_events = false;
+  std::chrono::milliseconds kv_events_interval{50};
+  std::int64_t kv_index_max_blocks = 262144;  ///< per worker (PrefixIndex)
 };
 
 /// The registry options of the router section. InvalidArgument for a malformed address.
@@ -122,8 +137,14 @@ class WorkerRegistry {
   [[nodiscard]] std::vector<WorkerState> workers() const;
   /// The router sent `worker` a request of `tokens` tokens (see WorkerView).
   void noteSent(WorkerRole role, const std::string& worker, std::int64_t tokens);
+  /// The router's requests to `worker` awaiting an answer changed by `delta` (+1 sent, -1
+  /// answered) and their tokens by `tokens`.
+  void noteInFlight(WorkerRole role, const std::string& worker, std::int64_t delta, std::int64_t tokens);
   /// A request could not reach `worker` (connection failure or timeout): counts as a failed poll.
   void reportFailure(WorkerRole role, const std::string& worker, const std::string& why);
+  /// What the prefill workers' KV events say they hold; null without RegistryOptions::kv_events.
+  /// Lives as long as the registry.
+  [[nodiscard]] const PrefixIndex* prefixIndex() const;
 
   class Impl;
 

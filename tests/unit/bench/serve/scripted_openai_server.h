@@ -47,6 +47,7 @@ class ScriptedOpenAiServer {
       const bool chat = std::string_view(path) == "/v1/chat/completions";
       routes.push_back({"POST", path, [this, chat](http::Request req, http::Exchange ex) {
                           std::lock_guard lock(mutex_);
+                          bodies_.push_back(req.body);
                           threads_.emplace_back([this, chat, body = std::move(req.body), ex]() mutable {
                             answer(chat, body, std::move(ex));
                           });
@@ -98,6 +99,11 @@ class ScriptedOpenAiServer {
     return n;
   }
   [[nodiscard]] const Script& script() const { return script_; }
+  /// Every completion or chat body received, in arrival order.
+  [[nodiscard]] std::vector<std::string> bodies() const {
+    std::lock_guard lock(mutex_);
+    return bodies_;
+  }
   /// Requests answered normally so far (what /metrics counts).
   [[nodiscard]] int answered() const { return answered_.load(); }
 
@@ -178,7 +184,8 @@ class ScriptedOpenAiServer {
 
   Script script_;
   std::atomic<int> answered_{0};
-  std::mutex mutex_;
+  mutable std::mutex mutex_;
+  std::vector<std::string> bodies_;  // guarded by mutex_
   std::vector<std::thread> threads_;
   std::unique_ptr<http::Server> server_;  // last: stopped first, before the threads are joined
 };
