@@ -68,6 +68,14 @@ CompletionRecord randomCompletion(std::mt19937_64& rng) {
   for (std::uint64_t i = 0, n = rng() % 21; i < n; ++i) {
     r.top_logprobs.push_back(TokenLogprob{static_cast<std::int32_t>(rng() % 129280), value(rng)});
   }
+  // n > 1: the other choices' first tokens, with or without alternatives.
+  for (std::uint64_t i = 0, n = rng() % 4 == 0 ? rng() % 16 : 0; i < n; ++i) {
+    SampledToken c{static_cast<std::int32_t>(rng() % 129280), value(rng), {}};
+    for (std::uint64_t j = 0, k = rng() % 3; j < k; ++j) {
+      c.top.push_back(TokenLogprob{static_cast<std::int32_t>(rng() % 129280), value(rng)});
+    }
+    r.choice_tokens.push_back(std::move(c));
+  }
   return r;
 }
 
@@ -161,7 +169,11 @@ TEST(KvWire, EveryMessageCarriesTheFull128BitTransferIdAfterTheHeader) {
   auto v2 = encode(c);
   v2[4] = 2;
   EXPECT_EQ(decodeCompletionRecord(v2).error().code, ErrorCode::Unsupported);
-  EXPECT_EQ(kProtocolVersion, 3);
+  // Nor are those of version 3 (a completion record without the choices' first tokens).
+  auto v3 = encode(c);
+  v3[4] = 3;
+  EXPECT_EQ(decodeCompletionRecord(v3).error().code, ErrorCode::Unsupported);
+  EXPECT_EQ(kProtocolVersion, 4);
 }
 
 TEST(KvWire, HeaderIsCheckedFieldByField) {

@@ -36,7 +36,7 @@
 namespace pd::kvtransfer {
 
 /// Bumped on any incompatible change of a message or of the KV layout rules.
-inline constexpr std::uint16_t kProtocolVersion = 3;
+inline constexpr std::uint16_t kProtocolVersion = 4;
 /// "PDKV" read as a little-endian u32.
 inline constexpr std::uint32_t kWireMagic = 0x564B4450;
 inline constexpr std::size_t kWireHeaderBytes = 12;
@@ -116,6 +116,10 @@ struct CompletionRecord {
   std::vector<float> hidden_state;            ///< last position's final hidden state (MTP input)
   std::optional<TokenLogprob> first_logprob;  ///< set when logprobs were requested
   std::vector<TokenLogprob> top_logprobs;     ///< alternatives, best first
+  /// A generation of n > 1 choices (docs/kv-memory.md, "Choices"): the first tokens of choices
+  /// 1..n-1, each sampled from the same last-position logits with its choice's seed
+  /// (pd::choiceSeed); logprob and alternatives filled as for the first token. Empty for n = 1.
+  std::vector<pd::SampledToken> choice_tokens;
   friend bool operator==(const CompletionRecord&, const CompletionRecord&) = default;
 };
 
