@@ -44,6 +44,7 @@ struct RouterConfig {
   std::int64_t prefill_retries = 1;
   std::int64_t decode_retries = 1;
   std::int64_t max_resumes = 2;
+  std::int64_t max_n = 16;  ///< most choices (OpenAI `n`) one request may ask for
   std::int64_t decode_open_timeout_ms = 10000;
   std::int64_t kv_timeout_ms = 60000;
   std::int64_t prefill_timeout_ms = 60000;
