@@ -377,6 +377,9 @@ class Generation : public std::enable_shared_from_this<Generation> {
     }
     if (std::exchange(after_wait_, false)) {
       // waitForRoom's next try: neither a retry nor a resume
+    } else if (std::exchange(after_attach_, false)) {
+      log::info(kLog, "{}: serving the choice alone on decode worker {}: its attach failed: {}", req_.request_id,
+                d->key(), last_.toString());
     } else if (resuming_) {
       log::info(kLog, "{}: resuming after {} token(s) on decode worker {} ({}): {}", req_.request_id,
                 resume_.generated().size(), d->key(), resumeCauseName(*resuming_), last_.toString());
@@ -695,6 +698,7 @@ class Generation : public std::enable_shared_from_this<Generation> {
     if (outcome == Outcome::Fail) return fail();
     if (outcome == Outcome::Wait) return waitForRoom();
     if (outcome == Outcome::Retry && !attach_retry) ++retries_;
+    after_attach_ = attach_retry;
     if (outcome == Outcome::Resume && static_cast<std::int64_t>(resume_.generated().size()) >= req_.max_tokens) {
       // Every token the request may have was relayed; only the finish event was lost.
       FinishEvent end = relay_.finish(FinishReason::Length).event;
@@ -946,9 +950,10 @@ class Generation : public std::enable_shared_from_this<Generation> {
       std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::system_clock::now().time_since_epoch())
           .count();
   std::int64_t attempt_ = 0;
-  std::int64_t retries_ = 0;  // decode retries used (before any token reached the client)
-  std::int64_t waits_ = 0;    // waits for a decode worker with room (waitForRoom)
-  bool after_wait_ = false;   // the next attempt follows a wait
+  std::int64_t retries_ = 0;   // decode retries used (before any token reached the client)
+  std::int64_t waits_ = 0;     // waits for a decode worker with room (waitForRoom)
+  bool after_wait_ = false;    // the next attempt follows a wait
+  bool after_attach_ = false;  // the next attempt serves an attached choice alone (its attach failed)
   std::set<std::string> tried_;
   Error last_ = makeError(ErrorCode::Overloaded, "no decode worker is ready");
 
