@@ -6,6 +6,7 @@
 #include <cmath>
 #include <limits>
 
+#include "pd/common/choices.h"
 #include "pd/common/prefix_hash.h"
 
 namespace pd::worker_api {
@@ -265,6 +266,11 @@ std::string toJson(const DecodeOpen& v) {
     o["local_prompt_token_ids"] = std::move(local);
   }
   if (v.forced_first_token >= 0) o["forced_first_token"] = v.forced_first_token;
+  if (v.choices != 1) o["choices"] = v.choices;
+  if (!v.attach_to.empty()) {
+    o["attach_to"] = v.attach_to;
+    o["choice"] = v.choice;
+  }
   return dump(o);
 }
 
@@ -301,6 +307,15 @@ Result<DecodeOpen> parseDecodeOpen(std::string_view text) {
   v.forced_first_token = static_cast<pd::TokenId>(forced);
   if (r.ok() && v.forced_first_token >= 0 && v.local_prompt_token_ids.empty()) {
     r.fail("forced_first_token", "is only allowed with local_prompt_token_ids");
+  }
+  r.integer("choices", v.choices, false, 1, pd::kMaxChoices);
+  r.str("attach_to", v.attach_to, false, kMaxIdBytes);
+  if (r.ok() && !v.attach_to.empty()) {
+    r.integer("choice", v.choice, true, 1, pd::kMaxChoices - 1);
+    if (r.ok() && v.choices != 1) r.fail("choices", "an attached choice cannot have choices of its own");
+  }
+  if (r.ok() && !v.local_prompt_token_ids.empty() && (v.choices != 1 || !v.attach_to.empty())) {
+    r.fail("local_prompt_token_ids", "a local prefill is for one choice");
   }
   if (!r.ok()) return r.status().error();
   return v;
@@ -431,6 +446,7 @@ std::string toJson(const PrefillSubmit& v) {
   if (v.forced_first_token >= 0) o["forced_first_token"] = v.forced_first_token;
   if (!v.constraint.empty()) o["constraint"] = v.constraint;
   if (!v.tool_call_format.empty()) o["tool_call_format"] = v.tool_call_format;
+  if (v.choices != 1) o["choices"] = v.choices;
   return dump(o);
 }
 
@@ -457,6 +473,10 @@ Result<PrefillSubmit> parsePrefillSubmit(std::string_view text) {
   }
   r.str("constraint", v.constraint, false, kMaxConstraintBytes);
   r.str("tool_call_format", v.tool_call_format, false, kMaxToolCallFormatBytes);
+  r.integer("choices", v.choices, false, 1, pd::kMaxChoices);
+  if (r.ok() && v.choices > 1 && v.forced_first_token >= 0) {
+    r.fail("choices", "a forced first token is one choice's");
+  }
   if (!r.ok()) return r.status().error();
   auto bytes = base64Decode(b64);
   if (!bytes.ok())

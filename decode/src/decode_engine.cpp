@@ -43,6 +43,8 @@ DecodeEngineOptions engineOptions(const DecodeConfig& config) {
   options.kv_headroom_blocks = config.kv_headroom_blocks;
   options.local_prefill_chunk_size = config.local_prefill_chunk_size;
   options.local_prefill_token_budget = config.local_prefill_token_budget;
+  // With tensor parallelism every rank holds the KV: a choice's block copy would be needed on all.
+  options.max_choices = config.tensor_parallel > 1 ? 1 : pd::kMaxChoices;
   return options;
 }
 
@@ -78,6 +80,13 @@ struct DecodeEngine::Sequence {
   MtpState mtp;                                 // the MTP layer's catch-up state (speculating sequences)
   std::unique_ptr<ConstraintState> constraint;  // null: free text
   std::string kv_traceparent;                   // the record's trace context, until the first event
+  // Choices attached while the KV is awaited, forked when it arrives (header comment, "Choices").
+  struct AttachedChoice {
+    std::int64_t choice = 0;
+    std::uint64_t id = 0;
+    TokenEventSink sink;
+  };
+  std::vector<AttachedChoice> attached;
 };
 
 DecodeEngine::DecodeEngine(model::Engine& engine, KvPool& pool, DecodeEngineOptions options,
@@ -92,7 +101,7 @@ DecodeEngine::DecodeEngine(model::Engine& engine, KvPool& pool, DecodeEngineOpti
   PD_CHECK(pool.numLayers() == engine.config().kvLayers());
   PD_CHECK(options_.num_speculative_tokens >= 0 && options_.max_running_requests >= 1 &&
            options_.kv_headroom_blocks >= 0 && options_.local_prefill_chunk_size >= 1 &&
-           options_.local_prefill_token_budget >= 1);
+           options_.local_prefill_token_budget >= 1 && options_.max_choices >= 1);
   publishGauges();
 }
 
@@ -141,6 +150,17 @@ Result<std::vector<std::int32_t>> DecodeEngine::admit(DecodeRequest request) {
                      fmt::format("request {}: {} resumed tokens in a {}-token prompt", request.id,
                                  request.resumed_tokens.size(), request.prompt_tokens));
   }
+  if (request.choices < 1 || request.choices > pd::kMaxChoices ||
+      (request.choices > 1 && !request.resumed_tokens.empty())) {
+    return makeError(ErrorCode::InvalidArgument,
+                     fmt::format("request {}: choices {} must be in [1, {}] (1 when resumed)", request.id,
+                                 request.choices, pd::kMaxChoices));
+  }
+  if (request.choices > options_.max_choices) {
+    return makeError(ErrorCode::Unsupported, fmt::format("request {}: {} choices; this decode worker serves at most {} "
+                                                         "(1 with tensor parallelism)",
+                                                         request.id, request.choices, options_.max_choices));
+  }
   if (requests_.contains(request.id)) {
     return makeError(ErrorCode::InvalidArgument, fmt::format("request {} is already admitted", request.id));
   }
@@ -163,7 +183,12 @@ Result<std::vector<std::int32_t>> DecodeEngine::admit(DecodeRequest request) {
     return makeError(ErrorCode::InvalidArgument,
                      fmt::format("request {}: bad forced_first_token {}", request.id, request.forced_first_token));
   }
-  PD_TRY(blocks_.admit(request.id, request.prompt_tokens));
+  if (local && request.choices != 1) {
+    return makeError(ErrorCode::InvalidArgument,
+                     fmt::format("request {}: a local prefill is for one choice", request.id));
+  }
+  // One spare block per further choice: its copy of the last prompt block (KvBlockManager::fork).
+  PD_TRY(blocks_.admit(request.id, request.prompt_tokens, request.choices - 1));
   const std::uint64_t id = request.id;
   const std::span<const std::int32_t> table = blocks_.blockTable(id);
   std::vector<std::int32_t> ids(table.begin(), table.end());
@@ -210,14 +235,83 @@ Status DecodeEngine::onKvReady(std::uint64_t request_id, Result<kvtransfer::Comp
     problem = fmt::format("first token {} is outside the vocabulary", rec.first_token);
   } else if (seq.speculate && static_cast<std::int64_t>(rec.hidden_state.size()) != cfg.hidden_size) {
     problem = fmt::format("hidden state of {} values, expected {}", rec.hidden_state.size(), cfg.hidden_size);
+  } else if (static_cast<std::int64_t>(rec.choice_tokens.size()) != seq.req.choices - 1) {
+    problem = fmt::format("{} first tokens arrived for {} choices", rec.choice_tokens.size() + 1, seq.req.choices);
+  } else if (std::any_of(rec.choice_tokens.begin(), rec.choice_tokens.end(),
+                         [&](const pd::SampledToken& t) { return t.token < 0 || t.token >= cfg.vocab_size; })) {
+    problem = "a choice's first token is outside the vocabulary";
   }
   if (!problem.empty()) {
     finish(request_id, FinishReason::Error,
            makeError(ErrorCode::Corrupt, fmt::format("request {}: {}", request_id, problem)), RequestOutcome::KvFailed);
     return okStatus();
   }
+  forkChoices(seq, rec);
   startRunning(seq, std::move(rec));
   return okStatus();
+}
+
+Status DecodeEngine::attach(std::uint64_t parent_id, std::int64_t choice, std::uint64_t child_id, TokenEventSink sink) {
+  if (!sink) return makeError(ErrorCode::InvalidArgument, fmt::format("choice {}: no sink", child_id));
+  const auto it = requests_.find(parent_id);
+  if (it == requests_.end() || it->second->state != Sequence::State::WaitingKv) {
+    return makeError(ErrorCode::NotFound, fmt::format("request {} is not waiting for its KV", parent_id));
+  }
+  Sequence& parent = *it->second;
+  if (choice < 1 || choice >= parent.req.choices) {
+    return makeError(ErrorCode::InvalidArgument, fmt::format("request {} has {} choices; choice {} cannot attach",
+                                                             parent_id, parent.req.choices, choice));
+  }
+  const bool in_use =
+      requests_.contains(child_id) || std::any_of(requests_.begin(), requests_.end(), [&](const auto& r) {
+        return std::any_of(r.second->attached.begin(), r.second->attached.end(),
+                           [&](const Sequence::AttachedChoice& a) { return a.id == child_id; });
+      });
+  if (in_use || std::any_of(parent.attached.begin(), parent.attached.end(),
+                            [&](const Sequence::AttachedChoice& a) { return a.choice == choice; })) {
+    return makeError(ErrorCode::InvalidArgument,
+                     fmt::format("request {}: choice {} or id {} is already attached", parent_id, choice, child_id));
+  }
+  parent.attached.push_back(Sequence::AttachedChoice{choice, child_id, std::move(sink)});
+  return okStatus();
+}
+
+void DecodeEngine::forkChoices(Sequence& parent, const kvtransfer::CompletionRecord& record) {
+  std::vector<Sequence::AttachedChoice> attached = std::exchange(parent.attached, {});
+  for (Sequence::AttachedChoice& a : attached) {
+    Result<KvBlockManager::BlockCopy> copy = blocks_.fork(parent.req.id, a.id);
+    PD_CHECK(copy.ok());  // a spare was admitted for every choice, and ids are checked at attach()
+    pool_.copyBlock(copy->src, copy->dst);
+    DecodeRequest r;
+    r.id = a.id;
+    r.prompt_tokens = parent.req.prompt_tokens;
+    r.max_tokens = parent.req.max_tokens;
+    r.sampling = parent.req.sampling;
+    r.sampling.seed = pd::choiceSeed(parent.req.sampling.seed, a.choice);
+    r.arrival_us = parent.admitted.first;
+    r.stop_token_ids = parent.req.stop_token_ids;
+    r.ignore_eos = parent.req.ignore_eos;
+    r.logprobs = parent.req.logprobs;
+    r.grammar = parent.req.grammar;
+    r.sink = std::move(a.sink);
+    auto child =
+        std::make_unique<Sequence>(std::move(r), parent.speculate, std::pair(parent.admitted.first, ++admissions_));
+    Sequence& seq = *child;
+    requests_.emplace(a.id, std::move(child));
+    const pd::SampledToken& first = record.choice_tokens[static_cast<std::size_t>(a.choice - 1)];
+    kvtransfer::CompletionRecord own;
+    own.num_tokens = record.num_tokens;
+    own.first_token = first.token;
+    own.hidden_state = record.hidden_state;
+    if (seq.req.logprobs) {
+      own.first_logprob = pd::TokenLogprob{first.token, first.logprob};
+      own.top_logprobs = first.top;
+    }
+    startRunning(seq, std::move(own));  // may end it at once (max_tokens 1, a stop token)
+  }
+  // Choices that never attached leave their copies unused.
+  blocks_.releaseSpares(parent.req.id);
+  publishGauges();
 }
 
 void DecodeEngine::startRunning(Sequence& seq, kvtransfer::CompletionRecord record) {
@@ -411,7 +505,18 @@ void DecodeEngine::finish(std::uint64_t request_id, FinishReason reason, std::op
     PD_CHECK(blocks_.release(request_id));
   }
   if (options_.metrics != nullptr) options_.metrics->requestEnded(outcome);
-  publishGauges();             // before the sink: whoever sees the end of the stream sees the blocks free
+  publishGauges();  // before the sink: whoever sees the end of the stream sees the blocks free
+  // Choices attached to a request that never got its KV end with it.
+  for (Sequence::AttachedChoice& a : seq->attached) {
+    if (options_.metrics != nullptr) options_.metrics->requestEnded(outcome);
+    TokenEvent event;
+    event.request_id = a.id;
+    event.finish = reason;
+    event.error = error;
+    event.prompt_tokens = seq->req.prompt_tokens;
+    event.preempted = preempted;
+    a.sink(event);
+  }
   if (!seq->req.sink) return;  // emit() delivers the final event itself
   TokenEvent event;
   event.request_id = request_id;
@@ -475,6 +580,23 @@ void DecodeEngine::noteKvRetry(std::uint64_t request_id, const Error& failure) {
 }
 
 bool DecodeEngine::abort(std::uint64_t request_id) {
+  for (auto& [id, seq] : requests_) {
+    auto& attached = seq->attached;
+    const auto a = std::find_if(attached.begin(), attached.end(),
+                                [&](const Sequence::AttachedChoice& c) { return c.id == request_id; });
+    if (a == attached.end()) continue;
+    // Not forked yet: it holds no block of its own (its spare goes back at the fork).
+    TokenEventSink sink = std::move(a->sink);
+    attached.erase(a);
+    if (options_.metrics != nullptr) options_.metrics->requestEnded(RequestOutcome::Aborted);
+    TokenEvent event;
+    event.request_id = request_id;
+    event.finish = FinishReason::Aborted;
+    event.error = makeError(ErrorCode::Cancelled, fmt::format("request {} aborted", request_id));
+    event.prompt_tokens = seq->req.prompt_tokens;
+    sink(event);
+    return true;
+  }
   if (!requests_.contains(request_id)) return false;
   finish(request_id, FinishReason::Aborted,
          makeError(ErrorCode::Cancelled, fmt::format("request {} aborted", request_id)), RequestOutcome::Aborted);

@@ -196,6 +196,16 @@ Result<kvtransfer::KvDescriptor> DecodeLoop::openStream(DecodeRequest request, k
   return future.get();
 }
 
+void DecodeLoop::attachAsync(std::uint64_t parent_id, std::int64_t choice, std::uint64_t child_id, TokenEventSink sink,
+                             std::function<void(Status)> done) {
+  auto answer = std::make_shared<std::function<void(Status)>>(std::move(done));
+  auto own = std::make_shared<TokenEventSink>(std::move(sink));
+  const bool posted = inbox_->post([parent_id, choice, child_id, own, answer](DecodeEngine& e) {
+    (*answer)(e.attach(parent_id, choice, child_id, std::move(*own)));
+  });
+  if (!posted) (*answer)(makeError(ErrorCode::Cancelled, "the decode loop has stopped"));
+}
+
 void DecodeLoop::postKvReady(std::uint64_t request_id, Result<kvtransfer::CompletionRecord> record) {
   auto rec = std::make_shared<Result<kvtransfer::CompletionRecord>>(std::move(record));
   post([request_id, rec](DecodeEngine& e) { (void)e.onKvReady(request_id, std::move(*rec)); });

@@ -127,6 +127,10 @@ class DecodeServer::Impl {
   void recordKvRecord(const Stream& stream, std::string_view traceparent, trace::TimePoint start);
 
   void handleOpen(const http::Request& request, http::Exchange exchange);
+  // An attached choice's open (DecodeOpen::attach_to): a stream of its own over its parent's KV.
+  void handleAttach(worker_api::DecodeOpen open, std::shared_ptr<Stream> stream);
+  // The sink that writes `stream`'s token and last lines (loop thread).
+  TokenEventSink streamSink(const std::shared_ptr<Stream>& stream);
   void handleAbort(const http::Request& request, http::Exchange exchange);
   // Answers `error` with its status and counts the refusal.
   void refuse(http::Exchange& exchange, const Error& error);
@@ -298,6 +302,7 @@ void DecodeServer::Impl::handleOpen(const http::Request& request, http::Exchange
     }
     streams_.emplace(open.request_id, stream);
   }
+  if (!open.attach_to.empty()) return handleAttach(std::move(open), std::move(stream));
 
   const std::int64_t kv_timeout_ms = std::min(open.kv_timeout_ms, options_.decode.kv_wait_timeout_ms);
   DecodeRequest r;
@@ -313,24 +318,8 @@ void DecodeServer::Impl::handleOpen(const http::Request& request, http::Exchange
   r.kv_deadline = Clock::now() + std::chrono::milliseconds(kv_timeout_ms) + receive_grace_;
   r.prefill_attempts = open.prefill_attempts;
   r.grammar = std::move(grammar).value();
-  // Runs on the loop thread; Exchange::write only queues, so it never blocks the loop.
-  r.sink = [this, stream](const TokenEvent& e) {
-    const trace::TimePoint event_at = e.kv_traceparent.empty() ? trace::TimePoint{} : trace::Clock::now();
-    if (!e.tokens.empty()) stream->exchange.write(worker_api::toJson(tokensEvent(e, stream->logprobs)) + "\n");
-    if (!e.kv_traceparent.empty()) recordKvRecord(*stream, e.kv_traceparent, event_at);
-    if (stream->span.recording() && !e.tokens.empty()) {
-      const trace::TimePoint now = trace::Clock::now();
-      if (stream->token_events == 0) stream->first_event = now;
-      if (stream->token_events == 1) stream->second_event = now;
-      if (stream->token_events < 2) stream->early_tokens += static_cast<std::int64_t>(e.tokens.size());
-      ++stream->token_events;
-    }
-    if (!e.finish) return;
-    if (stream->span.recording()) recordSpans(*stream, e);
-    stream->exchange.write(worker_api::toJson(lastEvent(e)) + "\n");
-    stream->exchange.end();
-    streamEnded(stream->request_id);
-  };
+  r.choices = open.choices;
+  r.sink = streamSink(stream);
 
   DecodeLoop* loop = loop_.get();
   if (!open.local_prompt_token_ids.empty()) {
@@ -390,6 +379,62 @@ void DecodeServer::Impl::handleOpen(const http::Request& request, http::Exchange
         const std::uint64_t id = stream->local_id;
         stream->exchange.onClientGone([loop, id] { loop->postAbort(id); });
       });
+}
+
+void DecodeServer::Impl::handleAttach(worker_api::DecodeOpen open, std::shared_ptr<Stream> stream) {
+  std::optional<std::uint64_t> parent;
+  {
+    std::lock_guard lock(mutex_);
+    const auto it = streams_.find(open.attach_to);
+    if (it != streams_.end()) parent = it->second->local_id;
+  }
+  if (!parent) {
+    stream->span.end();
+    refuse(stream->exchange, makeError(ErrorCode::NotFound, fmt::format("request {} to attach choice {} to is not "
+                                                                        "open here",
+                                                                        open.attach_to, open.choice)));
+    streamEnded(stream->request_id);
+    return;
+  }
+  DecodeLoop* loop = loop_.get();
+  loop_->attachAsync(*parent, open.choice, stream->local_id, streamSink(stream), [this, stream, loop](Status attached) {
+    stream->admitted = trace::Clock::now();
+    if (!attached.ok()) {
+      stream->span.setError(attached.error().toString());
+      stream->span.end();
+      refuse(stream->exchange, attached.error());
+      streamEnded(stream->request_id);
+      return;
+    }
+    // An empty descriptor: the parent's prefill brings this choice's KV and first token.
+    worker_api::DecodeEvent first;
+    first.type = worker_api::DecodeEventType::Descriptor;
+    stream->exchange.beginStream(200, {{"Content-Type", std::string(kNdjson)}, {"Cache-Control", "no-store"}});
+    stream->exchange.write(worker_api::toJson(first) + "\n");
+    const std::uint64_t id = stream->local_id;
+    stream->exchange.onClientGone([loop, id] { loop->postAbort(id); });
+  });
+}
+
+TokenEventSink DecodeServer::Impl::streamSink(const std::shared_ptr<Stream>& stream) {
+  // Runs on the loop thread; Exchange::write only queues, so it never blocks the loop.
+  return [this, stream](const TokenEvent& e) {
+    const trace::TimePoint event_at = e.kv_traceparent.empty() ? trace::TimePoint{} : trace::Clock::now();
+    if (!e.tokens.empty()) stream->exchange.write(worker_api::toJson(tokensEvent(e, stream->logprobs)) + "\n");
+    if (!e.kv_traceparent.empty()) recordKvRecord(*stream, e.kv_traceparent, event_at);
+    if (stream->span.recording() && !e.tokens.empty()) {
+      const trace::TimePoint now = trace::Clock::now();
+      if (stream->token_events == 0) stream->first_event = now;
+      if (stream->token_events == 1) stream->second_event = now;
+      if (stream->token_events < 2) stream->early_tokens += static_cast<std::int64_t>(e.tokens.size());
+      ++stream->token_events;
+    }
+    if (!e.finish) return;
+    if (stream->span.recording()) recordSpans(*stream, e);
+    stream->exchange.write(worker_api::toJson(lastEvent(e)) + "\n");
+    stream->exchange.end();
+    streamEnded(stream->request_id);
+  };
 }
 
 void DecodeServer::Impl::recordSpans(Stream& stream, const TokenEvent& e) {

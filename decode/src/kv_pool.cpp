@@ -1,5 +1,6 @@
 #include "pd/decode/kv_pool.h"
 
+#include <cstring>
 #include <utility>
 
 namespace pd::decode {
@@ -48,6 +49,15 @@ kvtransfer::CompatInfo KvPool::compat(std::uint64_t model_hash, std::uint32_t tp
   c.kv_dim = static_cast<std::uint32_t>(latentDim());
   c.tp_size = tp_size;
   return c;
+}
+
+void KvPool::copyBlock(std::int32_t src, std::int32_t dst) const {
+  PD_CHECK(src >= 0 && src < numBlocks() && dst >= 0 && dst < numBlocks() && src != dst);
+  const std::uint64_t stride = blockStride();
+  for (std::byte* layer : view().layers) {
+    std::memcpy(layer + static_cast<std::uint64_t>(dst) * stride, layer + static_cast<std::uint64_t>(src) * stride,
+                stride);
+  }
 }
 
 }  // namespace pd::decode

@@ -7,6 +7,7 @@
 #include <utility>
 
 #include "byte_io.h"
+#include "pd/common/choices.h"
 #include "pd/trace/trace_context.h"
 
 namespace pd::kvtransfer {
@@ -236,6 +237,16 @@ std::vector<std::uint8_t> encode(const CompletionRecord& rec) {
     w.put(lp.token);
     w.putF32(lp.logprob);
   }
+  w.put(static_cast<std::uint32_t>(rec.choice_tokens.size()));
+  for (const auto& c : rec.choice_tokens) {
+    w.put(c.token);
+    w.putF32(c.logprob);
+    w.put(static_cast<std::uint32_t>(c.top.size()));
+    for (const auto& lp : c.top) {
+      w.put(lp.token);
+      w.putF32(lp.logprob);
+    }
+  }
   w.putString(rec.traceparent);
   return finish(std::move(w));
 }
@@ -347,6 +358,17 @@ Result<CompletionRecord> decodeCompletionRecord(std::span<const std::uint8_t> by
   for (auto& lp : rec.top_logprobs) {
     lp.token = r.get<std::int32_t>();
     lp.logprob = r.getF32();
+  }
+  const auto choices = r.getCount(static_cast<std::uint32_t>(pd::kMaxChoices - 1), 12);
+  rec.choice_tokens.resize(choices);
+  for (auto& c : rec.choice_tokens) {
+    c.token = r.get<std::int32_t>();
+    c.logprob = r.getF32();
+    c.top.resize(r.getCount(kMaxTopLogprobs, 8));
+    for (auto& lp : c.top) {
+      lp.token = r.get<std::int32_t>();
+      lp.logprob = r.getF32();
+    }
   }
   // The trace context is advisory: one that is too long or not exact W3C is skipped (never
   // copied) and reads as absent; the record itself stands.

@@ -8,6 +8,8 @@
 #include <optional>
 #include <utility>
 
+#include "pd/common/choices.h"
+
 namespace pd::prefill {
 
 struct PrefillEngine::Running {
@@ -124,6 +126,12 @@ Status PrefillEngine::submit(PrefillRequest request) {
   if (request.forced_first_token >= cfg.vocab_size) {
     return makeError(ErrorCode::InvalidArgument,
                      fmt::format("forced first token {} outside the vocabulary", request.forced_first_token));
+  }
+  if (request.choices < 1 || request.choices > pd::kMaxChoices ||
+      (request.choices > 1 && request.forced_first_token >= 0)) {
+    return makeError(
+        ErrorCode::InvalidArgument,
+        fmt::format("choices {} must be in [1, {}] (1 with a forced first token)", request.choices, pd::kMaxChoices));
   }
   if (ceilDiv(n, options_.block_size) > options_.cache_blocks) {
     return makeError(ErrorCode::ResourceExhausted,
@@ -415,12 +423,12 @@ bool PrefillEngine::step() {
 void PrefillEngine::finishPrompt(std::vector<Running*>& done) {
   const ModelConfig& cfg = engine_.config();
   std::vector<model::SampledToken> first;
-  for (Running* r : done) {
-    model::Sampler sampler(r->request.sampling, r->request.logprobs);
+  std::vector<std::vector<pd::SampledToken>> choice_first(done.size());  // choices 1..n-1
+  for (std::size_t d = 0; d < done.size(); ++d) {
+    Running* r = done[d];
     const auto resumed = static_cast<std::size_t>(
         std::clamp<std::int64_t>(r->request.resumed_tokens, 0, static_cast<std::int64_t>(r->request.tokens.size())));
     const auto resumed_ids = std::span(r->request.tokens).last(resumed);
-    sampler.resumeAfter(resumed_ids);
     std::vector<structured::MaskWord> allowed;  // empty: free text
     if (r->request.grammar && r->request.forced_first_token < 0) {
       // The first token is sampled under the constraint like every later one (decode checks it);
@@ -432,8 +440,22 @@ void PrefillEngine::finishPrompt(std::vector<Running*>& done) {
       }
       matcher.fillMask(allowed);
     }
-    first.push_back(sampler.sample(r->last_logits, allowed));
-    if (r->request.forced_first_token >= 0) first.back().token = r->request.forced_first_token;
+    // Every choice draws from the same logits with its own stream: choice 0 with the request's
+    // seed (the n = 1 answer), choice i with pd::choiceSeed(seed, i).
+    for (std::int64_t c = 0; c < std::max<std::int64_t>(1, r->request.choices); ++c) {
+      pd::SamplingParams params = r->request.sampling;
+      params.seed = pd::choiceSeed(params.seed, c);
+      model::Sampler sampler(params, r->request.logprobs);
+      sampler.resumeAfter(resumed_ids);
+      model::SampledToken t = sampler.sample(r->last_logits, allowed);
+      if (c == 0) {
+        first.push_back(std::move(t));
+        if (r->request.forced_first_token >= 0) first.back().token = r->request.forced_first_token;
+      } else {
+        if (!r->request.logprobs) t = model::SampledToken{t.token, 0.0F, {}};
+        choice_first[d].push_back(std::move(t));
+      }
+    }
   }
   // MTP passes write the MTP layer of every prompt block, prefix-cache blocks included; the last
   // position of a shared block depends on the token after it, so two rows of one MTP forward must
@@ -508,6 +530,7 @@ void PrefillEngine::finishPrompt(std::vector<Running*>& done) {
       record.first_logprob = pd::TokenLogprob{first[i].token, first[i].logprob};
       record.top_logprobs = first[i].top;
     }
+    record.choice_tokens = std::move(choice_first[i]);
     r.request.sink->complete(std::move(record));
     release(r, true);
     std::lock_guard lock(mutex_);

@@ -464,6 +464,7 @@ class PrefillServer::Impl {
     pr.sampling = sub.sampling;
     pr.resumed_tokens = sub.resumed_tokens;
     pr.forced_first_token = static_cast<std::int32_t>(sub.forced_first_token);
+    pr.choices = sub.choices;
     pr.logprobs = sub.logprobs;
     pr.grammar = std::move(grammar).value();
     pr.deadline = deadline;

@@ -105,6 +105,7 @@ struct FrontEnd {
         max_model_len(o.max_model_len),
         default_completion_max_tokens(o.default_completion_max_tokens),
         max_queued_requests(o.max_queued_requests),
+        max_n(o.max_n),
         request_timeout(o.request_timeout),
         retry_after(o.retry_after),
         api_keys(o.api_keys),
@@ -136,6 +137,7 @@ struct FrontEnd {
   const std::int64_t max_model_len;
   const std::int64_t default_completion_max_tokens;
   const std::int64_t max_queued_requests;
+  const std::int64_t max_n;
   const std::chrono::milliseconds request_timeout;
   const std::chrono::seconds retry_after;
   const ApiKeySet api_keys;
@@ -199,20 +201,23 @@ double msBetween(trace::TimePoint a, trace::TimePoint b) {
   return std::chrono::duration<double, std::milli>(b - a).count();
 }
 
-/// One generation request from admission to its last byte: the backend's TokenSink, and the
-/// target of the client-gone and deadline callbacks.
+/// One generation request from admission to its last byte: the backend's TokenSink (of choice 0;
+/// ChoiceSink forwards choice i's events with n > 1), and the target of the client-gone and
+/// deadline callbacks. With n > 1 every choice has its own output state (parser, sanitizer, text);
+/// the answer is complete when every choice finished, and any choice's error fails the request
+/// (the other choices are aborted).
 ///
-/// Thread rules: the backend calls the sink methods serially; clientGone() and deadlinePassed()
-/// come from io threads, concurrently with them. `mu_` guards
+/// Thread rules: the backend calls each choice's sink methods serially, and the choices' sinks
+/// concurrently; clientGone() and deadlinePassed() come from io threads, concurrently with them. `mu_` guards
 /// everything; the backend's abort() and the scheduler's cancel() are called without it (either
 /// may call back into this object).
 class RequestState final : public TokenSink, public std::enable_shared_from_this<RequestState> {
  public:
   RequestState(std::shared_ptr<FrontEnd> fe, http::Exchange exchange, ResponseShape shape, bool stream,
                std::string endpoint, std::vector<TokenId> prompt_ids, Clock::time_point received,
-               KeyLimiter::Lease lease, trace::Span span, RequestLog log, std::unique_ptr<ChatOutputParser> parser)
-      : parser_(std::move(parser)),
-        fe_(std::move(fe)),
+               KeyLimiter::Lease lease, trace::Span span, RequestLog log,
+               std::vector<std::unique_ptr<ChatOutputParser>> parsers)
+      : fe_(std::move(fe)),
         exchange_(std::move(exchange)),
         shape_(std::move(shape)),
         stream_(stream),
@@ -221,11 +226,29 @@ class RequestState final : public TokenSink, public std::enable_shared_from_this
         received_(received),
         lease_(std::move(lease)),
         span_(std::move(span)),
-        log_(std::move(log)) {}
+        log_(std::move(log)) {
+    PD_CHECK(!parsers.empty());
+    choices_.resize(parsers.size());
+    for (std::size_t i = 0; i < parsers.size(); ++i) {
+      choices_[i].shape = shape_;
+      choices_[i].shape.index = static_cast<std::int64_t>(i);
+      choices_[i].parser = std::move(parsers[i]);
+    }
+  }
 
-  void onTokens(TokenDelta delta) override {
+  void onTokens(TokenDelta delta) override { choiceTokens(0, std::move(delta)); }
+  void onFinish(FinishEvent finish) override { choiceFinish(0, std::move(finish)); }
+  void onError(Error error) override { choiceError(0, std::move(error)); }
+  void onReport(const GenerationReport& report) override {
+    std::lock_guard lock(mu_);
+    report_ = report;
+  }
+
+  /// Choice i's events (the backend's sink for choice i forwards here).
+  void choiceTokens(std::size_t index, TokenDelta delta) {
     std::lock_guard lock(mu_);
     if (done_) return;
+    Choice& c = choices_[index];
     const auto now = Clock::now();
     if (!first_token_at_) {
       first_token_at_ = now;
@@ -239,19 +262,19 @@ class RequestState final : public TokenSink, public std::enable_shared_from_this
     }
     last_token_at_ = now;
     completion_tokens_ += static_cast<std::int64_t>(delta.token_ids.size());
-    std::string text = sanitizer_.push(delta.text);
-    if (parser_) return parsedTokensLocked(text, delta);
+    std::string text = c.sanitizer.push(delta.text);
+    if (c.parser) return parsedTokensLocked(c, text, delta);
     if (!stream_) {
-      text_ += text;
-      ids_.insert(ids_.end(), delta.token_ids.begin(), delta.token_ids.end());
-      for (auto& lp : delta.logprobs) logprobs_.push_back(std::move(lp));
+      c.text += text;
+      c.ids.insert(c.ids.end(), delta.token_ids.begin(), delta.token_ids.end());
+      for (auto& lp : delta.logprobs) c.logprobs.push_back(std::move(lp));
       return;
     }
     beginStreamLocked();
     const bool has_payload =
         !text.empty() || (!delta.token_ids.empty() && (shape_.return_token_ids || shape_.logprobs));
     if (!has_payload) return;
-    exchange_.write(deltaChunk(shape_, text, delta.token_ids, delta.logprobs, cursor_, promptIdsForChunk()));
+    exchange_.write(deltaChunk(c.shape, text, delta.token_ids, delta.logprobs, c.cursor, promptIdsForChunk()));
   }
 
   /// Writes the request's log line: the client has its answer and the backend is done with it.
@@ -267,39 +290,55 @@ class RequestState final : public TokenSink, public std::enable_shared_from_this
   RequestState(RequestState&&) = delete;
   RequestState& operator=(RequestState&&) = delete;
 
-  void onReport(const GenerationReport& report) override {
-    std::lock_guard lock(mu_);
-    report_ = report;
-  }
-
-  void onFinish(FinishEvent finish) override {
+  void choiceFinish(std::size_t i, FinishEvent finish) {
     const GenerationEnd& end = finish.end;
     std::optional<DeadlineScheduler::Id> cancel;
     {
       std::lock_guard lock(mu_);
-      backend_ended_ = true;
+      endChoiceLocked();
       if (done_) return;
-      cached_tokens_ = end.cached_prompt_tokens;
-      finish_reason_ = std::string(finishReasonName(end.reason));
-      settleLeaseLocked();  // before the answer: a client that saw it may send its next request at once
-      std::string tail = sanitizer_.push(finish.text);
-      tail += sanitizer_.finish();
-      Usage usage{static_cast<std::int64_t>(prompt_ids_.size()), completion_tokens_, end.cached_prompt_tokens};
-      // Booked before the answer is written: a client that has the answer sees it in /metrics.
-      cancel = finishLocked(200);
-      if (parser_) {
-        parsedFinishLocked(tail, end, usage);
+      Choice& c = choices_[i];
+      // The prompt's KV is prefilled once, with choice 0 (usage counts cached tokens once).
+      if (i == 0) cached_tokens_ = end.cached_prompt_tokens;
+      c.finish = end.reason;
+      std::string tail = c.sanitizer.push(finish.text);
+      tail += c.sanitizer.finish();
+      if (c.parser) {
+        parsedFinishLocked(c, tail, end.reason);
       } else if (stream_) {
         beginStreamLocked();
-        if (!tail.empty()) exchange_.write(deltaChunk(shape_, tail, {}, {}, cursor_, promptIdsForChunk()));
-        exchange_.write(finishChunk(shape_, end.reason, promptIdsForChunk()));
+        if (!tail.empty()) exchange_.write(deltaChunk(c.shape, tail, {}, {}, c.cursor, promptIdsForChunk()));
+        exchange_.write(finishChunk(c.shape, end.reason, promptIdsForChunk()));
+      } else {
+        c.text += tail;
+      }
+      if (++finished_ < choices_.size()) return;
+      finish_reason_ = std::string(finishReasonName(*choices_[0].finish));
+      settleLeaseLocked();  // before the answer: a client that saw it may send its next request at once
+      // OpenAI's usage for n choices: the prompt once, the completion tokens of all choices.
+      Usage usage{static_cast<std::int64_t>(prompt_ids_.size()), completion_tokens_, cached_tokens_};
+      std::int64_t reasoning = 0;
+      bool parses_reasoning = false;
+      for (const Choice& each : choices_) {
+        reasoning += each.reasoning_tokens;
+        parses_reasoning = parses_reasoning || (each.parser && each.parser->parsesReasoning());
+      }
+      if (parses_reasoning) usage.reasoning_tokens = reasoning;
+      // Booked before the answer is written: a client that has the answer sees it in /metrics.
+      cancel = finishLocked(200);
+      if (stream_) {
+        beginStreamLocked();
         if (shape_.include_usage) exchange_.write(usageChunk(shape_, usage));
         exchange_.write(std::string(kSseDone));
         exchange_.end();
       } else {
-        text_ += tail;
-        http::Response r = http::Response::withBody(
-            200, std::string(kJson), fullResponse(shape_, text_, ids_, logprobs_, end.reason, usage, prompt_ids_));
+        std::vector<ChoiceOutput> out;
+        for (const Choice& each : choices_) {
+          out.push_back(ChoiceOutput{each.text, &each.ids, &each.logprobs, *each.finish,
+                                     each.parser ? &each.message_parts : nullptr});
+        }
+        http::Response r =
+            http::Response::withBody(200, std::string(kJson), fullResponseChoices(shape_, out, usage, prompt_ids_));
         r.headers.push_back({"X-Request-Id", shape_.id});
         exchange_.respond(std::move(r));
       }
@@ -307,18 +346,20 @@ class RequestState final : public TokenSink, public std::enable_shared_from_this
     cancelDeadline(cancel);
   }
 
-  void onError(Error error) override {
+  /// Any choice's error fails the request; the other choices are aborted.
+  void choiceError(std::size_t i, Error error) {
     std::optional<DeadlineScheduler::Id> cancel;
     {
       std::lock_guard lock(mu_);
-      backend_ended_ = true;
+      endChoiceLocked();
       if (done_) return;
       const ApiError api = fromBackendError(error);
-      if (api.status >= 500) log::warn(kLog, "{}: generation failed: {}", shape_.id, error.toString());
+      if (api.status >= 500) log::warn(kLog, "{}: generation of choice {} failed: {}", shape_.id, i, error.toString());
       backend_error_ = std::string(errorCodeName(error.code));
       cancel = failLocked(api);
     }
     cancelDeadline(cancel);
+    abortBackend();  // the other choices (nothing when every choice has ended)
   }
 
   /// start() refused the request; the sink was never called.
@@ -379,66 +420,77 @@ class RequestState final : public TokenSink, public std::enable_shared_from_this
  private:
   void leaveQueue() { fe_->metrics.waiting.set(static_cast<double>(--fe_->waiting)); }
 
+  /// One choice's output state (OpenAI `choices[i]`).
+  struct Choice {
+    ResponseShape shape;                       ///< the request's, with this choice's index
+    std::unique_ptr<ChatOutputParser> parser;  ///< chat with tools or reasoning parsing; else null
+    Utf8StreamSanitizer sanitizer;
+    LogprobCursor cursor;
+    std::string text;  ///< non-streaming: accumulated output
+    std::vector<TokenId> ids;
+    std::vector<LogprobEntry> logprobs;
+    std::int64_t reasoning_tokens = 0;
+    ChatMessageParts message_parts;  ///< non-streaming with a parser: reasoning and tool calls
+    std::optional<FinishReason> finish;
+  };
+
+  /// A choice's terminal event came; the backend has ended once every choice's has.
+  void endChoiceLocked() {
+    if (++ended_ >= choices_.size()) backend_ended_ = true;
+  }
+
   /// onTokens with a ChatOutputParser: content, reasoning and tool calls split out of the text.
-  void parsedTokensLocked(const std::string& text, TokenDelta& delta) {
-    const bool was_reasoning = parser_->inReasoning();
-    ChatOutputParser::Piece piece = parser_->feed(text);
+  void parsedTokensLocked(Choice& c, const std::string& text, TokenDelta& delta) {
+    const bool was_reasoning = c.parser->inReasoning();
+    ChatOutputParser::Piece piece = c.parser->feed(text);
     // A stream event's tokens count as reasoning when the parser was inside the reasoning before
     // or after them, or they added to it: the tokens that open and close it count (exact when each
     // event carries one token, i.e. without MTP).
-    if (was_reasoning || parser_->inReasoning() || !piece.parts.reasoning.empty()) {
-      reasoning_tokens_ += static_cast<std::int64_t>(delta.token_ids.size());
+    if (was_reasoning || c.parser->inReasoning() || !piece.parts.reasoning.empty()) {
+      c.reasoning_tokens += static_cast<std::int64_t>(delta.token_ids.size());
     }
     if (!stream_) {
-      addPieceLocked(std::move(piece));
-      ids_.insert(ids_.end(), delta.token_ids.begin(), delta.token_ids.end());
-      for (auto& lp : delta.logprobs) logprobs_.push_back(std::move(lp));
+      addPieceLocked(c, std::move(piece));
+      c.ids.insert(c.ids.end(), delta.token_ids.begin(), delta.token_ids.end());
+      for (auto& lp : delta.logprobs) c.logprobs.push_back(std::move(lp));
       return;
     }
     beginStreamLocked();
     const bool has_payload =
         !piece.empty() || (!delta.token_ids.empty() && (shape_.return_token_ids || shape_.logprobs));
     if (!has_payload) return;
-    exchange_.write(chatPartsChunk(shape_, piece.content, piece.parts, delta.token_ids, delta.logprobs, cursor_));
+    exchange_.write(chatPartsChunk(c.shape, piece.content, piece.parts, delta.token_ids, delta.logprobs, c.cursor));
   }
 
-  void addPieceLocked(ChatOutputParser::Piece piece) {
-    text_ += piece.content;
-    message_parts_.reasoning += piece.parts.reasoning;
+  static void addPieceLocked(Choice& c, ChatOutputParser::Piece piece) {
+    c.text += piece.content;
+    c.message_parts.reasoning += piece.parts.reasoning;
     for (auto& d : piece.parts.tool_calls) {
-      if (d.index >= message_parts_.tool_calls.size()) message_parts_.tool_calls.resize(d.index + 1);
-      structured::ToolCall& call = message_parts_.tool_calls[d.index];
+      if (d.index >= c.message_parts.tool_calls.size()) c.message_parts.tool_calls.resize(d.index + 1);
+      structured::ToolCall& call = c.message_parts.tool_calls[d.index];
       if (!d.id.empty()) call.id = std::move(d.id);
       if (!d.name.empty()) call.name = std::move(d.name);
       call.arguments += d.arguments;
     }
   }
 
-  /// onFinish with a ChatOutputParser: the parsers' held-back text, then the finish.
-  void parsedFinishLocked(const std::string& tail, const GenerationEnd& end, Usage& usage) {
-    ChatOutputParser::Piece piece = parser_->feed(tail);
-    ChatOutputParser::Piece last = parser_->finish();
+  /// A choice's finish with a ChatOutputParser: the parser's held-back text, then (streaming) the
+  /// choice's finish chunk.
+  void parsedFinishLocked(Choice& c, const std::string& tail, FinishReason reason) {
+    ChatOutputParser::Piece piece = c.parser->feed(tail);
+    ChatOutputParser::Piece last = c.parser->finish();
     piece.content += last.content;
     piece.parts.reasoning += last.parts.reasoning;
-    for (auto& c : last.parts.tool_calls) piece.parts.tool_calls.push_back(std::move(c));
-    if (parser_->parsesReasoning()) usage.reasoning_tokens = reasoning_tokens_;
-    const bool tool_calls = parser_->sawToolCalls();
+    for (auto& call : last.parts.tool_calls) piece.parts.tool_calls.push_back(std::move(call));
+    const bool tool_calls = c.parser->sawToolCalls();
     if (stream_) {
       beginStreamLocked();
-      if (!piece.empty()) exchange_.write(chatPartsChunk(shape_, piece.content, piece.parts, {}, {}, cursor_));
-      exchange_.write(finishChunk(shape_, end.reason, nullptr, tool_calls));
-      if (shape_.include_usage) exchange_.write(usageChunk(shape_, usage));
-      exchange_.write(std::string(kSseDone));
-      exchange_.end();
+      if (!piece.empty()) exchange_.write(chatPartsChunk(c.shape, piece.content, piece.parts, {}, {}, c.cursor));
+      exchange_.write(finishChunk(c.shape, reason, nullptr, tool_calls));
       return;
     }
-    addPieceLocked(std::move(piece));
-    message_parts_.reasoning_parsed = parser_->parsesReasoning();
-    http::Response r = http::Response::withBody(
-        200, std::string(kJson),
-        fullResponse(shape_, text_, ids_, logprobs_, end.reason, usage, prompt_ids_, &message_parts_));
-    r.headers.push_back({"X-Request-Id", shape_.id});
-    exchange_.respond(std::move(r));
+    addPieceLocked(c, std::move(piece));
+    c.message_parts.reasoning_parsed = c.parser->parsesReasoning();
   }
 
   void beginStreamLocked() {
@@ -449,7 +501,7 @@ class RequestState final : public TokenSink, public std::enable_shared_from_this
                                 {"X-Accel-Buffering", "no"},
                                 {"X-Request-Id", shape_.id}});
     if (shape_.endpoint == Endpoint::ChatCompletions) {
-      exchange_.write(chatRoleChunk(shape_, prompt_ids_));
+      for (const Choice& c : choices_) exchange_.write(chatRoleChunk(c.shape, prompt_ids_));
       prompt_ids_sent_ = true;
     }
   }
@@ -578,7 +630,6 @@ class RequestState final : public TokenSink, public std::enable_shared_from_this
     if (control != nullptr) control->abort();
   }
 
-  const std::unique_ptr<ChatOutputParser> parser_;  ///< chat with tools or reasoning parsing; else null
   const std::shared_ptr<FrontEnd> fe_;
   http::Exchange exchange_;
   const ResponseShape shape_;
@@ -598,11 +649,9 @@ class RequestState final : public TokenSink, public std::enable_shared_from_this
   std::optional<Clock::time_point> first_token_at_;
   Clock::time_point last_token_at_;
   std::int64_t completion_tokens_ = 0;
-  Utf8StreamSanitizer sanitizer_;
-  LogprobCursor cursor_;
-  std::string text_;  ///< non-streaming: accumulated output
-  std::vector<TokenId> ids_;
-  std::vector<LogprobEntry> logprobs_;
+  std::vector<Choice> choices_;      ///< OpenAI `n` of them; sized at construction
+  std::size_t ended_ = 0;            ///< choices whose terminal event came
+  std::size_t finished_ = 0;         ///< choices that finished (Stop or Length)
   std::optional<int> final_status_;  ///< the answer's status, once booked
   Clock::time_point finished_at_;    ///< when it was booked
   std::int64_t cached_tokens_ = 0;
@@ -613,8 +662,22 @@ class RequestState final : public TokenSink, public std::enable_shared_from_this
   trace::Span span_;         ///< router.request: ends with the answer
   trace::Span stream_span_;  ///< router.stream: first token to the answer's end
   RequestLog log_;
-  std::int64_t reasoning_tokens_ = 0;
-  ChatMessageParts message_parts_;  ///< non-streaming with a parser: reasoning and tool calls
+};
+
+/// Choice i's sink (n > 1): forwards its events to the request's state.
+class ChoiceSink final : public TokenSink {
+ public:
+  ChoiceSink(std::shared_ptr<RequestState> state, std::size_t index) : state_(std::move(state)), index_(index) {}
+  void onTokens(TokenDelta delta) override { state_->choiceTokens(index_, std::move(delta)); }
+  void onFinish(FinishEvent finish) override { state_->choiceFinish(index_, std::move(finish)); }
+  void onError(Error error) override { state_->choiceError(index_, std::move(error)); }
+  void onReport(const GenerationReport& report) override {
+    if (index_ == 0) state_->onReport(report);
+  }
+
+ private:
+  const std::shared_ptr<RequestState> state_;
+  const std::size_t index_;
 };
 
 std::string_view endpointLabel(Endpoint e) {
@@ -850,6 +913,11 @@ class ApiServer::Impl {
     auto parsed = parseCompletionRequest(endpoint, req.body);
     if (!parsed.ok()) return reject(ex, label, invalidRequest(parsed.error().message), span);
     CompletionParams p = std::move(parsed).value();
+    if (p.n > fe_->max_n) {
+      return reject(ex, label,
+                    invalidRequest(fmt::format("'n' must be at most {} (router.max_n), not {}", fe_->max_n, p.n)),
+                    span);
+    }
     std::string g_constraint;
     std::string g_format;
     if (p.model != fe_->served_model_name) {
@@ -973,18 +1041,23 @@ class ApiServer::Impl {
 
     ResponseShape shape{endpoint,           id,        unixSeconds(), fe_->served_model_name, p.include_usage,
                         p.return_token_ids, p.logprobs};
-    std::unique_ptr<ChatOutputParser> parser;
+    // Each choice parses its own output (tool calls, reasoning) with a parser of its own.
+    std::vector<std::unique_ptr<ChatOutputParser>> parsers(static_cast<std::size_t>(p.n));
     const bool tools_parsed = p.parse_tool_calls && fe_->tool_parser.has_value();
     // A constrained answer is the value itself (JSON, or the tool-call section): no reasoning in it.
     const bool reasoning = fe_->reasoning_parser && !p.constraint.constrained();
     if (endpoint == Endpoint::ChatCompletions && (tools_parsed || reasoning)) {
-      parser =
-          std::make_unique<ChatOutputParser>(tools_parsed ? fe_->tool_parser : std::nullopt, reasoning,
-                                             fe_->prompt_opens_think, "call_" + id.substr(id.find('-') + 1, 24) + "_");
+      for (std::size_t i = 0; i < parsers.size(); ++i) {
+        // Tool call ids stay unique across choices.
+        const std::string prefix =
+            "call_" + id.substr(id.find('-') + 1, 24) + (i > 0 ? fmt::format("c{}", i) : "") + "_";
+        parsers[i] = std::make_unique<ChatOutputParser>(tools_parsed ? fe_->tool_parser : std::nullopt, reasoning,
+                                                        fe_->prompt_opens_think, prefix);
+      }
     }
     auto state = std::make_shared<RequestState>(fe_, ex, std::move(shape), p.stream, std::string(label),
                                                 std::move(prompt_ids), received.steady, std::move(lease),
-                                                std::move(span), std::move(request_log), std::move(parser));
+                                                std::move(span), std::move(request_log), std::move(parsers));
     const std::weak_ptr<RequestState> weak = state;
     ex.onClientGone([weak] {
       if (auto s = weak.lock()) s->clientGone();
@@ -994,7 +1067,16 @@ class ApiServer::Impl {
         if (auto s = weak.lock()) s->deadlinePassed();
       }));
     }
-    auto started = fe_->backend.start(std::move(g), state);
+    Result<std::unique_ptr<GenerationControl>> started = makeError(ErrorCode::Internal, "not started");
+    if (p.n == 1) {
+      started = fe_->backend.start(std::move(g), state);
+    } else {
+      std::vector<std::shared_ptr<TokenSink>> sinks;
+      for (std::size_t i = 0; i < static_cast<std::size_t>(p.n); ++i) {
+        sinks.push_back(std::make_shared<ChoiceSink>(state, i));
+      }
+      started = fe_->backend.startChoices(std::move(g), std::move(sinks));
+    }
     if (!started.ok()) return state->startFailed(started.error());
     state->setControl(std::move(started).value());
   }
@@ -1019,6 +1101,7 @@ Result<ApiServerOptions> apiServerOptionsFromConfig(const RouterConfig& config, 
   o.served_model_name = config.served_model_name;
   o.max_model_len = max_model_len;
   o.max_queued_requests = config.max_queued_requests;
+  o.max_n = config.max_n;
   o.request_timeout = std::chrono::milliseconds(config.request_timeout_ms);
   o.retry_after = std::chrono::seconds(config.retry_after_s);
   o.log_prompts = config.log_prompts;

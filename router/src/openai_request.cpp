@@ -10,6 +10,7 @@
 #include <limits>
 #include <utility>
 
+#include "pd/common/choices.h"
 #include "pd/router/json_text.h"
 
 namespace pd::router {
@@ -238,12 +239,6 @@ Status refuseUnsupportedService(const json::object& o, Endpoint endpoint) {
 
 /// Refuses a known OpenAI feature this server does not offer, when the client actually uses it.
 Status refuseUnsupported(const json::object& o, Endpoint endpoint) {
-  if (const auto* v = field(o, "n")) {
-    if (!v->is_int64() && !v->is_uint64()) return bad("'n' must be an integer");
-    if (!v->is_int64() || v->get_int64() != 1) {
-      return bad("'n' must be 1: several choices per request are not supported yet");
-    }
-  }
   if (const auto* v = field(o, "best_of")) {
     if (!v->is_int64() || v->get_int64() != 1) return bad("'best_of' must be 1: it is not supported");
   }
@@ -723,6 +718,8 @@ Result<CompletionParams> parseCompletionRequest(Endpoint endpoint, std::string_v
   PD_ASSIGN_OR_RETURN(auto max_completion_tokens,
                       getInt(o, "max_completion_tokens", 1, std::numeric_limits<std::int64_t>::max()));
   p.max_tokens = max_completion_tokens ? max_completion_tokens : max_tokens;
+  PD_ASSIGN_OR_RETURN(auto n, getInt(o, "n", 1, pd::kMaxChoices));
+  p.n = n.value_or(1);
 
   PD_TRY(parseOutputControls(o, p));
   PD_TRY(parseSampling(o, p));

@@ -138,7 +138,7 @@ std::string chunk(const ResponseShape& s, const std::string_view* delta_text, bo
   w.beginObject();
   writeCommon(w, s, true);
   w.key("choices").beginArray().beginObject();
-  w.key("index").number(std::int64_t{0});
+  w.key("index").number(s.index);
   if (isChat(s)) {
     w.key("delta").beginObject();
     if (role) w.key("role").string("assistant");
@@ -268,53 +268,75 @@ std::string usageChunk(const ResponseShape& shape, const Usage& usage) {
 std::string fullResponse(const ResponseShape& shape, std::string_view text, const std::vector<TokenId>& ids,
                          const std::vector<LogprobEntry>& logprobs, FinishReason reason, const Usage& usage,
                          const std::vector<TokenId>& prompt_ids, const ChatMessageParts* parts) {
-  LogprobCursor cursor;
-  const bool tool_calls = parts != nullptr && !parts->tool_calls.empty();
+  return fullResponseChoices(shape, {ChoiceOutput{text, &ids, &logprobs, reason, parts}}, usage, prompt_ids);
+}
+
+std::string fullResponseChoices(const ResponseShape& shape, const std::vector<ChoiceOutput>& choices,
+                                const Usage& usage, const std::vector<TokenId>& prompt_ids) {
   JsonWriter w;
   w.beginObject();
   writeCommon(w, shape, false);
-  w.key("choices").beginArray().beginObject();
-  w.key("index").number(std::int64_t{0});
-  if (isChat(shape)) {
-    w.key("message").beginObject().key("role").string("assistant").key("content");
-    if (tool_calls && text.empty()) {
-      w.null();
-    } else {
-      w.string(text);
-    }
-    if (parts != nullptr && parts->reasoning_parsed) {
-      w.key("reasoning_content");
-      if (parts->reasoning.empty()) {
+  const std::vector<TokenId> no_ids;
+  const std::vector<LogprobEntry> no_logprobs;
+  w.key("choices").beginArray();
+  for (std::size_t index = 0; index < choices.size(); ++index) {
+    const ChoiceOutput& c = choices[index];
+    const std::string_view text = c.text;
+    const ChatMessageParts* parts = c.parts;
+    const std::vector<TokenId>& ids = c.ids != nullptr ? *c.ids : no_ids;
+    const std::vector<LogprobEntry>& logprobs = c.logprobs != nullptr ? *c.logprobs : no_logprobs;
+    LogprobCursor cursor;
+    const bool tool_calls = parts != nullptr && !parts->tool_calls.empty();
+    w.beginObject();
+    w.key("index").number(static_cast<std::int64_t>(index));
+    if (isChat(shape)) {
+      w.key("message").beginObject().key("role").string("assistant").key("content");
+      if (tool_calls && text.empty()) {
         w.null();
       } else {
-        w.string(parts->reasoning);
+        w.string(text);
       }
+      if (parts != nullptr && parts->reasoning_parsed) {
+        w.key("reasoning_content");
+        if (parts->reasoning.empty()) {
+          w.null();
+        } else {
+          w.string(parts->reasoning);
+        }
+      }
+      if (tool_calls) {
+        w.key("tool_calls").beginArray();
+        for (const auto& call : parts->tool_calls) {
+          w.beginObject().key("id").string(call.id).key("type").string("function");
+          w.key("function")
+              .beginObject()
+              .key("name")
+              .string(call.name)
+              .key("arguments")
+              .string(call.arguments)
+              .endObject();
+          w.endObject();
+        }
+        w.endArray();
+      }
+      w.endObject();
+    } else {
+      w.key("text").string(text);
     }
-    if (tool_calls) {
-      w.key("tool_calls").beginArray();
-      for (const auto& c : parts->tool_calls) {
-        w.beginObject().key("id").string(c.id).key("type").string("function");
-        w.key("function").beginObject().key("name").string(c.name).key("arguments").string(c.arguments).endObject();
-        w.endObject();
+    w.key("logprobs");
+    writeLogprobs(w, shape, logprobs, cursor);
+    w.key("finish_reason").string(openAiFinishReason(c.reason, tool_calls));
+    if (shape.return_token_ids) {
+      if (!isChat(shape)) {
+        w.key("prompt_token_ids");
+        writeIds(w, prompt_ids);
       }
-      w.endArray();
+      w.key("token_ids");
+      writeIds(w, ids);
     }
     w.endObject();
-  } else {
-    w.key("text").string(text);
   }
-  w.key("logprobs");
-  writeLogprobs(w, shape, logprobs, cursor);
-  w.key("finish_reason").string(openAiFinishReason(reason, tool_calls));
-  if (shape.return_token_ids) {
-    if (!isChat(shape)) {
-      w.key("prompt_token_ids");
-      writeIds(w, prompt_ids);
-    }
-    w.key("token_ids");
-    writeIds(w, ids);
-  }
-  w.endObject().endArray();
+  w.endArray();
   w.key("usage");
   writeUsage(w, usage);
   if (shape.return_token_ids && isChat(shape)) {

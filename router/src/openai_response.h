@@ -40,6 +40,8 @@ struct ResponseShape {
   bool include_usage = false;     ///< streams: "usage": null on chunks, then a usage chunk
   bool return_token_ids = false;  ///< add prompt_token_ids / token_ids
   bool logprobs = false;
+  /// The choice a chunk is for (OpenAI `index`); each choice of an n > 1 request has its own copy.
+  std::int64_t index = 0;
 };
 
 struct Usage {
@@ -90,6 +92,17 @@ inline constexpr std::string_view kSseDone = "data: [DONE]\n\n";
                                          const ChatDeltaParts& parts, const std::vector<TokenId>& ids,
                                          const std::vector<LogprobEntry>& logprobs, LogprobCursor& cursor);
 [[nodiscard]] std::string usageChunk(const ResponseShape& shape, const Usage& usage);
+/// One choice of a whole non-streaming response.
+struct ChoiceOutput {
+  std::string_view text;
+  const std::vector<TokenId>* ids = nullptr;
+  const std::vector<LogprobEntry>* logprobs = nullptr;
+  FinishReason reason = FinishReason::Stop;
+  const ChatMessageParts* parts = nullptr;  ///< as fullResponse's `parts`
+};
+/// The whole non-streaming response of n >= 1 choices (index = position in `choices`).
+[[nodiscard]] std::string fullResponseChoices(const ResponseShape& shape, const std::vector<ChoiceOutput>& choices,
+                                              const Usage& usage, const std::vector<TokenId>& prompt_ids);
 /// The whole non-streaming response.
 [[nodiscard]] std::string fullResponse(const ResponseShape& shape, std::string_view text,
                                        const std::vector<TokenId>& ids, const std::vector<LogprobEntry>& logprobs,

@@ -17,6 +17,7 @@
 
 #include "generation_resume.h"
 #include "pd/common/async_http_client.h"
+#include "pd/common/choices.h"
 #include "pd/common/http_client.h"
 #include "pd/common/io_threads.h"
 #include "pd/common/log.h"
@@ -216,6 +217,41 @@ struct Shared {
 
 class Generation;
 
+/// The choices of one n > 1 request (docs/kv-memory.md, "Choices share the prompt"). Choice 0's
+/// generation opens its decode stream with `choices` = n; once that stream's descriptor is in,
+/// every other choice attaches to it on the same decode worker (its own stream, no prefill), and
+/// choice 0's prefill — n first tokens, one prompt — goes out when every attach has answered
+/// (attached, refused or failed: a choice whose attach fails is prefilled alone as n = 1).
+/// Until then choice 0 opens its stream with `choices` = n on every attempt; the children have
+/// not begun.
+///
+/// Thread rules: thread-safe (`mu`); `then` runs on the thread of the last answer, unlocked.
+struct ChoiceGroup {
+  explicit ChoiceGroup(std::int64_t n) : choices(n) {}
+  const std::int64_t choices;  // n
+  std::mutex mu;
+  // Choices 1..n-1, in order, until they begin (then handed over: an attached choice holds the
+  // group, so keeping them here would be a cycle).
+  std::vector<std::shared_ptr<Generation>> children;  // guarded by mu
+  bool started = false;                               // guarded by mu: the children have begun
+  std::int64_t waiting = 0;                           // guarded by mu: attach answers still to come
+  std::function<void()> then;                         // guarded by mu: choice 0's prefill
+
+  bool isStarted() {
+    std::lock_guard lock(mu);
+    return started;
+  }
+  /// One child's attach answered (exactly once per child once started).
+  void answered() {
+    std::function<void()> run;
+    {
+      std::lock_guard lock(mu);
+      if (--waiting == 0) run = std::move(then);
+    }
+    if (run) run();
+  }
+};
+
 /// The generations alive (not destroyed yet: their last callback has not run). The backend's
 /// destructor aborts them and waits for the set to empty.
 struct LiveSet {
@@ -241,8 +277,10 @@ struct LiveSet {
 /// can never leave abort() a dangling client.
 class Generation : public std::enable_shared_from_this<Generation> {
  public:
-  Generation(const Shared& shared, LiveSet& live, GenerationRequest request, std::shared_ptr<TokenSink> sink)
+  Generation(const Shared& shared, LiveSet& live, GenerationRequest request, std::shared_ptr<TokenSink> sink,
+             std::shared_ptr<ChoiceGroup> group = nullptr)
       : s_(shared),
+        group_(std::move(group)),
         live_(live),
         req_(std::move(request)),
         sink_(std::move(sink)),
@@ -261,6 +299,13 @@ class Generation : public std::enable_shared_from_this<Generation> {
     std::lock_guard lock(live_.mu);
     live_.live.erase(this);
     live_.cv.notify_all();
+  }
+
+  /// Choice `choice` (>= 1) of a ChoiceGroup: its first attempt attaches to the stream
+  /// `parent_id` on `worker` (choice 0's) instead of opening one; `group` hears its answer. Call
+  /// before begin().
+  void attachTo(std::shared_ptr<ChoiceGroup> group, WorkerAddress worker, std::string parent_id, std::int64_t choice) {
+    attach_ = AttachTarget{std::move(group), std::move(worker), std::move(parent_id), choice};
   }
 
   /// Starts the first decode attempt on an io thread.
@@ -282,6 +327,14 @@ class Generation : public std::enable_shared_from_this<Generation> {
 
  private:
   enum class Outcome { Retry, Resume, Wait, Fail };
+
+  /// Where an attached choice's first attempt attaches (attachTo()).
+  struct AttachTarget {
+    std::shared_ptr<ChoiceGroup> group;
+    WorkerAddress worker;
+    std::string parent_id;
+    std::int64_t choice = 0;
+  };
 
   /// The prefill leg of one decode attempt. Guarded by mu_.
   struct PrefillLeg {
@@ -309,6 +362,8 @@ class Generation : public std::enable_shared_from_this<Generation> {
     std::int64_t index = 0;
     std::string id;  // the worker request id
     WorkerAddress worker;
+    bool attached = false;                      // an attached choice's attach (no prefill leg of its own)
+    std::int64_t choices = 1;                   // opened for this many choices (a ChoiceGroup's choice 0)
     std::unique_ptr<http::AsyncClient> client;  // while D's stream is open
     bool got_descriptor = false;
     bool stop_hit = false;
@@ -342,13 +397,18 @@ class Generation : public std::enable_shared_from_this<Generation> {
       last_ = makeError(ErrorCode::Timeout, "the request's deadline passed");
       return fail();
     }
-    auto d = s_.pick(WorkerRole::Decode, tried_, req_.prompt_token_ids);
+    const bool attach = attach_.has_value() && attempt_ == 0;
+    auto d = attach ? std::optional<WorkerAddress>(attach_->worker)
+                    : s_.pick(WorkerRole::Decode, tried_, req_.prompt_token_ids);
     if (!d) {
       if (attempt_ == 0) last_ = makeError(ErrorCode::Overloaded, "no decode worker is ready");
       return fail();
     }
     if (std::exchange(after_wait_, false)) {
       // waitForRoom's next try: neither a retry nor a resume
+    } else if (std::exchange(after_attach_, false)) {
+      log::info(kLog, "{}: serving the choice alone on decode worker {}: its attach failed: {}", req_.request_id,
+                d->key(), last_.toString());
     } else if (resuming_) {
       log::info(kLog, "{}: resuming after {} token(s) on decode worker {} ({}): {}", req_.request_id,
                 resume_.generated().size(), d->key(), resumeCauseName(*resuming_), last_.toString());
@@ -356,8 +416,9 @@ class Generation : public std::enable_shared_from_this<Generation> {
       s_.decode_retries.inc();
       log::info(kLog, "{}: retrying on decode worker {} after: {}", req_.request_id, d->key(), last_.toString());
     }
-    tried_.insert(d->key());
+    if (!attach) tried_.insert(d->key());  // an attach did not choose its worker
     const std::string id = resume_.legId(req_.request_id, attempt_);
+    const std::int64_t choices = group_ && !group_->isStarted() ? group_->choices : 1;
     worker_api::DecodeOpen open;
     open.request_id = id;
     open.arrival_us = arrival_us_;
@@ -365,8 +426,12 @@ class Generation : public std::enable_shared_from_this<Generation> {
     const std::int64_t prompt_tokens = open.prompt_tokens;
     // Conditional disaggregation: a short prompt is prefilled by the decode worker itself.
     const std::int64_t min_remote = s_.options.remote_prefill_min_tokens;
-    const bool local = min_remote > 0 && prompt_tokens < min_remote;
-    const char* reason = min_remote == 0 ? "disabled" : (local ? "short_prompt" : "long_prompt");
+    // One choice's leg only: n > 1 shares one remote prefill among its choices (attach).
+    const bool one_choice = choices == 1 && !attach;
+    const bool local = one_choice && min_remote > 0 && prompt_tokens < min_remote;
+    const char* reason = min_remote == 0 ? "disabled"
+                         : !one_choice   ? "choices"
+                                         : (local ? "short_prompt" : "long_prompt");
     if (local) {
       worker_api::PrefillSubmit shaped;  // the tokens and first token a prefill worker would get
       resume_.shapePrefill(req_, shaped);
@@ -379,6 +444,11 @@ class Generation : public std::enable_shared_from_this<Generation> {
     open.ignore_eos = req_.ignore_eos;
     open.constraint = req_.constraint;
     open.tool_call_format = req_.tool_call_format;
+    open.choices = choices;
+    if (attach) {
+      open.attach_to = attach_->parent_id;
+      open.choice = attach_->choice;
+    }
     open.kv_timeout_ms = std::min(s_.options.kv_timeout, remainingUntil(req_.deadline)).count();
     open.prefill_attempts = s_.options.prefill_retries + 1;
     const trace::TimePoint sent = trace::Clock::now();
@@ -402,6 +472,8 @@ class Generation : public std::enable_shared_from_this<Generation> {
     a_->index = attempt_;
     a_->id = id;
     a_->worker = *d;
+    a_->attached = attach;
+    a_->choices = choices;
     a_->client = std::move(client);
     a_->span = std::move(leg_span);
     a_->sent = sent;
@@ -466,6 +538,12 @@ class Generation : public std::enable_shared_from_this<Generation> {
       armWatchLocked(s_.options.kv_timeout + s_.options.stream_stall_timeout,
                      fmt::format("no token from decode worker {} within {} ms of its descriptor", a.worker.key(),
                                  (s_.options.kv_timeout + s_.options.stream_stall_timeout).count()));
+      if (a.attached) {
+        // Choice 0's prefill brings this choice's KV and first token.
+        lock.unlock();
+        answerGroup();
+        return true;
+      }
       PrefillLeg& leg = a.leg;
       leg.running = true;
       leg.submit.request_id = a.id;
@@ -476,8 +554,16 @@ class Generation : public std::enable_shared_from_this<Generation> {
       leg.submit.tool_call_format = req_.tool_call_format;
       leg.submit.kv_descriptor = std::move(ev.kv_descriptor);
       leg.submit.kv_descriptor_tag = std::move(ev.kv_descriptor_tag);
+      leg.submit.choices = a.choices;
+      const WorkerAddress worker = a.worker;
+      const std::string id = a.id;
+      const bool start_choices = a.choices > 1;
       lock.unlock();
-      prefillAttempt();
+      if (start_choices) {
+        startChoices(worker, id);  // the prefill goes out once every choice has attached
+      } else {
+        prefillAttempt();
+      }
       return true;
     }
     switch (ev.type) {
@@ -519,6 +605,7 @@ class Generation : public std::enable_shared_from_this<Generation> {
   /// D's stream ended (D's client strand): a normal end delivers the finish; anything else ends
   /// the prefill leg too, and the attempt is judged in endAttempt().
   void onDecodeDone(Result<http::ClientResponse> response) {
+    answerGroup();  // an attach that ended without attaching has answered too
     std::unique_lock lock(mu_);
     Attempt& a = *a_;
     cancelWatchLocked();
@@ -604,6 +691,7 @@ class Generation : public std::enable_shared_from_this<Generation> {
 
   void judgeFailedAttempt() {
     Outcome outcome = Outcome::Fail;
+    bool attach_retry = false;
     {
       std::lock_guard lock(mu_);
       Attempt& a = *a_;
@@ -655,7 +743,12 @@ class Generation : public std::enable_shared_from_this<Generation> {
         // other workers are spent, wait for room instead of failing (docs/kv-memory.md).
         const bool full = end.refused == ErrorCode::Overloaded;
         const bool may_retry = !relay_.committed() && !a.preempted && !resuming_;
-        if (full && in_time) {
+        if (a.attached && !relay_.committed() && in_time) {
+          // The attach failed (choice 0's stream is gone, or it ended before its KV): this choice
+          // is served alone, as n = 1 with its own seed, prefill included. Not a retry.
+          outcome = Outcome::Retry;
+          attach_retry = true;
+        } else if (full && in_time) {
           outcome = may_retry && retries_ < s_.options.decode_retries ? Outcome::Retry : Outcome::Wait;
         } else if (may_retry) {
           if (in_time && decodeRetryable(error.code)) outcome = Outcome::Retry;
@@ -670,7 +763,8 @@ class Generation : public std::enable_shared_from_this<Generation> {
     }
     if (outcome == Outcome::Fail) return fail();
     if (outcome == Outcome::Wait) return waitForRoom();
-    if (outcome == Outcome::Retry) ++retries_;
+    if (outcome == Outcome::Retry && !attach_retry) ++retries_;
+    after_attach_ = attach_retry;
     if (outcome == Outcome::Resume && static_cast<std::int64_t>(resume_.generated().size()) >= req_.max_tokens) {
       // Every token the request may have was relayed; only the finish event was lost.
       FinishEvent end = relay_.finish(FinishReason::Length).event;
@@ -712,6 +806,8 @@ class Generation : public std::enable_shared_from_this<Generation> {
 
   /// The terminal error (the last failure, or Cancelled after abort()).
   void fail() {
+    answerGroup();
+    abandonChoices();
     if (isAborted()) last_ = makeError(ErrorCode::Cancelled, "the generation was aborted");
     GenerationReport report;
     {
@@ -720,6 +816,47 @@ class Generation : public std::enable_shared_from_this<Generation> {
     }
     sink_->onReport(report);
     sink_->onError(std::move(last_));
+  }
+
+  // ---- choices (ChoiceGroup) ----
+
+  /// Choice 0's descriptor is in: every other choice attaches to stream `id` on `worker`; the
+  /// prefill goes out once all have answered.
+  void startChoices(const WorkerAddress& worker, const std::string& id) {
+    std::vector<std::shared_ptr<Generation>> children;
+    {
+      std::lock_guard lock(group_->mu);
+      group_->started = true;
+      group_->waiting = static_cast<std::int64_t>(group_->children.size());
+      group_->then = [self = shared_from_this()] { self->prefillAttempt(); };
+      children = std::exchange(group_->children, {});
+    }
+    for (std::size_t i = 0; i < children.size(); ++i) {
+      children[i]->attachTo(group_, worker, id, static_cast<std::int64_t>(i) + 1);
+      children[i]->begin();
+    }
+  }
+
+  /// An attached choice's attach has answered (once; later calls do nothing).
+  void answerGroup() {
+    if (!attach_ || answered_.exchange(true)) return;
+    attach_->group->answered();
+  }
+
+  /// Choice 0 failed before its choices began: they end too (Cancelled), each through its sink.
+  void abandonChoices() {
+    if (!group_) return;
+    std::vector<std::shared_ptr<Generation>> children;
+    {
+      std::lock_guard lock(group_->mu);
+      if (group_->started) return;
+      group_->started = true;
+      children = std::exchange(group_->children, {});
+    }
+    for (auto& child : children) {
+      child->abort();
+      child->begin();  // ends at once: aborted
+    }
   }
 
   // ---- the prefill leg ----
@@ -884,6 +1021,9 @@ class Generation : public std::enable_shared_from_this<Generation> {
   bool ownDeadline(ErrorCode code) const { return code == ErrorCode::Timeout && Clock::now() >= req_.deadline; }
 
   const Shared& s_;
+  const std::shared_ptr<ChoiceGroup> group_;  // choice 0 of n > 1: the other choices
+  std::optional<AttachTarget> attach_;        // choice i >= 1 of n > 1 (set before begin())
+  std::atomic<bool> answered_{false};         // the attach has answered the group
   LiveSet& live_;
   GenerationRequest req_;
   std::shared_ptr<TokenSink> sink_;
@@ -897,9 +1037,10 @@ class Generation : public std::enable_shared_from_this<Generation> {
       std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::system_clock::now().time_since_epoch())
           .count();
   std::int64_t attempt_ = 0;
-  std::int64_t retries_ = 0;  // decode retries used (before any token reached the client)
-  std::int64_t waits_ = 0;    // waits for a decode worker with room (waitForRoom)
-  bool after_wait_ = false;   // the next attempt follows a wait
+  std::int64_t retries_ = 0;   // decode retries used (before any token reached the client)
+  std::int64_t waits_ = 0;     // waits for a decode worker with room (waitForRoom)
+  bool after_wait_ = false;    // the next attempt follows a wait
+  bool after_attach_ = false;  // the next attempt serves an attached choice alone (its attach failed)
   std::set<std::string> tried_;
   Error last_ = makeError(ErrorCode::Overloaded, "no decode worker is ready");
 
@@ -919,13 +1060,16 @@ namespace {
 
 class Control final : public GenerationControl {
  public:
-  explicit Control(std::weak_ptr<Generation> g) : g_(std::move(g)) {}
+  explicit Control(std::weak_ptr<Generation> g) { g_.push_back(std::move(g)); }
+  explicit Control(std::vector<std::weak_ptr<Generation>> g) : g_(std::move(g)) {}
   void abort() override {
-    if (auto g = g_.lock()) g->abort();
+    for (auto& weak : g_) {
+      if (auto g = weak.lock()) g->abort();
+    }
   }
 
  private:
-  std::weak_ptr<Generation> g_;
+  std::vector<std::weak_ptr<Generation>> g_;
 };
 
 }  // namespace
@@ -974,6 +1118,42 @@ class PdBackend::Impl {
     }
     g->begin();
     return std::unique_ptr<GenerationControl>(std::make_unique<Control>(g));
+  }
+
+  /// n > 1 (ChoiceGroup): one generation per choice, choice i seeded choiceSeed(seed, i); choice 0
+  /// leads, the others begin when its descriptor is in.
+  Result<std::unique_ptr<GenerationControl>> startChoices(GenerationRequest request,
+                                                          std::vector<std::shared_ptr<TokenSink>> sinks) {
+    if (sinks.size() == 1) return start(std::move(request), std::move(sinks.front()));
+    if (sinks.empty() || static_cast<std::int64_t>(sinks.size()) > pd::kMaxChoices) {
+      return makeError(ErrorCode::InvalidArgument, fmt::format("{} choices", sinks.size()));
+    }
+    if (draining_.load()) return makeError(ErrorCode::Overloaded, "the router is draining");
+    if (!ready()) return makeError(ErrorCode::Overloaded, "no prefill and decode workers are ready");
+    const auto seed = static_cast<std::uint64_t>(request.seed.value_or(static_cast<std::int64_t>(randomSeed())));
+    request.seed = static_cast<std::int64_t>(seed);
+    auto group = std::make_shared<ChoiceGroup>(static_cast<std::int64_t>(sinks.size()));
+    std::vector<std::shared_ptr<Generation>> all;
+    for (std::size_t i = 1; i < sinks.size(); ++i) {
+      GenerationRequest r = request;
+      r.request_id = fmt::format("{}-c{}", request.request_id, i);
+      r.seed = static_cast<std::int64_t>(pd::choiceSeed(seed, static_cast<std::int64_t>(i)));
+      group->children.push_back(std::make_shared<Generation>(shared_, live_, std::move(r), std::move(sinks[i])));
+    }
+    auto lead = std::make_shared<Generation>(shared_, live_, std::move(request), std::move(sinks[0]), group);
+    all.push_back(lead);
+    all.insert(all.end(), group->children.begin(), group->children.end());
+    {
+      std::lock_guard lock(live_.mu);
+      if (live_.stopping) return makeError(ErrorCode::Overloaded, "the router is shutting down");
+      if (static_cast<std::int64_t>(live_.live.size() + all.size()) > shared_.options.max_generations) {
+        return makeError(ErrorCode::Overloaded, "too many generations are running");
+      }
+      for (const auto& g : all) live_.live.emplace(g.get(), g);
+    }
+    lead->begin();
+    std::vector<std::weak_ptr<Generation>> weak(all.begin(), all.end());
+    return std::unique_ptr<GenerationControl>(std::make_unique<Control>(std::move(weak)));
   }
 
   void beginDrain() { draining_.store(true); }
@@ -1049,6 +1229,10 @@ Result<std::unique_ptr<PdBackend>> PdBackend::create(PdBackendOptions options, W
 Result<std::unique_ptr<GenerationControl>> PdBackend::start(GenerationRequest request,
                                                             std::shared_ptr<TokenSink> sink) {
   return impl_->start(std::move(request), std::move(sink));
+}
+Result<std::unique_ptr<GenerationControl>> PdBackend::startChoices(GenerationRequest request,
+                                                                   std::vector<std::shared_ptr<TokenSink>> sinks) {
+  return impl_->startChoices(std::move(request), std::move(sinks));
 }
 bool PdBackend::ready() const {
   return impl_->ready();

@@ -63,6 +63,10 @@ void registerOptions(config::OptionSet& set, RouterConfig& cfg) {
            "re-prefilled with the tokens so far on a decode worker with room (preemptions are resumed until the "
            "deadline)",
            0, 16)
+      .add("max_n", &cfg.max_n,
+           "most choices (OpenAI n) one request may ask for; more is a 400 naming this cap (the choices share one "
+           "prefill and the prompt's KV blocks)",
+           1, 128)
       .add("decode_open_timeout_ms", &cfg.decode_open_timeout_ms, "deadline for a decode worker's KV descriptor", 10,
            600000)
       .add("kv_timeout_ms", &cfg.kv_timeout_ms, "how long a decode worker waits for the prefilled KV (all attempts)",

@@ -2,7 +2,7 @@
 // scripts/fetch-openai-sdk.sh) against a real `pdserve up` (router + prefill + decode processes)
 // serving models/tiny-dsv3 with an API key: models, chat and completions with and without
 // streaming (the streamed text equals the whole one), logprobs in both shapes, seed
-// reproducibility, and errors surfacing as the SDK's typed exceptions (BadRequestError,
+// reproducibility, n = 3 choices (whole, streamed, completions), and errors surfacing as the SDK's typed exceptions (BadRequestError,
 // AuthenticationError, NotFoundError). The SDK's retries are off, so every error is the router's
 // first answer.
 //
@@ -194,6 +194,38 @@ test('a seed repeats a sampled answer', async (client) => {
   eq(await ask(42), a, 'same seed, same answer');
   const others = await Promise.all([43, 44, 45].map(ask));
   check(others.some((o) => o !== a), 'other seeds give another answer');
+});
+
+test('n = 3 choices, whole and streamed', async (client) => {
+  const params = { model: MODEL, messages: user('Write a few words.'), max_tokens: 10, temperature: 1.2, seed: 11, n: 3 };
+  const whole = await client.chat.completions.create(params);
+  eq(whole.choices.map((c) => c.index), [0, 1, 2], 'one choice per index');
+  check(whole.choices.every((c) => typeof c.message.content === 'string'), 'every choice has content');
+  check(whole.choices.every((c) => ['stop', 'length'].includes(c.finish_reason)), 'every choice has a finish_reason');
+  const one = await client.chat.completions.create({ ...params, n: 1 });
+  eq(whole.choices[0].message.content, one.choices[0].message.content, 'choice 0 is the n = 1 answer');
+  eq((await client.chat.completions.create(params)).choices.map((c) => c.message.content),
+    whole.choices.map((c) => c.message.content), 'a seed repeats every choice');
+  const texts = ['', '', ''];
+  const finishes = [0, 0, 0];
+  let usage = null;
+  const stream = await client.chat.completions.create({ ...params, stream: true, stream_options: { include_usage: true } });
+  for await (const chunk of stream) {
+    if (chunk.usage) usage = chunk.usage;
+    for (const c of chunk.choices) {
+      texts[c.index] += c.delta?.content ?? '';
+      if (c.finish_reason) finishes[c.index] += 1;
+    }
+  }
+  eq(texts, whole.choices.map((c) => c.message.content), 'streamed choices equal the whole ones');
+  eq(finishes, [1, 1, 1], 'one finish per choice');
+  eq(usage?.prompt_tokens, whole.usage.prompt_tokens, 'usage counts the prompt once');
+  eq(usage?.completion_tokens, whole.usage.completion_tokens, 'streamed usage sums the choices');
+  const completions = await client.completions.create({ model: MODEL, prompt: 'The sea', max_tokens: 6, temperature: 0, n: 3 });
+  eq(completions.choices.map((c) => c.index), [0, 1, 2], 'completions: one choice per index');
+  check(completions.choices.every((c) => c.text === completions.choices[0].text), 'greedy choices are equal');
+  await expectError('n over router.max_n', OpenAI.BadRequestError, 400, () =>
+    client.chat.completions.create({ ...params, n: 17 }));
 });
 
 test('logit_bias, max_completion_tokens, stop and user', async (client) => {

@@ -243,9 +243,11 @@ TEST_F(E2eChat, BadRequestsGetTheirStatusAndJsonBody) {
   expectError(postJson(*cluster_, "/v1/chat/completions",
                        R"({"model":"secret-model-xyz","messages":[{"role":"user","content":"hi"}]})"),
               404, "secret-model-xyz");  // as OpenAI and vLLM answer: model_not_found
-  expectError(postJson(*cluster_, "/v1/chat/completions",
-                       R"({"model":"pdserve-default","messages":[{"role":"user","content":"hi"}],"n":2})"),
-              400);
+  expectError(
+      postJson(
+          *cluster_, "/v1/chat/completions",
+          R"({"model":"pdserve-default","messages":[{"role":"user","content":"hi"}],"n":17})"),  // over router.max_n
+      400);
   expectError(postJson(*cluster_, "/v1/chat/completions",
                        R"({"model":"pdserve-default","messages":[{"role":"user","content":"hi"}],"temperature":-1})"),
               400);

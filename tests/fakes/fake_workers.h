@@ -182,6 +182,13 @@ class FakeDecodeWorker final : public FakeWorkerBase {
     std::lock_guard lock(mu_);
     script_ = std::move(script);
   }
+  /// Attached choices (DecodeOpen::attach_to) are refused with `code` (as a worker whose parent
+  /// stream is gone would: NotFound); nullopt (the default): they attach to their parent's stream
+  /// and play the script once its KV arrived.
+  void refuseAttach(std::optional<ErrorCode> code) {
+    std::lock_guard lock(mu_);
+    refuse_attach_ = code;
+  }
   /// Lets every stream paused by DecodeScript::pause_after (now or later) go on.
   void resume() {
     std::lock_guard lock(mu_);
@@ -240,7 +247,8 @@ class FakeDecodeWorker final : public FakeWorkerBase {
 
  private:
   struct Live {
-    std::string descriptor;
+    std::string descriptor;        // empty for an attached choice
+    std::shared_ptr<Live> parent;  // an attached choice's: its KV is the parent's
     bool kv_arrived = false;
     std::int64_t failures = 0;
     bool aborted = false;
@@ -257,7 +265,14 @@ class FakeDecodeWorker final : public FakeWorkerBase {
       std::lock_guard lock(mu_);
       opens_.push_back(req);
       script = script_;
-      if (!script.refuse) {
+      if (!req.attach_to.empty() && !script.refuse) {
+        const auto parent = live_.find(req.attach_to);
+        if (refuse_attach_ || parent == live_.end()) {
+          return (void)ex.respond(workerError(refuse_attach_.value_or(ErrorCode::NotFound), "cannot attach"));
+        }
+        live->parent = parent->second;
+        live_[req.request_id] = live;
+      } else if (!script.refuse) {
         if (live_.count(req.request_id) != 0) {
           return (void)ex.respond(workerError(ErrorCode::InvalidArgument, "duplicate request id"));
         }
@@ -306,13 +321,13 @@ class FakeDecodeWorker final : public FakeWorkerBase {
     if (script.error_after_descriptor) return end_with(error_event(*script.error_after_descriptor, "scripted"));
     {
       std::unique_lock lock(mu_);
+      const Live& kv = live.parent ? *live.parent : live;  // an attached choice's KV is its parent's
       const bool woke = cv_.wait_for(lock, std::chrono::milliseconds(req.kv_timeout_ms), [&] {
-        return stopping_ || live.kv_arrived || live.aborted || live.client_gone ||
-               live.failures >= req.prefill_attempts;
+        return stopping_ || kv.kv_arrived || live.aborted || live.client_gone || kv.failures >= req.prefill_attempts;
       });
-      if (!woke || !live.kv_arrived) {
+      if (!woke || !kv.kv_arrived) {
         const bool timed_out = !woke;
-        const bool failed = live.failures >= req.prefill_attempts;
+        const bool failed = kv.failures >= req.prefill_attempts;
         lock.unlock();
         if (timed_out) return end_with(error_event(ErrorCode::Timeout, "kv did not arrive"));
         if (failed) return end_with(error_event(ErrorCode::PeerFailed, "every prefill attempt failed"));
@@ -374,8 +389,9 @@ class FakeDecodeWorker final : public FakeWorkerBase {
   }
 
   DecodeScript script_;
-  bool resumed_ = false;    // guarded by mu_
-  std::size_t paused_ = 0;  // guarded by mu_
+  std::optional<ErrorCode> refuse_attach_;  // guarded by mu_
+  bool resumed_ = false;                    // guarded by mu_
+  std::size_t paused_ = 0;                  // guarded by mu_
   std::map<std::string, std::shared_ptr<Live>> live_;
   std::vector<worker_api::DecodeOpen> opens_;
   std::vector<std::string> aborts_;
@@ -535,7 +551,7 @@ class FakePrefillWorker final : public FakeWorkerBase {
 
   std::vector<FakeDecodeWorker*> decoders_;
   PrefillBehaviour behaviour_ = PrefillBehaviour::Ok;
-  std::vector<const FakeDecodeWorker*> unreachable_;  // guarded by mu_
+  std::vector<const FakeDecodeWorker*> unreachable_;            // guarded by mu_
   std::function<std::string(const http::Request&)> kv_events_;  // guarded by mu_
   std::vector<std::string> kv_event_queries_;                   // guarded by mu_
   std::vector<worker_api::PrefillSubmit> submits_;

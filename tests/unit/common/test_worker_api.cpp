@@ -2,7 +2,9 @@
 #include <gtest/gtest.h>
 
 #include <array>
+#include <set>
 
+#include "pd/common/choices.h"
 #include "pd/common/worker_api.h"
 
 namespace pd::worker_api {
@@ -361,6 +363,62 @@ TEST(WorkerApi, ConstraintRoundTripsInBothRequestsAndIsSizeLimited) {
       parseDecodeOpen(R"({"request_id":"a","prompt_tokens":1,"max_tokens":1,"sampling":{},"tool_call_format":")" +
                       std::string(64, 'x') + R"("})")
           .ok());
+}
+
+// n > 1: choices on both requests, attach_to + choice on an attached choice's open; absent means
+// one choice and is not written; out-of-range counts and inconsistent combinations are refused.
+TEST(WorkerApi, ChoicesAndAttachRoundTripAndAreChecked) {
+  DecodeOpen d;
+  d.request_id = "chatcmpl-1";
+  d.prompt_tokens = 3;
+  d.max_tokens = 4;
+  EXPECT_EQ(toJson(d).find("choices"), std::string::npos);
+  EXPECT_EQ(toJson(d).find("attach_to"), std::string::npos);
+  d.choices = 3;
+  auto db = parseDecodeOpen(toJson(d));
+  ASSERT_TRUE(db.ok()) << db.error().toString();
+  EXPECT_EQ(db->choices, 3);
+  EXPECT_TRUE(db->attach_to.empty());
+  DecodeOpen child = d;
+  child.request_id = "chatcmpl-1-c2";
+  child.choices = 1;
+  child.attach_to = "chatcmpl-1";
+  child.choice = 2;
+  auto cb = parseDecodeOpen(toJson(child));
+  ASSERT_TRUE(cb.ok()) << cb.error().toString();
+  EXPECT_EQ(cb->attach_to, "chatcmpl-1");
+  EXPECT_EQ(cb->choice, 2);
+  child.choice = 0;  // choice 0 is the parent's own stream
+  EXPECT_FALSE(parseDecodeOpen(toJson(child)).ok());
+  child.choice = 1;
+  child.choices = 2;  // an attached choice has no choices of its own
+  EXPECT_FALSE(parseDecodeOpen(toJson(child)).ok());
+  d.choices = pd::kMaxChoices + 1;
+  EXPECT_FALSE(parseDecodeOpen(toJson(d)).ok());
+
+  PrefillSubmit p;
+  p.request_id = "chatcmpl-1";
+  p.token_ids = {1, 2, 3};
+  p.kv_descriptor = "x";
+  EXPECT_EQ(toJson(p).find("choices"), std::string::npos);
+  p.choices = 4;
+  auto pb = parsePrefillSubmit(toJson(p));
+  ASSERT_TRUE(pb.ok()) << pb.error().toString();
+  EXPECT_EQ(pb->choices, 4);
+  p.forced_first_token = 5;  // a resumed leg is one choice
+  EXPECT_FALSE(parsePrefillSubmit(toJson(p)).ok());
+  p.forced_first_token = -1;
+  p.choices = 0;
+  EXPECT_FALSE(parsePrefillSubmit(toJson(p)).ok());
+}
+
+// choiceSeed: choice 0 keeps the seed (the n = 1 answer), the others differ from it and from each
+// other, and the derivation is fixed (the value below is part of the documented contract).
+TEST(WorkerApi, ChoiceSeedKeepsChoiceZeroAndSpreadsTheOthers) {
+  EXPECT_EQ(pd::choiceSeed(42, 0), 42U);
+  std::set<std::uint64_t> seen{42};
+  for (std::int64_t i = 1; i < 64; ++i) EXPECT_TRUE(seen.insert(pd::choiceSeed(42, i)).second) << i;
+  EXPECT_EQ(pd::choiceSeed(0, 1), 0xE220A8397B1DCDAFULL);  // splitmix64's first output for state 0
 }
 
 }  // namespace pd::worker_api

@@ -355,6 +355,138 @@ TEST_P(DecodeGolden, SampledTokensDoNotDependOnSpeculation) {
   EXPECT_TRUE(dec.blocks().isFullyFree());
 }
 
+// n = 3 (header comment of decode_engine.h, "Choices"): one prompt's KV, three sequences sharing
+// its blocks. Each choice's tokens equal an n = 1 run seeded choiceSeed(seed, choice) — choice 0
+// the plain seed — with and without MTP; the prompt's blocks are shared while they run; the pool
+// ends fully free.
+TEST_P(DecodeGolden, ChoicesShareThePromptAndEachEqualsItsOwnSeededRun) {
+  pd::SamplingParams sp;
+  sp.temperature = 0.9;
+  sp.top_k = 50;
+  sp.seed = 4242;
+  const auto n = static_cast<std::int64_t>(prompt_.size());
+  std::vector<std::vector<std::int32_t>> alone;
+  for (std::int64_t c = 0; c < 3; ++c) {
+    pd::SamplingParams own = sp;
+    own.seed = pd::choiceSeed(sp.seed, c);
+    alone.push_back(decodeTogether({prompt_}, 10, 0, nullptr, 64, own)[0]);
+  }
+  EXPECT_TRUE(alone[0] != alone[1] || alone[1] != alone[2]) << "the choices' seeds had no effect";
+  for (const std::int64_t drafts : {0, 1}) {
+    std::vector<Stream> streams(3);
+    {
+      DecodeEngine dec(*engine_, *pool_, DecodeEngineOptions{drafts, 8});
+      DecodeRequest r = request(1, n, 10, streams[0]);
+      r.sampling = sp;
+      r.choices = 3;
+      auto blocks = dec.admit(std::move(r));
+      ASSERT_TRUE(blocks.ok()) << blocks.error().toString();
+      EXPECT_EQ(dec.blocks().usedBlocks(), static_cast<std::int64_t>(blocks->size()) + 2);  // + the copies
+      ASSERT_TRUE(dec.attach(1, 2, 12, streams[2].sink()).ok());
+      ASSERT_TRUE(dec.attach(1, 1, 11, streams[1].sink()).ok());
+      EXPECT_EQ(dec.attach(1, 1, 13, streams[1].sink()).error().code, ErrorCode::InvalidArgument);  // taken
+      EXPECT_EQ(dec.attach(1, 3, 13, streams[1].sink()).error().code, ErrorCode::InvalidArgument);  // out of range
+      EXPECT_EQ(dec.attach(1, 2, 1, streams[1].sink()).error().code, ErrorCode::InvalidArgument);   // id in use
+      ASSERT_TRUE(dec.onKvReady(1, prefill(*engine_, prompt_, *pool_, *blocks, sp, 0, {}, 3)).ok());
+      EXPECT_EQ(dec.attach(1, 1, 14, streams[1].sink()).error().code, ErrorCode::NotFound);  // forked already
+      EXPECT_EQ(dec.numRequests(), 3U);
+      EXPECT_EQ(dec.blocks().sharedBlocks(), static_cast<std::int64_t>(blocks->size()) - 1);
+      for (int guard = 0; dec.hasWork() && guard < 1000; ++guard) dec.step(Clock::now());
+      EXPECT_EQ(dec.numRequests(), 0U);
+      EXPECT_TRUE(dec.blocks().isFullyFree());
+    }
+    for (std::size_t c = 0; c < 3; ++c) {
+      EXPECT_EQ(streams[c].finish_events, 1);
+      EXPECT_EQ(streams[c].finish, FinishReason::Length);
+      EXPECT_EQ(streams[c].tokens, alone[c]) << "choice " << c << ", " << drafts << " drafts";
+    }
+  }
+}
+
+// Ending one choice (abort, or preemption when the pool runs dry) leaves the others running to
+// the same tokens; a request that ends before its KV ends its attached choices with it; an
+// attached choice can be aborted before the fork; the pool is fully free after each case.
+TEST_P(DecodeGolden, ChoicesEndOnTheirOwnAndWithAParentThatNeverGotItsKv) {
+  const auto n = static_cast<std::int64_t>(prompt_.size());
+  const auto greedy8 = decodeTogether({prompt_}, 8, 0)[0];
+  {
+    std::vector<Stream> streams(3);
+    DecodeEngine dec(*engine_, *pool_, DecodeEngineOptions{0, 8});
+    DecodeRequest r = request(1, n, 8, streams[0]);
+    r.choices = 3;
+    auto blocks = dec.admit(std::move(r));
+    ASSERT_TRUE(blocks.ok());
+    ASSERT_TRUE(dec.attach(1, 1, 11, streams[1].sink()).ok());
+    ASSERT_TRUE(dec.attach(1, 2, 12, streams[2].sink()).ok());
+    ASSERT_TRUE(dec.onKvReady(1, prefill(*engine_, prompt_, *pool_, *blocks, {}, 0, {}, 3)).ok());
+    dec.step(Clock::now());
+    EXPECT_TRUE(dec.abort(11));  // a stop string on choice 1, say
+    for (int guard = 0; dec.hasWork() && guard < 1000; ++guard) dec.step(Clock::now());
+    EXPECT_EQ(streams[1].finish, FinishReason::Aborted);
+    EXPECT_EQ(streams[0].tokens, greedy8);
+    EXPECT_EQ(streams[2].tokens, greedy8);  // greedy: every choice is the same
+    EXPECT_TRUE(dec.blocks().isFullyFree());
+  }
+  {
+    std::vector<Stream> streams(3);
+    DecodeEngine dec(*engine_, *pool_, DecodeEngineOptions{0, 8});
+    DecodeRequest r = request(1, n, 8, streams[0]);
+    r.choices = 3;
+    ASSERT_TRUE(dec.admit(std::move(r)).ok());
+    ASSERT_TRUE(dec.attach(1, 1, 11, streams[1].sink()).ok());
+    ASSERT_TRUE(dec.attach(1, 2, 12, streams[2].sink()).ok());
+    EXPECT_TRUE(dec.abort(12));  // detached before the fork
+    EXPECT_EQ(streams[2].finish, FinishReason::Aborted);
+    ASSERT_TRUE(dec.onKvReady(1, makeError(ErrorCode::PeerFailed, "the prefill worker died")).ok());
+    for (std::size_t c = 0; c < 2; ++c) {
+      EXPECT_EQ(streams[c].finish_events, 1) << c;
+      EXPECT_EQ(streams[c].finish, FinishReason::Error) << c;
+      ASSERT_TRUE(streams[c].error.has_value());
+      EXPECT_EQ(streams[c].error->code, ErrorCode::PeerFailed);
+    }
+    EXPECT_EQ(dec.numRequests(), 0U);
+    EXPECT_TRUE(dec.blocks().isFullyFree());
+  }
+  {
+    // A pool too small for three growing choices: the latest (a choice) is preempted, the others
+    // finish with the tokens they would have had alone, and the pool ends free.
+    auto small = KvPool::create(engine_->config(), (n + 3) / 4 + 2 + 3, 4, DType::F32);
+    ASSERT_TRUE(small.ok());
+    std::vector<Stream> streams(3);
+    {
+      DecodeEngine dec(*engine_, *small, DecodeEngineOptions{0, 8});
+      DecodeRequest r = request(1, n, 8, streams[0]);
+      r.choices = 3;
+      auto blocks = dec.admit(std::move(r));
+      ASSERT_TRUE(blocks.ok()) << blocks.error().toString();
+      ASSERT_TRUE(dec.attach(1, 1, 11, streams[1].sink()).ok());
+      ASSERT_TRUE(dec.attach(1, 2, 12, streams[2].sink()).ok());
+      ASSERT_TRUE(dec.onKvReady(1, prefill(*engine_, prompt_, *small, *blocks, {}, 0, {}, 3)).ok());
+      for (int guard = 0; dec.hasWork() && guard < 1000; ++guard) dec.step(Clock::now());
+      EXPECT_GT(dec.stats().preemptions, 0);
+      EXPECT_TRUE(dec.blocks().isFullyFree());
+    }
+    EXPECT_TRUE(streams[2].preempted);
+    EXPECT_EQ(streams[0].tokens, greedy8);
+    EXPECT_EQ(streams[0].finish, FinishReason::Length);
+  }
+  // n > 1 on a resumed leg, and more choices than the engine serves, are refused.
+  Stream s;
+  DecodeEngineOptions one{0, 8};
+  one.max_choices = 1;
+  DecodeEngine dec(*engine_, *pool_, one);
+  DecodeRequest r = request(1, n, 8, s);
+  r.choices = 2;
+  EXPECT_EQ(dec.admit(std::move(r)).error().code, ErrorCode::Unsupported);
+  DecodeEngine dec2(*engine_, *pool_, DecodeEngineOptions{0, 8});
+  DecodeRequest resumed = request(2, n, 8, s);
+  resumed.choices = 2;
+  resumed.resumed_tokens = {prompt_.back()};
+  EXPECT_EQ(dec2.admit(std::move(resumed)).error().code, ErrorCode::InvalidArgument);
+  EXPECT_TRUE(dec.blocks().isFullyFree());
+  EXPECT_TRUE(dec2.blocks().isFullyFree());
+}
+
 TEST_P(DecodeGolden, Bf16PoolEqualsSingleProcessGenerationWithBf16Cache) {
   auto bf16 = KvPool::create(engine_->config(), 64, 8, DType::BF16);
   ASSERT_TRUE(bf16.ok());

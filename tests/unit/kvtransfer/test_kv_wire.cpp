@@ -69,6 +69,14 @@ CompletionRecord randomCompletion(std::mt19937_64& rng) {
   for (std::uint64_t i = 0, n = rng() % 21; i < n; ++i) {
     r.top_logprobs.push_back(TokenLogprob{static_cast<std::int32_t>(rng() % 129280), value(rng)});
   }
+  // n > 1: the other choices' first tokens, with or without alternatives.
+  for (std::uint64_t i = 0, n = rng() % 4 == 0 ? rng() % 16 : 0; i < n; ++i) {
+    SampledToken c{static_cast<std::int32_t>(rng() % 129280), value(rng), {}};
+    for (std::uint64_t j = 0, k = rng() % 3; j < k; ++j) {
+      c.top.push_back(TokenLogprob{static_cast<std::int32_t>(rng() % 129280), value(rng)});
+    }
+    r.choice_tokens.push_back(std::move(c));
+  }
   if ((rng() & 1) != 0) {
     r.traceparent = trace::formatTraceparent(
         trace::SpanContext{trace::newTraceId(), trace::newSpanId(), static_cast<std::uint8_t>(rng() & 1)});
@@ -265,14 +273,14 @@ TEST(KvWire, EveryMessageCarriesTheFull128BitTransferIdAfterTheHeader) {
   ASSERT_TRUE(back_c.ok());
   EXPECT_NE(back_c->transfer_id, id);
   EXPECT_EQ(back_c->transfer_id.hi, id.hi);
-  // Messages of earlier protocols (64-bit ids; 3: no trace context in the record) are refused as
-  // another version.
-  for (const std::uint8_t older : {2, 3}) {
+  // Messages of earlier protocols (2: 64-bit ids; 3: no choices' first tokens; 4: no trace
+  // context) are refused as another version.
+  for (const std::uint8_t older : {2, 3, 4}) {
     auto old = encode(c);
     old[4] = older;
     EXPECT_EQ(decodeCompletionRecord(old).error().code, ErrorCode::Unsupported);
   }
-  EXPECT_EQ(kProtocolVersion, 4);
+  EXPECT_EQ(kProtocolVersion, 5);
 }
 
 TEST(KvWire, HeaderIsCheckedFieldByField) {

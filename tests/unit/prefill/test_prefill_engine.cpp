@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "fakes/loopback_transport.h"
+#include "pd/common/choices.h"
 #include "pd/common/dtype.h"
 #include "pd/engine/engine.h"
 #include "pd/engine/safetensors.h"
@@ -237,6 +238,48 @@ TEST_P(PrefillGolden, SampledFirstTokenIsSeeded) {
   bool differs = false;
   for (std::uint64_t seed = 6; seed < 40 && !differs; ++seed) differs = run(seed) != a;
   EXPECT_TRUE(differs) << "the seed never changed the sampled token";
+}
+
+// n > 1: one prefill, n first tokens from the same logits; choice 0 is the n = 1 token of the
+// seed, choice i the n = 1 token of choiceSeed(seed, i), each with its logprob when asked; one
+// choice with a forced first token, or out of range, is refused.
+TEST_P(PrefillGolden, ChoicesSampleTheirFirstTokensWithTheirOwnSeeds) {
+  auto run = [&](std::uint64_t seed, std::int64_t choices) {
+    auto p = makePrefill({.block_size = 16});
+    Shipped s;
+    PrefillRequest r = request(1, prompt_, s);
+    r.sampling.temperature = 1.0;
+    r.sampling.seed = seed;
+    r.choices = choices;
+    r.logprobs = true;
+    EXPECT_TRUE(p->submit(std::move(r)).ok());
+    drain(*p);
+    EXPECT_TRUE(s.record.has_value());
+    return s.record.value_or(kvt::CompletionRecord{});
+  };
+  const kvt::CompletionRecord many = run(21, 8);  // enough choices that some draw another token
+  ASSERT_EQ(many.choice_tokens.size(), 7U);
+  EXPECT_EQ(many.first_token, run(21, 1).first_token);
+  EXPECT_TRUE(run(21, 1).choice_tokens.empty());
+  bool differs = false;
+  for (std::int64_t i = 1; i < 8; ++i) {
+    const kvt::CompletionRecord alone = run(pd::choiceSeed(21, i), 1);
+    const pd::SampledToken& c = many.choice_tokens[static_cast<std::size_t>(i - 1)];
+    EXPECT_EQ(c.token, alone.first_token) << "choice " << i;
+    ASSERT_TRUE(alone.first_logprob.has_value());
+    EXPECT_EQ(c.logprob, alone.first_logprob->logprob) << "choice " << i;
+    differs = differs || c.token != many.first_token;
+  }
+  EXPECT_TRUE(differs) << "every choice drew choice 0's token: the seeds had no effect";
+  auto p = makePrefill({.block_size = 16});
+  Shipped s;
+  PrefillRequest forced = request(1, prompt_, s);
+  forced.choices = 2;
+  forced.forced_first_token = 3;
+  EXPECT_EQ(p->submit(std::move(forced)).error().code, ErrorCode::InvalidArgument);
+  PrefillRequest none = request(2, prompt_, s);
+  none.choices = 0;
+  EXPECT_EQ(p->submit(std::move(none)).error().code, ErrorCode::InvalidArgument);
 }
 
 TEST_P(PrefillGolden, CancelMidPrefillEndsWithAFailureAndFreesEverything) {

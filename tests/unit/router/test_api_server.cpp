@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <boost/json.hpp>
 #include <chrono>
@@ -14,8 +15,10 @@
 #include <filesystem>
 #include <fstream>
 #include <limits>
+#include <map>
 #include <mutex>
 #include <optional>
+#include <set>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -232,6 +235,76 @@ TEST_F(ApiServerTest, ChatStreamingMatchesNonStreaming) {
   EXPECT_EQ(whole.at("choices").at(0).at("finish_reason").as_string(), "length");
 }
 
+// n = 3 through the front end (the fake backend starts one generation per choice, the default
+// CompletionBackend::startChoices): one choice per index, each with its own finish, usage summed
+// over the choices with the prompt once; streaming chunks carry their choice's index, every
+// choice gets a role chunk and a finish chunk, and one [DONE] ends the stream.
+TEST_F(ApiServerTest, SeveralChoicesNonStreamingAndStreaming) {
+  backend_.setScript(Script::fromPieces({"Hel", "lo", "!"}));
+  start();
+  const auto r = post("/v1/chat/completions", chatBody(R"("n":3,"seed":5)"));
+  ASSERT_EQ(r.status, 200) << r.body;
+  const json::value v = parseJson(r.body);
+  const auto& choices = v.at("choices").as_array();
+  ASSERT_EQ(choices.size(), 3u);
+  for (std::int64_t i = 0; i < 3; ++i) {
+    EXPECT_EQ(choices[static_cast<std::size_t>(i)].at("index").as_int64(), i);
+    EXPECT_EQ(choices[static_cast<std::size_t>(i)].at("message").at("content").as_string(), "Hello!");
+    EXPECT_EQ(choices[static_cast<std::size_t>(i)].at("finish_reason").as_string(), "stop");
+  }
+  const auto prompt_tokens = static_cast<std::int64_t>(chatPromptIds().size());
+  EXPECT_EQ(v.at("usage").at("prompt_tokens").as_int64(), prompt_tokens);
+  EXPECT_EQ(v.at("usage").at("completion_tokens").as_int64(), 9);
+  EXPECT_EQ(v.at("usage").at("total_tokens").as_int64(), prompt_tokens + 9);
+  // Each choice is its own generation with its own seed: choice 0 keeps the client's.
+  const auto requests = backend_.requests();
+  ASSERT_EQ(requests.size(), 3u);
+  std::set<std::int64_t> seeds;
+  for (const auto& g : requests) seeds.insert(g.seed.value_or(-1));
+  EXPECT_EQ(seeds.size(), 3u);
+  EXPECT_TRUE(seeds.contains(5));
+
+  const Streamed s =
+      stream("/v1/chat/completions", chatBody(R"("n":3,"stream":true,"stream_options":{"include_usage":true})"));
+  EXPECT_EQ(s.response.status, 200);
+  ASSERT_FALSE(s.data.empty());
+  EXPECT_EQ(s.data.back(), "[DONE]");
+  EXPECT_EQ(std::count(s.data.begin(), s.data.end(), "[DONE]"), 1);
+  std::map<std::int64_t, std::string> text;
+  std::map<std::int64_t, int> roles;
+  std::map<std::int64_t, int> finishes;
+  std::optional<json::value> usage;
+  for (const auto& c : s.chunks()) {
+    if (c.at("choices").as_array().empty()) {
+      usage = c.at("usage");
+      continue;
+    }
+    const auto& choice = c.at("choices").at(0);
+    const std::int64_t index = choice.at("index").as_int64();
+    const auto& delta = choice.at("delta").as_object();
+    if (delta.contains("role")) ++roles[index];
+    if (const auto* content = delta.if_contains("content")) text[index] += content->as_string();
+    if (!choice.at("finish_reason").is_null()) ++finishes[index];
+  }
+  for (std::int64_t i = 0; i < 3; ++i) {
+    EXPECT_EQ(text[i], "Hello!") << i;
+    EXPECT_EQ(roles[i], 1) << i;
+    EXPECT_EQ(finishes[i], 1) << i;
+  }
+  ASSERT_TRUE(usage.has_value());
+  EXPECT_EQ(usage->at("completion_tokens").as_int64(), 9);
+}
+
+// One choice failing fails the request and aborts the others.
+TEST_F(ApiServerTest, OneChoiceFailingFailsTheRequest) {
+  Script failing = Script::fromPieces({"a"});
+  failing.error = pd::makeError(pd::ErrorCode::PeerFailed, "the decode worker died");
+  backend_.setScript(failing);
+  start();
+  const auto r = post("/v1/chat/completions", chatBody(R"("n":2)"));
+  EXPECT_EQ(r.status, 502) << r.body;
+}
+
 TEST_F(ApiServerTest, IncludeUsageAddsNullUsageAndAFinalUsageChunk) {
   backend_.setScript(Script::fromPieces({"a", "b"}));
   start();
@@ -344,7 +417,8 @@ TEST_F(ApiServerTest, InvalidRequestsGet400WithoutEchoingInput) {
               "not valid UTF-8");
   expectError(post("/v1/chat/completions", chatBody({}, "ZQX-secret-input \\udc00")), 400, "invalid_request_error", "",
               "surrogate");
-  expectError(post("/v1/chat/completions", chatBody(R"("n":2)")), 400, "invalid_request_error", "", "'n' must be 1");
+  expectError(post("/v1/chat/completions", chatBody(R"("n":17)")), 400, "invalid_request_error", "",
+              "'n' must be at most 16 (router.max_n)");
   expectError(post("/v1/chat/completions", chatBody(R"("temperature":"ZQX-secret-input")")), 400,
               "invalid_request_error", "", "'temperature'");
   expectError(post("/v1/completions", completionBody("[1,266]")), 400, "invalid_request_error", "",
@@ -699,7 +773,7 @@ TEST_F(ApiServerTest, MetricsCountRequestsAndLatencies) {
   start();
   ASSERT_EQ(post("/v1/chat/completions", chatBody()).status, 200);
   ASSERT_EQ(stream("/v1/chat/completions", chatBody(R"("stream":true)")).response.status, 200);
-  ASSERT_EQ(post("/v1/chat/completions", chatBody(R"("n":3)")).status, 400);
+  ASSERT_EQ(post("/v1/chat/completions", chatBody(R"("n":17)")).status, 400);
   const ClientResponse r = send("GET", "/metrics");
   EXPECT_EQ(r.header("Content-Type"), "text/plain; version=0.0.4; charset=utf-8");
   for (std::string_view line : {

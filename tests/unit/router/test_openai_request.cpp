@@ -167,8 +167,18 @@ TEST(OpenAiRequest, RefusesWhatItCannotDo) {
   auto chat = [&](std::string_view extra) {
     return parseError(Endpoint::ChatCompletions, base + std::string(extra) + "}");
   };
-  EXPECT_NE(chat(R"("n":2)").find("'n' must be 1"), std::string::npos);
-  EXPECT_NE(chat(R"("n":0)").find("'n' must be 1"), std::string::npos);
+  EXPECT_NE(chat(R"("n":0)").find("'n' must be an integer between 1 and 128"), std::string::npos);
+  EXPECT_NE(chat(R"("n":129)").find("'n' must be an integer between 1 and 128"), std::string::npos);
+  EXPECT_NE(chat(R"("n":"3")").find("'n' must be an integer"), std::string::npos);
+  EXPECT_NE(
+      parseError(Endpoint::Completions, R"({"model":"m","prompt":"x","n":2,"best_of":2})").find("'best_of' must be 1"),
+      std::string::npos);
+  auto three = parseCompletionRequest(Endpoint::ChatCompletions, base + R"("n":3})");
+  ASSERT_TRUE(three.ok()) << three.error().toString();
+  EXPECT_EQ(three->n, 3);
+  auto one = parseCompletionRequest(Endpoint::Completions, R"({"model":"m","prompt":"x"})");
+  ASSERT_TRUE(one.ok());
+  EXPECT_EQ(one->n, 1);
   EXPECT_NE(chat(R"("temperature":2.5)").find("'temperature' must be between 0 and 2"), std::string::npos);
   EXPECT_NE(chat(R"("temperature":"ZQX-secret-input")").find("'temperature' must be a number"), std::string::npos);
   EXPECT_NE(chat(R"("temperature":1e400)").find("'temperature'"), std::string::npos);

@@ -8,9 +8,11 @@
 #include <chrono>
 #include <condition_variable>
 #include <mutex>
+#include <set>
 #include <thread>
 
 #include "fakes/fake_workers.h"
+#include "pd/common/choices.h"
 #include "pd/common/http_client.h"
 #include "pd/router/api_server.h"
 #include "pd/router/pd_backend.h"
@@ -781,6 +783,81 @@ TEST_F(PdBackendTest, BurstSpreadsOverDecodeWorkersBeforeTheNextPoll) {
   }
   EXPECT_EQ(d1.opens().size(), 3U);
   EXPECT_EQ(d2.opens().size(), 3U);
+}
+
+// n = 3 (the ChoiceGroup): choice 0 opens its decode stream with choices = 3, the other choices
+// attach to it on the same decode worker with their own seeds, and one prefill (choices = 3)
+// serves all three; every choice's sink gets the whole stream.
+TEST_F(PdBackendTest, ChoicesShareOneDecodeStreamAndOnePrefill) {
+  startBackend();
+  std::vector<std::shared_ptr<RecordingSink>> sinks;
+  std::vector<std::shared_ptr<TokenSink>> as_sinks;
+  for (int i = 0; i < 3; ++i) {
+    sinks.push_back(std::make_shared<RecordingSink>());
+    as_sinks.push_back(sinks.back());
+  }
+  GenerationRequest g = request("cmpl-n3");
+  g.seed = 9;
+  auto control = backend->startChoices(g, as_sinks);
+  ASSERT_TRUE(control.ok()) << control.error().toString();
+  for (std::size_t i = 0; i < 3; ++i) {
+    ASSERT_TRUE(sinks[i]->waitEnd()) << i;
+    EXPECT_EQ(sinks[i]->reason(), FinishReason::Length) << i;
+    EXPECT_EQ(sinks[i]->ids(), (std::vector<TokenId>{100, 101})) << i;
+  }
+  auto submits = p1.submits();
+  for (auto& s : p2.submits()) submits.push_back(s);
+  ASSERT_EQ(submits.size(), 1U) << "one prefill for every choice";
+  EXPECT_EQ(submits[0].choices, 3);
+  EXPECT_EQ(submits[0].sampling.seed, 9U);
+  const auto opens = d1.opens();
+  ASSERT_EQ(opens.size(), 3U);
+  EXPECT_TRUE(d2.opens().empty());
+  EXPECT_EQ(opens[0].choices, 3);
+  EXPECT_TRUE(opens[0].attach_to.empty());
+  std::set<std::int64_t> attached;
+  for (std::size_t i = 1; i < 3; ++i) {
+    EXPECT_EQ(opens[i].attach_to, "cmpl-n3");
+    EXPECT_EQ(opens[i].choices, 1);
+    EXPECT_EQ(opens[i].sampling.seed, pd::choiceSeed(9, opens[i].choice));
+    attached.insert(opens[i].choice);
+  }
+  EXPECT_EQ(attached, (std::set<std::int64_t>{1, 2}));
+  EXPECT_EQ(retries("decode"), 0);
+}
+
+// A choice that cannot attach (its parent stream is gone, say) is served alone: its own open with
+// one choice and its own prefill, with its own seed; not counted as a retry.
+TEST_F(PdBackendTest, AChoiceThatCannotAttachIsServedAlone) {
+  d1.refuseAttach(ErrorCode::NotFound);
+  d2.refuseAttach(ErrorCode::NotFound);
+  startBackend();
+  std::vector<std::shared_ptr<RecordingSink>> sinks;
+  std::vector<std::shared_ptr<TokenSink>> as_sinks;
+  for (int i = 0; i < 3; ++i) {
+    sinks.push_back(std::make_shared<RecordingSink>());
+    as_sinks.push_back(sinks.back());
+  }
+  GenerationRequest g = request("cmpl-alone");
+  g.seed = 4;
+  auto control = backend->startChoices(g, as_sinks);
+  ASSERT_TRUE(control.ok()) << control.error().toString();
+  for (std::size_t i = 0; i < 3; ++i) {
+    ASSERT_TRUE(sinks[i]->waitEnd()) << i;
+    EXPECT_EQ(sinks[i]->ids(), (std::vector<TokenId>{100, 101})) << i;
+  }
+  auto submits = p1.submits();
+  for (auto& s : p2.submits()) submits.push_back(s);
+  ASSERT_EQ(submits.size(), 3U);
+  std::multiset<std::int64_t> choices;
+  std::set<std::uint64_t> seeds;
+  for (const auto& s : submits) {
+    choices.insert(s.choices);
+    seeds.insert(s.sampling.seed);
+  }
+  EXPECT_EQ(choices, (std::multiset<std::int64_t>{1, 1, 3}));
+  EXPECT_EQ(seeds, (std::set<std::uint64_t>{4, pd::choiceSeed(4, 1), pd::choiceSeed(4, 2)}));
+  EXPECT_EQ(retries("decode"), 0);
 }
 
 TEST_F(PdBackendTest, ServesTheOpenAiApiEndToEnd) {

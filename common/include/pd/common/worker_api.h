@@ -81,6 +81,18 @@ struct DecodeOpen {
   /// With a local prompt of a resumed generation: the first token, which the client already has
   /// (as PrefillSubmit::forced_first_token). Optional (-1: sampled).
   pd::TokenId forced_first_token = -1;
+  /// OpenAI `n` (docs/kv-memory.md, "Choices"): the prompt's KV arrives once and the worker runs
+  /// `choices` sequences over it. This stream carries choice 0; choices 1..n-1 each open a stream
+  /// of their own with `attach_to` before the prefill is submitted. 1..pd::kMaxChoices; optional
+  /// (1 when absent).
+  std::int64_t choices = 1;
+  /// An attached choice: the request_id of the open stream (its `choices` > 1, its KV not yet
+  /// arrived) whose prompt this choice shares, and the choice's index (1..choices-1). The worker
+  /// answers with an empty Descriptor line (nothing to prefill) and then the choice's tokens. The
+  /// other fields must equal the parent's except request_id (prompt_tokens, max_tokens, sampling,
+  /// constraint: the parent's are used). Optional (empty: a stream of its own).
+  std::string attach_to;
+  std::int64_t choice = 0;
 };
 
 enum class DecodeEventType { Descriptor, Tokens, Finish, Error, Preempted };
@@ -136,6 +148,9 @@ struct PrefillSubmit {
   /// As DecodeOpen::constraint: the first token is sampled under it. Must equal D's.
   std::string constraint;
   std::string tool_call_format;  ///< as DecodeOpen::tool_call_format
+  /// As DecodeOpen::choices: the worker samples that many first tokens (choice i seeded
+  /// pd::choiceSeed(sampling.seed, i)) and sends them all in the completion record. Optional (1).
+  std::int64_t choices = 1;
 };
 
 struct PrefillOutcome {

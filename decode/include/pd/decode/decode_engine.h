@@ -56,6 +56,17 @@
 /// Residual assumption: after an abort, no prefill attempt starts that began after the record
 /// which ends the quarantine (the router does not retry a generation it has ended).
 ///
+/// Choices (OpenAI `n`, docs/kv-memory.md "Choices share the prompt"): a request admitted with
+/// `choices` = n > 1 holds its prompt's blocks plus n - 1 spare blocks. Before its KV arrives,
+/// choices 1..n-1 attach() to it, each with an id and a sink of its own. When the record arrives
+/// (it carries n first tokens, CompletionRecord::choice_tokens) every attached choice is forked
+/// off the request: it shares the prompt's blocks by reference count, gets its own copy of the
+/// last prompt block (the first block its decode steps and its MTP position n-1 write), samples
+/// with pd::choiceSeed(seed, choice), and runs from then on as a request of its own (its own
+/// growth, preemption, abort and end; a block is freed when its last holder lets go). Spares of
+/// choices that never attached are freed at the fork. A request that ends while its KV is awaited
+/// ends its attached choices with it (the same finish and error).
+///
 /// The MTP layer's latent KV (kv layer num_hidden_layers) for prompt positions [0, n-1) must be
 /// written by the prefill side like any other layer. Position n-1 pairs the prompt's last hidden
 /// state with the first token; this engine computes it from the record on the first draft step
@@ -76,6 +87,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "pd/common/choices.h"
 #include "pd/common/result.h"
 #include "pd/decode/decode_config.h"
 #include "pd/decode/decode_metrics.h"
@@ -162,6 +174,9 @@ struct DecodeRequest {
   /// its KV is awaited and its blocks are quarantined — the expectation stays armed (its outcome
   /// ends the quarantine) but must not be re-armed for further prefill attempts. Optional.
   std::function<void()> end_kv_attempts;
+  /// Choices sharing this prompt (header comment, "Choices"): 1..DecodeEngineOptions::max_choices;
+  /// above 1, not for a resumed generation. This request is choice 0.
+  std::int64_t choices = 1;
 };
 
 struct DecodeEngineOptions {
@@ -181,6 +196,9 @@ struct DecodeEngineOptions {
   /// prefills before its decode batch runs (at least one prompt per step).
   std::int64_t local_prefill_chunk_size = 512;
   std::int64_t local_prefill_token_budget = 2048;
+  /// Most choices one request may have (DecodeRequest::choices). 1 with tensor parallelism: the
+  /// copy of a forked choice's last block is made in this rank's pool only.
+  std::int64_t max_choices = pd::kMaxChoices;
 };
 
 /// The engine options a worker's typed config implies.
@@ -231,12 +249,20 @@ class DecodeEngine {
   /// for KV (unknown, aborted and freed, or already running).
   [[nodiscard]] Status onKvReady(std::uint64_t request_id, Result<kvtransfer::CompletionRecord> record);
 
+  /// Attaches choice `choice` (1..choices-1) of request `parent_id`, which must still wait for its
+  /// KV, under the new id `child_id` with its own sink (header comment, "Choices"). NotFound when
+  /// the parent is unknown or no longer waits; InvalidArgument for a choice out of range or
+  /// already attached, an id in use, or no sink. The sink hears nothing before the fork.
+  [[nodiscard]] Status attach(std::uint64_t parent_id, std::int64_t choice, std::uint64_t child_id,
+                              TokenEventSink sink);
+
   /// A prefill attempt of a request waiting for KV failed and the transport has been re-armed
   /// for the next one (DecodeLoop::openStream): the request keeps its blocks. Counts it; nothing
   /// else changes. Unknown ids are ignored.
   void noteKvRetry(std::uint64_t request_id, const Error& failure);
 
-  /// Ends a request in any state with finish Aborted and frees its blocks. False if unknown.
+  /// Ends a request in any state with finish Aborted and frees its blocks (an attached choice
+  /// not yet forked is detached). False if unknown.
   bool abort(std::uint64_t request_id);
 
   /// Expires KV waits whose deadline is before `now`, frees quarantined blocks whose deadline
@@ -269,6 +295,8 @@ class DecodeEngine {
   void runLocalPrefills();
   // One local prompt: forward, first token, MTP; the record a prefill worker would have sent.
   Result<kvtransfer::CompletionRecord> localPrefill(Sequence& seq);
+  // Forks every attached choice off `parent`, whose record just arrived, and starts them.
+  void forkChoices(Sequence& parent, const kvtransfer::CompletionRecord& record);
   // Streams `tokens` and, if a stop condition holds, ends the request. True if it ended.
   bool emit(Sequence& seq, std::vector<model::SampledToken> tokens);
   void finish(std::uint64_t request_id, FinishReason reason, std::optional<Error> error, RequestOutcome outcome,

@@ -85,6 +85,10 @@ class DecodeLoop {
   /// calling thread when the loop has stopped). `done` must not block.
   using LocalDone = std::function<void(Status)>;
   void openLocalAsync(DecodeRequest request, LocalDone done);
+  /// DecodeEngine::attach on the loop thread; `done` gets its outcome there, before any call of
+  /// `sink` (so it may write the stream's first line), and must not block.
+  void attachAsync(std::uint64_t parent_id, std::int64_t choice, std::uint64_t child_id, TokenEventSink sink,
+                   std::function<void(Status)> done);
   /// DecodeEngine::onKvReady on the loop thread (an unknown id is ignored: it was aborted).
   void postKvReady(std::uint64_t request_id, Result<kvtransfer::CompletionRecord> record);
   /// DecodeEngine::abort on the loop thread (the client went away, the router cancelled).

@@ -48,6 +48,9 @@ class KvPool {
   [[nodiscard]] kvtransfer::RegionLayout regionLayout(kvtransfer::RegionId region) const;
   /// The layout fields of CompatInfo this pool implies (model_hash and tp_size left to caller).
   [[nodiscard]] kvtransfer::CompatInfo compat(std::uint64_t model_hash, std::uint32_t tp_size) const;
+  /// Copies block `src` into block `dst` in every layer (copy-on-write of a shared prompt's last
+  /// block, KvBlockManager::fork). Engine thread only, like the model's writes; PD_CHECKs the ids.
+  void copyBlock(std::int32_t src, std::int32_t dst) const;
 
  private:
   explicit KvPool(model::PagedLatentCache cache) : cache_(std::move(cache)) {}

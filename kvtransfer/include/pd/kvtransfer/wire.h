@@ -38,7 +38,7 @@
 namespace pd::kvtransfer {
 
 /// Bumped on any incompatible change of a message or of the KV layout rules.
-inline constexpr std::uint16_t kProtocolVersion = 4;
+inline constexpr std::uint16_t kProtocolVersion = 5;
 /// "PDKV" read as a little-endian u32.
 inline constexpr std::uint32_t kWireMagic = 0x564B4450;
 inline constexpr std::size_t kWireHeaderBytes = 12;
@@ -121,14 +121,17 @@ struct CompletionRecord {
   std::vector<float> hidden_state;            ///< last position's final hidden state (MTP input)
   std::optional<TokenLogprob> first_logprob;  ///< set when logprobs were requested
   std::vector<TokenLogprob> top_logprobs;     ///< alternatives, best first
+  /// A generation of n > 1 choices (docs/kv-memory.md, "Choices"): the first tokens of choices
+  /// 1..n-1, each sampled from the same last-position logits with its choice's seed
+  /// (pd::choiceSeed); logprob and alternatives filled as for the first token. Empty for n = 1.
+  std::vector<pd::SampledToken> choice_tokens;
   /// The W3C `traceparent` of the prefill worker's `prefill.completion` span (docs/observability.md),
   /// so that the decode worker's `decode.kv_record` span is its child; empty: no trace. On the
-  /// wire a byte string after the logprobs, covered by the record's HMAC like the rest. The
-  /// decoder keeps only an exact version-00 value (`00-` 32 hex `-` 16 hex `-` 2 hex, lower case,
-  /// no all-zero id) of at most kMaxTraceparentBytes and drops anything else without copying it
-  /// (a longer one, bad syntax): the field then reads as empty, traceparent_dropped is set, and
-  /// the record is otherwise accepted. A length past the message's end is Corrupt, as for every
-  /// field. The encoder writes the field as it is.
+  /// wire a byte string after the choices' first tokens (the record's last field), covered by the record's HMAC like
+  /// the rest. The decoder keeps only an exact version-00 value (`00-` 32 hex `-` 16 hex `-` 2 hex, lower case, no
+  /// all-zero id) of at most kMaxTraceparentBytes and drops anything else without copying it (a longer one, bad
+  /// syntax): the field then reads as empty, traceparent_dropped is set, and the record is otherwise accepted. A length
+  /// past the message's end is Corrupt, as for every field. The encoder writes the field as it is.
   std::string traceparent;
   /// Set by the decoder only (never encoded): the record carried a traceparent it dropped. The
   /// receiving transport counts these (pdserve_kv_records_total{event="trace_dropped"}).

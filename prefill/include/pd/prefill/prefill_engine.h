@@ -68,6 +68,10 @@ struct PrefillRequest {
   /// sampled one (within the vocabulary). -1: sample it.
   std::int32_t forced_first_token = -1;
   bool logprobs = false;  ///< fill first_logprob (and top_logprobs per sampling)
+  /// Choices (OpenAI `n`, 1..pd::kMaxChoices): the record carries choices - 1 more first tokens
+  /// (CompletionRecord::choice_tokens), each sampled from the same last-position logits with a
+  /// sampler seeded pd::choiceSeed(sampling.seed, i). Not with a forced first token.
+  std::int64_t choices = 1;
   /// The output constraint: the first token is sampled under the grammar's initial mask (its
   /// vocabulary must cover the model's, PD_CHECKed by the sampler). Null: free text.
   std::shared_ptr<const structured::Grammar> grammar;

@@ -51,6 +51,8 @@ struct ApiServerOptions {
   std::int64_t default_completion_max_tokens = 16;
   /// Requests admitted but still waiting for their first token; more get 429.
   std::int64_t max_queued_requests = 256;
+  /// Most choices (OpenAI `n`) one request may ask for; more is a 400 naming this cap.
+  std::int64_t max_n = 16;
   std::chrono::milliseconds request_timeout{600000};
   std::chrono::seconds retry_after{1};  ///< the Retry-After of 429 and 503
   ApiKeySet api_keys;                   ///< empty: no authentication

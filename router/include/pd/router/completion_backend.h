@@ -174,6 +174,15 @@ class CompletionBackend {
   /// maps to a status as in the file comment.
   [[nodiscard]] virtual Result<std::unique_ptr<GenerationControl>> start(GenerationRequest request,
                                                                          std::shared_ptr<TokenSink> sink) = 0;
+  /// Begins a generation of sinks.size() choices (OpenAI `n`, 1..pd::kMaxChoices): choice i's
+  /// events go to sinks[i], each with the TokenSink contract of its own, and choice i samples with
+  /// seed pd::choiceSeed(seed, i) — `request.seed`, or one seed the backend picks for all — so
+  /// choice 0 is the n = 1 answer. The control aborts every choice. On error no sink is called
+  /// (the default's choices started before the failing one end with onError(Cancelled)). The
+  /// default starts each choice as a generation of its own (start(), one prefill each); the P/D
+  /// backend shares one prefill and the prompt's KV blocks (docs/kv-memory.md, "Choices").
+  [[nodiscard]] virtual Result<std::unique_ptr<GenerationControl>> startChoices(
+      GenerationRequest request, std::vector<std::shared_ptr<TokenSink>> sinks);
   /// True when a request could be served now (at least one ready prefill and decode worker);
   /// drives /ready. A request that arrives while false gets 503.
   [[nodiscard]] virtual bool ready() const = 0;

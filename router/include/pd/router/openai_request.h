@@ -5,7 +5,7 @@
 /// The body must be valid UTF-8 without lone surrogate escapes, a JSON object, and each known
 /// parameter must have the right type and range. Every top-level parameter is either honoured or
 /// refused: a parameter the endpoint does not know (and one of `stream_options`) is a 400 naming
-/// it, and known features this server does not offer (n > 1, echo, suffix, best_of, legacy
+/// it, and known features this server does not offer (echo, suffix, best_of, legacy
 /// `functions`, non-text response formats and modalities, stored completions, non-text content
 /// parts) are refused unless given their neutral value (docs/api.md has the table). Each message's
 /// fields are checked against its role the same way: passed to the chat template (`name`,
@@ -52,6 +52,8 @@ struct CompletionParams {
   /// sampling.top_logprobs: alternatives per token when logprobs is on; sampling.seed unused.
   SamplingParams sampling = openAiSamplingDefaults();
   std::optional<std::int64_t> seed;
+  /// OpenAI `n`: choices to generate (1..pd::kMaxChoices; the API server applies router.max_n).
+  std::int64_t n = 1;
   std::vector<std::string> stop;
   std::vector<TokenId> stop_token_ids;
   bool ignore_eos = false;

@@ -121,6 +121,11 @@ class PdBackend final : public CompletionBackend {
   /// backend is draining.
   [[nodiscard]] Result<std::unique_ptr<GenerationControl>> start(GenerationRequest request,
                                                                  std::shared_ptr<TokenSink> sink) override;
+  /// n > 1: one prefill and one decode worker for every choice (the prompt's KV crosses once;
+  /// choices 1..n-1 attach to choice 0's decode stream). A choice that cannot attach, and a
+  /// resumed one, is served alone as n = 1 with its own seed.
+  [[nodiscard]] Result<std::unique_ptr<GenerationControl>> startChoices(
+      GenerationRequest request, std::vector<std::shared_ptr<TokenSink>> sinks) override;
   /// At least one prefill and one decode worker in rotation, and not draining.
   [[nodiscard]] bool ready() const override;
   /// Generations that have not ended yet (their calls to the workers, abort calls included).

@@ -53,6 +53,7 @@ struct RouterConfig {
   /// is prefilled by its decode worker itself, with no prefill worker and no KV transfer. 0: every
   /// prompt goes to a prefill worker.
   std::int64_t remote_prefill_min_tokens = 0;
+  std::int64_t max_n = 16;  ///< most choices (OpenAI `n`) one request may ask for
   std::int64_t decode_open_timeout_ms = 10000;
   std::int64_t kv_timeout_ms = 60000;
   std::int64_t prefill_timeout_ms = 60000;
