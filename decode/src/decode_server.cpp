@@ -128,7 +128,7 @@ class DecodeServer::Impl {
 
   void handleOpen(const http::Request& request, http::Exchange exchange);
   // An attached choice's open (DecodeOpen::attach_to): a stream of its own over its parent's KV.
-  void handleAttach(worker_api::DecodeOpen open, std::shared_ptr<Stream> stream);
+  void handleAttach(worker_api::DecodeOpen open, const std::shared_ptr<Stream>& stream);
   // The sink that writes `stream`'s token and last lines (loop thread).
   TokenEventSink streamSink(const std::shared_ptr<Stream>& stream);
   void handleAbort(const http::Request& request, http::Exchange exchange);
@@ -302,7 +302,7 @@ void DecodeServer::Impl::handleOpen(const http::Request& request, http::Exchange
     }
     streams_.emplace(open.request_id, stream);
   }
-  if (!open.attach_to.empty()) return handleAttach(std::move(open), std::move(stream));
+  if (!open.attach_to.empty()) return handleAttach(std::move(open), stream);
 
   const std::int64_t kv_timeout_ms = std::min(open.kv_timeout_ms, options_.decode.kv_wait_timeout_ms);
   DecodeRequest r;
@@ -381,7 +381,7 @@ void DecodeServer::Impl::handleOpen(const http::Request& request, http::Exchange
       });
 }
 
-void DecodeServer::Impl::handleAttach(worker_api::DecodeOpen open, std::shared_ptr<Stream> stream) {
+void DecodeServer::Impl::handleAttach(worker_api::DecodeOpen open, const std::shared_ptr<Stream>& stream) {
   std::optional<std::uint64_t> parent;
   {
     std::lock_guard lock(mutex_);
@@ -397,23 +397,24 @@ void DecodeServer::Impl::handleAttach(worker_api::DecodeOpen open, std::shared_p
     return;
   }
   DecodeLoop* loop = loop_.get();
-  loop_->attachAsync(*parent, open.choice, stream->local_id, streamSink(stream), [this, stream, loop](Status attached) {
-    stream->admitted = trace::Clock::now();
-    if (!attached.ok()) {
-      stream->span.setError(attached.error().toString());
-      stream->span.end();
-      refuse(stream->exchange, attached.error());
-      streamEnded(stream->request_id);
-      return;
-    }
-    // An empty descriptor: the parent's prefill brings this choice's KV and first token.
-    worker_api::DecodeEvent first;
-    first.type = worker_api::DecodeEventType::Descriptor;
-    stream->exchange.beginStream(200, {{"Content-Type", std::string(kNdjson)}, {"Cache-Control", "no-store"}});
-    stream->exchange.write(worker_api::toJson(first) + "\n");
-    const std::uint64_t id = stream->local_id;
-    stream->exchange.onClientGone([loop, id] { loop->postAbort(id); });
-  });
+  loop_->attachAsync(
+      *parent, open.choice, stream->local_id, streamSink(stream), [this, stream, loop](const Status& attached) {
+        stream->admitted = trace::Clock::now();
+        if (!attached.ok()) {
+          stream->span.setError(attached.error().toString());
+          stream->span.end();
+          refuse(stream->exchange, attached.error());
+          streamEnded(stream->request_id);
+          return;
+        }
+        // An empty descriptor: the parent's prefill brings this choice's KV and first token.
+        worker_api::DecodeEvent first;
+        first.type = worker_api::DecodeEventType::Descriptor;
+        stream->exchange.beginStream(200, {{"Content-Type", std::string(kNdjson)}, {"Cache-Control", "no-store"}});
+        stream->exchange.write(worker_api::toJson(first) + "\n");
+        const std::uint64_t id = stream->local_id;
+        stream->exchange.onClientGone([loop, id] { loop->postAbort(id); });
+      });
 }
 
 TokenEventSink DecodeServer::Impl::streamSink(const std::shared_ptr<Stream>& stream) {

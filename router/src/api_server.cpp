@@ -237,8 +237,8 @@ class RequestState final : public TokenSink, public std::enable_shared_from_this
   }
 
   void onTokens(TokenDelta delta) override { choiceTokens(0, std::move(delta)); }
-  void onFinish(FinishEvent finish) override { choiceFinish(0, std::move(finish)); }
-  void onError(Error error) override { choiceError(0, std::move(error)); }
+  void onFinish(FinishEvent finish) override { choiceFinish(0, finish); }
+  void onError(Error error) override { choiceError(0, error); }
   void onReport(const GenerationReport& report) override {
     std::lock_guard lock(mu_);
     report_ = report;
@@ -290,7 +290,7 @@ class RequestState final : public TokenSink, public std::enable_shared_from_this
   RequestState(RequestState&&) = delete;
   RequestState& operator=(RequestState&&) = delete;
 
-  void choiceFinish(std::size_t i, FinishEvent finish) {
+  void choiceFinish(std::size_t i, const FinishEvent& finish) {
     const GenerationEnd& end = finish.end;
     std::optional<DeadlineScheduler::Id> cancel;
     {
@@ -347,7 +347,7 @@ class RequestState final : public TokenSink, public std::enable_shared_from_this
   }
 
   /// Any choice's error fails the request; the other choices are aborted.
-  void choiceError(std::size_t i, Error error) {
+  void choiceError(std::size_t i, const Error& error) {
     std::optional<DeadlineScheduler::Id> cancel;
     {
       std::lock_guard lock(mu_);
@@ -669,8 +669,8 @@ class ChoiceSink final : public TokenSink {
  public:
   ChoiceSink(std::shared_ptr<RequestState> state, std::size_t index) : state_(std::move(state)), index_(index) {}
   void onTokens(TokenDelta delta) override { state_->choiceTokens(index_, std::move(delta)); }
-  void onFinish(FinishEvent finish) override { state_->choiceFinish(index_, std::move(finish)); }
-  void onError(Error error) override { state_->choiceError(index_, std::move(error)); }
+  void onFinish(FinishEvent finish) override { state_->choiceFinish(index_, finish); }
+  void onError(Error error) override { state_->choiceError(index_, error); }
   void onReport(const GenerationReport& report) override {
     if (index_ == 0) state_->onReport(report);
   }
