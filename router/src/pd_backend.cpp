@@ -418,6 +418,7 @@ class Generation : public std::enable_shared_from_this<Generation> {
     }
     if (!attach) tried_.insert(d->key());  // an attach did not choose its worker
     const std::string id = resume_.legId(req_.request_id, attempt_);
+    if (unshared_) startChoicesAlone();  // once; nothing when they have begun
     const std::int64_t choices = group_ && !group_->isStarted() ? group_->choices : 1;
     worker_api::DecodeOpen open;
     open.request_id = id;
@@ -743,7 +744,16 @@ class Generation : public std::enable_shared_from_this<Generation> {
         // other workers are spent, wait for room instead of failing (docs/kv-memory.md).
         const bool full = end.refused == ErrorCode::Overloaded;
         const bool may_retry = !relay_.committed() && !a.preempted && !resuming_;
-        if (a.attached && !relay_.committed() && in_time) {
+        if (end.refused == ErrorCode::Unsupported && a.choices > 1 && !relay_.committed() && in_time) {
+          // The decode worker cannot share one prompt among choices (tensor parallelism refuses
+          // `choices` > 1): choice 0 is served alone and so is every other choice, each as n = 1
+          // with its own seed, which gives the same tokens. Not a retry.
+          log::info(kLog, "{}: decode worker {} cannot share the prompt among {} choices ({}); serving each alone",
+                    req_.request_id, a.worker.key(), a.choices, error.message);
+          outcome = Outcome::Retry;
+          attach_retry = true;
+          unshared_ = true;
+        } else if (a.attached && !relay_.committed() && in_time) {
           // The attach failed (choice 0's stream is gone, or it ended before its KV): this choice
           // is served alone, as n = 1 with its own seed, prefill included. Not a retry.
           outcome = Outcome::Retry;
@@ -835,6 +845,20 @@ class Generation : public std::enable_shared_from_this<Generation> {
       children[i]->attachTo(group_, worker, id, static_cast<std::int64_t>(i) + 1);
       children[i]->begin();
     }
+  }
+
+  /// Choice 0's decode worker refused to share its prompt: every other choice begins now, alone
+  /// (no attach), as its own n = 1 generation with its own seed. Once; nothing if they began.
+  void startChoicesAlone() {
+    if (!group_) return;
+    std::vector<std::shared_ptr<Generation>> children;
+    {
+      std::lock_guard lock(group_->mu);
+      if (group_->started) return;
+      group_->started = true;
+      children = std::exchange(group_->children, {});
+    }
+    for (auto& child : children) child->begin();
   }
 
   /// An attached choice's attach has answered (once; later calls do nothing).
@@ -1041,6 +1065,7 @@ class Generation : public std::enable_shared_from_this<Generation> {
   std::int64_t waits_ = 0;     // waits for a decode worker with room (waitForRoom)
   bool after_wait_ = false;    // the next attempt follows a wait
   bool after_attach_ = false;  // the next attempt serves an attached choice alone (its attach failed)
+  bool unshared_ = false;      // choice 0's decode worker refused to share the prompt: choices run alone
   std::set<std::string> tried_;
   Error last_ = makeError(ErrorCode::Overloaded, "no decode worker is ready");
 

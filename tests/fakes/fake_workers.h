@@ -189,6 +189,12 @@ class FakeDecodeWorker final : public FakeWorkerBase {
     std::lock_guard lock(mu_);
     refuse_attach_ = code;
   }
+  /// Refuse opens of more than one choice with 400 Unsupported, as a tensor-parallel decode
+  /// worker does (it cannot share one prompt among choices).
+  void refuseChoices(bool refuse) {
+    std::lock_guard lock(mu_);
+    refuse_choices_ = refuse;
+  }
   /// Lets every stream paused by DecodeScript::pause_after (now or later) go on.
   void resume() {
     std::lock_guard lock(mu_);
@@ -265,6 +271,9 @@ class FakeDecodeWorker final : public FakeWorkerBase {
       std::lock_guard lock(mu_);
       opens_.push_back(req);
       script = script_;
+      if (refuse_choices_ && req.choices > 1) {
+        return (void)ex.respond(workerError(ErrorCode::Unsupported, "n > 1 is not supported with tensor parallelism"));
+      }
       if (!req.attach_to.empty() && !script.refuse) {
         const auto parent = live_.find(req.attach_to);
         if (refuse_attach_ || parent == live_.end()) {
@@ -390,6 +399,7 @@ class FakeDecodeWorker final : public FakeWorkerBase {
 
   DecodeScript script_;
   std::optional<ErrorCode> refuse_attach_;  // guarded by mu_
+  bool refuse_choices_ = false;             // guarded by mu_
   bool resumed_ = false;                    // guarded by mu_
   std::size_t paused_ = 0;                  // guarded by mu_
   std::map<std::string, std::shared_ptr<Live>> live_;

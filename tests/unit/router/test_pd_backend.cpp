@@ -860,6 +860,43 @@ TEST_F(PdBackendTest, AChoiceThatCannotAttachIsServedAlone) {
   EXPECT_EQ(retries("decode"), 0);
 }
 
+// A decode worker that cannot share one prompt among choices (tensor parallelism refuses
+// `choices` > 1 with Unsupported): every choice is served alone, as n = 1 with its own seed, and
+// the request succeeds; not counted as a retry.
+TEST_F(PdBackendTest, ChoicesAreServedAloneWhenTheDecodeWorkerCannotShare) {
+  d1.refuseChoices(true);
+  d2.refuseChoices(true);
+  startBackend();
+  std::vector<std::shared_ptr<RecordingSink>> sinks;
+  std::vector<std::shared_ptr<TokenSink>> as_sinks;
+  for (int i = 0; i < 3; ++i) {
+    sinks.push_back(std::make_shared<RecordingSink>());
+    as_sinks.push_back(sinks.back());
+  }
+  GenerationRequest g = request("cmpl-tp");
+  g.seed = 5;
+  auto control = backend->startChoices(g, as_sinks);
+  ASSERT_TRUE(control.ok()) << control.error().toString();
+  for (std::size_t i = 0; i < 3; ++i) {
+    ASSERT_TRUE(sinks[i]->waitEnd()) << i;
+    ASSERT_FALSE(sinks[i]->error()) << i << ": " << sinks[i]->error()->toString();
+    EXPECT_EQ(sinks[i]->ids(), (std::vector<TokenId>{100, 101})) << i;
+  }
+  auto submits = p1.submits();
+  for (auto& s : p2.submits()) submits.push_back(s);
+  ASSERT_EQ(submits.size(), 3U);
+  std::set<std::uint64_t> seeds;
+  for (const auto& s : submits) {
+    EXPECT_EQ(s.choices, 1);
+    seeds.insert(s.sampling.seed);
+  }
+  EXPECT_EQ(seeds, (std::set<std::uint64_t>{5, pd::choiceSeed(5, 1), pd::choiceSeed(5, 2)}));
+  for (const auto* d : {&d1, &d2}) {
+    for (const auto& o : d->opens()) EXPECT_TRUE(o.attach_to.empty()) << "no choice attaches";
+  }
+  EXPECT_EQ(retries("decode"), 0);
+}
+
 TEST_F(PdBackendTest, ServesTheOpenAiApiEndToEnd) {
   DecodeScript script;
   script.tokens = {{kHello}, {kComma}, {kWorld}, {kBang}};
