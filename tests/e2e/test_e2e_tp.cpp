@@ -277,13 +277,17 @@ class TpCluster {
 
   // One completion of the golden prompt; the token ids, or nullopt (with a test failure).
   std::optional<std::vector<std::int64_t>> complete(const GoldenPrompt& golden) {
+    auto all = completeN(golden, 1);
+    if (!all) return std::nullopt;
+    return all->at(0);
+  }
+
+  // A completion of the golden prompt with `n` choices: each choice's token ids, by index.
+  std::optional<std::vector<std::vector<std::int64_t>>> completeN(const GoldenPrompt& golden, int n) {
     json::array prompt;
     for (auto t : golden.tokens) prompt.push_back(t);
-    const json::object body{{"model", "pdserve-default"},
-                            {"prompt", prompt},
-                            {"max_tokens", golden.greedy.size()},
-                            {"temperature", 0},
-                            {"return_token_ids", true}};
+    const json::object body{{"model", "pdserve-default"}, {"prompt", prompt}, {"max_tokens", golden.greedy.size()},
+                            {"temperature", 0},           {"n", n},           {"return_token_ids", true}};
     http::Client client(router_->host(), router_->port());
     http::ClientRequest req;
     req.method = "POST";
@@ -300,11 +304,20 @@ class TpCluster {
       return std::nullopt;
     }
     const auto doc = json::parse(r->body);
-    const auto& choice = doc.at("choices").as_array().at(0).as_object();
-    std::vector<std::int64_t> ids;
-    for (const auto& t : choice.at("token_ids").as_array()) ids.push_back(t.to_number<std::int64_t>());
-    EXPECT_EQ(choice.at("finish_reason").as_string(), "length");
-    return ids;
+    const auto& choices = doc.at("choices").as_array();
+    EXPECT_EQ(choices.size(), static_cast<std::size_t>(n));
+    std::vector<std::vector<std::int64_t>> all(choices.size());
+    for (const auto& c : choices) {
+      const auto& choice = c.as_object();
+      const auto index = static_cast<std::size_t>(choice.at("index").to_number<std::int64_t>());
+      if (index >= all.size()) {
+        ADD_FAILURE() << "choice index " << index << " in " << r->body;
+        return std::nullopt;
+      }
+      for (const auto& t : choice.at("token_ids").as_array()) all[index].push_back(t.to_number<std::int64_t>());
+      EXPECT_EQ(choice.at("finish_reason").as_string(), "length");
+    }
+    return all;
   }
 
  private:
@@ -333,6 +346,11 @@ TEST_P(E2eTp, GoldenGreedyTokensThroughATwoRankDecodeWorkerThenACleanDrain) {
     ASSERT_TRUE(ids.has_value());
     EXPECT_EQ(*ids, golden.greedy) << "round " << round;
   }
+  // n > 1: a tensor-parallel decode worker cannot share one prompt among choices; the router
+  // serves each choice alone, and greedy choices all equal the golden tokens.
+  const auto choices = cluster.completeN(golden, 2);
+  ASSERT_TRUE(choices.has_value());
+  for (const auto& ids : *choices) EXPECT_EQ(ids, golden.greedy) << "a choice of n = 2";
   const auto st = workerStatus(cluster.decode());
   EXPECT_GT(st.total_blocks, 0);
   EXPECT_EQ(st.free_blocks, st.total_blocks) << "KV blocks leaked";
