@@ -551,6 +551,12 @@ int scenario() {
 }  // namespace fdlimit
 
 TEST(HttpServerFdLimit, RaisesTheSoftLimitAndPausesAcceptingAtTheLimit) {
+#if defined(__SANITIZE_ADDRESS__)
+  // The scenario exhausts the process's file descriptors; the sanitizer runtime opens files of its
+  // own (to symbolize, to read /proc/self/maps) and, starved, ended the child with its exit code 1
+  // (CI, 2026-12-02). The normal build runs the scenario.
+  GTEST_SKIP() << "fd exhaustion starves the AddressSanitizer runtime; the normal build runs this";
+#endif
   GTEST_FLAG_SET(death_test_style, "threadsafe");
   EXPECT_EXIT(std::_Exit(fdlimit::scenario()), ::testing::ExitedWithCode(0), "");
 }
