@@ -150,6 +150,24 @@ Result<CompatInfo> getCompat(ByteReader& r) {
   return c;
 }
 
+// A list of (token, logprob) alternatives: a count, then each token and its logprob. The first
+// token's and every further choice's alternatives share this layout.
+void putAlternatives(ByteWriter& w, const std::vector<pd::TokenLogprob>& top) {
+  w.put(static_cast<std::uint32_t>(top.size()));
+  for (const auto& lp : top) {
+    w.put(lp.token);
+    w.putF32(lp.logprob);
+  }
+}
+
+void getAlternatives(ByteReader& r, std::vector<pd::TokenLogprob>& top) {
+  top.resize(r.getCount(kMaxTopLogprobs, 8));
+  for (auto& lp : top) {
+    lp.token = r.get<std::int32_t>();
+    lp.logprob = r.getF32();
+  }
+}
+
 }  // namespace
 
 std::uint64_t CompatInfo::tokenBytes() const {
@@ -232,20 +250,12 @@ std::vector<std::uint8_t> encode(const CompletionRecord& rec) {
     w.put(rec.first_logprob->token);
     w.putF32(rec.first_logprob->logprob);
   }
-  w.put(static_cast<std::uint32_t>(rec.top_logprobs.size()));
-  for (const auto& lp : rec.top_logprobs) {
-    w.put(lp.token);
-    w.putF32(lp.logprob);
-  }
+  putAlternatives(w, rec.top_logprobs);
   w.put(static_cast<std::uint32_t>(rec.choice_tokens.size()));
   for (const auto& c : rec.choice_tokens) {
     w.put(c.token);
     w.putF32(c.logprob);
-    w.put(static_cast<std::uint32_t>(c.top.size()));
-    for (const auto& lp : c.top) {
-      w.put(lp.token);
-      w.putF32(lp.logprob);
-    }
+    putAlternatives(w, c.top);
   }
   w.putString(rec.traceparent);
   return finish(std::move(w));
@@ -353,22 +363,13 @@ Result<CompletionRecord> decodeCompletionRecord(std::span<const std::uint8_t> by
     lp.logprob = r.getF32();
     rec.first_logprob = lp;
   }
-  const auto top = r.getCount(kMaxTopLogprobs, 8);
-  rec.top_logprobs.resize(top);
-  for (auto& lp : rec.top_logprobs) {
-    lp.token = r.get<std::int32_t>();
-    lp.logprob = r.getF32();
-  }
+  getAlternatives(r, rec.top_logprobs);
   const auto choices = r.getCount(static_cast<std::uint32_t>(pd::kMaxChoices - 1), 12);
   rec.choice_tokens.resize(choices);
   for (auto& c : rec.choice_tokens) {
     c.token = r.get<std::int32_t>();
     c.logprob = r.getF32();
-    c.top.resize(r.getCount(kMaxTopLogprobs, 8));
-    for (auto& lp : c.top) {
-      lp.token = r.get<std::int32_t>();
-      lp.logprob = r.getF32();
-    }
+    getAlternatives(r, c.top);
   }
   // The trace context is advisory: one that is too long or not exact W3C is skipped (never
   // copied) and reads as absent; the record itself stands.
