@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "pd/common/http_client.h"
+#include "support/metrics_text.h"
 #include "support/role_process.h"
 #include "support/router_serving.h"
 #include "support/test_files.h"
@@ -42,18 +43,11 @@ struct Answer {
 /// A metric's value in a Prometheus text body: the first line starting with `series` (name and
 /// labels exactly as rendered); -1 when absent.
 double metricValue(const std::string& body, const std::string& series) {
-  for (std::size_t at = body.find(series + " "); at != std::string::npos; at = body.find(series + " ", at + 1)) {
-    if (at == 0 || body[at - 1] == '\n') return std::stod(body.substr(at + series.size() + 1));
-  }
-  return -1;
+  return sampleValue(body, series).value_or(-1);
 }
 
 std::string getMetrics(const RoleProcess& p) {
-  http::Client client(p.host(), p.port());
-  http::ClientRequest req;
-  req.target = "/metrics";
-  auto r = client.send(req, 10s);
-  return r.ok() && r->status == 200 ? r->body : std::string();
+  return scrapeMetrics(p.host(), p.port()).value_or(std::string());
 }
 
 template <class Pred>

@@ -17,6 +17,7 @@
 
 #include "pd/common/choices.h"
 #include "pd/common/http_client.h"
+#include "support/metrics_text.h"
 #include "support/role_process.h"
 #include "support/router_serving.h"
 #include "support/test_files.h"
@@ -44,17 +45,8 @@ struct Answer {
 
 // A GET /metrics value of `name` (with its labels, if any) on host:port; -1 when absent.
 double metric(const std::string& host, std::uint16_t port, const std::string& name) {
-  http::Client client(host, port);
-  http::ClientRequest req;
-  req.method = "GET";
-  req.target = "/metrics";
-  auto response = client.send(req, 10s);
-  if (!response.ok() || response->status != 200) return -1;
-  const std::string& body = response->body;
-  for (std::size_t at = body.find(name + " "); at != std::string::npos; at = body.find(name + " ", at + 1)) {
-    if (at == 0 || body[at - 1] == '\n') return std::stod(body.substr(at + name.size() + 1));
-  }
-  return -1;
+  const auto body = scrapeMetrics(host, port);
+  return body ? sampleValue(*body, name).value_or(-1) : -1;
 }
 
 class ChoicesE2e : public ::testing::Test {

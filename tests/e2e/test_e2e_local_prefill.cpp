@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "pd/common/http_client.h"
+#include "support/metrics_text.h"
 #include "support/role_process.h"
 #include "support/router_serving.h"
 #include "support/test_files.h"
@@ -34,15 +35,9 @@ std::string longPrompt() {
 // A metric sample of `url`'s /metrics: `series` is the name with its labels as printed, e.g.
 // name{where="local",reason="short_prompt"}; 0 when absent (counters not yet incremented).
 double metric(const RoleProcess& p, const std::string& series) {
-  http::Client client(p.host(), p.port());
-  auto response = client.send({"GET", "/metrics", {}, ""}, 10s);
-  EXPECT_TRUE(response.ok() && response->status == 200);
-  if (!response.ok() || response->status != 200) return -1;
-  const std::string& body = response->body;
-  for (std::size_t at = body.find(series + " "); at != std::string::npos; at = body.find(series + " ", at + 1)) {
-    if (at == 0 || body[at - 1] == '\n') return std::stod(body.substr(at + series.size() + 1));
-  }
-  return 0;
+  const auto body = scrapeMetrics(p.host(), p.port());
+  EXPECT_TRUE(body.has_value());
+  return body ? sampleValue(*body, series).value_or(0) : -1;
 }
 
 class Deployment {

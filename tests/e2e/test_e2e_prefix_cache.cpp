@@ -14,6 +14,7 @@
 
 #include "pd/common/http_client.h"
 #include "pd/common/subprocess.h"
+#include "support/metrics_text.h"
 #include "support/role_process.h"
 #include "support/router_serving.h"
 #include "support/test_files.h"
@@ -99,17 +100,8 @@ class Deployment {
 
   // A counter or gauge of the prefill worker's /metrics (-1 when absent).
   double prefillMetric(const std::string& name) {
-    http::Client client(prefill_->host(), prefill_->port());
-    http::ClientRequest req;
-    req.method = "GET";
-    req.target = "/metrics";
-    auto response = client.send(req, 10s);
-    if (!response.ok() || response->status != 200) return -1;
-    const std::string& body = response->body;
-    for (std::size_t at = body.find(name + " "); at != std::string::npos; at = body.find(name + " ", at + 1)) {
-      if (at == 0 || body[at - 1] == '\n') return std::stod(body.substr(at + name.size() + 1));
-    }
-    return -1;
+    const auto body = scrapeMetrics(prefill_->host(), prefill_->port());
+    return body ? sampleValue(*body, name).value_or(-1) : -1;
   }
 
  private:

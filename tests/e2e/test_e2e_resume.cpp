@@ -24,6 +24,7 @@
 
 #include "pd/common/http_client.h"
 #include "pd/common/worker_api.h"
+#include "support/metrics_text.h"
 #include "support/role_process.h"
 #include "support/router_serving.h"
 #include "support/test_files.h"
@@ -173,18 +174,8 @@ class Resume : public ::testing::Test {
   // The value of `series` (a full name with labels, e.g. `x{a="b"}`) in the process's /metrics; 0
   // when absent.
   static double metric(const RoleProcess& p, const std::string& series) {
-    http::Client client(p.host(), p.port());
-    http::ClientRequest req;
-    req.target = "/metrics";
-    auto r = client.send(req, 10s);
-    if (!r.ok() || r->status != 200) return -1;
-    const std::string& text = r->body;
-    for (std::size_t at = text.find(series); at != std::string::npos; at = text.find(series, at + 1)) {
-      if ((at == 0 || text[at - 1] == '\n') && text.size() > at + series.size() && text[at + series.size()] == ' ') {
-        return std::stod(text.substr(at + series.size() + 1));
-      }
-    }
-    return 0;
+    const auto body = scrapeMetrics(p.host(), p.port());
+    return body ? sampleValue(*body, series).value_or(0) : -1;
   }
 
   // Polls the decode worker's status until nothing is held (or 30 s pass).
