@@ -168,6 +168,19 @@ class PdBackendTest : public ::testing::Test {
     return g;
   }
 
+  /// One recording sink per choice of an n-choice generation.
+  static std::vector<std::shared_ptr<RecordingSink>> recordingSinks(int n) {
+    std::vector<std::shared_ptr<RecordingSink>> sinks;
+    for (int i = 0; i < n; ++i) sinks.push_back(std::make_shared<RecordingSink>());
+    return sinks;
+  }
+  /// Every prefill submit either prefill worker received.
+  std::vector<worker_api::PrefillSubmit> allSubmits() const {
+    auto submits = p1.submits();
+    for (auto& s : p2.submits()) submits.push_back(s);
+    return submits;
+  }
+
   double retries(const std::string& leg) {
     return metrics.counter("pdserve_router_retries_total", "", {"leg"}).labels({leg}).value();
   }
@@ -790,23 +803,17 @@ TEST_F(PdBackendTest, BurstSpreadsOverDecodeWorkersBeforeTheNextPoll) {
 // serves all three; every choice's sink gets the whole stream.
 TEST_F(PdBackendTest, ChoicesShareOneDecodeStreamAndOnePrefill) {
   startBackend();
-  std::vector<std::shared_ptr<RecordingSink>> sinks;
-  std::vector<std::shared_ptr<TokenSink>> as_sinks;
-  for (int i = 0; i < 3; ++i) {
-    sinks.push_back(std::make_shared<RecordingSink>());
-    as_sinks.push_back(sinks.back());
-  }
+  const auto sinks = recordingSinks(3);
   GenerationRequest g = request("cmpl-n3");
   g.seed = 9;
-  auto control = backend->startChoices(g, as_sinks);
+  auto control = backend->startChoices(g, {sinks.begin(), sinks.end()});
   ASSERT_TRUE(control.ok()) << control.error().toString();
   for (std::size_t i = 0; i < 3; ++i) {
     ASSERT_TRUE(sinks[i]->waitEnd()) << i;
     EXPECT_EQ(sinks[i]->reason(), FinishReason::Length) << i;
     EXPECT_EQ(sinks[i]->ids(), (std::vector<TokenId>{100, 101})) << i;
   }
-  auto submits = p1.submits();
-  for (auto& s : p2.submits()) submits.push_back(s);
+  const auto submits = allSubmits();
   ASSERT_EQ(submits.size(), 1U) << "one prefill for every choice";
   EXPECT_EQ(submits[0].choices, 3);
   EXPECT_EQ(submits[0].sampling.seed, 9U);
@@ -832,22 +839,16 @@ TEST_F(PdBackendTest, AChoiceThatCannotAttachIsServedAlone) {
   d1.refuseAttach(ErrorCode::NotFound);
   d2.refuseAttach(ErrorCode::NotFound);
   startBackend();
-  std::vector<std::shared_ptr<RecordingSink>> sinks;
-  std::vector<std::shared_ptr<TokenSink>> as_sinks;
-  for (int i = 0; i < 3; ++i) {
-    sinks.push_back(std::make_shared<RecordingSink>());
-    as_sinks.push_back(sinks.back());
-  }
+  const auto sinks = recordingSinks(3);
   GenerationRequest g = request("cmpl-alone");
   g.seed = 4;
-  auto control = backend->startChoices(g, as_sinks);
+  auto control = backend->startChoices(g, {sinks.begin(), sinks.end()});
   ASSERT_TRUE(control.ok()) << control.error().toString();
   for (std::size_t i = 0; i < 3; ++i) {
     ASSERT_TRUE(sinks[i]->waitEnd()) << i;
     EXPECT_EQ(sinks[i]->ids(), (std::vector<TokenId>{100, 101})) << i;
   }
-  auto submits = p1.submits();
-  for (auto& s : p2.submits()) submits.push_back(s);
+  const auto submits = allSubmits();
   ASSERT_EQ(submits.size(), 3U);
   std::multiset<std::int64_t> choices;
   std::set<std::uint64_t> seeds;
@@ -867,23 +868,17 @@ TEST_F(PdBackendTest, ChoicesAreServedAloneWhenTheDecodeWorkerCannotShare) {
   d1.refuseChoices(true);
   d2.refuseChoices(true);
   startBackend();
-  std::vector<std::shared_ptr<RecordingSink>> sinks;
-  std::vector<std::shared_ptr<TokenSink>> as_sinks;
-  for (int i = 0; i < 3; ++i) {
-    sinks.push_back(std::make_shared<RecordingSink>());
-    as_sinks.push_back(sinks.back());
-  }
+  const auto sinks = recordingSinks(3);
   GenerationRequest g = request("cmpl-tp");
   g.seed = 5;
-  auto control = backend->startChoices(g, as_sinks);
+  auto control = backend->startChoices(g, {sinks.begin(), sinks.end()});
   ASSERT_TRUE(control.ok()) << control.error().toString();
   for (std::size_t i = 0; i < 3; ++i) {
     ASSERT_TRUE(sinks[i]->waitEnd()) << i;
     ASSERT_FALSE(sinks[i]->error()) << i << ": " << sinks[i]->error()->toString();
     EXPECT_EQ(sinks[i]->ids(), (std::vector<TokenId>{100, 101})) << i;
   }
-  auto submits = p1.submits();
-  for (auto& s : p2.submits()) submits.push_back(s);
+  const auto submits = allSubmits();
   ASSERT_EQ(submits.size(), 3U);
   std::set<std::uint64_t> seeds;
   for (const auto& s : submits) {
