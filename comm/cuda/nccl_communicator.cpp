@@ -1,5 +1,6 @@
-// CUDA + NCCL build of pd/comm/nccl_communicator.h: host data is staged through a device buffer
-// that grows to the largest collective seen, on the rank's own stream.
+// CUDA + NCCL build of pd/comm/nccl_communicator.h and the NCCL CommunicatorFactory: host data is
+// staged through a device buffer that grows to the largest collective seen, on the rank's own
+// stream; every NCCL call is non-blocking and awaited with a deadline (awaitNccl).
 #include "pd/comm/nccl_communicator.h"
 
 #include <fmt/format.h>
@@ -8,6 +9,7 @@
 #include <utility>
 
 #include "nccl_handles.h"
+#include "pd/comm/nccl_bootstrap.h"
 #include "pd/common/log.h"
 #include "pd/cuda/cuda_handles.h"
 
@@ -17,13 +19,16 @@ namespace {
 class NcclCommunicator final : public Communicator {
  public:
   /// Makes `device` current and creates the rank's stream, communicator and staging buffer.
-  static Result<std::unique_ptr<Communicator>> create(const nccl::UniqueId& id, int rank, int size, int device) {
+  static Result<std::unique_ptr<Communicator>> create(const NcclId& id, int rank, int size, int device,
+                                                      std::chrono::steady_clock::time_point deadline,
+                                                      std::function<Status()> peers,
+                                                      std::chrono::milliseconds collective_timeout) {
     PD_CUDA_TRY(cudaSetDevice(device));
     PD_ASSIGN_OR_RETURN(cuda::Stream stream, cuda::Stream::create());
-    PD_ASSIGN_OR_RETURN(nccl::Comm comm, nccl::Comm::create(id, size, rank));
+    PD_ASSIGN_OR_RETURN(nccl::Comm comm, nccl::Comm::init(id, size, rank, deadline, peers));
     PD_ASSIGN_OR_RETURN(cuda::DeviceBuffer<std::byte> staging, cuda::DeviceBuffer<std::byte>::create(kStagingBytes));
-    return std::unique_ptr<Communicator>(
-        new NcclCommunicator(rank, size, device, std::move(stream), std::move(comm), std::move(staging)));
+    return std::unique_ptr<Communicator>(new NcclCommunicator(rank, size, device, std::move(peers), collective_timeout,
+                                                              std::move(stream), std::move(comm), std::move(staging)));
   }
   NcclCommunicator(const NcclCommunicator&) = delete;
   NcclCommunicator& operator=(const NcclCommunicator&) = delete;
@@ -39,13 +44,14 @@ class NcclCommunicator final : public Communicator {
   Status allReduceSum(std::span<float> data) override {
     if (data.empty()) return barrier();
     const std::size_t bytes = data.size_bytes();
-    return peerStatus([&]() -> Status {
+    return collective("ncclAllReduce", [&]() -> Status {
       PD_TRY(ensureStaging(bytes));
       PD_CUDA_TRY(cudaMemcpyAsync(staging_.data(), data.data(), bytes, cudaMemcpyHostToDevice, stream_.get()));
-      PD_CUDA_TRY(ncclAllReduce(staging_.data(), staging_.data(), data.size(), ncclFloat32, ncclSum, comm_.get(),
-                                stream_.get()));
+      PD_CUDA_TRY(nccl::issued(ncclAllReduce(staging_.data(), staging_.data(), data.size(), ncclFloat32, ncclSum,
+                                             comm_.get(), stream_.get())));
+      PD_TRY(await("ncclAllReduce issue"));
       PD_CUDA_TRY(cudaMemcpyAsync(data.data(), staging_.data(), bytes, cudaMemcpyDeviceToHost, stream_.get()));
-      return stream_.synchronize();
+      return await("ncclAllReduce");
     });
   }
   Status allGather(std::span<const std::byte> send, std::span<std::byte> recv) override {
@@ -53,41 +59,47 @@ class NcclCommunicator final : public Communicator {
       return makeError(ErrorCode::InvalidArgument, "allGather: recv must be size() times send");
     }
     if (send.empty()) return okStatus();
-    return peerStatus([&]() -> Status {
+    return collective("ncclAllGather", [&]() -> Status {
       PD_TRY(ensureStaging(recv.size() + send.size()));
       std::byte* dev_recv = staging_.data();
       std::byte* dev_send = dev_recv + recv.size();
       PD_CUDA_TRY(cudaMemcpyAsync(dev_send, send.data(), send.size(), cudaMemcpyHostToDevice, stream_.get()));
-      PD_CUDA_TRY(ncclAllGather(dev_send, dev_recv, send.size(), ncclUint8, comm_.get(), stream_.get()));
+      PD_CUDA_TRY(nccl::issued(ncclAllGather(dev_send, dev_recv, send.size(), ncclUint8, comm_.get(), stream_.get())));
+      PD_TRY(await("ncclAllGather issue"));
       PD_CUDA_TRY(cudaMemcpyAsync(recv.data(), dev_recv, recv.size(), cudaMemcpyDeviceToHost, stream_.get()));
-      return stream_.synchronize();
+      return await("ncclAllGather");
     });
   }
   Status broadcast(std::span<std::byte> data, int root) override {
     if (root < 0 || root >= size_) return makeError(ErrorCode::InvalidArgument, "broadcast: bad root");
     if (data.empty()) return okStatus();
-    return peerStatus([&]() -> Status {
+    return collective("ncclBroadcast", [&]() -> Status {
       PD_TRY(ensureStaging(data.size()));
       PD_CUDA_TRY(cudaMemcpyAsync(staging_.data(), data.data(), data.size(), cudaMemcpyHostToDevice, stream_.get()));
-      PD_CUDA_TRY(
-          ncclBroadcast(staging_.data(), staging_.data(), data.size(), ncclUint8, root, comm_.get(), stream_.get()));
+      PD_CUDA_TRY(nccl::issued(
+          ncclBroadcast(staging_.data(), staging_.data(), data.size(), ncclUint8, root, comm_.get(), stream_.get())));
+      PD_TRY(await("ncclBroadcast issue"));
       PD_CUDA_TRY(cudaMemcpyAsync(data.data(), staging_.data(), data.size(), cudaMemcpyDeviceToHost, stream_.get()));
-      return stream_.synchronize();
+      return await("ncclBroadcast");
     });
   }
   Status barrier() override {
     float one = 1.0F;
     return allReduceSum(std::span(&one, 1));
   }
+  Status checkPeers() override { return peers_ ? peers_() : okStatus(); }
 
  private:
   static constexpr std::size_t kStagingBytes = std::size_t{1} << 20;
 
-  NcclCommunicator(int rank, int size, int device, cuda::Stream stream, nccl::Comm comm,
+  NcclCommunicator(int rank, int size, int device, std::function<Status()> peers,
+                   std::chrono::milliseconds collective_timeout, cuda::Stream stream, nccl::Comm comm,
                    cuda::DeviceBuffer<std::byte> staging)
       : rank_(rank),
         size_(size),
         device_(device),
+        peers_(std::move(peers)),
+        collective_timeout_(collective_timeout),
         stream_(std::move(stream)),
         comm_(std::move(comm)),
         staging_(std::move(staging)) {}
@@ -99,20 +111,70 @@ class NcclCommunicator final : public Communicator {
     return okStatus();
   }
 
-  // A failed collective means the group is broken, whatever the call said.
+  // Waits until the communicator has no call in progress and the stream ran dry, within the
+  // collective's deadline; aborts the communicator on a failure (awaitNccl).
+  Status await(std::string_view what) {
+    return awaitNccl(
+        [this]() -> Result<NcclProgress> {
+          PD_ASSIGN_OR_RETURN(const NcclProgress comm_state, comm_.poll());
+          if (comm_state == NcclProgress::InProgress) return NcclProgress::InProgress;
+          const cudaError_t query = cudaStreamQuery(stream_.get());
+          if (query == cudaErrorNotReady) return NcclProgress::InProgress;
+          PD_CUDA_TRY(query);
+          return NcclProgress::Done;
+        },
+        peers_, [this] { comm_.abort(); }, deadline_, what);
+  }
+
+  // A failed collective means the group is broken, whatever the call said: later calls fail at once.
   template <class Body>
-  static Status peerStatus(Body&& body) {
+  Status collective(std::string_view what, Body&& body) {
+    if (broken_) return makeError(ErrorCode::PeerFailed, fmt::format("{}: the NCCL group is broken", what));
+    deadline_ = std::chrono::steady_clock::now() + collective_timeout_;
     Status status = std::forward<Body>(body)();
     if (status.ok()) return status;
+    broken_ = true;
+    comm_.abort();
     return makeError(ErrorCode::PeerFailed, "nccl: " + status.error().message);
   }
 
   int rank_;
   int size_;
   int device_;
+  std::function<Status()> peers_;
+  std::chrono::milliseconds collective_timeout_;
+  std::chrono::steady_clock::time_point deadline_{};
+  bool broken_ = false;
   cuda::Stream stream_;
   nccl::Comm comm_;
   cuda::DeviceBuffer<std::byte> staging_;
+};
+
+class NcclFactory final : public CommunicatorFactory {
+ public:
+  explicit NcclFactory(std::chrono::milliseconds collective_timeout) : collective_timeout_(collective_timeout) {}
+  Result<NcclId> makeId() override {
+    PD_TRY(checkDevice(0));
+    return nccl::makeUniqueId();
+  }
+  Result<std::unique_ptr<Communicator>> join(const NcclId& id, int rank, int size, int device,
+                                             std::chrono::steady_clock::time_point deadline,
+                                             const std::function<Status()>& peers) override {
+    PD_TRY(checkDevice(device));
+    return NcclCommunicator::create(id, rank, size, device, deadline, peers, collective_timeout_);
+  }
+
+ private:
+  static Status checkDevice(int device) {
+    const int devices = cuda::deviceCount();
+    if (devices == 0) return makeError(ErrorCode::Unsupported, "nccl communicator: no CUDA device visible");
+    if (device < 0 || device >= devices) {
+      return makeError(ErrorCode::InvalidArgument,
+                       fmt::format("nccl communicator: device {} of {} visible", device, devices));
+    }
+    return okStatus();
+  }
+  std::chrono::milliseconds collective_timeout_;
 };
 
 }  // namespace
@@ -121,34 +183,14 @@ bool builtWithNccl() {
   return true;
 }
 
+std::unique_ptr<CommunicatorFactory> ncclCommunicatorFactory(std::chrono::milliseconds collective_timeout) {
+  return std::make_unique<NcclFactory>(collective_timeout);
+}
+
 Result<std::unique_ptr<Communicator>> createNcclCommunicator(Communicator& bootstrap, int device) {
-  const int devices = cuda::deviceCount();
-  if (devices == 0) return makeError(ErrorCode::Unsupported, "nccl communicator: no CUDA device visible");
-  if (device < 0 || device >= devices) {
-    return makeError(ErrorCode::InvalidArgument, fmt::format("nccl communicator: device {} of {}", device, devices));
-  }
-  nccl::UniqueId id{};
-  Status id_status = okStatus();
-  if (bootstrap.rank() == 0) {
-    Result<nccl::UniqueId> made = nccl::makeUniqueId();
-    if (made.ok()) {
-      id = *made;
-    } else {
-      id_status = std::move(made).error();
-    }
-  }
-  // Every rank takes part in the broadcast even when rank 0 failed (a zero id tells them).
-  PD_TRY(bootstrap.broadcast(std::as_writable_bytes(std::span(id)), 0));
-  if (!id_status.ok()) return makeError(ErrorCode::Internal, "nccl communicator: " + id_status.error().message);
-  if (id == nccl::UniqueId{}) {
-    return makeError(ErrorCode::PeerFailed, "nccl communicator: rank 0 could not make an NCCL id");
-  }
-  auto communicator = NcclCommunicator::create(id, bootstrap.rank(), bootstrap.size(), device);
-  if (!communicator.ok()) {
-    return makeError(ErrorCode::PeerFailed, "nccl communicator: " + communicator.error().message);
-  }
-  log::debug("comm", "nccl rank {} of {} on device {}", bootstrap.rank(), bootstrap.size(), device);
-  return communicator;
+  NcclBootstrapOptions options;
+  options.device = device;
+  return bootstrapCommunicator(bootstrap, *ncclCommunicatorFactory(), options);
 }
 
 }  // namespace pd::comm

@@ -5,7 +5,10 @@
 /// engine would call NCCL on its device tensors directly through the same seam.
 ///
 /// Built only when CUDA and NCCL are found (PD_WITH_CUDA and libnccl); otherwise, and on a
-/// machine without a GPU, createNcclCommunicator() says Unsupported.
+/// machine without a GPU, createNcclCommunicator() says Unsupported. The communicator is
+/// non-blocking: every collective is polled (ncclCommGetAsyncError, cudaStreamQuery) until its
+/// deadline and aborted (ncclCommAbort) on a failure, a timeout or a dead bootstrap peer, after
+/// which every call fails at once with PeerFailed.
 /// Thread rules: as communicator.h (one thread per rank at a time).
 
 #include <memory>
@@ -18,10 +21,10 @@ namespace pd::comm {
 /// Whether this binary was built with NCCL.
 [[nodiscard]] bool builtWithNccl();
 
-/// Creates rank bootstrap.rank() of a group of bootstrap.size() ranks on CUDA device `device`.
-/// Rank 0 makes the NCCL unique id and `bootstrap` (e.g. the shm communicator) carries it to the
-/// others; every rank must call this together. Unsupported without CUDA/NCCL or device;
-/// PeerFailed / Internal with NCCL's message otherwise.
+/// Creates rank bootstrap.rank() of a group of bootstrap.size() ranks on CUDA device `device`:
+/// bootstrapCommunicator(bootstrap, *ncclCommunicatorFactory(), {device}) (nccl_bootstrap.h: rank
+/// 0 makes the id, the frame is checked, every NCCL wait has a deadline). Every rank must call
+/// this together. Unsupported without CUDA/NCCL or device; PeerFailed when another rank failed.
 Result<std::unique_ptr<Communicator>> createNcclCommunicator(Communicator& bootstrap, int device);
 
 }  // namespace pd::comm
