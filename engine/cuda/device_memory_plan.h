@@ -9,6 +9,7 @@
 
 #include <cstdint>
 #include <string>
+#include <string_view>
 
 #include "pd/common/dtype.h"
 #include "pd/common/result.h"
@@ -48,5 +49,62 @@ struct DeviceMemoryPlan {
 /// 699.5 GB, but 139.8 GB are free (0.5 GB kept in reserve)".
 [[nodiscard]] Status checkDeviceFit(const DeviceMemoryPlan& plan, std::uint64_t free_bytes, std::uint64_t reserve_bytes,
                                     const std::string& device_name);
+
+/// The latent KV cache's element type on the device (`--kv_cache_dtype`): BF16 (the default), or
+/// FP8 e4m3 with one F32 scale per block and layer. Only the arithmetic and the option exist for
+/// FP8: no kernel reads or writes an FP8 KV cache yet (docs/gpu.md).
+enum class KvCacheDtype { Bf16, Fp8E4m3 };
+
+/// "bf16" or "fp8"; InvalidArgument otherwise.
+[[nodiscard]] Result<KvCacheDtype> parseKvCacheDtype(std::string_view text);
+[[nodiscard]] std::string_view kvCacheDtypeName(KvCacheDtype dtype);
+
+/// Bytes one KV block takes on one rank over every KV layer (the latent is replicated per rank):
+/// kvLayers x block_size x latentDim x element size, plus for FP8 one F32 scale per layer.
+[[nodiscard]] std::uint64_t kvBlockBytes(const ModelConfig& config, std::int64_t block_size, KvCacheDtype dtype);
+
+/// One rank's share of the checkpoint layout under tensor parallelism of `tp_size` ranks
+/// (docs/tensor-parallel.md's sharding table): q_b / q, kv_b, o_proj, every MLP and expert
+/// projection, the embeddings and the heads (with their FP8 scales) are split, ceil(bytes / tp);
+/// q_a, kv_a, norms, the router and eh_proj are replicated. tp_size 1 = checkpointLayoutBytes.
+[[nodiscard]] std::uint64_t rankWeightBytes(const ModelConfig& config, int tp_size);
+
+/// What the device may hold, as vLLM's --gpu-memory-utilization means it: the process may use
+/// `utilization` of the device's total memory; the KV pool takes what is left of that after the
+/// weights, the workspace, the CUDA graphs and the runtime's own memory.
+struct GpuMemoryBudget {
+  std::uint64_t device_total_bytes = 0;  ///< cudaMemGetInfo's total (H200: 141 GB)
+  double utilization = 0.9;              ///< in (0, 1]
+  int tp_size = 1;                       ///< ranks the weights are split over (one device each)
+  std::int64_t kv_block_size = 64;
+  KvCacheDtype kv_dtype = KvCacheDtype::Bf16;
+  std::int64_t max_batch_tokens = 128;                           ///< workspace: tokens of one forward
+  std::int64_t max_context = 32768;                              ///< workspace: longest sequence attended
+  std::int64_t max_sample_rows = 64;                             ///< workspace: rows sampled in one step
+  std::uint64_t graph_reserve_bytes = std::uint64_t{2} << 30;    ///< captured CUDA graphs (estimate)
+  std::uint64_t runtime_reserve_bytes = std::uint64_t{1} << 30;  ///< CUDA context, cuBLAS, NCCL buffers
+};
+
+struct KvPoolPlan {
+  std::uint64_t budget = 0;           ///< device_total_bytes x utilization
+  std::uint64_t weights = 0;          ///< this rank's shard
+  std::uint64_t workspace = 0;        ///< activations, attention splits, sampling (per rank)
+  std::uint64_t graph_reserve = 0;    ///< as given
+  std::uint64_t runtime_reserve = 0;  ///< as given
+  std::uint64_t block_bytes = 0;      ///< kvBlockBytes
+  std::int64_t num_blocks = 0;        ///< floor(what is left / block_bytes), >= 1
+  std::int64_t block_size = 0;
+  [[nodiscard]] std::uint64_t kvPoolBytes() const { return static_cast<std::uint64_t>(num_blocks) * block_bytes; }
+  [[nodiscard]] std::int64_t kvTokens() const { return num_blocks * block_size; }
+};
+
+/// The KV pool's block count for `config` under `budget`. InvalidArgument for a utilization
+/// outside (0, 1], a tp_size < 1, non-positive shapes or a zero total; ResourceExhausted naming
+/// every part when the budget does not hold the weights, workspace, reserves and one block.
+[[nodiscard]] Result<KvPoolPlan> planKvPool(const ModelConfig& config, const GpuMemoryBudget& budget);
+
+/// One line for the log: "KV pool N blocks x 64 tokens (T tokens, bf16, P GB): the budget B GB
+/// (0.90 of 141.0 GB) less weights W GB, workspace S GB, CUDA graphs G GB and runtime R GB".
+[[nodiscard]] std::string describeKvPoolPlan(const KvPoolPlan& plan, const GpuMemoryBudget& budget);
 
 }  // namespace pd::gpu

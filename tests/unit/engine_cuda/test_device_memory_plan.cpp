@@ -2,6 +2,7 @@
 // the error a user gets when the model does not fit.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <string>
@@ -77,6 +78,145 @@ TEST(DeviceMemoryPlan, ANonFittingModelNamesEveryPart) {
   EXPECT_TRUE(pd::gpu::checkDeviceFit(small, 200, 50, "cuda:0").ok());
   EXPECT_FALSE(pd::gpu::checkDeviceFit(small, 200, 51, "cuda:0").ok());  // the reserve counts
   EXPECT_FALSE(pd::gpu::checkDeviceFit(small, 40, 100, "cuda:0").ok());  // reserve above free
+}
+
+}  // namespace
+
+// --- The KV pool from --gpu_memory_utilization (planKvPool) -----------------------------------
+
+namespace {
+
+pd::ModelConfig deepSeekV3Fp8() {
+  auto config = pd::presetConfig("deepseek-v3-layers=61");
+  EXPECT_TRUE(config.ok());
+  config->quantization = pd::Fp8Quantization{};
+  return *config;
+}
+
+constexpr std::uint64_t kH200Bytes = 141'000'000'000ULL;
+constexpr std::uint64_t kH20Bytes = 96'000'000'000ULL;
+
+// Every byte of the budget is accounted for: the pool is as large as whole blocks allow.
+void expectTight(const pd::gpu::KvPoolPlan& p) {
+  const std::uint64_t fixed = p.weights + p.workspace + p.graph_reserve + p.runtime_reserve;
+  EXPECT_LE(fixed + p.kvPoolBytes(), p.budget);
+  EXPECT_GT(fixed + p.kvPoolBytes() + p.block_bytes, p.budget);
+}
+
+TEST(KvPoolPlan, BlockBytesForBf16AndFp8WithItsScales) {
+  const pd::ModelConfig c = deepSeekV3Fp8();
+  ASSERT_EQ(c.kvLayers(), 62);    // 61 layers + the MTP layer
+  ASSERT_EQ(c.latentDim(), 576);  // 512 + 64
+  EXPECT_EQ(pd::gpu::kvBlockBytes(c, 64, pd::gpu::KvCacheDtype::Bf16), 62ULL * 64 * 576 * 2);
+  EXPECT_EQ(pd::gpu::kvBlockBytes(c, 64, pd::gpu::KvCacheDtype::Fp8E4m3), 62ULL * (64 * 576 + 4));
+  EXPECT_EQ(pd::gpu::parseKvCacheDtype("bf16").value(), pd::gpu::KvCacheDtype::Bf16);
+  EXPECT_EQ(pd::gpu::parseKvCacheDtype("fp8").value(), pd::gpu::KvCacheDtype::Fp8E4m3);
+  EXPECT_EQ(pd::gpu::parseKvCacheDtype("f32").error().code, pd::ErrorCode::InvalidArgument);
+}
+
+TEST(KvPoolPlan, RankWeightsSplitTheShardedTensorsOnly) {
+  const pd::ModelConfig c = deepSeekV3Fp8();
+  const std::uint64_t whole = pd::gpu::checkpointLayoutBytes(c);
+  EXPECT_EQ(pd::gpu::rankWeightBytes(c, 1), whole);
+  const std::uint64_t tp8 = pd::gpu::rankWeightBytes(c, 8);
+  const std::uint64_t tp16 = pd::gpu::rankWeightBytes(c, 16);
+  // The replicated part (q_a, kv_a, norms, routers, eh_proj) is about 1.3 GB: each rank holds it whole.
+  const std::uint64_t replicated8 = tp8 - whole / 8;
+  const std::uint64_t replicated16 = tp16 - whole / 16;
+  EXPECT_GT(replicated8, 1'000'000'000ULL);
+  EXPECT_LT(replicated8, 1'600'000'000ULL);
+  // The same replicated bytes at TP 16 (up to the rounding of each split tensor).
+  EXPECT_NEAR(static_cast<double>(replicated16) * 16 / 15, static_cast<double>(replicated8) * 8 / 7, 5e7);
+}
+
+TEST(KvPoolPlan, DeepSeekV3Fp8OnH200Tp8) {
+  const pd::ModelConfig c = deepSeekV3Fp8();
+  pd::gpu::GpuMemoryBudget b;
+  b.device_total_bytes = kH200Bytes;
+  b.utilization = 0.9;
+  b.tp_size = 8;
+  auto p = pd::gpu::planKvPool(c, b);
+  ASSERT_TRUE(p.ok()) << p.error().toString();
+  std::printf("H200 TP8 bf16: %s\n", pd::gpu::describeKvPoolPlan(*p, b).c_str());
+  expectTight(*p);
+  EXPECT_EQ(p->budget, 126'900'000'000ULL);
+  EXPECT_EQ(p->weights, pd::gpu::rankWeightBytes(c, 8));
+  // The numbers written in docs/gpu.md ("The GPU memory plan").
+  EXPECT_EQ(p->num_blocks, 7770);
+  EXPECT_EQ(p->kvTokens(), 7770 * 64);
+
+  b.kv_dtype = pd::gpu::KvCacheDtype::Fp8E4m3;
+  auto fp8 = pd::gpu::planKvPool(c, b);
+  ASSERT_TRUE(fp8.ok());
+  std::printf("H200 TP8 fp8:  %s\n", pd::gpu::describeKvPoolPlan(*fp8, b).c_str());
+  expectTight(*fp8);
+  EXPECT_EQ(fp8->num_blocks, 15538);  // about twice: half the bytes, plus the scales
+
+  b.kv_dtype = pd::gpu::KvCacheDtype::Bf16;
+  b.utilization = 0.95;
+  auto more = pd::gpu::planKvPool(c, b);
+  ASSERT_TRUE(more.ok());
+  // 5% of 141 GB more budget is all pool (to a block either way: the remainders differ).
+  const auto extra = static_cast<double>((more->budget - p->budget) / p->block_bytes);
+  EXPECT_NEAR(static_cast<double>(more->num_blocks - p->num_blocks), extra, 1.0);
+}
+
+TEST(KvPoolPlan, DeepSeekV3Fp8OnH20Tp16) {
+  const pd::ModelConfig c = deepSeekV3Fp8();
+  pd::gpu::GpuMemoryBudget b;
+  b.device_total_bytes = kH20Bytes;
+  b.utilization = 0.9;
+  b.tp_size = 16;
+  auto p = pd::gpu::planKvPool(c, b);
+  ASSERT_TRUE(p.ok()) << p.error().toString();
+  std::printf("H20 TP16 bf16: %s\n", pd::gpu::describeKvPoolPlan(*p, b).c_str());
+  expectTight(*p);
+  EXPECT_EQ(p->num_blocks, 8373);
+  b.kv_dtype = pd::gpu::KvCacheDtype::Fp8E4m3;
+  auto fp8 = pd::gpu::planKvPool(c, b);
+  ASSERT_TRUE(fp8.ok());
+  std::printf("H20 TP16 fp8:  %s\n", pd::gpu::describeKvPoolPlan(*fp8, b).c_str());
+  EXPECT_EQ(fp8->num_blocks, 16745);
+}
+
+TEST(KvPoolPlan, TooLittleMemoryNamesEveryPart) {
+  const pd::ModelConfig c = deepSeekV3Fp8();
+  pd::gpu::GpuMemoryBudget b;
+  b.device_total_bytes = kH20Bytes;
+  b.tp_size = 8;  // 87 GB of weights on a 96 GB device at 0.9
+  auto p = pd::gpu::planKvPool(c, b);
+  ASSERT_FALSE(p.ok());
+  EXPECT_EQ(p.error().code, pd::ErrorCode::ResourceExhausted);
+  for (const char* part : {"86.4 GB of 96.0 GB", "gpu_memory_utilization 0.90", "weights", "tensor parallel 8",
+                           "workspace", "CUDA graphs 2.1 GB", "runtime 1.1 GB", "a block needs 4.6 MB"}) {
+    EXPECT_NE(p.error().message.find(part), std::string::npos) << "missing '" << part << "' in " << p.error().message;
+  }
+}
+
+TEST(KvPoolPlan, RefusesUtilizationOutsideZeroToOneAndEmptyShapes) {
+  auto tiny = pd::presetConfig("tiny");
+  ASSERT_TRUE(tiny.ok());
+  pd::gpu::GpuMemoryBudget b;
+  b.device_total_bytes = 4'000'000'000ULL;
+  b.graph_reserve_bytes = 0;
+  b.runtime_reserve_bytes = 0;
+  for (double bad : {0.0, -0.1, 1.01, std::nan("")}) {
+    b.utilization = bad;
+    EXPECT_EQ(pd::gpu::planKvPool(*tiny, b).error().code, pd::ErrorCode::InvalidArgument) << bad;
+  }
+  b.utilization = 1.0;
+  auto whole = pd::gpu::planKvPool(*tiny, b);
+  ASSERT_TRUE(whole.ok()) << whole.error().toString();
+  EXPECT_EQ(whole->budget, b.device_total_bytes);
+  expectTight(*whole);
+  b.tp_size = 0;
+  EXPECT_EQ(pd::gpu::planKvPool(*tiny, b).error().code, pd::ErrorCode::InvalidArgument);
+  b.tp_size = 1;
+  b.device_total_bytes = 0;
+  EXPECT_EQ(pd::gpu::planKvPool(*tiny, b).error().code, pd::ErrorCode::InvalidArgument);
+  b.device_total_bytes = 4'000'000'000ULL;
+  b.kv_block_size = 0;
+  EXPECT_EQ(pd::gpu::planKvPool(*tiny, b).error().code, pd::ErrorCode::InvalidArgument);
 }
 
 }  // namespace
