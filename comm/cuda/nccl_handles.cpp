@@ -60,7 +60,8 @@ Result<NcclProgress> Comm::poll() const {
   ncclResult_t state = ncclSuccess;
   PD_CUDA_TRY(ncclCommGetAsyncError(comm_.get(), &state));
   if (state == ncclInProgress) return NcclProgress::InProgress;
-  PD_CUDA_TRY(state);
+  // The communicator's asynchronous error (a peer's failure, a network error) names itself.
+  PD_TRY(cuda::checkCall(state, "the NCCL communicator's asynchronous state", __FILE__, __LINE__));
   return NcclProgress::Done;
 }
 

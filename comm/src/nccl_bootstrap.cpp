@@ -148,6 +148,22 @@ Result<std::unique_ptr<Communicator>> bootstrapCommunicator(Communicator& bootst
   return joined;
 }
 
+Result<std::unique_ptr<Communicator>> joinDeviceGroup(Communicator& group, int first_device, int local_rank,
+                                                      std::uint64_t group_tag, std::chrono::milliseconds join_timeout,
+                                                      CommunicatorFactory* factory) {
+  if (first_device < 0 || group.size() == 1) return std::unique_ptr<Communicator>();
+  std::unique_ptr<CommunicatorFactory> nccl;
+  if (factory == nullptr) {
+    nccl = ncclCommunicatorFactory();
+    factory = nccl.get();
+  }
+  NcclBootstrapOptions options;
+  options.device = first_device + local_rank;
+  options.group_tag = group_tag;
+  options.join_timeout = join_timeout;
+  return bootstrapCommunicator(group, *factory, options);
+}
+
 Status awaitNccl(const std::function<Result<NcclProgress>()>& poll, const std::function<Status()>& peers,
                  const std::function<void()>& abort, std::chrono::steady_clock::time_point deadline,
                  std::string_view what, std::chrono::milliseconds peer_interval) {

@@ -528,7 +528,10 @@ std::string toJson(const WorkerStatus& v) {
                            {"block_size", v.block_size},
                            {"quarantined_blocks", v.quarantined_blocks},
                            {"drafts_proposed", v.drafts_proposed},
-                           {"drafts_accepted", v.drafts_accepted}});
+                           {"drafts_accepted", v.drafts_accepted},
+                           {"kv_pool_memory", v.kv_pool_memory},
+                           {"kv_cache_dtype", v.kv_cache_dtype},
+                           {"kv_pool_bytes", v.kv_pool_bytes}});
 }
 
 Result<WorkerStatus> parseWorkerStatus(std::string_view text) {
@@ -551,6 +554,9 @@ Result<WorkerStatus> parseWorkerStatus(std::string_view text) {
   r.integer("quarantined_blocks", v.quarantined_blocks, false, 0);
   r.integer("drafts_proposed", v.drafts_proposed, false, 0);
   r.integer("drafts_accepted", v.drafts_accepted, false, 0);
+  r.str("kv_pool_memory", v.kv_pool_memory, false, 32);
+  r.str("kv_cache_dtype", v.kv_cache_dtype, false, 16);
+  r.integer("kv_pool_bytes", v.kv_pool_bytes, false, 0);
   if (!r.ok()) return r.status().error();
   return v;
 }

@@ -579,6 +579,11 @@ worker_api::WorkerStatus DecodeServer::Impl::status() const {
   s.block_size = options_.decode.block_size;
   s.drafts_proposed = m.drafts_proposed;
   s.drafts_accepted = m.drafts_accepted;
+  // The CPU engine's pool, in host memory (a device pool sized by the GPU memory plan is not
+  // built yet: docs/gpu.md).
+  s.kv_pool_memory = "host";
+  s.kv_cache_dtype = options_.decode.kv_dtype;
+  s.kv_pool_bytes = pool_ ? static_cast<std::int64_t>(pool_->memory().size()) : 0;
   return s;
 }
 

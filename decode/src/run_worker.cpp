@@ -10,6 +10,7 @@
 #include <memory>
 #include <utility>
 
+#include "pd/comm/nccl_bootstrap.h"
 #include "pd/comm/process_group.h"
 #include "pd/comm/shm_communicator.h"
 #include "pd/comm/tcp_communicator.h"
@@ -35,10 +36,27 @@ int ranksPerNode(const DecodeConfig& dec) {
   return static_cast<int>(dec.tensor_parallel / dec.nnodes);
 }
 
+// With --model.device cuda, every rank of the group joins the NCCL communicator over the group
+// (rank 0 makes the id); nullptr on CPU or for a single rank.
+Result<std::unique_ptr<comm::Communicator>> joinDeviceGroup(comm::Communicator& group, const DecodeWorkerConfig& cfg,
+                                                            std::uint64_t hash) {
+  const int local_rank = group.rank() % ranksPerNode(cfg.decode);
+  PD_ASSIGN_OR_RETURN(auto device_group,
+                      comm::joinDeviceGroup(group, cfg.cuda_device, local_rank, hash, kTpJoinTimeout));
+  if (device_group) {
+    // The device engine that computes over it is not built yet (docs/gpu.md); the CPU shard
+    // engine keeps computing over `group`.
+    log::info(kLog, "tensor-parallel rank {} of {}: NCCL communicator on cuda:{}", group.rank(), group.size(),
+              cfg.cuda_device + local_rank);
+  }
+  return device_group;
+}
+
 // Loads this rank's shard and serves the leader's calls until it stops the group (ok) or the
 // group fails. `serving` (may be empty) is told once the rank serves and when it stops.
 Status serveAsFollower(comm::Communicator& comm, const DecodeWorkerConfig& cfg, std::uint64_t hash,
                        const std::function<void(bool)>& serving = {}) {
+  PD_ASSIGN_OR_RETURN(const std::unique_ptr<comm::Communicator> device_group, joinDeviceGroup(comm, cfg, hash));
   model::CpuEngineOptions engine_options;
   engine_options.threads = static_cast<int>(cfg.decode.threads);
   engine_options.tp = &comm;
@@ -187,8 +205,10 @@ Status runWorker(const DecodeWorkerConfig& cfg) {
 
   // Leader: spawn and join the other ranks first (they load their shards meanwhile).
   std::unique_ptr<comm::TpProcessGroup> group;
+  std::unique_ptr<comm::Communicator> device_group;  // over `group`: released before it
   if (leader) {
     PD_ASSIGN_OR_RETURN(group, startGroup(cfg, hash));
+    PD_ASSIGN_OR_RETURN(device_group, joinDeviceGroup(group->comm(), cfg, hash));
   }
   PD_ASSIGN_OR_RETURN(model::ServingEngine loaded,
                       model::loadServingEngine(cfg.model_dir, static_cast<int>(dec.threads), group.get()));
@@ -227,6 +247,7 @@ Status runWorker(const DecodeWorkerConfig& cfg) {
     if (Status s = tp_leader->stop(); !s.ok()) log::warn(kLog, "stopping the followers: {}", s.error().toString());
   }
   server.reset();
+  device_group.reset();
   group.reset();
   log::info(kLog, "stopped");
   return okStatus();

@@ -329,6 +329,7 @@ class PrefillServer::Impl {
     w.free_blocks = static_cast<std::int64_t>(m_.free_blocks->value());
     w.total_blocks = options_.prefill.cache_blocks;
     w.block_size = options_.prefill.cache_block_size;
+    w.kv_pool_memory = "host";  // the CPU engine's prefix cache; a device cache is not built yet
     return w;
   }
 

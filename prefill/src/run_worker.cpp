@@ -5,6 +5,7 @@
 #include <functional>
 #include <memory>
 
+#include "pd/comm/nccl_bootstrap.h"
 #include "pd/comm/process_group.h"
 #include "pd/comm/shm_communicator.h"
 #include "pd/common/log.h"
@@ -24,13 +25,17 @@ constexpr auto kTpJoinTimeout = std::chrono::minutes(10);  // model loading incl
 
 // The body of a spawned rank: joins rank 0's group, loads its shard and runs rank 0's forwards
 // on a cache of its own until rank 0 stops the group.
-Status runSpawnedRank(const PrefillConfig& pre, const std::filesystem::path& model_dir) {
+Status runSpawnedRank(const PrefillConfig& pre, const std::filesystem::path& model_dir, int cuda_device,
+                      std::uint64_t hash) {
   comm::ShmOptions so;
   so.name = pre.tp_group;
   so.rank = static_cast<int>(pre.tp_rank);
   so.size = static_cast<int>(pre.tensor_parallel);
   so.join_timeout = kTpJoinTimeout;
   PD_ASSIGN_OR_RETURN(auto comm, comm::createShmCommunicator(so));
+  // With --model.device cuda every rank also joins the NCCL communicator (docs/tensor-parallel.md).
+  PD_ASSIGN_OR_RETURN(const auto device_group,
+                      comm::joinDeviceGroup(*comm, cuda_device, comm->rank(), hash, kTpJoinTimeout));
   model::CpuEngineOptions engine_options;
   engine_options.threads = static_cast<int>(pre.threads);
   engine_options.tp = comm.get();
@@ -83,9 +88,10 @@ Status runWorker(const PrefillWorkerConfig& cfg) {
   const sigset_t signals = proc::blockStopSignals();
   auto hash = modelHash(cfg.model_dir);
   if (!hash.ok()) return hash.error();
-  if (pre.tp_rank > 0) return runSpawnedRank(pre, cfg.model_dir);
+  if (pre.tp_rank > 0) return runSpawnedRank(pre, cfg.model_dir, cfg.cuda_device, *hash);
 
   std::unique_ptr<comm::TpProcessGroup> group;
+  std::unique_ptr<comm::Communicator> device_group;  // over `group`: released before it
   if (pre.tensor_parallel > 1) {
     comm::TpGroupOptions o;
     o.size = static_cast<int>(pre.tensor_parallel);
@@ -94,6 +100,9 @@ Status runWorker(const PrefillWorkerConfig& cfg) {
     o.join_timeout = kTpJoinTimeout;
     PD_ASSIGN_OR_RETURN(group, comm::TpProcessGroup::start(std::move(o)));
     log::info(kLog, "tensor-parallel group of {} ranks joined ({})", pre.tensor_parallel, group->describe());
+    // The NCCL communicator of a CUDA model (nullptr on CPU); the device engine that would compute
+    // over it is not built yet (docs/gpu.md), so the CPU shard engine keeps using `group`.
+    PD_ASSIGN_OR_RETURN(device_group, comm::joinDeviceGroup(group->comm(), cfg.cuda_device, 0, *hash, kTpJoinTimeout));
   }
   PD_ASSIGN_OR_RETURN(model::ServingEngine loaded,
                       model::loadServingEngine(cfg.model_dir, static_cast<int>(pre.threads), group.get()));
@@ -127,6 +136,7 @@ Status runWorker(const PrefillWorkerConfig& cfg) {
     if (Status s = tp_leader->stop(); !s.ok()) log::warn(kLog, "stopping the other ranks: {}", s.error().toString());
   }
   server.reset();
+  device_group.reset();
   group.reset();
   log::info(kLog, "stopped");
   return okStatus();

@@ -1,5 +1,6 @@
 #include "cli.h"
 
+#include <fmt/format.h>
 #include <signal.h>
 
 #include <cstdio>
@@ -57,6 +58,13 @@ CommonOptions::CommonOptions(CommonConfig& cfg) {
       .add("path", &cfg.model_path, "model folder (Hugging Face DeepSeek-V3 layout); empty: the embedded default model")
       .add("tokenizer", &cfg.tokenizer_path, "tokenizer folder; empty: the model folder")
       .add("device", &cfg.model_device, "where the model runs: cpu, cuda or cuda:N (docs/gpu.md)")
+      .add("gpu_memory_utilization", &cfg.gpu_memory_utilization,
+           "with model.device cuda: fraction of the GPU's total memory this process may use, in (0, 1]; the KV "
+           "pool takes what is left after weights, workspace and CUDA graphs (docs/gpu.md)",
+           0.0, 1.0)
+      .add("kv_cache_dtype", &cfg.kv_cache_dtype,
+           "with model.device cuda: the device KV cache's element type (fp8: e4m3 with per-block scales)",
+           {"bf16", "fp8"})
       .add("cache_dir", &cfg.cache_dir, "folder the embedded default model is written to on first use");
   cluster.add("secret_file", &cfg.cluster_secret_file,
               "file holding the cluster secret that signs internal calls (docs/security.md); empty: unauthenticated");
@@ -111,6 +119,12 @@ Result<config::LoadOutput> loadCommandOptions(const std::string& usage, const st
 Status checkModelDevice(const CommonConfig& cfg) {
   PD_ASSIGN_OR_RETURN(const gpu::ModelDevice device, gpu::parseModelDevice(cfg.model_device));
   return gpu::checkModelDevice(device);
+}
+
+Status checkGpuMemoryUtilization(const CommonConfig& cfg) {
+  if (cfg.gpu_memory_utilization > 0.0 && cfg.gpu_memory_utilization <= 1.0) return okStatus();
+  return makeError(ErrorCode::InvalidArgument,
+                   fmt::format("model.gpu_memory_utilization {} is not in (0, 1]", cfg.gpu_memory_utilization));
 }
 
 Result<std::filesystem::path> resolveModelDir(const CommonConfig& cfg) {

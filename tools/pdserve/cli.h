@@ -31,6 +31,13 @@ struct CommonConfig {
   std::filesystem::path tokenizer_path;
   /// Where the model runs: "cpu" (default), "cuda" or "cuda:N" (pd/engine/gpu.h ModelDevice).
   std::string model_device = "cpu";
+  /// With model.device cuda: the fraction of the device's total memory the process may use (vLLM's
+  /// --gpu-memory-utilization); the KV pool gets what is left after weights, workspace and CUDA
+  /// graphs (docs/gpu.md, "The GPU memory plan"). In (0, 1].
+  double gpu_memory_utilization = 0.9;
+  /// The device KV cache's element type: "bf16" or "fp8" (e4m3 with per-block scales; no kernel
+  /// uses it yet).
+  std::string kv_cache_dtype = "bf16";
   /// Where the embedded default model and the fetched tokenizer live.
   std::filesystem::path cache_dir = config::defaultCacheDir();
   /// The cluster secret file (section `cluster:`, docs/security.md); empty: the internal plane is
@@ -81,6 +88,9 @@ Result<std::filesystem::path> resolveModelDir(const CommonConfig& cfg);
 /// runs the model, before it loads anything: a CUDA device that is not there is a clear error.
 /// The router, which never runs the model, does not check it.
 Status checkModelDevice(const CommonConfig& cfg);
+
+/// model.gpu_memory_utilization in (0, 1] (the option table accepts 0..1); InvalidArgument.
+Status checkGpuMemoryUtilization(const CommonConfig& cfg);
 
 int runUp(const std::vector<std::string>& args);
 /// The three server roles (cmd_router.cpp, cmd_prefill.cpp, cmd_decode.cpp).

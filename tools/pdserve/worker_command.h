@@ -53,6 +53,7 @@ int runWorkerCommand(const WorkerRole& role, const std::vector<std::string>& raw
   cfg.trace = common.trace;
   if (Status s = validate(cfg); !s.ok()) return reportFailure(s.error());
   if (auto device = gpu::parseModelDevice(common.model_device); !device.ok()) return reportFailure(device.error());
+  if (Status s = checkGpuMemoryUtilization(common); !s.ok()) return reportFailure(s.error());
   if (check_only) return 0;
   if (Status s = checkModelDevice(common); !s.ok()) return reportFailure(s.error());
 
@@ -65,6 +66,9 @@ int runWorkerCommand(const WorkerRole& role, const std::vector<std::string>& raw
   cfg.tokenizer_dir = common.tokenizer_path;
   cfg.on_ready = printReadyLine;
   cfg.cluster_secret_file = common.cluster_secret_file;
+  if (auto device = gpu::parseModelDevice(common.model_device); device->kind == gpu::ModelDevice::Kind::Cuda) {
+    cfg.cuda_device = device->index;
+  }
   if (Status s = run(cfg); !s.ok()) return reportFailure(s.error());
   return 0;
 }

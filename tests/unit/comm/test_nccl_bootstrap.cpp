@@ -324,6 +324,33 @@ TEST(AwaitNccl, APeerFailureAbortsLongBeforeTheDeadline) {
   EXPECT_EQ(aborts, 1);
 }
 
+TEST(JoinDeviceGroup, OnlyCudaGroupsOfSeveralRanksJoinAndEachRankTakesItsLocalDevice) {
+  FakeNccl nccl;
+  FakeFactory factory(nccl);
+  auto single = createLoopbackGroup(1);
+  auto none = joinDeviceGroup(*single[0], 0, 0, 1, 1s, &factory);
+  ASSERT_TRUE(none.ok());
+  EXPECT_EQ(*none, nullptr);  // one rank: no collective to make
+  auto pair = createLoopbackGroup(2);
+  std::vector<std::optional<Result<std::unique_ptr<Communicator>>>> got(2);
+  for (int first_device : {-1, 2}) {  // cpu, then cuda:2
+    std::vector<std::thread> threads;
+    for (int r = 0; r < 2; ++r) {
+      threads.emplace_back([&, r] {
+        FakeFactory f(nccl);
+        got[r] = joinDeviceGroup(*pair[r], first_device, r, 9, 1s, &f);
+      });
+    }
+    for (auto& t : threads) t.join();
+    for (int r = 0; r < 2; ++r) {
+      ASSERT_TRUE(got[r]->ok()) << got[r]->error().toString();
+      EXPECT_EQ(**got[r] == nullptr, first_device < 0) << first_device;
+    }
+  }
+  ASSERT_EQ(nccl.joins.size(), 2U);  // the CPU round joined nothing
+  for (const auto& j : nccl.joins) EXPECT_EQ(j.device, 2 + j.rank);
+}
+
 TEST(NcclFactory, WithoutADeviceOrNcclItSaysUnsupported) {
   // This machine has no GPU (the GPU machine's tests are under tests/gpu): the real factory
   // refuses at once, whichever way the binary was built.

@@ -265,8 +265,14 @@ TEST(WorkerApi, StatusAndErrorsRoundTrip) {
   st.block_size = 64;
   st.drafts_proposed = 1000;
   st.drafts_accepted = 720;
+  st.kv_pool_memory = "cuda:3";
+  st.kv_cache_dtype = "fp8";
+  st.kv_pool_bytes = 35'516'000'000;
   auto back = parseWorkerStatus(toJson(st));
   ASSERT_TRUE(back.ok());
+  EXPECT_EQ(back->kv_pool_memory, "cuda:3");
+  EXPECT_EQ(back->kv_cache_dtype, "fp8");
+  EXPECT_EQ(back->kv_pool_bytes, 35'516'000'000);
   EXPECT_EQ(back->free_blocks, 10);
   EXPECT_EQ(back->drafts_proposed, 1000);
   EXPECT_EQ(back->drafts_accepted, 720);
@@ -283,6 +289,13 @@ TEST(WorkerApi, StatusAndErrorsRoundTrip) {
   ASSERT_TRUE(older.ok());
   EXPECT_FALSE(older->busy);
   EXPECT_EQ(older->drafts_proposed, 0);
+  EXPECT_EQ(older->kv_pool_memory, "");
+  EXPECT_EQ(older->kv_pool_bytes, 0);
+  EXPECT_FALSE(parseWorkerStatus(R"({"role":"decode","ready":true,"kv_pool_bytes":-5})").ok());
+  EXPECT_FALSE(parseWorkerStatus(R"({"role":"decode","ready":true,"kv_pool_memory":7})").ok());
+  const std::string long_memory =
+      R"({"role":"decode","ready":true,"kv_pool_memory":")" + std::string(100, 'x') + R"("})";
+  EXPECT_FALSE(parseWorkerStatus(long_memory).ok());
   EXPECT_FALSE(parseWorkerStatus(R"({"role":"decode","ready":true,"drafts_accepted":-1})").ok());
   EXPECT_FALSE(parseWorkerStatus(R"({"role":"decode","ready":true,"busy":1})").ok());
   EXPECT_FALSE(parseWorkerStatus(R"({"role":"router","ready":true})").ok());

@@ -78,6 +78,16 @@ struct NcclBootstrapOptions {
                                                                           CommunicatorFactory& factory,
                                                                           const NcclBootstrapOptions& options);
 
+/// The device communicator of one rank of a tensor-parallel worker (docs/tensor-parallel.md,
+/// "NCCL"): when the model runs on CUDA (`first_device` >= 0) and `group` has more than one rank,
+/// bootstrapCommunicator over `group` with `factory` (nullptr: the NCCL factory) on device
+/// `first_device + local_rank` (the rank's index on its machine); nullptr otherwise (CPU ranks
+/// compute over `group` itself). Every rank of the group calls it at the same point.
+[[nodiscard]] Result<std::unique_ptr<Communicator>> joinDeviceGroup(Communicator& group, int first_device,
+                                                                    int local_rank, std::uint64_t group_tag,
+                                                                    std::chrono::milliseconds join_timeout,
+                                                                    CommunicatorFactory* factory = nullptr);
+
 /// The frame's size on the wire (fixed; nothing is allocated from a received length).
 inline constexpr std::size_t kNcclIdFrameBytes = 4 + 2 + 2 + 4 + 4 + 8 + kNcclIdBytes;
 

@@ -187,6 +187,12 @@ struct WorkerStatus {
   /// their increases). Optional in the JSON (0 when absent).
   std::int64_t drafts_proposed = 0;
   std::int64_t drafts_accepted = 0;
+  /// Where the KV pool (decode) or the prefix cache (prefill) lives: "host" (the CPU engine's,
+  /// in host memory) or "cuda:N"; its element type ("bf16", "f32", "fp8") and bytes per rank
+  /// (total_blocks of them; docs/gpu.md, "The GPU memory plan"). Optional in the JSON ("", 0).
+  std::string kv_pool_memory;
+  std::string kv_cache_dtype;
+  std::int64_t kv_pool_bytes = 0;
 };
 
 /// Most block keys one KvEvents message may carry (snapshot blocks and events together).

@@ -46,6 +46,10 @@ struct PrefillWorkerConfig {
   std::filesystem::path cluster_secret_file;
   /// The `trace:` section (docs/observability.md).
   trace::TraceConfig trace;
+  /// --model.device's CUDA index, -1 for cpu. With CUDA every rank of a tensor-parallel group also
+  /// joins an NCCL communicator on device cuda_device + its rank on this machine
+  /// (comm::joinDeviceGroup, docs/tensor-parallel.md "NCCL").
+  int cuda_device = -1;
 };
 
 /// Cross-field checks of the whole worker configuration (InvalidArgument naming the values).
