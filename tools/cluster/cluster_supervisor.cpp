@@ -155,6 +155,8 @@ Result<std::string> ClusterSupervisor::start() {
     c->name = std::move(name);
     c->args = {role};
     c->args.insert(c->args.end(), options_.common_flags.begin(), options_.common_flags.end());
+    const auto& own = role == "prefill" ? options_.prefill_flags : options_.decode_flags;
+    c->args.insert(c->args.end(), own.begin(), own.end());
     c->port_flag = std::move(port_flag);
     children_.push_back(std::move(c));
     return children_.back().get();

@@ -42,7 +42,9 @@ struct ClusterOptions {
   std::vector<std::string> common_flags;  ///< every child's flags after its role (e.g. --config FILE)
   std::int64_t prefill_workers = 1;
   std::int64_t decode_workers = 1;
-  std::vector<std::string> router_flags;  ///< the router's own flags (its worker lists are added)
+  std::vector<std::string> prefill_flags;  ///< each prefill worker's own flags, after the common ones
+  std::vector<std::string> decode_flags;   ///< each decode worker's own flags, after the common ones
+  std::vector<std::string> router_flags;   ///< the router's own flags (its worker lists are added)
   std::chrono::milliseconds ready_timeout{600000};
   std::chrono::milliseconds stop_timeout{40000};
   RestartPolicy restart;

@@ -3,6 +3,7 @@
 #include "cluster/local_cluster.h"
 
 #include <fcntl.h>
+#include <fmt/format.h>
 #include <signal.h>
 #include <unistd.h>
 
@@ -61,6 +62,7 @@ std::vector<std::string> expandUpAliases(const std::vector<std::string>& args) {
       {"--port", "--router.port"},
       {"--smoke", "--up.smoke"},
       {"--mtp", "--decode.num_speculative_tokens"},
+      {"--device", "--model.device"},
   };
   std::vector<std::string> out;
   for (const auto& a : args) {
@@ -75,6 +77,18 @@ std::vector<std::string> expandUpAliases(const std::vector<std::string>& args) {
     out.push_back(std::move(arg));
   }
   return out;
+}
+
+Result<GpuMemoryShares> splitGpuMemory(double utilization, std::int64_t prefill_workers, std::int64_t decode_workers) {
+  if (!(utilization > 0.0 && utilization <= 1.0)) {
+    return makeError(ErrorCode::InvalidArgument,
+                     fmt::format("model.gpu_memory_utilization {} is not in (0, 1]", utilization));
+  }
+  if (prefill_workers < 0 || decode_workers < 0 || prefill_workers + decode_workers == 0) {
+    return makeError(ErrorCode::InvalidArgument, "splitting the GPU needs at least one worker");
+  }
+  const double share = utilization / static_cast<double>(prefill_workers + decode_workers);
+  return GpuMemoryShares{share, share};
 }
 
 Status writeResolvedConfig(const std::filesystem::path& file, const std::vector<const config::OptionSet*>& sets) {
@@ -186,6 +200,15 @@ Result<int> runLocalCluster(const LocalClusterConfig& cfg) {
   options.common_flags = std::move(child_flags);
   options.prefill_workers = cfg.up.prefill_workers;
   options.decode_workers = cfg.up.decode_workers;
+  if (cfg.cuda) {
+    // One GPU for every worker: each process may use its part of the cluster's utilization.
+    PD_ASSIGN_OR_RETURN(const GpuMemoryShares shares,
+                        splitGpuMemory(cfg.gpu_memory_utilization, cfg.up.prefill_workers, cfg.up.decode_workers));
+    options.prefill_flags.push_back(fmt::format("--model.gpu_memory_utilization={}", shares.prefill));
+    options.decode_flags.push_back(fmt::format("--model.gpu_memory_utilization={}", shares.decode));
+    log::info("up", "one GPU for {} worker(s): gpu_memory_utilization {} each (prefill), {} each (decode)",
+              cfg.up.prefill_workers + cfg.up.decode_workers, shares.prefill, shares.decode);
+  }
   options.ready_timeout = std::chrono::milliseconds{cfg.up.ready_timeout_ms};
   options.stop_timeout = std::chrono::milliseconds{cfg.up.stop_timeout_ms};
   options.restart.backoff_initial = std::chrono::milliseconds{cfg.up.restart_backoff_ms};

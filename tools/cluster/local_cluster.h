@@ -45,6 +45,16 @@ void registerUpOptions(config::OptionSet& set, UpConfig& cfg);
 [[nodiscard]] Status writeResolvedConfig(const std::filesystem::path& file,
                                          const std::vector<const config::OptionSet*>& sets);
 
+/// `pdserve up --device cuda`: every worker process shares the one GPU, so each gets an equal
+/// part of model.gpu_memory_utilization (utilization / (prefill_workers + decode_workers)) as its
+/// own; the router uses no GPU. InvalidArgument for a utilization outside (0, 1] or no worker.
+struct GpuMemoryShares {
+  double prefill = 0.0;  ///< each prefill worker's model.gpu_memory_utilization
+  double decode = 0.0;   ///< each decode worker's
+};
+[[nodiscard]] Result<GpuMemoryShares> splitGpuMemory(double utilization, std::int64_t prefill_workers,
+                                                     std::int64_t decode_workers);
+
 struct LocalClusterConfig {
   UpConfig up;
   std::string executable;                     ///< the pdserve binary the children run
@@ -55,6 +65,9 @@ struct LocalClusterConfig {
   /// The resolved sections every child reads (log, model, cluster, router, prefill, decode,
   /// kvtransfer), bound to values that outlive the call.
   std::vector<const config::OptionSet*> child_settings;
+  /// model.device is a CUDA device: the workers share it, each with its splitGpuMemory() part.
+  bool cuda = false;
+  double gpu_memory_utilization = 0.9;  ///< the whole cluster's (model.gpu_memory_utilization)
 };
 
 /// Checks the checkpoint, starts the cluster, prints `PDSERVE_READY role=up url=URL` and then

@@ -11,6 +11,7 @@
 #include "cluster/local_cluster.h"
 #include "pd/common/subprocess.h"
 #include "pd/decode/decode_config.h"
+#include "pd/engine/gpu.h"
 #include "pd/kvtransfer/kvtransfer_config.h"
 #include "pd/prefill/prefill_config.h"
 #include "pd/router/router_config.h"
@@ -38,11 +39,13 @@ int runUp(const std::vector<std::string>& raw_args) {
 
   auto loaded = loadCommandOptions(
       "usage: pdserve up [--model DIR] [--prefill N] [--decode M] [--tp T] [--mtp K] [--port P] [--smoke]\n"
-      "                  [--config FILE] [options]\n"
+      "                  [--device cpu|cuda[:N]] [--gpu_memory_utilization F] [--config FILE] [options]\n"
       "Starts a router, prefill workers and decode workers on this machine (on --model or the embedded default\n"
       "model), waits until they are ready and serves the OpenAI API on the router's port until Ctrl-C.\n"
       "Short flags: --model = --model.path, --prefill/--decode = --up.prefill/--up.decode,\n"
-      "--tp = --decode.tensor_parallel, --mtp = --decode.num_speculative_tokens, --port = --router.port.",
+      "--tp = --decode.tensor_parallel, --mtp = --decode.num_speculative_tokens, --port = --router.port,\n"
+      "--device = --model.device (cuda: every worker shares the GPU, each with an equal part of\n"
+      "--model.gpu_memory_utilization).",
       {&common_sets.log, &common_sets.model, &common_sets.cluster, &common_sets.trace, &up_set, &router_set,
        &prefill_set, &decode_set, &kv_set},
       cluster::expandUpAliases(raw_args), &common);
@@ -55,6 +58,12 @@ int runUp(const std::vector<std::string>& raw_args) {
   if (auto valid = cluster::validateUpConfig(up_cfg, prefill_cfg.port, decode_cfg.port); !valid.ok()) {
     return reportFailure(valid.error());
   }
+  // --device cuda: before anything is written or started, the device must be there (a machine
+  // without a GPU fails here with "no CUDA device").
+  auto device = gpu::parseModelDevice(common.model_device);
+  if (!device.ok()) return reportFailure(device.error());
+  if (Status s = checkGpuMemoryUtilization(common); !s.ok()) return reportFailure(s.error());
+  if (Status s = checkModelDevice(common); !s.ok()) return reportFailure(s.error());
 
   auto model_dir = resolveModelDir(common);
   if (!model_dir.ok()) return reportFailure(model_dir.error());
@@ -71,6 +80,8 @@ int runUp(const std::vector<std::string>& raw_args) {
   cfg.served_model_name = router_cfg.served_model_name;
   cfg.child_settings = {&common_sets.log, &common_sets.model, &common_sets.cluster, &common_sets.trace,
                         &router_set,      &prefill_set,       &decode_set,          &kv_set};
+  cfg.cuda = device->kind == gpu::ModelDevice::Kind::Cuda;
+  cfg.gpu_memory_utilization = common.gpu_memory_utilization;
   auto exit_code = cluster::runLocalCluster(cfg);
   return exit_code.ok() ? *exit_code : reportFailure(exit_code.error());
 }

@@ -29,6 +29,22 @@ TEST(LocalCluster, ShortFlagsBecomeTheLongNames) {
                                       "--modelx",
                                       "--decode.port=9"};
   EXPECT_EQ(expandUpAliases(in), want);
+  EXPECT_EQ(expandUpAliases({"--device", "cuda", "--device=cuda:1", "--devices"}),
+            (std::vector<std::string>{"--model.device", "cuda", "--model.device=cuda:1", "--devices"}));
+}
+
+TEST(LocalCluster, OneGpuIsSplitEquallyBetweenTheWorkers) {
+  auto one_each = splitGpuMemory(0.9, 1, 1);
+  ASSERT_TRUE(one_each.ok()) << one_each.error().toString();
+  EXPECT_DOUBLE_EQ(one_each->prefill, 0.45);
+  EXPECT_DOUBLE_EQ(one_each->decode, 0.45);
+  auto three = splitGpuMemory(0.6, 1, 2);
+  ASSERT_TRUE(three.ok());
+  EXPECT_DOUBLE_EQ(three->prefill + 2 * three->decode, 0.6);  // never more than the cluster's part
+  for (double bad : {0.0, -0.5, 1.5}) {
+    EXPECT_EQ(splitGpuMemory(bad, 1, 1).error().code, pd::ErrorCode::InvalidArgument) << bad;
+  }
+  EXPECT_EQ(splitGpuMemory(0.9, 0, 0).error().code, pd::ErrorCode::InvalidArgument);
 }
 
 TEST(LocalCluster, SeveralWorkersOfARoleNeedPortZero) {
