@@ -215,6 +215,17 @@ Result<CalibrationFile> readCalibrationFile(const std::filesystem::path& path) {
     b.hardware = std::string(h->as_string());
   }
   for (const auto& [key, field] :
+       {std::pair{"backend", &b.backend}, std::pair{"device", &b.device}, std::pair{"note", &b.note}}) {
+    if (const auto* v = o.if_contains(key); v != nullptr && v->is_string()) *field = std::string(v->as_string());
+  }
+  const bool gpu_run = b.backend == "cuda";
+  if (o.contains("gemm_bf16_tflops") && !o.at("gemm_bf16_tflops").is_null()) {
+    auto v = numberAt(o, "gemm_bf16_tflops", where);
+    if (!v.ok()) return v.error();
+    if (!(*v > 0)) return makeError(ErrorCode::InvalidArgument, where + ": \"gemm_bf16_tflops\" must be > 0");
+    b.gemm_bf16_tflops = *v;
+  }
+  for (const auto& [key, field] :
        {std::pair{"read_bandwidth_gbs", &b.read_bandwidth_gbs}, std::pair{"peak_gflops", &b.peak_gflops}}) {
     if (!o.contains(key)) continue;
     auto v = numberAt(o, key, where);
@@ -245,6 +256,14 @@ Result<CalibrationFile> readCalibrationFile(const std::filesystem::path& path) {
   }
   const boost::json::value* levels = o.if_contains("decode");
   if (levels == nullptr) levels = o.if_contains("levels");
+  if (gpu_run && levels == nullptr) {
+    // A GPU run measures the ceilings only (no device decode yet): they are the whole file.
+    if (b.read_bandwidth_gbs <= 0 && b.gemm_bf16_tflops <= 0) {
+      return makeError(ErrorCode::InvalidArgument,
+                       where + ": a GPU run (backend cuda) needs \"read_bandwidth_gbs\" or \"gemm_bf16_tflops\"");
+    }
+    return b;
+  }
   if (levels == nullptr || !levels->is_array() || levels->as_array().empty()) {
     return makeError(ErrorCode::InvalidArgument,
                      where + ": needs a non-empty array \"decode\" (or \"levels\") of measured decode levels");
@@ -314,6 +333,12 @@ Result<PlanInput> planInputFromFlags(const PlanFlags& f, const CalibrationFile* 
   if (bench != nullptr && bench->peak_gflops > 0) {
     h.bf16_flops = bench->peak_gflops * 1e9;
     h.fp8_flops = bench->peak_gflops * 1e9;
+  }
+  if (bench != nullptr && bench->gemm_bf16_tflops > 0 && bench->peak_gflops <= 0) {
+    // FP8 keeps the profile's FP8 : BF16 ratio (the GPU run measures BF16 GEMMs only).
+    const double fp8_ratio = h.bf16_flops > 0 ? h.fp8_flops / h.bf16_flops : 1.0;
+    h.bf16_flops = bench->gemm_bf16_tflops * 1e12;
+    h.fp8_flops = h.bf16_flops * fp8_ratio;
   }
   const auto over = [](double flag, double scale, double& field) {
     if (flag >= 0) field = flag * scale;
@@ -500,9 +525,82 @@ Result<void> runPlan(const PlanFlags& flags) {
   return okStatus();
 }
 
+namespace {
+
+// A GPU run's ceilings against the hardware profile, and the decode predictions under each.
+Result<void> reportGpuCeilings(const PlanFlags& flags, const CalibrationFile& bench) {
+  PD_ASSIGN_OR_RETURN(const PlanInput profile, planInputFromFlags(flags, nullptr));
+  PD_ASSIGN_OR_RETURN(const PlanInput measured, planInputFromFlags(flags, &bench));
+  struct Ceiling {
+    const char* name;
+    double profile;
+    double measured;  // < 0: not in the file
+  };
+  const Ceiling ceilings[] = {
+      {"hbm_read_gbs", profile.hardware.hbm_bandwidth / 1e9, bench.read_bandwidth_gbs},
+      {"dense_bf16_tflops", profile.hardware.bf16_flops / 1e12, bench.gemm_bf16_tflops},
+  };
+  constexpr std::int64_t kConcurrency[] = {1, 16, 64};
+  if (flags.json) {
+    std::string rows;
+    for (const Ceiling& c : ceilings) {
+      JsonObject r;
+      r.str("ceiling", c.name).num("profile", c.profile);
+      if (c.measured > 0) r.num("measured", c.measured).num("ratio", c.measured / c.profile);
+      rows += (rows.empty() ? "" : ", ") + r.text();
+    }
+    std::string decode;
+    for (const std::int64_t n : kConcurrency) {
+      JsonObject r;
+      const double p = predictDecode(profile, n, 1).tokens_per_s_total;
+      const double m = predictDecode(measured, n, 1).tokens_per_s_total;
+      r.integer("concurrency", n)
+          .num("profile_tokens_per_s", p)
+          .num("measured_ceilings_tokens_per_s", m)
+          .num("ratio", m / p);
+      decode += (decode.empty() ? "" : ", ") + r.text();
+    }
+    JsonObject out;
+    out.str("model", profile.model.name)
+        .str("hardware", profile.hardware.name)
+        .str("device", bench.device)
+        .str("note", bench.note)
+        .str("fitted", "none: the file has no decode levels")
+        .raw("ceilings", "[" + rows + "]")
+        .raw("decode", "[" + decode + "]");
+    std::puts(out.text().c_str());
+    return okStatus();
+  }
+  std::fputs(planHeader(profile).c_str(), stdout);
+  if (!bench.note.empty()) std::printf("file note: %s\n", bench.note.c_str());
+  std::printf("GPU run on %s (bench engine --device cuda) against the %s profile\n\n",
+              bench.device.empty() ? "an unnamed device" : bench.device.c_str(), profile.hardware.name.c_str());
+  std::printf("| ceiling | profile | measured | measured / profile |\n| --- | --- | --- | --- |\n");
+  for (const Ceiling& c : ceilings) {
+    if (c.measured > 0) {
+      std::printf("| %s | %.1f | %.1f | %.3f |\n", c.name, c.profile, c.measured, c.measured / c.profile);
+    } else {
+      std::printf("| %s | %.1f | not measured | - |\n", c.name, c.profile);
+    }
+  }
+  std::printf(
+      "\n| concurrency | predicted tok/s (profile) | predicted tok/s (measured ceilings) | ratio |\n"
+      "| --- | --- | --- | --- |\n");
+  for (const std::int64_t n : kConcurrency) {
+    const double p = predictDecode(profile, n, 1).tokens_per_s_total;
+    const double m = predictDecode(measured, n, 1).tokens_per_s_total;
+    std::printf("| %lld | %.1f | %.1f | %.3f |\n", static_cast<long long>(n), p, m, m / p);
+  }
+  std::printf("\nfitted: none (the file has no decode levels: the device engine's decode has not run)\n");
+  return okStatus();
+}
+
+}  // namespace
+
 Result<void> runCalibration(const PlanFlags& flags) {
   auto bench = readCalibrationFile(flags.calibrate);
   if (!bench.ok()) return bench.error();
+  if (bench->points.empty()) return reportGpuCeilings(flags, *bench);
   auto input = planInputFromFlags(flags, &bench.value());
   if (!input.ok()) return input.error();
   auto fit = calibrate(input.value(), bench->points);

@@ -66,8 +66,14 @@ void registerPlanOptions(config::OptionSet& set, PlanFlags& flags);
 struct CalibrationFile {
   std::string model;
   std::string hardware;
+  /// "cuda" for `pdserve bench engine --device cuda --json` (its ceilings, no decode levels yet);
+  /// the device it ran on ("cuda:0"); the file's own "note", echoed in every report.
+  std::string backend;
+  std::string device;
+  std::string note;
   double read_bandwidth_gbs = -1;
   double peak_gflops = -1;
+  double gemm_bf16_tflops = -1;  ///< the GPU run's dense BF16 GEMM: the BF16 peak (FP8 scaled by the profile)
   std::int64_t tp = 0;
   std::int64_t nodes = 0;
   std::vector<CalibrationPoint> points;
@@ -92,7 +98,9 @@ struct CalibrationFile {
 /// `pdserve plan`: predicts from the flags and prints the report on stdout.
 [[nodiscard]] Result<void> runPlan(const PlanFlags& flags);
 /// `pdserve plan --calibrate FILE`: fits the constants to the file and prints predicted vs
-/// measured on stdout.
+/// measured on stdout. A GPU run's file without decode levels (the device engine's decode has not
+/// run yet) fits nothing: it prints the hardware profile's ceilings next to the measured ones and
+/// the planner's decode predictions under each (docs/planner.md, "The GPU run").
 [[nodiscard]] Result<void> runCalibration(const PlanFlags& flags);
 
 }  // namespace pd::plan

@@ -196,4 +196,32 @@ TEST(CliPlan, CalibrateReadsBenchEngineOutput) {
   EXPECT_NE(absent.err.find("cannot open"), std::string::npos) << absent.err;
 }
 
+// The GPU run's file (a synthetic fixture, labelled so: not a measurement) checks the planner's
+// H200 ceilings and predictions against the measured ceilings.
+TEST(CliPlan, CalibrateComparesAGpuRunsCeilingsWithTheH200Profile) {
+  const auto fixture = std::string(PD_TEST_DATA_DIR) + "/plan/gpu-bench-engine.fixture.json";
+  const CommandResult r = pdserve({"plan", "--calibrate", fixture, "--json"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const auto o = parseObject(r.out);
+  EXPECT_NE(std::string(o.at("note").as_string()).find("TEST FIXTURE"), std::string::npos);
+  EXPECT_EQ(std::string(o.at("device").as_string()), "cuda:0");
+  EXPECT_NE(std::string(o.at("fitted").as_string()).find("none"), std::string::npos);
+  const auto& ceilings = o.at("ceilings").as_array();
+  ASSERT_EQ(ceilings.size(), 2U);
+  const auto& hbm = ceilings[0].as_object();
+  EXPECT_DOUBLE_EQ(number(hbm, "measured"), 4000.0);
+  EXPECT_NEAR(number(hbm, "ratio"), 4000.0 / number(hbm, "profile"), 1e-9);
+  const auto& decode = o.at("decode").as_array();
+  ASSERT_EQ(decode.size(), 3U);
+  // Decode at batch 1 reads the weights: the slower measured bandwidth predicts fewer tokens/s.
+  const auto& one = decode[0].as_object();
+  EXPECT_LT(number(one, "measured_ceilings_tokens_per_s"), number(one, "profile_tokens_per_s"));
+  EXPECT_GT(number(one, "measured_ceilings_tokens_per_s"), 0.0);
+
+  const CommandResult text = pdserve({"plan", "--calibrate", fixture});
+  ASSERT_EQ(text.exit_code, 0) << text.err;
+  EXPECT_NE(text.out.find("file note: TEST FIXTURE"), std::string::npos) << text.out;
+  EXPECT_NE(text.out.find("| hbm_read_gbs |"), std::string::npos) << text.out;
+}
+
 }  // namespace

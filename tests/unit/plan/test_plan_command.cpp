@@ -88,6 +88,37 @@ TEST(PlanCommand, CalibrationFileGivesCeilingsLayoutAndPoints) {
   EXPECT_EQ(in->decode.nodes, 1);
 }
 
+// tests/data/plan/gpu-bench-engine.fixture.json is a synthetic test fixture (its "note" says so),
+// not a measurement: no GPU has run pdserve.
+TEST(PlanCommand, AGpuRunsFileGivesTheMeasuredCeilingsAndNoPoints) {
+  const auto fixture = std::filesystem::path(PD_TEST_DATA_DIR) / "plan" / "gpu-bench-engine.fixture.json";
+  auto file = readCalibrationFile(fixture);
+  ASSERT_TRUE(file.ok()) << file.error().toString();
+  EXPECT_EQ(file->backend, "cuda");
+  EXPECT_EQ(file->device, "cuda:0");
+  EXPECT_NE(file->note.find("TEST FIXTURE"), std::string::npos);
+  EXPECT_TRUE(file->points.empty());
+  auto profile = planInputFromFlags(PlanFlags{}, nullptr);
+  auto in = planInputFromFlags(PlanFlags{}, &*file);
+  ASSERT_TRUE(in.ok() && profile.ok());
+  EXPECT_DOUBLE_EQ(in->hardware.hbm_bandwidth, 4000e9);
+  EXPECT_DOUBLE_EQ(in->hardware.bf16_flops, 700e12);
+  // FP8 keeps the h200 profile's FP8 : BF16 ratio.
+  EXPECT_DOUBLE_EQ(in->hardware.fp8_flops / in->hardware.bf16_flops,
+                   profile->hardware.fp8_flops / profile->hardware.bf16_flops);
+
+  test::TempDir dir;
+  const auto empty = writeFile(dir, R"({"backend": "cuda", "device": "cuda:0", "mbu_batch1": null})");
+  auto refused = readCalibrationFile(empty);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.error().message.find("a GPU run (backend cuda) needs"), std::string::npos);
+  const auto bad = writeFile(dir, R"({"backend": "cuda", "gemm_bf16_tflops": -3})");
+  EXPECT_EQ(readCalibrationFile(bad).error().code, ErrorCode::InvalidArgument);
+  // A CPU file still needs its decode levels.
+  const auto cpu = writeFile(dir, R"({"backend": "cpu/avx512", "read_bandwidth_gbs": 40})");
+  EXPECT_NE(readCalibrationFile(cpu).error().message.find("non-empty array"), std::string::npos);
+}
+
 TEST(PlanCommand, CalibrationFileErrorsNameTheField) {
   test::TempDir dir;
   EXPECT_EQ(readCalibrationFile(dir.path() / "missing.json").error().code, ErrorCode::NotFound);
