@@ -22,6 +22,9 @@ Renders each kustomization with `kubectl kustomize` and checks, for every target
     and nothing else reach the workers except /metrics scraping on the HTTP port;
   - GPU pods: decode.tensor_parallel = GPUs per pod x pods per group; RDMA transports in
     kvtransfer.ucx_tls iff an RDMA device is requested; /dev/shm is a memory emptyDir;
+    model.device cuda iff the pod requests nvidia.com/gpu; model.gpu_memory_utilization set in
+    (0, 1] on GPU pods; CUDA transports (cuda_copy, cuda_ipc) in ucx_tls only on GPU pods; a TP
+    group over several pods with RDMA names its NCCL InfiniBand devices (NCCL_IB_HCA);
   - HorizontalPodAutoscalers target rendered workloads on metrics the target's binary exports
     (grep of the sources) or that the Prometheus adapter rules derive from exported ones;
   - one image for every role.
@@ -52,6 +55,7 @@ WORKER_ROLES = ("prefill", "decode")
 # LeaderWorkerSet injects these into every container of a group (values here are examples).
 LWS_ENV = {"LWS_LEADER_ADDRESS": "pdserve-decode-tp16-0.pdserve-decode-tp16.ns",
            "LWS_GROUP_SIZE": None, "LWS_WORKER_INDEX": None, "LWS_NAME": None, "LWS_GROUP_INDEX": "0"}
+CUDA_TLS = ("cuda_copy", "cuda_ipc", "gdr_copy", "cuda")
 RDMA_TLS = ("rc", "rc_x", "rc_v", "rc_verbs", "rc_mlx5", "dc", "dc_x", "dc_mlx5", "ud", "ud_x",
             "ud_v", "ud_verbs", "ud_mlx5", "ib")
 MIN_GPU_STARTUP_S = 900     # a GPU worker may take this long to load weights
@@ -524,6 +528,32 @@ class Checker:
                 self.error(where, f"{cw}: kvtransfer.ucx_tls '{tls}' uses RDMA but the container requests no rdma/* device")
             if rdma_res and not rdma_tls:
                 self.error(where, f"{cw}: requests {rdma_res} but kvtransfer.ucx_tls '{tls}' has no RDMA transport")
+            # The GPU engine: GPU pods run model.device cuda with a memory budget; CPU pods do not.
+            device = str(self.option(cfg, flags, env, "model", "device") or "cpu")
+            on_cuda = device == "cuda" or device.startswith("cuda:")
+            if gpus and not on_cuda:
+                self.error(where, f"{cw}: requests {gpus} nvidia.com/gpu but model.device is '{device}': a GPU pod "
+                                  f"runs the GPU engine (model.device cuda)")
+            if on_cuda and not gpus:
+                self.error(where, f"{cw}: model.device '{device}' but the container requests no nvidia.com/gpu")
+            if on_cuda:
+                util = self.option(cfg, flags, env, "model", "gpu_memory_utilization")
+                try:
+                    ok = util is not None and 0.0 < float(util) <= 1.0
+                except (TypeError, ValueError):
+                    ok = False
+                if util is None:
+                    self.error(where, f"{cw}: set model.gpu_memory_utilization explicitly on a GPU pod "
+                                      f"(the fraction of each GPU the worker may use)")
+                elif not ok:
+                    self.error(where, f"{cw}: model.gpu_memory_utilization {util} must be in (0, 1]")
+            cuda_tls = [x for x in tls.split(",") if x.strip() in CUDA_TLS]
+            if cuda_tls and not gpus:
+                self.error(where, f"{cw}: kvtransfer.ucx_tls '{tls}' lists CUDA transports {cuda_tls} but the "
+                                  f"container requests no nvidia.com/gpu")
+            if on_cuda and rdma_res and t["group_size"] > 1 and role == "decode" and not env.get("NCCL_IB_HCA"):
+                self.error(where, f"{cw}: a tensor-parallel group over {t['group_size']} pods with RDMA needs "
+                                  f"NCCL_IB_HCA (the InfiniBand devices NCCL may use)")
             if rdma_res and "IPC_LOCK" not in (((c.get("securityContext") or {}).get("capabilities") or {}).get("add") or []):
                 self.error(where, f"{cw}: RDMA memory registration needs capability IPC_LOCK")
             if role == "decode":
