@@ -100,6 +100,12 @@ TEST(DecodeWorkerProcess, ServesThenDrainsOnSigtermAndExitsZero) {
   EXPECT_EQ(status->role, "decode");
   EXPECT_TRUE(status->ready);
   EXPECT_EQ(status->total_blocks, 32);
+  // The CPU engine's pool: host memory, decode.kv_dtype, 32 blocks x 16 tokens x 2 bytes x the
+  // model's KV layers and latent width.
+  EXPECT_EQ(status->kv_pool_memory, "host");
+  EXPECT_EQ(status->kv_cache_dtype, "bf16");
+  EXPECT_GT(status->kv_pool_bytes, 0);
+  EXPECT_EQ(status->kv_pool_bytes % (32 * 16 * 2), 0) << status->kv_pool_bytes;
   EXPECT_EQ(status->free_blocks, 32);
   EXPECT_EQ(status->block_size, 16);
   EXPECT_EQ(status->model_hash.size(), 16U);
