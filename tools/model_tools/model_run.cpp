@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "pd/engine/cuda_engine.h"
 #include "pd/engine/engine.h"
 #include "pd/engine/kernels.h"
 #include "pd/engine/safetensors.h"
@@ -26,6 +27,11 @@ namespace {
 using model::Engine;
 
 Result<std::unique_ptr<Engine>> openEngine(const EngineChoice& choice) {
+  if (choice.device.kind == gpu::ModelDevice::Kind::Cuda) {
+    model::CudaEngineOptions cuda;
+    cuda.device = choice.device;
+    return model::createCudaEngine(choice.model, cuda);
+  }
   model::CpuEngineOptions options;
   options.threads = static_cast<int>(choice.threads);
   if (choice.isa == "avx512") options.isa = model::CpuIsa::Avx512;

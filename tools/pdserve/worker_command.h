@@ -51,8 +51,10 @@ int runWorkerCommand(const WorkerRole& role, const std::vector<std::string>& raw
   cfg.rank_argv = {*self, std::string(role.name)};
   cfg.rank_argv.insert(cfg.rank_argv.end(), args.begin(), args.end());  // --check-config already removed
   cfg.trace = common.trace;
+  auto device = gpu::parseModelDevice(common.model_device);
+  if (!device.ok()) return reportFailure(device.error());
+  cfg.model_device = *device;
   if (Status s = validate(cfg); !s.ok()) return reportFailure(s.error());
-  if (auto device = gpu::parseModelDevice(common.model_device); !device.ok()) return reportFailure(device.error());
   if (check_only) return 0;
   if (Status s = checkModelDevice(common); !s.ok()) return reportFailure(s.error());
 

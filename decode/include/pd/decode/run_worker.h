@@ -26,6 +26,7 @@
 
 #include "pd/common/result.h"
 #include "pd/decode/decode_config.h"
+#include "pd/engine/gpu.h"
 #include "pd/kvtransfer/kvtransfer_config.h"
 #include "pd/trace/trace_config.h"
 
@@ -50,6 +51,9 @@ struct DecodeWorkerConfig {
   std::filesystem::path cluster_secret_file;
   /// The `trace:` section (docs/observability.md).
   trace::TraceConfig trace;
+  /// Where the model runs (`model.device`): the CPU engine, or the CUDA engine on one device
+  /// (tensor parallelism needs the CPU engine).
+  gpu::ModelDevice model_device;
 };
 
 /// Cross-field checks of the whole worker configuration (InvalidArgument naming the values).

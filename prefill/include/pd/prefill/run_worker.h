@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "pd/common/result.h"
+#include "pd/engine/gpu.h"
 #include "pd/kvtransfer/kvtransfer_config.h"
 #include "pd/prefill/prefill_config.h"
 #include "pd/trace/trace_config.h"
@@ -46,6 +47,9 @@ struct PrefillWorkerConfig {
   std::filesystem::path cluster_secret_file;
   /// The `trace:` section (docs/observability.md).
   trace::TraceConfig trace;
+  /// Where the model runs (`model.device`): the CPU engine, or the CUDA engine on one device
+  /// (tensor parallelism needs the CPU engine).
+  gpu::ModelDevice model_device;
 };
 
 /// Cross-field checks of the whole worker configuration (InvalidArgument naming the values).
