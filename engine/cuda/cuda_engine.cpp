@@ -13,6 +13,7 @@
 #include "forward_plan.h"
 #include "pd/common/dtype.h"
 #include "pd/common/log.h"
+#include "pd/engine/device_sampling.h"
 #include "pd/engine/safetensors.h"
 
 namespace pd::model {
@@ -78,7 +79,7 @@ class HostMirror final : public DeviceDecodeStep::LatentObserver {
   LatentKvSink* sink_;
 };
 
-class CudaEngine final : public Engine {
+class CudaEngine final : public Engine, public SamplingEngine {
  public:
   CudaEngine(std::unique_ptr<const ModelConfig> config, std::unique_ptr<gpu::DeviceWeights> weights,
              std::unique_ptr<DeviceDecodeStep> step, const CudaEngineOptions& options, DType weight_dtype)
@@ -107,18 +108,35 @@ class CudaEngine final : public Engine {
 
   Result<ForwardOutput> forward(std::span<const SequenceChunk> batch, const LatentCacheView& cache,
                                 const ForwardOptions& options) override {
-    return run(batch, cache, options, false);
+    PD_ASSIGN_OR_RETURN(SampledForward out, run(batch, cache, options, false, {}));
+    return std::move(out.output);
+  }
+
+  Result<SampledForward> forwardSampled(std::span<const SequenceChunk> batch, const LatentCacheView& cache,
+                                        const ForwardOptions& options, std::span<const RowSample> rows) override {
+    for (std::size_t i = 0; i < rows.size(); ++i) {
+      if (rows[i].params == nullptr || !deviceSamplable(*rows[i].params)) {
+        return makeError(ErrorCode::InvalidArgument,
+                         fmt::format("sampled forward: row {} asks for what the device does not sample (logit_bias, "
+                                     "top logprobs)",
+                                     i));
+      }
+    }
+    if (rows.empty()) return makeError(ErrorCode::InvalidArgument, "sampled forward: no rows to sample");
+    return run(batch, cache, options, false, rows);
   }
 
   Result<ForwardOutput> forwardMtp(std::span<const SequenceChunk> batch, const LatentCacheView& cache,
                                    const ForwardOptions& options) override {
     if (!step_->hasMtp()) return makeError(ErrorCode::Unsupported, "the checkpoint has no MTP layer");
-    return run(batch, cache, options, true);
+    PD_ASSIGN_OR_RETURN(SampledForward out, run(batch, cache, options, true, {}));
+    return std::move(out.output);
   }
 
  private:
-  Result<ForwardOutput> run(std::span<const SequenceChunk> batch, const LatentCacheView& cache,
-                            const ForwardOptions& options, bool mtp) {
+  // `rows` empty: logits come back; otherwise one sampling request per logits row.
+  Result<SampledForward> run(std::span<const SequenceChunk> batch, const LatentCacheView& cache,
+                             const ForwardOptions& options, bool mtp, std::span<const RowSample> rows) {
     const ModelConfig& c = *config_;
     const i64 kv_layer_last = mtp ? c.num_hidden_layers : c.num_hidden_layers - 1;
     PD_ASSIGN_OR_RETURN(gpu::ForwardPlan plan, gpu::planForward(c, cache, batch, kv_layer_last, mtp, options.logits,
@@ -126,11 +144,24 @@ class CudaEngine final : public Engine {
     if (options.trace != nullptr) {
       return makeError(ErrorCode::Unsupported, "the CUDA engine does not fill a ForwardTrace (use the CPU engine)");
     }
+    if (!rows.empty() && static_cast<i64>(rows.size()) != plan.logit_rows) {
+      return makeError(ErrorCode::InvalidArgument, fmt::format("sampled forward: {} sampling requests for {} logits "
+                                                               "rows",
+                                                               rows.size(), plan.logit_rows));
+    }
+    std::vector<gpu::DeviceSampler::Row> sample_rows;
+    for (const RowSample& r : rows) {
+      const SamplingParams& p = *r.params;
+      sample_rows.push_back({p.temperature, p.top_k, p.top_p, p.min_p, p.presence_penalty, p.frequency_penalty, p.seed,
+                             r.draw, r.counts});
+    }
     PD_TRY(step_->setCacheShape({cache.num_blocks, cache.block_size}));
     PD_TRY(uploadPrefixes(batch, cache, mtp ? c.num_hidden_layers : 0, kv_layer_last + 1));
-    ForwardOutput out;
-    out.logits.reserve(sz(plan.logit_rows * c.vocab_size));
+    SampledForward result;
+    ForwardOutput& out = result.output;
+    if (rows.empty()) out.logits.reserve(sz(plan.logit_rows * c.vocab_size));
     out.hidden.reserve(sz(plan.hidden_rows * c.hidden_size));
+    std::size_t sampled_at = 0;  // the first sampling request of the step
     std::vector<float> prev_hidden;
     std::vector<std::uint8_t> zero_embedding;
     for (const gpu::ForwardStep& step : plan.steps) {
@@ -140,6 +171,10 @@ class CudaEngine final : public Engine {
       request.logit_rows = step.logit_rows;
       request.hidden_rows = step.hidden_rows;
       request.observer = &mirror;
+      if (!sample_rows.empty()) {
+        request.sample_rows = std::span(sample_rows).subspan(sampled_at, step.logit_rows.size());
+        sampled_at += step.logit_rows.size();
+      }
       if (mtp) {
         const i64 d = c.hidden_size;
         prev_hidden.assign(sz(step.plan.tokens * d), 0.0F);
@@ -159,8 +194,14 @@ class CudaEngine final : public Engine {
       PD_ASSIGN_OR_RETURN(DeviceDecodeStep::Output o, step_->run(step.plan, request));
       out.logits.insert(out.logits.end(), o.logits.begin(), o.logits.end());
       out.hidden.insert(out.hidden.end(), o.hidden.begin(), o.hidden.end());
+      for (const gpu::DeviceSampler::Sampled& s : o.sampled) {
+        SampledToken t;
+        t.token = s.token;
+        t.logprob = s.logprob;
+        result.sampled.push_back(std::move(t));
+      }
     }
-    return out;
+    return result;
   }
 
   // Positions [0, start_pos) of every sequence, KV layers [first, end), host cache -> device cache.

@@ -107,6 +107,7 @@ struct DeviceDecodeStep::Impl {
   cuda::DeviceBuffer<float> inv_freq;
   cuda::DeviceBuffer<float> cache;  // [layers, num_blocks, block_size, latent_dim]
   std::optional<MlaDecodeAttention> attention;
+  std::optional<DeviceSampler> sampler;  // kMaxDecodeBatch rows of the vocabulary
   float softmax_scale = 1.0F;
   float eps = 1e-6F;
   // Workspaces for kMaxDecodeBatch tokens.
@@ -558,6 +559,8 @@ Result<std::unique_ptr<DeviceDecodeStep>> DeviceDecodeStep::create(const DeviceW
   PD_TRY(make(m.cat, n * 2 * d));
   PD_TRY(make(m.prev, n * d));
   PD_TRY(make(m.sel, n * d));
+  PD_ASSIGN_OR_RETURN(DeviceSampler sampler, DeviceSampler::create(n, c.vocab_size));
+  m.sampler.emplace(std::move(sampler));
   PD_ASSIGN_OR_RETURN(cuda::PinnedHostBuffer<float> latent_host, cuda::PinnedHostBuffer<float>::create(sz(n * ld)));
   m.latent_host.emplace(std::move(latent_host));
   PD_ASSIGN_OR_RETURN(m.topk_idx, cuda::DeviceBuffer<std::int32_t>::create(sz(n * top_k)));
@@ -647,6 +650,10 @@ Result<DeviceDecodeStep::Output> DeviceDecodeStep::run(const DecodeStepPlan& pla
       }
     }
   }
+  if (!request.sample_rows.empty() && request.sample_rows.size() != request.logit_rows.size()) {
+    return makeError(ErrorCode::InvalidArgument, fmt::format("device step: {} sampling requests for {} logit rows",
+                                                             request.sample_rows.size(), request.logit_rows.size()));
+  }
   if (request.mtp) {
     if (!m.mtp) return makeError(ErrorCode::Unsupported, "the checkpoint has no MTP layer");
     if (static_cast<i64>(request.prev_hidden.size()) != n * d) {
@@ -710,8 +717,12 @@ Result<DeviceDecodeStep::Output> DeviceDecodeStep::run(const DecodeStepPlan& pla
       x = m.sel.data();
     }
     PD_TRY(m.apply(*out_head, x, d, k, m.logits.data(), c.vocab_size));
-    out.logits.resize(sz(k * c.vocab_size));
-    PD_TRY(m.logits.copyToHost(out.logits, m.stream));
+    if (!request.sample_rows.empty()) {
+      PD_ASSIGN_OR_RETURN(out.sampled, m.sampler->sample(m.logits.data(), request.sample_rows, m.stream));
+    } else {
+      out.logits.resize(sz(k * c.vocab_size));
+      PD_TRY(m.logits.copyToHost(out.logits, m.stream));
+    }
   }
   // Main model: hidden after the final norm; MTP: the block output before shared_head.norm.
   const float* hidden_src = request.mtp ? m.h.data() : m.xn.data();

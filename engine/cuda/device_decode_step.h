@@ -74,12 +74,16 @@ class DeviceDecodeStep {
     std::span<const std::int64_t> logit_rows;      ///< rows whose logits to return, each in [0, tokens)
     std::span<const std::int64_t> hidden_rows;     ///< rows whose hidden states to return
     LatentObserver* observer = nullptr;            ///< null: latents go straight to the device cache
+    /// When not empty: one sampling request per logit row; the rows are sampled on the device
+    /// (DeviceSampler) and only the tokens and logprobs come back, not the logits.
+    std::span<const DeviceSampler::Row> sample_rows;
   };
   struct Output {
     std::vector<float> logits;  ///< [logit_rows, vocab_size]
     /// [hidden_rows, hidden_size]: after the final norm (main); the MTP block output before
     /// shared_head.norm (mtp), as model::Engine documents.
     std::vector<float> hidden;
+    std::vector<DeviceSampler::Sampled> sampled;  ///< [logit_rows] when sample_rows was given (logits empty)
   };
   /// Runs the rows of `plan` (made by planDecodeStep for this step's cache shape) through the main
   /// model or the MTP layer. InvalidArgument for rows or sizes that do not fit the plan or the

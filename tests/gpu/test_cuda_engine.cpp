@@ -5,9 +5,11 @@
 // one sequence); logits and hidden states within the golden tolerance, greedy tokens equal, the
 // sink's latents and the mirrored host cache equal to the CPU engine's. Also: the golden greedy
 // tokens from model::generate (with and without MTP speculation) and from `pdserve generate
-// --model.device cuda`; a bad batch is InvalidArgument with the host cache untouched; 1,000
-// forward calls leave device memory at its baseline. Where no device is visible the program
-// prints why and exits 77 (ctest: skipped, never passed).
+// --model.device cuda`; seeded sampling on the device (DeviceSampler through
+// GenerateOptions::device_sampling) giving the CPU engine's host-sampled tokens; a bad batch is
+// InvalidArgument with the host cache untouched; 1,000 forward calls leave device memory at its
+// baseline. Where no device is visible the program prints why and exits 77 (ctest: skipped,
+// never passed).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -302,6 +304,25 @@ TEST(CudaEngine, GenerateGivesTheGoldenGreedyTokens) {
       auto got = pd::model::generate(*gpu, prompt, o);
       ASSERT_TRUE(got.ok()) << got.error().toString();
       EXPECT_EQ(got->tokens, want) << name << " with " << drafts << " MTP drafts";
+    }
+    // Sampled on the device (only ids and logprobs come back): the host Sampler's tokens.
+    auto cpu = cpuEngine(name);
+    ASSERT_TRUE(cpu);
+    for (const std::int64_t drafts : {0, 2}) {
+      pd::model::GenerateOptions o;
+      o.max_tokens = 16;
+      o.mtp_drafts = drafts;
+      o.stop_at_eos = false;
+      o.sampling.temperature = 0.9;
+      o.sampling.top_k = 50;
+      o.sampling.presence_penalty = 0.4;
+      o.sampling.seed = 11;
+      auto host = pd::model::generate(*cpu, prompt, o);
+      ASSERT_TRUE(host.ok()) << host.error().toString();
+      o.device_sampling = true;
+      auto sampled = pd::model::generate(*gpu, prompt, o);
+      ASSERT_TRUE(sampled.ok()) << sampled.error().toString();
+      EXPECT_EQ(sampled->tokens, host->tokens) << name << ": device sampling with " << drafts << " MTP drafts";
     }
     // The command line, as a user runs it.
     std::string ids;

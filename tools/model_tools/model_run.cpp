@@ -143,7 +143,10 @@ Result<std::string> generateJson(const GenerateRequest& request) {
   auto ids = parsePromptIds(request.prompt_ids, (*engine)->config().vocab_size);
   if (!ids.ok()) return ids.error();
   const auto start = std::chrono::steady_clock::now();
-  auto res = model::generate(**engine, *ids, request.options);
+  // On a CUDA device the tokens are sampled there (only ids and logprobs cross to the host).
+  model::GenerateOptions options = request.options;
+  options.device_sampling = request.engine.device.kind == gpu::ModelDevice::Kind::Cuda;
+  auto res = model::generate(**engine, *ids, options);
   if (!res.ok()) return res.error();
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   std::string line = "{\"ids\": " + idsJson(res->tokens);
