@@ -5,11 +5,10 @@
 // one sequence); logits and hidden states within the golden tolerance, greedy tokens equal, the
 // sink's latents and the mirrored host cache equal to the CPU engine's. Also: the golden greedy
 // tokens from model::generate (with and without MTP speculation) and from `pdserve generate
-// --model.device cuda`; seeded sampling on the device (DeviceSampler through
-// GenerateOptions::device_sampling) giving the CPU engine's host-sampled tokens; a bad batch is
-// InvalidArgument with the host cache untouched; 1,000 forward calls leave device memory at its
-// baseline. Where no device is visible the program prints why and exits 77 (ctest: skipped,
-// never passed).
+// --model.device cuda`; `pdserve logits --model.device cuda` within the golden tolerances; seeded sampling on the
+// device (DeviceSampler through GenerateOptions::device_sampling) giving the CPU engine's host-sampled tokens; a bad
+// batch is InvalidArgument with the host cache untouched; 1,000 forward calls leave device memory at its baseline.
+// Where no device is visible the program prints why and exits 77 (ctest: skipped, never passed).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -334,6 +333,48 @@ TEST(CudaEngine, GenerateGivesTheGoldenGreedyTokens) {
     std::string want_json = "{\"ids\": [";
     for (std::size_t i = 0; i < want.size(); ++i) want_json += (i ? ", " : "") + std::to_string(want[i]);
     EXPECT_EQ(r.out, want_json + "]}\n") << name;
+  }
+}
+
+std::vector<float> floats(const pd::SafetensorsFile& f, const std::string& name) {
+  const pd::TensorView* t = f.find(name);
+  if (t == nullptr || t->dtype != pd::DType::F32) return {};
+  std::vector<float> v(static_cast<std::size_t>(t->numel()));
+  std::memcpy(v.data(), t->data.data(), t->data.size());
+  return v;
+}
+
+// `pdserve logits --model.device cuda` writes the golden tensors within the golden tolerances
+// (the same bounds the CPU engine's command meets in tests/integration/test_cli_model.cpp).
+TEST(CudaEngine, LogitsCommandWritesTheGoldenTensors) {
+  for (const std::string name : {"tiny-bf16", "tiny-fp8"}) {
+    auto g = pd::SafetensorsFile::open(golden(name) / "golden.safetensors");
+    ASSERT_TRUE(g.ok());
+    std::string ids;
+    for (const std::int32_t t : goldenIds(name, "p0.tokens")) ids += (ids.empty() ? "" : ",") + std::to_string(t);
+    const fs::path out = fs::temp_directory_path() /
+                         ("pd_cuda_logits_" + name + "_" +
+                          std::to_string(::testing::UnitTest::GetInstance()->random_seed()) + ".safetensors");
+    const auto r = pd::test::pdserveCommandLine("logits --model " + golden(name).string() +
+                                                " --model.device cuda --prompt-ids " + ids + " --out " + out.string());
+    ASSERT_EQ(r.exit_code, 0) << r.err;
+    auto written = pd::SafetensorsFile::open(out);
+    ASSERT_TRUE(written.ok());
+    for (const auto& [tensor, tol] : std::vector<std::pair<std::string, double>>{{"logits_all", 1e-3},
+                                                                                 {"kv_cache", 2e-4},
+                                                                                 {"pe_cache", 2e-4},
+                                                                                 {"hidden_final", 2e-4},
+                                                                                 {"mtp_logits_nozero", 1e-3}}) {
+      const std::vector<float> got = floats(*written, tensor);
+      const std::vector<float> want = floats(*g, "p0." + tensor);
+      ASSERT_FALSE(got.empty()) << name << " " << tensor;
+      ASSERT_LE(got.size(), want.size()) << tensor;  // mtp_logits_nozero: the first N rows
+      double d = 0.0;
+      for (std::size_t i = 0; i < got.size(); ++i) d = std::max(d, std::fabs(double{got[i]} - double{want[i]}));
+      EXPECT_LE(d, tol) << name << " " << tensor;
+      std::printf("%s %s: max |d| %.3g against the golden\n", name.c_str(), tensor.c_str(), d);
+    }
+    fs::remove(out);
   }
 }
 

@@ -33,6 +33,19 @@ TEST(ModelDevice, DecodeWorkerOnAMissingCudaDeviceFailsBeforeLoading) {
   EXPECT_NE(r.err.find(want), std::string::npos) << r.err;
 }
 
+TEST(ModelDevice, WorkersRefuseTensorParallelismOnCudaAsBadConfig) {
+  // Checked with the configuration (exit 2, --check-config catches it), GPU or not.
+  for (const char* role : {"prefill", "decode"}) {
+    const auto r = pd::test::pdserve(
+        {role, "--model.device", "cuda", "--" + std::string(role) + ".tensor_parallel", "2", "--check-config"});
+    EXPECT_EQ(r.exit_code, 2) << role << ": " << r.err;
+    EXPECT_NE(r.err.find(std::string(role) + ".tensor_parallel > 1 runs on the CPU engine only"), std::string::npos)
+        << r.err;
+  }
+  const auto cpu = pd::test::pdserve({"decode", "--decode.tensor_parallel", "2", "--check-config"});
+  EXPECT_EQ(cpu.exit_code, 0) << cpu.err;
+}
+
 TEST(ModelDevice, BenchEngineOnAMissingCudaDeviceFailsClearly) {
   if (pd::gpu::deviceCount() > 0) GTEST_SKIP() << "a CUDA device is visible: scripts/gpu-check.sh runs the benchmark";
   for (const char* device : {"cuda", "cuda:1"}) {
