@@ -593,7 +593,8 @@ namespace {
 
 // Whether `plan` is one this step can run: the sizes agree, every slot and block id is inside
 // the cache, the contexts fit the attention workspace.
-Status checkPlan(const DecodeStepPlan& plan, const DecodeCacheShape& cs, i64 max_context, i64 max_table_blocks) {
+Status checkPlan(const DecodeStepPlan& plan, const DecodeCacheShape& cs, i64 max_context, i64 max_table_blocks,
+                 i64 vocab) {
   const i64 n = plan.tokens;
   const auto bad = [](std::string what) {
     return makeError(ErrorCode::InvalidArgument, "device step: " + std::move(what));
@@ -605,6 +606,9 @@ Status checkPlan(const DecodeStepPlan& plan, const DecodeCacheShape& cs, i64 max
   }
   const i64 slots = cs.num_blocks * cs.block_size;
   for (i64 t = 0; t < n; ++t) {
+    if (plan.token_ids[sz(t)] < 0 || plan.token_ids[sz(t)] >= vocab) {
+      return bad(fmt::format("row {}: token id {} outside [0, {})", t, plan.token_ids[sz(t)], vocab));
+    }
     if (plan.write_slot[sz(t)] < 0 || plan.write_slot[sz(t)] >= slots) {
       return bad(fmt::format("row {} writes slot {} outside the cache's {}", t, plan.write_slot[sz(t)], slots));
     }
@@ -640,7 +644,7 @@ Result<DeviceDecodeStep::Output> DeviceDecodeStep::run(const DecodeStepPlan& pla
   if (!m.attention || m.cache.size() == 0) {
     return makeError(ErrorCode::ResourceExhausted, "device step: no device cache (a cache shape did not fit)");
   }
-  PD_TRY(checkPlan(plan, cache_shape_, m.attention->limits().max_context, m.max_table_blocks));
+  PD_TRY(checkPlan(plan, cache_shape_, m.attention->limits().max_context, m.max_table_blocks, c.vocab_size));
   const i64 n = plan.tokens;
   const i64 d = c.hidden_size;
   for (const auto rows : {request.logit_rows, request.hidden_rows}) {
