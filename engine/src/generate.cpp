@@ -53,7 +53,7 @@ Result<GenerateResult> generate(Engine& engine, std::span<const std::int32_t> pr
   const bool stochastic = o.sampling.temperature > 0.0;
   // Requests for `n` rows where row j follows the tokens `ahead[0, j)` (MTP drafts it verifies).
   std::vector<std::vector<std::pair<std::int32_t, std::int64_t>>> row_counts;
-  const auto rowSamples = [&](std::size_t n, std::span<const std::int32_t> ahead) {
+  const auto row_samples = [&](std::size_t n, std::span<const std::int32_t> ahead) {
     std::vector<RowSample> rows(n);
     row_counts.assign(n, {});
     std::map<std::int32_t, std::int64_t> counts = produced;
@@ -67,7 +67,7 @@ Result<GenerateResult> generate(Engine& engine, std::span<const std::int32_t> pr
     return rows;
   };
 
-  const auto emitToken = [&](SampledToken t) {
+  const auto emit_token = [&](SampledToken t) {
     if (device != nullptr) {
       ++produced[t.token];
       if (stochastic) ++draws;
@@ -78,7 +78,7 @@ Result<GenerateResult> generate(Engine& engine, std::span<const std::int32_t> pr
     const bool eos = o.stop_at_eos && result.tokens.back() == cfg.eos_token_id;
     return eos || static_cast<std::int64_t>(result.tokens.size()) >= o.max_tokens;
   };
-  const auto emit = [&](std::span<const float> logits) { return emitToken(sampler.sample(logits)); };
+  const auto emit = [&](std::span<const float> logits) { return emit_token(sampler.sample(logits)); };
   std::vector<SampledToken> sampled;  // the device's tokens of the last call, one per logits row
   // engine.forward, or the device's sampled forward when sampling there.
   const auto forward = [&](const SequenceChunk& sc, const ForwardOptions& fo,
@@ -87,7 +87,7 @@ Result<GenerateResult> generate(Engine& engine, std::span<const std::int32_t> pr
       return engine.forward(std::span<const SequenceChunk>(&sc, 1), cache.view(), fo);
     }
     const std::size_t n = fo.logits == OutputRows::All ? sc.tokens.size() : 1;
-    const std::vector<RowSample> rows = rowSamples(n, ahead);
+    const std::vector<RowSample> rows = row_samples(n, ahead);
     PD_ASSIGN_OR_RETURN(SampledForward r,
                         device->forwardSampled(std::span<const SequenceChunk>(&sc, 1), cache.view(), fo, rows));
     sampled = std::move(r.sampled);
@@ -107,7 +107,7 @@ Result<GenerateResult> generate(Engine& engine, std::span<const std::int32_t> pr
     PD_ASSIGN_OR_RETURN(out, forward(sc, fo, {}));
     hidden.insert(hidden.end(), out.hidden.begin(), out.hidden.end());
   }
-  if (device != nullptr ? emitToken(sampled.at(0)) : emit(out.logits)) return result;
+  if (device != nullptr ? emit_token(sampled.at(0)) : emit(out.logits)) return result;
 
   std::int64_t mtp_done = 0;  // MTP positions computed from true (token, hidden) pairs
   std::vector<std::int32_t> drafts;
@@ -152,7 +152,7 @@ Result<GenerateResult> generate(Engine& engine, std::span<const std::int32_t> pr
       if (mtp)
         hidden.insert(hidden.end(), out.hidden.begin() + static_cast<std::ptrdiff_t>(j * static_cast<std::size_t>(d)),
                       out.hidden.begin() + static_cast<std::ptrdiff_t>((j + 1) * static_cast<std::size_t>(d)));
-      const bool done = device != nullptr ? emitToken(sampled.at(j))
+      const bool done = device != nullptr ? emit_token(sampled.at(j))
                                           : emit(std::span<const float>(out.logits.data() + j * vocab, vocab));
       if (done) return result;
       if (j >= drafts.size() || seq.back() != drafts[j]) break;
