@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The device check for the first machine with a GPU (docs/gpu.md): configures and builds the CUDA
 # backend on every core, runs the `gpu`-labelled tests (each CUDA kernel against the CPU engine,
-# the golden checkpoints uploaded and read back) and the host tests of the kernels' arithmetic,
-# then `pdserve bench engine --device cuda --json` (the HBM, GEMM and MLA attention ceilings, and
+# the golden checkpoints uploaded and read back, the device decode step and the CUDA engine behind
+# the Engine seam against the CPU engine) and the host tests of the kernels' arithmetic,
+# `pdserve generate --model.device cuda` on the golden checkpoints (tokens equal to the CPU's), then `pdserve bench engine --device cuda --json` (the HBM, GEMM and MLA attention ceilings, and
 # the upload of a make-model checkpoint of real DeepSeek-V3 layer sizes), and prints one summary.
 # Every log lands in one folder. Fails loudly (exit 1) when no GPU is visible, when anything fails, and when any `gpu`
 # test reports Skipped: a skip here means the check did not happen, never that it passed.
@@ -61,12 +62,13 @@ if command -v ccache >/dev/null 2>&1; then
 fi
 step configure 180 cmake -S . -B "$build_dir" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DPD_WITH_CUDA=ON \
   -DCMAKE_CUDA_ARCHITECTURES="$arch" "${launcher[@]}" || fail "configure (is nvcc on PATH or CUDACXX set?)"
-targets=(test_kernel_parity test_device_weights test_gpu test_device_math test_device_memory_plan test_model_device
-  test_weight_upload_plan test_device_bench test_cuda_handles pdserve)
+targets=(test_kernel_parity test_device_weights test_device_decode test_cuda_engine test_gpu test_device_math
+  test_device_memory_plan test_model_device test_weight_upload_plan test_device_bench test_cuda_handles
+  test_decode_step_plan test_forward_plan pdserve)
 step build 360 cmake --build "$build_dir" -j "$jobs" --target "${targets[@]}" || fail "build"
 
 # 3. The host tests of the kernels' arithmetic, then every gpu-labelled test.
-host_tests='^(DeviceMath|DeviceMemoryPlan|ModelDevice|WeightUploadPlan|DeviceBench)\.'
+host_tests='^(DeviceMath|DeviceMemoryPlan|ModelDevice|WeightUploadPlan|DeviceBench|DecodeStepPlan|ForwardPlan)\.'
 step host-tests 60 ctest --test-dir "$build_dir" -L unit -R "$host_tests" --output-on-failure ||
   fail "host tests of the kernels' arithmetic"
 step gpu-tests 300 ctest --test-dir "$build_dir" -L gpu --output-on-failure --timeout 280
@@ -84,6 +86,27 @@ grep -E 'SKIPPED: ' "$gpu_log" | sort -u | sed 's/^/  /' | tee -a "$summary"
 "$build_dir/tests/gpu/test_kernel_parity" --gtest_filter='Kernel.MemoryPlan*' 2>&1 |
   grep -E '^(device memory|cuda:0: )' | sed 's/^/  /' | tee -a "$summary"
 
+# The CUDA engine from the command line: greedy generation on the golden checkpoints, the same
+# tokens as the CPU engine's (the golden prompt p0 of tiny-bf16; 24 tokens, with and without MTP).
+prompt=618,1600,791,1241,955,1454,705,184,603,1292,1272,2008,497,868,1938,231,1435,1962,1878,1385,1827,405,1550
+prompt=$prompt,1377,1038,2033,1730,430,2008,1748,765,1431,1602,455,537,380,950,1954,800,698
+generate_rc=0
+for model in tiny-bf16 tiny-fp8; do
+  for mtp in 0 2; do
+    args=(generate --model "tests/data/golden/$model" --prompt-ids "$prompt" --max-tokens 24 --mtp "$mtp")
+    step "generate-$model-mtp$mtp-cpu" 120 "$build_dir/tools/pdserve" "${args[@]}" --model.device cpu
+    step "generate-$model-mtp$mtp-cuda" 120 "$build_dir/tools/pdserve" "${args[@]}" --model.device cuda || generate_rc=1
+    want=$(grep -E '^\{' "$log_dir/generate-$model-mtp$mtp-cpu.log")
+    got=$(grep -E '^\{' "$log_dir/generate-$model-mtp$mtp-cuda.log")
+    if [[ -z "$want" || "$want" != "$got" ]]; then
+      generate_rc=1
+      say "gpu-check: generate $model --mtp $mtp: cuda printed '$got', cpu '$want'"
+    else
+      say "gpu-check: generate $model --mtp $mtp: cuda = cpu: $got"
+    fi
+  done
+done
+
 # 4. The benchmark: ceilings measured in the same run, then the upload of a checkpoint of real
 # DeepSeek-V3 layer sizes in FP8 (written by make-model into the log folder, removed afterwards).
 layers=${PD_GPU_CHECK_LAYERS:-1}
@@ -99,10 +122,11 @@ fi
 rm -rf "$bench_model"
 
 elapsed=$((SECONDS - start))
-if ((ran < 16)); then
-  fail "only $ran gpu tests ran (expected at least 16: one per kernel, the memory plan, bad shapes, device weights, device decode)"
+if ((ran < 22)); then
+  fail "only $ran gpu tests ran (expected at least 22: one per kernel, the memory plan, bad shapes, device weights, device decode, cuda engine)"
 fi
 if ((skipped > 0)); then fail "$skipped gpu tests skipped: the device was not usable by the tests"; fi
 if ((gpu_rc != 0 || failed > 0)); then fail "$failed gpu tests failed (details in $gpu_log)"; fi
+if ((generate_rc != 0)); then fail "pdserve generate --model.device cuda (logs generate-*.log)"; fi
 if ((bench_rc != 0)); then fail "bench engine --device cuda (details in $log_dir/make-model.log, bench-engine.log)"; fi
 say "gpu-check: PASS in $elapsed s; logs in $log_dir"

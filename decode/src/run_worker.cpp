@@ -184,6 +184,10 @@ Status validate(const DecodeWorkerConfig& cfg) {
   if (cfg.decode.tensor_parallel > 1 && cfg.rank_argv.empty()) {
     return makeError(ErrorCode::InvalidArgument, "decode.tensor_parallel > 1 needs the command line of a rank");
   }
+  if (cfg.decode.tensor_parallel > 1 && cfg.model_device.kind == gpu::ModelDevice::Kind::Cuda) {
+    return makeError(ErrorCode::InvalidArgument,
+                     "model.device cuda: decode.tensor_parallel > 1 runs on the CPU engine only (one GPU per worker)");
+  }
   return okStatus();
 }
 
@@ -210,8 +214,9 @@ Status runWorker(const DecodeWorkerConfig& cfg) {
     PD_ASSIGN_OR_RETURN(group, startGroup(cfg, hash));
     PD_ASSIGN_OR_RETURN(device_group, joinDeviceGroup(group->comm(), cfg, hash));
   }
-  PD_ASSIGN_OR_RETURN(model::ServingEngine loaded,
-                      model::loadServingEngine(cfg.model_dir, static_cast<int>(dec.threads), group.get()));
+  PD_ASSIGN_OR_RETURN(
+      model::ServingEngine loaded,
+      model::loadServingEngine(cfg.model_dir, static_cast<int>(dec.threads), group.get(), cfg.model_device));
   model::TpLeaderEngine* const tp_leader = loaded.tp_leader;
   log::info(kLog, "model {} loaded ({}), hash {}", cfg.model_dir.string(), loaded.engine->capabilities().backend,
             modelHashHex(hash));

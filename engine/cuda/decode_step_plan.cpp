@@ -64,9 +64,11 @@ Result<DecodeStepPlan> planDecodeStep(const ModelConfig& config, const DecodeCac
       return invalid(
           fmt::format("device decode: sequence {}: token id {} outside [0, {})", s, q.token, config.vocab_size));
     }
-    if (q.position < 0 || (config.max_position_embeddings > 0 && q.position >= config.max_position_embeddings)) {
-      return invalid(fmt::format("device decode: sequence {}: position {} outside [0, {})", s, q.position,
-                                 config.max_position_embeddings));
+    const std::int64_t rope_position = q.position + q.rope_offset;
+    if (q.position < 0 || q.rope_offset < 0 ||
+        (config.max_position_embeddings > 0 && rope_position >= config.max_position_embeddings)) {
+      return invalid(fmt::format("device decode: sequence {}: position {} (RoPE offset {}) outside [0, {})", s,
+                                 q.position, q.rope_offset, config.max_position_embeddings));
     }
     const std::int64_t ctx = q.position + 1;
     const std::int64_t needed = (ctx + cache.block_size - 1) / cache.block_size;
@@ -93,7 +95,7 @@ Result<DecodeStepPlan> planDecodeStep(const ModelConfig& config, const DecodeCac
                       s, slot, slot / cache.block_size, slot % cache.block_size));
     }
     plan.token_ids.push_back(q.token);
-    plan.positions.push_back(q.position);
+    plan.positions.push_back(rope_position);
     plan.ctx_len.push_back(ctx);
     plan.write_slot.push_back(slot);
     plan.max_context = std::max(plan.max_context, ctx);

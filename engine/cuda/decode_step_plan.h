@@ -27,19 +27,22 @@ struct DecodeCacheShape {
   std::int64_t block_size = 0;
 };
 
-/// One sequence of a decode step: `token` goes to cache position `position`; positions
-/// [0, position) are already in the cache; block_table holds positions [0, position].
+/// One sequence of a decode step (or one row of a prefill chunk): `token` goes to cache position
+/// `position`; positions [0, position) are already in the cache (or written by earlier rows of the
+/// same step: every row's latent is written before attention reads); block_table holds positions
+/// [0, position]. RoPE position = position + rope_offset (SequenceChunk::rope_offset).
 struct DecodeSequence {
   std::int32_t token = 0;
   std::int64_t position = 0;
   std::span<const std::int32_t> block_table;
+  std::int64_t rope_offset = 0;
 };
 
 /// A validated step, laid out for the device (index t = the t-th sequence).
 struct DecodeStepPlan {
   std::int64_t tokens = 0;
   std::vector<std::int32_t> token_ids;     ///< [tokens]
-  std::vector<std::int64_t> positions;     ///< [tokens]: RoPE and cache positions
+  std::vector<std::int64_t> positions;     ///< [tokens]: RoPE positions (cache position + rope_offset)
   std::vector<std::int64_t> ctx_len;       ///< [tokens]: position + 1 (causal)
   std::vector<std::int32_t> block_tables;  ///< the blocks each sequence needs, concatenated
   std::vector<std::int64_t> table_begin;   ///< [tokens]: where sequence t's blocks start
@@ -52,9 +55,10 @@ struct DecodeStepPlan {
 /// naming the value otherwise.
 [[nodiscard]] Status checkDecodeModel(const ModelConfig& config);
 
-/// Checks a step's batch (1..kMaxDecodeBatch sequences; token ids in the vocabulary; positions in
-/// [0, max_position_embeddings); tables long enough, block ids in [0, num_blocks); no two sequences
-/// writing the same cache slot) and lays it out. InvalidArgument naming the sequence and value.
+/// Checks a step's batch (1..kMaxDecodeBatch sequences; token ids in the vocabulary; RoPE positions
+/// (position + rope_offset, rope_offset >= 0) in [0, max_position_embeddings); tables long enough, block ids in [0,
+/// num_blocks); no two sequences writing the same cache slot) and lays it out. InvalidArgument naming the sequence and
+/// value.
 [[nodiscard]] Result<DecodeStepPlan> planDecodeStep(const ModelConfig& config, const DecodeCacheShape& cache,
                                                     std::span<const DecodeSequence> batch);
 

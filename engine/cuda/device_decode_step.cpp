@@ -59,6 +59,18 @@ struct Layer {
   std::optional<Mlp> shared;
 };
 
+// The MTP layer: eh_proj over [enorm(embedding) ; hnorm(previous hidden)], one decoder layer,
+// shared_head.norm and shared_head.head.
+struct MtpLayer {
+  const float* embed = nullptr;  // FP32 [vocab, hidden]: the layer's own copy, else the main one
+  const float* enorm = nullptr;
+  const float* hnorm = nullptr;
+  Linear eh_proj;
+  Layer block;
+  const float* head_norm = nullptr;
+  Linear head;
+};
+
 // Runs a BatchedGemm (decode_step_plan.h) on the device: alpha 1, beta 0.
 Status runGemm(cublasHandle_t handle, const BatchedGemm& g, const float* a, const float* b, float* c) {
   const float one = 1.0F;
@@ -90,14 +102,19 @@ struct DeviceDecodeStep::Impl {
   const float* embed = nullptr;  // FP32 [vocab, hidden]
   const float* final_norm = nullptr;
   Linear head;
+  std::optional<MtpLayer> mtp;
+  i64 cache_layers = 0;  // main layers, + 1 with the MTP layer
   cuda::DeviceBuffer<float> inv_freq;
   cuda::DeviceBuffer<float> cache;  // [layers, num_blocks, block_size, latent_dim]
   std::optional<MlaDecodeAttention> attention;
+  std::optional<DeviceSampler> sampler;  // kMaxDecodeBatch rows of the vocabulary
   float softmax_scale = 1.0F;
   float eps = 1e-6F;
   // Workspaces for kMaxDecodeBatch tokens.
   cuda::DeviceBuffer<float> h, xn, qa, q, kv, latent, q_cat, o_lat, o, attn_out, ffn_out, router_logits, gx, act, up,
-      gout, logits;
+      gout, logits, cat, prev, sel;
+  std::optional<cuda::PinnedHostBuffer<float>> latent_host;  // [kMaxDecodeBatch, latent_dim]: the observer's view
+  std::optional<cuda::PinnedHostBuffer<float>> staging;      // writeCache's host side, grown on demand
   cuda::DeviceBuffer<std::int64_t> positions, ctx_len, table_begin;
   cuda::DeviceBuffer<std::int32_t> block_tables, topk_idx;
   cuda::DeviceBuffer<float> topk_weight;
@@ -204,7 +221,7 @@ struct DeviceDecodeStep::Impl {
     return m;
   }
 
-  [[nodiscard]] Status bindLayer(i64 index) {
+  [[nodiscard]] Result<Layer> makeLayer(i64 index) {
     const ModelConfig& c = cfg;
     const std::string p = fmt::format("model.layers.{}.", index);
     const i64 d = c.hidden_size;
@@ -243,7 +260,63 @@ struct DeviceDecodeStep::Impl {
         l.shared = m;
       }
     }
-    layers.push_back(std::move(l));
+    return l;
+  }
+
+  [[nodiscard]] Status bindMtp() {
+    const ModelConfig& c = cfg;
+    const i64 d = c.hidden_size;
+    const i64 index = c.num_hidden_layers;
+    const std::string p = fmt::format("model.layers.{}.", index);
+    MtpLayer t;
+    PD_ASSIGN_OR_RETURN(t.enorm, vector(p + "enorm.weight", d));
+    PD_ASSIGN_OR_RETURN(t.hnorm, vector(p + "hnorm.weight", d));
+    PD_ASSIGN_OR_RETURN(t.eh_proj, linear(p + "eh_proj.weight", d, 2 * d));
+    PD_ASSIGN_OR_RETURN(t.block, makeLayer(index));
+    PD_ASSIGN_OR_RETURN(t.head_norm, vector(p + "shared_head.norm.weight", d));
+    t.head = head;
+    if (weights.find(p + "shared_head.head.weight") != nullptr) {
+      PD_ASSIGN_OR_RETURN(t.head, linear(p + "shared_head.head.weight", c.vocab_size, d));
+    }
+    t.embed = embed;
+    if (weights.find(p + "embed_tokens.weight") != nullptr) {
+      PD_ASSIGN_OR_RETURN(t.embed, matrixF32(p + "embed_tokens.weight", c.vocab_size, d));
+    }
+    mtp = t;
+    return okStatus();
+  }
+
+  // The device cache of cache_shape and what depends on it (attention splits, block tables).
+  [[nodiscard]] Status allocateCache() {
+    const ModelConfig& c = cfg;
+    const DecodeCacheShape& cs = cache_shape;
+    const i64 ld = c.latentDim();
+    const i64 slots = cs.num_blocks * cs.block_size;
+    const i64 max_ctx = c.max_position_embeddings > 0 ? std::min(c.max_position_embeddings, slots) : slots;
+    PD_ASSIGN_OR_RETURN(cache, cuda::DeviceBuffer<float>::create(sz(cache_layers * slots * ld)));
+    PD_ASSIGN_OR_RETURN(MlaDecodeAttention att,
+                        MlaDecodeAttention::create({kMaxDecodeBatch, c.num_attention_heads, ld, max_ctx}));
+    attention.emplace(std::move(att));
+    max_table_blocks = (max_ctx + cs.block_size - 1) / cs.block_size;
+    PD_ASSIGN_OR_RETURN(block_tables, cuda::DeviceBuffer<std::int32_t>::create(sz(kMaxDecodeBatch * max_table_blocks)));
+    return okStatus();
+  }
+
+  // One decoder layer on h (the previous block's output `delta` still to be added, or null);
+  // afterwards `delta` is this layer's FFN output.
+  [[nodiscard]] Status runLayer(const Layer& layer, i64 kv_layer, const DecodeStepPlan& plan, const float*& delta,
+                                LatentObserver* observer) {
+    const i64 n = plan.tokens;
+    const i64 d = cfg.hidden_size;
+    PD_TRY(rmsNormResidual(h.data(), delta, layer.input_norm, xn.data(), n, d, eps, stream));
+    PD_TRY(attentionBlock(layer, kv_layer, plan, observer));
+    PD_TRY(rmsNormResidual(h.data(), attn_out.data(), layer.post_norm, xn.data(), n, d, eps, stream));
+    if (layer.moe) {
+      PD_TRY(moeBlock(layer, n));
+    } else {
+      PD_TRY(runMlp(layer.dense, xn.data(), n, ffn_out.data()));
+    }
+    delta = ffn_out.data();
     return okStatus();
   }
 
@@ -279,7 +352,8 @@ struct DeviceDecodeStep::Impl {
     return apply(m.down, act.data(), width, n, out, d);
   }
 
-  [[nodiscard]] Status attentionBlock(const Layer& l, i64 kv_layer, const DecodeStepPlan& plan) {
+  [[nodiscard]] Status attentionBlock(const Layer& l, i64 kv_layer, const DecodeStepPlan& plan,
+                                      LatentObserver* observer) {
     const ModelConfig& c = cfg;
     const i64 n = plan.tokens;
     const i64 d = c.hidden_size;
@@ -311,9 +385,18 @@ struct DeviceDecodeStep::Impl {
     PD_TRY(ropeInterleaved(q.data(), RopeShape{n, heads, heads * qk, qk, dn, half}, inv_freq.data(), positions.data(),
                            stream));
     float* layer_cache = cache.data() + kv_layer * cache_shape.num_blocks * cache_shape.block_size * ld;
+    // The observer sees the latents on the host (a synchronize per layer) and may replace them.
+    bool from_host = false;
+    float* host = latent_host->data();
+    if (observer != nullptr) {
+      PD_CUDA_TRY(cudaMemcpyAsync(host, latent.data(), sz(n * ld) * sizeof(float), cudaMemcpyDeviceToHost, s));
+      PD_TRY(stream.synchronize());
+      PD_ASSIGN_OR_RETURN(from_host, observer->onLatents(kv_layer, std::span<float>(host, sz(n * ld))));
+    }
     for (i64 t = 0; t < n; ++t) {
-      PD_CUDA_TRY(cudaMemcpyAsync(layer_cache + plan.write_slot[sz(t)] * ld, latent.data() + t * ld,
-                                  sz(ld) * sizeof(float), cudaMemcpyDeviceToDevice, s));
+      PD_CUDA_TRY(cudaMemcpyAsync(layer_cache + plan.write_slot[sz(t)] * ld,
+                                  from_host ? host + t * ld : latent.data() + t * ld, sz(ld) * sizeof(float),
+                                  from_host ? cudaMemcpyHostToDevice : cudaMemcpyDeviceToDevice, s));
     }
     // q_cat[t][h] = (W_UK_h^T q_nope[t][h] ; q_pe[t][h]).
     PD_TRY(runGemm(blas.get(), absorbQueryGemm(c, n), l.kv_b, q.data(), q_cat.data()));
@@ -430,9 +513,14 @@ Result<std::unique_ptr<DeviceDecodeStep>> DeviceDecodeStep::create(const DeviceW
   m.softmax_scale = static_cast<float>(c.softmaxScale());
   m.eps = static_cast<float>(c.rms_norm_eps);
   PD_ASSIGN_OR_RETURN(m.embed, m.matrixF32("model.embed_tokens.weight", c.vocab_size, c.hidden_size));
-  for (i64 l = 0; l < c.num_hidden_layers; ++l) PD_TRY(m.bindLayer(l));
+  for (i64 l = 0; l < c.num_hidden_layers; ++l) {
+    PD_ASSIGN_OR_RETURN(Layer layer, m.makeLayer(l));
+    m.layers.push_back(std::move(layer));
+  }
   PD_ASSIGN_OR_RETURN(m.final_norm, m.vector("model.norm.weight", c.hidden_size));
   PD_ASSIGN_OR_RETURN(m.head, m.linear("lm_head.weight", c.vocab_size, c.hidden_size));
+  if (c.num_nextn_predict_layers > 0) PD_TRY(m.bindMtp());
+  m.cache_layers = c.num_hidden_layers + (m.mtp ? 1 : 0);
   PD_ASSIGN_OR_RETURN(const std::vector<float> freq, model::ropeInvFreq(c));
   PD_ASSIGN_OR_RETURN(m.inv_freq, cuda::DeviceBuffer<float>::create(freq.size()));
   PD_TRY(m.inv_freq.copyFromHost(freq, m.stream));
@@ -442,12 +530,7 @@ Result<std::unique_ptr<DeviceDecodeStep>> DeviceDecodeStep::create(const DeviceW
   const i64 heads = c.num_attention_heads;
   const i64 ld = c.latentDim();
   const i64 qk = c.qkHeadDim();
-  const i64 max_ctx = c.max_position_embeddings > 0 ? c.max_position_embeddings : cs.num_blocks * cs.block_size;
-  PD_ASSIGN_OR_RETURN(m.cache,
-                      cuda::DeviceBuffer<float>::create(sz(c.num_hidden_layers * cs.num_blocks * cs.block_size * ld)));
-  PD_ASSIGN_OR_RETURN(MlaDecodeAttention att,
-                      MlaDecodeAttention::create({n, heads, ld, std::min(max_ctx, cs.num_blocks * cs.block_size)}));
-  m.attention.emplace(std::move(att));
+  PD_TRY(m.allocateCache());
   i64 widest = c.intermediate_size;
   widest = std::max(widest, c.moe_intermediate_size * std::max<i64>(c.n_shared_experts, 1));
   const i64 top_k = std::max<i64>(c.num_experts_per_tok, 1);
@@ -473,60 +556,248 @@ Result<std::unique_ptr<DeviceDecodeStep>> DeviceDecodeStep::create(const DeviceW
   PD_TRY(make(m.gout, (n * top_k + n) * d));
   PD_TRY(make(m.logits, n * c.vocab_size));
   PD_TRY(make(m.topk_weight, n * top_k));
+  PD_TRY(make(m.cat, n * 2 * d));
+  PD_TRY(make(m.prev, n * d));
+  PD_TRY(make(m.sel, n * d));
+  PD_ASSIGN_OR_RETURN(DeviceSampler sampler, DeviceSampler::create(n, c.vocab_size));
+  m.sampler.emplace(std::move(sampler));
+  PD_ASSIGN_OR_RETURN(cuda::PinnedHostBuffer<float> latent_host, cuda::PinnedHostBuffer<float>::create(sz(n * ld)));
+  m.latent_host.emplace(std::move(latent_host));
   PD_ASSIGN_OR_RETURN(m.topk_idx, cuda::DeviceBuffer<std::int32_t>::create(sz(n * top_k)));
   PD_ASSIGN_OR_RETURN(m.positions, cuda::DeviceBuffer<std::int64_t>::create(sz(n)));
   PD_ASSIGN_OR_RETURN(m.ctx_len, cuda::DeviceBuffer<std::int64_t>::create(sz(n)));
   PD_ASSIGN_OR_RETURN(m.table_begin, cuda::DeviceBuffer<std::int64_t>::create(sz(n)));
-  m.max_table_blocks = (max_ctx + cs.block_size - 1) / cs.block_size;
-  PD_ASSIGN_OR_RETURN(m.block_tables, cuda::DeviceBuffer<std::int32_t>::create(sz(n * m.max_table_blocks)));
   PD_TRY(m.stream.synchronize());
   return std::unique_ptr<DeviceDecodeStep>(new DeviceDecodeStep(std::move(impl), cs));
 }
 
 Result<std::vector<float>> DeviceDecodeStep::step(std::span<const DecodeSequence> batch) {
+  PD_ASSIGN_OR_RETURN(const DecodeStepPlan plan, planDecodeStep(impl_->cfg, cache_shape_, batch));
+  std::vector<std::int64_t> rows(sz(plan.tokens));
+  std::iota(rows.begin(), rows.end(), 0);
+  Request request;
+  request.logit_rows = rows;
+  PD_ASSIGN_OR_RETURN(Output out, run(plan, request));
+  return std::move(out.logits);
+}
+
+bool DeviceDecodeStep::hasMtp() const {
+  return impl_->mtp.has_value();
+}
+
+std::int64_t DeviceDecodeStep::cacheLayers() const {
+  return impl_->cache_layers;
+}
+
+namespace {
+
+// Whether `plan` is one this step can run: the sizes agree, every slot and block id is inside
+// the cache, the contexts fit the attention workspace.
+Status checkPlan(const DecodeStepPlan& plan, const DecodeCacheShape& cs, i64 max_context, i64 max_table_blocks,
+                 i64 vocab) {
+  const i64 n = plan.tokens;
+  const auto bad = [](std::string what) {
+    return makeError(ErrorCode::InvalidArgument, "device step: " + std::move(what));
+  };
+  if (n <= 0 || n > kMaxDecodeBatch) return bad(fmt::format("{} rows; a step takes 1..{}", n, kMaxDecodeBatch));
+  if (plan.token_ids.size() != sz(n) || plan.positions.size() != sz(n) || plan.ctx_len.size() != sz(n) ||
+      plan.table_begin.size() != sz(n) || plan.write_slot.size() != sz(n)) {
+    return bad("the plan's per-row arrays do not have one entry per row");
+  }
+  const i64 slots = cs.num_blocks * cs.block_size;
+  for (i64 t = 0; t < n; ++t) {
+    if (plan.token_ids[sz(t)] < 0 || plan.token_ids[sz(t)] >= vocab) {
+      return bad(fmt::format("row {}: token id {} outside [0, {})", t, plan.token_ids[sz(t)], vocab));
+    }
+    if (plan.write_slot[sz(t)] < 0 || plan.write_slot[sz(t)] >= slots) {
+      return bad(fmt::format("row {} writes slot {} outside the cache's {}", t, plan.write_slot[sz(t)], slots));
+    }
+    if (plan.ctx_len[sz(t)] < 1 || plan.ctx_len[sz(t)] > plan.max_context) {
+      return bad(fmt::format("row {} attends to {} positions (the plan's maximum is {})", t, plan.ctx_len[sz(t)],
+                             plan.max_context));
+    }
+    const i64 blocks = (plan.ctx_len[sz(t)] + cs.block_size - 1) / cs.block_size;
+    if (plan.table_begin[sz(t)] < 0 || plan.table_begin[sz(t)] + blocks > static_cast<i64>(plan.block_tables.size())) {
+      return bad(fmt::format("row {}'s block table runs past the plan's tables", t));
+    }
+  }
+  for (const std::int32_t id : plan.block_tables) {
+    if (id < 0 || id >= cs.num_blocks) return bad(fmt::format("block id {} outside [0, {})", id, cs.num_blocks));
+  }
+  if (plan.max_context > max_context) {
+    return bad(
+        fmt::format("a context of {} positions exceeds the step's {} (the cache's positions, at most "
+                    "max_position_embeddings)",
+                    plan.max_context, max_context));
+  }
+  if (static_cast<i64>(plan.block_tables.size()) > kMaxDecodeBatch * max_table_blocks) {
+    return bad("block tables longer than the model's context");
+  }
+  return okStatus();
+}
+
+}  // namespace
+
+Result<DeviceDecodeStep::Output> DeviceDecodeStep::run(const DecodeStepPlan& plan, const Request& request) {
   Impl& m = *impl_;
   const ModelConfig& c = m.cfg;
-  PD_ASSIGN_OR_RETURN(const DecodeStepPlan plan, planDecodeStep(c, cache_shape_, batch));
-  if (plan.max_context > m.attention->limits().max_context) {
-    return makeError(ErrorCode::InvalidArgument,
-                     fmt::format("device decode: a context of {} positions exceeds the step's {} (the cache's "
-                                 "positions, at most max_position_embeddings)",
-                                 plan.max_context, m.attention->limits().max_context));
+  if (!m.attention || m.cache.size() == 0) {
+    return makeError(ErrorCode::ResourceExhausted, "device step: no device cache (a cache shape did not fit)");
   }
-  if (static_cast<i64>(plan.block_tables.size()) > kMaxDecodeBatch * m.max_table_blocks) {
-    return makeError(ErrorCode::InvalidArgument, "device decode: block tables longer than the model's context");
-  }
-  PD_CUDA_TRY(cudaSetDevice(m.weights.device().index));
+  PD_TRY(checkPlan(plan, cache_shape_, m.attention->limits().max_context, m.max_table_blocks, c.vocab_size));
   const i64 n = plan.tokens;
   const i64 d = c.hidden_size;
+  for (const auto rows : {request.logit_rows, request.hidden_rows}) {
+    for (const std::int64_t r : rows) {
+      if (r < 0 || r >= n) {
+        return makeError(ErrorCode::InvalidArgument, fmt::format("device step: output row {} outside [0, {})", r, n));
+      }
+    }
+  }
+  if (!request.sample_rows.empty() && request.sample_rows.size() != request.logit_rows.size()) {
+    return makeError(ErrorCode::InvalidArgument, fmt::format("device step: {} sampling requests for {} logit rows",
+                                                             request.sample_rows.size(), request.logit_rows.size()));
+  }
+  if (request.mtp) {
+    if (!m.mtp) return makeError(ErrorCode::Unsupported, "the checkpoint has no MTP layer");
+    if (static_cast<i64>(request.prev_hidden.size()) != n * d) {
+      return makeError(ErrorCode::InvalidArgument, fmt::format("device step: MTP needs {} x {} previous hidden "
+                                                               "values, got {}",
+                                                               n, d, request.prev_hidden.size()));
+    }
+    if (!request.zero_embedding.empty() && static_cast<i64>(request.zero_embedding.size()) != n) {
+      return makeError(ErrorCode::InvalidArgument, "device step: zero_embedding needs one flag per row");
+    }
+  }
+  PD_CUDA_TRY(cudaSetDevice(m.weights.device().index));
   const cudaStream_t s = m.stream.get();
   PD_TRY(m.positions.copyFromHost(plan.positions, m.stream));
   PD_TRY(m.ctx_len.copyFromHost(plan.ctx_len, m.stream));
   PD_TRY(m.table_begin.copyFromHost(plan.table_begin, m.stream));
   PD_TRY(m.block_tables.copyFromHost(plan.block_tables, m.stream));
+  const float* table = request.mtp ? m.mtp->embed : m.embed;
   for (i64 t = 0; t < n; ++t) {
-    PD_CUDA_TRY(cudaMemcpyAsync(m.h.data() + t * d, m.embed + static_cast<i64>(plan.token_ids[sz(t)]) * d,
+    PD_CUDA_TRY(cudaMemcpyAsync(m.h.data() + t * d, table + static_cast<i64>(plan.token_ids[sz(t)]) * d,
                                 sz(d) * sizeof(float), cudaMemcpyDeviceToDevice, s));
+    if (request.mtp && !request.zero_embedding.empty() && request.zero_embedding[sz(t)] != 0) {
+      PD_CUDA_TRY(cudaMemsetAsync(m.h.data() + t * d, 0, sz(d) * sizeof(float), s));
+    }
   }
   const float* delta = nullptr;  // the previous block's output, added into h by the next norm
-  for (std::size_t l = 0; l < m.layers.size(); ++l) {
-    const Layer& layer = m.layers[l];
-    PD_TRY(rmsNormResidual(m.h.data(), delta, layer.input_norm, m.xn.data(), n, d, m.eps, m.stream));
-    PD_TRY(m.attentionBlock(layer, static_cast<i64>(l), plan));
-    PD_TRY(rmsNormResidual(m.h.data(), m.attn_out.data(), layer.post_norm, m.xn.data(), n, d, m.eps, m.stream));
-    if (layer.moe) {
-      PD_TRY(m.moeBlock(layer, n));
-    } else {
-      PD_TRY(m.runMlp(layer.dense, m.xn.data(), n, m.ffn_out.data()));
+  const float* out_norm = m.final_norm;
+  const Linear* out_head = &m.head;
+  if (!request.mtp) {
+    for (std::size_t l = 0; l < m.layers.size(); ++l) {
+      PD_TRY(m.runLayer(m.layers[l], static_cast<i64>(l), plan, delta, request.observer));
     }
-    delta = m.ffn_out.data();
+  } else {
+    // h = eh_proj [enorm(embedding) ; hnorm(prev_hidden)], then the MTP block on its own KV layer.
+    const MtpLayer& mt = *m.mtp;
+    PD_TRY(rmsNormResidual(m.h.data(), nullptr, mt.enorm, m.xn.data(), n, d, m.eps, m.stream));
+    PD_TRY(m.prev.copyFromHost(request.prev_hidden, m.stream));
+    PD_TRY(rmsNormResidual(m.prev.data(), nullptr, mt.hnorm, m.attn_out.data(), n, d, m.eps, m.stream));
+    const std::size_t row = sz(d) * sizeof(float);
+    PD_CUDA_TRY(cudaMemcpy2DAsync(m.cat.data(), 2 * row, m.xn.data(), row, row, sz(n), cudaMemcpyDeviceToDevice, s));
+    PD_CUDA_TRY(
+        cudaMemcpy2DAsync(m.cat.data() + d, 2 * row, m.attn_out.data(), row, row, sz(n), cudaMemcpyDeviceToDevice, s));
+    PD_TRY(m.apply(mt.eh_proj, m.cat.data(), 2 * d, n, m.h.data(), d));
+    PD_TRY(m.runLayer(mt.block, c.num_hidden_layers, plan, delta, request.observer));
+    out_norm = mt.head_norm;
+    out_head = &mt.head;
   }
-  PD_TRY(rmsNormResidual(m.h.data(), delta, m.final_norm, m.xn.data(), n, d, m.eps, m.stream));
-  PD_TRY(m.apply(m.head, m.xn.data(), d, n, m.logits.data(), c.vocab_size));
-  std::vector<float> logits(sz(n * c.vocab_size));
-  PD_TRY(m.logits.copyToHost(logits, m.stream));
+  PD_TRY(rmsNormResidual(m.h.data(), delta, out_norm, m.xn.data(), n, d, m.eps, m.stream));
+  Output out;
+  const auto k = static_cast<i64>(request.logit_rows.size());
+  if (k > 0) {
+    // The LM head over the chosen rows only, gathered unless they are rows 0..k-1.
+    bool leading = true;
+    for (i64 i = 0; i < k; ++i) leading = leading && request.logit_rows[sz(i)] == i;
+    const float* x = m.xn.data();
+    if (!leading) {
+      for (i64 i = 0; i < k; ++i) {
+        PD_CUDA_TRY(cudaMemcpyAsync(m.sel.data() + i * d, m.xn.data() + request.logit_rows[sz(i)] * d,
+                                    sz(d) * sizeof(float), cudaMemcpyDeviceToDevice, s));
+      }
+      x = m.sel.data();
+    }
+    PD_TRY(m.apply(*out_head, x, d, k, m.logits.data(), c.vocab_size));
+    if (!request.sample_rows.empty()) {
+      PD_ASSIGN_OR_RETURN(out.sampled, m.sampler->sample(m.logits.data(), request.sample_rows, m.stream));
+    } else {
+      out.logits.resize(sz(k * c.vocab_size));
+      PD_TRY(m.logits.copyToHost(out.logits, m.stream));
+    }
+  }
+  // Main model: hidden after the final norm; MTP: the block output before shared_head.norm.
+  const float* hidden_src = request.mtp ? m.h.data() : m.xn.data();
+  out.hidden.resize(request.hidden_rows.size() * sz(d));
+  for (std::size_t i = 0; i < request.hidden_rows.size(); ++i) {
+    PD_CUDA_TRY(cudaMemcpyAsync(out.hidden.data() + i * sz(d), hidden_src + request.hidden_rows[i] * d,
+                                sz(d) * sizeof(float), cudaMemcpyDeviceToHost, s));
+  }
   PD_TRY(m.stream.synchronize());
-  return logits;
+  return out;
+}
+
+Status DeviceDecodeStep::writeCache(std::int64_t kv_layer, std::span<const std::int64_t> slots,
+                                    std::span<const std::int64_t> counts, std::span<const float> values) {
+  Impl& m = *impl_;
+  const i64 ld = m.cfg.latentDim();
+  const i64 cache_slots = cache_shape_.num_blocks * cache_shape_.block_size;
+  if (kv_layer < 0 || kv_layer >= m.cache_layers || slots.size() != counts.size() || m.cache.size() == 0) {
+    return makeError(ErrorCode::InvalidArgument,
+                     fmt::format("device cache write: layer {} of {}, {} slots and {} counts", kv_layer, m.cache_layers,
+                                 slots.size(), counts.size()));
+  }
+  i64 total = 0;
+  for (std::size_t i = 0; i < slots.size(); ++i) {
+    if (slots[i] < 0 || counts[i] <= 0 || slots[i] + counts[i] > cache_slots) {
+      return makeError(ErrorCode::InvalidArgument, fmt::format("device cache write: slots [{}, {}) outside [0, {})",
+                                                               slots[i], slots[i] + counts[i], cache_slots));
+    }
+    total += counts[i];
+  }
+  if (static_cast<i64>(values.size()) != total * ld) {
+    return makeError(ErrorCode::InvalidArgument,
+                     fmt::format("device cache write: {} values for {} slots of {}", values.size(), total, ld));
+  }
+  if (total == 0) return okStatus();
+  PD_CUDA_TRY(cudaSetDevice(m.weights.device().index));
+  if (!m.staging || m.staging->size() < values.size()) {
+    m.staging.reset();  // the last copy from it finished: every writeCache ends synchronized
+    PD_ASSIGN_OR_RETURN(cuda::PinnedHostBuffer<float> buf, cuda::PinnedHostBuffer<float>::create(values.size()));
+    m.staging.emplace(std::move(buf));
+  }
+  std::memcpy(m.staging->data(), values.data(), values.size_bytes());
+  float* layer_cache = m.cache.data() + kv_layer * cache_slots * ld;
+  i64 at = 0;
+  for (std::size_t i = 0; i < slots.size(); ++i) {
+    PD_CUDA_TRY(cudaMemcpyAsync(layer_cache + slots[i] * ld, m.staging->data() + at * ld,
+                                sz(counts[i] * ld) * sizeof(float), cudaMemcpyHostToDevice, m.stream.get()));
+    at += counts[i];
+  }
+  return m.stream.synchronize();
+}
+
+Status DeviceDecodeStep::setCacheShape(const DecodeCacheShape& shape) {
+  Impl& m = *impl_;
+  if (shape.num_blocks == cache_shape_.num_blocks && shape.block_size == cache_shape_.block_size &&
+      m.cache.size() > 0) {
+    return okStatus();
+  }
+  if (shape.num_blocks <= 0 || shape.block_size <= 0 || shape.num_blocks * shape.block_size > (i64{1} << 31)) {
+    return makeError(ErrorCode::InvalidArgument, fmt::format("device decode: cache of {} blocks of {} positions",
+                                                             shape.num_blocks, shape.block_size));
+  }
+  PD_CUDA_TRY(cudaSetDevice(m.weights.device().index));
+  PD_TRY(m.stream.synchronize());
+  // Free the old cache first, so that the new one may take its place.
+  m.cache = {};
+  m.attention.reset();
+  m.block_tables = {};
+  cache_shape_ = shape;
+  m.cache_shape = shape;
+  return m.allocateCache();
 }
 
 }  // namespace pd::gpu

@@ -14,9 +14,13 @@
 /// copy dequantized on the host. The FP32 copies are made once at create(): fp32 mode is the
 /// golden-parity mode, not the memory-saving one.
 ///
-/// Not yet here: the MTP layer, prefill chunks (one token per sequence only), a BF16 cache, the bf16
-/// numerics mode, CUDA graphs, the `Engine` seam. MoE routing results cross to the host once per
-/// MoE layer to group tokens by expert (a synchronize per MoE layer).
+/// The same step runs the rows of prefill chunks and MTP verify (one row per new token, each
+/// attending to the positions up to its own: every row's latent is written to the device cache
+/// before the layer's attention reads it) and the MTP layer (run()), with an observer that sees
+/// each layer's new latents on the host (the CudaEngine mirrors them into the caller's cache).
+///
+/// Not yet here: a BF16 device cache, the bf16 numerics mode, CUDA graphs. MoE routing results
+/// cross to the host once per MoE layer to group tokens by expert (a synchronize per MoE layer).
 ///
 /// Private to the CUDA backend (engine/cuda) and its tests.
 /// Thread rules: one thread at a time (the engine's); all work is ordered on the step's own stream.
@@ -52,6 +56,57 @@ class DeviceDecodeStep {
   /// Runs one step (planDecodeStep validates the batch first; nothing is launched when it fails)
   /// and returns the logits [batch.size(), vocab_size]. Blocks until they are on the host.
   [[nodiscard]] Result<std::vector<float>> step(std::span<const DecodeSequence> batch);
+
+  /// Sees each layer's new latents [tokens, latent_dim] (float32, on the host, in row order) after
+  /// they are computed and before the layer's attention reads them. Called on the calling thread.
+  class LatentObserver {
+   public:
+    virtual ~LatentObserver() = default;
+    /// May change `latents` in place (e.g. round them as a BF16 cache would); returns whether it
+    /// did, in which case the changed values are what the device cache holds and attention reads.
+    [[nodiscard]] virtual Result<bool> onLatents(std::int64_t kv_layer, std::span<float> latents) = 0;
+  };
+
+  struct Request {
+    bool mtp = false;                    ///< run the MTP layer (kv layer num_hidden_layers) instead of the main layers
+    std::span<const float> prev_hidden;  ///< mtp: [tokens, hidden] main-model final hidden states
+    std::span<const std::uint8_t> zero_embedding;  ///< mtp: per row, 1 = zero its token embedding (or empty)
+    std::span<const std::int64_t> logit_rows;      ///< rows whose logits to return, each in [0, tokens)
+    std::span<const std::int64_t> hidden_rows;     ///< rows whose hidden states to return
+    LatentObserver* observer = nullptr;            ///< null: latents go straight to the device cache
+    /// When not empty: one sampling request per logit row; the rows are sampled on the device
+    /// (DeviceSampler) and only the tokens and logprobs come back, not the logits.
+    std::span<const DeviceSampler::Row> sample_rows;
+  };
+  struct Output {
+    std::vector<float> logits;  ///< [logit_rows, vocab_size]
+    /// [hidden_rows, hidden_size]: after the final norm (main); the MTP block output before
+    /// shared_head.norm (mtp), as model::Engine documents.
+    std::vector<float> hidden;
+    std::vector<DeviceSampler::Sampled> sampled;  ///< [logit_rows] when sample_rows was given (logits empty)
+  };
+  /// Runs the rows of `plan` (made by planDecodeStep for this step's cache shape) through the main
+  /// model or the MTP layer. InvalidArgument for rows or sizes that do not fit the plan or the
+  /// step (nothing launched); Unsupported for mtp without an MTP layer. Blocks until the outputs
+  /// are on the host.
+  [[nodiscard]] Result<Output> run(const DecodeStepPlan& plan, const Request& request);
+
+  /// Whether the checkpoint's MTP layer was bound (config num_nextn_predict_layers > 0).
+  [[nodiscard]] bool hasMtp() const;
+  /// KV layers of the device cache: main layers, then the MTP layer when bound.
+  [[nodiscard]] std::int64_t cacheLayers() const;
+
+  /// Copies host latents into the device cache: values [sum of runs' counts, latent_dim] float32
+  /// go to the runs' slots of `kv_layer`, in order. InvalidArgument for a slot or layer outside
+  /// the cache. Blocks until the copy is done (the host values may be freed after).
+  [[nodiscard]] Status writeCache(std::int64_t kv_layer, std::span<const std::int64_t> slots,
+                                  std::span<const std::int64_t> counts, std::span<const float> values);
+
+  /// Replaces the device cache by one of `shape` (its contents are lost) and resizes what depends
+  /// on it; nothing happens when the shape is the current one. InvalidArgument for a bad shape,
+  /// ResourceExhausted when the device memory is not there (the step is then unusable until a
+  /// shape that fits is set).
+  [[nodiscard]] Status setCacheShape(const DecodeCacheShape& shape);
 
   [[nodiscard]] const DecodeCacheShape& cacheShape() const { return cache_shape_; }
 

@@ -3,7 +3,12 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <map>
 #include <numeric>
+#include <utility>
+#include <vector>
+
+#include "pd/engine/device_sampling.h"
 
 namespace pd::model {
 
@@ -39,13 +44,54 @@ Result<GenerateResult> generate(Engine& engine, std::span<const std::int32_t> pr
   std::vector<float> hidden;  // main-model final hidden state of positions [0, seq.size() - 1)
   GenerateResult result;
 
-  const auto emit = [&](std::span<const float> logits) {
-    SampledToken t = sampler.sample(logits);
+  // Device sampling: the rows carry what the host Sampler keeps (its draw counter and the
+  // counts of the tokens produced), so the engine's tokens are the Sampler's.
+  SamplingEngine* const device =
+      o.device_sampling && deviceSamplable(o.sampling) ? dynamic_cast<SamplingEngine*>(&engine) : nullptr;
+  std::map<std::int32_t, std::int64_t> produced;
+  std::uint64_t draws = 0;
+  const bool stochastic = o.sampling.temperature > 0.0;
+  // Requests for `n` rows where row j follows the tokens `ahead[0, j)` (MTP drafts it verifies).
+  std::vector<std::vector<std::pair<std::int32_t, std::int64_t>>> row_counts;
+  const auto row_samples = [&](std::size_t n, std::span<const std::int32_t> ahead) {
+    std::vector<RowSample> rows(n);
+    row_counts.assign(n, {});
+    std::map<std::int32_t, std::int64_t> counts = produced;
+    for (std::size_t j = 0; j < n; ++j) {
+      if (j > 0) ++counts[ahead[j - 1]];
+      row_counts[j].assign(counts.begin(), counts.end());
+      rows[j].params = &o.sampling;
+      rows[j].draw = stochastic ? draws + j : 0;
+      rows[j].counts = row_counts[j];
+    }
+    return rows;
+  };
+
+  const auto emit_token = [&](SampledToken t) {
+    if (device != nullptr) {
+      ++produced[t.token];
+      if (stochastic) ++draws;
+    }
     seq.push_back(t.token);
     result.tokens.push_back(t.token);
     result.samples.push_back(std::move(t));
     const bool eos = o.stop_at_eos && result.tokens.back() == cfg.eos_token_id;
     return eos || static_cast<std::int64_t>(result.tokens.size()) >= o.max_tokens;
+  };
+  const auto emit = [&](std::span<const float> logits) { return emit_token(sampler.sample(logits)); };
+  std::vector<SampledToken> sampled;  // the device's tokens of the last call, one per logits row
+  // engine.forward, or the device's sampled forward when sampling there.
+  const auto forward = [&](const SequenceChunk& sc, const ForwardOptions& fo,
+                           std::span<const std::int32_t> ahead) -> Result<ForwardOutput> {
+    if (device == nullptr || fo.logits == OutputRows::None) {
+      return engine.forward(std::span<const SequenceChunk>(&sc, 1), cache.view(), fo);
+    }
+    const std::size_t n = fo.logits == OutputRows::All ? sc.tokens.size() : 1;
+    const std::vector<RowSample> rows = row_samples(n, ahead);
+    PD_ASSIGN_OR_RETURN(SampledForward r,
+                        device->forwardSampled(std::span<const SequenceChunk>(&sc, 1), cache.view(), fo, rows));
+    sampled = std::move(r.sampled);
+    return std::move(r.output);
   };
 
   // Prefill.
@@ -58,10 +104,10 @@ Result<GenerateResult> generate(Engine& engine, std::span<const std::int32_t> pr
     ForwardOptions fo;
     fo.logits = c1 == n_prompt ? OutputRows::Last : OutputRows::None;
     fo.hidden = mtp ? OutputRows::All : OutputRows::None;
-    PD_ASSIGN_OR_RETURN(out, engine.forward(std::span<const SequenceChunk>(&sc, 1), cache.view(), fo));
+    PD_ASSIGN_OR_RETURN(out, forward(sc, fo, {}));
     hidden.insert(hidden.end(), out.hidden.begin(), out.hidden.end());
   }
-  if (emit(out.logits)) return result;
+  if (device != nullptr ? emit_token(sampled.at(0)) : emit(out.logits)) return result;
 
   std::int64_t mtp_done = 0;  // MTP positions computed from true (token, hidden) pairs
   std::vector<std::int32_t> drafts;
@@ -99,14 +145,16 @@ Result<GenerateResult> generate(Engine& engine, std::span<const std::int32_t> pr
     fo.attention = AttentionPath::Absorbed;
     fo.logits = OutputRows::All;
     fo.hidden = mtp ? OutputRows::All : OutputRows::None;
-    PD_ASSIGN_OR_RETURN(out, engine.forward(std::span<const SequenceChunk>(&sc, 1), cache.view(), fo));
+    PD_ASSIGN_OR_RETURN(out, forward(sc, fo, drafts));
     ++result.decode_steps;
     const auto vocab = static_cast<std::size_t>(cfg.vocab_size);
     for (std::size_t j = 0; j < feed.size(); ++j) {
       if (mtp)
         hidden.insert(hidden.end(), out.hidden.begin() + static_cast<std::ptrdiff_t>(j * static_cast<std::size_t>(d)),
                       out.hidden.begin() + static_cast<std::ptrdiff_t>((j + 1) * static_cast<std::size_t>(d)));
-      if (emit(std::span<const float>(out.logits.data() + j * vocab, vocab))) return result;
+      const bool done = device != nullptr ? emit_token(sampled.at(j))
+                                          : emit(std::span<const float>(out.logits.data() + j * vocab, vocab));
+      if (done) return result;
       if (j >= drafts.size() || seq.back() != drafts[j]) break;
       ++result.drafts_accepted;
     }

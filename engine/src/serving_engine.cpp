@@ -3,10 +3,24 @@
 
 #include <utility>
 
+#include "pd/engine/cuda_engine.h"
+
 namespace pd::model {
 
 Result<ServingEngine> loadServingEngine(const std::filesystem::path& model_dir, int threads,
-                                        comm::TpProcessGroup* group) {
+                                        comm::TpProcessGroup* group, const gpu::ModelDevice& device) {
+  if (device.kind == gpu::ModelDevice::Kind::Cuda) {
+    if (group != nullptr) {
+      return makeError(ErrorCode::InvalidArgument,
+                       "model.device cuda: tensor parallelism runs on the CPU engine only (one GPU per worker)");
+    }
+    CudaEngineOptions options;
+    options.device = device;
+    PD_ASSIGN_OR_RETURN(std::unique_ptr<Engine> engine, createCudaEngine(model_dir, options));
+    ServingEngine out;
+    out.engine = std::move(engine);
+    return out;
+  }
   CpuEngineOptions options;
   options.threads = threads;
   if (group != nullptr) options.tp = &group->comm();

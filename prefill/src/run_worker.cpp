@@ -78,6 +78,10 @@ Status validate(const PrefillWorkerConfig& cfg) {
   if (cfg.prefill.tensor_parallel > 1 && cfg.rank_argv.empty()) {
     return makeError(ErrorCode::InvalidArgument, "prefill.tensor_parallel > 1 needs the command line of a rank");
   }
+  if (cfg.prefill.tensor_parallel > 1 && cfg.model_device.kind == gpu::ModelDevice::Kind::Cuda) {
+    return makeError(ErrorCode::InvalidArgument,
+                     "model.device cuda: prefill.tensor_parallel > 1 runs on the CPU engine only (one GPU per worker)");
+  }
   return okStatus();
 }
 
@@ -104,8 +108,9 @@ Status runWorker(const PrefillWorkerConfig& cfg) {
     // over it is not built yet (docs/gpu.md), so the CPU shard engine keeps using `group`.
     PD_ASSIGN_OR_RETURN(device_group, comm::joinDeviceGroup(group->comm(), cfg.cuda_device, 0, *hash, kTpJoinTimeout));
   }
-  PD_ASSIGN_OR_RETURN(model::ServingEngine loaded,
-                      model::loadServingEngine(cfg.model_dir, static_cast<int>(pre.threads), group.get()));
+  PD_ASSIGN_OR_RETURN(
+      model::ServingEngine loaded,
+      model::loadServingEngine(cfg.model_dir, static_cast<int>(pre.threads), group.get(), cfg.model_device));
   model::TpLeaderEngine* const tp_leader = loaded.tp_leader;
   log::info(kLog, "model {} loaded ({}), hash {}", cfg.model_dir.string(), loaded.engine->capabilities().backend,
             modelHashHex(*hash));

@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "pd/engine/cuda_engine.h"
 #include "pd/engine/engine.h"
 #include "pd/engine/kernels.h"
 #include "pd/engine/safetensors.h"
@@ -26,6 +27,11 @@ namespace {
 using model::Engine;
 
 Result<std::unique_ptr<Engine>> openEngine(const EngineChoice& choice) {
+  if (choice.device.kind == gpu::ModelDevice::Kind::Cuda) {
+    model::CudaEngineOptions cuda;
+    cuda.device = choice.device;
+    return model::createCudaEngine(choice.model, cuda);
+  }
   model::CpuEngineOptions options;
   options.threads = static_cast<int>(choice.threads);
   if (choice.isa == "avx512") options.isa = model::CpuIsa::Avx512;
@@ -137,7 +143,10 @@ Result<std::string> generateJson(const GenerateRequest& request) {
   auto ids = parsePromptIds(request.prompt_ids, (*engine)->config().vocab_size);
   if (!ids.ok()) return ids.error();
   const auto start = std::chrono::steady_clock::now();
-  auto res = model::generate(**engine, *ids, request.options);
+  // On a CUDA device the tokens are sampled there (only ids and logprobs cross to the host).
+  model::GenerateOptions options = request.options;
+  options.device_sampling = request.engine.device.kind == gpu::ModelDevice::Kind::Cuda;
+  auto res = model::generate(**engine, *ids, options);
   if (!res.ok()) return res.error();
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   std::string line = "{\"ids\": " + idsJson(res->tokens);

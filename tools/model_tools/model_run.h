@@ -14,6 +14,7 @@
 
 #include "pd/common/result.h"
 #include "pd/engine/generate.h"
+#include "pd/engine/gpu.h"
 
 namespace pd::tools {
 
@@ -21,7 +22,8 @@ namespace pd::tools {
 struct EngineChoice {
   std::filesystem::path model;  ///< resolved model folder
   std::int64_t threads = 0;     ///< 0: every hardware thread
-  std::string isa = "auto";     ///< auto, avx512, avx2 or generic
+  std::string isa = "auto";     ///< auto, avx512, avx2 or generic (CPU engine)
+  gpu::ModelDevice device;      ///< cpu: the CPU engine; cuda:N: the CUDA engine on device N
 };
 
 /// "1, 2,3" -> {1, 2, 3}: comma-separated ids in [0, vocab), blanks around each allowed;

@@ -25,7 +25,8 @@ struct EngineFlags {
 // The engine the flags name: --model, else model.path, else the embedded default model.
 Result<tools::EngineChoice> engineChoice(const EngineFlags& flags, const CommonConfig& common) {
   PD_TRY(checkModelDevice(common));
-  tools::EngineChoice choice{flags.model, flags.threads, flags.isa};
+  PD_ASSIGN_OR_RETURN(const gpu::ModelDevice device, gpu::parseModelDevice(common.model_device));
+  tools::EngineChoice choice{flags.model, flags.threads, flags.isa, device};
   if (choice.model.empty()) {
     PD_ASSIGN_OR_RETURN(choice.model, resolveModelDir(common));
   }

@@ -51,8 +51,10 @@ int runWorkerCommand(const WorkerRole& role, const std::vector<std::string>& raw
   cfg.rank_argv = {*self, std::string(role.name)};
   cfg.rank_argv.insert(cfg.rank_argv.end(), args.begin(), args.end());  // --check-config already removed
   cfg.trace = common.trace;
+  auto device = gpu::parseModelDevice(common.model_device);
+  if (!device.ok()) return reportFailure(device.error());
+  cfg.model_device = *device;
   if (Status s = validate(cfg); !s.ok()) return reportFailure(s.error());
-  if (auto device = gpu::parseModelDevice(common.model_device); !device.ok()) return reportFailure(device.error());
   if (Status s = checkGpuMemoryUtilization(common); !s.ok()) return reportFailure(s.error());
   if (check_only) return 0;
   if (Status s = checkModelDevice(common); !s.ok()) return reportFailure(s.error());
@@ -66,9 +68,7 @@ int runWorkerCommand(const WorkerRole& role, const std::vector<std::string>& raw
   cfg.tokenizer_dir = common.tokenizer_path;
   cfg.on_ready = printReadyLine;
   cfg.cluster_secret_file = common.cluster_secret_file;
-  if (auto device = gpu::parseModelDevice(common.model_device); device->kind == gpu::ModelDevice::Kind::Cuda) {
-    cfg.cuda_device = device->index;
-  }
+  if (device->kind == gpu::ModelDevice::Kind::Cuda) cfg.cuda_device = device->index;
   if (Status s = run(cfg); !s.ok()) return reportFailure(s.error());
   return 0;
 }

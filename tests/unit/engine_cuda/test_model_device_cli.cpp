@@ -11,11 +11,12 @@
 namespace {
 
 TEST(ModelDevice, PdserveGenerateOnAMissingCudaDeviceFailsClearly) {
+  if (pd::gpu::deviceCount() > 0) GTEST_SKIP() << "a CUDA device is visible: tests/gpu runs generate on it";
   const auto r =
       pd::test::pdserve({"generate", "--model.device", "cuda", "--prompt-ids", "1,2,3", "--max-tokens", "1"});
   EXPECT_EQ(r.exit_code, 1) << r.err;
   EXPECT_TRUE(r.out.empty()) << r.out;
-  const std::string want = pd::gpu::deviceCount() == 0 ? "no CUDA device" : "not built yet";
+  const std::string want = "no CUDA device";
   EXPECT_NE(r.err.find("pdserve: error: "), std::string::npos) << r.err;
   EXPECT_NE(r.err.find(want), std::string::npos) << r.err;
   // A malformed device is bad input (exit 2), and cpu still works as before.
@@ -25,10 +26,24 @@ TEST(ModelDevice, PdserveGenerateOnAMissingCudaDeviceFailsClearly) {
 }
 
 TEST(ModelDevice, DecodeWorkerOnAMissingCudaDeviceFailsBeforeLoading) {
+  if (pd::gpu::deviceCount() > 0) GTEST_SKIP() << "a CUDA device is visible: the worker would serve on it";
   const auto r = pd::test::pdserve({"decode", "--model.device", "cuda:0", "--decode.port", "0"});
   EXPECT_EQ(r.exit_code, 1) << r.err;
-  const std::string want = pd::gpu::deviceCount() == 0 ? "no CUDA device" : "not built yet";
+  const std::string want = "no CUDA device";
   EXPECT_NE(r.err.find(want), std::string::npos) << r.err;
+}
+
+TEST(ModelDevice, WorkersRefuseTensorParallelismOnCudaAsBadConfig) {
+  // Checked with the configuration (exit 2, --check-config catches it), GPU or not.
+  for (const char* role : {"prefill", "decode"}) {
+    const auto r = pd::test::pdserve(
+        {role, "--model.device", "cuda", "--" + std::string(role) + ".tensor_parallel", "2", "--check-config"});
+    EXPECT_EQ(r.exit_code, 2) << role << ": " << r.err;
+    EXPECT_NE(r.err.find(std::string(role) + ".tensor_parallel > 1 runs on the CPU engine only"), std::string::npos)
+        << r.err;
+  }
+  const auto cpu = pd::test::pdserve({"decode", "--decode.tensor_parallel", "2", "--check-config"});
+  EXPECT_EQ(cpu.exit_code, 0) << cpu.err;
 }
 
 TEST(ModelDevice, BenchEngineOnAMissingCudaDeviceFailsClearly) {

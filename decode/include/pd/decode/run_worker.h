@@ -26,6 +26,7 @@
 
 #include "pd/common/result.h"
 #include "pd/decode/decode_config.h"
+#include "pd/engine/gpu.h"
 #include "pd/kvtransfer/kvtransfer_config.h"
 #include "pd/trace/trace_config.h"
 
@@ -54,6 +55,9 @@ struct DecodeWorkerConfig {
   /// joins an NCCL communicator on device cuda_device + its rank on this machine
   /// (comm::joinDeviceGroup, docs/tensor-parallel.md "NCCL").
   int cuda_device = -1;
+  /// Where the model runs (`model.device`): the CPU engine, or the CUDA engine on one device
+  /// (tensor parallelism needs the CPU engine).
+  gpu::ModelDevice model_device;
 };
 
 /// Cross-field checks of the whole worker configuration (InvalidArgument naming the values).

@@ -28,6 +28,10 @@ struct GenerateOptions {
   std::int64_t block_size = 64;  ///< latent cache block size
   DType cache_dtype = DType::F32;
   std::int64_t prefill_chunk = 0;  ///< prefill in chunks of this many tokens (0 = one chunk)
+  /// Sample on the engine where it computes the logits (a SamplingEngine, device_sampling.h: only
+  /// the sampled ids and their logprobs cross to the host) when it is one and the sampling params
+  /// allow it (deviceSamplable); the host Sampler otherwise. The tokens are the same either way.
+  bool device_sampling = false;
 };
 
 struct GenerateResult {

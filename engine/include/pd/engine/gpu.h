@@ -32,8 +32,8 @@ struct ModelDevice {
 
 /// Whether the engine can run on `device` here, checked before any model is loaded: OK for the
 /// CPU. For CUDA, Unsupported "no CUDA device ..." when this build has no CUDA or no device is
-/// visible, InvalidArgument when the index is past the visible devices, and Unsupported while the
-/// device-resident engine does not exist yet (docs/gpu.md).
+/// visible, InvalidArgument when the index is past the visible devices; OK for a visible device
+/// (model::createCudaEngine, pd/engine/cuda_engine.h, then runs the model there).
 [[nodiscard]] Status checkModelDevice(const ModelDevice& device);
 
 /// y += a * x computed on device 0: the smoke kernel that keeps the CUDA build path alive.

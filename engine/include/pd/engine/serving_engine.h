@@ -9,6 +9,7 @@
 #include "pd/comm/process_group.h"
 #include "pd/common/result.h"
 #include "pd/engine/engine.h"
+#include "pd/engine/gpu.h"
 #include "pd/engine/tp_engine.h"
 
 namespace pd::model {
@@ -19,8 +20,10 @@ struct ServingEngine {
 };
 
 /// Loads `model_dir` with `threads` compute threads; with `group` (may be null) the engine is rank
-/// 0's shard of the group's communicator, wrapped in a TpLeaderEngine.
+/// 0's shard of the group's communicator, wrapped in a TpLeaderEngine. A CUDA `device` loads the
+/// CUDA engine (pd/engine/cuda_engine.h) instead; with a group that is InvalidArgument (tensor
+/// parallelism runs on the CPU engine only).
 [[nodiscard]] Result<ServingEngine> loadServingEngine(const std::filesystem::path& model_dir, int threads,
-                                                      comm::TpProcessGroup* group);
+                                                      comm::TpProcessGroup* group, const gpu::ModelDevice& device = {});
 
 }  // namespace pd::model

@@ -1,0 +1,279 @@
+// The CUDA backend of the Engine seam (pd/engine/cuda_engine.h): DeviceWeights + DeviceDecodeStep
+// behind model::Engine, with the caller's host latent cache mirrored (see the header).
+#include "pd/engine/cuda_engine.h"
+
+#include <fmt/format.h>
+
+#include <cstring>
+#include <utility>
+#include <vector>
+
+#include "device_decode_step.h"
+#include "device_weights.h"
+#include "forward_plan.h"
+#include "pd/common/dtype.h"
+#include "pd/common/log.h"
+#include "pd/engine/device_sampling.h"
+#include "pd/engine/safetensors.h"
+
+namespace pd::model {
+namespace {
+
+using gpu::DeviceDecodeStep;
+using i64 = std::int64_t;
+constexpr auto sz(i64 n) {
+  return static_cast<std::size_t>(n);
+}
+
+// Appends the host cache's latents of `run` (positions of one sequence in contiguous slots) as
+// float32 to `out`.
+void appendLatents(const LatentCacheView& cache, i64 layer, const gpu::CacheRun& run, std::vector<float>& out) {
+  const i64 ld = cache.latent_dim;
+  const std::size_t at = out.size();
+  out.resize(at + sz(run.count * ld));
+  const std::byte* src = cache.layers[sz(layer)] + sz(run.slot * ld) * dtypeSize(cache.dtype);
+  if (cache.dtype == DType::F32) {
+    std::memcpy(out.data() + at, src, sz(run.count * ld) * sizeof(float));
+    return;
+  }
+  for (i64 i = 0; i < run.count * ld; ++i) {
+    std::uint16_t bits = 0;
+    std::memcpy(&bits, src + sz(i) * 2, 2);
+    out[at + sz(i)] = bf16ToFloat(bits);
+  }
+}
+
+// Mirrors one step's new latents into the caller's host cache and hands them to the sink, then
+// (BF16 host cache) rounds them in place, so the device attends to what the CPU engine would.
+class HostMirror final : public DeviceDecodeStep::LatentObserver {
+ public:
+  HostMirror(const LatentCacheView& cache, std::span<const SequenceChunk> batch, const gpu::ForwardStep& step,
+             LatentKvSink* sink)
+      : cache_(cache), batch_(batch), step_(step), sink_(sink) {}
+
+  Result<bool> onLatents(i64 kv_layer, std::span<float> latents) override {
+    const i64 ld = cache_.latent_dim;
+    for (const gpu::ForwardStep::SequenceSpan& sp : step_.sequences) {
+      const SequenceChunk& s = batch_[sp.sequence];
+      for (i64 r = 0; r < sp.rows; ++r) {
+        writeLatent(cache_, kv_layer, s.block_table, sp.start_pos + r, latents.data() + (sp.first_row + r) * ld);
+      }
+      if (sink_ != nullptr) {
+        sink_->onLayer(kv_layer, sp.sequence, sp.start_pos, latents.subspan(sz(sp.first_row * ld), sz(sp.rows * ld)));
+      }
+    }
+    if (cache_.dtype == DType::F32) return false;
+    for (const gpu::ForwardStep::SequenceSpan& sp : step_.sequences) {
+      const SequenceChunk& s = batch_[sp.sequence];
+      for (i64 r = 0; r < sp.rows; ++r) {
+        readLatent(cache_, kv_layer, s.block_table, sp.start_pos + r, latents.data() + (sp.first_row + r) * ld);
+      }
+    }
+    return true;
+  }
+
+ private:
+  const LatentCacheView& cache_;
+  std::span<const SequenceChunk> batch_;
+  const gpu::ForwardStep& step_;
+  LatentKvSink* sink_;
+};
+
+class CudaEngine final : public Engine, public SamplingEngine {
+ public:
+  CudaEngine(std::unique_ptr<const ModelConfig> config, std::unique_ptr<gpu::DeviceWeights> weights,
+             std::unique_ptr<DeviceDecodeStep> step, const CudaEngineOptions& options, DType weight_dtype)
+      : config_(std::move(config)),
+        weights_(std::move(weights)),
+        step_(std::move(step)),
+        options_(options),
+        weight_dtype_(weight_dtype) {}
+
+  ~CudaEngine() override {
+    step_.reset();  // before the weights it reads (members would do the same; said for the reader)
+  }
+  CudaEngine(const CudaEngine&) = delete;
+  CudaEngine& operator=(const CudaEngine&) = delete;
+
+  [[nodiscard]] const ModelConfig& config() const override { return *config_; }
+
+  [[nodiscard]] EngineCapabilities capabilities() const override {
+    EngineCapabilities c;
+    c.backend = fmt::format("cuda/fp32 ({})", gpu::modelDeviceName(options_.device));
+    c.threads = 1;
+    c.mtp = step_->hasMtp();
+    c.weight_dtype = weight_dtype_;
+    return c;
+  }
+
+  Result<ForwardOutput> forward(std::span<const SequenceChunk> batch, const LatentCacheView& cache,
+                                const ForwardOptions& options) override {
+    PD_ASSIGN_OR_RETURN(SampledForward out, run(batch, cache, options, false, {}));
+    return std::move(out.output);
+  }
+
+  Result<SampledForward> forwardSampled(std::span<const SequenceChunk> batch, const LatentCacheView& cache,
+                                        const ForwardOptions& options, std::span<const RowSample> rows) override {
+    for (std::size_t i = 0; i < rows.size(); ++i) {
+      if (rows[i].params == nullptr || !deviceSamplable(*rows[i].params)) {
+        return makeError(ErrorCode::InvalidArgument,
+                         fmt::format("sampled forward: row {} asks for what the device does not sample (logit_bias, "
+                                     "top logprobs)",
+                                     i));
+      }
+    }
+    if (rows.empty()) return makeError(ErrorCode::InvalidArgument, "sampled forward: no rows to sample");
+    return run(batch, cache, options, false, rows);
+  }
+
+  Result<ForwardOutput> forwardMtp(std::span<const SequenceChunk> batch, const LatentCacheView& cache,
+                                   const ForwardOptions& options) override {
+    if (!step_->hasMtp()) return makeError(ErrorCode::Unsupported, "the checkpoint has no MTP layer");
+    PD_ASSIGN_OR_RETURN(SampledForward out, run(batch, cache, options, true, {}));
+    return std::move(out.output);
+  }
+
+ private:
+  // `rows` empty: logits come back; otherwise one sampling request per logits row.
+  Result<SampledForward> run(std::span<const SequenceChunk> batch, const LatentCacheView& cache,
+                             const ForwardOptions& options, bool mtp, std::span<const RowSample> rows) {
+    const ModelConfig& c = *config_;
+    const i64 kv_layer_last = mtp ? c.num_hidden_layers : c.num_hidden_layers - 1;
+    PD_ASSIGN_OR_RETURN(gpu::ForwardPlan plan, gpu::planForward(c, cache, batch, kv_layer_last, mtp, options.logits,
+                                                                options.hidden, options_.max_step_rows));
+    if (options.trace != nullptr) {
+      return makeError(ErrorCode::Unsupported, "the CUDA engine does not fill a ForwardTrace (use the CPU engine)");
+    }
+    if (!rows.empty() && static_cast<i64>(rows.size()) != plan.logit_rows) {
+      return makeError(ErrorCode::InvalidArgument, fmt::format("sampled forward: {} sampling requests for {} logits "
+                                                               "rows",
+                                                               rows.size(), plan.logit_rows));
+    }
+    std::vector<gpu::DeviceSampler::Row> sample_rows;
+    for (const RowSample& r : rows) {
+      const SamplingParams& p = *r.params;
+      sample_rows.push_back({p.temperature, p.top_k, p.top_p, p.min_p, p.presence_penalty, p.frequency_penalty, p.seed,
+                             r.draw, r.counts});
+    }
+    PD_TRY(step_->setCacheShape({cache.num_blocks, cache.block_size}));
+    PD_TRY(uploadPrefixes(batch, cache, mtp ? c.num_hidden_layers : 0, kv_layer_last + 1));
+    SampledForward result;
+    ForwardOutput& out = result.output;
+    if (rows.empty()) out.logits.reserve(sz(plan.logit_rows * c.vocab_size));
+    out.hidden.reserve(sz(plan.hidden_rows * c.hidden_size));
+    std::size_t sampled_at = 0;  // the first sampling request of the step
+    std::vector<float> prev_hidden;
+    std::vector<std::uint8_t> zero_embedding;
+    for (const gpu::ForwardStep& step : plan.steps) {
+      HostMirror mirror(cache, batch, step, options.sink);
+      DeviceDecodeStep::Request request;
+      request.mtp = mtp;
+      request.logit_rows = step.logit_rows;
+      request.hidden_rows = step.hidden_rows;
+      request.observer = &mirror;
+      if (!sample_rows.empty()) {
+        request.sample_rows = std::span(sample_rows).subspan(sampled_at, step.logit_rows.size());
+        sampled_at += step.logit_rows.size();
+      }
+      if (mtp) {
+        const i64 d = c.hidden_size;
+        prev_hidden.assign(sz(step.plan.tokens * d), 0.0F);
+        zero_embedding.assign(sz(step.plan.tokens), 0);
+        for (const gpu::ForwardStep::SequenceSpan& sp : step.sequences) {
+          const SequenceChunk& s = batch[sp.sequence];
+          const i64 first_index = sp.start_pos - s.start_pos;  // of the sequence's chunk
+          std::memcpy(prev_hidden.data() + sp.first_row * d, s.prev_hidden.data() + first_index * d,
+                      sz(sp.rows * d) * sizeof(float));
+        }
+        for (i64 r = 0; r < step.plan.tokens; ++r) {
+          zero_embedding[sz(r)] = options.mtp_zero_position0_embedding && step.plan.positions[sz(r)] == 0 ? 1 : 0;
+        }
+        request.prev_hidden = prev_hidden;
+        request.zero_embedding = zero_embedding;
+      }
+      PD_ASSIGN_OR_RETURN(DeviceDecodeStep::Output o, step_->run(step.plan, request));
+      out.logits.insert(out.logits.end(), o.logits.begin(), o.logits.end());
+      out.hidden.insert(out.hidden.end(), o.hidden.begin(), o.hidden.end());
+      for (const gpu::DeviceSampler::Sampled& s : o.sampled) {
+        SampledToken t;
+        t.token = s.token;
+        t.logprob = s.logprob;
+        result.sampled.push_back(std::move(t));
+      }
+    }
+    return result;
+  }
+
+  // Positions [0, start_pos) of every sequence, KV layers [first, end), host cache -> device cache.
+  Status uploadPrefixes(std::span<const SequenceChunk> batch, const LatentCacheView& cache, i64 first, i64 end) {
+    std::vector<std::int64_t> slots;
+    std::vector<std::int64_t> counts;
+    for (const SequenceChunk& s : batch) {
+      for (const gpu::CacheRun& run : gpu::cacheRuns(s.block_table, cache.block_size, 0, s.start_pos)) {
+        slots.push_back(run.slot);
+        counts.push_back(run.count);
+      }
+    }
+    if (slots.empty()) return okStatus();
+    std::vector<float> values;
+    for (i64 layer = first; layer < end; ++layer) {
+      values.clear();
+      for (std::size_t i = 0; i < slots.size(); ++i) appendLatents(cache, layer, {0, slots[i], counts[i]}, values);
+      PD_TRY(step_->writeCache(layer, slots, counts, values));
+    }
+    return okStatus();
+  }
+
+  // Declared in acquisition order: the step refers to the weights and the config.
+  std::unique_ptr<const ModelConfig> config_;
+  std::unique_ptr<gpu::DeviceWeights> weights_;
+  std::unique_ptr<DeviceDecodeStep> step_;
+  CudaEngineOptions options_;
+  DType weight_dtype_;
+};
+
+}  // namespace
+
+Result<std::unique_ptr<Engine>> createCudaEngine(const std::filesystem::path& model_dir,
+                                                 const CudaEngineOptions& options) {
+  if (options.max_step_rows <= 0 || options.max_step_rows > gpu::kMaxDecodeBatch || options.kv_blocks < 0 ||
+      options.kv_block_size <= 0) {
+    return makeError(
+        ErrorCode::InvalidArgument,
+        fmt::format("cuda engine: max_step_rows {} (1..{}), kv_blocks {}, kv_block_size {}", options.max_step_rows,
+                    gpu::kMaxDecodeBatch, options.kv_blocks, options.kv_block_size));
+  }
+  PD_TRY(gpu::checkModelDevice(options.device));
+  PD_ASSIGN_OR_RETURN(ModelConfig loaded, ModelConfig::load(model_dir));
+  auto config = std::make_unique<const ModelConfig>(std::move(loaded));
+  const ModelConfig& c = *config;
+  PD_TRY(gpu::checkDecodeModel(c));
+  PD_ASSIGN_OR_RETURN(Checkpoint checkpoint, Checkpoint::open(model_dir));
+  const i64 max_context = c.max_position_embeddings > 0 ? c.max_position_embeddings : 4096;
+  gpu::DeviceWeights::Options upload;
+  upload.device = options.device;
+  upload.serving.kv_block_size = options.kv_block_size;
+  upload.serving.kv_blocks =
+      options.kv_blocks > 0 ? options.kv_blocks : (max_context + options.kv_block_size - 1) / options.kv_block_size;
+  upload.serving.kv_dtype = DType::F32;
+  upload.serving.max_batch_tokens = options.max_step_rows;
+  upload.serving.max_context = max_context;
+  upload.serving.max_sample_rows = options.max_step_rows;
+  PD_ASSIGN_OR_RETURN(gpu::DeviceWeights uploaded, gpu::DeviceWeights::upload(checkpoint, c, upload));
+  auto weights = std::make_unique<gpu::DeviceWeights>(std::move(uploaded));
+  DeviceDecodeStep::Options step_options;
+  // One block for now: the first call sizes the device cache like the caller's host cache.
+  step_options.cache = {1, options.kv_block_size};
+  PD_ASSIGN_OR_RETURN(std::unique_ptr<DeviceDecodeStep> step, DeviceDecodeStep::create(*weights, c, step_options));
+  DType weight_dtype = DType::BF16;
+  if (const gpu::DeviceWeights::Tensor* t = weights->find("model.layers.0.self_attn.kv_a_proj_with_mqa.weight")) {
+    weight_dtype = t->dtype;
+  }
+  log::info("engine", "cuda engine on {}: {} layers{}, weights {:.2f} GB on the device, fp32 mode",
+            gpu::modelDeviceName(options.device), c.num_hidden_layers, step->hasMtp() ? " + MTP" : "",
+            static_cast<double>(weights->deviceBytes()) / 1e9);
+  return std::unique_ptr<Engine>(
+      new CudaEngine(std::move(config), std::move(weights), std::move(step), options, weight_dtype));
+}
+
+}  // namespace pd::model

@@ -1,0 +1,48 @@
+#pragma once
+/// The CUDA backend of the Engine seam (engine/cuda/cuda_engine.cpp; docs/gpu.md): the whole
+/// DeepSeek-V3 forward on one device in the `fp32` numerics mode (FP32 activations and
+/// accumulation, exact against the CPU engine within the golden tolerances). `--model.device
+/// cuda[:N]` selects it.
+///
+/// The caller's LatentCacheView (host memory: a PagedLatentCache or a worker's registered pool)
+/// stays the source of truth, so the pool and KV transfer code work unchanged: the engine keeps a
+/// device latent cache of the same geometry, copies the positions a call attends to ([0,
+/// start_pos) of each sequence, every KV layer the call runs) from the host cache into it, and
+/// mirrors each layer's new latents back into the host cache (and hands them to the sink) as they
+/// are computed. This is the interim design until the device KV pool (issue 18) makes the device
+/// cache the source: its cost is one host-to-device copy of every attended prefix per call and one
+/// device-to-host copy plus a stream synchronize per layer.
+///
+/// Thread rules: as model::Engine (one thread at a time); the engine owns one stream.
+/// Errors: as the CPU engine (InvalidArgument for a malformed batch, nothing written); in a
+/// CPU-only build, or without a visible device, createCudaEngine is Unsupported "no CUDA device".
+
+#include <cstdint>
+#include <filesystem>
+#include <memory>
+
+#include "pd/common/result.h"
+#include "pd/engine/engine.h"
+#include "pd/engine/gpu.h"
+
+namespace pd::model {
+
+struct CudaEngineOptions {
+  gpu::ModelDevice device{gpu::ModelDevice::Kind::Cuda, 0};
+  /// Rows (new tokens) one device step runs; a call with more runs several steps in row order
+  /// (1..64: the FP8 GEMV's token limit).
+  std::int64_t max_step_rows = 64;
+  /// What the fit check before the weight upload reserves for the device latent cache: blocks of
+  /// kv_block_size positions (per KV layer). 0: one sequence of max_position_embeddings.
+  std::int64_t kv_blocks = 0;
+  std::int64_t kv_block_size = 64;
+};
+
+/// Uploads the checkpoint in `model_dir` to the device and binds the model. Unsupported "no CUDA
+/// device" without one; InvalidArgument for a bad device index or a model the kernels do not run;
+/// ResourceExhausted naming each part when it does not fit the device; NotFound for a missing
+/// tensor.
+Result<std::unique_ptr<Engine>> createCudaEngine(const std::filesystem::path& model_dir,
+                                                 const CudaEngineOptions& options = {});
+
+}  // namespace pd::model

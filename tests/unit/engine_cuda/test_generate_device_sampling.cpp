@@ -1,0 +1,133 @@
+// model::generate with device sampling (GenerateOptions::device_sampling, device_sampling.h): the
+// rows generate hands a SamplingEngine (draw counter and produced-token counts, per MTP verify
+// row) must make the engine's tokens the host Sampler's. Here the SamplingEngine is the CPU
+// engine with a fresh host Sampler per row put where the request's would be (resumeAfter), so
+// the bookkeeping is checked in every build; tests/gpu/test_cuda_engine.cpp runs the CUDA
+// engine's DeviceSampler through the same path.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "pd/engine/device_sampling.h"
+#include "pd/engine/engine.h"
+#include "pd/engine/generate.h"
+#include "pd/engine/sampling.h"
+
+namespace {
+
+namespace fs = std::filesystem;
+using namespace pd::model;
+
+class HostRowSamplingEngine final : public Engine, public SamplingEngine {
+ public:
+  explicit HostRowSamplingEngine(std::unique_ptr<Engine> inner) : inner_(std::move(inner)) {}
+  [[nodiscard]] const pd::ModelConfig& config() const override { return inner_->config(); }
+  [[nodiscard]] EngineCapabilities capabilities() const override { return inner_->capabilities(); }
+  pd::Result<ForwardOutput> forward(std::span<const SequenceChunk> batch, const LatentCacheView& cache,
+                                    const ForwardOptions& options) override {
+    return inner_->forward(batch, cache, options);
+  }
+  pd::Result<ForwardOutput> forwardMtp(std::span<const SequenceChunk> batch, const LatentCacheView& cache,
+                                       const ForwardOptions& options) override {
+    return inner_->forwardMtp(batch, cache, options);
+  }
+  pd::Result<SampledForward> forwardSampled(std::span<const SequenceChunk> batch, const LatentCacheView& cache,
+                                            const ForwardOptions& options, std::span<const RowSample> rows) override {
+    PD_ASSIGN_OR_RETURN(ForwardOutput out, inner_->forward(batch, cache, options));
+    const auto vocab = static_cast<std::size_t>(config().vocab_size);
+    EXPECT_EQ(out.logits.size(), rows.size() * vocab) << "one request per logits row";
+    SampledForward r;
+    for (std::size_t j = 0; j < rows.size() && (j + 1) * vocab <= out.logits.size(); ++j) {
+      const RowSample& row = rows[j];
+      std::vector<std::int32_t> produced;
+      for (const auto& [token, count] : row.counts)
+        produced.insert(produced.end(), static_cast<std::size_t>(count), token);
+      // Every produced token consumed one draw when sampling is stochastic (none when greedy).
+      const std::uint64_t want_draw = row.params->temperature > 0.0 ? produced.size() : 0;
+      EXPECT_EQ(row.draw, want_draw) << "row " << j;
+      Sampler sampler(*row.params);
+      sampler.resumeAfter(produced);
+      r.sampled.push_back(sampler.sample(std::span<const float>(out.logits.data() + j * vocab, vocab)));
+      ++sampled_rows;
+    }
+    r.output = std::move(out);
+    r.output.logits.clear();  // as a device engine: nothing but the tokens comes back
+    return r;
+  }
+  int sampled_rows = 0;
+
+ private:
+  std::unique_ptr<Engine> inner_;
+};
+
+std::unique_ptr<Engine> cpu() {
+  CpuEngineOptions o;
+  o.threads = 1;
+  o.prefault_weights = false;
+  auto e = createCpuEngine(fs::path(PD_TEST_DATA_DIR) / "golden" / "tiny-bf16", o);
+  EXPECT_TRUE(e.ok()) << e.error().toString();
+  return std::move(e).value();
+}
+
+TEST(GenerateDeviceSampling, TheEnginesTokensAreTheHostSamplers) {
+  auto reference = cpu();
+  HostRowSamplingEngine device(cpu());
+  const std::vector<std::int32_t> prompt{618, 1600, 791, 1241, 955, 1454, 705, 184, 603, 1292, 1272};
+  std::vector<pd::SamplingParams> cases(4);
+  cases[1].temperature = 0.9;
+  cases[1].top_k = 50;
+  cases[1].seed = 11;
+  cases[2].temperature = 0.7;
+  cases[2].top_p = 0.9;
+  cases[2].presence_penalty = 0.5;
+  cases[2].frequency_penalty = 0.3;
+  cases[2].seed = 3;
+  cases[3].presence_penalty = 1.5;  // greedy with penalties: the counts matter, the draws do not
+  for (std::size_t c = 0; c < cases.size(); ++c) {
+    for (const std::int64_t drafts : {0, 2}) {
+      GenerateOptions o;
+      o.max_tokens = 20;
+      o.mtp_drafts = drafts;
+      o.stop_at_eos = false;
+      o.sampling = cases[c];
+      auto want = generate(*reference, prompt, o);
+      ASSERT_TRUE(want.ok()) << want.error().toString();
+      o.device_sampling = true;
+      const int before = device.sampled_rows;
+      auto got = generate(device, prompt, o);
+      ASSERT_TRUE(got.ok()) << got.error().toString();
+      EXPECT_GT(device.sampled_rows, before) << "case " << c << ": the engine's sampling was not used";
+      EXPECT_EQ(got->tokens, want->tokens) << "case " << c << ", " << drafts << " MTP drafts";
+      ASSERT_EQ(got->samples.size(), want->samples.size());
+      for (std::size_t i = 0; i < got->samples.size(); ++i) {
+        EXPECT_EQ(got->samples[i].logprob, want->samples[i].logprob) << "case " << c << " token " << i;
+      }
+    }
+  }
+}
+
+TEST(GenerateDeviceSampling, WhatTheDeviceCannotSampleStaysOnTheHost) {
+  HostRowSamplingEngine device(cpu());
+  const std::vector<std::int32_t> prompt{1, 2, 3};
+  GenerateOptions o;
+  o.max_tokens = 4;
+  o.device_sampling = true;
+  o.sampling.top_logprobs = 2;
+  auto a = generate(device, prompt, o);
+  ASSERT_TRUE(a.ok()) << a.error().toString();
+  EXPECT_EQ(a->samples.at(0).top.size(), 2U);
+  o.sampling.top_logprobs = 0;
+  o.sampling.logit_bias.push_back({5, 3.0F});
+  auto b = generate(device, prompt, o);
+  ASSERT_TRUE(b.ok()) << b.error().toString();
+  EXPECT_EQ(device.sampled_rows, 0);
+  // And an engine that is no SamplingEngine samples on the host as before.
+  auto plain = cpu();
+  o.sampling.logit_bias.clear();
+  EXPECT_TRUE(generate(*plain, prompt, o).ok());
+}
+
+}  // namespace
