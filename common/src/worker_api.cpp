@@ -528,7 +528,8 @@ std::string toJson(const WorkerStatus& v) {
                            {"block_size", v.block_size},
                            {"quarantined_blocks", v.quarantined_blocks},
                            {"drafts_proposed", v.drafts_proposed},
-                           {"drafts_accepted", v.drafts_accepted}});
+                           {"drafts_accepted", v.drafts_accepted},
+                           {"kv_transfer_path", v.kv_transfer_path}});
 }
 
 Result<WorkerStatus> parseWorkerStatus(std::string_view text) {
@@ -551,6 +552,7 @@ Result<WorkerStatus> parseWorkerStatus(std::string_view text) {
   r.integer("quarantined_blocks", v.quarantined_blocks, false, 0);
   r.integer("drafts_proposed", v.drafts_proposed, false, 0);
   r.integer("drafts_accepted", v.drafts_accepted, false, 0);
+  r.str("kv_transfer_path", v.kv_transfer_path, false);
   if (!r.ok()) return r.status().error();
   return v;
 }

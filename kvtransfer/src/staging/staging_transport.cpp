@@ -71,6 +71,10 @@ class StagingTransportImpl final : public StagingTransport {
     }
     // Running copies end (their callbacks may still put and deliver); queued ones are cancelled.
     copier_owned_.reset();
+    // Best effort: a transfer still in flight keeps its buffer registered until the inner
+    // transport's destruction answers it (which releases the registration too).
+    if (send_memory_) (void)inner_->deregisterRegion(send_region_);
+    if (receive_memory_) (void)inner_->deregisterRegion(receive_region_);
     // The inner transport answers what is still pending with Cancelled, through our callbacks.
     inner_.reset();
   }

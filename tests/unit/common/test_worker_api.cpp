@@ -265,8 +265,10 @@ TEST(WorkerApi, StatusAndErrorsRoundTrip) {
   st.block_size = 64;
   st.drafts_proposed = 1000;
   st.drafts_accepted = 720;
+  st.kv_transfer_path = "staging";
   auto back = parseWorkerStatus(toJson(st));
   ASSERT_TRUE(back.ok());
+  EXPECT_EQ(back->kv_transfer_path, "staging");
   EXPECT_EQ(back->free_blocks, 10);
   EXPECT_EQ(back->drafts_proposed, 1000);
   EXPECT_EQ(back->drafts_accepted, 720);
@@ -283,6 +285,7 @@ TEST(WorkerApi, StatusAndErrorsRoundTrip) {
   ASSERT_TRUE(older.ok());
   EXPECT_FALSE(older->busy);
   EXPECT_EQ(older->drafts_proposed, 0);
+  EXPECT_EQ(older->kv_transfer_path, "");
   EXPECT_FALSE(parseWorkerStatus(R"({"role":"decode","ready":true,"drafts_accepted":-1})").ok());
   EXPECT_FALSE(parseWorkerStatus(R"({"role":"decode","ready":true,"busy":1})").ok());
   EXPECT_FALSE(parseWorkerStatus(R"({"role":"router","ready":true})").ok());

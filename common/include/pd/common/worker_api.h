@@ -187,6 +187,9 @@ struct WorkerStatus {
   /// their increases). Optional in the JSON (0 when absent).
   std::int64_t drafts_proposed = 0;
   std::int64_t drafts_accepted = 0;
+  /// How KV reaches this worker's pool (kvtransfer.path resolved): "direct" or "staging".
+  /// Optional in the JSON (empty when absent).
+  std::string kv_transfer_path;
 };
 
 /// Most block keys one KvEvents message may carry (snapshot blocks and events together).
