@@ -230,7 +230,9 @@ Status DecodeServer::Impl::startParts() {
 
   DecodeEngineOptions engine_options = engineOptions(cfg);
   engine_options.metrics = &metrics_;
-  engine_options.quarantine_late_writes = rma;  // am drops late bytes in the transport
+  // am drops late bytes in the transport; the staging path writes the pool only before a record is
+  // honoured (late bytes land in its own quarantined staging blocks).
+  engine_options.quarantine_late_writes = rma && kv_path_ == kvtransfer::KvTransferPath::Direct;
   loop_ = std::make_unique<DecodeLoop>(*engine_, *pool_, engine_options, tp);
 
   http::ServerOptions http_options;
