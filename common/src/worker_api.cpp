@@ -531,7 +531,8 @@ std::string toJson(const WorkerStatus& v) {
                            {"drafts_accepted", v.drafts_accepted},
                            {"kv_pool_memory", v.kv_pool_memory},
                            {"kv_cache_dtype", v.kv_cache_dtype},
-                           {"kv_pool_bytes", v.kv_pool_bytes}});
+                           {"kv_pool_bytes", v.kv_pool_bytes},
+                           {"kv_transfer_path", v.kv_transfer_path}});
 }
 
 Result<WorkerStatus> parseWorkerStatus(std::string_view text) {
@@ -557,6 +558,7 @@ Result<WorkerStatus> parseWorkerStatus(std::string_view text) {
   r.str("kv_pool_memory", v.kv_pool_memory, false, 32);
   r.str("kv_cache_dtype", v.kv_cache_dtype, false, 16);
   r.integer("kv_pool_bytes", v.kv_pool_bytes, false, 0);
+  r.str("kv_transfer_path", v.kv_transfer_path, false, 16);
   if (!r.ok()) return r.status().error();
   return v;
 }

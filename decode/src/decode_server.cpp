@@ -18,6 +18,7 @@
 #include "pd/decode/decode_metrics.h"
 #include "pd/decode/kv_pool.h"
 #include "pd/decode/tp_worker.h"
+#include "pd/kvtransfer/kvtransfer_config.h"
 #include "pd/kvtransfer/ucx_transport.h"
 #include "pd/trace/tracer.h"
 
@@ -154,6 +155,7 @@ class DecodeServer::Impl {
   kvtransfer::CompatInfo compat_;
   std::vector<kvtransfer::KvTarget> targets_;
   std::chrono::milliseconds receive_grace_{0};
+  kvtransfer::KvTransferPath kv_path_ = kvtransfer::KvTransferPath::Direct;
   std::unique_ptr<DecodeLoop> loop_;  // after the transport and pool: destroyed before them
 
   mutable std::mutex mutex_;
@@ -208,7 +210,12 @@ Status DecodeServer::Impl::startParts() {
   kvtransfer::inheritLoopbackHost(tx, options_.decode.host);
   const bool rma = kvtransfer::resolveKvDataPath(tx.data_path, tx.ucx_tls) == kvtransfer::KvDataPath::Rma;
   if (rma) receive_grace_ = std::chrono::milliseconds(options_.kvtransfer.receive_grace_ms);
-  PD_ASSIGN_OR_RETURN(transport_, kvtransfer::createUcxTransport(tx));
+  // The pool is host memory (the CPU engine's): `auto` resolves to direct, `staging` stages anyway.
+  PD_ASSIGN_OR_RETURN(kvtransfer::KvTransport kv,
+                      kvtransfer::createKvTransport(options_.kvtransfer, tx, kvtransfer::KvTransportUse::Receive,
+                                                    /*pool_in_device_memory=*/false));
+  transport_ = std::move(kv.transport);
+  kv_path_ = kv.path;
   PD_ASSIGN_OR_RETURN(region_, transport_->registerRegion(pool_->memory()));
   region_registered_ = true;
   const kvtransfer::RegionLayout layout = pool_->regionLayout(region_);
@@ -223,7 +230,9 @@ Status DecodeServer::Impl::startParts() {
 
   DecodeEngineOptions engine_options = engineOptions(cfg);
   engine_options.metrics = &metrics_;
-  engine_options.quarantine_late_writes = rma;  // am drops late bytes in the transport
+  // am drops late bytes in the transport; the staging path writes the pool only before a record is
+  // honoured (late bytes land in its own quarantined staging blocks).
+  engine_options.quarantine_late_writes = rma && kv_path_ == kvtransfer::KvTransferPath::Direct;
   loop_ = std::make_unique<DecodeLoop>(*engine_, *pool_, engine_options, tp);
 
   http::ServerOptions http_options;
@@ -584,6 +593,7 @@ worker_api::WorkerStatus DecodeServer::Impl::status() const {
   s.kv_pool_memory = "host";
   s.kv_cache_dtype = options_.decode.kv_dtype;
   s.kv_pool_bytes = pool_ ? static_cast<std::int64_t>(pool_->memory().size()) : 0;
+  s.kv_transfer_path = std::string(kvtransfer::kvTransferPathName(kv_path_));
   return s;
 }
 

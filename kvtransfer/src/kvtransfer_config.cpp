@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include "pd/common/log.h"
 #include "pd/kvtransfer/ucx_transport.h"
 
 namespace pd::kvtransfer {
@@ -20,16 +21,62 @@ void registerOptions(config::OptionSet& set, KvTransferConfig& cfg) {
            {"auto", "rma", "am"})
       .add("host", &cfg.host,
            "address of the interface UCX's tcp transport listens on (127.0.0.1: loopback only); empty: every "
-           "interface");
+           "interface")
+      .add("path", &cfg.path,
+           "how KV reaches a pool: direct (the network writes it), staging (through host buffers copied to and "
+           "from the pool), auto (direct unless the pool is in GPU memory UCX cannot register)",
+           {"auto", "direct", "staging"})
+      .add("staging_send_mb", &cfg.staging_send_mb,
+           "staging path: MiB of host staging for outgoing KV (one prompt's KV must fit)", 1, 1 << 20)
+      .add("staging_receive_blocks", &cfg.staging_receive_blocks,
+           "staging path: host staging blocks for incoming KV (block_size tokens of every layer each)", 1, 1 << 24);
 }
 
 Status validate(const KvTransferConfig& cfg) {
   PD_TRY(parseKvDataPath(cfg.data_path));
+  PD_TRY(parseKvTransferPath(cfg.path));
   if (cfg.ucx_tls.find("tcp") == std::string::npos) {
     return makeError(ErrorCode::InvalidArgument,
                      fmt::format("kvtransfer.ucx_tls '{}' must include tcp (peer failure detection)", cfg.ucx_tls));
   }
   return okStatus();
+}
+
+Result<KvTransport> createKvTransport(const KvTransferConfig& cfg, const UcxTransportOptions& ucx, KvTransportUse use,
+                                      bool pool_in_device_memory) {
+  PD_ASSIGN_OR_RETURN(const KvTransferPathSetting setting, parseKvTransferPath(cfg.path));
+  PD_ASSIGN_OR_RETURN(std::unique_ptr<Transport> inner, createUcxTransport(ucx));
+  const TransportCapabilities caps = inner->capabilities();
+  const KvTransferPath path = resolveKvTransferPath(setting, pool_in_device_memory, caps.registers_device_memory);
+  const char* const memory = pool_in_device_memory ? "GPU" : "host";
+  if (path == KvTransferPath::Direct) {
+    log::info("kvtransfer", "{}: KV transfer path direct (kvtransfer.path {}, pool in {} memory, {})", ucx.name,
+              cfg.path, memory, caps.name);
+    return KvTransport{std::move(inner), path};
+  }
+  std::unique_ptr<DeviceCopier> copier;
+  if (pool_in_device_memory) {
+    PD_ASSIGN_OR_RETURN(copier, createCudaCopier());
+  } else {
+    copier = createHostCopier();
+  }
+  StagingTransportOptions staging;
+  if (use == KvTransportUse::Send) {
+    staging.send_bytes = static_cast<std::uint64_t>(cfg.staging_send_mb) << 20;
+  } else {
+    staging.receive_blocks = static_cast<std::uint32_t>(cfg.staging_receive_blocks);
+    // With rma a late sender's puts land unchecked: keep a failed receive's staging blocks until it
+    // must have stopped. With am the inner transport drops bytes of a receive that ended.
+    if (resolveKvDataPath(ucx.data_path, ucx.ucx_tls) == KvDataPath::Rma) {
+      staging.quarantine = std::chrono::milliseconds(cfg.transfer_timeout_ms + cfg.receive_grace_ms);
+    }
+  }
+  PD_ASSIGN_OR_RETURN(std::unique_ptr<StagingTransport> t,
+                      createStagingTransport(std::move(inner), std::move(copier), std::move(staging)));
+  log::info("kvtransfer", "{}: KV transfer path staging (kvtransfer.path {}, pool in {} memory, UCX {} GPU memory): {}",
+            ucx.name, cfg.path, memory, caps.registers_device_memory ? "registers" : "cannot register",
+            t->capabilities().name);
+  return KvTransport{std::move(t), path};
 }
 
 }  // namespace pd::kvtransfer

@@ -19,6 +19,7 @@
 #include "pd/common/probe_routes.h"
 #include "pd/common/worker_api.h"
 #include "pd/engine/model_hash.h"
+#include "pd/kvtransfer/kvtransfer_config.h"
 #include "pd/kvtransfer/ucx_transport.h"
 #include "pd/kvtransfer/wire.h"
 #include "pd/prefill/kv_event_log.h"
@@ -330,6 +331,8 @@ class PrefillServer::Impl {
     w.total_blocks = options_.prefill.cache_blocks;
     w.block_size = options_.prefill.cache_block_size;
     w.kv_pool_memory = "host";  // the CPU engine's prefix cache; a device cache is not built yet
+    const auto setting = kvt::parseKvTransferPath(options_.kvtransfer.path);
+    if (setting.ok()) w.kv_transfer_path = kvt::kvTransferPathName(kvt::resolveKvTransferPath(*setting, false, false));
     return w;
   }
 
@@ -364,7 +367,10 @@ class PrefillServer::Impl {
     kvt::inheritLoopbackHost(o, options_.prefill.host);
     o.metrics = &registry_;
     o.auth = options_.auth;  // signs every completion and failure record
-    PD_ASSIGN_OR_RETURN(std::unique_ptr<kvt::Transport> t, kvt::createUcxTransport(o));
+    // The sources are host memory (the CPU engine's): `auto` resolves to direct.
+    PD_ASSIGN_OR_RETURN(kvt::KvTransport kv, kvt::createKvTransport(options_.kvtransfer, o, kvt::KvTransportUse::Send,
+                                                                    /*pool_in_device_memory=*/false));
+    std::unique_ptr<kvt::Transport> t = std::move(kv.transport);
     log::info("prefill", "KV layout {}: {} blocks of {} tokens, {} layers, TP {}", transports_.size(),
               dtypeName(compat.kv_dtype), compat.block_size, compat.num_layers, compat.tp_size);
     transports_.emplace_back(compat, std::move(t));

@@ -2,7 +2,9 @@
 // temperature 0 returns exactly the golden greedy tokens, through router -> decode (descriptor)
 // -> prefill (KV over UCX) -> decode (tokens), for the BF16 and FP8 golden models, with MTP off
 // and on, and with a tensor-parallel decode worker (decode.tensor_parallel 2: `pdserve up --tp 2`);
-// afterwards every decode worker's KV pool is fully free again.
+// afterwards every decode worker's KV pool is fully free again. The same tokens come back when KV
+// takes the staging path (kvtransfer.path staging: host staging buffers standing in for pinned
+// memory, copied to and from the pools) instead of the direct one.
 #include <fcntl.h>
 #include <gtest/gtest.h>
 #include <unistd.h>
@@ -154,7 +156,49 @@ TEST_P(E2eGolden, CompletionsReturnTheGoldenGreedyTokens) {
   }
   EXPECT_GT(st.total_blocks, 0);
   EXPECT_EQ(st.free_blocks, st.total_blocks) << "KV blocks leaked";
+  EXPECT_EQ(st.kv_transfer_path, "direct");  // kvtransfer.path auto with a host pool
   EXPECT_EQ(st.running_requests, 0);
+  EXPECT_EQ(cluster.stop(std::chrono::seconds{60}), 0);
+}
+
+// kvtransfer.path staging on both workers: every KV byte goes pool -> staging -> UCX -> staging ->
+// pool, and the tokens are still the golden greedy ones (those the direct path returns above).
+TEST(E2eGoldenStaging, TheStagingPathReturnsTheGoldenGreedyTokens) {
+  const std::string model = "tiny-bf16";
+  const GoldenPrompt golden = goldenPrompt(model);
+  TempDir cache;
+  LocalCluster cluster({"--model.path=" + (goldenDir() / model).string(), "--model.tokenizer=" PD_TOKENIZER_DIR,
+                        "--model.cache_dir=" + cache.path().string(), "--router.port=0",
+                        "--decode.num_speculative_tokens=1", "--kvtransfer.path=staging", "--log.level=warn"});
+  ASSERT_FALSE(cluster.url().empty());
+  for (int i = 0; i < 600 && getPath(cluster.host(), cluster.port(), "/ready").status != 200; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  json::array prompt;
+  for (auto t : golden.tokens) prompt.push_back(t);
+  const json::object body{{"model", "pdserve-default"},
+                          {"prompt", prompt},
+                          {"max_tokens", golden.greedy.size()},
+                          {"temperature", 0},
+                          {"return_token_ids", true}};
+  for (int round = 0; round < 2; ++round) {  // the second round reuses freed pool and staging blocks
+    const auto response = postJson(cluster, "/v1/completions", json::serialize(body));
+    ASSERT_EQ(response.status, 200) << response.body;
+    const auto doc = json::parse(response.body);
+    std::vector<std::int64_t> ids;
+    for (const auto& t : doc.at("choices").as_array().at(0).as_object().at("token_ids").as_array()) {
+      ids.push_back(t.to_number<std::int64_t>());
+    }
+    EXPECT_EQ(ids, golden.greedy) << "round " << round;
+  }
+  const auto decoders = childUrls(cluster, "decode");
+  const auto prefills = childUrls(cluster, "prefill");
+  ASSERT_EQ(decoders.size(), 1U);
+  ASSERT_EQ(prefills.size(), 1U);
+  const auto st = workerStatus(decoders[0], cluster.auth().get());
+  EXPECT_EQ(st.kv_transfer_path, "staging");
+  EXPECT_EQ(st.free_blocks, st.total_blocks) << "KV blocks leaked";
+  EXPECT_EQ(workerStatus(prefills[0], cluster.auth().get()).kv_transfer_path, "staging");
   EXPECT_EQ(cluster.stop(std::chrono::seconds{60}), 0);
 }
 

@@ -34,6 +34,9 @@ class Context {
   [[nodiscard]] static Result<Context> create(const std::string& tls,
                                               const std::vector<std::pair<std::string, std::string>>& settings);
   [[nodiscard]] ucp_context_h get() const { return context_.get(); }
+  /// Whether this context can register CUDA device memory (ucp_context_query's memory types):
+  /// a UCX built with CUDA support whose transports include cuda ones.
+  [[nodiscard]] bool registersCudaMemory() const;
 
  private:
   struct Deleter {

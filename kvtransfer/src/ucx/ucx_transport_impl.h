@@ -121,7 +121,8 @@ class UcxTransport final : public Transport {
   UcxTransport& operator=(UcxTransport&&) = delete;
 
   [[nodiscard]] TransportCapabilities capabilities() const override {
-    return {fmt::format("ucx({}; {})", options_.ucx_tls, kvDataPathName(data_path_)), true, true};
+    return {fmt::format("ucx({}; {})", options_.ucx_tls, kvDataPathName(data_path_)), true, true,
+            context_.registersCudaMemory()};
   }
   [[nodiscard]] const CompatInfo& compat() const override { return options_.compat; }
   Result<RegionId> registerRegion(std::span<std::byte> memory) override;

@@ -268,8 +268,10 @@ TEST(WorkerApi, StatusAndErrorsRoundTrip) {
   st.kv_pool_memory = "cuda:3";
   st.kv_cache_dtype = "fp8";
   st.kv_pool_bytes = 35'516'000'000;
+  st.kv_transfer_path = "staging";
   auto back = parseWorkerStatus(toJson(st));
   ASSERT_TRUE(back.ok());
+  EXPECT_EQ(back->kv_transfer_path, "staging");
   EXPECT_EQ(back->kv_pool_memory, "cuda:3");
   EXPECT_EQ(back->kv_cache_dtype, "fp8");
   EXPECT_EQ(back->kv_pool_bytes, 35'516'000'000);
@@ -296,6 +298,7 @@ TEST(WorkerApi, StatusAndErrorsRoundTrip) {
   const std::string long_memory =
       R"({"role":"decode","ready":true,"kv_pool_memory":")" + std::string(100, 'x') + R"("})";
   EXPECT_FALSE(parseWorkerStatus(long_memory).ok());
+  EXPECT_EQ(older->kv_transfer_path, "");
   EXPECT_FALSE(parseWorkerStatus(R"({"role":"decode","ready":true,"drafts_accepted":-1})").ok());
   EXPECT_FALSE(parseWorkerStatus(R"({"role":"decode","ready":true,"busy":1})").ok());
   EXPECT_FALSE(parseWorkerStatus(R"({"role":"router","ready":true})").ok());

@@ -1,7 +1,9 @@
 // kv_test_peer: the other process of the cross-process KV transfer tests
 // (test_kv_cross_process.cpp). It talks to the test over stdin/stdout, one line per message:
 //
-// Every mode takes --tls T and --path auto|rma|am (the sender's data path).
+// Every mode takes --tls T and --path auto|rma|am (the sender's data path); with --staging 1 the
+// transport is the staging path (StagingTransport over UCX, host memory standing in for the
+// device).
 //   kv_test_peer receive --tls T --tokens N --blocks B --seed S [--model-hash H] [--timeout-ms MS]
 //       registers a pool of B blocks, prints "DESCRIPTOR <hex>", waits for the request's record,
 //       verifies every byte, prints "RESULT ok" or "RESULT <what went wrong>".
@@ -20,6 +22,7 @@
 #include <thread>
 
 #include "pd/common/log.h"
+#include "pd/kvtransfer/staging_transport.h"
 #include "pd/kvtransfer/ucx_transport.h"
 #include "unit/kvtransfer/kv_test_util.h"
 
@@ -45,7 +48,8 @@ std::uint64_t flagU64(const std::map<std::string, std::string>& flags, const std
   return it == flags.end() ? fallback : std::stoull(it->second, nullptr, 0);
 }
 
-std::unique_ptr<Transport> transport(const std::map<std::string, std::string>& flags, const CompatInfo& compat) {
+std::unique_ptr<Transport> transport(const std::map<std::string, std::string>& flags, const CompatInfo& compat,
+                                     StagingTransportOptions staging) {
   UcxTransportOptions options;
   options.ucx_tls = flags.count("--tls") != 0 ? flags.at("--tls") : "tcp";
   options.data_path = parseKvDataPath(flags.count("--path") != 0 ? flags.at("--path") : "auto").value();
@@ -58,7 +62,13 @@ std::unique_ptr<Transport> transport(const std::map<std::string, std::string>& f
     say("RESULT " + t.error().toString());
     std::exit(1);
   }
-  return std::move(t).value();
+  if (flagU64(flags, "--staging", 0) == 0) return std::move(t).value();
+  auto staged = createStagingTransport(std::move(t).value(), createHostCopier(), std::move(staging));
+  if (!staged.ok()) {
+    say("RESULT " + staged.error().toString());
+    std::exit(1);
+  }
+  return std::move(staged).value();
 }
 
 int receive(const std::map<std::string, std::string>& flags) {
@@ -67,7 +77,9 @@ int receive(const std::map<std::string, std::string>& flags) {
   const auto blocks = static_cast<std::uint32_t>(flagU64(flags, "--blocks", 4));
   const auto seed = flagU64(flags, "--seed", 1);
   const auto timeout_ms = static_cast<std::uint32_t>(flagU64(flags, "--timeout-ms", 20000));
-  auto t = transport(flags, compat);
+  StagingTransportOptions staging;
+  staging.receive_blocks = blocks;
+  auto t = transport(flags, compat, staging);
   testutil::KvPool pool(*t, compat, blocks);
   const std::uint32_t needed = (tokens + compat.block_size - 1) / compat.block_size;
   auto desc = pool.descriptor(seed, tokens, testutil::shuffledBlocks(blocks, needed, seed), timeout_ms);
@@ -82,6 +94,8 @@ int receive(const std::map<std::string, std::string>& flags) {
     return 1;
   }
   // The transfer id the descriptor carries is the grant's, drawn here as a decode worker would.
+  // The pool's block ids: with staging, the granted descriptor names staging blocks instead.
+  const KvDescriptor asked = desc.value();
   desc = t->grant(seed, std::move(desc).value());
   if (!desc.ok()) {
     say("RESULT " + desc.error().toString());
@@ -97,7 +111,7 @@ int receive(const std::map<std::string, std::string>& flags) {
     say("RESULT " + arrived->error().toString());
     return 0;
   }
-  const std::string mismatch = pool.verify(desc.value(), seed);
+  const std::string mismatch = pool.verify(asked, seed);
   say(mismatch.empty() ? fmt::format("RESULT ok first_token={}", arrived->value().first_token)
                        : "RESULT mismatch: " + mismatch);
   return 0;
@@ -118,7 +132,9 @@ int send(const std::map<std::string, std::string>& flags) {
     say("RESULT " + desc.error().toString());
     return 1;
   }
-  auto t = transport(flags, compat);
+  StagingTransportOptions staging;
+  staging.send_bytes = std::uint64_t{compat.num_layers} * desc->num_tokens * compat.tokenBytes();
+  auto t = transport(flags, compat, staging);
   testutil::SourceKv source(compat, desc->num_tokens, seed);
   testutil::ScopedRegion src(*t, source.bytes);
   testutil::Outcomes out;

@@ -2,13 +2,17 @@
 // stdin/stdout pipes; UCX picks ephemeral ports). Faults: the receiver killed mid-transfer, the
 // sender killed mid-transfer, a receiver stopped with SIGSTOP (a silent peer), a compatibility
 // mismatch. Each asserts what a user would see, and that in-flight counts and registered
-// regions return to zero.
+// regions return to zero (to the staging buffers, with the staging path). The staging variants
+// run every case with both processes on the staging path (StagingTransport over UCX, host memory
+// standing in for the device): golden KV lands bit-exact in the pool, faults end as on the direct
+// path.
 
 #include <gtest/gtest.h>
 
 #include <csignal>
 #include <ostream>
 
+#include "pd/kvtransfer/staging_transport.h"
 #include "pd/kvtransfer/ucx_transport.h"
 #include "unit/kvtransfer/kv_test_util.h"
 
@@ -24,11 +28,12 @@ using testutil::SourceKv;
 
 struct Variant {
   std::string tls;
-  std::string path;  // the senders' data path: "am" or "rma"
+  std::string path;      // the senders' data path: "am" or "rma"
+  bool staging = false;  // both processes on the staging path
 };
 /// gtest prints the parameter in test names: keep it short and stable.
 void PrintTo(const Variant& v, std::ostream* os) {  // NOLINT(readability-identifier-naming): gtest's name
-  *os << v.tls << "/" << v.path;
+  *os << v.tls << "/" << v.path << (v.staging ? "/staging" : "");
 }
 
 class CrossProcessTest : public ::testing::TestWithParam<Variant> {
@@ -39,8 +44,10 @@ class CrossProcessTest : public ::testing::TestWithParam<Variant> {
     const auto s = transport_->stats();
     EXPECT_EQ(s.in_flight, 0);
     EXPECT_EQ(s.pending_receives, 0);
-    EXPECT_EQ(s.registered_regions, 0);
+    EXPECT_EQ(s.registered_regions, stagingRegions());
   }
+  /// What the staging path keeps registered with UCX: its send buffer and its receive blocks.
+  static std::int64_t stagingRegions() { return GetParam().staging ? 2 : 0; }
   std::unique_ptr<Transport> make(const CompatInfo& compat) {
     UcxTransportOptions options;
     options.ucx_tls = GetParam().tls;
@@ -52,12 +59,20 @@ class CrossProcessTest : public ::testing::TestWithParam<Variant> {
     options.name = "test";
     auto t = createUcxTransport(options);
     EXPECT_TRUE(t.ok()) << t.error().toString();
-    return t.ok() ? std::move(t).value() : nullptr;
+    if (!t.ok()) return nullptr;
+    if (!GetParam().staging) return std::move(t).value();
+    StagingTransportOptions staging;
+    staging.send_bytes = std::uint64_t{compat.num_layers} * 1024 * compat.tokenBytes();  // the largest prompt here
+    staging.receive_blocks = 16;
+    auto staged = createStagingTransport(std::move(t).value(), createHostCopier(), staging);
+    EXPECT_TRUE(staged.ok()) << staged.error().toString();
+    return staged.ok() ? std::move(staged).value() : nullptr;
   }
   /// kv_test_peer with `args`, on this test's transport set and data path.
   static std::vector<std::string> peerArgs(std::vector<std::string> args) {
     args.insert(args.begin(), PD_KV_TEST_PEER_BIN);
     args.insert(args.end(), {"--tls", GetParam().tls, "--path", GetParam().path});
+    if (GetParam().staging) args.insert(args.end(), {"--staging", "1"});
     return args;
   }
   /// Starts a receiving peer and returns its descriptor.
@@ -104,6 +119,7 @@ TEST_P(CrossProcessTest, ReceivesFromAnotherProcessByteForByte) {
   auto desc = pool.descriptor(22, 200, testutil::shuffledBlocks(5, 4, 22), testutil::kHangGuardMs);
   ASSERT_TRUE(desc.ok());
   ASSERT_TRUE(transport_->expect(22, Clock::now() + testutil::kHangGuard, out_.onArrival()).ok());
+  const KvDescriptor asked = desc.value();  // the pool's blocks (staging grants name its own)
   desc = transport_->grant(22, std::move(desc).value());
   ASSERT_TRUE(desc.ok()) << desc.error().toString();
   ChildProcess peer(peerArgs({"send", "--seed", "22"}));
@@ -112,7 +128,7 @@ TEST_P(CrossProcessTest, ReceivesFromAnotherProcessByteForByte) {
   ASSERT_TRUE(arrived.has_value());
   ASSERT_TRUE(arrived->ok()) << arrived->error().toString();
   EXPECT_EQ(arrived->value().first_token, 4242);
-  EXPECT_EQ(pool.verify(desc.value(), 22), "");
+  EXPECT_EQ(pool.verify(asked, 22), "");
   EXPECT_EQ(peer.readLine("RESULT ", testutil::kHangGuard), "ok");
 }
 
@@ -172,7 +188,7 @@ TEST_P(CrossProcessTest, SenderKilledMidTransferExpiresTheReceive) {
   EXPECT_LT(Clock::now() - start, 4s);
   EXPECT_TRUE(blocks_released);
   pool.reset();
-  EXPECT_EQ(transport_->stats().registered_regions, 0);
+  EXPECT_EQ(transport_->stats().registered_regions, stagingRegions());
 }
 
 TEST_P(CrossProcessTest, CompatibilityMismatchIsAClearErrorAcrossProcesses) {
@@ -188,11 +204,13 @@ TEST_P(CrossProcessTest, CompatibilityMismatchIsAClearErrorAcrossProcesses) {
 }
 
 std::string variantName(const ::testing::TestParamInfo<Variant>& v) {
-  return std::string(v.param.tls == "tcp" ? "tcp" : "tcp_sm") + "_" + v.param.path;
+  return std::string(v.param.tls == "tcp" ? "tcp" : "tcp_sm") + "_" + v.param.path +
+         (v.param.staging ? "_staging" : "");
 }
 
 INSTANTIATE_TEST_SUITE_P(Ucx, CrossProcessTest,
-                         ::testing::Values(Variant{"tcp", "am"}, Variant{"tcp,sm", "am"}, Variant{"tcp", "rma"}),
+                         ::testing::Values(Variant{"tcp", "am"}, Variant{"tcp,sm", "am"}, Variant{"tcp", "rma"},
+                                           Variant{"tcp", "am", true}, Variant{"tcp", "rma", true}),
                          variantName);
 
 // A receiver stopped with SIGSTOP: its sockets stay open, so UCX reports nothing (measured: not
@@ -232,7 +250,8 @@ TEST_P(SilentPeerTest, StoppedReceiverHitsTheDeadlineAndBecomesSuspect) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Ucx, SilentPeerTest,
-                         ::testing::Values(Variant{"tcp", "am"}, Variant{"tcp,sm", "am"}, Variant{"tcp", "rma"}),
+                         ::testing::Values(Variant{"tcp", "am"}, Variant{"tcp,sm", "am"}, Variant{"tcp", "rma"},
+                                           Variant{"tcp", "am", true}, Variant{"tcp", "rma", true}),
                          variantName);
 
 }  // namespace

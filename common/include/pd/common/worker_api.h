@@ -193,6 +193,9 @@ struct WorkerStatus {
   std::string kv_pool_memory;
   std::string kv_cache_dtype;
   std::int64_t kv_pool_bytes = 0;
+  /// How KV reaches this worker's pool (kvtransfer.path resolved): "direct" or "staging".
+  /// Optional in the JSON (empty when absent).
+  std::string kv_transfer_path;
 };
 
 /// Most block keys one KvEvents message may carry (snapshot blocks and events together).

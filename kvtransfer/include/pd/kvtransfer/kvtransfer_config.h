@@ -3,10 +3,13 @@
 /// docs/kv-transfer.md explains every timeout.
 
 #include <cstdint>
+#include <memory>
 #include <string>
 
 #include "pd/common/config.h"
 #include "pd/common/result.h"
+#include "pd/kvtransfer/staging_transport.h"
+#include "pd/kvtransfer/transport.h"
 
 namespace pd::kvtransfer {
 
@@ -29,12 +32,37 @@ struct KvTransferConfig {
   /// The interface UCX's tcp transport listens on, as an address of this host (127.0.0.1: the
   /// loopback device only); empty: every interface (UcxTransportOptions::host).
   std::string host;
+  /// How KV reaches a pool: auto | direct | staging (staging_transport.h, KvTransferPathSetting).
+  std::string path = "auto";
+  /// Staging path, sending side: bytes of the staging buffer in MiB (bounds the KV of the
+  /// transfers staged at once; one prompt's KV must fit).
+  std::int64_t staging_send_mb = 256;
+  /// Staging path, receiving side: staging blocks (block_size tokens of every layer each).
+  std::int64_t staging_receive_blocks = 64;
 };
+
+struct UcxTransportOptions;  // ucx_transport.h, which includes this header
+
+/// Which side of the data plane a worker's transport serves.
+enum class KvTransportUse { Send, Receive };
+
+/// A worker's KV transport and the path it runs.
+struct KvTransport {
+  std::unique_ptr<Transport> transport;
+  KvTransferPath path = KvTransferPath::Direct;
+};
+
+/// The worker's transport: UCX from `ucx`, wrapped in the staging path (host copier for a pool in
+/// host memory, CUDA copier for one in device memory) when cfg.path resolves to staging for a pool
+/// there (resolveKvTransferPath with the UCX context's device-memory support). Logs the path.
+/// Errors of UCX or of the staging transport.
+[[nodiscard]] Result<KvTransport> createKvTransport(const KvTransferConfig& cfg, const UcxTransportOptions& ucx,
+                                                    KvTransportUse use, bool pool_in_device_memory);
 
 void registerOptions(config::OptionSet& set, KvTransferConfig& cfg);
 
-/// What the option table alone cannot check: a known data_path, and tcp among ucx_tls (peer
-/// failure detection). InvalidArgument naming the option.
+/// What the option table alone cannot check: a known data_path and path, and tcp among ucx_tls
+/// (peer failure detection). InvalidArgument naming the option.
 [[nodiscard]] Status validate(const KvTransferConfig& cfg);
 
 }  // namespace pd::kvtransfer

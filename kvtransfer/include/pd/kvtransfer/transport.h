@@ -3,7 +3,8 @@
 /// exports a KvTarget for its descriptors and expects one record per request; a prefill worker
 /// begins a transfer from a descriptor, puts each layer's latent KV as it is computed, and
 /// finishes with a completion record that the transport sends only after every put is remotely
-/// complete. Implementations: UCX (ucx_transport.h) and a loopback fake (tests/fakes/).
+/// complete. Implementations: UCX (ucx_transport.h), the staging decorator for pools in memory the
+/// network cannot register (staging_transport.h) and a loopback fake (tests/fakes/).
 ///
 /// Guarantees every implementation keeps:
 ///  - every beginTransfer that returns ok is answered by exactly one TransferDoneFn call, and
@@ -39,6 +40,10 @@ struct TransportCapabilities {
   std::string name;                   ///< "ucx(tcp,sm)", "loopback"
   bool detects_peer_failure = false;  ///< a dead peer is reported before the deadline
   bool crosses_processes = false;
+  /// registerRegion() accepts GPU memory (UCX: its context lists the CUDA memory type), so a
+  /// device KV pool can be written directly; otherwise it needs the staging path
+  /// (staging_transport.h).
+  bool registers_device_memory = false;
 };
 
 /// Where the layers of one registered region sit, for exportTarget().
