@@ -319,6 +319,7 @@ void DecodeServer::Impl::handleOpen(const http::Request& request, http::Exchange
   r.prefill_attempts = open.prefill_attempts;
   r.grammar = std::move(grammar).value();
   r.choices = open.choices;
+  r.prompt_token_ids = std::move(open.prompt_token_ids);
   r.sink = streamSink(stream);
 
   DecodeLoop* loop = loop_.get();
@@ -334,6 +335,7 @@ void DecodeServer::Impl::handleOpen(const http::Request& request, http::Exchange
       return;
     }
     r.local_prompt = std::move(open.local_prompt_token_ids);
+    r.prompt_token_ids.clear();  // a local prompt brings its ids in local_prompt
     r.forced_first_token = open.forced_first_token;
     r.kv_deadline = Clock::time_point::max();
     loop_->openLocalAsync(std::move(r), [this, stream, loop](const Status& admitted) {
@@ -579,6 +581,8 @@ worker_api::WorkerStatus DecodeServer::Impl::status() const {
   s.block_size = options_.decode.block_size;
   s.drafts_proposed = m.drafts_proposed;
   s.drafts_accepted = m.drafts_accepted;
+  s.prefix_cache_blocks = m.prefix_cache_blocks;
+  s.prefix_cache_capacity = loop_ != nullptr ? engineOptions(options_.decode).prefix_cache_blocks : 0;
   return s;
 }
 
