@@ -271,6 +271,12 @@ std::string toJson(const DecodeOpen& v) {
     o["attach_to"] = v.attach_to;
     o["choice"] = v.choice;
   }
+  if (!v.prompt_token_ids.empty()) {
+    json::array ids;
+    ids.reserve(v.prompt_token_ids.size());
+    for (auto id : v.prompt_token_ids) ids.push_back(id);
+    o["prompt_token_ids"] = std::move(ids);
+  }
   return dump(o);
 }
 
@@ -316,6 +322,12 @@ Result<DecodeOpen> parseDecodeOpen(std::string_view text) {
   }
   if (r.ok() && !v.local_prompt_token_ids.empty() && (v.choices != 1 || !v.attach_to.empty())) {
     r.fail("local_prompt_token_ids", "a local prefill is for one choice");
+  }
+  r.tokenIds("prompt_token_ids", v.prompt_token_ids, false);
+  if (r.ok() && !v.prompt_token_ids.empty() &&
+      (static_cast<std::int64_t>(v.prompt_token_ids.size()) != v.prompt_tokens || !v.local_prompt_token_ids.empty() ||
+       !v.attach_to.empty())) {
+    r.fail("prompt_token_ids", "must hold prompt_tokens token ids, and not with local_prompt_token_ids or attach_to");
   }
   if (!r.ok()) return r.status().error();
   return v;
@@ -515,24 +527,29 @@ Result<PrefillOutcome> parsePrefillOutcome(std::string_view text) {
 }
 
 std::string toJson(const WorkerStatus& v) {
-  return dump(json::object{{"role", v.role},
-                           {"ready", v.ready},
-                           {"busy", v.busy},
-                           {"draining", v.draining},
-                           {"model_hash", v.model_hash},
-                           {"queued_requests", v.queued_requests},
-                           {"queued_tokens", v.queued_tokens},
-                           {"running_requests", v.running_requests},
-                           {"free_blocks", v.free_blocks},
-                           {"total_blocks", v.total_blocks},
-                           {"block_size", v.block_size},
-                           {"quarantined_blocks", v.quarantined_blocks},
-                           {"drafts_proposed", v.drafts_proposed},
-                           {"drafts_accepted", v.drafts_accepted},
-                           {"kv_pool_memory", v.kv_pool_memory},
-                           {"kv_cache_dtype", v.kv_cache_dtype},
-                           {"kv_pool_bytes", v.kv_pool_bytes},
-                           {"kv_transfer_path", v.kv_transfer_path}});
+  json::object o{{"role", v.role},
+                 {"ready", v.ready},
+                 {"busy", v.busy},
+                 {"draining", v.draining},
+                 {"model_hash", v.model_hash},
+                 {"queued_requests", v.queued_requests},
+                 {"queued_tokens", v.queued_tokens},
+                 {"running_requests", v.running_requests},
+                 {"free_blocks", v.free_blocks},
+                 {"total_blocks", v.total_blocks},
+                 {"block_size", v.block_size},
+                 {"quarantined_blocks", v.quarantined_blocks},
+                 {"drafts_proposed", v.drafts_proposed},
+                 {"drafts_accepted", v.drafts_accepted},
+                 {"kv_pool_memory", v.kv_pool_memory},
+                 {"kv_cache_dtype", v.kv_cache_dtype},
+                 {"kv_pool_bytes", v.kv_pool_bytes},
+                 {"kv_transfer_path", v.kv_transfer_path}};
+  if (v.prefix_cache_capacity > 0) {
+    o["prefix_cache_blocks"] = v.prefix_cache_blocks;
+    o["prefix_cache_capacity"] = v.prefix_cache_capacity;
+  }
+  return dump(o);
 }
 
 Result<WorkerStatus> parseWorkerStatus(std::string_view text) {
@@ -559,6 +576,8 @@ Result<WorkerStatus> parseWorkerStatus(std::string_view text) {
   r.str("kv_cache_dtype", v.kv_cache_dtype, false, 16);
   r.integer("kv_pool_bytes", v.kv_pool_bytes, false, 0);
   r.str("kv_transfer_path", v.kv_transfer_path, false, 16);
+  r.integer("prefix_cache_blocks", v.prefix_cache_blocks, false, 0);
+  r.integer("prefix_cache_capacity", v.prefix_cache_capacity, false, 0);
   if (!r.ok()) return r.status().error();
   return v;
 }

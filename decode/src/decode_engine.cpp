@@ -45,6 +45,8 @@ DecodeEngineOptions engineOptions(const DecodeConfig& config) {
   options.local_prefill_token_budget = config.local_prefill_token_budget;
   // With tensor parallelism every rank holds the KV: a choice's block copy would be needed on all.
   options.max_choices = config.tensor_parallel > 1 ? 1 : pd::kMaxChoices;
+  // Reuse is tested on one rank; a TP group keeps every prompt's blocks to itself for now.
+  options.prefix_cache_blocks = config.tensor_parallel > 1 ? 0 : config.prefix_cache_blocks;
   return options;
 }
 
@@ -76,6 +78,7 @@ struct DecodeEngine::Sequence {
   bool speculate;
   // (arrival, admission counter): the latest is preempted first (header comment, "Preemption").
   std::pair<std::int64_t, std::uint64_t> admitted;
+  std::int64_t present_tokens = 0;              // leading prompt tokens shared from the prefix cache
   std::vector<std::int32_t> generated;          // tokens after the prompt; the last is not yet in the cache
   MtpState mtp;                                 // the MTP layer's catch-up state (speculating sequences)
   std::unique_ptr<ConstraintState> constraint;  // null: free text
@@ -94,14 +97,15 @@ DecodeEngine::DecodeEngine(model::Engine& engine, KvPool& pool, DecodeEngineOpti
     : engine_(engine),
       pool_(pool),
       options_(options),
-      blocks_(pool.numBlocks(), pool.blockSize(), std::min(options.kv_headroom_blocks, pool.numBlocks() - 1)),
+      blocks_(pool.numBlocks(), pool.blockSize(), std::min(options.kv_headroom_blocks, pool.numBlocks() - 1),
+              std::max<std::int64_t>(options.prefix_cache_blocks, 0), options.model_hash),
       drafter_(drafter ? std::move(drafter) : std::make_unique<MtpDrafter>(engine, pool)),
       verifier_(std::make_unique<DraftVerifier>(engine, pool)) {
   PD_CHECK(pool.latentDim() == engine.config().latentDim());
   PD_CHECK(pool.numLayers() == engine.config().kvLayers());
   PD_CHECK(options_.num_speculative_tokens >= 0 && options_.max_running_requests >= 1 &&
            options_.kv_headroom_blocks >= 0 && options_.local_prefill_chunk_size >= 1 &&
-           options_.local_prefill_token_budget >= 1 && options_.max_choices >= 1);
+           options_.local_prefill_token_budget >= 1 && options_.max_choices >= 1 && options_.prefix_cache_blocks >= 0);
   publishGauges();
 }
 
@@ -187,8 +191,39 @@ Result<std::vector<std::int32_t>> DecodeEngine::admit(DecodeRequest request) {
     return makeError(ErrorCode::InvalidArgument,
                      fmt::format("request {}: a local prefill is for one choice", request.id));
   }
+  if (!request.prompt_token_ids.empty()) {
+    if (local || static_cast<std::int64_t>(request.prompt_token_ids.size()) != request.prompt_tokens) {
+      return makeError(ErrorCode::InvalidArgument,
+                       fmt::format("request {}: {} prompt token ids for a {}-token prompt{}", request.id,
+                                   request.prompt_token_ids.size(), request.prompt_tokens,
+                                   local ? " prefilled here (local_prompt has them)" : ""));
+    }
+    for (const pd::TokenId t : request.prompt_token_ids) {
+      if (t < 0 || t >= cfg.vocab_size) {
+        return makeError(ErrorCode::InvalidArgument,
+                         fmt::format("request {}: prompt token {} is outside the vocabulary", request.id, t));
+      }
+    }
+  }
+  // Decode-side prefix reuse: the longest cached run of the prompt's leading blocks, in whole
+  // granules (the prefill workers' chunks: the KV a cold prefill computes), short of the last
+  // token (the prefill worker writes at least the block holding it).
+  std::vector<std::int32_t> shared;
+  if (options_.prefix_cache_blocks > 0 && !request.prompt_token_ids.empty()) {
+    const std::int64_t bs = pool_.blockSize();
+    const std::int64_t granule = std::lcm(bs, options_.local_prefill_chunk_size) / bs;
+    shared = blocks_.matchPrefix(request.prompt_token_ids, (request.prompt_tokens - 1) / bs);
+    shared.resize(shared.size() / static_cast<std::size_t>(granule) * static_cast<std::size_t>(granule));
+  }
   // One spare block per further choice: its copy of the last prompt block (KvBlockManager::fork).
-  PD_TRY(blocks_.admit(request.id, request.prompt_tokens, request.choices - 1));
+  PD_TRY(blocks_.admit(request.id, request.prompt_tokens, request.choices - 1, shared));
+  const std::int64_t present = static_cast<std::int64_t>(shared.size()) * pool_.blockSize();
+  if (present > 0) {
+    stats_.prefix_hit_tokens += present;
+    if (options_.metrics != nullptr) options_.metrics->prefixHit(present);
+    log::debug("decode", "request {}: {} of {} prompt tokens are in the prefix cache", request.id, present,
+               request.prompt_tokens);
+  }
   const std::uint64_t id = request.id;
   const std::span<const std::int32_t> table = blocks_.blockTable(id);
   std::vector<std::int32_t> ids(table.begin(), table.end());
@@ -199,6 +234,7 @@ Result<std::vector<std::int32_t>> DecodeEngine::admit(DecodeRequest request) {
           : std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::system_clock::now().time_since_epoch())
                 .count();
   auto seq = std::make_unique<Sequence>(std::move(request), speculate, std::pair(arrival, ++admissions_));
+  seq->present_tokens = present;
   if (local) {
     seq->state = Sequence::State::LocalPrefill;
     local_.push_back(id);
@@ -206,6 +242,27 @@ Result<std::vector<std::int32_t>> DecodeEngine::admit(DecodeRequest request) {
   requests_.emplace(id, std::move(seq));
   publishGauges();
   return ids;
+}
+
+std::int64_t DecodeEngine::presentTokens(std::uint64_t request_id) const {
+  const auto it = requests_.find(request_id);
+  return it == requests_.end() ? 0 : it->second->present_tokens;
+}
+
+void DecodeEngine::cachePrompt(const Sequence& seq) {
+  const std::vector<pd::TokenId>& tokens =
+      seq.req.local_prompt.empty() ? seq.req.prompt_token_ids : seq.req.local_prompt;
+  if (options_.prefix_cache_blocks == 0 || tokens.empty()) return;
+  // Full blocks inside whole prefill chunks (computed as a cold prefill of a longer prompt computes
+  // them) and before the block holding the last prompt token (whose MTP row pairs with a sampled
+  // token, and which decode steps append to).
+  const std::int64_t bs = pool_.blockSize();
+  const std::int64_t n = seq.req.prompt_tokens;
+  const std::int64_t chunked = n / options_.local_prefill_chunk_size * options_.local_prefill_chunk_size;
+  const std::int64_t blocks = std::min((n - 1) / bs, chunked / bs);
+  if (blocks <= 0) return;
+  const std::int64_t added = blocks_.cachePrefix(seq.req.id, tokens, blocks);
+  stats_.prefix_cached_blocks += added;
 }
 
 Status DecodeEngine::onKvReady(std::uint64_t request_id, Result<kvtransfer::CompletionRecord> record) {
@@ -502,6 +559,9 @@ void DecodeEngine::finish(std::uint64_t request_id, FinishReason reason, std::op
   } else {
     // Stop the transport's expectation before the blocks can be handed to another request.
     if (awaited && seq->req.stop_kv_wait) seq->req.stop_kv_wait();
+    // A prompt whose KV arrived (checked by onKvReady) or was computed here is complete.
+    const bool kv_complete = seq->state == Sequence::State::Ready || seq->state == Sequence::State::Running;
+    if (kv_complete && outcome != RequestOutcome::Error) cachePrompt(*seq);
     PD_CHECK(blocks_.release(request_id));
   }
   if (options_.metrics != nullptr) options_.metrics->requestEnded(outcome);
@@ -614,6 +674,7 @@ void DecodeEngine::publishGauges() const {
   }
   options_.metrics->setBlocks(blocks_.freeBlocks(), blocks_.availableBlocks(), blocks_.numBlocks(),
                               blocks_.quarantinedBlocks());
+  options_.metrics->setPrefixCache(blocks_.cachedBlocks(), blocks_.prefixEvictions());
   options_.metrics->setSequences(waiting, waiting_tokens, static_cast<std::int64_t>(ready_.size()),
                                  static_cast<std::int64_t>(running_.size()));
 }

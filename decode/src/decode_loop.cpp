@@ -163,6 +163,9 @@ void DecodeLoop::openStreamAsync(DecodeRequest request, kvtransfer::Transport& t
     }
     descriptor->block_ids.reserve(blocks->size());
     for (const std::int32_t b : *blocks) descriptor->block_ids.push_back(static_cast<std::uint32_t>(b));
+    // Leading blocks shared from the prefix cache: the prefill worker skips them and the grant
+    // below leaves them read-only.
+    descriptor->present_tokens = static_cast<std::uint32_t>(e.presentTokens(wait->id));
     // Bind the request to a fresh 128-bit random transfer id, the only id its descriptor and
     // records carry, and confine the transport to these blocks (docs/kv-transfer.md, "Transfer
     // ids", "Write confinement"); with tensor parallelism every follower's transport too,

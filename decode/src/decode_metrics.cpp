@@ -75,7 +75,11 @@ DecodeMetrics::DecodeMetrics(metrics::Registry& registry) : registry_(registry) 
                                 .get();
   step_seconds_ =
       &registry_.histogram("pdserve_decode_step_seconds", "Wall time of one batched decode step.", stepBuckets()).get();
-  blocks_free_ = &registry_.gauge("pdserve_kv_blocks_free", "KV pool blocks not allocated to any request.").get();
+  blocks_free_ = &registry_
+                      .gauge("pdserve_kv_blocks_free",
+                             "KV pool blocks a request may take: not allocated to any request (idle decode "
+                             "prefix-cache blocks included).")
+                      .get();
   blocks_used_ =
       &registry_.gauge("pdserve_kv_blocks_used", "KV pool blocks allocated to requests (quarantined included).").get();
   blocks_available_ = &registry_
@@ -97,6 +101,28 @@ DecodeMetrics::DecodeMetrics(metrics::Registry& registry) : registry_(registry) 
   queued_ =
       &registry_.gauge("pdserve_decode_queued_sequences", "Sequences with their KV waiting for a batch slot.").get();
   running_ = &registry_.gauge("pdserve_decode_running_sequences", "Sequences in the running batch.").get();
+  prefix_hit_tokens_ = &registry_
+                            .counter("pdserve_decode_prefix_cache_hit_tokens_total",
+                                     "Prompt tokens whose KV the decode prefix cache already held (not transferred).")
+                            .get();
+  prefix_blocks_ =
+      &registry_.gauge("pdserve_decode_prefix_cache_blocks", "KV pool blocks the decode prefix cache holds.").get();
+  prefix_evictions_ = &registry_
+                           .counter("pdserve_decode_prefix_cache_evictions_total",
+                                    "Decode prefix-cache blocks given back to the pool (pressure or capacity).")
+                           .get();
+}
+
+void DecodeMetrics::prefixHit(std::int64_t tokens) {
+  prefix_hit_tokens_->inc(static_cast<double>(tokens));
+}
+
+void DecodeMetrics::setPrefixCache(std::int64_t blocks, std::int64_t evictions_total) {
+  prefix_blocks_->set(static_cast<double>(blocks));
+  if (evictions_total > evictions_seen_) {
+    prefix_evictions_->inc(static_cast<double>(evictions_total - evictions_seen_));
+    evictions_seen_ = evictions_total;
+  }
 }
 
 void DecodeMetrics::requestEnded(RequestOutcome outcome) {
@@ -159,6 +185,7 @@ DecodeMetrics::Snapshot DecodeMetrics::snapshot() const {
   s.drafts_proposed = static_cast<std::int64_t>(drafts_proposed_->value());
   s.drafts_accepted = static_cast<std::int64_t>(drafts_accepted_->value());
   s.preemptions = static_cast<std::int64_t>(preemptions_->value());
+  s.prefix_cache_blocks = static_cast<std::int64_t>(prefix_blocks_->value());
   return s;
 }
 

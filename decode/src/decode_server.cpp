@@ -328,6 +328,7 @@ void DecodeServer::Impl::handleOpen(const http::Request& request, http::Exchange
   r.prefill_attempts = open.prefill_attempts;
   r.grammar = std::move(grammar).value();
   r.choices = open.choices;
+  r.prompt_token_ids = std::move(open.prompt_token_ids);
   r.sink = streamSink(stream);
 
   DecodeLoop* loop = loop_.get();
@@ -343,6 +344,7 @@ void DecodeServer::Impl::handleOpen(const http::Request& request, http::Exchange
       return;
     }
     r.local_prompt = std::move(open.local_prompt_token_ids);
+    r.prompt_token_ids.clear();  // a local prompt brings its ids in local_prompt
     r.forced_first_token = open.forced_first_token;
     r.kv_deadline = Clock::time_point::max();
     loop_->openLocalAsync(std::move(r), [this, stream, loop](const Status& admitted) {
@@ -594,6 +596,8 @@ worker_api::WorkerStatus DecodeServer::Impl::status() const {
   s.kv_cache_dtype = options_.decode.kv_dtype;
   s.kv_pool_bytes = pool_ ? static_cast<std::int64_t>(pool_->memory().size()) : 0;
   s.kv_transfer_path = std::string(kvtransfer::kvTransferPathName(kv_path_));
+  s.prefix_cache_blocks = m.prefix_cache_blocks;
+  s.prefix_cache_capacity = loop_ != nullptr ? engineOptions(options_.decode).prefix_cache_blocks : 0;
   return s;
 }
 

@@ -90,6 +90,11 @@ Status validateDescriptor(const KvDescriptor& d) {
     return invalid(fmt::format("{} tokens need {} blocks of {}, the descriptor lists {}", d.num_tokens, blocks_needed,
                                c.block_size, d.block_ids.size()));
   }
+  if (d.present_tokens != 0 && (d.present_tokens >= d.num_tokens || d.present_tokens % c.block_size != 0 ||
+                                d.present_tokens / c.block_size > d.block_ids.size())) {
+    return invalid(fmt::format("present_tokens {} is not a whole number of blocks short of the {} tokens",
+                               d.present_tokens, d.num_tokens));
+  }
   if (d.targets.empty()) return invalid("no targets");
   if (d.targets.size() > c.tp_size) {
     return invalid(fmt::format("{} targets for tp_size {}", d.targets.size(), c.tp_size));
@@ -122,6 +127,11 @@ Result<std::vector<PlannedPut>> planLayerPuts(const KvDescriptor& d, std::size_t
                      fmt::format("tokens {}..{} past the request's {} tokens", s.first_token,
                                  std::uint64_t{s.first_token} + s.num_tokens, d.num_tokens));
   }
+  if (s.num_tokens > 0 && s.first_token < d.present_tokens) {
+    // The decode worker's present blocks are shared and read-only (write confinement refuses them).
+    return makeError(ErrorCode::InvalidArgument, fmt::format("tokens {}.. are among the {} the decode worker has",
+                                                             s.first_token, d.present_tokens));
+  }
   const auto& regions = d.targets[target_index].regions;
   const auto it = std::find_if(regions.begin(), regions.end(), [&](const KvRegion& r) {
     return s.layer >= r.first_layer && s.layer - r.first_layer < r.num_layers;
@@ -151,7 +161,8 @@ Result<std::vector<PlannedPut>> planLayerPuts(const KvDescriptor& d, std::size_t
 }
 
 std::uint64_t requestKvBytes(const KvDescriptor& d) {
-  return std::uint64_t{d.num_tokens} * d.compat.num_layers * d.compat.tokenBytes();
+  const std::uint32_t sent = d.num_tokens > d.present_tokens ? d.num_tokens - d.present_tokens : 0;
+  return std::uint64_t{sent} * d.compat.num_layers * d.compat.tokenBytes();
 }
 
 }  // namespace pd::kvtransfer

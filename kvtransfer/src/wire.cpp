@@ -215,6 +215,7 @@ std::vector<std::uint8_t> encode(const KvDescriptor& d) {
   w.put(compatHash(d.compat));
   w.put(d.num_tokens);
   w.put(d.timeout_ms);
+  w.put(d.present_tokens);
   w.put(static_cast<std::uint32_t>(d.block_ids.size()));
   for (const auto id : d.block_ids) w.put(id);
   w.put(static_cast<std::uint32_t>(d.targets.size()));
@@ -315,10 +316,20 @@ Result<KvDescriptor> decodeKvDescriptor(std::span<const std::uint8_t> bytes) {
   }
   d.num_tokens = r.get<std::uint32_t>();
   d.timeout_ms = r.get<std::uint32_t>();
+  d.present_tokens = r.get<std::uint32_t>();
   const auto num_blocks = r.getCount(kMaxBlockIds, 4);
   d.block_ids.reserve(num_blocks);
   for (std::uint32_t i = 0; i < num_blocks; ++i) d.block_ids.push_back(r.get<std::uint32_t>());
   if (!r.ok()) return corrupt(kWhat, "truncated block id list");
+  // Present blocks are the decode worker's shared, read-only ones: a whole number of the
+  // request's blocks, short of its last token (which the prefill side must compute and write).
+  if (d.present_tokens != 0 &&
+      (d.present_tokens >= d.num_tokens || d.compat.block_size == 0 || d.present_tokens % d.compat.block_size != 0 ||
+       d.present_tokens / d.compat.block_size > d.block_ids.size())) {
+    return corrupt(kWhat, fmt::format("{} present tokens: not a whole number of its {} blocks of {} short of its {} "
+                                      "tokens",
+                                      d.present_tokens, d.block_ids.size(), d.compat.block_size, d.num_tokens));
+  }
   const auto num_targets = r.getCount(kMaxTargets, kTargetFixedBytes);
   d.targets.resize(num_targets);
   for (std::uint32_t ti = 0; ti < num_targets && r.ok(); ++ti) {

@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <mutex>
 #include <optional>
 #include <utility>
@@ -119,7 +120,7 @@ void TransportKvSink::forwardTimed(std::int64_t first_pos, std::int64_t n, bool 
 Status TransportKvSink::putLayer(std::uint32_t layer, std::int64_t first_pos, std::span<const float> rows) {
   const kvtransfer::CompatInfo& c = descriptor_.compat;
   const auto dim = static_cast<std::int64_t>(c.kv_dim);
-  const auto n = static_cast<std::int64_t>(rows.size()) / dim;
+  auto n = static_cast<std::int64_t>(rows.size()) / dim;
   if (layer >= c.num_layers || first_pos < 0 || static_cast<std::int64_t>(rows.size()) != n * dim ||
       first_pos + n > static_cast<std::int64_t>(descriptor_.num_tokens)) {
     return makeError(
@@ -136,7 +137,13 @@ Status TransportKvSink::putLayer(std::uint32_t layer, std::int64_t first_pos, st
                        fmt::format("transfer {}: put after the transfer ended", descriptor_.transfer_id));
     }
   }
-  if (n == 0) return okStatus();
+  // Rows the decode worker already holds (its prefix cache: descriptor.present_tokens) are not
+  // sent; the prefill still computed them, for the rows after them.
+  const std::int64_t skip = std::clamp<std::int64_t>(descriptor_.present_tokens - first_pos, 0, n);
+  if (n - skip == 0) return okStatus();
+  first_pos += skip;
+  rows = rows.subspan(static_cast<std::size_t>(skip * dim));
+  n -= skip;
   // The staging buffer seen as one block per layer holding every prompt token.
   const std::uint64_t layer_bytes = std::uint64_t{descriptor_.num_tokens} * c.tokenBytes();
   model::LatentCacheView view;

@@ -30,6 +30,9 @@ namespace pd::router {
 namespace {
 
 constexpr std::string_view kLog = "router.pd";
+// Longest prompt whose token ids go to a decode prefix cache: the decode worker caps an open's
+// body at 1 MiB, and a token id takes up to 7 bytes of JSON.
+constexpr std::int64_t kMaxDecodePrefixTokens = 100000;
 using Clock = std::chrono::steady_clock;
 using std::chrono::milliseconds;
 
@@ -164,6 +167,15 @@ struct Shared {
 
   /// A worker of `role` by policy for `prompt`, preferring those not in `tried`; nullopt when none
   /// is ready.
+  /// Whether `worker`'s last status says it keeps a decode prefix cache (it then gets the prompt's
+  /// token ids in the open, docs/kv-memory.md "Prefix reuse on the decode side").
+  bool hasDecodePrefixCache(const WorkerAddress& worker) const {
+    for (const WorkerView& w : registry.ready(WorkerRole::Decode)) {
+      if (w.address == worker) return w.status.prefix_cache_capacity > 0;
+    }
+    return false;
+  }
+
   std::optional<WorkerAddress> pick(WorkerRole role, const std::set<std::string>& tried,
                                     std::span<const TokenId> prompt) const {
     auto picked = pickWithWork(role, tried, prompt);
@@ -438,6 +450,10 @@ class Generation : public std::enable_shared_from_this<Generation> {
       resume_.shapePrefill(req_, shaped);
       open.local_prompt_token_ids = std::move(shaped.token_ids);
       open.forced_first_token = shaped.forced_first_token;
+    } else if (!attach && prompt_tokens <= kMaxDecodePrefixTokens && s_.hasDecodePrefixCache(*d)) {
+      worker_api::PrefillSubmit shaped;  // the prompt the prefill worker gets: what the blocks hold
+      resume_.shapePrefill(req_, shaped);
+      open.prompt_token_ids = std::move(shaped.token_ids);
     }
     open.sampling = req_.sampling;
     open.logprobs = req_.logprobs;

@@ -94,7 +94,9 @@ inline std::string checkKvWireInput(std::span<const std::uint8_t> bytes) {
       const std::uint32_t layers[] = {0, desc.compat.num_layers / 2, desc.compat.num_layers - 1};
       for (std::size_t ti = 0; ti < desc.targets.size(); ++ti) {
         for (const std::uint32_t layer : layers) {
-          auto puts = planLayerPuts(desc, ti, LayerSlice{layer, 0, desc.num_tokens});
+          // The tokens the decode worker does not hold yet (all of them without present_tokens).
+          auto puts =
+              planLayerPuts(desc, ti, LayerSlice{layer, desc.present_tokens, desc.num_tokens - desc.present_tokens});
           if (!puts.ok()) return "a validated descriptor refused a slice inside it: " + puts.error().message;
           for (const auto& p : puts.value()) {
             const auto& r = desc.targets[ti].regions[p.region_index];

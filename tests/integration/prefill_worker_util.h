@@ -68,12 +68,14 @@ class DecodeSide {
 
   /// A descriptor for `num_tokens` tokens at `blocks`, and the expectation of its record as
   /// request `id` (arrivals are keyed by it), granted as a decode worker does: the descriptor
-  /// carries a fresh random transfer id.
+  /// carries a fresh random transfer id. `present_tokens`: the leading tokens already in the pool
+  /// (KvDescriptor::present_tokens: not sent, and not granted for writing).
   kvt::KvDescriptor expect(std::uint64_t id, std::uint32_t num_tokens, std::vector<std::uint32_t> blocks,
-                           std::chrono::milliseconds timeout) {
+                           std::chrono::milliseconds timeout, std::uint32_t present_tokens = 0) {
     kvt::KvDescriptor d;
     d.compat = compat_;
     d.num_tokens = num_tokens;
+    d.present_tokens = present_tokens;
     d.timeout_ms = static_cast<std::uint32_t>(timeout.count());
     d.block_ids = std::move(blocks);
     d.targets.push_back(target_);

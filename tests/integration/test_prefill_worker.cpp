@@ -225,6 +225,59 @@ TEST(PrefillWorkerChunked, ChunkedBatchedPromptsMatchTheUnchunkedGolden) {
   }
 }
 
+// ---- decode-side prefix reuse -------------------------------------------------------------------
+
+// A descriptor whose first blocks are present (the decode worker's prefix cache holds them from an
+// earlier prompt; docs/kv-memory.md "Prefix reuse on the decode side") gets only the blocks after
+// them (the worker's put bytes), and the pool then holds exactly what a cold transfer of the whole
+// prompt writes, bit for bit, in every layer, the MTP layer included.
+TEST(PrefillWorkerPresentBlocks, OnlyTheBlocksAfterThePresentOnesCrossAndThePoolEqualsAColdPrefill) {
+  const fs::path model = goldenDir() / "tiny-bf16";
+  const Golden golden(model / "golden.safetensors");
+  const std::vector<std::int32_t> prompt = golden.ids("p0.tokens");
+  const auto n = static_cast<std::uint32_t>(prompt.size());
+  ASSERT_GT(n, 24U);
+  auto side = DecodeSide::create(model, 32, 8, DType::F32);
+  ASSERT_TRUE(side.ok()) << side.error().toString();
+  // Chunks of one block: a prompt's full blocks are computed as a longer prompt computes them.
+  WorkerProcess w({"--model.path", model.string(), "--prefill.threads", "1", "--prefill.chunk_size", "8",
+                   "--prefill.cache_block_size", "8", "--prefill.prefix_cache_blocks", "0"});
+  ASSERT_TRUE(w.ok());
+  const std::vector<std::uint32_t> blocks = kvt::testutil::shuffledBlocks(32, 32, 19);
+  const auto slice = [&](std::size_t from, std::size_t to) {
+    return std::vector<std::uint32_t>(blocks.begin() + static_cast<std::ptrdiff_t>(from),
+                                      blocks.begin() + static_cast<std::ptrdiff_t>(to));
+  };
+  const std::uint32_t need = (n + 7) / 8;
+  const auto run = [&](std::uint64_t id, std::uint32_t tokens, const kvt::KvDescriptor& d) {
+    const std::vector<std::int32_t> t(prompt.begin(), prompt.begin() + tokens);
+    auto r = w.send("POST", worker_api::kPrefillPath, submitJson(fmt::format("cmpl-present-{}", id), t, d, 20000));
+    ASSERT_TRUE(r.ok()) << r.error().toString();
+    ASSERT_EQ(r->status, 200) << r->body;
+    const auto arrived = (*side)->outcomes().waitArrival(id, kvt::testutil::kHangGuard);
+    ASSERT_TRUE(arrived.has_value() && arrived->ok());
+  };
+  // Cold: the whole prompt.
+  const kvt::KvDescriptor cold = (*side)->expect(1, n, slice(0, need), 20s);
+  ASSERT_NO_FATAL_FAILURE(run(1, n, cold));
+  // Turn 1: the prompt's first 20 tokens (2 full blocks and a partial one).
+  const kvt::KvDescriptor turn1 = (*side)->expect(2, 20, slice(need, need + 3), 20s);
+  ASSERT_NO_FATAL_FAILURE(run(2, 20, turn1));
+  // Turn 2: the whole prompt on turn 1's 2 full blocks (present) and fresh ones.
+  std::vector<std::uint32_t> warm_blocks = slice(need, need + 2);
+  for (const std::uint32_t b : slice(need + 3, need + 3 + need - 2)) warm_blocks.push_back(b);
+  const double before = w.metric("pdserve_kv_put_bytes_total").value_or(-1);
+  const kvt::KvDescriptor turn2 = (*side)->expect(3, n, warm_blocks, 20s, 16);
+  ASSERT_EQ(turn2.present_tokens, 16U);
+  ASSERT_NO_FATAL_FAILURE(run(3, n, turn2));
+  const double sent = w.metric("pdserve_kv_put_bytes_total").value_or(-1) - before;
+  EXPECT_EQ(sent, static_cast<double>(std::uint64_t{n - 16} * cold.compat.num_layers * cold.compat.tokenBytes()));
+  for (std::uint32_t l = 0; l < cold.compat.num_layers; ++l) {
+    EXPECT_EQ((*side)->rows(turn2, l, n), (*side)->rows(cold, l, n)) << "layer " << l;
+  }
+  expectNothingHeld(w);
+}
+
 // ---- bad input --------------------------------------------------------------------------------
 
 TEST(PrefillWorkerInput, RefusesBadSubmissionsWithTheContractsErrors) {

@@ -68,7 +68,11 @@ Result<KvDescriptor> UcxTransport::grant(std::uint64_t request_id, KvDescriptor 
     g.regions = target->regions;
     for (auto& r : g.regions) r.rkey.clear();
     const std::uint64_t blocks = (std::uint64_t{descriptor.num_tokens} + c.block_size - 1) / c.block_size;
-    g.blocks.insert(descriptor.block_ids.begin(), descriptor.block_ids.begin() + static_cast<std::ptrdiff_t>(blocks));
+    // Present blocks (the prefix cache's, shared and read-only) are not granted: data for them
+    // is outside the request's writable blocks and fails the receive like any other stray write.
+    const std::uint64_t present = descriptor.present_tokens / c.block_size;
+    g.blocks.insert(descriptor.block_ids.begin() + static_cast<std::ptrdiff_t>(present),
+                    descriptor.block_ids.begin() + static_cast<std::ptrdiff_t>(blocks));
     descriptor.transfer_id = g.id;
     granted_ids_[g.id] = id;
     it->second.grant = std::move(g);

@@ -120,6 +120,41 @@ TEST(WorkerApi, DecodeOpenCarriesALocalPromptAndItsForcedFirstToken) {
                    .ok());
 }
 
+// Decode-side prefix reuse: the prompt's token ids for a decode worker with a prefix cache, and
+// the status fields that say it has one.
+TEST(WorkerApi, DecodeOpenCarriesThePromptsTokenIdsForThePrefixCache) {
+  DecodeOpen v;
+  v.request_id = "turn-2";
+  v.prompt_tokens = 4;
+  EXPECT_EQ(toJson(v).find("prompt_token_ids"), std::string::npos);
+  v.prompt_token_ids = {5, 6, 7, 8};
+  auto back = parseDecodeOpen(toJson(v));
+  ASSERT_TRUE(back.ok()) << back.error().toString();
+  EXPECT_EQ(back->prompt_token_ids, v.prompt_token_ids);
+  // Exactly the prompt; never with a local prompt or an attach.
+  for (const char* bad :
+       {R"({"request_id":"a","prompt_tokens":4,"max_tokens":1,"sampling":{},"prompt_token_ids":[1,2,3]})",
+        R"({"request_id":"a","prompt_tokens":1,"max_tokens":1,"sampling":{},"prompt_token_ids":[1],)"
+        R"("local_prompt_token_ids":[1]})",
+        R"({"request_id":"a","prompt_tokens":1,"max_tokens":1,"sampling":{},"prompt_token_ids":[1],)"
+        R"("attach_to":"p","choice":1})",
+        R"({"request_id":"a","prompt_tokens":1,"max_tokens":1,"sampling":{},"prompt_token_ids":[-1]})"}) {
+    auto r = parseDecodeOpen(bad);
+    ASSERT_FALSE(r.ok()) << bad;
+    EXPECT_NE(r.error().message.find("prompt_token_ids"), std::string::npos) << r.error().message;
+  }
+  WorkerStatus st;
+  st.role = "decode";
+  EXPECT_EQ(toJson(st).find("prefix_cache"), std::string::npos);  // written only with a cache
+  st.prefix_cache_blocks = 12;
+  st.prefix_cache_capacity = 64;
+  auto status = parseWorkerStatus(toJson(st));
+  ASSERT_TRUE(status.ok());
+  EXPECT_EQ(status->prefix_cache_blocks, 12);
+  EXPECT_EQ(status->prefix_cache_capacity, 64);
+  EXPECT_FALSE(parseWorkerStatus(R"({"role":"decode","ready":true,"prefix_cache_capacity":-1})").ok());
+}
+
 TEST(WorkerApi, DecodeOpenRefusesBadInputNamingTheField) {
   const auto message = [](std::string_view json) {
     auto r = parseDecodeOpen(json);

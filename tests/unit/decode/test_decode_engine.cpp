@@ -766,6 +766,69 @@ TEST_P(DecodeGolden, PreemptionTakesTheLatestAdmittedFirst) {
   EXPECT_TRUE(dec.blocks().isFullyFree());
 }
 
+// Decode-side prefix reuse (docs/kv-memory.md): turn 1's full prompt blocks enter the prefix cache
+// when it ends (a request aborted before its KV arrived caches nothing); turn 2 (turn 1's prompt and
+// more) is admitted on them (presentTokens), its prefill writes only the blocks after them, its
+// greedy tokens are the golden ones, the shared blocks are never written, and every block ends
+// back in the cache or on the free list.
+TEST_P(DecodeGolden, PrefixReuseAttachesTurnOnesBlocksReadOnly) {
+  const auto n = static_cast<std::int64_t>(prompt_.size());
+  const auto g = static_cast<std::int64_t>(greedy_.size());
+  ASSERT_GE(n, 24);
+  DecodeEngineOptions o{1, 8};
+  o.prefix_cache_blocks = 64;
+  o.local_prefill_chunk_size = 4;  // one pool block per reuse granule
+  o.model_hash = 0x5eed;
+  std::map<std::uint64_t, Stream> s;
+  DecodeEngine dec(*engine_, *pool_, o);
+  const std::vector<std::int32_t> turn1(prompt_.begin(), prompt_.begin() + 18);
+  DecodeRequest r1 = request(1, 18, 4, s[1]);
+  r1.prompt_token_ids = turn1;
+  auto b1 = dec.admit(std::move(r1));
+  ASSERT_TRUE(b1.ok());
+  EXPECT_EQ(dec.presentTokens(1), 0);
+  DecodeRequest r2 = request(2, 18, 4, s[2]);
+  r2.prompt_token_ids = turn1;
+  ASSERT_TRUE(dec.admit(std::move(r2)).ok());
+  EXPECT_TRUE(dec.abort(2));
+  EXPECT_EQ(dec.blocks().cachedBlocks(), 0);
+  ASSERT_TRUE(dec.onKvReady(1, prefill(*engine_, turn1, *pool_, *b1)).ok());
+  for (int guard = 0; dec.hasWork() && guard < 100; ++guard) dec.step(Clock::now());
+  ASSERT_EQ(s[1].finish, FinishReason::Length);
+  // 18 tokens in blocks of 4: blocks 0..3 are full and before the block of the last token.
+  EXPECT_EQ(dec.blocks().cachedBlocks(), 4);
+  EXPECT_TRUE(dec.blocks().isFreeButPrefixCache());
+
+  DecodeRequest r3 = request(3, n, g, s[3]);
+  r3.prompt_token_ids = prompt_;
+  auto b3 = dec.admit(std::move(r3));
+  ASSERT_TRUE(b3.ok());
+  EXPECT_EQ(dec.presentTokens(3), 16);
+  EXPECT_EQ(std::vector<std::int32_t>(b3->begin(), b3->begin() + 4),
+            std::vector<std::int32_t>(b1->begin(), b1->begin() + 4));
+  for (int i = 0; i < 4; ++i) EXPECT_EQ(dec.blocks().refCount((*b3)[static_cast<std::size_t>(i)]), 2);
+  EXPECT_EQ(dec.stats().prefix_hit_tokens, 16);
+  const auto present_rows = [&] {
+    const std::int64_t dim = pool_->latentDim();
+    std::vector<float> rows(static_cast<std::size_t>(pool_->numLayers() * 16 * dim));
+    for (std::int64_t l = 0; l < pool_->numLayers(); ++l) {
+      for (std::int64_t p = 0; p < 16; ++p) {
+        model::readLatent(pool_->view(), l, *b3, p, rows.data() + (l * 16 + p) * dim);
+      }
+    }
+    return rows;
+  };
+  const std::vector<float> before = present_rows();
+  ASSERT_TRUE(dec.onKvReady(3, prefill(*engine_, prompt_, *pool_, *b3, {}, 0, {}, 1, 16)).ok());
+  for (int guard = 0; dec.hasWork() && guard < 1000; ++guard) dec.step(Clock::now());
+  EXPECT_EQ(s[3].finish, FinishReason::Length);
+  EXPECT_EQ(s[3].tokens, greedy_) << "turn 2 on turn 1's blocks";
+  EXPECT_EQ(present_rows(), before) << "a shared block was written";
+  EXPECT_TRUE(dec.blocks().isFreeButPrefixCache());
+  EXPECT_EQ(dec.blocks().cachedBlocks(), (n - 1) / 4);
+  EXPECT_EQ(dec.blocks().freeBlocks(), pool_->numBlocks());
+}
+
 INSTANTIATE_TEST_SUITE_P(Golden, DecodeGolden, ::testing::Values("tiny-bf16", "tiny-fp8"));
 
 }  // namespace

@@ -195,6 +195,8 @@ int corpus(const std::string& dir) {
   write(encode(d));
   d.targets[0].regions = {KvRegion{1ULL << 40, 640, 0, 1, 0, 64, {1}}, KvRegion{1ULL << 41, 1280, 1, 2, 640, 64, {2}}};
   write(encode(d));
+  d.present_tokens = 4;  // decode-side prefix reuse: the first block is present (protocol 6)
+  write(encode(d));
   CompletionRecord c;
   c.transfer_id = TransferId{0x0123456789abcdefULL, 9};
   c.hidden_state = {1.0F, 2.0F, 3.0F};

@@ -116,6 +116,27 @@ TEST(KvLayout, RequestBytesOfARealPrompt) {
   d.compat.num_layers = 61;
   d.num_tokens = 1024;
   EXPECT_EQ(requestKvBytes(d), 1024ULL * 61 * 1152);  // ~72 MB
+  d.present_tokens = 768;                             // the decode worker's prefix cache holds 12 blocks: only 4 cross
+  EXPECT_EQ(requestKvBytes(d), 256ULL * 61 * 1152);
+}
+
+// Decode-side prefix reuse: the present blocks are read-only on the decode side, so no put may
+// plan into them, and validation refuses a present count that is not whole blocks short of the
+// prompt's last token.
+TEST(KvLayout, PresentTokensAreNeverWrittenAndMustBeWholeBlocksShortOfThePrompt) {
+  KvDescriptor d = smallDescriptor();
+  d.present_tokens = 8;  // blocks 7 and 2 are present; block 3 holds tokens 8..9
+  ASSERT_EQ(validationError(d), "");
+  EXPECT_FALSE(planLayerPuts(d, 0, LayerSlice{0, 0, 10}).ok());
+  EXPECT_FALSE(planLayerPuts(d, 0, LayerSlice{1, 7, 1}).ok());
+  auto puts = planLayerPuts(d, 0, LayerSlice{1, 8, 2});
+  ASSERT_TRUE(puts.ok()) << puts.error().toString();
+  ASSERT_EQ(puts.value().size(), 1U);
+  EXPECT_EQ(puts.value()[0], (PlannedPut{0, kBase + 10ULL * 64 + 3ULL * 64, 0, 2ULL * 16}));
+  for (const std::uint32_t bad : {2U, 10U, 12U, 16U}) {
+    d.present_tokens = bad;
+    EXPECT_NE(validationError(d), "") << bad;
+  }
 }
 
 }  // namespace

@@ -30,6 +30,12 @@ KvDescriptor randomDescriptor(std::mt19937_64& rng) {
   d.num_tokens = static_cast<std::uint32_t>(rng() % 5000);
   d.timeout_ms = static_cast<std::uint32_t>(rng());
   for (std::uint32_t i = 0, n = small(rng) * 7; i < n; ++i) d.block_ids.push_back(static_cast<std::uint32_t>(rng()));
+  // Decode-side prefix reuse: whole blocks the decode worker has, short of the prompt's last token.
+  const std::uint32_t whole =
+      std::min<std::uint32_t>((d.num_tokens - 1) / d.compat.block_size, static_cast<std::uint32_t>(d.block_ids.size()));
+  if (d.num_tokens > 0 && whole > 0 && (rng() & 1) != 0) {
+    d.present_tokens = static_cast<std::uint32_t>(1 + rng() % whole) * d.compat.block_size;
+  }
   for (std::uint32_t i = 0, n = small(rng); i < n; ++i) {
     KvTarget t;
     t.tp_rank = i;
@@ -274,13 +280,16 @@ TEST(KvWire, EveryMessageCarriesTheFull128BitTransferIdAfterTheHeader) {
   EXPECT_NE(back_c->transfer_id, id);
   EXPECT_EQ(back_c->transfer_id.hi, id.hi);
   // Messages of earlier protocols (2: 64-bit ids; 3: no choices' first tokens; 4: no trace
-  // context) are refused as another version.
-  for (const std::uint8_t older : {2, 3, 4}) {
+  // context; 5: no present tokens in the descriptor) are refused as another version.
+  for (const std::uint8_t older : {2, 3, 4, 5}) {
     auto old = encode(c);
     old[4] = older;
     EXPECT_EQ(decodeCompletionRecord(old).error().code, ErrorCode::Unsupported);
+    auto old_d = encode(d);
+    old_d[4] = older;
+    EXPECT_EQ(decodeKvDescriptor(old_d).error().code, ErrorCode::Unsupported);
   }
-  EXPECT_EQ(kProtocolVersion, 5);
+  EXPECT_EQ(kProtocolVersion, 6);
 }
 
 TEST(KvWire, HeaderIsCheckedFieldByField) {
@@ -336,8 +345,9 @@ TEST(KvWire, HostileCountsAreRejectedWithoutAllocating) {
   KvDescriptor d;
   d.block_ids = {1, 2, 3};
   auto bytes = encode(d);
-  // Layout: header 12, transfer_id 16, compat 27, hash 8, num_tokens 4, timeout 4, then the count.
-  const std::size_t count_at = 12 + 16 + 27 + 8 + 4 + 4;
+  // Layout: header 12, transfer_id 16, compat 27, hash 8, num_tokens 4, timeout 4, present 4,
+  // then the count.
+  const std::size_t count_at = 12 + 16 + 27 + 8 + 4 + 4 + 4;
   ASSERT_EQ(bytes[count_at], 3);
   bytes[count_at] = 0xFF;
   bytes[count_at + 1] = 0xFF;
@@ -353,6 +363,39 @@ TEST(KvWire, HostileCountsAreRejectedWithoutAllocating) {
   const std::size_t hidden_at = 12 + 16 + 8 + 4 + 4;
   cb[hidden_at + 3] = 0x40;
   EXPECT_EQ(decodeCompletionRecord(cb).error().code, ErrorCode::Corrupt);
+}
+
+// present_tokens (protocol 6) names blocks the decode worker shares read-only: a value that is not
+// a whole number of the request's blocks short of its last token is refused by the decoder and by
+// validateDescriptor, so a hostile one can neither skip the last block nor point past the list.
+TEST(KvWire, DescriptorPresentTokensMustBeWholeBlocksShortOfThePrompt) {
+  KvDescriptor d;
+  d.compat.block_size = 16;
+  d.num_tokens = 40;  // 3 blocks
+  d.block_ids = {4, 5, 6};
+  const auto decodes = [&](std::uint32_t present) {
+    KvDescriptor m = d;
+    m.present_tokens = present;
+    const auto back = decodeKvDescriptor(encode(m));
+    if (back.ok()) {
+      EXPECT_EQ(back->present_tokens, present);
+      return true;
+    }
+    EXPECT_EQ(back.error().code, ErrorCode::Corrupt) << present;
+    return false;
+  };
+  EXPECT_TRUE(decodes(0));
+  EXPECT_TRUE(decodes(16));
+  EXPECT_TRUE(decodes(32));
+  EXPECT_FALSE(decodes(8));   // not a whole block
+  EXPECT_FALSE(decodes(48));  // past the prompt (and its blocks)
+  EXPECT_FALSE(decodes(40));  // every token: the prefill worker must write the last one
+  EXPECT_FALSE(decodes(0xFFFFFFF0U));
+  d.num_tokens = 32;
+  EXPECT_FALSE(decodes(32));  // all of a prompt of whole blocks
+  d.num_tokens = 100;         // more tokens than the blocks listed: the list bounds it too
+  EXPECT_FALSE(decodes(64));
+  EXPECT_TRUE(decodes(48));
 }
 
 TEST(KvWire, DescriptorCompatHashMustMatchItsFields) {

@@ -143,6 +143,60 @@ TEST_P(WriteConfinement, DataForBlocksTheRequestDoesNotHoldIsRefused) {
   EXPECT_GT(receiver_->stats().bytes_dropped, 0U);
 }
 
+// Decode-side prefix reuse (docs/kv-memory.md): a descriptor's present blocks hold the prefix
+// cache's KV, shared with other requests and read-only, so the grant leaves them out. An honest
+// sender puts only the tokens after them and the receive completes on those bytes; a sender that
+// writes them anyway (the descriptor edited back to present_tokens 0) has those bytes refused and
+// the receive fails.
+TEST_P(WriteConfinement, PresentBlocksAreNeverGrantedForWriting) {
+  KvPool pool(*receiver_, compat_, 8);
+  ASSERT_TRUE(receiver_->expect(4, Clock::now() + kHangGuard, out_.onArrival()).ok());
+  KvDescriptor d = ungranted(pool, 4, 10, {5, 2, 7});
+  d.present_tokens = 4;  // block 5
+  auto granted = receiver_->grant(4, d);
+  ASSERT_TRUE(granted.ok()) << granted.error().toString();
+  const auto wire = decodeKvDescriptor(encode(granted.value()));
+  ASSERT_TRUE(wire.ok());
+  ASSERT_EQ(wire->present_tokens, 4U);
+  const std::uint64_t received_before = receiver_->stats().bytes_received;
+  {
+    SourceKv source(compat_, 10, 5);
+    ScopedRegion src(*sender_, source.bytes);
+    ASSERT_TRUE(src.ok());
+    ASSERT_TRUE(sender_->beginTransfer(wire.value(), Clock::now() + kHangGuard, out_.onDone()).ok());
+    // The sender's own plan refuses the present tokens too.
+    EXPECT_FALSE(sender_->put(wire->transfer_id, source.chunkPuts(src.id(), 0, 10)).ok());
+    ASSERT_TRUE(sender_->put(wire->transfer_id, source.chunkPuts(src.id(), 4, 6)).ok());
+    CompletionRecord r;
+    r.transfer_id = wire->transfer_id;
+    r.num_tokens = 10;
+    ASSERT_TRUE(sender_->finish(r).ok());
+    ASSERT_TRUE(out_.waitDone(wire->transfer_id.lo, kHangGuard).has_value());
+  }
+  const auto arrived = out_.waitArrival(4, kHangGuard);
+  ASSERT_TRUE(arrived.has_value());
+  ASSERT_TRUE(arrived->ok()) << arrived->error().toString();
+  if (GetParam() == KvDataPath::ActiveMessage) {
+    EXPECT_EQ(receiver_->stats().bytes_received - received_before, 6ULL * compat_.num_layers * compat_.tokenBytes());
+  } else {
+    GTEST_SKIP() << "one-sided puts land without the receiver's CPU: docs/kv-transfer.md, 'Write confinement'";
+  }
+  // Another request on the same present block 5.
+  ASSERT_TRUE(receiver_->expect(6, Clock::now() + kHangGuard, out_.onArrival()).ok());
+  KvDescriptor shared = ungranted(pool, 6, 10, {5, 3, 4});
+  shared.present_tokens = 4;
+  auto third = receiver_->grant(6, shared);
+  ASSERT_TRUE(third.ok());
+  KvDescriptor forged = third.value();
+  forged.present_tokens = 0;  // writes block 5 after all
+  send(forged, 10);
+  const auto refused = out_.waitArrival(6, kHangGuard);
+  ASSERT_TRUE(refused.has_value());
+  ASSERT_FALSE(refused->ok());
+  EXPECT_EQ(refused->error().code, ErrorCode::Corrupt);
+  EXPECT_GT(receiver_->stats().bytes_dropped, 0U);
+}
+
 // Only the granted 128-bit id opens a request: data and records under any other id (one bit off
 // the real one, one made from the local request number, the id of a transfer that already
 // ended) are dropped and counted, and the receive is left to its own outcome: it is still

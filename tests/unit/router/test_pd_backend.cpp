@@ -371,6 +371,37 @@ TEST_F(PdBackendTest, NoDecodeWorkerTheKvCanReachFailsTheRequest) {
   EXPECT_TRUE(waitFor([&] { return d1.live() == 0 && d2.live() == 0; }));
 }
 
+// Decode-side prefix reuse: the prompt's token ids go in the open only to a decode worker whose
+// status reports a prefix cache (docs/kv-memory.md); others get the open without them.
+TEST_F(PdBackendTest, PromptTokenIdsGoOnlyToADecodeWorkerWithAPrefixCache) {
+  DecodeScript script;
+  script.tokens = {{kHello}, {kBang}};
+  d1.setScript(script);
+  startBackend();
+  auto sink = std::make_shared<RecordingSink>();
+  ASSERT_TRUE(backend->start(request(), sink).ok());
+  ASSERT_TRUE(sink->waitEnd());
+  ASSERT_FALSE(sink->error()) << sink->error()->toString();
+  ASSERT_EQ(d1.opens().size(), 1U);
+  EXPECT_TRUE(d1.opens()[0].prompt_token_ids.empty()) << "no prefix cache: no token ids";
+  auto s = d1.status();
+  s.prefix_cache_capacity = 64;
+  d1.setStatus(s);
+  ASSERT_TRUE(waitFor([&] {
+    for (const auto& w : registry->ready(WorkerRole::Decode)) {
+      if (w.status.prefix_cache_capacity == 64) return true;
+    }
+    return false;
+  }));
+  auto sink2 = std::make_shared<RecordingSink>();
+  ASSERT_TRUE(backend->start(request("cmpl-t2"), sink2).ok());
+  ASSERT_TRUE(sink2->waitEnd());
+  ASSERT_FALSE(sink2->error()) << sink2->error()->toString();
+  ASSERT_EQ(d1.opens().size(), 2U);
+  EXPECT_EQ(d1.opens()[1].prompt_token_ids, (std::vector<TokenId>{0, static_cast<TokenId>(kHello)}));
+  EXPECT_TRUE(d1.opens()[1].local_prompt_token_ids.empty());
+}
+
 // Conditional disaggregation: a prompt shorter than remote_prefill_min_tokens goes to the decode
 // worker with its token ids and no prefill worker is asked; a prompt as long goes remote.
 TEST_F(PdBackendTest, ShortPromptsArePrefilledByTheDecodeWorker) {

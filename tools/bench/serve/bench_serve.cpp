@@ -127,17 +127,29 @@ Result<void> runConversationBench(const ServeBenchConfig& cfg, const ModelDirSou
     PD_ASSIGN_OR_RETURN(o.token_id_max, vocabularySize(served, model_dir));
   }
   if (o.token_id_min >= o.token_id_max) o.token_id_min = 0;
-  const auto run = [&](const Target& t) -> Result<ConversationStats> {
+  // Multiturn with the prefill workers' pages: the KV bytes they put while only later turns ran.
+  const auto run = [&](const Target& t, const std::vector<std::string>& pages) -> Result<ConversationStats> {
     double duration = 0;
-    PD_ASSIGN_OR_RETURN(auto requests, runConversations(t, o, &duration));
-    return summarizeConversations(requests, duration);
+    ConversationOptions opts = o;
+    std::optional<Result<std::map<std::string, double>>> before;
+    if (o.workload == "multiturn" && !pages.empty()) {
+      opts.after_first_turns = [&] { before = scrapeCounters(pages, 10s); };
+    }
+    PD_ASSIGN_OR_RETURN(auto requests, runConversations(t, opts, &duration));
+    ConversationStats stats = summarizeConversations(requests, duration);
+    if (before) {
+      if (!before->ok()) return before->error();
+      PD_ASSIGN_OR_RETURN(const auto after, scrapeCounters(pages, 10s));
+      stats.later_transfer_bytes = counterDelta(before->value(), after, "pdserve_kv_put_bytes_total");
+    }
+    return stats;
   };
-  PD_ASSIGN_OR_RETURN(const ConversationStats main, run(target));
+  PD_ASSIGN_OR_RETURN(const ConversationStats main, run(target, cfg.metrics_url));
   std::optional<ConversationStats> baseline;
   if (!cfg.baseline_url.empty()) {
     PD_ASSIGN_OR_RETURN(Target base, parseUrl(cfg.baseline_url));
     base.api_key = cfg.api_key;
-    PD_ASSIGN_OR_RETURN(baseline, run(base));
+    PD_ASSIGN_OR_RETURN(baseline, run(base, cfg.baseline_metrics_url));
   }
   if (!cfg.json.empty()) {
     PD_TRY(writeText(cfg.json, conversationReportJson(o, cfg.url, main, cfg.baseline_url, baseline) + "\n"));

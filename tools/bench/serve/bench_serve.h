@@ -54,6 +54,9 @@ struct ServeBenchConfig {
   /// when given, --baseline_url.
   std::string workload = "random";
   std::string baseline_url;
+  /// Multiturn: the prefill workers' /metrics pages of --baseline_url's cluster (with metrics_url,
+  /// those of --url's): KV bytes put per later turn and transfer_bytes_ratio.
+  std::vector<std::string> baseline_metrics_url;
   std::int64_t conversations = 8;
   std::int64_t turns = 4;
   std::int64_t system_tokens = 1024;

@@ -7,6 +7,7 @@
 #include <atomic>
 #include <boost/json.hpp>
 #include <cstdlib>
+#include <functional>
 #include <mutex>
 #include <thread>
 #include <tuple>
@@ -66,7 +67,8 @@ json::object statsJson(const ConversationStats& s) {
                       {"cached_tokens", s.cached_tokens},
                       {"reusable_tokens", s.reusable_tokens},
                       {"prompt_tokens", s.prompt_tokens},
-                      {"duration_s", s.duration_s}};
+                      {"duration_s", s.duration_s},
+                      {"later_transfer_bytes", optionalNumber(s.later_transfer_bytes)}};
 }
 
 }  // namespace
@@ -84,7 +86,6 @@ Result<std::vector<ConversationRequest>> runConversations(const Target& target, 
   }
   std::vector<ConversationRequest> out;
   std::mutex mu;
-  std::atomic<std::int64_t> next{0};
   const std::int64_t groups = multiturn ? o.conversations : o.prefixes * o.requests_per_prefix;
   const auto workers = static_cast<std::size_t>(std::min(o.concurrency, groups));
   const std::vector<std::int64_t> system = tokensFor(o, 1, o.system_tokens);
@@ -92,58 +93,83 @@ Result<std::vector<ConversationRequest>> runConversations(const Target& target, 
   for (std::int64_t k = 0; !multiturn && k < o.prefixes; ++k) {
     prefixes.push_back(tokensFor(o, 1000 + static_cast<std::uint64_t>(k), o.prefix_tokens));
   }
-  const auto t0 = std::chrono::steady_clock::now();
-  std::vector<std::thread> threads;
-  for (std::size_t w = 0; w < workers; ++w) {
-    threads.emplace_back([&] {
-      http::Client client(target.host, target.port);
-      for (std::int64_t g = next.fetch_add(1); g < groups; g = next.fetch_add(1)) {
-        if (multiturn) {
-          // One conversation, turn after turn: each prompt extends the previous prompt and answer.
-          std::vector<std::int64_t> prompt = system;
-          std::int64_t reusable = 0;
-          for (std::int64_t t = 0; t < o.turns; ++t) {
-            const auto user = tokensFor(o, 1'000'000 + static_cast<std::uint64_t>(g * o.turns + t), o.turn_tokens);
-            prompt.insert(prompt.end(), user.begin(), user.end());
-            ConversationRequest r = send(client, target, o, prompt);
-            r.group = g;
-            r.index = t;
-            r.reusable_tokens = reusable;
-            r.common_tokens = o.system_tokens;
-            const bool ok = r.result.ok;
-            reusable = static_cast<std::int64_t>(prompt.size());
-            // The answer joins the history. Ids outside the prompts' range (a random-weight model
-            // emits ids the tokenizer does not know, which a server refuses in a prompt) are folded
-            // into it, keeping the answer's length.
-            for (std::int64_t id : r.result.token_ids) {
-              if (id < o.token_id_min || id >= o.token_id_max) {
-                id = o.token_id_min + std::abs(id) % (o.token_id_max - o.token_id_min);
-              }
-              prompt.push_back(id);
-            }
-            {
-              std::lock_guard lock(mu);
-              out.push_back(std::move(r));
-            }
-            if (!ok) break;  // the rest of this conversation has no history to build on
-          }
-        } else {
-          // Request g: prefix g % K, its (g / K)-th suffix.
-          const std::int64_t k = g % o.prefixes;
-          std::vector<std::int64_t> prompt = prefixes[static_cast<std::size_t>(k)];
-          const auto suffix = tokensFor(o, 2'000'000 + static_cast<std::uint64_t>(g), o.suffix_tokens);
-          prompt.insert(prompt.end(), suffix.begin(), suffix.end());
-          ConversationRequest r = send(client, target, o, prompt);
-          r.group = k;
-          r.index = g / o.prefixes;
-          r.reusable_tokens = r.index == 0 ? 0 : o.prefix_tokens;
-          std::lock_guard lock(mu);
-          out.push_back(std::move(r));
-        }
+  // Multiturn state per conversation; each phase hands a conversation to one worker at a time.
+  struct History {
+    std::vector<std::int64_t> prompt;
+    std::int64_t reusable = 0;
+    bool alive = true;
+  };
+  std::vector<History> histories(multiturn ? static_cast<std::size_t>(groups) : 0, History{system, 0, true});
+  // Turn t of conversation g: each prompt extends the previous prompt and answer. False when it
+  // failed (the rest of the conversation has no history to build on).
+  const auto turn = [&](http::Client& client, std::int64_t g, std::int64_t t) {
+    History& h = histories[static_cast<std::size_t>(g)];
+    const auto user = tokensFor(o, 1'000'000 + static_cast<std::uint64_t>(g * o.turns + t), o.turn_tokens);
+    h.prompt.insert(h.prompt.end(), user.begin(), user.end());
+    ConversationRequest r = send(client, target, o, h.prompt);
+    r.group = g;
+    r.index = t;
+    r.reusable_tokens = h.reusable;
+    r.common_tokens = o.system_tokens;
+    const bool ok = r.result.ok;
+    h.reusable = static_cast<std::int64_t>(h.prompt.size());
+    // The answer joins the history. Ids outside the prompts' range (a random-weight model emits
+    // ids the tokenizer does not know, which a server refuses in a prompt) are folded into it,
+    // keeping the answer's length.
+    for (std::int64_t id : r.result.token_ids) {
+      if (id < o.token_id_min || id >= o.token_id_max) {
+        id = o.token_id_min + std::abs(id) % (o.token_id_max - o.token_id_min);
       }
+      h.prompt.push_back(id);
+    }
+    {
+      std::lock_guard lock(mu);
+      out.push_back(std::move(r));
+    }
+    h.alive = ok;
+    return ok;
+  };
+  // Runs every group through `work` on `workers` threads, each taking the next group.
+  const auto phase = [&](const std::function<void(http::Client&, std::int64_t)>& work) {
+    std::atomic<std::int64_t> next{0};
+    std::vector<std::thread> threads;
+    for (std::size_t w = 0; w < workers; ++w) {
+      threads.emplace_back([&] {
+        http::Client client(target.host, target.port);
+        for (std::int64_t g = next.fetch_add(1); g < groups; g = next.fetch_add(1)) work(client, g);
+      });
+    }
+    for (auto& t : threads) t.join();
+  };
+  const auto turns = [&](std::int64_t first, std::int64_t last) {
+    return [&, first, last](http::Client& client, std::int64_t g) {
+      for (std::int64_t t = first; t < last && histories[static_cast<std::size_t>(g)].alive; ++t) {
+        if (!turn(client, g, t)) break;
+      }
+    };
+  };
+  const auto t0 = std::chrono::steady_clock::now();
+  if (multiturn && o.after_first_turns) {
+    phase(turns(0, 1));
+    o.after_first_turns();
+    phase(turns(1, o.turns));
+  } else if (multiturn) {
+    phase(turns(0, o.turns));
+  } else {
+    phase([&](http::Client& client, std::int64_t g) {
+      // Request g: prefix g % K, its (g / K)-th suffix.
+      const std::int64_t k = g % o.prefixes;
+      std::vector<std::int64_t> prompt = prefixes[static_cast<std::size_t>(k)];
+      const auto suffix = tokensFor(o, 2'000'000 + static_cast<std::uint64_t>(g), o.suffix_tokens);
+      prompt.insert(prompt.end(), suffix.begin(), suffix.end());
+      ConversationRequest r = send(client, target, o, prompt);
+      r.group = k;
+      r.index = g / o.prefixes;
+      r.reusable_tokens = r.index == 0 ? 0 : o.prefix_tokens;
+      std::lock_guard lock(mu);
+      out.push_back(std::move(r));
     });
   }
-  for (auto& t : threads) t.join();
   if (duration_s != nullptr) {
     *duration_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   }
@@ -208,15 +234,29 @@ std::string conversationReportJson(const ConversationOptions& o, const std::stri
   if (baseline && baseline->ttft_p50_later_ms > 0 && main.later_requests > 0) {
     ratio = main.ttft_p50_later_ms / baseline->ttft_p50_later_ms;
   }
+  const auto per_turn = [](const ConversationStats& s) -> std::optional<double> {
+    if (!s.later_transfer_bytes || s.later_requests == 0) return std::nullopt;
+    return *s.later_transfer_bytes / static_cast<double>(s.later_requests);
+  };
+  std::optional<double> bytes_ratio;
+  const std::optional<double> main_bytes = per_turn(main);
+  const double base_bytes = baseline ? per_turn(*baseline).value_or(0.0) : 0.0;
+  if (main_bytes && base_bytes > 0) bytes_ratio = main_bytes.value_or(0.0) / base_bytes;
   json::object report{{"workload", o.workload},
                       {"url", url},
                       {"config", std::move(config)},
                       {"main", statsJson(main)},
                       {"prefix_hit_rate", optionalNumber(main.prefix_hit_rate)},
                       {"multiturn_ttft_ratio", optionalNumber(ratio)},
-                      {"transfer_bytes_ratio", nullptr},
-                      {"transfer_bytes_note",
-                       "needs decode-side prefix reuse (issue 19), which is not built: every block still crosses"}};
+                      {"transfer_bytes_ratio", optionalNumber(bytes_ratio)},
+                      {"transfer_bytes_per_later_turn", optionalNumber(main_bytes)}};
+  if (!bytes_ratio) {
+    report["transfer_bytes_note"] =
+        "multiturn with --metrics_url (the prefill workers of --url) and --baseline_metrics_url (those of "
+        "--baseline_url) measures it";
+  } else {
+    report["baseline_transfer_bytes_per_later_turn"] = base_bytes;
+  }
   if (baseline) {
     report["baseline_url"] = baseline_url;
     report["baseline"] = statsJson(*baseline);
@@ -242,6 +282,16 @@ std::string conversationReportText(const ConversationOptions& o, const Conversat
         baseline->ttft_p50_later_ms,
         baseline->ttft_p50_later_ms > 0 ? fmt::format("{:.3f}", main.ttft_p50_later_ms / baseline->ttft_p50_later_ms)
                                         : std::string("-"));
+  }
+  const auto bytes = [](const ConversationStats& s) {
+    return s.later_transfer_bytes && s.later_requests > 0
+               ? fmt::format("{:.0f}", *s.later_transfer_bytes / static_cast<double>(s.later_requests))
+               : std::string("-");
+  };
+  if (main.later_transfer_bytes) {
+    text += fmt::format("KV bytes put per later turn: {}", bytes(main));
+    if (baseline && baseline->later_transfer_bytes) text += fmt::format(", baseline {}", bytes(*baseline));
+    text += "\n";
   }
   return text;
 }

@@ -26,11 +26,17 @@
 /// multiturn_ttft_ratio: the later requests' TTFT p50 on the main server over that on a baseline
 /// server (the same workload sent to --baseline_url right after, e.g. round_robin with the prefix
 /// cache off).
+/// transfer_bytes_ratio (multiturn, with the prefill workers' /metrics pages of both clusters): the
+/// KV bytes the prefill workers put per later turn (pdserve_kv_put_bytes_total grown while only
+/// later turns ran) on the main cluster over the baseline's, e.g. decode-side prefix reuse on vs
+/// off. To attribute the bytes to later turns exactly, the workload then runs in two phases: every
+/// conversation's first turn, then (after_first_turns) the later turns.
 ///
 /// Thread rules: runConversations() blocks its caller and joins its threads; the rest is pure.
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <string>
 #include <vector>
@@ -57,6 +63,9 @@ struct ConversationOptions {
   std::int64_t token_id_max = 30000;  ///< exclusive
   std::uint64_t seed = 0;
   std::chrono::milliseconds timeout{600000};
+  /// Multiturn: when set, every conversation's first turn runs first, then this is called (on the
+  /// calling thread, no request in flight), then the later turns run.
+  std::function<void()> after_first_turns;
 };
 
 /// One request of a conversation workload and how it went.
@@ -83,6 +92,9 @@ struct ConversationStats {
   std::int64_t reusable_tokens = 0;
   std::int64_t prompt_tokens = 0;
   double duration_s = 0;
+  /// KV bytes the prefill workers put while the later turns ran (two-phase multiturn with
+  /// metrics pages); nullopt when not measured.
+  std::optional<double> later_transfer_bytes;
 };
 
 /// Sends the workload to `target` (see the file comment). InvalidArgument for a workload name or
@@ -95,7 +107,8 @@ struct ConversationStats {
                                                        double duration_s);
 
 /// The JSON report: the workload, `main` and (when given) `baseline` stats, prefix_hit_rate and
-/// multiturn_ttft_ratio at the top level, and transfer_bytes_ratio null with the reason.
+/// multiturn_ttft_ratio and transfer_bytes_ratio (null with the reason when not measured) at the top
+/// level.
 [[nodiscard]] std::string conversationReportJson(const ConversationOptions& options, const std::string& url,
                                                  const ConversationStats& main, const std::string& baseline_url,
                                                  const std::optional<ConversationStats>& baseline);

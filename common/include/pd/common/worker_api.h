@@ -86,6 +86,11 @@ struct DecodeOpen {
   /// of their own with `attach_to` before the prefill is submitted. 1..pd::kMaxChoices; optional
   /// (1 when absent).
   std::int64_t choices = 1;
+  /// Decode-side prefix reuse (docs/kv-memory.md, "Prefix reuse on the decode side"): the prompt's
+  /// token ids (prompt_tokens of them) for a worker with a prefix cache, which attaches the cached
+  /// blocks holding its leading blocks and says so in the descriptor (present_tokens). Optional
+  /// (empty: no reuse); not with local_prompt_token_ids or attach_to.
+  std::vector<pd::TokenId> prompt_token_ids;
   /// An attached choice: the request_id of the open stream (its `choices` > 1, its KV not yet
   /// arrived) whose prompt this choice shares, and the choice's index (1..choices-1). The worker
   /// answers with an empty Descriptor line (nothing to prefill) and then the choice's tokens. The
@@ -196,6 +201,11 @@ struct WorkerStatus {
   /// How KV reaches this worker's pool (kvtransfer.path resolved): "direct" or "staging".
   /// Optional in the JSON (empty when absent).
   std::string kv_transfer_path;
+  /// Decode-side prefix reuse (docs/kv-memory.md): blocks the worker's prefix cache holds (idle
+  /// ones are also in free_blocks), and the most it keeps (0: no prefix cache; the router then
+  /// does not send prompt token ids). Optional in the JSON (0 when absent).
+  std::int64_t prefix_cache_blocks = 0;
+  std::int64_t prefix_cache_capacity = 0;
 };
 
 /// Most block keys one KvEvents message may carry (snapshot blocks and events together).

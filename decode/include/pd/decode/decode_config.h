@@ -27,6 +27,10 @@ struct DecodeConfig {
   std::int64_t local_prefill_max_tokens = 4096;
   std::int64_t local_prefill_chunk_size = 512;
   std::int64_t local_prefill_token_budget = 2048;
+  /// Decode-side prefix reuse (docs/kv-memory.md, "Prefix reuse on the decode side"): most pool
+  /// blocks of finished prompts kept for later turns (0 = off). Idle cached blocks are given back
+  /// before any request is preempted.
+  std::int64_t prefix_cache_blocks = 0;
   std::int64_t tensor_parallel = 1;
   /// Machines (pods) the group spans: each runs tensor_parallel / nnodes ranks (docs/tensor-parallel.md,
   /// "Across nodes"). > 1 needs dist_init_address.

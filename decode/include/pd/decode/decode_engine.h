@@ -67,6 +67,18 @@
 /// choices that never attached are freed at the fork. A request that ends while its KV is awaited
 /// ends its attached choices with it (the same finish and error).
 ///
+/// Prefix cache (docs/kv-memory.md, "Prefix reuse on the decode side"): with
+/// DecodeEngineOptions::prefix_cache_blocks > 0, a request that brings its prompt's token ids
+/// (DecodeRequest::prompt_token_ids) is admitted with the longest run of cached blocks holding its
+/// leading full blocks, in whole granules and short of its last token, shared read-only with the
+/// cache (KvBlockManager); presentTokens() says how many tokens they hold, and the descriptor tells
+/// the prefill worker not to send them. When a request whose KV arrived (and was checked) ends in
+/// any way but an engine error, its prompt's full blocks inside whole granules, short of the block
+/// holding its last prompt token, are offered to the cache (also for local prompts). Only prompt
+/// blocks are cached: blocks holding generated tokens were written by decode steps, whose KV
+/// differs in the low bits from the prefill worker's. Blocks enter the cache before the request's
+/// blocks are released, so its idle blocks are there for the next turn.
+///
 /// The MTP layer's latent KV (kv layer num_hidden_layers) for prompt positions [0, n-1) must be
 /// written by the prefill side like any other layer. Position n-1 pairs the prompt's last hidden
 /// state with the first token; this engine computes it from the record on the first draft step
@@ -174,6 +186,12 @@ struct DecodeRequest {
   /// its KV is awaited and its blocks are quarantined — the expectation stays armed (its outcome
   /// ends the quarantine) but must not be re-armed for further prefill attempts. Optional.
   std::function<void()> end_kv_attempts;
+  /// Decode-side prefix reuse (header comment, "Prefix cache"): the prompt's token ids
+  /// (prompt_tokens of them, each within the vocabulary) for a request whose KV comes from a
+  /// prefill worker. With them the leading blocks the prefix cache holds are attached instead of
+  /// written (presentTokens()), and the prompt's blocks enter the cache when the request ends.
+  /// Empty: no reuse (a local request uses local_prompt).
+  std::vector<pd::TokenId> prompt_token_ids;
   /// Choices sharing this prompt (header comment, "Choices"): 1..DecodeEngineOptions::max_choices;
   /// above 1, not for a resumed generation. This request is choice 0.
   std::int64_t choices = 1;
@@ -199,6 +217,11 @@ struct DecodeEngineOptions {
   /// Most choices one request may have (DecodeRequest::choices). 1 with tensor parallelism: the
   /// copy of a forked choice's last block is made in this rank's pool only.
   std::int64_t max_choices = pd::kMaxChoices;
+  /// Decode-side prefix reuse (header comment, "Prefix cache"): most blocks the block manager's
+  /// prefix cache keeps (0 = off), and the model hash its key chain starts from. Reuse comes in
+  /// granules of lcm(block size, local_prefill_chunk_size) tokens (the prefill workers' chunks).
+  std::int64_t prefix_cache_blocks = 0;
+  std::uint64_t model_hash = 0;
 };
 
 /// The engine options a worker's typed config implies.
@@ -215,6 +238,8 @@ struct DecodeStats {
   std::int64_t preemptions = 0;      ///< requests preempted because a step could not get a block
   std::int64_t local_prefills = 0;   ///< prompts prefilled here (DecodeRequest::local_prompt)
   std::int64_t local_prefill_tokens = 0;
+  std::int64_t prefix_hit_tokens = 0;     ///< prompt tokens found in the prefix cache (not transferred)
+  std::int64_t prefix_cached_blocks = 0;  ///< blocks offered to the prefix cache and taken
   /// Wall time in output constraints (masks, accepts, draft checks) during steps, all sequences.
   double grammar_seconds = 0.0;
   /// Wall time in the samplers during steps, all sequences (a constraint's mask applied included).
@@ -241,6 +266,10 @@ class DecodeEngine {
   /// prompt alone is larger than the pool), Overloaded (not enough free blocks now),
   /// Unsupported (speculation configured on a checkpoint without MTP). Nothing is held on error.
   [[nodiscard]] Result<std::vector<std::int32_t>> admit(DecodeRequest request);
+  /// Leading prompt tokens of an admitted request whose KV the prefix cache already holds (its
+  /// first presentTokens() / block_size blocks are shared and must not be written); 0 for an
+  /// unknown request or without reuse.
+  [[nodiscard]] std::int64_t presentTokens(std::uint64_t request_id) const;
 
   /// The request's KV has arrived (the record) or will not (the error: the prefill failure, a
   /// transport Timeout, ...). On an error, or a record that does not match the request, the
@@ -311,6 +340,8 @@ class DecodeEngine {
   void runBatch(std::span<Sequence* const> batch);
   // Pool and sequence gauges (options_.metrics).
   void publishGauges() const;
+  // Offers a request's checked prompt blocks to the prefix cache (header comment, "Prefix cache").
+  void cachePrompt(const Sequence& seq);
   // Frees a quarantined request's blocks; `cancel_wait` stops its transport expectation first.
   void endQuarantine(std::uint64_t request_id, bool cancel_wait);
 

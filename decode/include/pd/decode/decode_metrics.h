@@ -4,7 +4,8 @@
 /// step time. The KV transport publishes its own `pdserve_kv_*` families into the same registry
 /// (kvtransfer/metrics.h).
 ///
-/// Thread rules: thread-safe (the children are lock-free; they are looked up once here). The
+/// Thread rules: thread-safe (the children are lock-free; they are looked up once here), except
+/// setPrefixCache (engine thread only). The
 /// engine thread updates most series; HTTP threads count refusals and read the gauges back for
 /// /v1/internal/status.
 
@@ -47,6 +48,11 @@ class DecodeMetrics {
   void preempted();
   /// A prompt prefilled by this worker itself (DecodeRequest::local_prompt): its tokens and time.
   void localPrefilled(std::int64_t tokens, double seconds);
+  /// Prompt tokens an admission found in the decode prefix cache.
+  void prefixHit(std::int64_t tokens);
+  /// The prefix cache's blocks now and its evictions since the engine started (the counter moves by
+  /// the difference). Engine thread only.
+  void setPrefixCache(std::int64_t blocks, std::int64_t evictions_total);
 
   /// Pool blocks: free (on the free list; in use = total - free), available to a new admission
   /// (free minus the admission headroom), total, and
@@ -70,6 +76,7 @@ class DecodeMetrics {
     std::int64_t drafts_proposed = 0;  ///< since start
     std::int64_t drafts_accepted = 0;  ///< since start
     std::int64_t preemptions = 0;      ///< since start
+    std::int64_t prefix_cache_blocks = 0;
   };
   [[nodiscard]] Snapshot snapshot() const;
 
@@ -96,6 +103,10 @@ class DecodeMetrics {
   metrics::Gauge* waiting_kv_tokens_ = nullptr;
   metrics::Gauge* queued_ = nullptr;
   metrics::Gauge* running_ = nullptr;
+  metrics::Counter* prefix_hit_tokens_ = nullptr;
+  metrics::Gauge* prefix_blocks_ = nullptr;
+  metrics::Counter* prefix_evictions_ = nullptr;
+  std::int64_t evictions_seen_ = 0;  // engine thread only (setPrefixCache)
 };
 
 }  // namespace pd::decode

@@ -21,6 +21,20 @@
 /// references, and a block returns to the free list only when its last holder lets go. grow()
 /// only appends fresh blocks, so a shared block is never handed out for writing.
 ///
+/// Prefix cache (decode-side prefix reuse, docs/kv-memory.md "Prefix reuse on the decode side"):
+/// with `prefix_cache_blocks` > 0 the manager keeps up to that many full blocks of finished
+/// requests' prompts, keyed by the prefix hash chain (prefix_hash.h, chained from the model hash).
+/// The cache is one more holder of each block it keeps (one reference), so a cached block that a
+/// request also holds has a count of 2 and is never freed under it. A cached block only the cache
+/// holds is *idle*: idle blocks count as free (freeBlocks(), availableBlocks()), and take() evicts
+/// them, least recently used first, when the free list is empty — before any preemption, and never
+/// one a request holds. A key is only an index: a match also compares the block's tokens, its
+/// parent key and the token after it (whose pairing the block's MTP-layer row at its last position
+/// depends on), so a collision is a miss, never wrong KV. One key may hold several blocks, one per
+/// next token (conversations sharing a system prompt that ends inside a block). Cached blocks are read-only: admit()
+/// puts them at the head of a request's table and grow()/fork() never hand them out for writing
+/// (the caller only writes positions past them).
+///
 /// Errors: admit() answers ResourceExhausted when the prompt alone can never fit (more blocks
 /// than the whole pool: not retryable), Overloaded when it would fit an empty pool but not now
 /// (retryable), InvalidArgument for a duplicate id or a non-positive size.
@@ -28,6 +42,7 @@
 /// Thread rules: engine thread only (the decode engine loop owns it); no internal locking.
 
 #include <cstdint>
+#include <list>
 #include <span>
 #include <unordered_map>
 #include <vector>
@@ -40,11 +55,35 @@ class KvBlockManager {
  public:
   /// A pool of `num_blocks` blocks of `block_size` tokens (both PD_CHECKed positive); admissions
   /// leave `headroom_blocks` (>= 0, below num_blocks) free.
-  KvBlockManager(std::int64_t num_blocks, std::int64_t block_size, std::int64_t headroom_blocks = 0);
+  /// `prefix_cache_blocks` (>= 0; 0: no prefix cache) bounds the blocks the prefix cache keeps;
+  /// `model_hash` starts its hash chain.
+  KvBlockManager(std::int64_t num_blocks, std::int64_t block_size, std::int64_t headroom_blocks = 0,
+                 std::int64_t prefix_cache_blocks = 0, std::uint64_t model_hash = 0);
 
   /// Allocates the blocks that hold `prompt_tokens` (at least one block) for `request_id`, plus
   /// `spare_blocks` (>= 0) held back for fork(); the headroom must stay free after both.
-  [[nodiscard]] Status admit(std::uint64_t request_id, std::int64_t prompt_tokens, std::int64_t spare_blocks = 0);
+  /// `shared_prefix` (from matchPrefix(), fewer blocks than the prompt's) become the table's first
+  /// blocks, shared with the prefix cache (a reference each); only the rest are fresh. An idle
+  /// shared block stops counting as free, so it counts against the headroom like a fresh one.
+  /// InvalidArgument when a shared block is not cached or there are as many as the prompt's blocks.
+  [[nodiscard]] Status admit(std::uint64_t request_id, std::int64_t prompt_tokens, std::int64_t spare_blocks = 0,
+                             std::span<const std::int32_t> shared_prefix = {});
+
+  /// The prefix cache's longest run of blocks holding `tokens`' leading full blocks, at most
+  /// `max_blocks`, as block ids in position order. A block i matches when its key, tokens and
+  /// parent match and, when `tokens` goes on past it, the cached token after it equals
+  /// tokens[(i + 1) * block_size]. Empty without a prefix cache. Changes nothing.
+  [[nodiscard]] std::vector<std::int32_t> matchPrefix(std::span<const std::int32_t> tokens,
+                                                      std::int64_t max_blocks) const;
+  /// Offers the request's first `blocks` table blocks to the prefix cache; `tokens` holds at least
+  /// blocks * block_size + 1 tokens (the prompt: the block's tokens and the one after it). Blocks
+  /// already cached under their key are skipped (the chain goes on through the cached one); the
+  /// offer stops at a colliding key, or when the cache is full and has no idle block to displace.
+  /// The caller guarantees the blocks' KV is complete and will not be written again. Returns the
+  /// blocks newly cached. 0 without a prefix cache, for an unknown or quarantined request.
+  std::int64_t cachePrefix(std::uint64_t request_id, std::span<const std::int32_t> tokens, std::int64_t blocks);
+  /// Evicts every idle cached block (tests, shutdown); returns how many.
+  std::int64_t clearPrefixCache();
 
   /// Which block to copy into which, after fork(): every layer of `src` into `dst`.
   struct BlockCopy {
@@ -84,13 +123,20 @@ class KvBlockManager {
   [[nodiscard]] std::int64_t numBlocks() const { return num_blocks_; }
   [[nodiscard]] std::int64_t blockSize() const { return block_size_; }
   [[nodiscard]] std::int64_t headroomBlocks() const { return headroom_blocks_; }
-  /// Blocks not allocated to any request (quarantined blocks are not free).
-  [[nodiscard]] std::int64_t freeBlocks() const { return static_cast<std::int64_t>(free_.size()); }
-  /// Blocks allocated to requests, quarantined ones included.
+  /// Blocks a request may take: those on the free list plus idle prefix-cache blocks (which
+  /// take() evicts first). Quarantined blocks are not free.
+  [[nodiscard]] std::int64_t freeBlocks() const { return static_cast<std::int64_t>(free_.size() + idle_.size()); }
+  /// Blocks the prefix cache holds (idle or also held by requests), and the idle ones.
+  [[nodiscard]] std::int64_t cachedBlocks() const { return cached_blocks_; }
+  [[nodiscard]] std::int64_t idleCachedBlocks() const { return static_cast<std::int64_t>(idle_.size()); }
+  /// Cached blocks given back to the free list since construction (pressure or capacity).
+  [[nodiscard]] std::int64_t prefixEvictions() const { return prefix_evictions_; }
+  [[nodiscard]] std::int64_t prefixCacheCapacity() const { return prefix_capacity_; }
+  /// Blocks allocated to requests, quarantined ones included (not idle cached ones).
   [[nodiscard]] std::int64_t usedBlocks() const { return num_blocks_ - freeBlocks(); }
   /// Blocks whose every holder is quarantined (what is held back only for late writes).
   [[nodiscard]] std::int64_t quarantinedBlocks() const { return quarantined_blocks_; }
-  /// Blocks held by more than one request.
+  /// Blocks held by more than one holder (requests and the prefix cache).
   [[nodiscard]] std::int64_t sharedBlocks() const { return shared_blocks_; }
   /// How many requests hold `block` (0: free). PD_CHECKs the id.
   [[nodiscard]] std::int32_t refCount(std::int32_t block) const;
@@ -104,6 +150,10 @@ class KvBlockManager {
   /// The invariant checked after every test: no request, nothing quarantined or shared, every
   /// reference count zero, and the free list holds each block id exactly once.
   [[nodiscard]] bool isFullyFree() const;
+  /// isFullyFree() but for the prefix cache: no request, nothing quarantined, every block either
+  /// free (count 0, on the free list once) or idle in the cache (count 1), and the cache's
+  /// bookkeeping consistent with the counts.
+  [[nodiscard]] bool isFreeButPrefixCache() const;
 
  private:
   struct Entry {
@@ -112,8 +162,25 @@ class KvBlockManager {
     bool quarantined = false;
   };
 
-  // Takes a fresh block off the free list (reference count 1).
+  struct CachedBlock {
+    std::uint64_t key = 0;
+    std::uint64_t parent = 0;
+    std::vector<std::int32_t> tokens;
+    std::int32_t next_token = -1;
+    std::int32_t block = 0;
+  };
+
+  // Takes a fresh block off the free list (reference count 1), evicting an idle cached block
+  // first when the list is empty.
   std::int32_t take();
+  // Removes the least recently used idle cached block from the cache and frees it.
+  void evictOne();
+  // The cached block under `key` whose tokens and parent match and whose next token is `next`
+  // (-1: any); -1 when there is none.
+  [[nodiscard]] std::int32_t findCached(std::uint64_t key, std::uint64_t parent, std::span<const std::int32_t> tokens,
+                                        std::int32_t next) const;
+  // Whether a block is cached under `key` with other tokens or another parent (a hash collision).
+  [[nodiscard]] bool collides(std::uint64_t key, std::uint64_t parent, std::span<const std::int32_t> tokens) const;
   // One more holder of `b` (quarantined or not).
   void addRef(std::int32_t b, bool quarantined);
   // One holder less; the block is freed when it was the last.
@@ -131,6 +198,18 @@ class KvBlockManager {
   std::int64_t quarantined_blocks_ = 0;  // blocks with refs_ > 0 == qrefs_
   std::int64_t shared_blocks_ = 0;       // blocks with refs_ > 1
   std::unordered_map<std::uint64_t, Entry> requests_;
+  // The prefix cache: the blocks cached under each key (one per next token: the blocks' main
+  // layers are the same, their last MTP rows differ), each block's entry (valid when
+  // in_cache_[b]), and the idle ones (reference count 1: only the cache) least recently used first.
+  std::int64_t prefix_capacity_;
+  std::uint64_t model_hash_;
+  std::unordered_map<std::uint64_t, std::vector<std::int32_t>> by_key_;
+  std::vector<CachedBlock> cached_;
+  std::vector<bool> in_cache_;
+  std::int64_t cached_blocks_ = 0;
+  std::list<std::int32_t> idle_;
+  std::vector<std::list<std::int32_t>::iterator> idle_pos_;  // valid while the block is idle
+  std::int64_t prefix_evictions_ = 0;
 };
 
 }  // namespace pd::decode

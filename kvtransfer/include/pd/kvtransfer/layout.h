@@ -43,7 +43,7 @@ struct LayerSlice {
 [[nodiscard]] Result<std::vector<PlannedPut>> planLayerPuts(const KvDescriptor& descriptor, std::size_t target_index,
                                                             const LayerSlice& slice);
 
-/// Bytes one full request occupies per target: num_tokens * num_layers * tokenBytes().
+/// Bytes one request puts per target: (num_tokens - present_tokens) * num_layers * tokenBytes().
 [[nodiscard]] std::uint64_t requestKvBytes(const KvDescriptor& descriptor);
 
 }  // namespace pd::kvtransfer

@@ -38,7 +38,7 @@
 namespace pd::kvtransfer {
 
 /// Bumped on any incompatible change of a message or of the KV layout rules.
-inline constexpr std::uint16_t kProtocolVersion = 5;
+inline constexpr std::uint16_t kProtocolVersion = 6;
 /// "PDKV" read as a little-endian u32.
 inline constexpr std::uint32_t kWireMagic = 0x564B4450;
 inline constexpr std::size_t kWireHeaderBytes = 12;
@@ -104,6 +104,12 @@ struct KvDescriptor {
   std::uint32_t timeout_ms = 0;
   std::vector<std::uint32_t> block_ids;  ///< the same ids on every rank
   std::vector<KvTarget> targets;         ///< one per decode rank written to
+  /// Leading prompt tokens whose KV the decode worker already holds (its prefix cache,
+  /// docs/kv-memory.md "Prefix reuse on the decode side"): a whole number of blocks, fewer than
+  /// num_tokens. The sender puts only tokens [present_tokens, num_tokens); the receiver grants
+  /// writes only to the blocks after the present ones. 0: every block is written. On the wire
+  /// (protocol 6) right after timeout_ms; last here so aggregate initializers keep their order.
+  std::uint32_t present_tokens = 0;
   friend bool operator==(const KvDescriptor&, const KvDescriptor&) = default;
 };
 

@@ -3,7 +3,9 @@
 /// transfer. Each putLayer() converts the rows to the descriptor's cache dtype into a staging
 /// buffer registered with the transport ([num_layers][num_tokens][token bytes]) and posts one
 /// put of that layer slice; the transport writes token t of layer l into the decode worker's
-/// block block_ids[t / block_size] at offset t % block_size (DESIGN §4). complete() hands the
+/// block block_ids[t / block_size] at offset t % block_size (DESIGN §4). Rows of the tokens the
+/// decode worker already holds (KvDescriptor::present_tokens, its prefix cache) are not put: the
+/// engine computes them, the sink drops them. complete() hands the
 /// record to Transport::finish(), which sends it once every put is remotely complete; fail()
 /// (and destruction before either) calls Transport::abort().
 ///

@@ -78,6 +78,47 @@ TEST(BenchServeConversation, EachTurnExtendsThePreviousPromptAndAnswer) {
   }
 }
 
+// With the prefill workers' pages the multiturn workload runs in two phases, so the bytes counted
+// between its scrapes are the later turns' only: every first turn is answered before the callback
+// and no later turn has been sent yet.
+TEST(BenchServeConversation, TwoPhasesRunEveryFirstTurnBeforeAnyLaterTurn) {
+  test::Script script;
+  script.ttft_ms = 1;
+  script.gap_ms = 1;
+  test::ScriptedOpenAiServer server(script);
+  ConversationOptions o;
+  o.model = "scripted-model";
+  o.conversations = 4;
+  o.turns = 3;
+  o.system_tokens = 8;
+  o.turn_tokens = 4;
+  o.concurrency = 3;
+  o.timeout = 20s;
+  int calls = 0;
+  std::size_t bodies_then = 0;
+  o.after_first_turns = [&] {
+    ++calls;
+    bodies_then = server.bodies().size();
+  };
+  auto requests = runConversations(parseUrl(server.url()).value(), o);
+  ASSERT_TRUE(requests.ok()) << requests.error().toString();
+  EXPECT_EQ(calls, 1);
+  EXPECT_EQ(bodies_then, 4u);
+  ASSERT_EQ(requests->size(), 12u);
+  for (const auto& r : *requests) {
+    EXPECT_TRUE(r.result.ok) << r.result.error;
+    // Histories survive the phase boundary: turn 1 reuses turn 0's 12-token prompt.
+    if (r.index == 1) {
+      EXPECT_EQ(r.reusable_tokens, 12);
+    }
+  }
+  const std::vector<std::string> bodies = server.bodies();
+  ASSERT_EQ(bodies.size(), 12u);
+  for (std::size_t i = 0; i < 4; ++i) {
+    EXPECT_EQ(promptOf(bodies[i]).size(), 12u) << "only first turns before the callback";
+  }
+}
+
 TEST(BenchServeConversation, SharedPrefixRequestsShareTheirPrefix) {
   test::Script script;
   script.ttft_ms = 1;
@@ -141,7 +182,17 @@ TEST(BenchServeConversation, HitRatesAndTheTtftRatio) {
   const auto doc = boost::json::parse(conversationReportJson(o, "http://a", s, "http://b", base)).as_object();
   EXPECT_DOUBLE_EQ(doc.at("prefix_hit_rate").as_double(), 0.4);
   EXPECT_DOUBLE_EQ(doc.at("multiturn_ttft_ratio").as_double(), 20.0 / 80.0);
-  EXPECT_TRUE(doc.at("transfer_bytes_ratio").is_null());
+  EXPECT_TRUE(doc.at("transfer_bytes_ratio").is_null());  // no pages scraped
+  // Bytes per later turn: 3 later turns put 3,000 bytes; the baseline's one put 4,000.
+  ConversationStats with_bytes = s;
+  with_bytes.later_transfer_bytes = 3000.0;
+  ConversationStats base_bytes = base;
+  base_bytes.later_transfer_bytes = 4000.0;
+  const auto bytes_doc =
+      boost::json::parse(conversationReportJson(o, "http://a", with_bytes, "http://b", base_bytes)).as_object();
+  EXPECT_DOUBLE_EQ(bytes_doc.at("transfer_bytes_ratio").as_double(), 1000.0 / 4000.0);
+  EXPECT_DOUBLE_EQ(bytes_doc.at("transfer_bytes_per_later_turn").as_double(), 1000.0);
+  EXPECT_DOUBLE_EQ(bytes_doc.at("main").at("later_transfer_bytes").as_double(), 3000.0);
   EXPECT_EQ(doc.at("baseline").at("request_hit_rate").as_double(), 0.0);
   // Without a baseline the ratio is null.
   const auto alone = boost::json::parse(conversationReportJson(o, "http://a", s, "", std::nullopt)).as_object();
