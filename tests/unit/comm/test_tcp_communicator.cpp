@@ -470,9 +470,23 @@ TEST(TcpCommunicator, FollowerStartingBeforeRankZeroRetries) {
   ASSERT_GE(probe, 0);
   close(probe);
 
-  auto follower = std::async(std::launch::async, [&] { return createTcpCommunicator(rankOptions(1, 2, port)); });
-  std::this_thread::sleep_for(400ms);  // the follower's first attempts are refused
-  auto leader = createTcpCommunicator(rankOptions(0, 2, port));
+  // The leader starts only once the follower's first attempt has failed: while_joining runs
+  // before the first attempt and then again in the wait before each retry, so its second call
+  // proves a refusal (ordered by construction, not by a sleep). The join deadline is generous so
+  // that a loaded machine cannot turn slowness into a failure; the assertion is that it joins.
+  std::promise<void> refused;
+  int calls = 0;
+  TcpOptions follower_options = rankOptions(1, 2, port);
+  follower_options.join_timeout = 120s;
+  follower_options.while_joining = [&] {
+    if (++calls == 2) refused.set_value();
+    return okStatus();
+  };
+  auto follower = std::async(std::launch::async, [&] { return createTcpCommunicator(follower_options); });
+  ASSERT_EQ(refused.get_future().wait_for(60s), std::future_status::ready);
+  TcpOptions leader_options = rankOptions(0, 2, port);
+  leader_options.join_timeout = 120s;
+  auto leader = createTcpCommunicator(leader_options);
   auto joined = follower.get();
   ASSERT_TRUE(leader.ok()) << leader.error().toString();
   ASSERT_TRUE(joined.ok()) << joined.error().toString();
