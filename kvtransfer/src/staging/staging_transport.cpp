@@ -338,7 +338,8 @@ class StagingTransportImpl final : public StagingTransport {
       }
       std::vector<std::uint32_t> pool_ids(descriptor.block_ids.begin(), descriptor.block_ids.begin() + needed);
       if (!r.staging_ids.empty()) {
-        if (pool_ids != r.pool_ids || descriptor.num_tokens != r.num_tokens) {
+        if (pool_ids != r.pool_ids || descriptor.num_tokens != r.num_tokens ||
+            descriptor.present_tokens / block_size != r.present_blocks) {
           return makeError(ErrorCode::InvalidArgument,
                            fmt::format("request {} is already granted other blocks", request_id));
         }
@@ -359,6 +360,7 @@ class StagingTransportImpl final : public StagingTransport {
         r.staging_ids = std::move(*staging);
         r.pool_ids = std::move(pool_ids);
         r.num_tokens = descriptor.num_tokens;
+        r.present_blocks = descriptor.present_tokens / block_size;
         allocated = true;
       }
       descriptor.block_ids = r.staging_ids;
@@ -387,6 +389,9 @@ class StagingTransportImpl final : public StagingTransport {
     std::vector<std::uint32_t> staging_ids;  // granted, parallel to pool_ids
     std::vector<std::uint32_t> pool_ids;
     std::uint32_t num_tokens = 0;
+    // Leading blocks the decode worker already holds (KvDescriptor::present_tokens, decode-side
+    // prefix reuse): nothing is sent for them, so nothing is copied into them (they are shared).
+    std::uint32_t present_blocks = 0;
     bool cancel_requested = false;
   };
   struct Send {
@@ -571,7 +576,7 @@ class StagingTransportImpl final : public StagingTransport {
           break;
         }
         const DeviceLayer& layer = *layers_[l];
-        for (std::size_t i = 0; i < r.staging_ids.size(); ++i) {
+        for (std::size_t i = r.present_blocks; i < r.staging_ids.size(); ++i) {
           const std::uint32_t first = static_cast<std::uint32_t>(i) * block_size;
           const std::uint64_t tokens = std::min<std::uint32_t>(block_size, r.num_tokens - first);
           spans.push_back(CopySpan{layer.base + std::uint64_t{r.pool_ids[i]} * layer.block_stride,

@@ -163,6 +163,11 @@ class KvPool {
     d.targets.push_back(std::move(t));
     return d;
   }
+  /// Whether no byte of `block` in `layer` was written.
+  [[nodiscard]] bool blockUntouched(std::uint32_t layer, std::uint32_t block) const {
+    const std::byte* p = at(layer, block, 0);
+    return std::all_of(p, p + blockBytes(), [](std::byte x) { return x == kUntouched; });
+  }
   /// Checks every token of the request against the seeded pattern and that every block not in
   /// the request is untouched. Returns an empty string when all is well, else the first mismatch.
   [[nodiscard]] std::string verify(const KvDescriptor& d, std::uint64_t seed) const {

@@ -299,6 +299,36 @@ TEST_F(StagingTest, KvLandsInThePoolThroughStagingBlocksBeforeTheRecordIsHonoure
   EXPECT_NE(receiver_->capabilities().name.find("staging(gated) over loopback"), std::string::npos);
 }
 
+// Decode-side prefix reuse: the leading blocks the decode worker already holds (present_tokens)
+// are shared and read-only. Nothing is sent for them, so the copy from the staging blocks into the
+// pool must skip them too (a copy of the never-written staging block would overwrite shared KV).
+TEST_F(StagingTest, PresentBlocksAreNeitherSentNorOverwrittenByTheCopyIntoThePool) {
+  KvPool pool(*receiver_, compat_, 8);
+  SourceKv source(compat_, 10, 5);
+  const RegionId src = sender_->registerRegion(source.bytes).value();
+  const auto deadline = Clock::now() + testutil::kHangGuard;
+  ASSERT_TRUE(receiver_->expect(1, deadline, out_.onArrival()).ok());
+  KvDescriptor d = pool.descriptor(1, 10, {6, 0, 3}, 1000).value();
+  d.present_tokens = compat_.block_size;  // pool block 6 is held already
+  auto granted = receiver_->grant(1, d);
+  ASSERT_TRUE(granted.ok()) << granted.error().toString();
+  EXPECT_EQ(granted->present_tokens, compat_.block_size);
+  ASSERT_TRUE(sender_->beginTransfer(*granted, deadline, out_.onDone()).ok());
+  ASSERT_TRUE(sender_->put(tid(1), source.chunkPuts(src, compat_.block_size, 10 - compat_.block_size)).ok());
+  ASSERT_TRUE(sender_->finish(record(1, 10)).ok());
+  copyAll();
+  ASSERT_EQ(out_.arrivedCount(), 1U);
+  ASSERT_TRUE(out_.arrived[0].second.ok()) << out_.arrived[0].second.error().toString();
+  for (std::uint32_t l = 0; l < compat_.num_layers; ++l) {
+    EXPECT_TRUE(pool.blockUntouched(l, 6)) << "layer " << l;
+    EXPECT_FALSE(pool.blockUntouched(l, 0)) << "layer " << l;
+    EXPECT_FALSE(pool.blockUntouched(l, 3)) << "layer " << l;
+  }
+  EXPECT_EQ(receiver_->stagingStats().bytes_staged_in,
+            std::uint64_t{compat_.num_layers} * (10 - compat_.block_size) * compat_.tokenBytes());
+  EXPECT_TRUE(sender_->deregisterRegion(src).ok());
+}
+
 TEST_F(StagingTest, AFullStagingBufferQueuesTransfersInsteadOfGrowing) {
   // Room for two 10-token prompts: the third waits until one of them is answered.
   KvPool pool(*receiver_, compat_, 16);
