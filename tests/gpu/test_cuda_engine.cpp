@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "device_ops.h"
+#include "gpu/gpu_test_main.h"
 #include "pd/engine/cuda_engine.h"
 #include "pd/engine/engine.h"
 #include "pd/engine/generate.h"
@@ -431,16 +432,5 @@ TEST(CudaEngine, DeviceMemoryStaysFlatOverAThousandCalls) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  ::testing::InitGoogleTest(&argc, argv);
-  if (pd::gpu::deviceCount() == 0) {
-    std::printf("SKIPPED: no CUDA device visible (built with CUDA: %s); the CUDA engine tests did not run\n",
-                pd::gpu::builtWithCuda() ? "yes" : "no");
-    return 77;
-  }
-  const int rc = RUN_ALL_TESTS();
-  if (::testing::UnitTest::GetInstance()->test_to_run_count() == 0) {
-    std::printf("FAILED: the filter selected no test, so nothing was checked\n");
-    return 1;
-  }
-  return rc;
+  return pd::testutil::runGpuTests(argc, argv, "the CUDA engine tests");
 }

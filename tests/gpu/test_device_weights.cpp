@@ -12,6 +12,7 @@
 
 #include "device_ops.h"
 #include "device_weights.h"
+#include "gpu/gpu_test_main.h"
 #include "pd/engine/gpu.h"
 #include "pd/engine/model_config.h"
 #include "pd/engine/safetensors.h"
@@ -131,16 +132,5 @@ TEST(DeviceWeights, DeviceMemoryReturnsToItsBaseline) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  ::testing::InitGoogleTest(&argc, argv);
-  if (pd::gpu::deviceCount() == 0) {
-    std::printf("SKIPPED: no CUDA device visible (built with CUDA: %s); the device weight tests did not run\n",
-                pd::gpu::builtWithCuda() ? "yes" : "no");
-    return 77;
-  }
-  const int rc = RUN_ALL_TESTS();
-  if (::testing::UnitTest::GetInstance()->test_to_run_count() == 0) {
-    std::printf("FAILED: the filter selected no test, so nothing was checked\n");
-    return 1;
-  }
-  return rc;
+  return pd::testutil::runGpuTests(argc, argv, "the device weight tests");
 }

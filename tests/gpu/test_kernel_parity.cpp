@@ -17,6 +17,7 @@
 #include "device_math.h"
 #include "device_memory_plan.h"
 #include "device_ops.h"
+#include "gpu/gpu_test_main.h"
 #include "pd/common/check.h"
 #include "pd/common/dtype.h"
 #include "pd/cuda/cuda_handles.h"
@@ -471,16 +472,5 @@ TEST_F(Kernel, BadShapesAreClearErrorsNotLaunches) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  ::testing::InitGoogleTest(&argc, argv);
-  if (pd::gpu::deviceCount() == 0) {
-    std::printf("SKIPPED: no CUDA device visible (built with CUDA: %s); the GPU parity tests did not run\n",
-                pd::gpu::builtWithCuda() ? "yes" : "no");
-    return 77;
-  }
-  const int rc = RUN_ALL_TESTS();
-  if (::testing::UnitTest::GetInstance()->test_to_run_count() == 0) {
-    std::printf("FAILED: the filter selected no test, so nothing was checked\n");
-    return 1;
-  }
-  return rc;
+  return pd::testutil::runGpuTests(argc, argv, "the GPU parity tests");
 }

@@ -7,6 +7,7 @@
 
 #include <cstdio>
 
+#include "gpu/gpu_test_main.h"
 #include "pd/cuda/cuda_handles.h"
 #include "pd/kvtransfer/staging_transport.h"
 #include "pd/kvtransfer/ucx_transport.h"
@@ -129,10 +130,5 @@ TEST(StagingDevice, APromptMovesDeviceToDeviceBitExact) {
 }  // namespace pd::kvtransfer
 
 int main(int argc, char** argv) {
-  ::testing::InitGoogleTest(&argc, argv);
-  if (pd::cuda::deviceCount() == 0) {
-    std::printf("SKIPPED: no CUDA device visible; the staging path device test did not run\n");
-    return 77;
-  }
-  return RUN_ALL_TESTS();
+  return pd::testutil::runGpuTests(argc, argv, "the staging path device test");
 }
