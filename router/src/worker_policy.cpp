@@ -18,20 +18,27 @@
 namespace pd::router {
 namespace {
 
-/// Picks the candidate with the smallest key (first on ties).
+/// Picks the candidate with the smallest key. Ties are taken in turn (the `ties`-th call picks
+/// the (ties mod n)-th of the n tied candidates), not always the first: between two status polls
+/// the router's own sent counters break ties, but when every request ends before the next pick
+/// (light, sequential load) a fixed "first" would send everything to one worker and leave an
+/// equal one, e.g. a restarted worker, idle.
 template <class Key>
-std::size_t argmin(std::span<const WorkerView> candidates, Key key) {
+std::size_t argmin(std::span<const WorkerView> candidates, std::atomic<std::size_t>& ties, Key key) {
   PD_CHECK(!candidates.empty());
-  std::size_t best = 0;
   auto best_key = key(candidates[0], 0);
+  std::vector<std::size_t> best{0};
   for (std::size_t i = 1; i < candidates.size(); ++i) {
     auto k = key(candidates[i], i);
     if (k < best_key) {
-      best = i;
       best_key = k;
+      best.assign(1, i);
+    } else if (!(best_key < k)) {
+      best.push_back(i);
     }
   }
-  return best;
+  if (best.size() == 1) return best[0];
+  return best[ties.fetch_add(1, std::memory_order_relaxed) % best.size()];
 }
 
 /// Free decode blocks less those of what the router sent since the poll.
@@ -43,13 +50,16 @@ std::int64_t freeBlocksAfterSent(const WorkerView& w) {
 class LeastQueuedTokensPolicy final : public WorkerPolicy {
  public:
   RouteChoice choose(std::span<const WorkerView> candidates, const RouteRequest& /*request*/) override {
-    return {argmin(candidates,
+    return {argmin(candidates, ties_,
                    [](const WorkerView& w, std::size_t) {
                      return std::make_tuple(w.status.queued_tokens + w.sent_tokens,
                                             w.status.queued_requests + w.status.running_requests + w.sent_requests);
                    }),
             "least_queued_tokens"};
   }
+
+ private:
+  std::atomic<std::size_t> ties_{0};
 };
 
 class RoundRobinPolicy final : public WorkerPolicy {
@@ -100,7 +110,8 @@ class CacheAwarePolicy final : public WorkerPolicy {
     const bool imbalanced =
         hi - lo > options_.balance_abs && static_cast<double>(hi) > static_cast<double>(lo) * options_.balance_rel;
     if (imbalanced) {
-      return {argmin(candidates, [](const WorkerView& w, std::size_t) { return prefillLoad(w); }), "imbalance", -1};
+      return {argmin(candidates, ties_, [](const WorkerView& w, std::size_t) { return prefillLoad(w); }), "imbalance",
+              -1};
     }
     std::vector<std::string> keys;
     keys.reserve(candidates.size());
@@ -110,7 +121,7 @@ class CacheAwarePolicy final : public WorkerPolicy {
     // plus the tokens already waiting there (as Dynamo's KV router weighs overlap against load),
     // then the fewest requests.
     const auto prompt = static_cast<std::int64_t>(request.prompt.size());
-    const std::size_t best = argmin(candidates, [&](const WorkerView& w, std::size_t i) {
+    const std::size_t best = argmin(candidates, ties_, [&](const WorkerView& w, std::size_t i) {
       return std::make_tuple(prompt - cached[i] + prefillTokenLoad(w), prefillLoad(w));
     });
     return {best, cached[best] > 0 ? "cache_hit" : "least_load", prompt - cached[best]};
@@ -119,18 +130,22 @@ class CacheAwarePolicy final : public WorkerPolicy {
  private:
   const PrefixIndex& index_;
   const CacheAwareOptions options_;
+  std::atomic<std::size_t> ties_{0};
 };
 
 class MostFreeBlocksPolicy final : public WorkerPolicy {
  public:
   RouteChoice choose(std::span<const WorkerView> candidates, const RouteRequest& /*request*/) override {
-    return {argmin(candidates,
+    return {argmin(candidates, ties_,
                    [](const WorkerView& w, std::size_t) {
                      return std::make_tuple(-freeBlocksAfterSent(w),
                                             w.status.running_requests + w.status.queued_requests + w.sent_requests);
                    }),
             "most_free_blocks"};
   }
+
+ private:
+  std::atomic<std::size_t> ties_{0};
 };
 
 class DecodeAffinityPolicy final : public WorkerPolicy {

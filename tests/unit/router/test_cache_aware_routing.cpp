@@ -123,6 +123,22 @@ TEST(PrefixIndexTest, RefusesEventsThatDoNotContinueTheIndexAndForgetsTheWorker)
   EXPECT_NE(text.find("pdserve_router_kv_index_blocks{worker=\"a:1\"} 0"), std::string::npos) << text;
 }
 
+// Equal candidates are taken in turn, not always the first: under light sequential load every
+// pick sees the same polled status, and "first on ties" once left a restarted worker idle for 200
+// requests (E2eHeal under load).
+TEST(CacheAwarePolicyTest, TiesAreTakenInTurn) {
+  PrefixIndex index(100);
+  auto cache_aware = makeCacheAwarePolicy(index, {.balance_abs = 4, .balance_rel = 1.5});
+  auto least_queued = makePrefillPolicy("least_queued_tokens").value();
+  const auto prompt = tokens(0, 16);
+  std::vector<WorkerView> c{worker("a"), worker("b"), worker("c", 1)};
+  for (WorkerPolicy* policy : {cache_aware.get(), least_queued.get()}) {
+    std::vector<std::size_t> picks;
+    for (int i = 0; i < 4; ++i) picks.push_back(policy->choose(c, {prompt}).index);
+    EXPECT_EQ(picks, (std::vector<std::size_t>{0, 1, 0, 1})) << "c is busier: never picked";
+  }
+}
+
 TEST(CacheAwarePolicyTest, PicksTheLongestCachedPrefixThenTheLeastLoaded) {
   PrefixIndex index(100);
   auto policy = makeCacheAwarePolicy(index, {.balance_abs = 4, .balance_rel = 1.5});
