@@ -587,12 +587,12 @@ class StagingTransportImpl final : public StagingTransport {
       }
     }
     auto record_ptr = std::make_shared<CompletionRecord>(std::move(record));
-    auto on_copied = [this, request_id, record_ptr](Status status) {
-      onReceiveCopied(request_id, std::move(*record_ptr), std::move(status));
+    auto on_copied = [this, request_id, record_ptr](const Status& status) {
+      onReceiveCopied(request_id, std::move(*record_ptr), status);
     };
     Status queued = pool_gone ? Status(makeError(ErrorCode::Internal, "the KV pool was deregistered"))
                               : submitCopy(CopyDirection::HostToDevice, std::move(spans), on_copied);
-    if (!queued.ok()) onReceiveCopied(request_id, std::move(*record_ptr), std::move(queued));
+    if (!queued.ok()) onReceiveCopied(request_id, std::move(*record_ptr), queued);
   }
 
   // Every copy goes through here, so that the destructor knows when none is being submitted.
@@ -611,7 +611,7 @@ class StagingTransportImpl final : public StagingTransport {
     return queued;
   }
 
-  void onReceiveCopied(std::uint64_t request_id, CompletionRecord record, Status status) {
+  void onReceiveCopied(std::uint64_t request_id, CompletionRecord record, const Status& status) {
     ArrivalFn fn;
     Result<CompletionRecord> outcome = std::move(record);
     {
