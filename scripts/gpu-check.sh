@@ -64,7 +64,7 @@ step configure 180 cmake -S . -B "$build_dir" -G Ninja -DCMAKE_BUILD_TYPE=RelWit
   -DCMAKE_CUDA_ARCHITECTURES="$arch" "${launcher[@]}" || fail "configure (is nvcc on PATH or CUDACXX set?)"
 targets=(test_kernel_parity test_device_weights test_device_decode test_cuda_engine test_gpu test_device_math
   test_device_memory_plan test_model_device test_weight_upload_plan test_device_bench test_cuda_handles
-  test_decode_step_plan test_forward_plan pdserve)
+  test_decode_step_plan test_forward_plan test_staging_device pdserve)
 step build 360 cmake --build "$build_dir" -j "$jobs" --target "${targets[@]}" || fail "build"
 
 # 3. The host tests of the kernels' arithmetic, then every gpu-labelled test.
