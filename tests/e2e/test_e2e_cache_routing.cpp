@@ -157,18 +157,7 @@ class Cluster {
   bool ok_ = false;
 };
 
-class CacheRoutingE2e : public ::testing::Test {
- protected:
-  static void SetUpTestSuite() {
-    model_dir_ = std::make_unique<TempDir>();
-    makeDefaultModel(model_dir_->path() / "m");
-  }
-  static void TearDownTestSuite() { model_dir_.reset(); }
-  static std::string modelDir() { return (model_dir_->path() / "m").string(); }
-  static std::unique_ptr<TempDir> model_dir_;
-};
-
-std::unique_ptr<TempDir> CacheRoutingE2e::model_dir_;
+class CacheRoutingE2e : public DefaultModelSuite<CacheRoutingE2e> {};
 
 // A conversation's first turn: distinct per conversation from its first block on.
 std::string opening(int conversation) {

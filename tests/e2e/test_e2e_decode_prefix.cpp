@@ -132,19 +132,7 @@ class Deployment {
   bool ok_ = false;
 };
 
-class DecodePrefixE2e : public ::testing::Test {
- protected:
-  static void SetUpTestSuite() {
-    model_dir_ = std::make_unique<TempDir>();
-    makeDefaultModel(model_dir_->path() / "m");
-  }
-  static void TearDownTestSuite() { model_dir_.reset(); }
-  static std::string modelDir() { return (model_dir_->path() / "m").string(); }
-
-  static std::unique_ptr<TempDir> model_dir_;
-};
-
-std::unique_ptr<TempDir> DecodePrefixE2e::model_dir_;
+class DecodePrefixE2e : public DefaultModelSuite<DecodePrefixE2e> {};
 
 const std::string kTurn1 = history(30);
 const std::string kTurn2 = kTurn1 + " and then, after all that, what does the river do next?";

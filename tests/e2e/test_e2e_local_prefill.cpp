@@ -127,19 +127,7 @@ class Deployment {
   bool ok_ = false;
 };
 
-class LocalPrefillE2e : public ::testing::Test {
- protected:
-  static void SetUpTestSuite() {
-    model_dir_ = std::make_unique<TempDir>();
-    makeDefaultModel(model_dir_->path() / "m");
-  }
-  static void TearDownTestSuite() { model_dir_.reset(); }
-  static std::string modelDir() { return (model_dir_->path() / "m").string(); }
-
-  static std::unique_ptr<TempDir> model_dir_;
-};
-
-std::unique_ptr<TempDir> LocalPrefillE2e::model_dir_;
+class LocalPrefillE2e : public DefaultModelSuite<LocalPrefillE2e> {};
 
 TEST_F(LocalPrefillE2e, ShortPromptsArePrefilledByTheDecodeWorkerWithTheSameTokens) {
   std::vector<std::int64_t> remote_short;

@@ -7,8 +7,11 @@
 
 #include <chrono>
 #include <filesystem>
+#include <memory>
+#include <string>
 
 #include "pd/common/subprocess.h"
+#include "support/test_files.h"
 
 namespace pd::test {
 
@@ -23,5 +26,21 @@ inline void makeDefaultModel(const std::filesystem::path& dir) {
   ASSERT_TRUE(make.ok());
   ASSERT_EQ((*make)->wait(std::chrono::seconds(120)), 0) << "make-model failed";
 }
+
+/// A test suite whose tests share one default model folder, written once for the suite:
+/// `class MySuite : public DefaultModelSuite<MySuite> {};`, then modelDir() in its tests.
+template <class Suite>
+class DefaultModelSuite : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    model_dir_ = std::make_unique<TempDir>();
+    makeDefaultModel(model_dir_->path() / "m");
+  }
+  static void TearDownTestSuite() { model_dir_.reset(); }
+  static std::string modelDir() { return (model_dir_->path() / "m").string(); }
+
+ private:
+  static inline std::unique_ptr<TempDir> model_dir_;
+};
 
 }  // namespace pd::test
