@@ -41,13 +41,13 @@ int ranksPerNode(const DecodeConfig& dec) {
 Result<std::unique_ptr<comm::Communicator>> joinDeviceGroup(comm::Communicator& group, const DecodeWorkerConfig& cfg,
                                                             std::uint64_t hash) {
   const int local_rank = group.rank() % ranksPerNode(cfg.decode);
-  PD_ASSIGN_OR_RETURN(auto device_group,
-                      comm::joinDeviceGroup(group, cfg.cuda_device, local_rank, hash, kTpJoinTimeout));
+  PD_ASSIGN_OR_RETURN(auto device_group, comm::joinDeviceGroup(group, gpu::cudaIndexOrNone(cfg.model_device),
+                                                               local_rank, hash, kTpJoinTimeout));
   if (device_group) {
     // The device engine that computes over it is not built yet (docs/gpu.md); the CPU shard
     // engine keeps computing over `group`.
     log::info(kLog, "tensor-parallel rank {} of {}: NCCL communicator on cuda:{}", group.rank(), group.size(),
-              cfg.cuda_device + local_rank);
+              gpu::cudaIndexOrNone(cfg.model_device) + local_rank);
   }
   return device_group;
 }

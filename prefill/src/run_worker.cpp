@@ -95,7 +95,7 @@ Status runWorker(const PrefillWorkerConfig& cfg) {
   const sigset_t signals = proc::blockStopSignals();
   auto hash = modelHash(cfg.model_dir);
   if (!hash.ok()) return hash.error();
-  if (pre.tp_rank > 0) return runSpawnedRank(pre, cfg.model_dir, cfg.cuda_device, *hash);
+  if (pre.tp_rank > 0) return runSpawnedRank(pre, cfg.model_dir, gpu::cudaIndexOrNone(cfg.model_device), *hash);
 
   std::unique_ptr<comm::TpProcessGroup> group;
   std::unique_ptr<comm::Communicator> device_group;  // over `group`: released before it
@@ -109,7 +109,8 @@ Status runWorker(const PrefillWorkerConfig& cfg) {
     log::info(kLog, "tensor-parallel group of {} ranks joined ({})", pre.tensor_parallel, group->describe());
     // The NCCL communicator of a CUDA model (nullptr on CPU); the device engine that would compute
     // over it is not built yet (docs/gpu.md), so the CPU shard engine keeps using `group`.
-    PD_ASSIGN_OR_RETURN(device_group, comm::joinDeviceGroup(group->comm(), cfg.cuda_device, 0, *hash, kTpJoinTimeout));
+    PD_ASSIGN_OR_RETURN(device_group, comm::joinDeviceGroup(group->comm(), gpu::cudaIndexOrNone(cfg.model_device), 0,
+                                                            *hash, kTpJoinTimeout));
   }
   PD_ASSIGN_OR_RETURN(
       model::ServingEngine loaded,

@@ -68,7 +68,6 @@ int runWorkerCommand(const WorkerRole& role, const std::vector<std::string>& raw
   cfg.tokenizer_dir = common.tokenizer_path;
   cfg.on_ready = printReadyLine;
   cfg.cluster_secret_file = common.cluster_secret_file;
-  if (device->kind == gpu::ModelDevice::Kind::Cuda) cfg.cuda_device = device->index;
   if (Status s = run(cfg); !s.ok()) return reportFailure(s.error());
   return 0;
 }

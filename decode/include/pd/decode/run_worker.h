@@ -51,12 +51,10 @@ struct DecodeWorkerConfig {
   std::filesystem::path cluster_secret_file;
   /// The `trace:` section (docs/observability.md).
   trace::TraceConfig trace;
-  /// --model.device's CUDA index, -1 for cpu. With CUDA every rank of a tensor-parallel group also
-  /// joins an NCCL communicator on device cuda_device + its rank on this machine
-  /// (comm::joinDeviceGroup, docs/tensor-parallel.md "NCCL").
-  int cuda_device = -1;
   /// Where the model runs (`model.device`): the CPU engine, or the CUDA engine on one device
-  /// (tensor parallelism needs the CPU engine).
+  /// (tensor parallelism needs the CPU engine). With CUDA every rank of a tensor-parallel group
+  /// also joins an NCCL communicator on its device index + its rank on this machine
+  /// (comm::joinDeviceGroup, docs/tensor-parallel.md "NCCL").
   gpu::ModelDevice model_device;
 };
 

@@ -25,6 +25,11 @@ struct ModelDevice {
   friend bool operator==(const ModelDevice&, const ModelDevice&) = default;
 };
 
+/// The CUDA device index, or -1 for cpu (comm::joinDeviceGroup's "no device").
+[[nodiscard]] inline int cudaIndexOrNone(const ModelDevice& device) {
+  return device.kind == ModelDevice::Kind::Cuda ? device.index : -1;
+}
+
 /// "cpu", "cuda" (device 0) or "cuda:N"; InvalidArgument naming the text otherwise.
 [[nodiscard]] Result<ModelDevice> parseModelDevice(std::string_view text);
 /// "cpu", "cuda:0", ...
