@@ -16,11 +16,11 @@ struct PrefillEngine::Running {
   PrefillRequest request;
   std::vector<std::int32_t> blocks;
   std::int64_t next_pos = 0;       // prompt positions [0, next_pos) are in the local cache
-  std::vector<float> hidden;       // [next_pos, hidden_size] final hidden states (the MTP input)
+  std::vector<float> hidden;       // [next_pos - cached_tokens, hidden_size] final hidden states (the MTP input)
   std::vector<float> last_logits;  // the last prompt position's logits
-  std::vector<std::int32_t> mtp_tokens;
-  std::optional<Error> error;              // first put error
-  std::vector<std::uint64_t> cached_keys;  // prefix-cache blocks it references: blocks[0, size)
+  std::int32_t first_token = -1;   // the first sampled token (choice 0), once the prompt is done
+  std::optional<Error> error;      // first put error
+  std::vector<std::uint64_t> cached_keys;  // prefix-cache entries it references: blocks[0, size)
   std::int64_t cached_tokens = 0;          // prompt positions whose KV came from the prefix cache
   bool finished = false;
 
@@ -178,16 +178,11 @@ void PrefillEngine::release(Running& r, bool completed) {
   } else {
     std::vector<std::int32_t> back(own.begin(), own.end());
     if (completed) {
-      // Every main layer of every prompt position is in the blocks: offer the full ones.
-      std::vector<std::vector<float>> payloads;
-      if (engine_.config().num_nextn_predict_layers > 0) {
-        const auto per_block = static_cast<std::size_t>(options_.block_size * engine_.config().hidden_size);
-        for (std::size_t b = static_cast<std::size_t>(shared); (b + 1) * per_block <= r.hidden.size(); ++b) {
-          payloads.emplace_back(r.hidden.begin() + static_cast<std::ptrdiff_t>(b * per_block),
-                                r.hidden.begin() + static_cast<std::ptrdiff_t>((b + 1) * per_block));
-        }
-      }
-      back = prefix_->insert(r.request.tokens, shared, own, std::move(payloads));
+      // Every layer of every prompt position is in the blocks, the MTP layer's last position
+      // computed with the first sampled token: offer the full blocks with their next tokens.
+      std::vector<std::int32_t> followed(r.request.tokens);
+      followed.push_back(r.first_token);
+      back = prefix_->insert(followed, shared, own);
     }
     prefix_->release(r.cached_keys);
     free_blocks_.insert(free_blocks_.end(), back.begin(), back.end());
@@ -217,7 +212,10 @@ bool PrefillEngine::shipCachedPrefix(Running& r) {
   r.request.sink->prefixCached(r.cached_tokens);
   const std::int64_t dim = engine_.config().latentDim();
   std::vector<float> rows(static_cast<std::size_t>(r.cached_tokens * dim));
-  for (std::int64_t layer = 0; layer < engine_.config().num_hidden_layers; ++layer) {
+  // Main layers and the MTP layer alike: a cached block matched its next token, so its MTP
+  // latents are this prompt's too (prefix_cache.h).
+  const auto layers = static_cast<std::int64_t>(cache_.view().layers.size());
+  for (std::int64_t layer = 0; layer < layers; ++layer) {
     for (std::int64_t p = 0; p < r.cached_tokens; ++p) {
       model::readLatent(cache_.view(), layer, r.blocks, p, rows.data() + p * dim);
     }
@@ -302,7 +300,7 @@ bool PrefillEngine::step() {
         hits = prefix_->acquire(queue_.front().tokens, (n - 1) / reuse_granule_ * per);
         const auto keep = static_cast<std::size_t>(static_cast<std::int64_t>(hits.size()) / per * per);
         std::vector<std::uint64_t> extra;
-        for (std::size_t i = keep; i < hits.size(); ++i) extra.push_back(hits[i].key);
+        for (std::size_t i = keep; i < hits.size(); ++i) extra.push_back(hits[i].entry);
         prefix_->release(extra);
         hits.resize(keep);
       }
@@ -315,7 +313,7 @@ bool PrefillEngine::step() {
       if (need > static_cast<std::int64_t>(free_blocks_.size())) {
         std::vector<std::uint64_t> keys;
         keys.reserve(hits.size());
-        for (const auto& h : hits) keys.push_back(h.key);
+        for (const auto& h : hits) keys.push_back(h.entry);
         if (prefix_) prefix_->release(keys);
         break;
       }
@@ -324,8 +322,7 @@ bool PrefillEngine::step() {
       queue_.pop_front();
       for (const auto& h : hits) {
         r->blocks.push_back(h.block);
-        r->cached_keys.push_back(h.key);
-        r->hidden.insert(r->hidden.end(), h.payload.begin(), h.payload.end());
+        r->cached_keys.push_back(h.entry);
       }
       r->cached_tokens = static_cast<std::int64_t>(hits.size()) * options_.block_size;
       r->next_pos = r->cached_tokens;
@@ -356,10 +353,12 @@ bool PrefillEngine::step() {
   std::vector<model::SequenceChunk> batch;
   std::vector<std::int64_t> takes;
   std::int64_t budget = options_.token_budget;
+  bool ends_a_prompt = false;
   for (auto& r : running_) {
     if (r->finished || budget == 0) continue;
     const std::int64_t take = std::min({options_.chunk_size, r->size() - r->next_pos, budget});
     budget -= take;
+    ends_a_prompt = ends_a_prompt || r->next_pos + take == r->size();
     rows.push_back(r.get());
     takes.push_back(take);
     batch.push_back(
@@ -377,7 +376,8 @@ bool PrefillEngine::step() {
     }
     BatchSink sink(std::move(sinks), std::move(errors), [&](std::size_t row) { return stopReason(*rows[row]); });
     model::ForwardOptions fo;
-    fo.logits = model::OutputRows::Last;
+    // Logits only when a prompt ends here: the vocabulary projection is the costliest row.
+    fo.logits = ends_a_prompt ? model::OutputRows::Last : model::OutputRows::None;
     fo.hidden = model::OutputRows::All;
     fo.sink = &sink;
     const auto t0 = Clock::now();
@@ -457,46 +457,50 @@ void PrefillEngine::finishPrompt(std::vector<Running*>& done) {
       }
     }
   }
-  // MTP passes write the MTP layer of every prompt block, prefix-cache blocks included; the last
-  // position of a shared block depends on the token after it, so two rows of one MTP forward must
-  // not share a block: such rows go to separate forwards.
-  std::vector<std::vector<std::size_t>> groups;
-  {
-    std::vector<std::unordered_set<std::int32_t>> shared;
-    for (std::size_t i = 0; i < done.size(); ++i) {
-      const auto n_shared = static_cast<std::ptrdiff_t>(done[i]->cached_keys.size());
-      std::size_t g = 0;
-      for (; g < groups.size(); ++g) {
-        if (std::none_of(done[i]->blocks.begin(), done[i]->blocks.begin() + n_shared,
-                         [&](std::int32_t b) { return shared[g].contains(b); }))
-          break;
-      }
-      if (g == groups.size()) {
-        groups.emplace_back();
-        shared.emplace_back();
-      }
-      groups[g].push_back(i);
-      shared[g].insert(done[i]->blocks.begin(), done[i]->blocks.begin() + n_shared);
-    }
+  // The MTP pass: row p pairs token p+1 (the first sampled token for the last row) with final
+  // hidden state p, over the positions the main pass computed; a cached prefix's MTP latents
+  // were cached with the same next tokens (prefix_cache.h). It runs in chunks on the main pass's
+  // grid (multiples of min(chunk_size, token_budget) from position 0, the cached prefix a whole
+  // number of them), so that a prompt's MTP layer is bit-equal with and without a cached prefix.
+  // Every row it writes lies in the request's own blocks, never in a shared one.
+  const std::int64_t step = std::min(options_.chunk_size, options_.token_budget);
+  std::vector<std::vector<std::int32_t>> next_tokens(done.size());
+  std::vector<std::int64_t> mtp_pos(done.size());
+  for (std::size_t i = 0; i < done.size(); ++i) {
+    Running& r = *done[i];
+    r.first_token = first[i].token;
+    next_tokens[i].assign(r.request.tokens.begin() + 1, r.request.tokens.end());
+    next_tokens[i].push_back(first[i].token);
+    mtp_pos[i] = r.cached_tokens;
   }
-  for (const std::vector<std::size_t>& group : groups) {
-    if (cfg.num_nextn_predict_layers == 0) break;
-    // MTP row i pairs token i+1 with final hidden state i; the last row takes the first sampled token.
+  const auto hidden_size = static_cast<std::size_t>(cfg.hidden_size);
+  for (bool more = cfg.num_nextn_predict_layers > 0; more;) {
+    more = false;
     std::vector<model::SequenceChunk> batch;
     std::vector<KvSink*> sinks;
     std::vector<std::optional<Error>*> errors;
     std::vector<Running*> rows;
-    for (const std::size_t i : group) {
+    std::vector<std::int64_t> takes;
+    for (std::size_t i = 0; i < done.size(); ++i) {
       Running& r = *done[i];
-      rows.push_back(&r);
-      r.mtp_tokens.assign(r.request.tokens.begin() + 1, r.request.tokens.end());
-      r.mtp_tokens.push_back(first[i].token);
-      model::SequenceChunk c{r.mtp_tokens, 0, r.blocks};
-      c.prev_hidden = r.hidden;
+      if (r.finished || r.error || mtp_pos[i] == r.size()) continue;
+      const std::int64_t from = mtp_pos[i];
+      const std::int64_t take = std::min(step - from % step, r.size() - from);
+      const auto offset = static_cast<std::size_t>(from - r.cached_tokens);
+      model::SequenceChunk c{std::span<const std::int32_t>(next_tokens[i])
+                                 .subspan(static_cast<std::size_t>(from), static_cast<std::size_t>(take)),
+                             from, r.blocks};
+      c.prev_hidden =
+          std::span<const float>(r.hidden).subspan(offset * hidden_size, static_cast<std::size_t>(take) * hidden_size);
       batch.push_back(c);
       sinks.push_back(r.request.sink.get());
       errors.push_back(&r.error);
+      rows.push_back(&r);
+      takes.push_back(take);
+      mtp_pos[i] = from + take;
+      more = more || mtp_pos[i] < r.size();
     }
+    if (batch.empty()) break;
     BatchSink sink(std::move(sinks), std::move(errors), [&](std::size_t row) { return stopReason(*rows[row]); });
     model::ForwardOptions fo;
     fo.logits = model::OutputRows::None;
@@ -505,7 +509,9 @@ void PrefillEngine::finishPrompt(std::vector<Running*>& done) {
     const auto t0 = Clock::now();
     Result<model::ForwardOutput> out = engine_.forwardMtp(batch, cache_.view(), fo);
     const auto t1 = Clock::now();
-    for (Running* r : rows) r->request.sink->forwardTimed(0, r->size(), true, t0, t1);
+    for (std::size_t k = 0; k < rows.size(); ++k) {
+      rows[k]->request.sink->forwardTimed(batch[k].start_pos, takes[k], true, t0, t1);
+    }
     {
       std::lock_guard lock(mutex_);
       stats_.compute_seconds += std::chrono::duration<double>(t1 - t0).count();
@@ -514,7 +520,6 @@ void PrefillEngine::finishPrompt(std::vector<Running*>& done) {
       for (Running* r : rows) failRunning(*r, out.error());
     }
   }
-  const auto hidden_size = static_cast<std::size_t>(cfg.hidden_size);
   for (std::size_t i = 0; i < done.size(); ++i) {
     Running& r = *done[i];
     if (r.finished) continue;  // its MTP forward failed

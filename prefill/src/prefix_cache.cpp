@@ -16,91 +16,124 @@ std::vector<std::uint64_t> PrefixCache::chain(std::uint64_t model_hash, std::spa
   return prefixHashChain(model_hash, tokens, block_size, max_blocks);
 }
 
-const PrefixCache::Entry* PrefixCache::find(std::uint64_t key, std::uint64_t parent,
-                                            std::span<const std::int32_t> block) const {
-  const auto it = entries_.find(key);
-  if (it == entries_.end()) return nullptr;
-  const Entry& e = it->second;
-  if (e.parent != parent || !std::ranges::equal(e.tokens, block)) return nullptr;  // a hash collision
-  return &e;
+std::uint64_t PrefixCache::find(std::uint64_t key, std::uint64_t parent, std::span<const std::int32_t> block,
+                                std::int32_t next) const {
+  const auto it = by_key_.find(key);
+  if (it == by_key_.end()) return 0;
+  for (const std::uint64_t id : it->second) {
+    const Entry& e = entries_.at(id);
+    if (e.parent == parent && e.next == next && std::ranges::equal(e.tokens, block)) return id;
+  }
+  return 0;
+}
+
+bool PrefixCache::collides(std::uint64_t key, std::uint64_t parent, std::span<const std::int32_t> block) const {
+  const auto it = by_key_.find(key);
+  if (it == by_key_.end()) return false;
+  return std::ranges::any_of(it->second, [&](std::uint64_t id) {
+    const Entry& e = entries_.at(id);
+    return e.parent != parent || !std::ranges::equal(e.tokens, block);
+  });
+}
+
+void PrefixCache::erase(std::uint64_t id) {
+  const auto it = entries_.find(id);
+  const std::uint64_t key = it->second.key;
+  entries_.erase(it);
+  auto& variants = by_key_.at(key);
+  std::erase(variants, id);
+  if (variants.empty()) {
+    by_key_.erase(key);
+    if (events_ != nullptr) events_->removed(key);
+  }
+  evictions_ += 1;
 }
 
 std::vector<PrefixCache::Hit> PrefixCache::acquire(std::span<const std::int32_t> tokens, std::int64_t max_blocks) {
   std::vector<Hit> hits;
-  const std::vector<std::uint64_t> keys = chain(model_hash_, tokens, block_size_, max_blocks);
+  // Only blocks followed by a token: that token selects the variant.
+  const std::int64_t followed = tokens.empty() ? 0 : static_cast<std::int64_t>(tokens.size() - 1) / block_size_;
+  const std::vector<std::uint64_t> keys = chain(model_hash_, tokens, block_size_, std::min(max_blocks, followed));
+  const auto b = static_cast<std::size_t>(block_size_);
   std::uint64_t parent = model_hash_;
   for (std::size_t i = 0; i < keys.size(); ++i) {
-    const auto block = tokens.subspan(i * static_cast<std::size_t>(block_size_), static_cast<std::size_t>(block_size_));
-    if (find(keys[i], parent, block) == nullptr) break;
-    Entry& e = entries_.at(keys[i]);
+    const std::uint64_t id = find(keys[i], parent, tokens.subspan(i * b, b), tokens[(i + 1) * b]);
+    if (id == 0) break;
+    Entry& e = entries_.at(id);
     if (e.refs++ == 0) idle_.erase(e.lru);
-    hits.push_back(Hit{keys[i], e.block, e.payload});
+    hits.push_back(Hit{id, e.block});
     parent = keys[i];
   }
   return hits;
 }
 
-void PrefixCache::release(std::span<const std::uint64_t> keys) {
+void PrefixCache::release(std::span<const std::uint64_t> entries) {
   // Deepest first, so that the chain's root ends most recently used and leaves are evicted first.
-  for (auto it = keys.rbegin(); it != keys.rend(); ++it) {
+  for (auto it = entries.rbegin(); it != entries.rend(); ++it) {
     Entry& e = entries_.at(*it);
     if (--e.refs == 0) e.lru = idle_.insert(idle_.end(), *it);
   }
 }
 
 std::vector<std::int32_t> PrefixCache::insert(std::span<const std::int32_t> tokens, std::int64_t first_block,
-                                              std::span<const std::int32_t> blocks,
-                                              std::vector<std::vector<float>> payloads) {
+                                              std::span<const std::int32_t> blocks) {
   std::vector<std::int32_t> refused;
-  const auto full = std::min(static_cast<std::int64_t>(tokens.size()) / block_size_,
-                             first_block + static_cast<std::int64_t>(blocks.size()));
+  const auto b = static_cast<std::size_t>(block_size_);
+  const std::int64_t followed = tokens.empty() ? 0 : static_cast<std::int64_t>(tokens.size() - 1) / block_size_;
+  const auto full = std::min(followed, first_block + static_cast<std::int64_t>(blocks.size()));
   const std::vector<std::uint64_t> keys = chain(model_hash_, tokens, block_size_, full);
+  const auto parent_of = [&](std::int64_t i) { return i == 0 ? model_hash_ : keys[static_cast<std::size_t>(i - 1)]; };
+  const auto tokens_of = [&](std::int64_t i) { return tokens.subspan(static_cast<std::size_t>(i) * b, b); };
+  const auto next_of = [&](std::int64_t i) { return tokens[static_cast<std::size_t>(i + 1) * b]; };
   std::vector<std::uint64_t> taken;
-  bool chained = true;  // every block before i is cached, so block i is reachable
+  bool chained = true;  // every block before i is cached with its next token, so block i is reachable
   for (std::int64_t i = 0; i < first_block && i < full; ++i) {
-    chained = chained && entries_.contains(keys[static_cast<std::size_t>(i)]);
+    chained = chained && find(keys[static_cast<std::size_t>(i)], parent_of(i), tokens_of(i), next_of(i)) != 0;
   }
   for (std::int64_t i = first_block; i < first_block + static_cast<std::int64_t>(blocks.size()); ++i) {
     const std::int32_t block = blocks[static_cast<std::size_t>(i - first_block)];
-    const bool is_full = i < full;
-    const std::uint64_t key = is_full ? keys[static_cast<std::size_t>(i)] : 0;
-    if (!is_full || !chained || entries_.contains(key)) {
+    if (i >= full || !chained) {
       refused.push_back(block);
-      // A block already cached under its key keeps the chain going only if it holds these tokens.
-      if (is_full && chained && entries_.contains(key)) {
-        const std::uint64_t parent = i == 0 ? model_hash_ : keys[static_cast<std::size_t>(i - 1)];
-        chained = find(key, parent,
-                       tokens.subspan(static_cast<std::size_t>(i * block_size_),
-                                      static_cast<std::size_t>(block_size_))) != nullptr;
-      } else {
-        chained = false;
-      }
+      chained = false;
+      continue;
+    }
+    const std::uint64_t key = keys[static_cast<std::size_t>(i)];
+    if (collides(key, parent_of(i), tokens_of(i))) {  // the key is another prefix's: not ours to extend
+      refused.push_back(block);
+      chained = false;
+      continue;
+    }
+    if (find(key, parent_of(i), tokens_of(i), next_of(i)) != 0) {  // cached already (a concurrent twin)
+      refused.push_back(block);
       continue;
     }
     if (static_cast<std::int64_t>(entries_.size()) >= capacity_) {
       // Displace the least recently used idle block, but never one of this prompt's own chain.
-      auto victim =
-          std::ranges::find_if(idle_, [&](std::uint64_t k) { return std::ranges::find(keys, k) == keys.end(); });
+      const auto victim = std::ranges::find_if(
+          idle_, [&](std::uint64_t id) { return std::ranges::find(keys, entries_.at(id).key) == keys.end(); });
       if (victim == idle_.end()) {
         refused.push_back(block);
         chained = false;
         continue;
       }
-      refused.push_back(entries_.at(*victim).block);
-      if (events_ != nullptr) events_->removed(*victim);
-      entries_.erase(*victim);
+      const std::uint64_t id = *victim;
       idle_.erase(victim);
-      evictions_ += 1;
+      refused.push_back(entries_.at(id).block);
+      erase(id);
     }
     Entry e;
-    e.parent = i == 0 ? model_hash_ : keys[static_cast<std::size_t>(i - 1)];
-    e.tokens.assign(tokens.begin() + i * block_size_, tokens.begin() + (i + 1) * block_size_);
+    e.key = key;
+    e.parent = parent_of(i);
+    const auto own = tokens_of(i);
+    e.tokens.assign(own.begin(), own.end());
+    e.next = next_of(i);
     e.block = block;
-    const auto p = static_cast<std::size_t>(i - first_block);
-    if (p < payloads.size()) e.payload = std::move(payloads[p]);
-    entries_.emplace(key, std::move(e));
-    if (events_ != nullptr) events_->stored(key);
-    taken.push_back(key);
+    const std::uint64_t id = next_id_++;
+    entries_.emplace(id, std::move(e));
+    auto& variants = by_key_[key];
+    variants.push_back(id);
+    if (variants.size() == 1 && events_ != nullptr) events_->stored(key);
+    taken.push_back(id);
   }
   // New blocks start idle, the chain's root most recently used (as release() orders them).
   for (auto it = taken.rbegin(); it != taken.rend(); ++it) entries_.at(*it).lru = idle_.insert(idle_.end(), *it);
@@ -110,12 +143,10 @@ std::vector<std::int32_t> PrefixCache::insert(std::span<const std::int32_t> toke
 std::vector<std::int32_t> PrefixCache::evict(std::int64_t n) {
   std::vector<std::int32_t> freed;
   while (n-- > 0 && !idle_.empty()) {
-    const std::uint64_t key = idle_.front();
+    const std::uint64_t id = idle_.front();
     idle_.pop_front();
-    freed.push_back(entries_.at(key).block);
-    if (events_ != nullptr) events_->removed(key);
-    entries_.erase(key);
-    evictions_ += 1;
+    freed.push_back(entries_.at(id).block);
+    erase(id);
   }
   return freed;
 }

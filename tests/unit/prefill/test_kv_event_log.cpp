@@ -76,19 +76,19 @@ TEST(KvEventLog, SnapshotForAnotherInstanceAFutureSeqOrEventsNoLongerKept) {
 TEST(KvEventLog, PrefixCacheReportsStoredEvictedAndDisplacedBlocks) {
   KvEventLog log("inst", 5, kB, 64);
   PrefixCache cache(2, kB, 5, &log);
-  const auto a = seq(0, 8);  // 2 full blocks
+  const auto a = seq(0, 9);  // 2 full blocks and the token after them
   const auto keys_a = prefixHashChain(5, a, kB, 10);
   ASSERT_EQ(keys_a, PrefixCache::chain(5, a, kB, 10));  // one hash chain, shared with the router
-  EXPECT_TRUE(cache.insert(a, 0, std::vector<std::int32_t>{10, 11}, {}).empty());
+  EXPECT_TRUE(cache.insert(a, 0, std::vector<std::int32_t>{10, 11}).empty());
   auto r = log.read("inst", 0);
   ASSERT_EQ(r.events.size(), 2u);
   EXPECT_TRUE(r.events[0].stored);
   EXPECT_EQ(r.events[0].block, keys_a[0]);
   EXPECT_EQ(r.events[1].block, keys_a[1]);
   // A full cache displaces an idle block of another chain: reported removed, the new one stored.
-  const auto b = seq(50, 4);
+  const auto b = seq(50, 5);
   const auto keys_b = prefixHashChain(5, b, kB, 10);
-  const auto back = cache.insert(b, 0, std::vector<std::int32_t>{12}, {});
+  const auto back = cache.insert(b, 0, std::vector<std::int32_t>{12});
   EXPECT_EQ(back.size(), 1u);
   r = log.read("inst", 2);
   ASSERT_EQ(r.events.size(), 2u);
@@ -105,6 +105,30 @@ TEST(KvEventLog, PrefixCacheReportsStoredEvictedAndDisplacedBlocks) {
   EXPECT_FALSE(r.events[1].stored);
   // A reader that applies every event holds what the cache holds: nothing.
   EXPECT_TRUE(log.read("", 0).blocks.empty());
+}
+
+TEST(KvEventLog, AKeyCachedWithTwoNextTokensIsOneStoredBlockUntilBothLeave) {
+  KvEventLog log("inst", 5, kB, 64);
+  PrefixCache cache(4, kB, 5, &log);
+  auto a = seq(0, 4);
+  a.push_back(100);
+  auto b = seq(0, 4);
+  b.push_back(200);
+  const auto key = prefixHashChain(5, a, kB, 1).at(0);
+  EXPECT_TRUE(cache.insert(a, 0, std::vector<std::int32_t>{1}).empty());
+  EXPECT_TRUE(cache.insert(b, 0, std::vector<std::int32_t>{2}).empty());  // the same key, another variant
+  EXPECT_EQ(cache.stats().cached_blocks, 2);
+  auto r = log.read("inst", 0);
+  ASSERT_EQ(r.events.size(), 1u);
+  EXPECT_TRUE(r.events[0].stored);
+  EXPECT_EQ(r.events[0].block, key);
+  EXPECT_EQ(cache.evict(1).size(), 1u);
+  EXPECT_EQ(log.heldBlocks(), 1u) << "one variant is still cached";
+  EXPECT_EQ(cache.evict(1).size(), 1u);
+  r = log.read("inst", 1);
+  ASSERT_EQ(r.events.size(), 1u);
+  EXPECT_FALSE(r.events[0].stored);
+  EXPECT_EQ(log.heldBlocks(), 0u);
 }
 
 TEST(KvEventLog, InstanceIdsDiffer) {

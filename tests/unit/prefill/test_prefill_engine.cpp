@@ -42,6 +42,7 @@ struct Shipped {
   std::optional<kvt::CompletionRecord> record;
   std::optional<Error> failure;
   int puts = 0;
+  std::map<std::uint32_t, int> layer_puts;  // layer -> puts of it
   int endings = 0;
   int admitted = 0;
   int puts_before_admitted = 0;
@@ -56,6 +57,7 @@ class MemorySink final : public KvSink {
   Status putLayer(std::uint32_t layer, std::int64_t first_pos, std::span<const float> rows) override {
     if (out_.admitted == 0) ++out_.puts_before_admitted;
     ++out_.puts;
+    ++out_.layer_puts[layer];
     for (std::size_t i = 0; i * static_cast<std::size_t>(dim_) < rows.size(); ++i) {
       const auto* row = rows.data() + i * static_cast<std::size_t>(dim_);
       out_.rows[layer][first_pos + static_cast<std::int64_t>(i)] = std::vector<float>(row, row + dim_);
@@ -186,9 +188,9 @@ TEST_P(PrefillGolden, ChunkedPrefillShipsTheSameKvAndToken) {
     ASSERT_TRUE(p->submit(request(7, prompt_, s)).ok());
     drain(*p);
     expectGolden("chunk=" + std::to_string(chunk), s);
-    // Each main layer of each chunk is a put, plus the MTP layer once.
+    // Each layer of each chunk is a put, the MTP layer's on the same chunk grid.
     const auto chunks = (static_cast<std::int64_t>(prompt_.size()) + chunk - 1) / chunk;
-    EXPECT_EQ(s.puts, chunks * cfg().num_hidden_layers + 1);
+    EXPECT_EQ(s.puts, chunks * (cfg().num_hidden_layers + 1));
   }
 }
 
@@ -695,13 +697,21 @@ TEST_P(PrefillGolden, PrefixCacheSecondTurnEqualsAColdPrefillBitForBit) {
   EXPECT_TRUE(warm.rows == cold.rows) << "the shipped KV differs from a cold prefill's";
   EXPECT_EQ(warm.record->first_token, cold.record->first_token);
   EXPECT_TRUE(warm.record->hidden_state == cold.record->hidden_state);
+  // The MTP layer is not recomputed for the cached prefix either: one put of its cached rows,
+  // then one per chunk of the suffix (a cold prefill: one per chunk of the prompt).
+  const auto mtp = static_cast<std::uint32_t>(cfg().num_hidden_layers);
+  const auto chunks = [](std::int64_t tokens) { return static_cast<int>((tokens + 11) / 12); };
+  EXPECT_EQ(cold.layer_puts[mtp], chunks(static_cast<std::int64_t>(turn2.size())));
+  EXPECT_EQ(warm.layer_puts[mtp], 1 + chunks(static_cast<std::int64_t>(turn2.size()) - reused));
 }
 
 TEST_P(PrefillGolden, PrefixCacheSharedByConcurrentRequestsAndEvictedUnderPressure) {
   const auto n = static_cast<std::int64_t>(prompt_.size());
+  // Both follow the prompt with its greedy first token (a later turn starts with the answer), so
+  // the prompt's last block, cached with that next token, matches both.
   std::vector<std::int32_t> a = prompt_, b = prompt_;
-  a.push_back(1);
-  b.push_back(2);
+  a.insert(a.end(), {greedy_[0], 1});
+  b.insert(b.end(), {greedy_[0], 2});
   std::vector<std::int32_t> big(prompt_.rbegin(), prompt_.rend());  // shares no leading block
   big.insert(big.end(), prompt_.begin(), prompt_.end());
   const std::int64_t pool = (static_cast<std::int64_t>(big.size()) + 3) / 4;  // exactly what `big` needs
@@ -717,7 +727,8 @@ TEST_P(PrefillGolden, PrefixCacheSharedByConcurrentRequestsAndEvictedUnderPressu
   Shipped first;
   ASSERT_TRUE(p->submit(request(1, prompt_, first)).ok());
   drain(*p);
-  // Two requests at once share the cached blocks (one step admits both; their MTP passes split).
+  // Two requests at once share the cached blocks (one step admits both; their MTP passes share
+  // forwards and write only their own blocks).
   Shipped wa, wb;
   ASSERT_TRUE(p->submit(request(2, a, wa)).ok());
   ASSERT_TRUE(p->submit(request(3, b, wb)).ok());
@@ -729,8 +740,8 @@ TEST_P(PrefillGolden, PrefixCacheSharedByConcurrentRequestsAndEvictedUnderPressu
   EXPECT_EQ(wa.rows.size(), cold[0].rows.size());
   for (const auto& [layer, rows] : cold[0].rows) {
     const auto l = static_cast<std::uint32_t>(layer);
-    expectClose("shared a layer " + std::to_string(l), part(wa, l, n + 1, 0, dim()), part(cold[0], l, n + 1, 0, dim()));
-    expectClose("shared b layer " + std::to_string(l), part(wb, l, n + 1, 0, dim()), part(cold[1], l, n + 1, 0, dim()));
+    expectClose("shared a layer " + std::to_string(l), part(wa, l, n + 2, 0, dim()), part(cold[0], l, n + 2, 0, dim()));
+    expectClose("shared b layer " + std::to_string(l), part(wb, l, n + 2, 0, dim()), part(cold[1], l, n + 2, 0, dim()));
   }
   ASSERT_TRUE(wa.record && wb.record);
   EXPECT_EQ(wa.record->first_token, cold[0].record->first_token);

@@ -4,9 +4,10 @@
 /// TransportKvSink (transport_kv_sink.h); tests use an in-memory one.
 ///
 /// Call order, per request: admitted() when it leaves the queue (not for a request that ends
-/// while queued), any number of putLayer() calls (each layer of each chunk as soon as
-/// it is computed, main layers 0..L-1, then the MTP layer L over the whole prompt), then exactly
-/// one of complete() or fail(). After complete()/fail() the engine never calls the sink again
+/// while queued), any number of putLayer() calls (a cached prefix's rows of every layer at
+/// admission; then each main layer 0..L-1 of each chunk as soon as it is computed; then, after
+/// the last chunk, the MTP layer L chunk by chunk over the positions after the cached prefix),
+/// then exactly one of complete() or fail(). After complete()/fail() the engine never calls the sink again
 /// and destroys it.
 ///
 /// Thread rules: every method is called on the prefill engine thread only, and must not block on
@@ -33,12 +34,12 @@ class KvSink {
   /// The engine admitted the request into its running set: its first forward comes next (the end
   /// of its queueing time). Called once, before any putLayer(); the default does nothing.
   virtual void admitted() {}
-  /// The first `tokens` prompt positions come from the prefix cache (not recomputed; their main
+  /// The first `tokens` prompt positions come from the prefix cache (not recomputed; their
   /// layers are still put). Called at most once, right after admitted(); the default ignores it.
   virtual void prefixCached(std::int64_t tokens) { (void)tokens; }
   /// A forward over prompt positions [first_pos, first_pos + n) of this request ran from `start`
-  /// to `end` (its batch may hold other requests' rows); `mtp` for the MTP layer's pass over the
-  /// whole prompt. Called after the forward's putLayer() calls, whatever its outcome. For traces;
+  /// to `end` (its batch may hold other requests' rows); `mtp` for a chunk of the MTP layer's
+  /// pass. Called after the forward's putLayer() calls, whatever its outcome. For traces;
   /// the default ignores it.
   virtual void forwardTimed(std::int64_t first_pos, std::int64_t n, bool mtp,
                             std::chrono::steady_clock::time_point start, std::chrono::steady_clock::time_point end) {

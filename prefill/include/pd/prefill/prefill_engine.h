@@ -6,20 +6,20 @@
 /// `chunk_size` tokens (long prompts take several steps; a chunk attends to its own tokens and
 /// the earlier chunks' KV in the local cache). Every layer's latent KV goes to the request's
 /// KvSink as the engine produces it. When a prompt's last chunk is done the engine samples the
-/// first token (the request's SamplingParams and seed), runs the MTP layer over the prompt
-/// (golden README §3.8: row i pairs token i+1 with final hidden state i, every position, the last
-/// row taking the first sampled token) and puts its latent KV as KV layer num_hidden_layers, then
+/// first token (the request's SamplingParams and seed), runs the MTP layer over the prompt in
+/// chunks on the main pass's grid (golden README §3.8: row i pairs token i+1 with final hidden
+/// state i, every position, the last row taking the first sampled token) and puts its latent KV
+/// as KV layer num_hidden_layers, then
 /// calls KvSink::complete() with the first token, the last position's final hidden state and,
 /// when asked, logprobs.
 ///
 /// Prefix cache (prefix_cache_blocks > 0): when a prompt is done its full blocks stay in the
 /// local cache under their token hash chain (prefix_cache.h). A later prompt that starts with
-/// cached blocks references them (shared by every request using them, never evicted while
-/// referenced), puts their main layers' KV to its sink at admission (the decode worker gets every
-/// block) and computes only the rest. Admission evicts idle cached blocks, least recently used
-/// first, when the free blocks do not suffice. The MTP layer is recomputed over the whole prompt
-/// (its last row of a block depends on the next token); cached blocks also keep their final
-/// hidden states, its input. Two MTP rows of one forward never share a block.
+/// cached blocks, each followed by the token it was cached with, references them (shared by
+/// every request using them, never evicted while referenced), puts their KV (every layer, MTP
+/// included) to its sink at admission (the decode worker gets every block) and computes only the
+/// rest, the MTP pass included. Admission evicts idle cached blocks, least recently used first,
+/// when the free blocks do not suffice. No forward writes to a shared block.
 ///
 /// Failures: a request past its deadline ends with Timeout and a cancel()led one with Cancelled;
 /// both are checked before every step and before every layer's put (its sink gets no further
