@@ -822,6 +822,8 @@ class ApiServer::Impl {
     w.key("created").number(fe_->started_at);
     w.key("owned_by").string("pdserve");
     w.key("max_model_len").number(fe_->max_model_len);
+    // The token ids a prompt may hold, [0, vocab_size): what `pdserve bench serve` draws from.
+    w.key("vocab_size").number(static_cast<std::int64_t>(fe_->renderer.vocabSize()));
     w.endObject().endArray().endObject();
     fe_->countRequest("/v1/models", 200);
     ex.respond(http::Response::withBody(200, std::string(kJson), w.take()));

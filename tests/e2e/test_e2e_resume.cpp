@@ -7,6 +7,9 @@
 //  - kill -9 of one of two decode workers while streams run: every stream completes on the other
 //    with the tokens it would have produced; with a single decode worker the clients get an error
 //    within their deadline.
+//  - Both again with the decode-side prefix cache on (docs/kv-memory.md, "Prefix reuse on the
+//    decode side"): preempted, resumed and moved requests share cached blocks and still give the
+//    same tokens, and the pool ends free but for idle cached blocks.
 // Ordering is by construction: the fault comes once every stream has received tokens (a counter
 // the client threads raise), and streams are much longer than that.
 #include <gtest/gtest.h>
@@ -79,11 +82,14 @@ class Resume : public ::testing::Test {
   static void SetUpTestSuite() { cache_ = std::make_unique<TempDir>(); }
   static void TearDownTestSuite() { cache_.reset(); }
 
-  // One prefill worker, `decoders` decode workers with `decode_flags`, and a router.
-  void start(int decoders, const std::vector<std::string>& decode_flags) {
+  // One prefill worker (with `prefill_flags`), `decoders` decode workers with `decode_flags`, and
+  // a router.
+  void start(int decoders, const std::vector<std::string>& decode_flags,
+             const std::vector<std::string>& prefill_flags = {}) {
     const std::string model = "--model.cache_dir=" + cache_->path().string();
-    prefill_ = std::make_unique<RoleProcess>(
-        "prefill", std::vector<std::string>{model, "--prefill.port=0", "--prefill.threads=1", "--log.level=warn"});
+    std::vector<std::string> pflags{model, "--prefill.port=0", "--prefill.threads=1", "--log.level=warn"};
+    pflags.insert(pflags.end(), prefill_flags.begin(), prefill_flags.end());
+    prefill_ = std::make_unique<RoleProcess>("prefill", pflags);
     ASSERT_TRUE(prefill_->ready());
     for (int i = 0; i < decoders; ++i) {
       std::vector<std::string> flags{model, "--decode.port=0", "--decode.threads=1", "--log.level=warn"};
@@ -217,8 +223,21 @@ class Resume : public ::testing::Test {
     return results;
   }
 
-  // The sixteen-chat test on a `kv_dtype` pool; `seeded_exact`: seeded chats must match too.
-  void sixteenChats(const std::string& kv_dtype, bool seeded_exact);
+  // The sixteen-chat test on a `kv_dtype` pool; `seeded_exact`: seeded chats must match too;
+  // `cached`: with the decode-side prefix cache on.
+  void sixteenChats(const std::string& kv_dtype, bool seeded_exact, bool cached = false);
+  // The kill test: 8 streams on two decode workers, one killed mid-stream; `cached`: with the
+  // decode-side prefix cache on.
+  void killOneOfTwo(bool cached);
+
+  // The decode-side prefix cache on, reusing in blocks of 4 tokens (the chats' 7-12-token prompts
+  // fill whole blocks). It caches prompt blocks inside whole prefill chunks, so the prefill
+  // worker's chunk is 4 tokens too.
+  static std::vector<std::string> cachedDecodeFlags(int cache_blocks) {
+    return {"--decode.block_size=4", "--decode.local_prefill_chunk_size=4",
+            "--decode.prefix_cache_blocks=" + std::to_string(cache_blocks)};
+  }
+  static std::vector<std::string> cachedPrefillFlags() { return {"--prefill.chunk_size=4"}; }
 
   // Even requests greedy, odd ones seeded.
   static int seedOf(int i) { return i % 2 == 0 ? -1 : 1000 + i; }
@@ -246,9 +265,23 @@ TEST_F(Resume, SixteenChatsOnABf16PoolGreedyTokensEqualEachAlone) {
   sixteenChats("bf16", false);
 }
 
-void Resume::sixteenChats(const std::string& kv_dtype, bool seeded_exact) {
-  start(1, {"--decode.block_size=4", "--decode.num_blocks=28", "--decode.kv_headroom_blocks=2",
-            "--decode.kv_dtype=" + kv_dtype});
+TEST_F(Resume, WithTheDecodePrefixCacheOnSixteenChatsStillGiveTheTokensOfEachAlone) {
+  // The cache competes for the same 28 blocks: pressure evicts idle cached blocks before it
+  // preempts. The runs alone come after the sixteen finished, so they find cached blocks.
+  sixteenChats("f32", true, true);
+  const double hits = metric(*decoders_[0], "pdserve_decode_prefix_cache_hit_tokens_total");
+  std::printf("resume: decode prefix cache hit tokens %.0f\n", hits);
+  EXPECT_GT(hits, 0) << "no request reused a cached block: the cache was not exercised";
+}
+
+void Resume::sixteenChats(const std::string& kv_dtype, bool seeded_exact, bool cached) {
+  std::vector<std::string> flags{"--decode.block_size=4", "--decode.num_blocks=28", "--decode.kv_headroom_blocks=2",
+                                 "--decode.kv_dtype=" + kv_dtype};
+  if (cached) {
+    const auto more = cachedDecodeFlags(8);
+    flags.insert(flags.end(), more.begin(), more.end());
+  }
+  start(1, flags, cached ? cachedPrefillFlags() : std::vector<std::string>{});
   constexpr int kChats = 16;
   const auto results = together(kChats, 0, false);
   for (int i = 0; i < kChats; ++i) {
@@ -284,7 +317,25 @@ void Resume::sixteenChats(const std::string& kv_dtype, bool seeded_exact) {
 }
 
 TEST_F(Resume, AKilledDecodeWorkersStreamsCompleteOnTheOther) {
-  start(2, {"--decode.num_speculative_tokens=1", "--decode.kv_dtype=f32"});
+  killOneOfTwo(false);
+}
+
+TEST_F(Resume, WithTheDecodePrefixCacheOnAKilledDecodeWorkersStreamsCompleteOnTheOther) {
+  // The runs alone after the kill find their prompts cached on the surviving worker.
+  killOneOfTwo(true);
+  const double hits = metric(*decoders_[1], "pdserve_decode_prefix_cache_hit_tokens_total");
+  std::printf("resume: the surviving decode worker's prefix cache hit tokens %.0f\n", hits);
+  EXPECT_GT(hits, 0) << "no request reused a cached block on the surviving worker";
+}
+
+void Resume::killOneOfTwo(bool cached) {
+  std::vector<std::string> flags{"--decode.num_speculative_tokens=1", "--decode.kv_dtype=f32"};
+  if (cached) {
+    const auto more = cachedDecodeFlags(1024);
+    flags.insert(flags.end(), more.begin(), more.end());
+    flags.emplace_back("--decode.num_blocks=4096");  // no pressure: 8 streams of about 410 tokens
+  }
+  start(2, flags, cached ? cachedPrefillFlags() : std::vector<std::string>{});
   constexpr int kStreams = 8;
   constexpr int kTokens = 400;
   const auto results = together(kStreams, kTokens, true, [&] { decoders_[0]->signal(SIGKILL); });

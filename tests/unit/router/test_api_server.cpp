@@ -765,6 +765,8 @@ TEST_F(ApiServerTest, ModelsEndpoint) {
   EXPECT_EQ(m.at("object").as_string(), "model");
   EXPECT_EQ(m.at("owned_by").as_string(), "pdserve");
   EXPECT_EQ(m.at("max_model_len").as_int64(), 128);
+  EXPECT_EQ(m.at("vocab_size").as_int64(), static_cast<std::int64_t>(renderer_.vocabSize()));
+  EXPECT_GT(m.at("vocab_size").as_int64(), 0);
   EXPECT_TRUE(m.at("created").is_int64());
 }
 
