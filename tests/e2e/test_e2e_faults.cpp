@@ -3,6 +3,8 @@
 // worker, SIGSTOP of either, or clients that disconnect mid-stream. Every request must complete
 // or end with a clean error within its deadline (nothing hangs), and afterwards every surviving
 // worker's KV pool is fully free and nothing is in flight (read from /v1/internal/status).
+// FaultsCached repeats the decode-side faults with the decode prefix cache on and prompts that
+// share their leading blocks, so that shared cached blocks are held when the fault comes.
 #include <gtest/gtest.h>
 #include <signal.h>
 
@@ -19,6 +21,7 @@
 #include "pd/common/subprocess.h"
 #include "pd/common/worker_api.h"
 #include "support/local_cluster.h"
+#include "support/metrics_text.h"
 #include "support/role_process.h"
 #include "support/router_serving.h"
 #include "support/test_files.h"
@@ -51,6 +54,14 @@ std::string longPrompt(int index) {
   return text;
 }
 
+// A prompt whose first ~700 tokens every request shares (more than one 512-token prefill chunk,
+// the decode prefix cache's reuse granule), then its own.
+std::string sharedPrefixPrompt(int index) {
+  std::string text = "Shared:";
+  for (int i = 0; i < 80; ++i) text += " the river " + std::to_string(i * 7) + " runs to the sea;";
+  return text + " Request " + std::to_string(index) + ".";
+}
+
 class Faults : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
@@ -59,12 +70,16 @@ class Faults : public ::testing::Test {
   }
   static void TearDownTestSuite() { model_dir_.reset(); }
 
+  // Whether the decode workers run their prefix cache (and the requests share a prefix).
+  [[nodiscard]] virtual bool cached() const { return false; }
+
   void SetUp() override {
     const std::string model = "--model.path=" + (model_dir_->path() / "m").string();
     for (int i = 0; i < 2; ++i) {
-      decoders_.push_back(std::make_unique<RoleProcess>(
-          "decode", std::vector<std::string>{model, "--decode.port=0", "--decode.threads=1", "--decode.num_blocks=256",
-                                             "--log.level=warn"}));
+      std::vector<std::string> flags{model, "--decode.port=0", "--decode.threads=1", "--decode.num_blocks=256",
+                                     "--log.level=warn"};
+      if (cached()) flags.emplace_back("--decode.prefix_cache_blocks=64");
+      decoders_.push_back(std::make_unique<RoleProcess>("decode", flags));
       prefillers_.push_back(std::make_unique<RoleProcess>(
           "prefill", std::vector<std::string>{model, "--prefill.port=0", "--prefill.threads=1", "--log.level=warn"}));
     }
@@ -97,7 +112,7 @@ class Faults : public ::testing::Test {
     req.target = "/v1/completions";
     req.headers = {{"Content-Type", "application/json"}};
     req.body = json::serialize(json::object{{"model", "pdserve-default"},
-                                            {"prompt", longPrompt(index)},
+                                            {"prompt", cached() ? sharedPrefixPrompt(index) : longPrompt(index)},
                                             {"max_tokens", kMaxTokens},
                                             {"ignore_eos", true},
                                             {"temperature", 0},
@@ -208,6 +223,16 @@ class Faults : public ::testing::Test {
     }
   }
 
+  // Prompt tokens the surviving decode workers found in their prefix caches.
+  [[nodiscard]] double prefixHits(const std::vector<RoleProcess*>& decoders) const {
+    double sum = 0;
+    for (const auto* d : decoders) {
+      const auto body = scrapeMetrics(d->host(), d->port());
+      if (body) sum += sampleValue(*body, "pdserve_decode_prefix_cache_hit_tokens_total").value_or(0);
+    }
+    return sum;
+  }
+
   static std::unique_ptr<TempDir> model_dir_;
   std::vector<std::unique_ptr<RoleProcess>> decoders_;
   std::vector<std::unique_ptr<RoleProcess>> prefillers_;
@@ -247,6 +272,67 @@ TEST_F(Faults, DecodeWorkerStopped) {
 TEST_F(Faults, ClientsDisconnectMidStream) {
   underLoad(nullptr, /*disconnect_after=*/5);
   expectClean({decoders_[0].get(), decoders_[1].get(), prefillers_[0].get(), prefillers_[1].get()});
+}
+
+class FaultsCached : public Faults {
+ protected:
+  [[nodiscard]] bool cached() const override { return true; }
+
+  void SetUp() override {
+    Faults::SetUp();
+    if (HasFatalFailure()) return;
+    // A decode worker caches a prompt's blocks when its request ends. One request first: its
+    // worker then holds the shared prefix, and the router's decode affinity sends the loaded
+    // run's requests (which share that prefix) to it while it has room.
+    ASSERT_EQ(streamOne(100).outcome, Outcome::Completed);
+    for (std::size_t i = 0; i < decoders_.size(); ++i) {
+      if (cachedBlocks(*decoders_[i]) > 0) warm_ = i;
+    }
+    ASSERT_LT(warm_, decoders_.size()) << "no decode worker cached the first request's prompt";
+  }
+
+  static std::int64_t cachedBlocks(const RoleProcess& w) {
+    http::Client client(w.host(), w.port());
+    http::ClientRequest req;
+    req.target = std::string(worker_api::kStatusPath);
+    auto r = client.send(req, 5s);
+    if (!r.ok() || r->status != 200) return -1;
+    auto parsed = worker_api::parseWorkerStatus(r->body);
+    return parsed.ok() ? parsed->prefix_cache_blocks : -1;
+  }
+
+  RoleProcess& warm() { return *decoders_[warm_]; }
+  RoleProcess& cold() { return *decoders_[1 - warm_]; }
+
+  std::size_t warm_ = 2;  // the decode worker holding the shared prefix
+};
+
+// The fault hits the worker whose cached blocks the running requests share.
+TEST_F(FaultsCached, DecodeWorkerKilled) {
+  double hits = 0;
+  underLoad([&] {
+    hits = prefixHits({&warm()});
+    warm().signal(SIGKILL);
+  });
+  EXPECT_GT(hits, 0) << "no request reused a cached block before the kill: the cache was not exercised";
+  expectClean({&cold(), prefillers_[0].get(), prefillers_[1].get()});
+}
+
+TEST_F(FaultsCached, DecodeWorkerStopped) {
+  double hits = 0;
+  underLoad([&] {
+    hits = prefixHits({&warm()});
+    warm().signal(SIGSTOP);
+  });
+  warm().signal(SIGCONT);
+  EXPECT_GT(hits, 0) << "no request reused a cached block before the stop";
+  expectClean({decoders_[0].get(), decoders_[1].get(), prefillers_[0].get(), prefillers_[1].get()});
+}
+
+TEST_F(FaultsCached, ClientsDisconnectMidStream) {
+  underLoad(nullptr, /*disconnect_after=*/5);
+  expectClean({decoders_[0].get(), decoders_[1].get(), prefillers_[0].get(), prefillers_[1].get()});
+  EXPECT_GT(prefixHits({decoders_[0].get(), decoders_[1].get()}), 0);
 }
 
 }  // namespace
