@@ -220,7 +220,13 @@ TEST_P(WriteConfinement, DataAndRecordsUnderAGuessedOrStaleTransferIdAreDropped)
   forged[0].transfer_id.lo ^= 1;               // one bit off the live id
   forged[1].transfer_id = tid(4);              // made from the request's local number
   forged[2].transfer_id = ended->transfer_id;  // a finished transfer's id
-  for (const KvDescriptor& f : forged) send(f, 6);
+  for (const KvDescriptor& f : forged) {
+    // Each send waits on its own outcomes: forged[2] reuses the ended transfer's id, whose
+    // outcome out_ already holds, so waiting there would return before this transfer ends (and
+    // the sender would still count it in flight when the test tears down).
+    Outcomes sent;
+    send(f, 6, &sent);
+  }
   ASSERT_TRUE(testutil::eventually([&] { return receiver_->stats().records_rejected >= rejected_before + 3; }))
       << "the receiver did not refuse every forged record";
   EXPECT_FALSE(out_.waitArrival(4, 0ms).has_value()) << "a forged record ended the receive";
