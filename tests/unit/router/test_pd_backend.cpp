@@ -191,8 +191,10 @@ class PdBackendTest : public ::testing::Test {
   void TearDown() override {
     backend.reset();
     if (backend_was_idle_check_) {
-      EXPECT_EQ(d1.live(), 0U);
-      EXPECT_EQ(d2.live(), 0U);
+      // The backend closed every decode stream; a fake worker sees the close on its own io
+      // thread, so wait for that event rather than expecting it already.
+      EXPECT_TRUE(waitFor([&] { return d1.live() == 0 && d2.live() == 0; }))
+          << "decode streams still open: " << d1.live() << " and " << d2.live();
     }
   }
 
