@@ -24,17 +24,11 @@ namespace {
 namespace json = boost::json;
 using namespace std::chrono_literals;
 
-class E2eErrors : public ::testing::Test {
+class E2eErrors : public DefaultModelSuite<E2eErrors> {
  protected:
-  static void SetUpTestSuite() {
-    model_dir_ = std::make_unique<TempDir>();
-    makeDefaultModel(model_dir_->path() / "m");
-  }
-  static void TearDownTestSuite() { model_dir_.reset(); }
-
   // One decode and one prefill worker, and a router over them with `router_flags`.
   void start(std::vector<std::string> router_flags) {
-    const std::string model = "--model.path=" + (model_dir_->path() / "m").string();
+    const std::string model = "--model.path=" + modelDir();
     decode_ = std::make_unique<RoleProcess>(
         "decode", std::vector<std::string>{model, "--decode.port=0", "--decode.threads=1", "--log.level=warn"});
     prefill_ = std::make_unique<RoleProcess>(
@@ -106,13 +100,10 @@ class E2eErrors : public ::testing::Test {
     ADD_FAILURE() << "decode worker still holds KV blocks or requests";
   }
 
-  static std::unique_ptr<TempDir> model_dir_;
   std::unique_ptr<RoleProcess> decode_;
   std::unique_ptr<RoleProcess> prefill_;
   std::unique_ptr<RoleProcess> router_;
 };
-
-std::unique_ptr<TempDir> E2eErrors::model_dir_;
 
 TEST_F(E2eErrors, QueueLimitAnswers429WithRetryAfter) {
   start({"--router.max_queued_requests=1", "--router.retry_after_s=2"});

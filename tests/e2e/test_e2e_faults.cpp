@@ -62,19 +62,13 @@ std::string sharedPrefixPrompt(int index) {
   return text + " Request " + std::to_string(index) + ".";
 }
 
-class Faults : public ::testing::Test {
+class Faults : public DefaultModelSuite<Faults> {
  protected:
-  static void SetUpTestSuite() {
-    model_dir_ = std::make_unique<TempDir>();
-    makeDefaultModel(model_dir_->path() / "m");
-  }
-  static void TearDownTestSuite() { model_dir_.reset(); }
-
   // Whether the decode workers run their prefix cache (and the requests share a prefix).
   [[nodiscard]] virtual bool cached() const { return false; }
 
   void SetUp() override {
-    const std::string model = "--model.path=" + (model_dir_->path() / "m").string();
+    const std::string model = "--model.path=" + modelDir();
     for (int i = 0; i < 2; ++i) {
       std::vector<std::string> flags{model, "--decode.port=0", "--decode.threads=1", "--decode.num_blocks=256",
                                      "--log.level=warn"};
@@ -233,13 +227,10 @@ class Faults : public ::testing::Test {
     return sum;
   }
 
-  static std::unique_ptr<TempDir> model_dir_;
   std::vector<std::unique_ptr<RoleProcess>> decoders_;
   std::vector<std::unique_ptr<RoleProcess>> prefillers_;
   std::unique_ptr<RoleProcess> router_;
 };
-
-std::unique_ptr<TempDir> Faults::model_dir_;
 
 TEST_F(Faults, NoFaultEveryRequestCompletes) {
   const auto results = underLoad(nullptr);
