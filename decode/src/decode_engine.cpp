@@ -45,8 +45,10 @@ DecodeEngineOptions engineOptions(const DecodeConfig& config) {
   options.local_prefill_token_budget = config.local_prefill_token_budget;
   // With tensor parallelism every rank holds the KV: a choice's block copy would be needed on all.
   options.max_choices = config.tensor_parallel > 1 ? 1 : pd::kMaxChoices;
-  // Reuse is tested on one rank; a TP group keeps every prompt's blocks to itself for now.
-  options.prefix_cache_blocks = config.tensor_parallel > 1 ? 0 : config.prefix_cache_blocks;
+  // Prefix reuse needs nothing from the followers: every rank's pool holds the same KV at the
+  // same block ids (the prefill worker writes every rank's target, and the ranks' forwards write
+  // the same rows), and the leader's block manager alone decides which blocks stay cached.
+  options.prefix_cache_blocks = config.prefix_cache_blocks;
   return options;
 }
 

@@ -6,7 +6,10 @@
 // pool is free at the end but for the cache, which the status reports. A pool too small to keep the
 // cache evicts (metric) and still answers the same tokens. That the pool then holds a cold
 // prefill's KV bit for bit is checked where the pool can be read: test_prefill_worker.cpp
-// (PrefillWorkerPresentBlocks).
+// (PrefillWorkerPresentBlocks). Each test runs with one decode rank and with a tensor-parallel
+// decode worker of two ranks (`decode.tensor_parallel` 2, its follower a process it spawns),
+// whose follower must hold the same shared blocks as its leader for the tokens to come out the
+// same.
 #include <gtest/gtest.h>
 
 #include <boost/json.hpp>
@@ -47,17 +50,18 @@ double metricOf(const RoleProcess& p, const std::string& series) {
   return body ? sampleValue(*body, series).value_or(-1) : -1;
 }
 
-// A router, a prefill worker and a decode worker with 16-token blocks and chunks (one block per
-// reuse granule); `decode_flags` add to the decode worker's.
+// A router, a prefill worker and a decode worker of `decode_tp` ranks with 16-token blocks and
+// chunks (one block per reuse granule); `decode_flags` add to the decode worker's.
 class Deployment {
  public:
-  Deployment(const std::string& model_dir, std::vector<std::string> decode_flags) {
+  Deployment(const std::string& model_dir, int decode_tp, std::vector<std::string> decode_flags) {
     const std::string model = "--model.path=" + model_dir;
     std::vector<std::string> df{model,
                                 "--decode.port=0",
                                 "--decode.threads=1",
                                 "--decode.block_size=16",
                                 "--decode.local_prefill_chunk_size=16",
+                                "--decode.tensor_parallel=" + std::to_string(decode_tp),
                                 "--log.level=warn"};
     df.insert(df.end(), decode_flags.begin(), decode_flags.end());
     decode_ = std::make_unique<RoleProcess>("decode", df);
@@ -132,7 +136,11 @@ class Deployment {
   bool ok_ = false;
 };
 
-class DecodePrefixE2e : public DefaultModelSuite<DecodePrefixE2e> {};
+// The parameter: the decode worker's tensor-parallel ranks.
+class DecodePrefixE2e : public DefaultModelSuite<DecodePrefixE2e>, public ::testing::WithParamInterface<int> {
+ protected:
+  static int tp() { return GetParam(); }
+};
 
 const std::string kTurn1 = history(30);
 const std::string kTurn2 = kTurn1 + " and then, after all that, what does the river do next?";
@@ -141,11 +149,11 @@ const std::string kOther = "Something else entirely:" + history(30).substr(20);
 constexpr const char* kPutBytes = "pdserve_kv_put_bytes_total";
 constexpr const char* kHitTokens = "pdserve_decode_prefix_cache_hit_tokens_total";
 
-TEST_F(DecodePrefixE2e, SecondTurnTransfersOnlyTheNewBlocksAndGeneratesTheSameTokens) {
+TEST_P(DecodePrefixE2e, SecondTurnTransfersOnlyTheNewBlocksAndGeneratesTheSameTokens) {
   std::vector<Answer> off;
   double off_turn2_bytes = 0;
   {
-    Deployment d(modelDir(), {"--decode.prefix_cache_blocks=0"});
+    Deployment d(modelDir(), tp(), {"--decode.prefix_cache_blocks=0"});
     ASSERT_TRUE(d.ok());
     off.push_back(d.complete(kTurn1));
     const double before = d.prefillMetric(kPutBytes);
@@ -154,7 +162,7 @@ TEST_F(DecodePrefixE2e, SecondTurnTransfersOnlyTheNewBlocksAndGeneratesTheSameTo
     EXPECT_EQ(d.decodeMetric(kHitTokens), 0) << "cache off: nothing reused";
   }
   ASSERT_GT(off_turn2_bytes, 0);
-  Deployment d(modelDir(), {"--decode.prefix_cache_blocks=64"});
+  Deployment d(modelDir(), tp(), {"--decode.prefix_cache_blocks=64"});
   ASSERT_TRUE(d.ok());
   const Answer t1 = d.complete(kTurn1);
   EXPECT_EQ(t1.token_ids, off[0].token_ids);
@@ -179,7 +187,8 @@ TEST_F(DecodePrefixE2e, SecondTurnTransfersOnlyTheNewBlocksAndGeneratesTheSameTo
   EXPECT_EQ(present, static_cast<double>((t1.prompt_tokens - 1) / 16 * 16));
   EXPECT_EQ(
       put, off_turn2_bytes * (static_cast<double>(t2.prompt_tokens) - present) / static_cast<double>(t2.prompt_tokens));
-  EXPECT_EQ(received, put);
+  // Every rank's pool gets the same bytes; the leader counts its own.
+  EXPECT_EQ(received * tp(), put);
   EXPECT_LT(put, off_turn2_bytes / 2);
   // cached_tokens stays what the prefill worker reused (its own prefix cache).
   EXPECT_EQ(t2.cached_tokens, off[1].cached_tokens);
@@ -192,10 +201,10 @@ TEST_F(DecodePrefixE2e, SecondTurnTransfersOnlyTheNewBlocksAndGeneratesTheSameTo
   EXPECT_EQ(d.decodeMetric("pdserve_kv_blocks_free"), static_cast<double>(end->total_blocks));
 }
 
-TEST_F(DecodePrefixE2e, EvictionUnderPressureKeepsTheTokens) {
+TEST_P(DecodePrefixE2e, EvictionUnderPressureKeepsTheTokens) {
   std::vector<Answer> off;
   {
-    Deployment d(modelDir(), {"--decode.prefix_cache_blocks=0"});
+    Deployment d(modelDir(), tp(), {"--decode.prefix_cache_blocks=0"});
     ASSERT_TRUE(d.ok());
     for (const auto* p : {&kTurn1, &kOther, &kTurn2}) off.push_back(d.complete(*p));
   }
@@ -203,7 +212,7 @@ TEST_F(DecodePrefixE2e, EvictionUnderPressureKeepsTheTokens) {
   // A pool just large enough for turn 2 (its prompt, 12 tokens, the headroom of 2 and one more):
   // turn 1's cached blocks and the other prompt's do not fit together.
   const std::string blocks = std::to_string((off[2].prompt_tokens + 12 + 15) / 16 + 3);
-  Deployment d(modelDir(), {"--decode.prefix_cache_blocks=" + blocks, "--decode.num_blocks=" + blocks});
+  Deployment d(modelDir(), tp(), {"--decode.prefix_cache_blocks=" + blocks, "--decode.num_blocks=" + blocks});
   ASSERT_TRUE(d.ok());
   std::vector<Answer> on;
   for (const auto* p : {&kTurn1, &kOther, &kTurn2}) on.push_back(d.complete(*p));
@@ -213,6 +222,9 @@ TEST_F(DecodePrefixE2e, EvictionUnderPressureKeepsTheTokens) {
   ASSERT_TRUE(end.has_value());
   EXPECT_EQ(end->free_blocks, end->total_blocks);
 }
+
+INSTANTIATE_TEST_SUITE_P(Ranks, DecodePrefixE2e, ::testing::Values(1, 2),
+                         [](const ::testing::TestParamInfo<int>& p) { return "Tp" + std::to_string(p.param); });
 
 }  // namespace
 }  // namespace pd::test
