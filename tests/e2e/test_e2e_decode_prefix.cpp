@@ -26,6 +26,7 @@
 #include "support/router_serving.h"
 #include "support/test_files.h"
 #include "support/test_model.h"
+#include "support/worker_status.h"
 
 namespace pd::test {
 namespace {
@@ -112,21 +113,7 @@ class Deployment {
 
   // The decode worker's status once its last request has ended (nothing running or waiting).
   std::optional<worker_api::WorkerStatus> decodeStatusWhenIdle() const {
-    std::optional<worker_api::WorkerStatus> s;
-    for (const auto until = std::chrono::steady_clock::now() + 30s; std::chrono::steady_clock::now() < until;) {
-      http::Client client(decode_->host(), decode_->port());
-      http::ClientRequest req;
-      req.method = "GET";
-      req.target = std::string(worker_api::kStatusPath);
-      auto r = client.send(req, 10s);
-      if (r.ok() && r->status == 200) {
-        auto parsed = worker_api::parseWorkerStatus(r->body);
-        if (parsed.ok()) s = *parsed;
-      }
-      if (s && s->running_requests == 0 && s->queued_requests == 0 && s->free_blocks == s->total_blocks) break;
-      std::this_thread::sleep_for(20ms);
-    }
-    return s;
+    return waitWorkerStatus(decode_->host(), decode_->port(), workerIsClean, 30s, 20ms);
   }
 
  private:

@@ -26,6 +26,7 @@
 #include "support/router_serving.h"
 #include "support/test_files.h"
 #include "support/test_model.h"
+#include "support/worker_status.h"
 
 namespace pd::test {
 namespace {
@@ -193,27 +194,11 @@ class Faults : public DefaultModelSuite<Faults> {
   // Every listed worker ends with nothing held: polls its status for up to `timeout`.
   static void expectClean(const std::vector<RoleProcess*>& workers, std::chrono::seconds timeout = 30s) {
     for (auto* w : workers) {
-      const auto deadline = Clock::now() + timeout;
-      worker_api::WorkerStatus st;
-      bool clean = false;
-      while (Clock::now() < deadline && !clean) {
-        http::Client client(w->host(), w->port());
-        http::ClientRequest req;
-        req.target = std::string(worker_api::kStatusPath);
-        auto r = client.send(req, 5s);
-        if (r.ok() && r->status == 200) {
-          auto parsed = worker_api::parseWorkerStatus(r->body);
-          if (parsed.ok()) {
-            st = *parsed;
-            clean = st.running_requests == 0 && st.queued_requests == 0 &&
-                    (st.role != "decode" || st.free_blocks == st.total_blocks);
-          }
-        }
-        if (!clean) std::this_thread::sleep_for(200ms);
-      }
-      EXPECT_TRUE(clean) << st.role << " worker " << w->hostPort() << " still holds work: running "
-                         << st.running_requests << ", queued " << st.queued_requests << ", free blocks "
-                         << st.free_blocks << "/" << st.total_blocks;
+      const auto st = waitWorkerStatus(w->host(), w->port(), workerIsClean, timeout, 200ms);
+      ASSERT_TRUE(st.has_value()) << "worker " << w->hostPort() << " answered no status";
+      EXPECT_TRUE(workerIsClean(*st)) << st->role << " worker " << w->hostPort() << " still holds work: running "
+                                      << st->running_requests << ", queued " << st->queued_requests << ", free blocks "
+                                      << st->free_blocks << "/" << st->total_blocks;
     }
   }
 
@@ -283,13 +268,8 @@ class FaultsCached : public Faults {
   }
 
   static std::int64_t cachedBlocks(const RoleProcess& w) {
-    http::Client client(w.host(), w.port());
-    http::ClientRequest req;
-    req.target = std::string(worker_api::kStatusPath);
-    auto r = client.send(req, 5s);
-    if (!r.ok() || r->status != 200) return -1;
-    auto parsed = worker_api::parseWorkerStatus(r->body);
-    return parsed.ok() ? parsed->prefix_cache_blocks : -1;
+    const auto st = fetchWorkerStatus(w.host(), w.port());
+    return st ? st->prefix_cache_blocks : -1;
   }
 
   RoleProcess& warm() { return *decoders_[warm_]; }

@@ -31,6 +31,7 @@
 #include "support/role_process.h"
 #include "support/router_serving.h"
 #include "support/test_files.h"
+#include "support/worker_status.h"
 
 namespace pd::test {
 namespace {
@@ -186,25 +187,11 @@ class Resume : public ::testing::Test {
 
   // Polls the decode worker's status until nothing is held (or 30 s pass).
   static void expectPoolFree(const RoleProcess& d) {
-    worker_api::WorkerStatus st;
-    bool clean = false;
-    for (const auto until = Clock::now() + 30s; !clean && Clock::now() < until;) {
-      http::Client client(d.host(), d.port());
-      http::ClientRequest req;
-      req.target = std::string(worker_api::kStatusPath);
-      auto r = client.send(req, 5s);
-      if (r.ok() && r->status == 200) {
-        auto parsed = worker_api::parseWorkerStatus(r->body);
-        if (parsed.ok()) {
-          st = *parsed;
-          clean = st.running_requests == 0 && st.queued_requests == 0 && st.free_blocks == st.total_blocks &&
-                  st.quarantined_blocks == 0;
-        }
-      }
-      if (!clean) std::this_thread::sleep_for(100ms);
-    }
-    EXPECT_TRUE(clean) << "decode worker " << d.hostPort() << ": running " << st.running_requests << ", waiting "
-                       << st.queued_requests << ", free blocks " << st.free_blocks << "/" << st.total_blocks;
+    const auto st = waitWorkerStatus(d.host(), d.port(), workerIsClean, 30s, 100ms);
+    ASSERT_TRUE(st.has_value()) << "decode worker " << d.hostPort() << " answered no status";
+    EXPECT_TRUE(workerIsClean(*st)) << "decode worker " << d.hostPort() << ": running " << st->running_requests
+                                    << ", waiting " << st->queued_requests << ", free blocks " << st->free_blocks << "/"
+                                    << st->total_blocks << ", quarantined " << st->quarantined_blocks;
   }
 
   // Runs `n` chats at once; `fault` (if any) runs once every stream has its first token.
