@@ -219,7 +219,7 @@ class CpuEngine final : public Engine {
   // Scratch reused across calls; only the engine thread resizes it.
   struct Workspace {
     std::vector<float> h, xn, q, qa, kv, latent, attn_o, q_cat, o_lat, attn_out;
-    std::vector<float> ctx_lat, kvb, run_max, run_sum;
+    std::vector<float> ctx_lat, kvb, head_k, head_v, run_max, run_sum;
     std::vector<float> ffn_out, router_logits, moe_x, moe_act, moe_out, mtp_cat, final_h;
   };
 
@@ -526,10 +526,16 @@ class CpuEngine final : public Engine {
   }
 
   // Prefill MLA: the context's latents are up-projected to per-head K/V (in chunks of context,
-  // with an online softmax), then ordinary causal attention per head.
+  // with an online softmax), then ordinary causal attention per head. Per head, the chunk's keys
+  // (K_nope ‖ k_pe) and values are gathered into two row-major matrices, so that a block of 16
+  // queries takes its scores and its output as two tiled matrix products (the kernels' matmul
+  // and matmulTransposed) instead of one dot and one axpy per (query, key). Each query's result
+  // depends only on its own scores and the context chunking (from position 0), not on which
+  // queries share its block or forward: a cached prefix's KV stays equal to a cold prefill's.
   void prefillAttention(const AttentionWeights& a, i64 kv_layer, std::span<const SequenceChunk> batch,
                         const LatentCacheView& cache, const BatchPlan& plan, float* o, ForwardStats& stats) {
     constexpr i64 kCtxChunk = 512;
+    constexpr i64 kQueryBlock = 16;
     const i64 heads = heads_;
     const i64 dn = cfg_.qk_nope_head_dim;
     const i64 dr = cfg_.qk_rope_head_dim;
@@ -556,24 +562,43 @@ class CpuEngine final : public Engine {
         for (i64 p = c0; p < c1; ++p) readLatent(cache, kv_layer, seq.block_table, p, lat + (p - c0) * ld);
         float* kvb = grow(ws_.kvb, cn * kvw);
         linear(a.kv_b, lat, ld, cn, kvb, kvw, stats);
-        constexpr i64 kQueryBlock = 16;
+        // Head hd's keys [cn, qk] at head_k + hd * cn * qk, its values [cn, dv] at head_v + hd * cn * dv.
+        float* head_k = grow(ws_.head_k, heads * cn * qk);
+        float* head_v = grow(ws_.head_v, heads * cn * dv);
+        runTasks(heads, cn * heads * (qk + dv), [&](i64 hd) {
+          for (i64 p = 0; p < cn; ++p) {
+            const float* kv = kvb + p * kvw + hd * (dn + dv);
+            float* k = head_k + (hd * cn + p) * qk;
+            std::memcpy(k, kv, sz(dn) * sizeof(float));
+            std::memcpy(k + dn, lat + p * ld + r, sz(dr) * sizeof(float));
+            std::memcpy(head_v + (hd * cn + p) * dv, kv + dn, sz(dv) * sizeof(float));
+          }
+        });
         const i64 qblocks = (nq + kQueryBlock - 1) / kQueryBlock;
         runTasks(heads * qblocks, nq * cn * heads * (qk + dv), [&](i64 task) {
           const i64 hd = task % heads;
-          const i64 qb = task / heads;
+          const i64 i0 = (task / heads) * kQueryBlock;
+          const i64 nb = std::min(nq, i0 + kQueryBlock) - i0;
+          // Causal: query t sees positions < cache_pos[t] + 1, which grows with t in a chunk.
+          const i64 rows = std::min(c1, plan.cache_pos[sz(t0 + i0 + nb - 1)] + 1) - c0;
+          if (rows <= 0) return;
           thread_local std::vector<float> scores;
-          if (scores.size() < sz(cn)) scores.resize(sz(cn));
-          for (i64 i = qb * kQueryBlock; i < std::min(nq, (qb + 1) * kQueryBlock); ++i) {
-            const i64 t = t0 + i;
-            const i64 last = std::min(c1, plan.cache_pos[sz(t)] + 1);  // causal: positions < last
-            if (last <= c0) continue;
-            const float* qn = q + (t * heads + hd) * qk;
+          if (scores.size() < sz(nb * rows)) scores.resize(sz(nb * rows));
+          float* sc = scores.data();
+          const WeightMatrix keys{DType::F32, rows, qk, head_k + hd * cn * qk};
+          k_.matmul(keys, 0, rows, q + ((t0 + i0) * heads + hd) * qk, heads * qk, nb, sc, rows);
+          for (i64 i = 0; i < nb; ++i) {
+            const i64 t = t0 + i0 + i;
+            const i64 m = std::min(c1, plan.cache_pos[sz(t)] + 1) - c0;  // this query's keys here
+            float* row = sc + i * rows;
+            if (m <= 0) {
+              std::fill(row, row + rows, 0.0F);
+              continue;
+            }
             float mx = run_max[t * heads + hd];
-            for (i64 p = c0; p < last; ++p) {
-              const float* kr = kvb + (p - c0) * kvw + hd * (dn + dv);
-              const float sc = (k_.dot(qn, kr, dn) + k_.dot(qn + dn, lat + (p - c0) * ld + r, dr)) * softmax_scale_;
-              scores[sz(p - c0)] = sc;
-              mx = std::max(mx, sc);
+            for (i64 p = 0; p < m; ++p) {
+              row[p] *= softmax_scale_;
+              mx = std::max(mx, row[p]);
             }
             float* ot = o + (t * heads + hd) * dv;
             const float old_max = run_max[t * heads + hd];
@@ -583,14 +608,16 @@ class CpuEngine final : public Engine {
               sum *= f;
               for (i64 j = 0; j < dv; ++j) ot[j] *= f;
             }
-            for (i64 p = c0; p < last; ++p) {
-              const float e = std::exp(scores[sz(p - c0)] - mx);
-              sum += e;
-              k_.axpy(e, kvb + (p - c0) * kvw + hd * (dn + dv) + dn, ot, dv);
+            for (i64 p = 0; p < m; ++p) {
+              row[p] = std::exp(row[p] - mx);
+              sum += row[p];
             }
+            std::fill(row + m, row + rows, 0.0F);
             run_max[t * heads + hd] = mx;
             run_sum[t * heads + hd] = sum;
           }
+          const WeightMatrix values{DType::F32, rows, dv, head_v + hd * cn * dv};
+          k_.matmulTransposed(values, 0, rows, sc, rows, nb, o + ((t0 + i0) * heads + hd) * dv, heads * dv);
         });
       }
       for (i64 t = t0; t < t0 + nq; ++t) {
