@@ -531,7 +531,7 @@ class CpuEngine final : public Engine {
   // queries takes its scores and its output as two tiled matrix products (the kernels' matmul
   // and matmulTransposed) instead of one dot and one axpy per (query, key). Each query's result
   // depends only on its own scores and the context chunking (from position 0), not on which
-  // queries share its block or forward: a cached prefix's KV stays equal to a cold prefill's.
+  // queries share its block or forward.
   void prefillAttention(const AttentionWeights& a, i64 kv_layer, std::span<const SequenceChunk> batch,
                         const LatentCacheView& cache, const BatchPlan& plan, float* o, ForwardStats& stats) {
     constexpr i64 kCtxChunk = 512;
