@@ -60,6 +60,7 @@ Status serveAsFollower(comm::Communicator& comm, const DecodeWorkerConfig& cfg, 
   model::CpuEngineOptions engine_options;
   engine_options.threads = static_cast<int>(cfg.decode.threads);
   engine_options.tp = &comm;
+  engine_options.batch_invariant = cfg.batch_invariant;
   PD_ASSIGN_OR_RETURN(auto engine, model::createCpuEngine(cfg.model_dir, engine_options));
   PD_ASSIGN_OR_RETURN(std::shared_ptr<InternalAuth> auth, loadInternalAuth(cfg.cluster_secret_file));
   PD_ASSIGN_OR_RETURN(auto worker,
@@ -217,9 +218,9 @@ Status runWorker(const DecodeWorkerConfig& cfg) {
     PD_ASSIGN_OR_RETURN(group, startGroup(cfg, hash));
     PD_ASSIGN_OR_RETURN(device_group, joinDeviceGroup(group->comm(), cfg, hash));
   }
-  PD_ASSIGN_OR_RETURN(
-      model::ServingEngine loaded,
-      model::loadServingEngine(cfg.model_dir, static_cast<int>(dec.threads), group.get(), cfg.model_device));
+  PD_ASSIGN_OR_RETURN(model::ServingEngine loaded,
+                      model::loadServingEngine(cfg.model_dir, static_cast<int>(dec.threads), group.get(),
+                                               cfg.model_device, cfg.batch_invariant));
   model::TpLeaderEngine* const tp_leader = loaded.tp_leader;
   log::info(kLog, "model {} loaded ({}), hash {}", cfg.model_dir.string(), loaded.engine->capabilities().backend,
             modelHashHex(hash));

@@ -8,8 +8,13 @@
 namespace pd::model {
 
 Result<ServingEngine> loadServingEngine(const std::filesystem::path& model_dir, int threads,
-                                        comm::TpProcessGroup* group, const gpu::ModelDevice& device) {
+                                        comm::TpProcessGroup* group, const gpu::ModelDevice& device,
+                                        bool batch_invariant) {
   if (device.kind == gpu::ModelDevice::Kind::Cuda) {
+    if (batch_invariant) {
+      return makeError(ErrorCode::Unsupported,
+                       "model.batch_invariant: the CUDA engine has no batch-invariant mode yet");
+    }
     if (group != nullptr) {
       return makeError(ErrorCode::InvalidArgument,
                        "model.device cuda: tensor parallelism runs on the CPU engine only (one GPU per worker)");
@@ -23,6 +28,7 @@ Result<ServingEngine> loadServingEngine(const std::filesystem::path& model_dir, 
   }
   CpuEngineOptions options;
   options.threads = threads;
+  options.batch_invariant = batch_invariant;
   if (group != nullptr) options.tp = &group->comm();
   PD_ASSIGN_OR_RETURN(std::unique_ptr<Engine> engine, createCpuEngine(model_dir, options));
   ServingEngine out;

@@ -66,6 +66,7 @@ PrefillEngineOptions engineOptions(const PrefillConfig& config) {
   o.max_queued_requests = config.max_queued_requests;
   o.cache_blocks = config.cache_blocks;
   o.block_size = config.cache_block_size;
+  o.cache_dtype = config.kv_dtype == "bf16" ? DType::BF16 : DType::F32;
   o.prefix_cache_blocks = std::min(config.prefix_cache_blocks, config.cache_blocks);
   return o;
 }
@@ -79,7 +80,7 @@ Result<std::unique_ptr<PrefillEngine>> PrefillEngine::create(model::Engine& engi
                      "must be positive, prefix_cache_blocks within [0, cache_blocks] and a clock given");
   }
   PD_ASSIGN_OR_RETURN(auto cache, model::PagedLatentCache::create(engine.config(), options.cache_blocks,
-                                                                  options.block_size, DType::F32));
+                                                                  options.block_size, options.cache_dtype));
   return std::unique_ptr<PrefillEngine>(new PrefillEngine(engine, std::move(options), std::move(cache)));
 }
 

@@ -26,7 +26,7 @@ constexpr auto kTpJoinTimeout = std::chrono::minutes(10);  // model loading incl
 // The body of a spawned rank: joins rank 0's group, loads its shard and runs rank 0's forwards
 // on a cache of its own until rank 0 stops the group.
 Status runSpawnedRank(const PrefillConfig& pre, const std::filesystem::path& model_dir, int cuda_device,
-                      std::uint64_t hash) {
+                      std::uint64_t hash, bool batch_invariant) {
   comm::ShmOptions so;
   so.name = pre.tp_group;
   so.rank = static_cast<int>(pre.tp_rank);
@@ -39,6 +39,7 @@ Status runSpawnedRank(const PrefillConfig& pre, const std::filesystem::path& mod
   model::CpuEngineOptions engine_options;
   engine_options.threads = static_cast<int>(pre.threads);
   engine_options.tp = comm.get();
+  engine_options.batch_invariant = batch_invariant;
   PD_ASSIGN_OR_RETURN(auto engine, model::createCpuEngine(model_dir, engine_options));
   log::info(kLog, "tensor-parallel rank {} of {} serving", pre.tp_rank, pre.tensor_parallel);
   if (Status s = model::runTpFollower(*engine, *comm, model::ownedTpCache()); !s.ok()) {
@@ -95,7 +96,8 @@ Status runWorker(const PrefillWorkerConfig& cfg) {
   const sigset_t signals = proc::blockStopSignals();
   auto hash = modelHash(cfg.model_dir);
   if (!hash.ok()) return hash.error();
-  if (pre.tp_rank > 0) return runSpawnedRank(pre, cfg.model_dir, gpu::cudaIndexOrNone(cfg.model_device), *hash);
+  if (pre.tp_rank > 0)
+    return runSpawnedRank(pre, cfg.model_dir, gpu::cudaIndexOrNone(cfg.model_device), *hash, cfg.batch_invariant);
 
   std::unique_ptr<comm::TpProcessGroup> group;
   std::unique_ptr<comm::Communicator> device_group;  // over `group`: released before it
@@ -112,9 +114,9 @@ Status runWorker(const PrefillWorkerConfig& cfg) {
     PD_ASSIGN_OR_RETURN(device_group, comm::joinDeviceGroup(group->comm(), gpu::cudaIndexOrNone(cfg.model_device), 0,
                                                             *hash, kTpJoinTimeout));
   }
-  PD_ASSIGN_OR_RETURN(
-      model::ServingEngine loaded,
-      model::loadServingEngine(cfg.model_dir, static_cast<int>(pre.threads), group.get(), cfg.model_device));
+  PD_ASSIGN_OR_RETURN(model::ServingEngine loaded,
+                      model::loadServingEngine(cfg.model_dir, static_cast<int>(pre.threads), group.get(),
+                                               cfg.model_device, cfg.batch_invariant));
   model::TpLeaderEngine* const tp_leader = loaded.tp_leader;
   log::info(kLog, "model {} loaded ({}), hash {}", cfg.model_dir.string(), loaded.engine->capabilities().backend,
             modelHashHex(*hash));

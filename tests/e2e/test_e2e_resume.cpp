@@ -211,8 +211,9 @@ class Resume : public ::testing::Test {
   }
 
   // The sixteen-chat test on a `kv_dtype` pool; `seeded_exact`: seeded chats must match too;
+  // `batch_invariant`: both workers in the batch-invariant mode, the prefill cache of `kv_dtype`;
   // `cached`: with the decode-side prefix cache on.
-  void sixteenChats(const std::string& kv_dtype, bool seeded_exact, bool cached = false);
+  void sixteenChats(const std::string& kv_dtype, bool seeded_exact, bool cached = false, bool batch_invariant = false);
   // The kill test: 8 streams on two decode workers, one killed mid-stream; `cached`: with the
   // decode-side prefix cache on.
   void killOneOfTwo(bool cached);
@@ -252,6 +253,13 @@ TEST_F(Resume, SixteenChatsOnABf16PoolGreedyTokensEqualEachAlone) {
   sixteenChats("bf16", false);
 }
 
+// The batch-invariant mode (docs/engine.md) closes that gap: a token's KV is the same bits
+// whether a decode step or a resumed leg's prefill computed it, so on a BF16 pool too every
+// greedy and seeded chat gives the tokens of its run alone.
+TEST_F(Resume, SixteenChatsOnABf16PoolInTheBatchInvariantModeAllTokensEqualEachAlone) {
+  sixteenChats("bf16", true, false, true);
+}
+
 TEST_F(Resume, WithTheDecodePrefixCacheOnSixteenChatsStillGiveTheTokensOfEachAlone) {
   // The cache competes for the same 28 blocks: pressure evicts idle cached blocks before it
   // preempts. The runs alone come after the sixteen finished, so they find cached blocks.
@@ -261,14 +269,20 @@ TEST_F(Resume, WithTheDecodePrefixCacheOnSixteenChatsStillGiveTheTokensOfEachAlo
   EXPECT_GT(hits, 0) << "no request reused a cached block: the cache was not exercised";
 }
 
-void Resume::sixteenChats(const std::string& kv_dtype, bool seeded_exact, bool cached) {
+void Resume::sixteenChats(const std::string& kv_dtype, bool seeded_exact, bool cached, bool batch_invariant) {
   std::vector<std::string> flags{"--decode.block_size=4", "--decode.num_blocks=28", "--decode.kv_headroom_blocks=2",
                                  "--decode.kv_dtype=" + kv_dtype};
   if (cached) {
     const auto more = cachedDecodeFlags(8);
     flags.insert(flags.end(), more.begin(), more.end());
   }
-  start(1, flags, cached ? cachedPrefillFlags() : std::vector<std::string>{});
+  std::vector<std::string> prefill_flags = cached ? cachedPrefillFlags() : std::vector<std::string>{};
+  if (batch_invariant) {
+    flags.emplace_back("--model.batch_invariant=true");
+    prefill_flags.emplace_back("--model.batch_invariant=true");
+    prefill_flags.push_back("--prefill.kv_dtype=" + kv_dtype);
+  }
+  start(1, flags, prefill_flags);
   constexpr int kChats = 16;
   const auto results = together(kChats, 0, false);
   for (int i = 0; i < kChats; ++i) {

@@ -58,6 +58,9 @@ CommonOptions::CommonOptions(CommonConfig& cfg) {
       .add("path", &cfg.model_path, "model folder (Hugging Face DeepSeek-V3 layout); empty: the embedded default model")
       .add("tokenizer", &cfg.tokenizer_path, "tokenizer folder; empty: the model folder")
       .add("device", &cfg.model_device, "where the model runs: cpu, cuda or cuda:N (docs/gpu.md)")
+      .add("batch_invariant", &cfg.batch_invariant,
+           "batch-invariant numerics: a request's tokens are the same whatever it is batched, chunked or resumed with "
+           "(slower; CPU engine; docs/engine.md)")
       .add("gpu_memory_utilization", &cfg.gpu_memory_utilization,
            "with model.device cuda: fraction of the GPU's total memory this process may use, in (0, 1]; the KV "
            "pool takes what is left after weights, workspace and CUDA graphs (docs/gpu.md)",

@@ -31,6 +31,9 @@ struct CommonConfig {
   std::filesystem::path tokenizer_path;
   /// Where the model runs: "cpu" (default), "cuda" or "cuda:N" (pd/engine/gpu.h ModelDevice).
   std::string model_device = "cpu";
+  /// Batch-invariant numerics (docs/engine.md, "Batch-invariant mode"): a request's tokens do not
+  /// depend on what it is batched, chunked or resumed with. Slower; CPU engine only.
+  bool batch_invariant = false;
   /// With model.device cuda: the fraction of the device's total memory the process may use (vLLM's
   /// --gpu-memory-utilization); the KV pool gets what is left after weights, workspace and CUDA
   /// graphs (docs/gpu.md, "The GPU memory plan"). In (0, 1].

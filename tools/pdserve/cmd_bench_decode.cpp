@@ -49,6 +49,7 @@ int runBenchDecode(const std::vector<std::string>& args) {
   cfg.batches = std::move(*batches);
   cfg.mtp_ks = std::move(*ks);
   cfg.cache_dir = common.cache_dir;
+  cfg.batch_invariant = common.batch_invariant;
   cfg.tokenizer = common.tokenizer_path;
   auto done = bench::runDecodeBench(cfg);
   return done.ok() ? 0 : reportFailure(done.error());

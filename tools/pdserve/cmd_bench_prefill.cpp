@@ -77,6 +77,7 @@ int runBenchPrefill(const std::vector<std::string>& args) {
                        cfg.kvtransfer.data_path,
                        "--log.level",
                        "warn"};
+  cfg.batch_invariant = common.batch_invariant;
   auto result = bench::runPrefillBench(cfg);
   if (!result.ok()) return reportFailure(result.error());
   const std::string report = json ? bench::prefillReportJson(cfg, *result) + "\n" : bench::prefillReportTable(*result);

@@ -54,6 +54,7 @@ int runWorkerCommand(const WorkerRole& role, const std::vector<std::string>& raw
   auto device = gpu::parseModelDevice(common.model_device);
   if (!device.ok()) return reportFailure(device.error());
   cfg.model_device = *device;
+  cfg.batch_invariant = common.batch_invariant;
   if (Status s = validate(cfg); !s.ok()) return reportFailure(s.error());
   if (Status s = checkGpuMemoryUtilization(common); !s.ok()) return reportFailure(s.error());
   if (check_only) return 0;

@@ -76,17 +76,20 @@ struct RowTask {
 class CpuEngine final : public Engine {
  public:
   CpuEngine(std::unique_ptr<ModelWeights> weights, const KernelTable& kernels, int threads, std::vector<float> inv_freq,
-            comm::Communicator* tp)
+            comm::Communicator* tp, bool batch_invariant)
       : weights_(std::move(weights)),
         cfg_(weights_->config()),
         k_(kernels),
+        batch_invariant_(batch_invariant),
         pool_(threads),
         inv_freq_(std::move(inv_freq)),
         softmax_scale_(static_cast<float>(cfg_.softmaxScale())),
         eps_(static_cast<float>(cfg_.rms_norm_eps)),
         tp_(tp != nullptr && tp->size() > 1 ? tp : nullptr),
         heads_(cfg_.num_attention_heads / (tp_ ? tp_->size() : 1)),
-        vocab_(tp_ ? shardRange(cfg_.vocab_size, tp_->rank(), tp_->size()) : ShardRange{0, cfg_.vocab_size}) {}
+        vocab_(tp_ ? shardRange(cfg_.vocab_size, tp_->rank(), tp_->size()) : ShardRange{0, cfg_.vocab_size}) {
+    if (batch_invariant_) k_.matmul = k_.matmul_batch_invariant;
+  }
 
   [[nodiscard]] const ModelConfig& config() const override { return cfg_; }
 
@@ -410,7 +413,11 @@ class CpuEngine final : public Engine {
           dtypeSize(cache.dtype);
     }
     AttentionPath path = options.attention;
-    if (path == AttentionPath::Auto) path = plan.max_chunk > 16 ? AttentionPath::Prefill : AttentionPath::Absorbed;
+    // Batch-invariant mode: every token attends alike, one at a time (the decode step's way),
+    // however many tokens its forward holds.
+    if (path == AttentionPath::Auto) {
+      path = !batch_invariant_ && plan.max_chunk > 16 ? AttentionPath::Prefill : AttentionPath::Absorbed;
+    }
     i64 attended = 0;  // (query, key) pairs
     for (i64 t = 0; t < n; ++t) attended += plan.cache_pos[sz(t)] + 1;
     const i64 dv = cfg_.v_head_dim;
@@ -818,7 +825,8 @@ class CpuEngine final : public Engine {
 
   std::unique_ptr<ModelWeights> weights_;
   const ModelConfig& cfg_;
-  const KernelTable& k_;
+  KernelTable k_;  // a copy: batch-invariant mode swaps its matmul
+  bool batch_invariant_ = false;
   ThreadPool pool_;
   std::vector<float> inv_freq_;
   float softmax_scale_;
@@ -845,7 +853,7 @@ Result<std::unique_ptr<Engine>> createCpuEngine(std::unique_ptr<ModelWeights> we
                                  weights->shard().rank, weights->shard().size, want.rank, want.size));
   }
   auto engine = std::make_unique<CpuEngine>(std::move(weights), kernelTable(isa), options.threads, std::move(inv_freq),
-                                            options.tp);
+                                            options.tp, options.batch_invariant);
   if (options.prefault_weights) engine->prefault();
   const EngineCapabilities caps = engine->capabilities();
   log::debug("engine", "cpu engine: {} threads, {} kernels, weights {}", caps.threads, caps.backend,

@@ -176,8 +176,11 @@ float genericFmaLoop(std::int64_t iterations) {
 }  // namespace
 
 const KernelTable& genericKernels() {
+  // The portable matmul computes every output alike whatever the token count: it is its own
+  // batch-invariant variant.
   static const KernelTable table{
-      CpuIsa::Generic, genericMatmul, genericMatmulTransposed, genericDot, genericAxpy, genericFmaLoop, 16};
+      CpuIsa::Generic, genericMatmul, genericMatmulTransposed, genericDot, genericAxpy, genericFmaLoop, 16,
+      genericMatmul};
   return table;
 }
 

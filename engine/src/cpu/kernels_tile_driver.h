@@ -65,10 +65,16 @@ void matmulTileAnyT(i64 tokens, const WeightMatrix& w, i64 row, const float* x, 
   }
 }
 
-template <class Isa, DType D>
+// kInvariant: no path of its own for one token (the ISA's one-token GEMV sums in another order),
+// so that every output is computed the same way whatever n_tokens is (KernelTable's
+// matmul_batch_invariant). The other special paths and the tiles sum each output alike.
+template <class Isa, DType D, bool kInvariant>
 void matmulTyped(const WeightMatrix& w, i64 row_begin, i64 row_end, const float* x, i64 x_stride, i64 n_tokens,
                  float* y, i64 y_stride) {
-  if (Isa::template matmulSpecial<D>(w, row_begin, row_end, x, x_stride, n_tokens, y, y_stride)) return;
+  if ((!kInvariant || n_tokens > 1) &&
+      Isa::template matmulSpecial<D>(w, row_begin, row_end, x, x_stride, n_tokens, y, y_stride)) {
+    return;
+  }
   // Rows in panels of about 256 KiB of weights, so that a panel stays in L2 while every token
   // tile streams over it (prefill); a decode step (one token) is a single pass.
   const i64 row_bytes = w.cols * kElemBytes<D>;
@@ -95,21 +101,21 @@ void matmulTyped(const WeightMatrix& w, i64 row_begin, i64 row_end, const float*
   }
 }
 
-template <class Isa>
+template <class Isa, bool kInvariant = false>
 void matmul(const WeightMatrix& w, i64 row_begin, i64 row_end, const float* x, i64 x_stride, i64 n_tokens, float* y,
             i64 y_stride) {
   switch (w.dtype) {
     case DType::F32:
-      matmulTyped<Isa, DType::F32>(w, row_begin, row_end, x, x_stride, n_tokens, y, y_stride);
+      matmulTyped<Isa, DType::F32, kInvariant>(w, row_begin, row_end, x, x_stride, n_tokens, y, y_stride);
       return;
     case DType::BF16:
-      matmulTyped<Isa, DType::BF16>(w, row_begin, row_end, x, x_stride, n_tokens, y, y_stride);
+      matmulTyped<Isa, DType::BF16, kInvariant>(w, row_begin, row_end, x, x_stride, n_tokens, y, y_stride);
       return;
     case DType::F16:
-      matmulTyped<Isa, DType::F16>(w, row_begin, row_end, x, x_stride, n_tokens, y, y_stride);
+      matmulTyped<Isa, DType::F16, kInvariant>(w, row_begin, row_end, x, x_stride, n_tokens, y, y_stride);
       return;
     case DType::F8E4M3:
-      matmulTyped<Isa, DType::F8E4M3>(w, row_begin, row_end, x, x_stride, n_tokens, y, y_stride);
+      matmulTyped<Isa, DType::F8E4M3, kInvariant>(w, row_begin, row_end, x, x_stride, n_tokens, y, y_stride);
       return;
     default:
       genericKernels().matmul(w, row_begin, row_end, x, x_stride, n_tokens, y, y_stride);
@@ -192,8 +198,8 @@ float fmaLoop(i64 iterations) {
 
 template <class Isa>
 const KernelTable& kernelTableOf() {
-  static const KernelTable table{Isa::kIsa, matmul<Isa>,  matmulTransposed<Isa>,       Isa::dot,
-                                 Isa::axpy, fmaLoop<Isa>, kFmaChains * Isa::kLanes * 2};
+  static const KernelTable table{Isa::kIsa, matmul<Isa>,  matmulTransposed<Isa>,        Isa::dot,
+                                 Isa::axpy, fmaLoop<Isa>, kFmaChains * Isa::kLanes * 2, matmul<Isa, true>};
   return table;
 }
 

@@ -518,6 +518,7 @@ Result<void> runDecodeBench(const DecodeBenchConfig& cfg) {
   }
   model::CpuEngineOptions eo;
   eo.threads = static_cast<int>(cfg.threads);
+  eo.batch_invariant = cfg.batch_invariant;
   auto engine = model::createCpuEngine(model_dir, eo);
   if (!engine.ok()) return engine.error();
   const model::EngineCapabilities caps = (*engine)->capabilities();

@@ -285,6 +285,7 @@ Result<PrefillBenchResult> runPrefillBench(const PrefillBenchConfig& cfg) {
   const std::int64_t max_len = *std::max_element(cfg.lengths.begin(), cfg.lengths.end());
   model::CpuEngineOptions eo;
   eo.threads = static_cast<int>(cfg.threads);
+  eo.batch_invariant = cfg.batch_invariant;
   PD_ASSIGN_OR_RETURN(auto engine, model::createCpuEngine(cfg.model, eo));
   prefill::PrefillEngineOptions po;
   po.chunk_size = cfg.chunk_size;

@@ -62,6 +62,7 @@ struct PrefillBenchConfig {
   std::int64_t threads = 0;
   std::int64_t chunk_size = 512;
   std::string kv_dtype = "bf16";
+  bool batch_invariant = false;  ///< `model.batch_invariant`: the engine's batch-invariant mode
   kvtransfer::KvTransferConfig kvtransfer;
   /// The command line that starts the receiver, before its --lengths (e.g. {pdserve, "bench",
   /// "prefill", "--receiver", ...}).

@@ -56,6 +56,9 @@ struct DecodeWorkerConfig {
   /// also joins an NCCL communicator on its device index + its rank on this machine
   /// (comm::joinDeviceGroup, docs/tensor-parallel.md "NCCL").
   gpu::ModelDevice model_device;
+  /// `model.batch_invariant`: the engine of every rank computes a token alike whatever its batch
+  /// or chunk (model::CpuEngineOptions::batch_invariant; docs/engine.md "Batch-invariant mode").
+  bool batch_invariant = false;
 };
 
 /// Cross-field checks of the whole worker configuration (InvalidArgument naming the values).

@@ -146,6 +146,11 @@ struct CpuEngineOptions {
   /// weights are that rank's shard; outputs (logits, hidden) are whole on every rank. Null or
   /// size 1: no tensor parallelism. Not owned; must outlive the engine.
   comm::Communicator* tp = nullptr;
+  /// Batch-invariant numerics (docs/engine.md, "Batch-invariant mode"): a token's outputs and
+  /// latent KV are bit-identical however it is batched or chunked, in a decode step or a prefill
+  /// chunk, alone or with other sequences. Every forward then attends on the Absorbed path (one
+  /// query at a time) and one-token products take the tiled kernels instead of the faster GEMV.
+  bool batch_invariant = false;
 };
 
 /// The CPU backend over the checkpoint in `model_dir` (config.json + safetensors).

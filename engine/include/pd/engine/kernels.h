@@ -65,6 +65,12 @@ struct KernelTable {
   /// fma_loop_flops_per_iteration.
   float (*fmaLoop)(std::int64_t iterations) = nullptr;
   std::int64_t fma_loop_flops_per_iteration = 0;
+  /// `matmul` computing every output element the same way whatever `n_tokens` is (and whatever
+  /// rows or tokens share its call), so a token's result does not depend on its batch; slower
+  /// for one token. The batch-invariant engine mode (CpuEngineOptions::batch_invariant) uses it.
+  void (*matmul_batch_invariant)(const WeightMatrix& w, std::int64_t row_begin, std::int64_t row_end, const float* x,
+                                 std::int64_t x_stride, std::int64_t n_tokens, float* y,
+                                 std::int64_t y_stride) = nullptr;
 };
 
 /// The kernel table of `isa`; PD_CHECKs that this CPU supports it.

@@ -22,8 +22,10 @@ struct ServingEngine {
 /// Loads `model_dir` with `threads` compute threads; with `group` (may be null) the engine is rank
 /// 0's shard of the group's communicator, wrapped in a TpLeaderEngine. A CUDA `device` loads the
 /// CUDA engine (pd/engine/cuda_engine.h) instead; with a group that is InvalidArgument (tensor
-/// parallelism runs on the CPU engine only).
+/// parallelism runs on the CPU engine only). `batch_invariant`: CpuEngineOptions::batch_invariant
+/// (Unsupported on CUDA).
 [[nodiscard]] Result<ServingEngine> loadServingEngine(const std::filesystem::path& model_dir, int threads,
-                                                      comm::TpProcessGroup* group, const gpu::ModelDevice& device = {});
+                                                      comm::TpProcessGroup* group, const gpu::ModelDevice& device = {},
+                                                      bool batch_invariant = false);
 
 }  // namespace pd::model

@@ -18,6 +18,10 @@ struct PrefillConfig {
   std::int64_t request_timeout_ms = 120000;
   std::int64_t cache_blocks = 512;     ///< prefill-local latent cache, in blocks
   std::int64_t cache_block_size = 64;  ///< tokens per prefill-local cache block
+  /// Element type of the prefill-local latent cache ("f32" or "bf16"). A later chunk attends to
+  /// the earlier ones as this cache holds them; "bf16" rounds them as a BF16 decode pool does
+  /// (and halves the cache's memory), which batch-invariant serving with BF16 pools needs.
+  std::string kv_dtype = "f32";
   /// Blocks of the local cache the prefix cache may keep for reuse (0: off); values above cache_blocks mean
   /// cache_blocks.
   std::int64_t prefix_cache_blocks = 256;

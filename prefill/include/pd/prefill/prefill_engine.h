@@ -85,6 +85,7 @@ struct PrefillEngineOptions {
   std::int64_t max_queued_requests = 256;  ///< submit() answers Overloaded beyond this
   std::int64_t cache_blocks = 64;          ///< local latent cache size, in blocks
   std::int64_t block_size = 64;            ///< tokens per local cache block
+  DType cache_dtype = DType::F32;          ///< local cache element type: F32 or BF16
   /// Prefix cache (prefix_cache.h): most local blocks kept for reuse after their prompt is done;
   /// 0 turns it off. At most cache_blocks. A prompt reuses its cached prefix in whole granules of
   /// lcm(block_size, min(chunk_size, token_budget)) tokens, so that its remaining chunks start
