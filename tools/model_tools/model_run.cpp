@@ -28,12 +28,17 @@ using model::Engine;
 
 Result<std::unique_ptr<Engine>> openEngine(const EngineChoice& choice) {
   if (choice.device.kind == gpu::ModelDevice::Kind::Cuda) {
+    if (choice.batch_invariant) {
+      return makeError(ErrorCode::Unsupported,
+                       "model.batch_invariant: the CUDA engine has no batch-invariant mode yet");
+    }
     model::CudaEngineOptions cuda;
     cuda.device = choice.device;
     return model::createCudaEngine(choice.model, cuda);
   }
   model::CpuEngineOptions options;
   options.threads = static_cast<int>(choice.threads);
+  options.batch_invariant = choice.batch_invariant;
   if (choice.isa == "avx512") options.isa = model::CpuIsa::Avx512;
   if (choice.isa == "avx2") options.isa = model::CpuIsa::Avx2;
   if (choice.isa == "generic") options.isa = model::CpuIsa::Generic;

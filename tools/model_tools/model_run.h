@@ -20,10 +20,11 @@ namespace pd::tools {
 
 /// Which engine to open.
 struct EngineChoice {
-  std::filesystem::path model;  ///< resolved model folder
-  std::int64_t threads = 0;     ///< 0: every hardware thread
-  std::string isa = "auto";     ///< auto, avx512, avx2 or generic (CPU engine)
-  gpu::ModelDevice device;      ///< cpu: the CPU engine; cuda:N: the CUDA engine on device N
+  std::filesystem::path model;   ///< resolved model folder
+  std::int64_t threads = 0;      ///< 0: every hardware thread
+  std::string isa = "auto";      ///< auto, avx512, avx2 or generic (CPU engine)
+  gpu::ModelDevice device;       ///< cpu: the CPU engine; cuda:N: the CUDA engine on device N
+  bool batch_invariant = false;  ///< CPU engine: CpuEngineOptions::batch_invariant (model.batch_invariant)
 };
 
 /// "1, 2,3" -> {1, 2, 3}: comma-separated ids in [0, vocab), blanks around each allowed;

@@ -26,7 +26,7 @@ struct EngineFlags {
 Result<tools::EngineChoice> engineChoice(const EngineFlags& flags, const CommonConfig& common) {
   PD_TRY(checkModelDevice(common));
   PD_ASSIGN_OR_RETURN(const gpu::ModelDevice device, gpu::parseModelDevice(common.model_device));
-  tools::EngineChoice choice{flags.model, flags.threads, flags.isa, device};
+  tools::EngineChoice choice{flags.model, flags.threads, flags.isa, device, common.batch_invariant};
   if (choice.model.empty()) {
     PD_ASSIGN_OR_RETURN(choice.model, resolveModelDir(common));
   }
