@@ -96,8 +96,9 @@ Status runWorker(const PrefillWorkerConfig& cfg) {
   const sigset_t signals = proc::blockStopSignals();
   auto hash = modelHash(cfg.model_dir);
   if (!hash.ok()) return hash.error();
-  if (pre.tp_rank > 0)
+  if (pre.tp_rank > 0) {
     return runSpawnedRank(pre, cfg.model_dir, gpu::cudaIndexOrNone(cfg.model_device), *hash, cfg.batch_invariant);
+  }
 
   std::unique_ptr<comm::TpProcessGroup> group;
   std::unique_ptr<comm::Communicator> device_group;  // over `group`: released before it

@@ -118,7 +118,7 @@ void avx2MatmulTile(const WeightMatrix& w, i64 row, const float* x, i64 x_stride
         float wv = load1<D>(rp[r] + c * kB);
         if constexpr (D == DType::F8E4M3) wv *= sf[r];
 #pragma GCC unroll 16
-        for (int t = 0; t < T; ++t) tail[r][t] += wv * x[t * x_stride + c];
+        for (int t = 0; t < T; ++t) tail[r][t] = __builtin_fmaf(wv, x[t * x_stride + c], tail[r][t]);
       }
     }
   }
@@ -156,7 +156,9 @@ void avx2TransposedTile(const WeightMatrix& w, i64 row_begin, i64 row_end, const
       float wv = load1<D>(base + (r * cols + c) * kB);
       if constexpr (D == DType::F8E4M3) wv *= fp8Scale(w, r, c / w.block_cols, scale_cols);
 #pragma GCC unroll 16
-      for (int t = 0; t < T; ++t) y[t * y_stride + c] += x[t * x_stride + (r - row_begin)] * wv;
+      for (int t = 0; t < T; ++t) {
+        y[t * y_stride + c] = __builtin_fmaf(x[t * x_stride + (r - row_begin)], wv, y[t * y_stride + c]);
+      }
     }
   }
 }

@@ -1,7 +1,7 @@
 // The batch-invariant engine mode (CpuEngineOptions::batch_invariant, docs/engine.md): a token's
 // logits and latent KV are bit-identical however the token is batched or chunked. On the golden
-// checkpoints (BF16 and FP8 weights), with an F32 and a BF16 cache, against one forward of the
-// whole sequence:
+// checkpoints (BF16 and FP8 weights), with an F32 and a BF16 cache, on every kernel set the CPU
+// runs (generic, AVX2, AVX-512; one it lacks is skipped), against one forward of the whole sequence:
 //  - the same tokens in chunks of 1, 3, 7, 16, 17 and 33 (a decode step is a chunk of one);
 //  - the sequence in one forward with two other sequences (other lengths, other blocks);
 //  - the MTP layer over the sequence in chunks.
@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "pd/engine/engine.h"
+#include "pd/engine/kernels.h"
 #include "pd/engine/latent_cache.h"
 
 namespace pd::model {
@@ -43,12 +44,15 @@ struct Outputs {
   std::vector<std::uint32_t> logits, hidden, mtp_logits, kv;
 };
 
-class BatchInvariant : public ::testing::TestWithParam<std::tuple<std::string, DType>> {
+class BatchInvariant : public ::testing::TestWithParam<std::tuple<std::string, DType, CpuIsa>> {
  protected:
   void SetUp() override {
+    const CpuIsa isa = std::get<2>(GetParam());
+    if (!cpuSupports(isa)) GTEST_SKIP() << "this CPU cannot run the " << cpuIsaName(isa) << " kernels";
     for (const bool invariant : {true, false}) {
       CpuEngineOptions o;
       o.threads = 2;
+      o.isa = isa;
       o.batch_invariant = invariant;
       auto e = createCpuEngine(kGoldenDir / std::get<0>(GetParam()), o);
       ASSERT_TRUE(e.ok()) << e.error().toString();
@@ -177,13 +181,15 @@ TEST_P(BatchInvariant, TheDefaultModeDiffersSomewhere) {
 
 INSTANTIATE_TEST_SUITE_P(Golden, BatchInvariant,
                          ::testing::Combine(::testing::Values("tiny-bf16", "tiny-fp8"),
-                                            ::testing::Values(DType::F32, DType::BF16)),
-                         [](const ::testing::TestParamInfo<std::tuple<std::string, DType>>& p) {
+                                            ::testing::Values(DType::F32, DType::BF16),
+                                            ::testing::Values(CpuIsa::Generic, CpuIsa::Avx2, CpuIsa::Avx512)),
+                         [](const ::testing::TestParamInfo<std::tuple<std::string, DType, CpuIsa>>& p) {
                            std::string name = std::get<0>(p.param);
                            for (char& c : name) {
                              if (c == '-') c = '_';
                            }
-                           return name + (std::get<1>(p.param) == DType::F32 ? "_f32_cache" : "_bf16_cache");
+                           return name + (std::get<1>(p.param) == DType::F32 ? "_f32_cache_" : "_bf16_cache_") +
+                                  std::string(cpuIsaName(std::get<2>(p.param)));
                          });
 
 }  // namespace

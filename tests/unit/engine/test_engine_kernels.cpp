@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <bit>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -146,6 +147,44 @@ TEST(EngineKernels, MatmulEveryIsaAndDtypeMatchesFloat64) {
           for (std::int64_t r = r0; r < r1; ++r) {
             ASSERT_NEAR(part[static_cast<std::size_t>(t * (r1 - r0) + r - r0)],
                         want[static_cast<std::size_t>(t * s.rows + r)], 1e-5 * (scale + 1.0));
+          }
+        }
+      }
+    }
+  }
+}
+
+// matmul_batch_invariant: each output element has the same bits whatever the number of tokens in
+// the call (1, the one-token GEMV's case; 2-7, the tiles; 8 and more, the row panels) and whatever
+// rows share it. And it is a correct product (float64 reference).
+TEST(EngineKernels, BatchInvariantMatmulGivesEveryTokenTheBitsOfItsOwnCall) {
+  const std::int64_t rows = 37;
+  const std::int64_t cols = 300;
+  for (const CpuIsa isa : supportedIsas()) {
+    const KernelTable& k = kernelTable(isa);
+    for (const DType dtype : {DType::F32, DType::BF16, DType::F16, DType::F8E4M3}) {
+      const TestMatrix m = makeMatrix(dtype, rows, cols, 128, 5);
+      for (const std::int64_t n : {2, 5, 8, 13}) {
+        const std::vector<float> x = randomVector(n * cols, 17);
+        std::vector<float> all(static_cast<std::size_t>(n * rows));
+        k.matmul_batch_invariant(m.w, 0, rows, x.data(), cols, n, all.data(), rows);
+        const std::vector<double> want = referenceMatmul(m.w, x, n);
+        double scale = 0.0;
+        for (const double v : want) scale = std::max(scale, std::abs(v));
+        for (std::int64_t t = 0; t < n; ++t) {
+          std::vector<float> one(static_cast<std::size_t>(rows));
+          k.matmul_batch_invariant(m.w, 0, rows, x.data() + t * cols, cols, 1, one.data(), rows);
+          std::vector<float> some(static_cast<std::size_t>(rows - 5));  // rows [5, rows) alone
+          k.matmul_batch_invariant(m.w, 5, rows, x.data() + t * cols, cols, 1, some.data(), rows - 5);
+          for (std::int64_t r = 0; r < rows; ++r) {
+            const float y = all[static_cast<std::size_t>(t * rows + r)];
+            ASSERT_EQ(std::bit_cast<std::uint32_t>(one[static_cast<std::size_t>(r)]), std::bit_cast<std::uint32_t>(y))
+                << cpuIsaName(isa) << " " << dtypeName(dtype) << " n=" << n << " t=" << t << " r=" << r;
+            if (r >= 5) {
+              ASSERT_EQ(std::bit_cast<std::uint32_t>(some[static_cast<std::size_t>(r - 5)]),
+                        std::bit_cast<std::uint32_t>(y));
+            }
+            ASSERT_NEAR(y, want[static_cast<std::size_t>(t * rows + r)], 1e-5 * (scale + 1.0));
           }
         }
       }
