@@ -5,6 +5,7 @@
 
 #include "pd/engine/cuda_engine.h"
 #include "pd/engine/gpu.h"
+#include "pd/engine/serving_engine.h"
 
 namespace {
 
@@ -41,6 +42,16 @@ TEST(ModelDevice, CpuIsAlwaysFineCudaNeedsADevice) {
     ASSERT_FALSE(past.ok());
     EXPECT_EQ(past.error().code, pd::ErrorCode::InvalidArgument);
   }
+}
+
+// The batch-invariant mode exists on the CPU engine only: asking for it on CUDA is refused before
+// anything loads (GPU or not), and the model folder is never read.
+TEST(ModelDevice, BatchInvariantOnCudaIsUnsupported) {
+  auto loaded = pd::model::loadServingEngine("/nonexistent-model-folder", 1, nullptr,
+                                             ModelDevice{ModelDevice::Kind::Cuda, 0}, true);
+  ASSERT_FALSE(loaded.ok());
+  EXPECT_EQ(loaded.error().code, pd::ErrorCode::Unsupported);
+  EXPECT_NE(loaded.error().message.find("batch-invariant"), std::string::npos) << loaded.error().message;
 }
 
 }  // namespace
