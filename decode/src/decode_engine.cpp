@@ -46,8 +46,9 @@ DecodeEngineOptions engineOptions(const DecodeConfig& config) {
   // With tensor parallelism every rank holds the KV: a choice's block copy would be needed on all.
   options.max_choices = config.tensor_parallel > 1 ? 1 : pd::kMaxChoices;
   // Prefix reuse needs nothing from the followers: every rank's pool holds the same KV at the
-  // same block ids (the prefill worker writes every rank's target, and the ranks' forwards write
-  // the same rows), and the leader's block manager alone decides which blocks stay cached.
+  // same block ids (the prefill worker writes every rank's target, and decode steps run on every
+  // rank over the same block table; a TP worker refuses local prefills), and the leader's block
+  // manager alone decides which blocks stay cached.
   options.prefix_cache_blocks = config.prefix_cache_blocks;
   return options;
 }
@@ -444,10 +445,13 @@ Result<kvtransfer::CompletionRecord> DecodeEngine::localPrefill(Sequence& seq) {
   std::vector<float> last_logits;
   // As a prefill worker computes it: in prefill-worker-sized chunks over a float32 cache of its
   // own (attention reads float32 latents), every layer also written into the pool, converted as a
-  // transfer lands it. The same chunks give the same KV bit for bit.
+  // transfer lands it. The same chunks give the same KV bit for bit. A batch-invariant engine
+  // attends over latents rounded as the pool holds them, as its decode steps do (and as a prefill
+  // worker with prefill.kv_dtype equal to the pool's does).
   const std::int64_t bs = pool_.blockSize();
+  const DType scratch_dtype = engine_.capabilities().batch_invariant ? pool_.view().dtype : DType::F32;
   PD_ASSIGN_OR_RETURN(model::PagedLatentCache scratch,
-                      model::PagedLatentCache::create(cfg, (n + bs - 1) / bs, bs, DType::F32));
+                      model::PagedLatentCache::create(cfg, (n + bs - 1) / bs, bs, scratch_dtype));
   std::vector<std::int32_t> scratch_table(static_cast<std::size_t>((n + bs - 1) / bs));
   std::iota(scratch_table.begin(), scratch_table.end(), 0);
   PoolWriter writer(pool_.view(), table);

@@ -334,6 +334,16 @@ void DecodeServer::Impl::handleOpen(const http::Request& request, http::Exchange
   DecodeLoop* loop = loop_.get();
   if (!open.local_prompt_token_ids.empty()) {
     // Conditional disaggregation: this worker prefills the prompt itself; no KV is awaited.
+    if (options_.decode.tensor_parallel > 1) {
+      // A local prefill runs over a scratch cache of the leader's alone, which the followers'
+      // forwards cannot follow (it would break the group): a TP worker takes remote KV only.
+      stream->span.end();
+      refuse(exchange, makeError(ErrorCode::Unsupported,
+                                 "a decode worker with decode.tensor_parallel > 1 does not prefill locally: keep "
+                                 "router.remote_prefill_min_tokens at 0 for it"));
+      streamEnded(open.request_id);
+      return;
+    }
     if (open.prompt_tokens > options_.decode.local_prefill_max_tokens) {
       stream->span.end();
       refuse(exchange,

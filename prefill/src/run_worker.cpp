@@ -119,6 +119,11 @@ Status runWorker(const PrefillWorkerConfig& cfg) {
                       model::loadServingEngine(cfg.model_dir, static_cast<int>(pre.threads), group.get(),
                                                cfg.model_device, cfg.batch_invariant));
   model::TpLeaderEngine* const tp_leader = loaded.tp_leader;
+  if (cfg.batch_invariant && pre.kv_dtype == "f32") {
+    log::info(kLog,
+              "model.batch_invariant with prefill.kv_dtype f32: tokens are batch-invariant for F32 decode pools; "
+              "for BF16 pools set prefill.kv_dtype bf16 (docs/configuration.md)");
+  }
   log::info(kLog, "model {} loaded ({}), hash {}", cfg.model_dir.string(), loaded.engine->capabilities().backend,
             modelHashHex(*hash));
 

@@ -40,6 +40,7 @@
 #include "pd/common/http_client.h"
 #include "pd/common/worker_api.h"
 #include "support/role_process.h"
+#include "support/router_serving.h"
 #include "support/test_files.h"
 
 namespace pd::test {
@@ -202,7 +203,7 @@ struct TpLayout {
 class TpCluster {
  public:
   TpCluster(const std::string& model, int mtp, const std::vector<std::string>& extra_decode_flags = {},
-            TpLayout layout = {})
+            TpLayout layout = {}, const std::vector<std::string>& extra_router_flags = {})
       : model_dir_(goldenDir() / model) {
     const std::vector<std::string> common = {"--model.path=" + model_dir_.string(),
                                              "--model.tokenizer=" PD_TOKENIZER_DIR,
@@ -239,9 +240,11 @@ class TpCluster {
       if (!node->waitReady()) return;
     }
     if (!prefill_->ready()) return;
-    router_ = std::make_unique<RoleProcess>(
-        "router", with({"--router.port=0", "--router.prefill_workers=" + prefill_->hostPort(),
-                        "--router.decode_workers=" + decode_->hostPort(), "--router.request_timeout_ms=60000"}));
+    std::vector<std::string> router_flags{"--router.port=0", "--router.prefill_workers=" + prefill_->hostPort(),
+                                          "--router.decode_workers=" + decode_->hostPort(),
+                                          "--router.request_timeout_ms=60000"};
+    router_flags.insert(router_flags.end(), extra_router_flags.begin(), extra_router_flags.end());
+    router_ = std::make_unique<RoleProcess>("router", with(std::move(router_flags)));
     // The router prints READY when it listens; it routes once its first polls put both workers
     // in rotation (its /ready).
     const auto deadline = Clock::now() + 30s;
@@ -400,6 +403,66 @@ TEST(E2eTpFaults, AFollowerThatDiesFailsTheLeadersRequestsCleanlyAndItsReadiness
   const auto status = cluster.decode().wait(60s);
   ASSERT_TRUE(status.has_value());
   EXPECT_EQ(*status, 0);
+}
+
+// A router that sends every prompt to be prefilled locally (conditional disaggregation) to a
+// tensor-parallel decode worker: the worker refuses each such open (its local prefill would run
+// over a scratch cache of the leader's alone, which the follower's forwards cannot follow), the
+// client gets a clean error, and the group stays whole: the follower lives, /ready stays 200,
+// nothing is held, and a router sending remote prefills still gets the golden tokens.
+TEST(E2eTpFaults, ALocalPrefillIsRefusedAndTheGroupKeepsServing) {
+  const GoldenPrompt golden = goldenPrompt("tiny-bf16");
+  TpCluster cluster("tiny-bf16", 0, {}, {}, {"--router.remote_prefill_min_tokens=100000"});
+  ASSERT_TRUE(cluster.ready());
+  const int follower = TpCluster::followerPid(cluster.leaderPid());
+  ASSERT_GT(follower, 0);
+  for (int i = 0; i < 3; ++i) {
+    json::array prompt;
+    for (auto t : golden.tokens) prompt.push_back(t);
+    http::Client client(cluster.router().host(), cluster.router().port());
+    http::ClientRequest req;
+    req.method = "POST";
+    req.target = "/v1/completions";
+    req.headers.push_back({"Content-Type", "application/json"});
+    req.body = json::serialize(json::object{{"model", "pdserve-default"}, {"prompt", prompt}, {"max_tokens", 4}});
+    auto r = client.send(req, 60s);
+    ASSERT_TRUE(r.ok()) << r.error().toString();
+    EXPECT_GE(r->status, 400) << r->body;
+    EXPECT_NE(r->body.find("error"), std::string::npos) << r->body;
+  }
+  EXPECT_TRUE(alive(follower)) << "a refused local prefill must not break the group";
+  EXPECT_EQ(getStatus(cluster.decode(), "/ready"), 200);
+  const auto st = workerStatus(cluster.decode());
+  EXPECT_EQ(st.free_blocks, st.total_blocks) << "KV blocks leaked";
+  EXPECT_EQ(st.running_requests, 0);
+  // The same workers behind a router that prefills remotely: the group still computes.
+  RoleProcess remote("router",
+                     {"--model.path=" + (goldenDir() / "tiny-bf16").string(), "--model.tokenizer=" PD_TOKENIZER_DIR,
+                      "--log.level=warn", "--router.port=0", "--router.prefill_workers=" + cluster.prefill().hostPort(),
+                      "--router.decode_workers=" + cluster.decode().hostPort()});
+  ASSERT_TRUE(remote.ready());
+  ASSERT_TRUE(waitRouterServing(remote.host(), remote.port()));
+  json::array prompt;
+  for (auto t : golden.tokens) prompt.push_back(t);
+  http::Client client(remote.host(), remote.port());
+  http::ClientRequest req;
+  req.method = "POST";
+  req.target = "/v1/completions";
+  req.headers.push_back({"Content-Type", "application/json"});
+  req.body = json::serialize(json::object{{"model", "pdserve-default"},
+                                          {"prompt", prompt},
+                                          {"max_tokens", golden.greedy.size()},
+                                          {"temperature", 0},
+                                          {"return_token_ids", true}});
+  auto r = client.send(req, 120s);
+  ASSERT_TRUE(r.ok()) << r.error().toString();
+  ASSERT_EQ(r->status, 200) << r->body;
+  const json::value doc = json::parse(r->body);
+  std::vector<std::int64_t> ids;
+  for (const auto& t : doc.at("choices").as_array().at(0).at("token_ids").as_array()) {
+    ids.push_back(t.to_number<std::int64_t>());
+  }
+  EXPECT_EQ(ids, golden.greedy);
 }
 
 TEST(E2eTpFaults, ARequestStreamingWhenTheFollowerDiesEndsWithAnErrorAtOnce) {

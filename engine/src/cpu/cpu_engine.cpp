@@ -147,6 +147,7 @@ class CpuEngine final : public Engine {
     c.threads = pool_.size();
     c.mtp = weights_->mtp() != nullptr;
     c.weight_dtype = weights_->linearDtype();
+    c.batch_invariant = batch_invariant_;
     return c;
   }
 

@@ -119,6 +119,7 @@ struct EngineCapabilities {
   int threads = 1;
   bool mtp = false;  ///< the checkpoint has an MTP layer
   DType weight_dtype = DType::BF16;
+  bool batch_invariant = false;  ///< CpuEngineOptions::batch_invariant is on
 };
 
 /// The compute backend seam.
