@@ -97,7 +97,11 @@ TransportMetrics::TransportMetrics(metrics::Registry* registry) {
   p.in_flight = &registry->gauge("pdserve_kv_in_flight", "KV transfers begun and not yet reported.").get();
   p.pending_receives = &registry->gauge("pdserve_kv_pending_receives", "Expected KV transfers not yet resolved.").get();
   p.regions = &registry->gauge("pdserve_kv_registered_regions", "Memory regions registered for KV transfer.").get();
-  p.peers = &registry->gauge("pdserve_kv_peers", "Connected KV transfer peers.").get();
+  p.peers = &registry->gauge("pdserve_kv_peers", "KV transfer peers with an endpoint (connected or connecting).").get();
+  p.connecting = &registry
+                      ->gauge("pdserve_kv_connecting_peers",
+                              "KV transfer peers whose connection handshake (UCX wireup) is still in flight.")
+                      .get();
   p.suspect = &registry->gauge("pdserve_kv_suspect_peers", "KV peers refused after a missed deadline.").get();
 }
 
@@ -106,6 +110,7 @@ TransportMetrics::~TransportMetrics() {
   add(published_.pending_receives, -static_cast<double>(pending_receives_.load(kRelaxed)));
   add(published_.regions, -static_cast<double>(regions_.load(kRelaxed)));
   add(published_.peers, -static_cast<double>(peers_.load(kRelaxed)));
+  add(published_.connecting, -static_cast<double>(connecting_.load(kRelaxed)));
   add(published_.suspect, -static_cast<double>(suspect_.load(kRelaxed)));
 }
 
@@ -209,10 +214,13 @@ void TransportMetrics::regionDeregistered() {
   regions_.fetch_sub(1, kRelaxed);
   add(published_.regions, -1);
 }
-void TransportMetrics::setPeers(std::int64_t peers, std::int64_t suspect) {
+void TransportMetrics::setPeers(std::int64_t peers, std::int64_t connecting, std::int64_t suspect) {
   // Deltas, so that transports sharing a registry add up.
   if (const auto old_peers = peers_.exchange(peers, kRelaxed); old_peers != peers) {
     add(published_.peers, static_cast<double>(peers - old_peers));
+  }
+  if (const auto old_connecting = connecting_.exchange(connecting, kRelaxed); old_connecting != connecting) {
+    add(published_.connecting, static_cast<double>(connecting - old_connecting));
   }
   if (const auto old_suspect = suspect_.exchange(suspect, kRelaxed); old_suspect != suspect) {
     add(published_.suspect, static_cast<double>(suspect - old_suspect));
@@ -241,6 +249,7 @@ TransportStats TransportMetrics::snapshot() const {
   s.pending_receives = pending_receives_.load(kRelaxed);
   s.registered_regions = regions_.load(kRelaxed);
   s.peers = peers_.load(kRelaxed);
+  s.connecting_peers = connecting_.load(kRelaxed);
   s.suspect_peers = suspect_.load(kRelaxed);
   return s;
 }

@@ -132,7 +132,11 @@ class Faults : public DefaultModelSuite<Faults> {
         return true;
       }
       for (const auto& c : doc.at("choices").as_array()) {
-        if (c.as_object().contains("token_ids")) r.tokens += static_cast<int>(c.at("token_ids").as_array().size());
+        if (c.as_object().contains("token_ids")) {
+          const bool first = r.tokens == 0;
+          r.tokens += static_cast<int>(c.at("token_ids").as_array().size());
+          if (first && r.tokens > 0) streams_with_tokens_.fetch_add(1);
+        }
         if (c.at("finish_reason").is_string()) finish = std::string(c.at("finish_reason").as_string());
       }
       return disconnect_after == 0 || r.tokens < disconnect_after;
@@ -165,10 +169,46 @@ class Faults : public DefaultModelSuite<Faults> {
     return r;
   }
 
-  // Runs kRequests concurrent streams and calls `fault` once the first tokens flowed.
+  // Whether no prefill worker is in the middle of a KV connection handshake, and each has
+  // connected to every decode worker or `first_tokens` streams have started (after which the
+  // fault must land while requests are still in flight, whatever the routing did).
+  //
+  // Why: UCX 1.13.1 (Debian 12) aborts a process when a peer dies while that process still holds
+  // an unsent wireup reply for it (ucp_request.c:684 "got REP message"; the assertion was removed
+  // upstream in openucx/ucx#8175). A decode worker answers every prefill worker's first connect
+  // with such a reply, so killing or stopping a prefill worker inside that round trip can take a
+  // decode worker down with it; docs/kv-transfer.md "UCX 1.13 (Debian 12)" says so. The faults here test
+  // our handling of a dead peer, so they land outside that window by construction.
+  [[nodiscard]] bool handshakesSettled(int first_tokens) const {
+    for (const auto& p : prefillers_) {
+      const auto body = scrapeMetrics(p->host(), p->port());
+      if (!body) return false;
+      // A worker that has not sent KV yet has no transport, and no series.
+      const double peers = sampleValue(*body, "pdserve_kv_peers").value_or(0);
+      const double connecting = sampleValue(*body, "pdserve_kv_connecting_peers").value_or(0);
+      if (connecting != 0) return false;
+      if (peers < static_cast<double>(decoders_.size()) && first_tokens < kRequests / 2) return false;
+    }
+    return true;
+  }
+
+  // Each prefill worker's KV peer gauges, for failure messages.
+  [[nodiscard]] std::string peerGauges() const {
+    std::string out;
+    for (const auto& p : prefillers_) {
+      const auto body = scrapeMetrics(p->host(), p->port()).value_or("");
+      out += p->hostPort() + ": peers " + std::to_string(sampleValue(body, "pdserve_kv_peers").value_or(-1)) +
+             ", connecting " + std::to_string(sampleValue(body, "pdserve_kv_connecting_peers").value_or(-1)) + "; ";
+    }
+    return out;
+  }
+
+  // Runs kRequests concurrent streams and calls `fault` once the first tokens of two streams
+  // flowed and no KV connection is mid-handshake (handshakesSettled).
   std::vector<RequestResult> underLoad(const std::function<void()>& fault, int disconnect_after = 0) {
     std::vector<RequestResult> results(kRequests);
     std::vector<std::thread> threads;
+    streams_with_tokens_ = 0;
     for (int i = 0; i < kRequests; ++i) {
       // Staggered starts, so prefills and decodes are in flight before, at and after the fault.
       threads.emplace_back([&, i] {
@@ -176,8 +216,23 @@ class Faults : public DefaultModelSuite<Faults> {
         results[i] = streamOne(i, disconnect_after);
       });
     }
-    std::this_thread::sleep_for(1500ms);
-    if (fault) fault();
+    if (fault) {
+      bool settled = false;
+      const auto give_up = Clock::now() + kRequestDeadline;
+      while (Clock::now() < give_up) {
+        const int flowing = streams_with_tokens_.load();
+        if (flowing >= 2 && handshakesSettled(flowing)) {
+          settled = true;
+          break;
+        }
+        std::this_thread::sleep_for(20ms);  // polling state we cannot subscribe to
+      }
+      EXPECT_TRUE(settled) << "the fault's moment never came: " << streams_with_tokens_.load()
+                           << " streams had tokens and a KV handshake was still in flight: " << peerGauges();
+      std::printf("faults: the fault lands after first tokens on %d of %d streams\n", streams_with_tokens_.load(),
+                  kRequests);
+      fault();
+    }
     for (auto& t : threads) t.join();
     int completed = 0;
     for (int i = 0; i < kRequests; ++i) {
@@ -215,6 +270,7 @@ class Faults : public DefaultModelSuite<Faults> {
   std::vector<std::unique_ptr<RoleProcess>> decoders_;
   std::vector<std::unique_ptr<RoleProcess>> prefillers_;
   std::unique_ptr<RoleProcess> router_;
+  std::atomic<int> streams_with_tokens_{0};
 };
 
 TEST_F(Faults, NoFaultEveryRequestCompletes) {

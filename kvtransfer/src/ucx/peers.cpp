@@ -86,6 +86,7 @@ void UcxTransport::onProbeDone(void* /*request*/, ucs_status_t status, void* use
   auto* peer = static_cast<Peer*>(user_data);
   if (status == UCS_OK) {
     peer->connected = true;
+    peer->owner->updatePeerGauges();
   } else {
     peer->owner->failed_peers_.emplace_back(peer, status);
   }

@@ -259,7 +259,10 @@ Status UcxTransport::cancelledStatus() const {
 }
 
 void UcxTransport::updatePeerGauges() {
-  metrics_.setPeers(static_cast<std::int64_t>(peers_.size()), static_cast<std::int64_t>(suspects_.size()));
+  const auto connecting =
+      std::count_if(peers_.begin(), peers_.end(), [](const auto& p) { return !p.second->connected; });
+  metrics_.setPeers(static_cast<std::int64_t>(peers_.size()), static_cast<std::int64_t>(connecting),
+                    static_cast<std::int64_t>(suspects_.size()));
 }
 
 }  // namespace pd::kvtransfer::detail

@@ -50,7 +50,7 @@ TEST(KvMetrics, PublishesEverySeriesToTheRegistry) {
   {
     TransportMetrics m(&registry);
     m.regionRegistered();
-    m.setPeers(2, 1);
+    m.setPeers(2, 1, 1);
     m.transferStarted();
     m.addBytesPut(4096);
     m.transferSucceeded(milliseconds(2));
@@ -62,7 +62,7 @@ TEST(KvMetrics, PublishesEverySeriesToTheRegistry) {
   // to the same series.
   TransportMetrics second(&registry);
   second.regionRegistered();
-  second.setPeers(1, 0);
+  second.setPeers(1, 0, 0);
   const std::string text = registry.render();
   for (const char* line : {
            "# TYPE pdserve_kv_put_bytes_total counter",
@@ -76,6 +76,7 @@ TEST(KvMetrics, PublishesEverySeriesToTheRegistry) {
            "pdserve_kv_records_total{event=\"rejected\"} 1",
            "pdserve_kv_registered_regions 1",
            "pdserve_kv_peers 1",
+           "pdserve_kv_connecting_peers 0",
            "pdserve_kv_suspect_peers 0",
            "pdserve_kv_in_flight 0",
        }) {

@@ -122,6 +122,7 @@ TEST_P(UcxTransportTest, RealLayoutTransfersByteForByte) {
   EXPECT_EQ(s.records_sent, 1U);
   EXPECT_EQ(s.send_latency.count, 1U);
   EXPECT_EQ(s.peers, 1);
+  EXPECT_EQ(s.connecting_peers, 0);  // the transfer completed, so the handshake did
   const auto r = receiver_->stats();
   EXPECT_EQ(r.receives_succeeded, 1U);
   EXPECT_EQ(r.records_received, 1U);

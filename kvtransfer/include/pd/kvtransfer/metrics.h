@@ -65,8 +65,9 @@ struct TransportStats {
   std::int64_t in_flight = 0;         ///< transfers begun and not yet reported
   std::int64_t pending_receives = 0;  ///< expects not yet resolved
   std::int64_t registered_regions = 0;
-  std::int64_t peers = 0;          ///< connected (cached) peers
-  std::int64_t suspect_peers = 0;  ///< peers refused after a missed deadline
+  std::int64_t peers = 0;             ///< cached peers (connected or connecting)
+  std::int64_t connecting_peers = 0;  ///< of those, peers whose connection handshake is in flight
+  std::int64_t suspect_peers = 0;     ///< peers refused after a missed deadline
 
   [[nodiscard]] std::uint64_t transfersFailed() const;
   [[nodiscard]] std::uint64_t receivesFailed() const;
@@ -106,7 +107,8 @@ class TransportMetrics {
 
   void regionRegistered();
   void regionDeregistered();
-  void setPeers(std::int64_t peers, std::int64_t suspect);
+  /// `connecting` counts the peers among `peers` whose handshake has not completed yet.
+  void setPeers(std::int64_t peers, std::int64_t connecting, std::int64_t suspect);
 
   [[nodiscard]] TransportStats snapshot() const;
 
@@ -132,6 +134,7 @@ class TransportMetrics {
     metrics::Gauge* pending_receives = nullptr;
     metrics::Gauge* regions = nullptr;
     metrics::Gauge* peers = nullptr;
+    metrics::Gauge* connecting = nullptr;
     metrics::Gauge* suspect = nullptr;
   };
   static void inc(metrics::Counter* c, double amount = 1.0) {
@@ -162,6 +165,7 @@ class TransportMetrics {
   std::atomic<std::int64_t> pending_receives_{0};
   std::atomic<std::int64_t> regions_{0};
   std::atomic<std::int64_t> peers_{0};
+  std::atomic<std::int64_t> connecting_{0};
   std::atomic<std::int64_t> suspect_{0};
 };
 
