@@ -308,33 +308,37 @@ class KvEventFollowTest : public ::testing::Test {
 
   metrics::Registry metrics_;
   RegistryOptions options_;
+  // The fake worker's kv-events state. Declared before prefill_ and registry_, so it outlives
+  // them: the registry polls the handler until it is destroyed, after the test body returned.
+  std::mutex mu_;
+  std::string instance_ = "first";
+  std::vector<KvEvent> log_;
+  std::atomic<int> mode_{0};
   std::unique_ptr<fakes::FakePrefillWorker> prefill_;
   std::unique_ptr<WorkerRegistry> registry_;
 };
 
 TEST_F(KvEventFollowTest, SnapshotThenEventsThenARestartClearsTheIndex) {
-  // The worker's state: an instance id and a list of events; it answers as the real log does.
-  std::mutex mu;
-  std::string instance = "first";
-  std::vector<KvEvent> log;
+  // The worker's state (mu_, instance_, log_): an instance id and a list of events; it answers as
+  // the real log does.
   prefill_->setKvEvents([&](const http::Request& r) {
-    std::lock_guard lock(mu);
-    const bool same = r.query.find("instance=" + instance) != std::string::npos;
+    std::lock_guard lock(mu_);
+    const bool same = r.query.find("instance=" + instance_) != std::string::npos;
     KvEvents e;
-    e.instance_id = instance;
+    e.instance_id = instance_;
     e.model_hash = kModel;
     e.block_size = kB;
-    e.seq = log.empty() ? 0 : log.back().seq;
+    e.seq = log_.empty() ? 0 : log_.back().seq;
     if (!same) {
       e.snapshot = true;
-      for (const auto& ev : log) {
+      for (const auto& ev : log_) {
         if (ev.stored) e.blocks.push_back(ev.block);
       }
       return worker_api::toJson(e);
     }
     const auto at = r.query.find("after=");
     const std::uint64_t after = std::stoull(r.query.substr(at + 6));
-    for (const auto& ev : log) {
+    for (const auto& ev : log_) {
       if (ev.seq > after) e.events.push_back(ev);
     }
     if (e.events.empty()) e.seq = after;
@@ -346,27 +350,26 @@ TEST_F(KvEventFollowTest, SnapshotThenEventsThenARestartClearsTheIndex) {
   const std::string key = prefill_->address();
   ASSERT_TRUE(waitFor([&] { return index->cursor(key).instance == "first"; }));
   {
-    std::lock_guard lock(mu);
-    log = {{1, true, 11}, {2, true, 22}, {3, true, 33}};
+    std::lock_guard lock(mu_);
+    log_ = {{1, true, 11}, {2, true, 22}, {3, true, 33}};
   }
   ASSERT_TRUE(waitFor([&] { return index->blocks(key) == 3; }));
   {
-    std::lock_guard lock(mu);
-    log.push_back({4, false, 22});
+    std::lock_guard lock(mu_);
+    log_.push_back({4, false, 22});
   }
   ASSERT_TRUE(waitFor([&] { return index->blocks(key) == 2 && index->cursor(key).after == 4; }));
   // Restart: a new instance holding nothing. The index follows it and holds nothing.
   {
-    std::lock_guard lock(mu);
-    instance = "second";
-    log.clear();
+    std::lock_guard lock(mu_);
+    instance_ = "second";
+    log_.clear();
   }
   ASSERT_TRUE(waitFor([&] { return index->cursor(key).instance == "second"; }));
   EXPECT_EQ(index->blocks(key), 0);
 }
 
 TEST_F(KvEventFollowTest, GarbledOrForeignAnswersAreRefused) {
-  std::atomic<int> mode{0};
   prefill_->setKvEvents([&](const http::Request&) -> std::string {
     KvEvents e;
     e.instance_id = "w";
@@ -374,20 +377,20 @@ TEST_F(KvEventFollowTest, GarbledOrForeignAnswersAreRefused) {
     e.block_size = kB;
     e.snapshot = true;
     e.blocks = {1, 2};
-    if (mode.load() == 0) return worker_api::toJson(e);
-    if (mode.load() == 1) return "{\"instance_id\":\"w\",\"seq\":";  // cut
-    e.model_hash = kModel + 1;                                       // another model than the worker's status says
+    if (mode_.load() == 0) return worker_api::toJson(e);
+    if (mode_.load() == 1) return "{\"instance_id\":\"w\",\"seq\":";  // cut
+    e.model_hash = kModel + 1;                                        // another model than the worker's status says
     return worker_api::toJson(e);
   });
   start();
   const PrefixIndex* index = registry_->prefixIndex();
   const std::string key = prefill_->address();
   ASSERT_TRUE(waitFor([&] { return index->blocks(key) == 2; }));
-  mode = 1;
+  mode_ = 1;
   ASSERT_TRUE(waitFor([&] { return index->blocks(key) == 0; }));
-  mode = 0;
+  mode_ = 0;
   ASSERT_TRUE(waitFor([&] { return index->blocks(key) == 2; }));
-  mode = 2;
+  mode_ = 2;
   ASSERT_TRUE(waitFor([&] { return index->blocks(key) == 0; }));
   const std::string text = metrics_.render();
   EXPECT_NE(text.find("pdserve_router_kv_index_blocks{worker=\"" + key + "\"} 0"), std::string::npos) << text;
