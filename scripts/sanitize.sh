@@ -12,4 +12,4 @@ cmake -S . -B "$build_dir" -G Ninja -DPD_SANITIZE=address,undefined -DPD_WITH_CU
 cmake --build "$build_dir" --target pd_unit_tests -j "${PD_JOBS:-$(nproc)}"
 export ASAN_OPTIONS="halt_on_error=1:abort_on_error=1:detect_leaks=1:strict_string_checks=1:detect_stack_use_after_return=1${ASAN_OPTIONS:+:$ASAN_OPTIONS}"
 export UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1${UBSAN_OPTIONS:+:$UBSAN_OPTIONS}"
-ctest --test-dir "$build_dir" --output-on-failure -L unit -j "${PD_JOBS:-$(nproc)}"
+ctest --test-dir "$build_dir" --output-on-failure -L unit --timeout 900 -j "${PD_JOBS:-$(nproc)}"

@@ -6,4 +6,6 @@ cd "$(dirname "$0")/.."
 ./scripts/install-deps.sh
 ./scripts/fetch-tokenizer.sh
 ./scripts/build.sh "$@"
-ctest --test-dir "${PD_BUILD_DIR:-build}" --output-on-failure -LE slow -j "${PD_JOBS:-$(nproc)}"
+# --timeout: a test that hangs fails after 15 minutes instead of holding the run (tests with a
+# TIMEOUT property of their own keep it).
+ctest --test-dir "${PD_BUILD_DIR:-build}" --output-on-failure -LE slow --timeout 900 -j "${PD_JOBS:-$(nproc)}"
