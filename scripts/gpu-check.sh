@@ -82,6 +82,11 @@ say "gpu-check: gpu tests: $ran ran, $passed passed, $failed failed, $skipped sk
 grep -E 'Test +#[0-9]+: ' "$gpu_log" | sed 's/^/  /' | tee -a "$summary"
 grep -E 'SKIPPED: ' "$gpu_log" | sort -u | sed 's/^/  /' | tee -a "$summary"
 
+# The decode step's deviation from the CPU engine in the fp32 and bf16 numerics modes
+# (informational, for the note and docs/gpu.md "Numerics modes").
+"$build_dir/tests/gpu/test_device_decode" --gtest_filter='DeviceDecode.Tiny*' 2>&1 | grep -E ' mode: [0-9]+ steps' |
+  sed 's/^/  /' | tee -a "$summary"
+
 # The device's memory and the fit error a user would see (informational, for the note).
 "$build_dir/tests/gpu/test_kernel_parity" --gtest_filter='Kernel.MemoryPlan*' 2>&1 |
   grep -E '^(device memory|cuda:0: )' | sed 's/^/  /' | tee -a "$summary"
@@ -106,6 +111,11 @@ for model in tiny-bf16 tiny-fp8; do
     fi
   done
 done
+
+# The bf16 mode from the command line (informational: its tokens may differ from the fp32 ones).
+step generate-tiny-bf16-numerics-bf16 120 "$build_dir/tools/pdserve" generate --model tests/data/golden/tiny-bf16 \
+  --prompt-ids "$prompt" --max-tokens 24 --model.device cuda --model.numerics bf16 || true
+say "gpu-check: generate tiny-bf16 --model.numerics bf16: $(grep -E '^\{' "$log_dir/generate-tiny-bf16-numerics-bf16.log")"
 
 # 4. The benchmark: ceilings measured in the same run, then the upload of a checkpoint of real
 # DeepSeek-V3 layer sizes in FP8 (written by make-model into the log folder, removed afterwards).

@@ -236,6 +236,7 @@ class CudaEngine final : public Engine, public SamplingEngine {
 
 Result<std::unique_ptr<Engine>> createCudaEngine(const std::filesystem::path& model_dir,
                                                  const CudaEngineOptions& options) {
+  PD_TRY(checkCudaEngineOptions(options));
   if (options.max_step_rows <= 0 || options.max_step_rows > gpu::kMaxDecodeBatch || options.kv_blocks < 0 ||
       options.kv_block_size <= 0) {
     return makeError(
@@ -262,6 +263,7 @@ Result<std::unique_ptr<Engine>> createCudaEngine(const std::filesystem::path& mo
   PD_ASSIGN_OR_RETURN(gpu::DeviceWeights uploaded, gpu::DeviceWeights::upload(checkpoint, c, upload));
   auto weights = std::make_unique<gpu::DeviceWeights>(std::move(uploaded));
   DeviceDecodeStep::Options step_options;
+  step_options.numerics = options.numerics;
   // One block for now: the first call sizes the device cache like the caller's host cache.
   step_options.cache = {1, options.kv_block_size};
   PD_ASSIGN_OR_RETURN(std::unique_ptr<DeviceDecodeStep> step, DeviceDecodeStep::create(*weights, c, step_options));

@@ -26,11 +26,13 @@ constexpr auto sz(i64 n) {
 static_assert(kMaxDecodeBatch == kFp8GemvMaxTokens);
 static_assert(kMaxDecodeLatentDim == kernels::kMlaMaxLatentDim);
 
-// A linear layer y = W x on the device: an FP32 matrix for cuBLAS, or FP8 with block scales.
+// A linear layer y = W x on the device: an FP32 matrix for cuBLAS, the checkpoint's BF16 matrix
+// as stored (bf16 numerics mode), or FP8 with block scales. Exactly one of f32, bf16, q is set.
 struct Linear {
   i64 rows = 0;
   i64 cols = 0;
   const float* f32 = nullptr;
+  const std::uint16_t* bf16 = nullptr;
   const std::uint8_t* q = nullptr;
   const float* scale_inv = nullptr;
   i64 block_rows = 128;
@@ -72,6 +74,22 @@ struct MtpLayer {
 };
 
 // Runs a BatchedGemm (decode_step_plan.h) on the device: alpha 1, beta 0.
+// One product of a BF16 weight matrix `a` and BF16 inputs `b` into FP32 `c`, accumulated in FP32
+// (the bf16 numerics mode); `g` as for runGemm, unbatched.
+Status runGemmBf16(cublasHandle_t handle, const BatchedGemm& g, const std::uint16_t* a, const std::uint16_t* b,
+                   float* c) {
+  const auto i = [](i64 v) { return static_cast<int>(v); };
+  const float one = 1.0F;
+  const float zero = 0.0F;
+  if (g.batch != 1) return makeError(ErrorCode::Internal, "device step: a batched BF16 product");
+  const cublasOperation_t ta = g.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
+  const cublasOperation_t tb = g.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
+  PD_CUDA_TRY(cublasGemmEx(handle, ta, tb, i(g.m), i(g.n), i(g.k), &one, a + g.a_offset, CUDA_R_16BF, i(g.lda), b,
+                           CUDA_R_16BF, i(g.ldb), &zero, c, CUDA_R_32F, i(g.ldc), CUBLAS_COMPUTE_32F,
+                           CUBLAS_GEMM_DEFAULT));
+  return okStatus();
+}
+
 Status runGemm(cublasHandle_t handle, const BatchedGemm& g, const float* a, const float* b, float* c) {
   const float one = 1.0F;
   const float zero = 0.0F;
@@ -119,6 +137,10 @@ struct DeviceDecodeStep::Impl {
   cuda::DeviceBuffer<std::int32_t> block_tables, topk_idx;
   cuda::DeviceBuffer<float> topk_weight;
   i64 max_table_blocks = 0;
+  gpu::Numerics numerics = gpu::Numerics::Fp32;
+  // bf16 mode: a linear's input rounded to BF16 and packed, [kMaxDecodeBatch, xb_cols].
+  cuda::DeviceBuffer<std::uint16_t> xb;
+  i64 xb_cols = 0;
 
   Impl(const ModelConfig& c, const DeviceWeights& w, DecodeCacheShape shape, cuda::Stream s, cuda::BlasHandle b)
       : cfg(c), weights(w), cache_shape(shape), stream(std::move(s)), blas(std::move(b)) {}
@@ -194,6 +216,10 @@ struct DeviceDecodeStep::Impl {
     Linear l;
     l.rows = rows;
     l.cols = cols;
+    if (t->dtype == DType::BF16 && numerics == gpu::Numerics::Bf16) {
+      l.bf16 = static_cast<const std::uint16_t*>(t->data);  // multiplied as stored: no copy
+      return l;
+    }
     if (t->dtype != DType::F8E4M3) {
       PD_ASSIGN_OR_RETURN(l.f32, f32Copy(*t, name));
       return l;
@@ -323,6 +349,15 @@ struct DeviceDecodeStep::Impl {
   // y[t * y_stride + r] = W[r] . x[t * x_stride ...] for t < n.
   [[nodiscard]] Status apply(const Linear& w, const float* x, i64 x_stride, i64 n, float* y, i64 y_stride) {
     if (n <= 0) return okStatus();
+    if (w.bf16 != nullptr) {
+      if (n > kMaxDecodeBatch || w.cols > xb_cols) {
+        return makeError(ErrorCode::InvalidArgument,
+                         fmt::format("device step: a BF16 linear of {} columns over {} rows (workspace {} x {})",
+                                     w.cols, n, kMaxDecodeBatch, xb_cols));
+      }
+      PD_CUDA_TRY(kernels::launchRowsToBf16(x, x_stride, n, w.cols, xb.data(), stream.get()));
+      return runGemmBf16(blas.get(), linearGemm(w.rows, w.cols, n, w.cols, y_stride), w.bf16, xb.data(), y);
+    }
     if (w.f32 == nullptr) {
       kernels::Fp8GemvArgs a;
       a.q = w.q;
@@ -510,6 +545,7 @@ Result<std::unique_ptr<DeviceDecodeStep>> DeviceDecodeStep::create(const DeviceW
   PD_CUDA_TRY(cublasSetPointerMode(blas.get(), CUBLAS_POINTER_MODE_HOST));
   auto impl = std::make_unique<Impl>(config, weights, cs, std::move(stream), std::move(blas));
   Impl& m = *impl;
+  m.numerics = options.numerics;
   m.softmax_scale = static_cast<float>(c.softmaxScale());
   m.eps = static_cast<float>(c.rms_norm_eps);
   PD_ASSIGN_OR_RETURN(m.embed, m.matrixF32("model.embed_tokens.weight", c.vocab_size, c.hidden_size));
@@ -559,6 +595,11 @@ Result<std::unique_ptr<DeviceDecodeStep>> DeviceDecodeStep::create(const DeviceW
   PD_TRY(make(m.cat, n * 2 * d));
   PD_TRY(make(m.prev, n * d));
   PD_TRY(make(m.sel, n * d));
+  if (m.numerics == gpu::Numerics::Bf16) {
+    // The widest input of any linear: eh_proj's [emb ; h], o_proj's heads x v, an MLP's down_proj.
+    m.xb_cols = std::max({2 * d, heads * c.v_head_dim, widest, std::max<i64>(c.q_lora_rank, 1)});
+    PD_ASSIGN_OR_RETURN(m.xb, cuda::DeviceBuffer<std::uint16_t>::create(sz(n * m.xb_cols)));
+  }
   PD_ASSIGN_OR_RETURN(DeviceSampler sampler, DeviceSampler::create(n, c.vocab_size));
   m.sampler.emplace(std::move(sampler));
   PD_ASSIGN_OR_RETURN(cuda::PinnedHostBuffer<float> latent_host, cuda::PinnedHostBuffer<float>::create(sz(n * ld)));

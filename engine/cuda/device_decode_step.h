@@ -19,7 +19,8 @@
 /// before the layer's attention reads it) and the MTP layer (run()), with an observer that sees
 /// each layer's new latents on the host (the CudaEngine mirrors them into the caller's cache).
 ///
-/// Not yet here: a BF16 device cache, the bf16 numerics mode, CUDA graphs. MoE routing results
+/// Options::numerics Bf16 is the bf16 mode (BF16 linears multiplied as stored, their inputs rounded
+/// to BF16, FP32 accumulation). Not yet here: a BF16 device cache, CUDA graphs. MoE routing results
 /// cross to the host once per MoE layer to group tokens by expert (a synchronize per MoE layer).
 ///
 /// Private to the CUDA backend (engine/cuda) and its tests.
@@ -36,6 +37,7 @@
 #include "device_weights.h"
 #include "pd/common/result.h"
 #include "pd/cuda/cuda_handles.h"
+#include "pd/engine/gpu.h"
 #include "pd/engine/model_config.h"
 
 namespace pd::gpu {
@@ -44,6 +46,10 @@ class DeviceDecodeStep {
  public:
   struct Options {
     DecodeCacheShape cache;  ///< the device latent cache this step owns (F32)
+    /// Fp32: FP32 copies of the BF16 linears, SGEMM. Bf16: the BF16 linears multiplied as stored
+    /// (no copy) with their inputs rounded to BF16, FP32 accumulation (cublasGemmEx); FP8
+    /// linears, kv_b, the embedding, norms, attention and the residual are as in Fp32.
+    gpu::Numerics numerics = gpu::Numerics::Fp32;
   };
 
   /// Binds every tensor the model needs (NotFound / InvalidArgument naming a missing or misshapen

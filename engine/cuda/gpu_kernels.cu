@@ -20,6 +20,18 @@ __global__ void __launch_bounds__(kAxpyThreads) axpyKernel(float a, const float*
   if (i < n) y[i] += a * x[i];
 }
 
+// grid-stride over rows * cols; element i is row i / cols, column i % cols.
+__global__ void __launch_bounds__(kAxpyThreads)
+    rowsToBf16Kernel(const float* x, std::int64_t x_stride, std::int64_t rows, std::int64_t cols, std::uint16_t* out) {
+  const std::int64_t n = rows * cols;
+  for (std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
+    const std::int64_t r = i / cols;
+    const std::int64_t c = i - r * cols;
+    out[i] = m::bf16Encode(x[r * x_stride + c]);
+  }
+}
+
 // grid-stride over n (n may exceed a grid's reach).
 __global__ void __launch_bounds__(kAxpyThreads) siluMulKernel(float* gate, const float* up, std::int64_t n) {
   for (std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
@@ -254,6 +266,15 @@ cudaError_t launchFillBf16(std::uint16_t* data, std::size_t count, std::uint32_t
 cudaError_t launchAxpy(float a, const float* x, float* y, int n, cudaStream_t stream) {
   if (n <= 0) return cudaSuccess;
   axpyKernel<<<(n + kAxpyThreads - 1) / kAxpyThreads, kAxpyThreads, 0, stream>>>(a, x, y, n);
+  return cudaGetLastError();
+}
+
+cudaError_t launchRowsToBf16(const float* x, std::int64_t x_stride, std::int64_t rows, std::int64_t cols,
+                             std::uint16_t* out, cudaStream_t stream) {
+  const std::int64_t n = rows * cols;
+  if (n <= 0) return cudaSuccess;
+  const std::int64_t blocks = std::min<std::int64_t>((n + kAxpyThreads - 1) / kAxpyThreads, 4096);
+  rowsToBf16Kernel<<<static_cast<unsigned int>(blocks), kAxpyThreads, 0, stream>>>(x, x_stride, rows, cols, out);
   return cudaGetLastError();
 }
 

@@ -17,6 +17,11 @@ namespace pd::gpu::kernels {
 /// Queues y[i] += a * x[i] for i < n on `stream` (device pointers).
 cudaError_t launchAxpy(float a, const float* x, float* y, int n, cudaStream_t stream);
 
+/// out[r * cols + c] = bf16Encode(x[r * x_stride + c]) for r < rows, c < cols: a linear's input
+/// rounded to BF16, packed, for the bf16 numerics mode's GEMMs.
+cudaError_t launchRowsToBf16(const float* x, std::int64_t x_stride, std::int64_t rows, std::int64_t cols,
+                             std::uint16_t* out, cudaStream_t stream);
+
 /// gate[i] = silu(gate[i]) * up[i] for i < n (the SwiGLU activation, math::siluMul).
 cudaError_t launchSiluMul(float* gate, const float* up, std::int64_t n, cudaStream_t stream);
 

@@ -23,6 +23,7 @@ namespace pd::model {
 
 Result<std::unique_ptr<Engine>> createCudaEngine(const std::filesystem::path& /*model_dir*/,
                                                  const CudaEngineOptions& options) {
+  PD_TRY(checkCudaEngineOptions(options));
   return makeError(
       ErrorCode::Unsupported,
       fmt::format("model.device {}: no CUDA device: this pdserve was built without CUDA (PD_WITH_CUDA=OFF)",

@@ -3,6 +3,7 @@
 
 #include <charconv>
 
+#include "pd/engine/cuda_engine.h"
 #include "pd/engine/gpu.h"
 
 namespace pd::gpu {
@@ -20,6 +21,16 @@ Result<ModelDevice> parseModelDevice(std::string_view text) {
     }
   }
   return makeError(ErrorCode::InvalidArgument, fmt::format("model.device '{}' is not one of cpu, cuda, cuda:N", text));
+}
+
+Result<Numerics> parseNumerics(std::string_view text) {
+  if (text == "fp32") return Numerics::Fp32;
+  if (text == "bf16") return Numerics::Bf16;
+  return makeError(ErrorCode::InvalidArgument, fmt::format("model.numerics '{}': expected fp32 or bf16", text));
+}
+
+const char* numericsName(Numerics numerics) {
+  return numerics == Numerics::Bf16 ? "bf16" : "fp32";
 }
 
 std::string modelDeviceName(const ModelDevice& device) {
@@ -51,3 +62,14 @@ Status checkModelDevice(const ModelDevice& device) {
 }
 
 }  // namespace pd::gpu
+
+namespace pd::model {
+
+Status checkCudaEngineOptions(const CudaEngineOptions& options) {
+  if (options.batch_invariant) {
+    return makeError(ErrorCode::Unsupported, "model.batch_invariant: the CUDA engine has no batch-invariant mode yet");
+  }
+  return okStatus();
+}
+
+}  // namespace pd::model

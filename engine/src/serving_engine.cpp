@@ -1,6 +1,8 @@
 // loadServingEngine (serving_engine.h).
 #include "pd/engine/serving_engine.h"
 
+#include <fmt/format.h>
+
 #include <utility>
 
 #include "pd/engine/cuda_engine.h"
@@ -9,22 +11,27 @@ namespace pd::model {
 
 Result<ServingEngine> loadServingEngine(const std::filesystem::path& model_dir, int threads,
                                         comm::TpProcessGroup* group, const gpu::ModelDevice& device,
-                                        bool batch_invariant) {
+                                        bool batch_invariant, gpu::Numerics numerics) {
   if (device.kind == gpu::ModelDevice::Kind::Cuda) {
-    if (batch_invariant) {
-      return makeError(ErrorCode::Unsupported,
-                       "model.batch_invariant: the CUDA engine has no batch-invariant mode yet");
-    }
+    CudaEngineOptions options;
+    options.device = device;
+    options.numerics = numerics;
+    options.batch_invariant = batch_invariant;
+    PD_TRY(checkCudaEngineOptions(options));
     if (group != nullptr) {
       return makeError(ErrorCode::InvalidArgument,
                        "model.device cuda: tensor parallelism runs on the CPU engine only (one GPU per worker)");
     }
-    CudaEngineOptions options;
-    options.device = device;
     PD_ASSIGN_OR_RETURN(std::unique_ptr<Engine> engine, createCudaEngine(model_dir, options));
     ServingEngine out;
     out.engine = std::move(engine);
     return out;
+  }
+  if (numerics != gpu::Numerics::Fp32) {
+    return makeError(ErrorCode::InvalidArgument,
+                     fmt::format("model.numerics {}: the numerics modes are the CUDA engine's (model.device cuda); the "
+                                 "CPU engine computes in FP32",
+                                 gpu::numericsName(numerics)));
   }
   CpuEngineOptions options;
   options.threads = threads;

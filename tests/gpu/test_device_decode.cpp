@@ -51,7 +51,30 @@ std::int32_t argmax(const float* row, std::int64_t n) {
 
 // Sequence s joins at step joins[s] with prompt prompts[s], then continues with the CPU's greedy
 // token; both engines get the same batch every step.
-void runParity(const char* name, int steps) {
+// The CPU engine's margin between its best and second-best logit of a row.
+double topMargin(const float* row, std::int64_t n) {
+  float first = -INFINITY;
+  float second = -INFINITY;
+  for (std::int64_t j = 0; j < n; ++j) {
+    if (row[j] > first) {
+      second = first;
+      first = row[j];
+    } else if (row[j] > second) {
+      second = row[j];
+    }
+  }
+  return double{first} - second;
+}
+
+// fp32 mode: every row within kLogitTolerance of the CPU engine and the same greedy token. bf16
+// mode (BF16-rounded linear inputs): its deviation from the CPU engine's FP32 is measured and
+// printed; every row within kBf16Bound, and the same greedy token wherever the CPU engine's
+// top-two margin exceeds twice that bound.
+constexpr double kBf16Bound = 0.25;
+
+void runParity(const char* name, int steps, pd::gpu::Numerics numerics = pd::gpu::Numerics::Fp32) {
+  const bool bf16 = numerics == pd::gpu::Numerics::Bf16;
+  const double tolerance = bf16 ? kBf16Bound : kLogitTolerance;
   const fs::path dir = golden(name);
   auto ckpt = pd::Checkpoint::open(dir);
   ASSERT_TRUE(ckpt.ok()) << ckpt.error().toString();
@@ -60,7 +83,10 @@ void runParity(const char* name, int steps) {
   const pd::ModelConfig& c = *config;
   auto weights = DeviceWeights::upload(*ckpt, c, uploadOptions());
   ASSERT_TRUE(weights.ok()) << weights.error().toString();
-  auto gpu = DeviceDecodeStep::create(*weights, c, {{kSequences * kBlocksPerSequence, kBlockSize}});
+  DeviceDecodeStep::Options step_options;
+  step_options.cache = {kSequences * kBlocksPerSequence, kBlockSize};
+  step_options.numerics = numerics;
+  auto gpu = DeviceDecodeStep::create(*weights, c, step_options);
   ASSERT_TRUE(gpu.ok()) << gpu.error().toString();
   pd::model::CpuEngineOptions cpu_options;
   cpu_options.threads = 1;
@@ -82,7 +108,10 @@ void runParity(const char* name, int steps) {
   std::vector<std::int64_t> pos(kSequences, 0);
   std::vector<std::int32_t> next(kSequences, 0);
   double worst = 0.0;
+  double sum_abs = 0.0;
+  std::int64_t compared_logits = 0;
   int compared_rows = 0;
+  int greedy_equal = 0;
   for (int step = 0; step < steps; ++step) {
     std::vector<std::size_t> active;
     for (std::size_t s = 0; s < static_cast<std::size_t>(kSequences); ++s) {
@@ -114,20 +143,32 @@ void runParity(const char* name, int steps) {
       const float* w = want->logits.data() + static_cast<std::int64_t>(k) * v;
       const float* g = got->data() + static_cast<std::int64_t>(k) * v;
       double row_worst = 0.0;
-      for (std::int64_t j = 0; j < v; ++j) row_worst = std::max(row_worst, std::fabs(double{w[j]} - g[j]));
+      for (std::int64_t j = 0; j < v; ++j) {
+        const double delta = std::fabs(double{w[j]} - g[j]);
+        row_worst = std::max(row_worst, delta);
+        sum_abs += delta;
+      }
+      compared_logits += v;
       worst = std::max(worst, row_worst);
       ++compared_rows;
-      EXPECT_LE(row_worst, kLogitTolerance)
-          << name << " step " << step << " sequence " << active[k] << " position " << pos[active[k]];
+      EXPECT_LE(row_worst, tolerance) << name << " " << pd::gpu::numericsName(numerics) << " step " << step
+                                      << " sequence " << active[k] << " position " << pos[active[k]];
       const std::int32_t greedy = argmax(w, v);
-      EXPECT_EQ(argmax(g, v), greedy) << name << " step " << step << " sequence " << active[k];
+      if (argmax(g, v) == greedy) ++greedy_equal;
+      if (!bf16 || topMargin(w, v) > 2 * kBf16Bound) {
+        EXPECT_EQ(argmax(g, v), greedy) << name << " step " << step << " sequence " << active[k];
+      }
       const std::size_t s = active[k];
       ++pos[s];
       next[s] = greedy;
     }
   }
-  std::printf("%s: %d steps, %d logit rows, max |gpu - cpu| = %.3g (tolerance %.0e)\n", name, steps, compared_rows,
-              worst, kLogitTolerance);
+  std::printf(
+      "%s, %s mode: %d steps, %d logit rows, max |gpu - cpu| = %.3g, mean %.3g (bound %.0e), greedy equal "
+      "in %d of %d rows\n",
+      name, pd::gpu::numericsName(numerics), steps, compared_rows, worst,
+      sum_abs / static_cast<double>(std::max<std::int64_t>(compared_logits, 1)), tolerance, greedy_equal,
+      compared_rows);
   EXPECT_GT(compared_rows, 3 * steps / 2);
 }
 
@@ -137,6 +178,17 @@ TEST(DeviceDecode, TinyBf16MatchesCpuEngine) {
 
 TEST(DeviceDecode, TinyFp8MatchesCpuEngine) {
   runParity("tiny-fp8", 14);
+}
+
+// The bf16 mode's deviation from the FP32 CPU engine (printed; the note and docs/gpu.md quote
+// it). tiny-bf16's linears run through cublasGemmEx on the stored BF16 weights; tiny-fp8's FP8
+// linears stay on the FP8 GEMV, so only its BF16 ones (if any) change.
+TEST(DeviceDecode, TinyBf16InTheBf16ModeStaysNearTheCpuEngine) {
+  runParity("tiny-bf16", 14, pd::gpu::Numerics::Bf16);
+}
+
+TEST(DeviceDecode, TinyFp8InTheBf16ModeStaysNearTheCpuEngine) {
+  runParity("tiny-fp8", 14, pd::gpu::Numerics::Bf16);
 }
 
 TEST(DeviceDecode, BadBatchIsInvalidArgument) {

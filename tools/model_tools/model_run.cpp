@@ -28,13 +28,16 @@ using model::Engine;
 
 Result<std::unique_ptr<Engine>> openEngine(const EngineChoice& choice) {
   if (choice.device.kind == gpu::ModelDevice::Kind::Cuda) {
-    if (choice.batch_invariant) {
-      return makeError(ErrorCode::Unsupported,
-                       "model.batch_invariant: the CUDA engine has no batch-invariant mode yet");
-    }
     model::CudaEngineOptions cuda;
     cuda.device = choice.device;
+    cuda.numerics = choice.numerics;
+    cuda.batch_invariant = choice.batch_invariant;
     return model::createCudaEngine(choice.model, cuda);
+  }
+  if (choice.numerics != gpu::Numerics::Fp32) {
+    return makeError(ErrorCode::InvalidArgument,
+                     fmt::format("model.numerics {}: the numerics modes are the CUDA engine's (model.device cuda)",
+                                 gpu::numericsName(choice.numerics)));
   }
   model::CpuEngineOptions options;
   options.threads = static_cast<int>(choice.threads);

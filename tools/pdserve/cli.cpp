@@ -61,6 +61,10 @@ CommonOptions::CommonOptions(CommonConfig& cfg) {
       .add("batch_invariant", &cfg.batch_invariant,
            "batch-invariant numerics: a request's tokens are the same whatever it is batched, chunked or resumed with "
            "(slower; CPU engine; docs/engine.md)")
+      .add("numerics", &cfg.model_numerics,
+           "with model.device cuda: fp32 (FP32 activations and accumulation, the golden-parity mode) or bf16 (BF16 "
+           "linears multiplied as stored with BF16-rounded inputs, FP32 accumulation; docs/gpu.md)",
+           {"fp32", "bf16"})
       .add("gpu_memory_utilization", &cfg.gpu_memory_utilization,
            "with model.device cuda: fraction of the GPU's total memory this process may use, in (0, 1]; the KV "
            "pool takes what is left after weights, workspace and CUDA graphs (docs/gpu.md)",
@@ -124,10 +128,19 @@ Status checkModelDevice(const CommonConfig& cfg) {
   return gpu::checkModelDevice(device);
 }
 
-Status checkGpuMemoryUtilization(const CommonConfig& cfg) {
-  if (cfg.gpu_memory_utilization > 0.0 && cfg.gpu_memory_utilization <= 1.0) return okStatus();
-  return makeError(ErrorCode::InvalidArgument,
-                   fmt::format("model.gpu_memory_utilization {} is not in (0, 1]", cfg.gpu_memory_utilization));
+Status checkGpuOptions(const CommonConfig& cfg) {
+  if (cfg.gpu_memory_utilization <= 0.0 || cfg.gpu_memory_utilization > 1.0) {
+    return makeError(ErrorCode::InvalidArgument,
+                     fmt::format("model.gpu_memory_utilization {} is not in (0, 1]", cfg.gpu_memory_utilization));
+  }
+  PD_ASSIGN_OR_RETURN(const gpu::Numerics numerics, gpu::parseNumerics(cfg.model_numerics));
+  PD_ASSIGN_OR_RETURN(const gpu::ModelDevice device, gpu::parseModelDevice(cfg.model_device));
+  if (numerics != gpu::Numerics::Fp32 && device.kind != gpu::ModelDevice::Kind::Cuda) {
+    return makeError(
+        ErrorCode::InvalidArgument,
+        fmt::format("model.numerics {} needs model.device cuda: the CPU engine computes in FP32", cfg.model_numerics));
+  }
+  return okStatus();
 }
 
 Result<std::filesystem::path> resolveModelDir(const CommonConfig& cfg) {

@@ -34,6 +34,9 @@ struct CommonConfig {
   /// Batch-invariant numerics (docs/engine.md, "Batch-invariant mode"): a request's tokens do not
   /// depend on what it is batched, chunked or resumed with. Slower; CPU engine only.
   bool batch_invariant = false;
+  /// With model.device cuda: "fp32" (the parity mode) or "bf16" (BF16 linears as stored, FP32
+  /// accumulation); gpu::Numerics, docs/gpu.md "Numerics modes".
+  std::string model_numerics = "fp32";
   /// With model.device cuda: the fraction of the device's total memory the process may use (vLLM's
   /// --gpu-memory-utilization); the KV pool gets what is left after weights, workspace and CUDA
   /// graphs (docs/gpu.md, "The GPU memory plan"). In (0, 1].
@@ -92,8 +95,9 @@ Result<std::filesystem::path> resolveModelDir(const CommonConfig& cfg);
 /// The router, which never runs the model, does not check it.
 Status checkModelDevice(const CommonConfig& cfg);
 
-/// model.gpu_memory_utilization in (0, 1] (the option table accepts 0..1); InvalidArgument.
-Status checkGpuMemoryUtilization(const CommonConfig& cfg);
+/// model.gpu_memory_utilization in (0, 1] (the option table accepts 0..1), and model.numerics
+/// other than fp32 only with model.device cuda; InvalidArgument.
+Status checkGpuOptions(const CommonConfig& cfg);
 
 int runUp(const std::vector<std::string>& args);
 /// The three server roles (cmd_router.cpp, cmd_prefill.cpp, cmd_decode.cpp).

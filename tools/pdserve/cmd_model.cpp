@@ -24,9 +24,11 @@ struct EngineFlags {
 
 // The engine the flags name: --model, else model.path, else the embedded default model.
 Result<tools::EngineChoice> engineChoice(const EngineFlags& flags, const CommonConfig& common) {
+  PD_TRY(checkGpuOptions(common));
   PD_TRY(checkModelDevice(common));
   PD_ASSIGN_OR_RETURN(const gpu::ModelDevice device, gpu::parseModelDevice(common.model_device));
-  tools::EngineChoice choice{flags.model, flags.threads, flags.isa, device, common.batch_invariant};
+  PD_ASSIGN_OR_RETURN(const gpu::Numerics numerics, gpu::parseNumerics(common.model_numerics));
+  tools::EngineChoice choice{flags.model, flags.threads, flags.isa, device, common.batch_invariant, numerics};
   if (choice.model.empty()) {
     PD_ASSIGN_OR_RETURN(choice.model, resolveModelDir(common));
   }

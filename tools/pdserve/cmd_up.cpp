@@ -62,7 +62,7 @@ int runUp(const std::vector<std::string>& raw_args) {
   // without a GPU fails here with "no CUDA device").
   auto device = gpu::parseModelDevice(common.model_device);
   if (!device.ok()) return reportFailure(device.error());
-  if (Status s = checkGpuMemoryUtilization(common); !s.ok()) return reportFailure(s.error());
+  if (Status s = checkGpuOptions(common); !s.ok()) return reportFailure(s.error());
   if (Status s = checkModelDevice(common); !s.ok()) return reportFailure(s.error());
 
   auto model_dir = resolveModelDir(common);

@@ -55,8 +55,11 @@ int runWorkerCommand(const WorkerRole& role, const std::vector<std::string>& raw
   if (!device.ok()) return reportFailure(device.error());
   cfg.model_device = *device;
   cfg.batch_invariant = common.batch_invariant;
+  auto numerics = gpu::parseNumerics(common.model_numerics);
+  if (!numerics.ok()) return reportFailure(numerics.error());
+  cfg.numerics = *numerics;
   if (Status s = validate(cfg); !s.ok()) return reportFailure(s.error());
-  if (Status s = checkGpuMemoryUtilization(common); !s.ok()) return reportFailure(s.error());
+  if (Status s = checkGpuOptions(common); !s.ok()) return reportFailure(s.error());
   if (check_only) return 0;
   if (Status s = checkModelDevice(common); !s.ok()) return reportFailure(s.error());
 

@@ -54,4 +54,37 @@ TEST(ModelDevice, BatchInvariantOnCudaIsUnsupported) {
   EXPECT_NE(loaded.error().message.find("batch-invariant"), std::string::npos) << loaded.error().message;
 }
 
+TEST(ModelDevice, ParsesNumerics) {
+  EXPECT_EQ(*pd::gpu::parseNumerics("fp32"), pd::gpu::Numerics::Fp32);
+  EXPECT_EQ(*pd::gpu::parseNumerics("bf16"), pd::gpu::Numerics::Bf16);
+  EXPECT_STREQ(pd::gpu::numericsName(pd::gpu::Numerics::Bf16), "bf16");
+  EXPECT_STREQ(pd::gpu::numericsName(pd::gpu::Numerics::Fp32), "fp32");
+  for (const char* bad : {"", "fp16", "BF16", "bf16 "}) {
+    const auto n = pd::gpu::parseNumerics(bad);
+    ASSERT_FALSE(n.ok()) << bad;
+    EXPECT_EQ(n.error().code, pd::ErrorCode::InvalidArgument);
+  }
+}
+
+// createCudaEngine itself refuses the batch-invariant mode, first, in every build (with CUDA or
+// without, with a device or without): the one place that check lives.
+TEST(ModelDevice, CreateCudaEngineRefusesTheBatchInvariantModeFirst) {
+  pd::model::CudaEngineOptions options;
+  options.batch_invariant = true;
+  const auto engine = pd::model::createCudaEngine("/nonexistent-model-folder", options);
+  ASSERT_FALSE(engine.ok());
+  EXPECT_EQ(engine.error().code, pd::ErrorCode::Unsupported);
+  EXPECT_NE(engine.error().message.find("batch-invariant"), std::string::npos) << engine.error().message;
+}
+
+// The numerics modes are the CUDA engine's: asking the CPU engine for bf16 is refused before the
+// model folder is read.
+TEST(ModelDevice, Bf16NumericsOnTheCpuEngineAreInvalidArgument) {
+  auto loaded = pd::model::loadServingEngine("/nonexistent-model-folder", 1, nullptr, ModelDevice{}, false,
+                                             pd::gpu::Numerics::Bf16);
+  ASSERT_FALSE(loaded.ok());
+  EXPECT_EQ(loaded.error().code, pd::ErrorCode::InvalidArgument);
+  EXPECT_NE(loaded.error().message.find("model.numerics bf16"), std::string::npos) << loaded.error().message;
+}
+
 }  // namespace

@@ -72,4 +72,26 @@ TEST(ModelDevice, BenchEngineOnAMissingCudaDeviceFailsClearly) {
   EXPECT_NE(bad.err.find("'gpu0'"), std::string::npos) << bad.err;
 }
 
+// model.numerics (docs/gpu.md "Numerics modes") names the CUDA engine's numerics: bf16 with the
+// CPU is bad input (exit 2) for the model commands and the workers' --check-config; with cuda the
+// configuration is valid (exit 0), and an unknown mode is bad input.
+TEST(ModelDevice, Bf16NumericsNeedTheCudaDevice) {
+  const auto gen =
+      pd::test::pdserve({"generate", "--model.numerics", "bf16", "--prompt-ids", "1,2,3", "--max-tokens", "1"});
+  EXPECT_EQ(gen.exit_code, 2) << gen.err;
+  EXPECT_NE(gen.err.find("model.numerics bf16 needs model.device cuda"), std::string::npos) << gen.err;
+  EXPECT_TRUE(gen.out.empty()) << gen.out;
+  for (const char* role : {"prefill", "decode"}) {
+    const auto cpu = pd::test::pdserve({role, "--check-config", "--model.numerics", "bf16"});
+    EXPECT_EQ(cpu.exit_code, 2) << role << ": " << cpu.err;
+    EXPECT_NE(cpu.err.find("model.numerics bf16 needs model.device cuda"), std::string::npos) << cpu.err;
+    const auto cuda =
+        pd::test::pdserve({role, "--check-config", "--model.numerics", "bf16", "--model.device", "cuda:0"});
+    EXPECT_EQ(cuda.exit_code, 0) << role << ": " << cuda.err;
+    const auto bad = pd::test::pdserve({role, "--check-config", "--model.numerics", "fp16"});
+    EXPECT_EQ(bad.exit_code, 2) << role << ": " << bad.err;
+    EXPECT_NE(bad.err.find("numerics"), std::string::npos) << bad.err;
+  }
+}
+
 }  // namespace

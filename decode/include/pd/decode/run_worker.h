@@ -59,6 +59,8 @@ struct DecodeWorkerConfig {
   /// `model.batch_invariant`: the engine of every rank computes a token alike whatever its batch
   /// or chunk (model::CpuEngineOptions::batch_invariant; docs/engine.md "Batch-invariant mode").
   bool batch_invariant = false;
+  /// `model.numerics`: the CUDA engine's numerics (model::CudaEngineOptions::numerics).
+  gpu::Numerics numerics = gpu::Numerics::Fp32;
 };
 
 /// Cross-field checks of the whole worker configuration (InvalidArgument naming the values).

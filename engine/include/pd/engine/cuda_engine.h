@@ -1,8 +1,8 @@
 #pragma once
 /// The CUDA backend of the Engine seam (engine/cuda/cuda_engine.cpp; docs/gpu.md): the whole
-/// DeepSeek-V3 forward on one device in the `fp32` numerics mode (FP32 activations and
-/// accumulation, exact against the CPU engine within the golden tolerances). `--model.device
-/// cuda[:N]` selects it.
+/// DeepSeek-V3 forward on one device, in the `fp32` numerics mode (FP32 activations and
+/// accumulation, exact against the CPU engine within the golden tolerances) or the `bf16` one
+/// (gpu::Numerics). `--model.device cuda[:N]` selects it, `--model.numerics` the mode.
 ///
 /// The caller's LatentCacheView (host memory: a PagedLatentCache or a worker's registered pool)
 /// stays the source of truth, so the pool and KV transfer code work unchanged: the engine keeps a
@@ -36,7 +36,15 @@ struct CudaEngineOptions {
   /// kv_block_size positions (per KV layer). 0: one sequence of max_position_embeddings.
   std::int64_t kv_blocks = 0;
   std::int64_t kv_block_size = 64;
+  /// Fp32 (the parity mode) or Bf16 (BF16 linears as stored, FP32 accumulation; gpu.h Numerics).
+  gpu::Numerics numerics = gpu::Numerics::Fp32;
+  /// model.batch_invariant: the CUDA engine has no such mode; createCudaEngine refuses it.
+  bool batch_invariant = false;
 };
+
+/// The checks createCudaEngine makes before it looks for a device (every build): Unsupported for
+/// batch_invariant.
+[[nodiscard]] Status checkCudaEngineOptions(const CudaEngineOptions& options);
 
 /// Uploads the checkpoint in `model_dir` to the device and binds the model. Unsupported "no CUDA
 /// device" without one; InvalidArgument for a bad device index or a model the kernels do not run;

@@ -35,6 +35,16 @@ struct ModelDevice {
 /// "cpu", "cuda:0", ...
 [[nodiscard]] std::string modelDeviceName(const ModelDevice& device);
 
+/// The CUDA engine's numerics (`--model.numerics`, docs/gpu.md "Numerics modes"):
+/// - Fp32: FP32 activations and accumulation; the golden tolerances hold (the parity mode);
+/// - Bf16: every BF16 linear multiplies its weights as stored (no FP32 copy) with its input rounded
+///   to BF16, accumulating in FP32 (cublasGemmEx); norms, attention and the residual stay FP32.
+enum class Numerics { Fp32, Bf16 };
+
+/// "fp32" or "bf16"; InvalidArgument naming the text otherwise.
+[[nodiscard]] Result<Numerics> parseNumerics(std::string_view text);
+[[nodiscard]] const char* numericsName(Numerics numerics);
+
 /// Whether the engine can run on `device` here, checked before any model is loaded: OK for the
 /// CPU. For CUDA, Unsupported "no CUDA device ..." when this build has no CUDA or no device is
 /// visible, InvalidArgument when the index is past the visible devices; OK for a visible device

@@ -23,9 +23,11 @@ struct ServingEngine {
 /// 0's shard of the group's communicator, wrapped in a TpLeaderEngine. A CUDA `device` loads the
 /// CUDA engine (pd/engine/cuda_engine.h) instead; with a group that is InvalidArgument (tensor
 /// parallelism runs on the CPU engine only). `batch_invariant`: CpuEngineOptions::batch_invariant
-/// (Unsupported on CUDA).
+/// (Unsupported on CUDA). `numerics`: CudaEngineOptions::numerics (anything but Fp32 is
+/// InvalidArgument on the CPU).
 [[nodiscard]] Result<ServingEngine> loadServingEngine(const std::filesystem::path& model_dir, int threads,
                                                       comm::TpProcessGroup* group, const gpu::ModelDevice& device = {},
-                                                      bool batch_invariant = false);
+                                                      bool batch_invariant = false,
+                                                      gpu::Numerics numerics = gpu::Numerics::Fp32);
 
 }  // namespace pd::model
