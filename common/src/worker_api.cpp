@@ -549,6 +549,7 @@ std::string toJson(const WorkerStatus& v) {
     o["prefix_cache_blocks"] = v.prefix_cache_blocks;
     o["prefix_cache_capacity"] = v.prefix_cache_capacity;
   }
+  if (v.local_prefill_max_tokens >= 0) o["local_prefill_max_tokens"] = v.local_prefill_max_tokens;
   return dump(o);
 }
 
@@ -578,6 +579,7 @@ Result<WorkerStatus> parseWorkerStatus(std::string_view text) {
   r.str("kv_transfer_path", v.kv_transfer_path, false, 16);
   r.integer("prefix_cache_blocks", v.prefix_cache_blocks, false, 0);
   r.integer("prefix_cache_capacity", v.prefix_cache_capacity, false, 0);
+  r.integer("local_prefill_max_tokens", v.local_prefill_max_tokens, false, 0);
   if (!r.ok()) return r.status().error();
   return v;
 }

@@ -608,6 +608,9 @@ worker_api::WorkerStatus DecodeServer::Impl::status() const {
   s.kv_transfer_path = std::string(kvtransfer::kvTransferPathName(kv_path_));
   s.prefix_cache_blocks = m.prefix_cache_blocks;
   s.prefix_cache_capacity = loop_ != nullptr ? engineOptions(options_.decode).prefix_cache_blocks : 0;
+  // A tensor-parallel worker prefills nothing itself (openStream refuses it): the router then
+  // sends its short prompts to a prefill worker.
+  s.local_prefill_max_tokens = options_.decode.tensor_parallel > 1 ? 0 : options_.decode.local_prefill_max_tokens;
   return s;
 }
 

@@ -169,6 +169,15 @@ struct Shared {
   /// is ready.
   /// Whether `worker`'s last status says it keeps a decode prefix cache (it then gets the prompt's
   /// token ids in the open, docs/kv-memory.md "Prefix reuse on the decode side").
+  // The longest prompt `worker` prefills itself (WorkerStatus::local_prefill_max_tokens); -1 when
+  // it does not say.
+  std::int64_t localPrefillLimit(const WorkerAddress& worker) const {
+    for (const WorkerView& w : registry.ready(WorkerRole::Decode)) {
+      if (w.address == worker) return w.status.local_prefill_max_tokens;
+    }
+    return -1;
+  }
+
   bool hasDecodePrefixCache(const WorkerAddress& worker) const {
     for (const WorkerView& w : registry.ready(WorkerRole::Decode)) {
       if (w.address == worker) return w.status.prefix_cache_capacity > 0;
@@ -441,10 +450,17 @@ class Generation : public std::enable_shared_from_this<Generation> {
     const std::int64_t min_remote = s_.options.remote_prefill_min_tokens;
     // One choice's leg only: n > 1 shares one remote prefill among its choices (attach).
     const bool one_choice = choices == 1 && !attach;
-    const bool local = one_choice && min_remote > 0 && prompt_tokens < min_remote;
+    const bool short_prompt = min_remote > 0 && prompt_tokens < min_remote;
+    // The worker's own limit: a tensor-parallel worker prefills nothing, others up to
+    // decode.local_prefill_max_tokens; past it the prompt goes to a prefill worker.
+    const std::int64_t limit = one_choice && short_prompt ? s_.localPrefillLimit(*d) : -1;
+    const bool worker_refuses = limit >= 0 && prompt_tokens > limit;
+    const bool local = one_choice && short_prompt && !worker_refuses;
     const char* reason = min_remote == 0 ? "disabled"
                          : !one_choice   ? "choices"
-                                         : (local ? "short_prompt" : "long_prompt");
+                         : !short_prompt ? "long_prompt"
+                         : local         ? "short_prompt"
+                                         : "worker_limit";
     if (local) {
       worker_api::PrefillSubmit shaped;  // the tokens and first token a prefill worker would get
       resume_.shapePrefill(req_, shaped);
@@ -1262,7 +1278,8 @@ Result<std::unique_ptr<PdBackend>> PdBackend::create(PdBackendOptions options, W
   shared.prefills = &metrics.counter(
       "pdserve_router_prefills_total",
       "Prompts (of every leg) by where they were prefilled: remote (a prefill worker) or local (the decode "
-      "worker itself, router.remote_prefill_min_tokens), and why.",
+      "worker itself, router.remote_prefill_min_tokens), and why (worker_limit: short, but longer than the decode "
+      "worker prefills itself).",
       {"where", "reason"});
   return std::unique_ptr<PdBackend>(new PdBackend(std::make_unique<Impl>(std::move(shared))));
 }

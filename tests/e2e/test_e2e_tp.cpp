@@ -39,6 +39,7 @@
 
 #include "pd/common/http_client.h"
 #include "pd/common/worker_api.h"
+#include "support/metrics_text.h"
 #include "support/role_process.h"
 #include "support/router_serving.h"
 #include "support/test_files.h"
@@ -405,64 +406,58 @@ TEST(E2eTpFaults, AFollowerThatDiesFailsTheLeadersRequestsCleanlyAndItsReadiness
   EXPECT_EQ(*status, 0);
 }
 
-// A router that sends every prompt to be prefilled locally (conditional disaggregation) to a
-// tensor-parallel decode worker: the worker refuses each such open (its local prefill would run
-// over a scratch cache of the leader's alone, which the follower's forwards cannot follow), the
-// client gets a clean error, and the group stays whole: the follower lives, /ready stays 200,
-// nothing is held, and a router sending remote prefills still gets the golden tokens.
-TEST(E2eTpFaults, ALocalPrefillIsRefusedAndTheGroupKeepsServing) {
+// Conditional disaggregation with a tensor-parallel decode worker. The worker prefills nothing
+// itself (its local prefill would run over a scratch cache of the leader's alone, which the
+// follower's forwards cannot follow) and says so in its status (local_prefill_max_tokens 0). A
+// router with remote_prefill_min_tokens set therefore sends its short prompts to the prefill
+// worker: the golden tokens come back, counted as reason worker_limit. A local open sent to the
+// worker anyway is refused with a clean error, and the group stays whole: the follower lives,
+// /ready stays 200, nothing is held, and it still serves.
+TEST(E2eTpFaults, ShortPromptsGoRemoteAndALocalPrefillIsRefusedWithTheGroupWhole) {
   const GoldenPrompt golden = goldenPrompt("tiny-bf16");
   TpCluster cluster("tiny-bf16", 0, {}, {}, {"--router.remote_prefill_min_tokens=100000"});
   ASSERT_TRUE(cluster.ready());
   const int follower = TpCluster::followerPid(cluster.leaderPid());
   ASSERT_GT(follower, 0);
-  for (int i = 0; i < 3; ++i) {
-    json::array prompt;
-    for (auto t : golden.tokens) prompt.push_back(t);
-    http::Client client(cluster.router().host(), cluster.router().port());
-    http::ClientRequest req;
-    req.method = "POST";
-    req.target = "/v1/completions";
-    req.headers.push_back({"Content-Type", "application/json"});
-    req.body = json::serialize(json::object{{"model", "pdserve-default"}, {"prompt", prompt}, {"max_tokens", 4}});
-    auto r = client.send(req, 60s);
-    ASSERT_TRUE(r.ok()) << r.error().toString();
-    EXPECT_GE(r->status, 400) << r->body;
-    EXPECT_NE(r->body.find("error"), std::string::npos) << r->body;
+  EXPECT_EQ(workerStatus(cluster.decode()).local_prefill_max_tokens, 0);
+  for (int round = 0; round < 2; ++round) {
+    const auto ids = cluster.complete(golden);
+    ASSERT_TRUE(ids.has_value());
+    EXPECT_EQ(*ids, golden.greedy) << "round " << round;
   }
+  const auto metrics = scrapeMetrics(cluster.router().host(), cluster.router().port());
+  ASSERT_TRUE(metrics.has_value());
+  EXPECT_EQ(sampleValue(*metrics, R"(pdserve_router_prefills_total{where="remote",reason="worker_limit"})"), 2.0)
+      << *metrics;
+  EXPECT_EQ(sampleValue(*metrics, R"(pdserve_router_prefills_total{where="local",reason="short_prompt"})").value_or(0),
+            0.0)
+      << *metrics;
+
+  // A local open straight to the worker (what an older router would send): refused, cleanly.
+  worker_api::DecodeOpen open;
+  open.request_id = "cmpl-local-on-tp";
+  open.prompt_tokens = static_cast<std::int64_t>(golden.tokens.size());
+  open.max_tokens = 4;
+  open.local_prompt_token_ids.assign(golden.tokens.begin(), golden.tokens.end());
+  http::Client client(cluster.decode().host(), cluster.decode().port());
+  http::ClientRequest req;
+  req.method = "POST";
+  req.target = std::string(worker_api::kDecodeOpenPath);
+  req.headers.push_back({"Content-Type", "application/json"});
+  req.body = worker_api::toJson(open);
+  auto r = client.send(req, 60s);
+  ASSERT_TRUE(r.ok()) << r.error().toString();
+  EXPECT_GE(r->status, 400) << r->body;
+  EXPECT_NE(r->body.find("does not prefill locally"), std::string::npos) << r->body;
+
   EXPECT_TRUE(alive(follower)) << "a refused local prefill must not break the group";
   EXPECT_EQ(getStatus(cluster.decode(), "/ready"), 200);
   const auto st = workerStatus(cluster.decode());
   EXPECT_EQ(st.free_blocks, st.total_blocks) << "KV blocks leaked";
   EXPECT_EQ(st.running_requests, 0);
-  // The same workers behind a router that prefills remotely: the group still computes.
-  RoleProcess remote("router",
-                     {"--model.path=" + (goldenDir() / "tiny-bf16").string(), "--model.tokenizer=" PD_TOKENIZER_DIR,
-                      "--log.level=warn", "--router.port=0", "--router.prefill_workers=" + cluster.prefill().hostPort(),
-                      "--router.decode_workers=" + cluster.decode().hostPort()});
-  ASSERT_TRUE(remote.ready());
-  ASSERT_TRUE(waitRouterServing(remote.host(), remote.port()));
-  json::array prompt;
-  for (auto t : golden.tokens) prompt.push_back(t);
-  http::Client client(remote.host(), remote.port());
-  http::ClientRequest req;
-  req.method = "POST";
-  req.target = "/v1/completions";
-  req.headers.push_back({"Content-Type", "application/json"});
-  req.body = json::serialize(json::object{{"model", "pdserve-default"},
-                                          {"prompt", prompt},
-                                          {"max_tokens", golden.greedy.size()},
-                                          {"temperature", 0},
-                                          {"return_token_ids", true}});
-  auto r = client.send(req, 120s);
-  ASSERT_TRUE(r.ok()) << r.error().toString();
-  ASSERT_EQ(r->status, 200) << r->body;
-  const json::value doc = json::parse(r->body);
-  std::vector<std::int64_t> ids;
-  for (const auto& t : doc.at("choices").as_array().at(0).at("token_ids").as_array()) {
-    ids.push_back(t.to_number<std::int64_t>());
-  }
-  EXPECT_EQ(ids, golden.greedy);
+  const auto again = cluster.complete(golden);
+  ASSERT_TRUE(again.has_value());
+  EXPECT_EQ(*again, golden.greedy) << "after the refused local open";
 }
 
 TEST(E2eTpFaults, ARequestStreamingWhenTheFollowerDiesEndsWithAnErrorAtOnce) {

@@ -155,6 +155,25 @@ TEST(WorkerApi, DecodeOpenCarriesThePromptsTokenIdsForThePrefixCache) {
   EXPECT_FALSE(parseWorkerStatus(R"({"role":"decode","ready":true,"prefix_cache_capacity":-1})").ok());
 }
 
+TEST(WorkerApi, StatusCarriesTheLocalPrefillLimitWhenReported) {
+  WorkerStatus st;
+  st.role = "decode";
+  EXPECT_EQ(toJson(st).find("local_prefill_max_tokens"), std::string::npos);  // -1: not reported
+  EXPECT_EQ(parseWorkerStatus(toJson(st))->local_prefill_max_tokens, -1);
+  for (const std::int64_t limit : {std::int64_t{0}, std::int64_t{4096}}) {
+    st.local_prefill_max_tokens = limit;
+    auto status = parseWorkerStatus(toJson(st));
+    ASSERT_TRUE(status.ok()) << status.error().toString();
+    EXPECT_EQ(status->local_prefill_max_tokens, limit);
+  }
+  for (const char* bad : {R"({"role":"decode","ready":true,"local_prefill_max_tokens":-1})",
+                          R"({"role":"decode","ready":true,"local_prefill_max_tokens":"4"})"}) {
+    const auto r = parseWorkerStatus(bad);
+    ASSERT_FALSE(r.ok()) << bad;
+    EXPECT_NE(r.error().message.find("local_prefill_max_tokens"), std::string::npos) << r.error().message;
+  }
+}
+
 TEST(WorkerApi, DecodeOpenRefusesBadInputNamingTheField) {
   const auto message = [](std::string_view json) {
     auto r = parseDecodeOpen(json);

@@ -438,6 +438,57 @@ TEST_F(PdBackendTest, ShortPromptsArePrefilledByTheDecodeWorker) {
   EXPECT_EQ(prefills("remote", "long_prompt"), 1.0);
 }
 
+// A short prompt is still prefilled remotely when the decode worker says it prefills no prompt
+// that long (its status' local_prefill_max_tokens; 0 for a tensor-parallel worker): the router
+// never sends what the worker would refuse.
+TEST_F(PdBackendTest, AShortPromptGoesRemoteWhenTheDecodeWorkerPrefillsNoneThatLong) {
+  DecodeScript script;
+  script.tokens = {{kHello}, {kBang}};
+  d1.setScript(script);
+  auto s = d1.status();
+  s.local_prefill_max_tokens = 0;
+  d1.setStatus(s);
+  PdBackendOptions o;
+  o.remote_prefill_min_tokens = 3;
+  startBackend(o);
+  ASSERT_TRUE(waitFor([&] {
+    for (const auto& w : registry->ready(WorkerRole::Decode)) {
+      if (w.address.key() == d1.address() && w.status.local_prefill_max_tokens == 0) return true;
+    }
+    return false;
+  }));
+  auto sink = std::make_shared<RecordingSink>();
+  ASSERT_TRUE(backend->start(request(), sink).ok());  // a 2-token prompt: short
+  ASSERT_TRUE(sink->waitEnd());
+  ASSERT_FALSE(sink->error()) << sink->error()->toString();
+  EXPECT_EQ(sink->text(), "Hello!");
+  ASSERT_EQ(d1.opens().size(), 1U);
+  EXPECT_TRUE(d1.opens()[0].local_prompt_token_ids.empty());
+  EXPECT_EQ(p1.submits().size() + p2.submits().size(), 1U);
+  const auto prefills = [&](const std::string& where, const std::string& reason) {
+    return metrics.counter("pdserve_router_prefills_total", "", {"where", "reason"}).labels({where, reason}).value();
+  };
+  EXPECT_EQ(prefills("remote", "worker_limit"), 1.0);
+  EXPECT_EQ(prefills("local", "short_prompt"), 0.0);
+
+  // A limit of 2 tokens admits the 2-token prompt.
+  s.local_prefill_max_tokens = 2;
+  d1.setStatus(s);
+  ASSERT_TRUE(waitFor([&] {
+    for (const auto& w : registry->ready(WorkerRole::Decode)) {
+      if (w.address.key() == d1.address() && w.status.local_prefill_max_tokens == 2) return true;
+    }
+    return false;
+  }));
+  auto sink2 = std::make_shared<RecordingSink>();
+  ASSERT_TRUE(backend->start(request("cmpl-t2"), sink2).ok());
+  ASSERT_TRUE(sink2->waitEnd());
+  ASSERT_FALSE(sink2->error()) << sink2->error()->toString();
+  ASSERT_EQ(d1.opens().size(), 2U);
+  EXPECT_EQ(d1.opens()[1].local_prompt_token_ids, (std::vector<TokenId>{0, static_cast<TokenId>(kHello)}));
+  EXPECT_EQ(prefills("local", "short_prompt"), 1.0);
+}
+
 TEST_F(PdBackendTest, OverloadedPrefillIsRetriedAndExhaustedRetriesFailTheRequestAndFreeDecode) {
   p1.setBehaviour(PrefillBehaviour::Overloaded);
   p2.setBehaviour(PrefillBehaviour::Overloaded);

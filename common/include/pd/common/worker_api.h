@@ -206,6 +206,11 @@ struct WorkerStatus {
   /// does not send prompt token ids). Optional in the JSON (0 when absent).
   std::int64_t prefix_cache_blocks = 0;
   std::int64_t prefix_cache_capacity = 0;
+  /// Decode, conditional disaggregation (docs/kv-memory.md "Local prefill"): the longest prompt
+  /// the worker prefills itself (decode.local_prefill_max_tokens); 0 when it prefills none (a
+  /// tensor-parallel worker). The router sends longer prompts to a prefill worker. Optional in the
+  /// JSON: -1 when absent (not reported: the router assumes no limit).
+  std::int64_t local_prefill_max_tokens = -1;
 };
 
 /// Most block keys one KvEvents message may carry (snapshot blocks and events together).
