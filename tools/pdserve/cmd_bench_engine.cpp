@@ -68,6 +68,7 @@ int runBenchEngine(const std::vector<std::string>& args) {
     if (!dir.ok()) return reportFailure(dir.error());
     cfg.model = *dir;
   }
+  cfg.batch_invariant = common.batch_invariant;
   if (isa_name == "avx512") cfg.isa = model::CpuIsa::Avx512;
   if (isa_name == "avx2") cfg.isa = model::CpuIsa::Avx2;
   if (isa_name == "generic") cfg.isa = model::CpuIsa::Generic;

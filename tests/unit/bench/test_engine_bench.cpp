@@ -55,6 +55,13 @@ TEST(EngineBench, ReportsCarryTheRatios) {
   const std::string text = engineReportText(r);
   EXPECT_NE(text.find("MBU 0.200"), std::string::npos) << text;
   EXPECT_NE(text.find("fraction of peak 0.200"), std::string::npos) << text;
+  EXPECT_FALSE(doc.at("batch_invariant").as_bool());
+  EXPECT_EQ(text.find("batch-invariant"), std::string::npos) << text;
+  EngineBenchResult invariant = r;
+  invariant.batch_invariant = true;
+  EXPECT_TRUE(boost::json::parse(engineReportJson(invariant)).at("batch_invariant").as_bool());
+  EXPECT_NE(engineReportText(invariant).find("cpu/avx2 batch-invariant"), std::string::npos)
+      << engineReportText(invariant);
 }
 
 }  // namespace

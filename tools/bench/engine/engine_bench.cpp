@@ -121,6 +121,7 @@ Result<EngineBenchResult> runEngineBench(const EngineBenchConfig& cfg) {
   model::CpuEngineOptions eo;
   eo.threads = static_cast<int>(cfg.threads);
   eo.isa = cfg.isa;
+  eo.batch_invariant = cfg.batch_invariant;
   PD_ASSIGN_OR_RETURN(auto engine, model::createCpuEngine(cfg.model, eo));
   const model::EngineCapabilities caps = engine->capabilities();
   const model::KernelTable& k = model::kernelTable(eo.isa.value_or(model::detectCpuIsa()));
@@ -129,6 +130,7 @@ Result<EngineBenchResult> runEngineBench(const EngineBenchConfig& cfg) {
   result.model = cfg.model.string();
   result.weight_dtype = std::string(dtypeName(caps.weight_dtype));
   result.backend = caps.backend;
+  result.batch_invariant = cfg.batch_invariant;
   result.threads = caps.threads;
   result.context = cfg.context;
   {
@@ -166,8 +168,8 @@ Result<EngineBenchResult> runEngineBench(const EngineBenchConfig& cfg) {
 }
 
 std::string engineReportText(const EngineBenchResult& r) {
-  std::string out =
-      fmt::format("model {} ({} weights), {}, {} threads\n", r.model, r.weight_dtype, r.backend, r.threads);
+  std::string out = fmt::format("model {} ({} weights), {}{}, {} threads\n", r.model, r.weight_dtype, r.backend,
+                                r.batch_invariant ? " batch-invariant" : "", r.threads);
   out += fmt::format("ceilings: read bandwidth {:.2f} GB/s, FMA peak {:.1f} GFLOP/s\n", r.read_bandwidth / 1e9,
                      r.peak_flops / 1e9);
   for (const auto& d : r.decode) {
@@ -199,13 +201,13 @@ std::string engineReportJson(const EngineBenchResult& r) {
   d += "]";
   const double prefill_rate = r.prefill_seconds > 0 ? r.prefill_flops / r.prefill_seconds : 0.0;
   return fmt::format(
-      "{{\"model\": \"{}\", \"weight_dtype\": \"{}\", \"backend\": \"{}\", \"threads\": {}, "
+      "{{\"model\": \"{}\", \"weight_dtype\": \"{}\", \"backend\": \"{}\", \"batch_invariant\": {}, \"threads\": {}, "
       "\"read_bandwidth_gbs\": {:.3f}, \"peak_gflops\": {:.2f}, \"context\": {}, \"decode\": {}, "
       "\"mbu_batch1\": {:.4f}, \"prefill_tokens\": {}, \"prefill_seconds\": {:.4f}, "
       "\"prefill_tokens_per_s\": {:.2f}, \"prefill_gflops\": {:.2f}, \"prefill_flops_fraction\": {:.4f}, "
       "\"prefill_cpu_share\": {:.3f}}}",
-      r.model, r.weight_dtype, r.backend, r.threads, r.read_bandwidth / 1e9, r.peak_flops / 1e9, r.context, d,
-      batchOneMbu(r), r.prefill_tokens, r.prefill_seconds,
+      r.model, r.weight_dtype, r.backend, r.batch_invariant, r.threads, r.read_bandwidth / 1e9, r.peak_flops / 1e9,
+      r.context, d, batchOneMbu(r), r.prefill_tokens, r.prefill_seconds,
       r.prefill_seconds > 0 ? static_cast<double>(r.prefill_tokens) / r.prefill_seconds : 0.0, prefill_rate / 1e9,
       prefillFlopsFraction(r), r.prefill_cpu_share);
 }

@@ -29,6 +29,7 @@ struct EngineBenchConfig {
   std::int64_t steps = 8;             ///< timed decode steps per batch (after 2 warm-up steps)
   std::int64_t prefill_tokens = 512;  ///< 0: skip the prefill measurement
   std::int64_t bandwidth_mb = 2048;   ///< buffer of the read-bandwidth probe
+  bool batch_invariant = false;       ///< model.batch_invariant: CpuEngineOptions::batch_invariant
 };
 
 /// One batch size's decode steps.
@@ -46,8 +47,9 @@ struct EngineBenchResult {
   std::string weight_dtype;
   std::string backend;
   int threads = 0;
-  double read_bandwidth = 0.0;  ///< bytes/s, the decode ceiling
-  double peak_flops = 0.0;      ///< FLOP/s, the prefill ceiling
+  bool batch_invariant = false;  ///< the engine ran in the batch-invariant mode
+  double read_bandwidth = 0.0;   ///< bytes/s, the decode ceiling
+  double peak_flops = 0.0;       ///< FLOP/s, the prefill ceiling
   std::int64_t context = 0;
   std::vector<EngineDecodeRow> decode;
   std::int64_t prefill_tokens = 0;
