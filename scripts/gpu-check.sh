@@ -123,7 +123,7 @@ layers=${PD_GPU_CHECK_LAYERS:-1}
 bench_model="$log_dir/dsv3-layers-$layers-fp8"
 bench_rc=1
 if step make-model 240 "$build_dir/tools/pdserve" make-model "$bench_model" --preset "deepseek-v3-layers=$layers" --fp8; then
-  step bench-engine 180 "$build_dir/tools/pdserve" bench engine --device cuda --model "$bench_model" --json
+  step bench-engine 240 "$build_dir/tools/pdserve" bench engine --device cuda --model "$bench_model" --json
   bench_rc=$?
   grep -E '^\{' "$log_dir/bench-engine.log" >"$log_dir/bench-engine.json"
   say "gpu-check: bench engine --device cuda --json:"

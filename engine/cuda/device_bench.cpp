@@ -9,6 +9,7 @@
 #include <numeric>
 #include <vector>
 
+#include "device_decode_step.h"
 #include "device_ops.h"
 #include "device_weights.h"
 #include "gpu_kernels.h"
@@ -210,6 +211,57 @@ Result<DeviceCeilings> measureDeviceCeilings(const DeviceCeilingsConfig& c) {
   PD_ASSIGN_OR_RETURN(out.attention_seconds, measureAttentionSeconds(c, stream));
   out.attention_bytes = attentionMinimumBytes(c, 2);
   out.attention_hbm_fraction = bandwidthFraction(out.attention_bytes, out.attention_seconds, out.read_bandwidth);
+  return out;
+}
+
+Result<DecodeStepResult> measureBatchOneDecode(const std::filesystem::path& model_dir, const ModelDevice& device,
+                                               Numerics numerics, std::int64_t context, std::int64_t steps) {
+  if (context < 1 || context > 65536 || steps < 1 || steps > 65536) {
+    return makeError(
+        ErrorCode::InvalidArgument,
+        fmt::format("bench engine --device cuda: decode context {} and steps {} must be in 1..65536", context, steps));
+  }
+  PD_ASSIGN_OR_RETURN(const Checkpoint checkpoint, Checkpoint::open(model_dir));
+  PD_ASSIGN_OR_RETURN(const ModelConfig config, ModelConfig::load(model_dir));
+  constexpr std::int64_t kBlock = 64;
+  const std::int64_t positions = context + steps;
+  const std::int64_t blocks = (positions + kBlock - 1) / kBlock;
+  DeviceWeights::Options options;
+  options.device = device;
+  options.serving = DeviceServingShape{.kv_blocks = blocks,
+                                       .kv_block_size = kBlock,
+                                       .kv_dtype = DType::F32,
+                                       .max_batch_tokens = 64,
+                                       .max_context = positions,
+                                       .max_sample_rows = 64};
+  PD_ASSIGN_OR_RETURN(const DeviceWeights weights, DeviceWeights::upload(checkpoint, config, options));
+  DeviceDecodeStep::Options step_options;
+  step_options.cache = {blocks, kBlock};
+  step_options.numerics = numerics;
+  PD_ASSIGN_OR_RETURN(std::unique_ptr<DeviceDecodeStep> step, DeviceDecodeStep::create(weights, config, step_options));
+  std::vector<std::int32_t> table(static_cast<std::size_t>(blocks));
+  std::iota(table.begin(), table.end(), 0);
+  const std::int32_t token = config.vocab_size > 1 ? 1 : 0;
+  // Positions 0 .. context-1 fill the cache (untimed; the first ones warm up), then the timed ones.
+  for (std::int64_t pos = 0; pos < context; ++pos) {
+    const DecodeSequence seq{token, pos, table};
+    PD_ASSIGN_OR_RETURN(const std::vector<float> logits, step->step(std::span<const DecodeSequence>(&seq, 1)));
+    (void)logits;
+  }
+  std::vector<double> seconds;
+  for (std::int64_t i = 0; i < steps; ++i) {
+    const DecodeSequence seq{token, context + i, table};
+    const auto start = std::chrono::steady_clock::now();
+    PD_ASSIGN_OR_RETURN(const std::vector<float> logits, step->step(std::span<const DecodeSequence>(&seq, 1)));
+    seconds.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+    (void)logits;
+  }
+  DecodeStepResult out;
+  out.numerics = numerics;
+  out.context = context;
+  out.steps = steps;
+  out.step_seconds = median(std::move(seconds));
+  out.bytes_per_step = step->batchOneBytes(context + 1 + steps / 2);
   return out;
 }
 

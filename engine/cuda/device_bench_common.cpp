@@ -18,6 +18,10 @@ double bandwidthFraction(double bytes, double seconds, double bandwidth) {
   return bytes / seconds / bandwidth;
 }
 
+double decodeStepMbu(const DecodeStepResult& step, double read_bandwidth) {
+  return bandwidthFraction(step.bytes_per_step, step.step_seconds, read_bandwidth);
+}
+
 Status validateDeviceCeilingsConfig(const DeviceCeilingsConfig& c) {
   const auto check = [](std::string_view name, std::int64_t value, std::int64_t lo, std::int64_t hi) -> Status {
     if (value < lo || value > hi) {

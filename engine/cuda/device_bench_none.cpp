@@ -19,4 +19,12 @@ Result<WeightUploadResult> measureWeightUpload(const std::filesystem::path& /*mo
                                modelDeviceName(device)));
 }
 
+Result<DecodeStepResult> measureBatchOneDecode(const std::filesystem::path& /*model_dir*/, const ModelDevice& device,
+                                               Numerics /*numerics*/, std::int64_t /*context*/,
+                                               std::int64_t /*steps*/) {
+  return makeError(ErrorCode::Unsupported,
+                   fmt::format("{}: no CUDA device: this pdserve was built without CUDA (PD_WITH_CUDA=OFF)",
+                               modelDeviceName(device)));
+}
+
 }  // namespace pd::gpu

@@ -622,6 +622,53 @@ Result<std::vector<float>> DeviceDecodeStep::step(std::span<const DecodeSequence
   return std::move(out.logits);
 }
 
+namespace {
+
+double linearBytes(const Linear& l) {
+  const double elements = static_cast<double>(l.rows) * static_cast<double>(l.cols);
+  if (l.f32 != nullptr) return 4.0 * elements;
+  if (l.bf16 != nullptr) return 2.0 * elements;
+  const double scales = static_cast<double>((l.rows + l.block_rows - 1) / l.block_rows) *
+                        static_cast<double>((l.cols + l.block_cols - 1) / l.block_cols);
+  return elements + 4.0 * scales;  // FP8 bytes and their F32 block scales
+}
+
+double mlpBytes(const Mlp& m) {
+  return linearBytes(m.gate) + linearBytes(m.up) + linearBytes(m.down);
+}
+
+}  // namespace
+
+double DeviceDecodeStep::batchOneBytes(std::int64_t context) const {
+  const Impl& m = *impl_;
+  const ModelConfig& c = m.cfg;
+  const double d = static_cast<double>(c.hidden_size);
+  const double heads = static_cast<double>(c.num_attention_heads);
+  const double ld = static_cast<double>(c.latentDim());
+  double bytes = 4.0 * d;  // the embedding row (FP32 copy)
+  for (const Layer& l : m.layers) {
+    bytes += 4.0 * 2.0 * d;  // input and post-attention norms
+    if (l.q_a) bytes += linearBytes(*l.q_a) + 4.0 * static_cast<double>(c.q_lora_rank);
+    bytes += linearBytes(l.q) + linearBytes(l.kv_a) + 4.0 * static_cast<double>(c.kv_lora_rank);
+    // kv_b (FP32): W_UK for the absorbed query, W_UV for the values.
+    bytes += 4.0 * heads * static_cast<double>(c.qk_nope_head_dim + c.v_head_dim) * static_cast<double>(c.kv_lora_rank);
+    bytes += linearBytes(l.o);
+    bytes += 4.0 * static_cast<double>(std::max<std::int64_t>(context, 1)) * ld;  // the layer's F32 latents
+    if (!l.moe) {
+      bytes += mlpBytes(l.dense);
+      continue;
+    }
+    bytes += linearBytes(l.router);
+    if (!l.experts.empty()) {
+      bytes += static_cast<double>(
+                   std::min<std::int64_t>(c.num_experts_per_tok, static_cast<std::int64_t>(l.experts.size()))) *
+               mlpBytes(l.experts.front());
+    }
+    if (l.shared) bytes += mlpBytes(*l.shared);
+  }
+  return bytes + 4.0 * d + linearBytes(m.head);  // final norm, LM head
+}
+
 bool DeviceDecodeStep::hasMtp() const {
   return impl_->mtp.has_value();
 }

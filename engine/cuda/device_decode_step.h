@@ -97,6 +97,14 @@ class DeviceDecodeStep {
   /// are on the host.
   [[nodiscard]] Result<Output> run(const DecodeStepPlan& plan, const Request& request);
 
+  /// The bytes one main-model step of one sequence reads from device memory when `context`
+  /// positions (the new one included) are in its cache: every weight it multiplies as the step
+  /// holds it (FP32 copies, BF16 as stored, FP8 with its scales), top_k routed experts and the
+  /// shared expert of each MoE layer, the norms, one embedding row, the LM head, and the latent
+  /// cache of every layer. The routing bias, the workspaces and the logits are not counted.
+  /// `pdserve bench engine --device cuda` divides it by a timed step for mbu_batch1.
+  [[nodiscard]] double batchOneBytes(std::int64_t context) const;
+
   /// Whether the checkpoint's MTP layer was bound (config num_nextn_predict_layers > 0).
   [[nodiscard]] bool hasMtp() const;
   /// KV layers of the device cache: main layers, then the MTP layer when bound.

@@ -191,6 +191,32 @@ TEST(DeviceDecode, TinyFp8InTheBf16ModeStaysNearTheCpuEngine) {
   runParity("tiny-fp8", 14, pd::gpu::Numerics::Bf16);
 }
 
+// batchOneBytes (bench engine's mbu_batch1): each further cached position adds one F32 latent
+// per layer, and the bf16 mode reads the BF16 linears as stored (half the bytes of FP32 copies).
+TEST(DeviceDecode, BatchOneBytesCountTheCacheAndShrinkInTheBf16Mode) {
+  const fs::path dir = golden("tiny-bf16");
+  auto ckpt = pd::Checkpoint::open(dir);
+  ASSERT_TRUE(ckpt.ok()) << ckpt.error().toString();
+  auto config = pd::ModelConfig::load(dir);
+  ASSERT_TRUE(config.ok()) << config.error().toString();
+  auto weights = DeviceWeights::upload(*ckpt, *config, uploadOptions());
+  ASSERT_TRUE(weights.ok()) << weights.error().toString();
+  DeviceDecodeStep::Options fp32;
+  fp32.cache = {kSequences * kBlocksPerSequence, kBlockSize};
+  DeviceDecodeStep::Options bf16 = fp32;
+  bf16.numerics = pd::gpu::Numerics::Bf16;
+  auto a = DeviceDecodeStep::create(*weights, *config, fp32);
+  ASSERT_TRUE(a.ok()) << a.error().toString();
+  auto b = DeviceDecodeStep::create(*weights, *config, bf16);
+  ASSERT_TRUE(b.ok()) << b.error().toString();
+  const double per_position = 4.0 * static_cast<double>(config->num_hidden_layers * config->latentDim());
+  EXPECT_DOUBLE_EQ((*a)->batchOneBytes(11) - (*a)->batchOneBytes(10), per_position);
+  EXPECT_LT((*b)->batchOneBytes(10), (*a)->batchOneBytes(10));
+  EXPECT_GT((*b)->batchOneBytes(10), 0.5 * (*a)->batchOneBytes(10));  // kv_b, the embedding stay FP32
+  std::printf("tiny-bf16 batch-1 step bytes at context 10: fp32 %.0f, bf16 %.0f\n", (*a)->batchOneBytes(10),
+              (*b)->batchOneBytes(10));
+}
+
 TEST(DeviceDecode, BadBatchIsInvalidArgument) {
   const fs::path dir = golden("tiny-bf16");
   auto ckpt = pd::Checkpoint::open(dir);

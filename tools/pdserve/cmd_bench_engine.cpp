@@ -44,7 +44,9 @@ int runBenchEngine(const std::vector<std::string>& args) {
       "weights are many times the last-level cache (make-model --preset bench).\n"
       "With --device cuda[:N]: the device's HBM read bandwidth, BF16 GEMM TFLOP/s (cuBLAS) and the MLA decode "
       "attention\n"
-      "kernel alone as a fraction of that bandwidth; --model also uploads the checkpoint's weights (docs/gpu.md).",
+      "kernel alone as a fraction of that bandwidth; --model also uploads the checkpoint's weights and times batch-1\n"
+      "decode steps through it (mbu_batch1, at --context cached tokens, --steps steps, --model.numerics; "
+      "docs/gpu.md).",
       {&set, &common_sets.log, &common_sets.model}, args, &common);
   if (!loaded.ok()) return reportFailure(loaded.error());
   if (loaded->help_requested) return 0;
@@ -53,7 +55,12 @@ int runBenchEngine(const std::vector<std::string>& args) {
   if (!device.ok()) return reportFailure(device.error());
   if (device->kind == gpu::ModelDevice::Kind::Cuda) {
     device_cfg.ceilings.device = *device;
-    device_cfg.model = cfg.model;  // only an explicit --model is uploaded
+    device_cfg.model = cfg.model;  // only an explicit --model is uploaded (and decoded)
+    auto numerics = gpu::parseNumerics(common.model_numerics);
+    if (!numerics.ok()) return reportFailure(numerics.error());
+    device_cfg.numerics = *numerics;
+    device_cfg.decode_context = cfg.context;
+    device_cfg.decode_steps = cfg.steps;
     auto measured = bench::runDeviceEngineBench(device_cfg);
     if (!measured.ok()) return reportFailure(measured.error());
     const std::string text = json ? bench::deviceReportJson(*measured) + "\n" : bench::deviceReportText(*measured);

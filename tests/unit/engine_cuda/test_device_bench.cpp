@@ -53,6 +53,11 @@ TEST(DeviceBench, NoDeviceIsAClearError) {
   ASSERT_FALSE(upload.ok());
   EXPECT_EQ(upload.error().code, pd::ErrorCode::Unsupported);
   EXPECT_NE(upload.error().message.find("no CUDA device"), std::string::npos) << upload.error().message;
+  auto decode = pd::gpu::measureBatchOneDecode(dir, pd::gpu::ModelDevice{pd::gpu::ModelDevice::Kind::Cuda, 0},
+                                               pd::gpu::Numerics::Fp32, 4, 2);
+  ASSERT_FALSE(decode.ok());
+  EXPECT_EQ(decode.error().code, pd::ErrorCode::Unsupported);
+  EXPECT_NE(decode.error().message.find("no CUDA device"), std::string::npos) << decode.error().message;
 }
 
 TEST(DeviceBench, JsonReportHasTheCeilingsAndNullsForTheMissingEngine) {
@@ -79,7 +84,9 @@ TEST(DeviceBench, JsonReportHasTheCeilingsAndNullsForTheMissingEngine) {
   EXPECT_EQ(o.at("attention_context").to_number<std::int64_t>(), 4096);
   EXPECT_TRUE(o.at("mbu_batch1").is_null());
   EXPECT_TRUE(o.at("prefill_gemm_fraction").is_null());
-  EXPECT_NE(std::string(o.at("note").as_string()).find("not built yet"), std::string::npos);
+  EXPECT_TRUE(o.at("decode").is_null());
+  EXPECT_NE(std::string(o.at("note").as_string()).find("mbu_batch1 needs --model"), std::string::npos);
+  EXPECT_NE(std::string(o.at("note").as_string()).find("prefill_gemm_fraction is not measured"), std::string::npos);
   EXPECT_TRUE(o.at("weight_upload").is_null());
   const std::string plain = pd::bench::deviceReportText(result);
   EXPECT_NE(plain.find("fraction of HBM bandwidth"), std::string::npos) << plain;
@@ -90,6 +97,27 @@ TEST(DeviceBench, JsonReportHasTheCeilingsAndNullsForTheMissingEngine) {
   const auto& u = w.as_object().at("weight_upload").as_object();
   EXPECT_EQ(u.at("fp8_tensors").to_number<std::int64_t>(), 4);
   EXPECT_NEAR(u.at("gbs").to_number<double>(), 4.0, 1e-6);
+  // With a decode measurement: mbu_batch1 = bytes / seconds / read bandwidth.
+  pd::gpu::DecodeStepResult d;
+  d.numerics = pd::gpu::Numerics::Bf16;
+  d.context = 256;
+  d.steps = 8;
+  d.step_seconds = 0.001;
+  d.bytes_per_step = 2e9;  // 2 TB/s of 4
+  EXPECT_DOUBLE_EQ(pd::gpu::decodeStepMbu(d, r.read_bandwidth), 0.5);
+  EXPECT_DOUBLE_EQ(pd::gpu::decodeStepMbu(d, 0.0), 0.0);
+  result.decode = d;
+  const boost::json::value m = boost::json::parse(pd::bench::deviceReportJson(result), ec);
+  ASSERT_FALSE(ec);
+  EXPECT_NEAR(m.at("mbu_batch1").to_number<double>(), 0.5, 1e-6);
+  const auto& dj = m.at("decode").as_object();
+  EXPECT_EQ(dj.at("numerics").as_string(), "bf16");
+  EXPECT_EQ(dj.at("context").to_number<std::int64_t>(), 256);
+  EXPECT_NEAR(dj.at("step_ms").to_number<double>(), 1.0, 1e-6);
+  EXPECT_NEAR(dj.at("gbs").to_number<double>(), 2000.0, 1e-3);
+  EXPECT_EQ(std::string(m.at("note").as_string()).find("mbu_batch1 needs"), std::string::npos);
+  EXPECT_NE(pd::bench::deviceReportText(result).find("MBU 0.500"), std::string::npos)
+      << pd::bench::deviceReportText(result);
 }
 
 }  // namespace

@@ -12,6 +12,8 @@ Result<DeviceEngineBenchResult> runDeviceEngineBench(const DeviceEngineBenchConf
   PD_ASSIGN_OR_RETURN(result.ceilings, gpu::measureDeviceCeilings(config.ceilings));
   if (!config.model.empty()) {
     PD_ASSIGN_OR_RETURN(result.upload, gpu::measureWeightUpload(config.model, config.ceilings.device));
+    PD_ASSIGN_OR_RETURN(result.decode, gpu::measureBatchOneDecode(config.model, config.ceilings.device, config.numerics,
+                                                                  config.decode_context, config.decode_steps));
   }
   return result;
 }
@@ -35,7 +37,16 @@ std::string deviceReportText(const DeviceEngineBenchResult& result) {
                        u.tensors, u.fp8_tensors, u.bytes / 1e9, u.seconds,
                        u.seconds > 0 ? u.bytes / u.seconds / 1e9 : 0.0);
   }
-  out += fmt::format("{}\n", kDeviceEngineMissing);
+  if (result.decode) {
+    const auto& d = *result.decode;
+    out += fmt::format(
+        "decode batch 1 ({} numerics, context {}, {} steps): {:.3f} ms/step, {:.1f} MB/step, {:.1f} GB/s, MBU {:.3f}\n",
+        gpu::numericsName(d.numerics), d.context, d.steps, d.step_seconds * 1e3, d.bytes_per_step / 1e6,
+        d.step_seconds > 0 ? d.bytes_per_step / d.step_seconds / 1e9 : 0.0, gpu::decodeStepMbu(d, r.read_bandwidth));
+  } else {
+    out += fmt::format("{}\n", kDeviceDecodeNeedsModel);
+  }
+  out += fmt::format("{}\n", kDevicePrefillMissing);
   return out;
 }
 
@@ -51,15 +62,28 @@ std::string deviceReportJson(const DeviceEngineBenchResult& result) {
         jsonString(u.model), u.tensors, u.fp8_tensors, u.bytes, u.seconds,
         u.seconds > 0 ? u.bytes / u.seconds / 1e9 : 0.0);
   }
+  std::string decode = "null";
+  std::string mbu = "null";
+  std::string note = fmt::format("{}; {}", kDeviceDecodeNeedsModel, kDevicePrefillMissing);
+  if (result.decode) {
+    const auto& d = *result.decode;
+    decode = fmt::format(
+        "{{\"numerics\": \"{}\", \"context\": {}, \"steps\": {}, \"step_ms\": {:.4f}, \"bytes_per_step\": {:.0f}, "
+        "\"gbs\": {:.3f}}}",
+        gpu::numericsName(d.numerics), d.context, d.steps, d.step_seconds * 1e3, d.bytes_per_step,
+        d.step_seconds > 0 ? d.bytes_per_step / d.step_seconds / 1e9 : 0.0);
+    mbu = fmt::format("{:.4f}", gpu::decodeStepMbu(d, r.read_bandwidth));
+    note = kDevicePrefillMissing;
+  }
   return fmt::format(
       "{{\"backend\": \"cuda\", \"device\": {}, \"read_bandwidth_gbs\": {:.3f}, \"read_mb\": {}, "
       "\"gemm_bf16_tflops\": {:.3f}, \"gemm_size\": {}, \"attention_hbm_fraction\": {:.4f}, \"attention_ms\": {:.4f}, "
       "\"attention_bytes\": {:.0f}, \"attention_batch\": {}, \"attention_context\": {}, \"attention_heads\": {}, "
-      "\"attention_latent_dim\": {}, \"mbu_batch1\": null, \"prefill_gemm_fraction\": null, \"note\": {}, "
-      "\"weight_upload\": {}}}",
+      "\"attention_latent_dim\": {}, \"mbu_batch1\": {}, \"decode\": {}, \"prefill_gemm_fraction\": null, "
+      "\"note\": {}, \"weight_upload\": {}}}",
       jsonString(r.device), r.read_bandwidth / 1e9, c.read_mb, r.gemm_flops / 1e12, c.gemm_size,
       r.attention_hbm_fraction, r.attention_seconds * 1e3, r.attention_bytes, c.attention_batch, c.attention_context,
-      c.attention_heads, c.attention_latent_dim, jsonString(kDeviceEngineMissing), upload);
+      c.attention_heads, c.attention_latent_dim, mbu, decode, jsonString(note), upload);
 }
 
 }  // namespace pd::bench

@@ -70,6 +70,26 @@ struct WeightUploadResult {
 [[nodiscard]] Result<WeightUploadResult> measureWeightUpload(const std::filesystem::path& model_dir,
                                                              const ModelDevice& device);
 
+/// One sequence's decode steps through the whole model on the device (DeviceDecodeStep), the
+/// engine's batch-1 figure: mbu = bytes_per_step / step_seconds / the measured read bandwidth.
+struct DecodeStepResult {
+  Numerics numerics = Numerics::Fp32;
+  std::int64_t context = 0;     ///< cached positions when the timed steps begin
+  std::int64_t steps = 0;       ///< timed steps
+  double step_seconds = 0.0;    ///< median wall time of step(): launches, the work, the logits copy
+  double bytes_per_step = 0.0;  ///< DeviceDecodeStep::batchOneBytes at the timed steps' mean context
+};
+
+/// mbu of one step: bytes / seconds / read bandwidth (0 when either is not positive).
+[[nodiscard]] double decodeStepMbu(const DecodeStepResult& step, double read_bandwidth);
+
+/// Uploads `model_dir` to `device`, runs one sequence from position 0 up to `context` (token 1 at
+/// every position), then times `steps` more steps. Errors as measureWeightUpload, InvalidArgument
+/// for context or steps outside 1..65536, the decode step's own otherwise.
+[[nodiscard]] Result<DecodeStepResult> measureBatchOneDecode(const std::filesystem::path& model_dir,
+                                                             const ModelDevice& device, Numerics numerics,
+                                                             std::int64_t context, std::int64_t steps);
+
 /// Measures the three numbers. Unsupported "no CUDA device" without CUDA or without a visible
 /// device; InvalidArgument for a bad config or a device index past the visible ones;
 /// ResourceExhausted when the buffers do not fit; the CUDA error otherwise.
