@@ -628,8 +628,9 @@ double linearBytes(const Linear& l) {
   const double elements = static_cast<double>(l.rows) * static_cast<double>(l.cols);
   if (l.f32 != nullptr) return 4.0 * elements;
   if (l.bf16 != nullptr) return 2.0 * elements;
-  const double scales = static_cast<double>((l.rows + l.block_rows - 1) / l.block_rows) *
-                        static_cast<double>((l.cols + l.block_cols - 1) / l.block_cols);
+  const i64 scale_rows = (l.rows + l.block_rows - 1) / l.block_rows;
+  const i64 scale_cols = (l.cols + l.block_cols - 1) / l.block_cols;
+  const double scales = static_cast<double>(scale_rows) * static_cast<double>(scale_cols);
   return elements + 4.0 * scales;  // FP8 bytes and their F32 block scales
 }
 
