@@ -7,6 +7,7 @@
 #include <boost/json.hpp>
 #include <chrono>
 #include <condition_variable>
+#include <functional>
 #include <mutex>
 #include <set>
 #include <thread>
@@ -156,6 +157,42 @@ class PdBackendTest : public ::testing::Test {
     auto b = PdBackend::create(options, *registry, renderer().tokenizer(), metrics);
     ASSERT_TRUE(b.ok()) << b.error().toString();
     backend = std::move(b).value();
+  }
+
+  /// Sets d1's status and waits until the registry's ready view of d1 satisfies `seen`.
+  [[nodiscard]] bool setD1Status(const worker_api::WorkerStatus& status,
+                                 const std::function<bool(const worker_api::WorkerStatus&)>& seen) {
+    d1.setStatus(status);
+    return waitFor([&] {
+      for (const auto& w : registry->ready(WorkerRole::Decode)) {
+        if (w.address.key() == d1.address() && seen(w.status)) return true;
+      }
+      return false;
+    });
+  }
+
+  /// d1 answers "Hello!"; prompts shorter than 3 tokens are prefilled by the decode worker.
+  void startWithLocalPrefillBelow3Tokens() {
+    DecodeScript script;
+    script.tokens = {{kHello}, {kBang}};
+    d1.setScript(script);
+    PdBackendOptions o;
+    o.remote_prefill_min_tokens = 3;
+    startBackend(o);
+  }
+
+  /// pdserve_router_prefills_total{where, reason}.
+  double prefills(const std::string& where, const std::string& reason) {
+    return metrics.counter("pdserve_router_prefills_total", "", {"where", "reason"}).labels({where, reason}).value();
+  }
+
+  /// Runs `r` to its end; the sink (check its error).
+  std::shared_ptr<RecordingSink> runToEnd(const GenerationRequest& r) {
+    auto sink = std::make_shared<RecordingSink>();
+    const auto started = backend->start(r, sink);
+    EXPECT_TRUE(started.ok()) << started.error().toString();
+    EXPECT_TRUE(sink->waitEnd());
+    return sink;
   }
 
   GenerationRequest request(std::string id = "cmpl-t1") {
@@ -388,16 +425,8 @@ TEST_F(PdBackendTest, PromptTokenIdsGoOnlyToADecodeWorkerWithAPrefixCache) {
   EXPECT_TRUE(d1.opens()[0].prompt_token_ids.empty()) << "no prefix cache: no token ids";
   auto s = d1.status();
   s.prefix_cache_capacity = 64;
-  d1.setStatus(s);
-  ASSERT_TRUE(waitFor([&] {
-    for (const auto& w : registry->ready(WorkerRole::Decode)) {
-      if (w.status.prefix_cache_capacity == 64) return true;
-    }
-    return false;
-  }));
-  auto sink2 = std::make_shared<RecordingSink>();
-  ASSERT_TRUE(backend->start(request("cmpl-t2"), sink2).ok());
-  ASSERT_TRUE(sink2->waitEnd());
+  ASSERT_TRUE(setD1Status(s, [](const auto& st) { return st.prefix_cache_capacity == 64; }));
+  const auto sink2 = runToEnd(request("cmpl-t2"));
   ASSERT_FALSE(sink2->error()) << sink2->error()->toString();
   ASSERT_EQ(d1.opens().size(), 2U);
   EXPECT_EQ(d1.opens()[1].prompt_token_ids, (std::vector<TokenId>{0, static_cast<TokenId>(kHello)}));
@@ -407,15 +436,8 @@ TEST_F(PdBackendTest, PromptTokenIdsGoOnlyToADecodeWorkerWithAPrefixCache) {
 // Conditional disaggregation: a prompt shorter than remote_prefill_min_tokens goes to the decode
 // worker with its token ids and no prefill worker is asked; a prompt as long goes remote.
 TEST_F(PdBackendTest, ShortPromptsArePrefilledByTheDecodeWorker) {
-  DecodeScript script;
-  script.tokens = {{kHello}, {kBang}};
-  d1.setScript(script);
-  PdBackendOptions o;
-  o.remote_prefill_min_tokens = 3;
-  startBackend(o);
-  auto sink = std::make_shared<RecordingSink>();
-  ASSERT_TRUE(backend->start(request(), sink).ok());  // a 2-token prompt
-  ASSERT_TRUE(sink->waitEnd());
+  startWithLocalPrefillBelow3Tokens();
+  const auto sink = runToEnd(request());  // a 2-token prompt
   ASSERT_FALSE(sink->error()) << sink->error()->toString();
   EXPECT_EQ(sink->text(), "Hello!");
   ASSERT_EQ(d1.opens().size(), 1U);
@@ -423,16 +445,11 @@ TEST_F(PdBackendTest, ShortPromptsArePrefilledByTheDecodeWorker) {
   EXPECT_EQ(d1.opens()[0].forced_first_token, -1);
   EXPECT_TRUE(p1.submits().empty());
   EXPECT_TRUE(p2.submits().empty());
-  const auto prefills = [&](const std::string& where, const std::string& reason) {
-    return metrics.counter("pdserve_router_prefills_total", "", {"where", "reason"}).labels({where, reason}).value();
-  };
   EXPECT_EQ(prefills("local", "short_prompt"), 1.0);
 
   GenerationRequest longer = request("cmpl-t2");
   longer.prompt_token_ids.push_back(static_cast<TokenId>(kBang));  // 3 tokens: not shorter than 3
-  auto sink2 = std::make_shared<RecordingSink>();
-  ASSERT_TRUE(backend->start(longer, sink2).ok());
-  ASSERT_TRUE(sink2->waitEnd());
+  const auto sink2 = runToEnd(longer);
   ASSERT_FALSE(sink2->error()) << sink2->error()->toString();
   EXPECT_EQ(p1.submits().size() + p2.submits().size(), 1U);
   EXPECT_EQ(prefills("remote", "long_prompt"), 1.0);
@@ -442,47 +459,23 @@ TEST_F(PdBackendTest, ShortPromptsArePrefilledByTheDecodeWorker) {
 // that long (its status' local_prefill_max_tokens; 0 for a tensor-parallel worker): the router
 // never sends what the worker would refuse.
 TEST_F(PdBackendTest, AShortPromptGoesRemoteWhenTheDecodeWorkerPrefillsNoneThatLong) {
-  DecodeScript script;
-  script.tokens = {{kHello}, {kBang}};
-  d1.setScript(script);
+  startWithLocalPrefillBelow3Tokens();
   auto s = d1.status();
   s.local_prefill_max_tokens = 0;
-  d1.setStatus(s);
-  PdBackendOptions o;
-  o.remote_prefill_min_tokens = 3;
-  startBackend(o);
-  ASSERT_TRUE(waitFor([&] {
-    for (const auto& w : registry->ready(WorkerRole::Decode)) {
-      if (w.address.key() == d1.address() && w.status.local_prefill_max_tokens == 0) return true;
-    }
-    return false;
-  }));
-  auto sink = std::make_shared<RecordingSink>();
-  ASSERT_TRUE(backend->start(request(), sink).ok());  // a 2-token prompt: short
-  ASSERT_TRUE(sink->waitEnd());
+  ASSERT_TRUE(setD1Status(s, [](const auto& st) { return st.local_prefill_max_tokens == 0; }));
+  const auto sink = runToEnd(request());  // a 2-token prompt: short
   ASSERT_FALSE(sink->error()) << sink->error()->toString();
   EXPECT_EQ(sink->text(), "Hello!");
   ASSERT_EQ(d1.opens().size(), 1U);
   EXPECT_TRUE(d1.opens()[0].local_prompt_token_ids.empty());
   EXPECT_EQ(p1.submits().size() + p2.submits().size(), 1U);
-  const auto prefills = [&](const std::string& where, const std::string& reason) {
-    return metrics.counter("pdserve_router_prefills_total", "", {"where", "reason"}).labels({where, reason}).value();
-  };
   EXPECT_EQ(prefills("remote", "worker_limit"), 1.0);
   EXPECT_EQ(prefills("local", "short_prompt"), 0.0);
 
   // A limit of 2 tokens admits the 2-token prompt.
   s.local_prefill_max_tokens = 2;
-  d1.setStatus(s);
-  ASSERT_TRUE(waitFor([&] {
-    for (const auto& w : registry->ready(WorkerRole::Decode)) {
-      if (w.address.key() == d1.address() && w.status.local_prefill_max_tokens == 2) return true;
-    }
-    return false;
-  }));
-  auto sink2 = std::make_shared<RecordingSink>();
-  ASSERT_TRUE(backend->start(request("cmpl-t2"), sink2).ok());
-  ASSERT_TRUE(sink2->waitEnd());
+  ASSERT_TRUE(setD1Status(s, [](const auto& st) { return st.local_prefill_max_tokens == 2; }));
+  const auto sink2 = runToEnd(request("cmpl-t2"));
   ASSERT_FALSE(sink2->error()) << sink2->error()->toString();
   ASSERT_EQ(d1.opens().size(), 2U);
   EXPECT_EQ(d1.opens()[1].local_prompt_token_ids, (std::vector<TokenId>{0, static_cast<TokenId>(kHello)}));
