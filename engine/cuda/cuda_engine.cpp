@@ -99,7 +99,8 @@ class CudaEngine final : public Engine, public SamplingEngine {
 
   [[nodiscard]] EngineCapabilities capabilities() const override {
     EngineCapabilities c;
-    c.backend = fmt::format("cuda/fp32 ({})", gpu::modelDeviceName(options_.device));
+    c.backend =
+        fmt::format("cuda/{} ({})", gpu::numericsName(options_.numerics), gpu::modelDeviceName(options_.device));
     c.threads = 1;
     c.mtp = step_->hasMtp();
     c.weight_dtype = weight_dtype_;
