@@ -2,6 +2,7 @@
 // tolerances), plus the engine's own invariants: chunked prefill == one shot, decode == prefill,
 // batched == alone, sinks, errors, speculative generation == plain generation.
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
@@ -731,8 +732,7 @@ TEST_F(EngineInvariants, MalformedBatchesAreInvalidArgumentAndWriteNothing) {
 // A make-model checkpoint without q LoRA (a direct q_proj, as DeepSeek-V2-Lite) and with FP8
 // blocks that do not divide the matrices: the engine's own invariants must hold there too.
 TEST(MadeModel, DirectQProjAndPartialFp8BlocksAreConsistent) {
-  const fs::path dir = fs::temp_directory_path() /
-                       ("pd_engine_test_noqlora_" + std::to_string(::testing::UnitTest::GetInstance()->random_seed()));
+  const fs::path dir = fs::temp_directory_path() / ("pd_engine_test_noqlora_" + std::to_string(::getpid()));
   fs::remove_all(dir);
   auto config = presetConfig("tiny");
   ASSERT_TRUE(config.ok());
@@ -779,9 +779,8 @@ TEST(MadeModel, DirectQProjAndPartialFp8BlocksAreConsistent) {
 class BrokenCheckpoint : public ::testing::Test {
  protected:
   void SetUp() override {
-    dir_ = fs::temp_directory_path() /
-           ("pd_engine_test_" + std::to_string(::testing::UnitTest::GetInstance()->random_seed()) + "_" +
-            ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    dir_ = fs::temp_directory_path() / ("pd_engine_test_" + std::to_string(::getpid()) + "_" +
+                                        ::testing::UnitTest::GetInstance()->current_test_info()->name());
     fs::remove_all(dir_);
     fs::create_directories(dir_);
     fs::copy_file(kGoldenDir / "tiny-fp8" / "config.json", dir_ / "config.json");

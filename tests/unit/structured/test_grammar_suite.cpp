@@ -6,6 +6,7 @@
 // python3-jsonschema checker (check_outputs.py).
 
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <boost/json.hpp>
@@ -83,7 +84,9 @@ TEST_P(GrammarSuite, RandomGenerationsValidate) {
                                       : Grammar::fromJsonSchema(entry.schema, vocab, options);
   ASSERT_TRUE(grammar.ok()) << grammar.error().toString();
 
-  const auto dir = std::filesystem::path(::testing::TempDir()) / ("grammar_suite_" + entry.name);
+  // Per process: two test runs on one machine (two CI clones at once) must not share the file.
+  const auto dir =
+      std::filesystem::path(::testing::TempDir()) / ("grammar_suite_" + entry.name + "_" + std::to_string(::getpid()));
   std::filesystem::create_directories(dir);
   const auto out_path = dir / "outputs.jsonl";
   std::ofstream out(out_path);
@@ -193,7 +196,8 @@ TEST_P(ToolCallSuite, RandomCallsParseAndValidate) {
   ASSERT_TRUE(grammar.ok()) << grammar.error().toString();
 
   const auto dir = std::filesystem::path(::testing::TempDir()) /
-                   ("tool_suite_" + std::string(toolCallFormatName(c.format)) + (c.parallel ? "_parallel" : ""));
+                   ("tool_suite_" + std::string(toolCallFormatName(c.format)) + (c.parallel ? "_parallel" : "") + "_" +
+                    std::to_string(::getpid()));
   std::filesystem::create_directories(dir);
   const auto out_path = dir / "arguments.jsonl";
   std::ofstream out(out_path);
