@@ -510,6 +510,11 @@ TEST(UcxListeningInterface, LoopbackHostListensOnLoopbackOnly) {
   ASSERT_TRUE(arrived.has_value());
   EXPECT_TRUE(arrived->ok()) << arrived->error().toString();
   EXPECT_EQ(pool.verify(d.value(), 9), "");
+  // The sender's own outcome too: `out` dies before the transports, so its callback must have run
+  // by now (an ASan run caught it landing in the destroyed map at shutdown).
+  const auto done = out.waitDone(9, kHangGuard);
+  ASSERT_TRUE(done.has_value());
+  EXPECT_TRUE(done->ok()) << done->error().toString();
 }
 
 TEST(UcxListeningInterface, AHostThatIsNoLocalAddressIsRefused) {
