@@ -10,6 +10,7 @@
 // batch is InvalidArgument with the host cache untouched; 1,000 forward calls leave device memory at its baseline.
 // Where no device is visible the program prints why and exits 77 (ctest: skipped, never passed).
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
@@ -353,9 +354,8 @@ TEST(CudaEngine, LogitsCommandWritesTheGoldenTensors) {
     ASSERT_TRUE(g.ok());
     std::string ids;
     for (const std::int32_t t : goldenIds(name, "p0.tokens")) ids += (ids.empty() ? "" : ",") + std::to_string(t);
-    const fs::path out = fs::temp_directory_path() /
-                         ("pd_cuda_logits_" + name + "_" +
-                          std::to_string(::testing::UnitTest::GetInstance()->random_seed()) + ".safetensors");
+    const fs::path out =
+        fs::temp_directory_path() / ("pd_cuda_logits_" + name + "_" + std::to_string(::getpid()) + ".safetensors");
     const auto r = pd::test::pdserveCommandLine("logits --model " + golden(name).string() +
                                                 " --model.device cuda --prompt-ids " + ids + " --out " + out.string());
     ASSERT_EQ(r.exit_code, 0) << r.err;

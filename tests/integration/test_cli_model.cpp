@@ -2,6 +2,7 @@
 #include <gtest/gtest.h>
 #include <stdlib.h>
 #include <sys/wait.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <array>
@@ -81,8 +82,7 @@ TEST_P(CliModel, SampledGenerationRepeatsForASeed) {
 
 TEST_P(CliModel, LogitsWritesTheGoldenTensors) {
   const fs::path out =
-      fs::temp_directory_path() / ("pd_cli_logits_" + GetParam() + "_" +
-                                   std::to_string(::testing::UnitTest::GetInstance()->random_seed()) + ".safetensors");
+      fs::temp_directory_path() / ("pd_cli_logits_" + GetParam() + "_" + std::to_string(::getpid()) + ".safetensors");
   const CommandResult r =
       pdserveCommandLine("logits --model " + model() + " --prompt-ids " + prompt_ + " --out " + out.string());
   ASSERT_EQ(r.exit_code, 0);
