@@ -33,6 +33,13 @@ const char* numericsName(Numerics numerics) {
   return numerics == Numerics::Bf16 ? "bf16" : "fp32";
 }
 
+Status checkNumericsOnDevice(const ModelDevice& device, Numerics numerics) {
+  if (numerics == Numerics::Fp32 || device.kind == ModelDevice::Kind::Cuda) return okStatus();
+  return makeError(ErrorCode::InvalidArgument,
+                   fmt::format("model.numerics {} needs model.device cuda: the CPU engine computes in FP32",
+                               numericsName(numerics)));
+}
+
 std::string modelDeviceName(const ModelDevice& device) {
   if (device.kind == ModelDevice::Kind::Cpu) return "cpu";
   return fmt::format("cuda:{}", device.index);

@@ -1,8 +1,6 @@
 // loadServingEngine (serving_engine.h).
 #include "pd/engine/serving_engine.h"
 
-#include <fmt/format.h>
-
 #include <utility>
 
 #include "pd/engine/cuda_engine.h"
@@ -27,12 +25,7 @@ Result<ServingEngine> loadServingEngine(const std::filesystem::path& model_dir, 
     out.engine = std::move(engine);
     return out;
   }
-  if (numerics != gpu::Numerics::Fp32) {
-    return makeError(ErrorCode::InvalidArgument,
-                     fmt::format("model.numerics {}: the numerics modes are the CUDA engine's (model.device cuda); the "
-                                 "CPU engine computes in FP32",
-                                 gpu::numericsName(numerics)));
-  }
+  PD_TRY(gpu::checkNumericsOnDevice(device, numerics));
   CpuEngineOptions options;
   options.threads = threads;
   options.batch_invariant = batch_invariant;

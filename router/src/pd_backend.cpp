@@ -169,20 +169,24 @@ struct Shared {
   /// is ready.
   /// Whether `worker`'s last status says it keeps a decode prefix cache (it then gets the prompt's
   /// token ids in the open, docs/kv-memory.md "Prefix reuse on the decode side").
+  // The last polled status of ready decode worker `worker`; nullopt when it is not in rotation.
+  std::optional<worker_api::WorkerStatus> decodeStatus(const WorkerAddress& worker) const {
+    for (const WorkerView& w : registry.ready(WorkerRole::Decode)) {
+      if (w.address == worker) return w.status;
+    }
+    return std::nullopt;
+  }
+
   // The longest prompt `worker` prefills itself (WorkerStatus::local_prefill_max_tokens); -1 when
   // it does not say.
   std::int64_t localPrefillLimit(const WorkerAddress& worker) const {
-    for (const WorkerView& w : registry.ready(WorkerRole::Decode)) {
-      if (w.address == worker) return w.status.local_prefill_max_tokens;
-    }
-    return -1;
+    const auto st = decodeStatus(worker);
+    return st ? st->local_prefill_max_tokens : -1;
   }
 
   bool hasDecodePrefixCache(const WorkerAddress& worker) const {
-    for (const WorkerView& w : registry.ready(WorkerRole::Decode)) {
-      if (w.address == worker) return w.status.prefix_cache_capacity > 0;
-    }
-    return false;
+    const auto st = decodeStatus(worker);
+    return st && st->prefix_cache_capacity > 0;
   }
 
   std::optional<WorkerAddress> pick(WorkerRole role, const std::set<std::string>& tried,

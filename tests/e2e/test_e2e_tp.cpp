@@ -154,20 +154,31 @@ int readyWithin5s(const RoleProcess& w) {
   return ready;
 }
 
-// A decode open on a worker whose group is broken fails at once with PeerFailed, holding no block.
-void expectOpenFailsAtOnce(const RoleProcess& decode, const GoldenPrompt& golden, const std::string& id) {
+// A decode open of the golden prompt (4 new tokens) for `id`, as the router would send it.
+worker_api::DecodeOpen goldenOpen(const GoldenPrompt& golden, const std::string& id) {
   worker_api::DecodeOpen open;
   open.request_id = id;
   open.prompt_tokens = static_cast<std::int64_t>(golden.tokens.size());
   open.max_tokens = 4;
+  return open;
+}
+
+// POSTs `open` straight to the decode worker's internal API.
+Result<http::ClientResponse> postOpen(const RoleProcess& decode, const worker_api::DecodeOpen& open,
+                                      std::chrono::seconds timeout) {
   http::Client client(decode.host(), decode.port());
   http::ClientRequest req;
   req.method = "POST";
   req.target = std::string(worker_api::kDecodeOpenPath);
   req.headers.push_back({"Content-Type", "application/json"});
   req.body = worker_api::toJson(open);
+  return client.send(req, timeout);
+}
+
+// A decode open on a worker whose group is broken fails at once with PeerFailed, holding no block.
+void expectOpenFailsAtOnce(const RoleProcess& decode, const GoldenPrompt& golden, const std::string& id) {
   const auto start = Clock::now();
-  auto r = client.send(req, 30s);
+  auto r = postOpen(decode, goldenOpen(golden, id), 30s);
   ASSERT_TRUE(r.ok()) << r.error().toString();
   EXPECT_LT(Clock::now() - start, 5s);
   EXPECT_NE(r->status, 200) << r->body;
@@ -434,18 +445,9 @@ TEST(E2eTpFaults, ShortPromptsGoRemoteAndALocalPrefillIsRefusedWithTheGroupWhole
       << *metrics;
 
   // A local open straight to the worker (what an older router would send): refused, cleanly.
-  worker_api::DecodeOpen open;
-  open.request_id = "cmpl-local-on-tp";
-  open.prompt_tokens = static_cast<std::int64_t>(golden.tokens.size());
-  open.max_tokens = 4;
+  worker_api::DecodeOpen open = goldenOpen(golden, "cmpl-local-on-tp");
   open.local_prompt_token_ids.assign(golden.tokens.begin(), golden.tokens.end());
-  http::Client client(cluster.decode().host(), cluster.decode().port());
-  http::ClientRequest req;
-  req.method = "POST";
-  req.target = std::string(worker_api::kDecodeOpenPath);
-  req.headers.push_back({"Content-Type", "application/json"});
-  req.body = worker_api::toJson(open);
-  auto r = client.send(req, 60s);
+  auto r = postOpen(cluster.decode(), open, 60s);
   ASSERT_TRUE(r.ok()) << r.error().toString();
   EXPECT_GE(r->status, 400) << r->body;
   EXPECT_NE(r->body.find("does not prefill locally"), std::string::npos) << r->body;

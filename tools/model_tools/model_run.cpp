@@ -34,11 +34,7 @@ Result<std::unique_ptr<Engine>> openEngine(const EngineChoice& choice) {
     cuda.batch_invariant = choice.batch_invariant;
     return model::createCudaEngine(choice.model, cuda);
   }
-  if (choice.numerics != gpu::Numerics::Fp32) {
-    return makeError(ErrorCode::InvalidArgument,
-                     fmt::format("model.numerics {}: the numerics modes are the CUDA engine's (model.device cuda)",
-                                 gpu::numericsName(choice.numerics)));
-  }
+  PD_TRY(gpu::checkNumericsOnDevice(choice.device, choice.numerics));
   model::CpuEngineOptions options;
   options.threads = static_cast<int>(choice.threads);
   options.batch_invariant = choice.batch_invariant;

@@ -135,12 +135,7 @@ Status checkGpuOptions(const CommonConfig& cfg) {
   }
   PD_ASSIGN_OR_RETURN(const gpu::Numerics numerics, gpu::parseNumerics(cfg.model_numerics));
   PD_ASSIGN_OR_RETURN(const gpu::ModelDevice device, gpu::parseModelDevice(cfg.model_device));
-  if (numerics != gpu::Numerics::Fp32 && device.kind != gpu::ModelDevice::Kind::Cuda) {
-    return makeError(
-        ErrorCode::InvalidArgument,
-        fmt::format("model.numerics {} needs model.device cuda: the CPU engine computes in FP32", cfg.model_numerics));
-  }
-  return okStatus();
+  return gpu::checkNumericsOnDevice(device, numerics);
 }
 
 Result<std::filesystem::path> resolveModelDir(const CommonConfig& cfg) {

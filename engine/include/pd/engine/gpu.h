@@ -44,6 +44,9 @@ enum class Numerics { Fp32, Bf16 };
 /// "fp32" or "bf16"; InvalidArgument naming the text otherwise.
 [[nodiscard]] Result<Numerics> parseNumerics(std::string_view text);
 [[nodiscard]] const char* numericsName(Numerics numerics);
+/// The numerics modes are the CUDA engine's: InvalidArgument for anything but Fp32 on the CPU.
+/// The one check the CLI (--check-config), the workers and the model commands all make.
+[[nodiscard]] Status checkNumericsOnDevice(const ModelDevice& device, Numerics numerics);
 
 /// Whether the engine can run on `device` here, checked before any model is loaded: OK for the
 /// CPU. For CUDA, Unsupported "no CUDA device ..." when this build has no CUDA or no device is
