@@ -43,6 +43,18 @@ struct Mlp {
   Linear gate, up, down;
 };
 
+// One of the experts' three linears over every expert of a layer, for the grouped GEMV: device
+// arrays of the experts' matrices (and FP8 scales), all of one kind and shape.
+struct GroupedLinear {
+  math::GemvWeights kind = math::GemvWeights::F32;
+  const void* const* weights = nullptr;  // device [experts]
+  const float* const* scales = nullptr;  // device [experts], FP8 only
+  i64 rows = 0;
+  i64 cols = 0;
+  i64 block_rows = 128;
+  i64 block_cols = 128;
+};
+
 struct Layer {
   const float* input_norm = nullptr;
   const float* post_norm = nullptr;
@@ -58,6 +70,7 @@ struct Layer {
   Linear router;
   const float* router_bias = nullptr;
   std::vector<Mlp> experts;
+  GroupedLinear expert_gate, expert_up, expert_down;  // the experts' linears, grouped
   std::optional<Mlp> shared;
 };
 
@@ -114,8 +127,10 @@ struct DeviceDecodeStep::Impl {
   const DeviceWeights& weights;
   DecodeCacheShape cache_shape;
   cuda::Stream stream;
-  cuda::BlasHandle blas;                         // after the stream it runs on
-  std::vector<cuda::DeviceBuffer<float>> owned;  // FP32 copies
+  cuda::BlasHandle blas;                                             // after the stream it runs on
+  std::vector<cuda::DeviceBuffer<float>> owned;                      // FP32 copies
+  std::vector<cuda::DeviceBuffer<const void*>> owned_weight_tables;  // GroupedLinear::weights
+  std::vector<cuda::DeviceBuffer<const float*>> owned_scale_tables;  // GroupedLinear::scales
   std::vector<Layer> layers;
   const float* embed = nullptr;  // FP32 [vocab, hidden]
   const float* final_norm = nullptr;
@@ -135,6 +150,9 @@ struct DeviceDecodeStep::Impl {
   std::optional<cuda::PinnedHostBuffer<float>> staging;      // writeCache's host side, grown on demand
   cuda::DeviceBuffer<std::int64_t> positions, ctx_len, table_begin;
   cuda::DeviceBuffer<std::int32_t> block_tables, topk_idx;
+  // MoE grouping on the device: offsets [experts + 1], slot_of [kMaxDecodeBatch * top_k], and a
+  // flag set when routing chose an id outside the experts (checked when run() ends).
+  cuda::DeviceBuffer<std::int32_t> moe_offsets, slot_of, moe_failed;
   cuda::DeviceBuffer<float> topk_weight;
   i64 max_table_blocks = 0;
   gpu::Numerics numerics = gpu::Numerics::Fp32;
@@ -247,6 +265,50 @@ struct DeviceDecodeStep::Impl {
     return m;
   }
 
+  // Groups one linear (`which`) of every expert for the grouped GEMV: the experts must all hold it
+  // the same way (FP32 copy, BF16, or FP8 with the same blocks) at the same shape.
+  [[nodiscard]] Result<GroupedLinear> grouped(const std::vector<Mlp>& experts, Linear Mlp::*which,
+                                              const std::string& name) {
+    GroupedLinear g;
+    if (experts.empty()) return g;
+    const Linear& first = experts.front().*which;
+    g.kind = first.f32 != nullptr    ? math::GemvWeights::F32
+             : first.bf16 != nullptr ? math::GemvWeights::Bf16
+                                     : math::GemvWeights::Fp8;
+    g.rows = first.rows;
+    g.cols = first.cols;
+    g.block_rows = first.block_rows;
+    g.block_cols = first.block_cols;
+    std::vector<const void*> w;
+    std::vector<const float*> sc;
+    for (const Mlp& e : experts) {
+      const Linear& l = e.*which;
+      const void* data = g.kind == math::GemvWeights::F32    ? static_cast<const void*>(l.f32)
+                         : g.kind == math::GemvWeights::Bf16 ? static_cast<const void*>(l.bf16)
+                                                             : static_cast<const void*>(l.q);
+      if (data == nullptr || l.rows != g.rows || l.cols != g.cols ||
+          (g.kind == math::GemvWeights::Fp8 &&
+           (l.scale_inv == nullptr || l.block_rows != g.block_rows || l.block_cols != g.block_cols))) {
+        return makeError(ErrorCode::InvalidArgument,
+                         fmt::format("device decode: the experts' {} are not all stored alike", name));
+      }
+      w.push_back(data);
+      sc.push_back(l.scale_inv);
+    }
+    PD_ASSIGN_OR_RETURN(cuda::DeviceBuffer<const void*> wt, cuda::DeviceBuffer<const void*>::create(w.size()));
+    PD_TRY(wt.copyFromHost(w, stream));
+    g.weights = wt.data();
+    owned_weight_tables.push_back(std::move(wt));
+    if (g.kind == math::GemvWeights::Fp8) {
+      PD_ASSIGN_OR_RETURN(cuda::DeviceBuffer<const float*> st, cuda::DeviceBuffer<const float*>::create(sc.size()));
+      PD_TRY(st.copyFromHost(sc, stream));
+      g.scales = st.data();
+      owned_scale_tables.push_back(std::move(st));
+    }
+    PD_TRY(stream.synchronize());  // `w` and `sc` die here
+    return g;
+  }
+
   [[nodiscard]] Result<Layer> makeLayer(i64 index) {
     const ModelConfig& c = cfg;
     const std::string p = fmt::format("model.layers.{}.", index);
@@ -281,6 +343,9 @@ struct DeviceDecodeStep::Impl {
         PD_ASSIGN_OR_RETURN(Mlp m, mlp(fmt::format("{}mlp.experts.{}.", p, e), c.moe_intermediate_size));
         l.experts.push_back(m);
       }
+      PD_ASSIGN_OR_RETURN(l.expert_gate, grouped(l.experts, &Mlp::gate, p + "mlp.experts.*.gate_proj"));
+      PD_ASSIGN_OR_RETURN(l.expert_up, grouped(l.experts, &Mlp::up, p + "mlp.experts.*.up_proj"));
+      PD_ASSIGN_OR_RETURN(l.expert_down, grouped(l.experts, &Mlp::down, p + "mlp.experts.*.down_proj"));
       if (c.n_shared_experts > 0) {
         PD_ASSIGN_OR_RETURN(Mlp m, mlp(p + "mlp.shared_experts.", c.moe_intermediate_size * c.n_shared_experts));
         l.shared = m;
@@ -456,12 +521,33 @@ struct DeviceDecodeStep::Impl {
     return apply(l.o, o.data(), heads * dv, n, attn_out.data(), d);
   }
 
+  // The experts' `g` over the grouped rows of x (stride x_stride) into y (stride y_stride).
+  [[nodiscard]] Status applyGrouped(const GroupedLinear& g, const float* x, i64 x_stride, float* y, i64 y_stride) {
+    kernels::GroupedGemvArgs a;
+    a.kind = g.kind;
+    a.weights = g.weights;
+    a.scales = g.scales;
+    a.groups = static_cast<int>(cfg.n_routed_experts);
+    a.rows = static_cast<int>(g.rows);
+    a.cols = static_cast<int>(g.cols);
+    a.block_rows = static_cast<int>(g.block_rows);
+    a.block_cols = static_cast<int>(g.block_cols);
+    a.scale_cols = static_cast<int>((g.cols + g.block_cols - 1) / g.block_cols);
+    a.offsets = moe_offsets.data();
+    a.x = x;
+    a.x_stride = x_stride;
+    a.y = y;
+    a.y_stride = y_stride;
+    return groupedGemv(a, stream);
+  }
+
+  // Routing, grouping, the experts and the combine, all on the device: nothing crosses to the
+  // host and nothing waits (a bad routing id is flagged and reported when run() ends).
   [[nodiscard]] Status moeBlock(const Layer& l, i64 n) {
     const ModelConfig& c = cfg;
     const i64 d = c.hidden_size;
     const i64 n_exp = c.n_routed_experts;
     const i64 top_k = c.num_experts_per_tok;
-    const cudaStream_t s = stream.get();
     PD_TRY(apply(l.router, xn.data(), d, n, router_logits.data(), n_exp));
     math::RoutingShape shape;
     shape.experts = n_exp;
@@ -470,52 +556,24 @@ struct DeviceDecodeStep::Impl {
     shape.top_k = top_k;
     shape.routed_scaling = static_cast<float>(c.routed_scaling_factor);
     PD_TRY(routeNoauxTc(router_logits.data(), l.router_bias, shape, n, topk_idx.data(), topk_weight.data(), stream));
-    std::vector<std::int32_t> chosen(sz(n * top_k));
-    std::vector<float> weight(sz(n * top_k));
-    PD_TRY(topk_idx.copyToHost(chosen, stream));
-    PD_TRY(topk_weight.copyToHost(weight, stream));
-    PD_TRY(stream.synchronize());
-    for (const std::int32_t e : chosen) {
-      if (e < 0 || e >= n_exp) return makeError(ErrorCode::Internal, fmt::format("routing chose expert {}", e));
-    }
-    // Group (token, k) slots by expert, as the CPU engine does.
-    std::vector<i64> slot_begin(sz(n_exp + 1), 0);
-    for (const std::int32_t e : chosen) ++slot_begin[sz(e) + 1];
-    for (i64 e = 0; e < n_exp; ++e) slot_begin[sz(e + 1)] += slot_begin[sz(e)];
-    std::vector<i64> slot_of(sz(n * top_k));
-    {
-      std::vector<i64> fill(slot_begin.begin(), slot_begin.end() - 1);
-      for (i64 i = 0; i < n * top_k; ++i) slot_of[sz(i)] = fill[sz(chosen[sz(i)])]++;
-    }
+    // Group (token, k) slots by expert, as the CPU engine does: expert e's rows are
+    // [moe_offsets[e], moe_offsets[e + 1]) of gx.
+    PD_TRY(moeGroup(topk_idx.data(), n, top_k, n_exp, moe_offsets.data(), slot_of.data(), moe_failed.data(), stream));
+    PD_TRY(moeGather(xn.data(), slot_of.data(), n, top_k, d, gx.data(), stream));
     const i64 slots = n * top_k;
-    for (i64 i = 0; i < slots; ++i) {
-      PD_CUDA_TRY(cudaMemcpyAsync(gx.data() + slot_of[sz(i)] * d, xn.data() + (i / top_k) * d, sz(d) * sizeof(float),
-                                  cudaMemcpyDeviceToDevice, s));
+    const i64 width = l.expert_gate.rows;
+    PD_TRY(applyGrouped(l.expert_gate, gx.data(), d, act.data(), width));
+    PD_TRY(applyGrouped(l.expert_up, gx.data(), d, up.data(), width));
+    PD_CUDA_TRY(kernels::launchSiluMul(act.data(), up.data(), slots * width, stream.get()));
+    PD_TRY(applyGrouped(l.expert_down, act.data(), width, gout.data(), d));
+    const float* shared = nullptr;
+    if (l.shared) {
+      PD_TRY(runMlp(*l.shared, xn.data(), n, gout.data() + slots * d));
+      shared = gout.data() + slots * d;
     }
-    for (i64 e = 0; e < n_exp; ++e) {
-      const i64 cnt = slot_begin[sz(e + 1)] - slot_begin[sz(e)];
-      if (cnt == 0) continue;
-      const i64 s0 = slot_begin[sz(e)];
-      PD_TRY(runMlp(l.experts[sz(e)], gx.data() + s0 * d, cnt, gout.data() + s0 * d));
-    }
-    if (l.shared) PD_TRY(runMlp(*l.shared, xn.data(), n, gout.data() + slots * d));
     // out[t] = sum over the chosen experts in ascending id order of w * y, then + shared.
-    PD_CUDA_TRY(cudaMemsetAsync(ffn_out.data(), 0, sz(n * d) * sizeof(float), s));
-    std::vector<i64> ks(sz(top_k));
-    for (i64 t = 0; t < n; ++t) {
-      std::iota(ks.begin(), ks.end(), 0);
-      std::sort(ks.begin(), ks.end(),
-                [&](i64 x, i64 z) { return chosen[sz(t * top_k + x)] < chosen[sz(t * top_k + z)]; });
-      for (const i64 k : ks) {
-        PD_CUDA_TRY(kernels::launchAxpy(weight[sz(t * top_k + k)], gout.data() + slot_of[sz(t * top_k + k)] * d,
-                                        ffn_out.data() + t * d, static_cast<int>(d), s));
-      }
-      if (l.shared) {
-        PD_CUDA_TRY(
-            kernels::launchAxpy(1.0F, gout.data() + (slots + t) * d, ffn_out.data() + t * d, static_cast<int>(d), s));
-      }
-    }
-    return okStatus();
+    return moeCombine(topk_idx.data(), topk_weight.data(), slot_of.data(), n, top_k, gout.data(), d, shared,
+                      ffn_out.data(), stream);
   }
 };
 
@@ -605,6 +663,10 @@ Result<std::unique_ptr<DeviceDecodeStep>> DeviceDecodeStep::create(const DeviceW
   PD_ASSIGN_OR_RETURN(cuda::PinnedHostBuffer<float> latent_host, cuda::PinnedHostBuffer<float>::create(sz(n * ld)));
   m.latent_host.emplace(std::move(latent_host));
   PD_ASSIGN_OR_RETURN(m.topk_idx, cuda::DeviceBuffer<std::int32_t>::create(sz(n * top_k)));
+  PD_ASSIGN_OR_RETURN(m.slot_of, cuda::DeviceBuffer<std::int32_t>::create(sz(n * top_k)));
+  PD_ASSIGN_OR_RETURN(m.moe_offsets,
+                      cuda::DeviceBuffer<std::int32_t>::create(sz(std::max<i64>(c.n_routed_experts, 1) + 1)));
+  PD_ASSIGN_OR_RETURN(m.moe_failed, cuda::DeviceBuffer<std::int32_t>::create(1));
   PD_ASSIGN_OR_RETURN(m.positions, cuda::DeviceBuffer<std::int64_t>::create(sz(n)));
   PD_ASSIGN_OR_RETURN(m.ctx_len, cuda::DeviceBuffer<std::int64_t>::create(sz(n)));
   PD_ASSIGN_OR_RETURN(m.table_begin, cuda::DeviceBuffer<std::int64_t>::create(sz(n)));
@@ -764,6 +826,7 @@ Result<DeviceDecodeStep::Output> DeviceDecodeStep::run(const DecodeStepPlan& pla
   PD_TRY(m.ctx_len.copyFromHost(plan.ctx_len, m.stream));
   PD_TRY(m.table_begin.copyFromHost(plan.table_begin, m.stream));
   PD_TRY(m.block_tables.copyFromHost(plan.block_tables, m.stream));
+  PD_CUDA_TRY(cudaMemsetAsync(m.moe_failed.data(), 0, sizeof(std::int32_t), s));
   const float* table = request.mtp ? m.mtp->embed : m.embed;
   for (i64 t = 0; t < n; ++t) {
     PD_CUDA_TRY(cudaMemcpyAsync(m.h.data() + t * d, table + static_cast<i64>(plan.token_ids[sz(t)]) * d,
@@ -824,7 +887,12 @@ Result<DeviceDecodeStep::Output> DeviceDecodeStep::run(const DecodeStepPlan& pla
     PD_CUDA_TRY(cudaMemcpyAsync(out.hidden.data() + i * sz(d), hidden_src + request.hidden_rows[i] * d,
                                 sz(d) * sizeof(float), cudaMemcpyDeviceToHost, s));
   }
+  std::vector<std::int32_t> moe_failed(1, 0);
+  PD_TRY(m.moe_failed.copyToHost(moe_failed, m.stream));
   PD_TRY(m.stream.synchronize());
+  if (moe_failed[0] != 0) {
+    return makeError(ErrorCode::Internal, "device step: MoE routing chose an expert outside the model's experts");
+  }
   return out;
 }
 

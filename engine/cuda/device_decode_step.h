@@ -4,15 +4,16 @@
 /// embedding; per layer RMSNorm, MLA (q_a -> norm -> q_b or q, kv_a -> norm + RoPE, the new latent
 /// written to the paged device cache, W_UK absorbed into the query, split-KV attention over the
 /// latents, W_UV, o_proj), residual + RMSNorm, then the dense MLP or MoE (noaux_tc routing, the
-/// chosen experts, the weighted combine in ascending expert order, plus the shared expert); the
-/// final norm and the LM head. Logits come back to the host.
+/// chosen experts grouped on the device, the weighted combine in ascending expert order, plus the
+/// shared expert); the final norm and the LM head. Logits come back to the host.
 ///
 /// Dense products: cuBLAS SGEMM in pedantic FP32 math (no TF32) over FP32 copies of the BF16 / F16
 /// weights (BF16 values are exact in FP32, so the products are the CPU engine's); FP8 e4m3 linears
 /// stay FP8 and run through the block-scaled FP8 GEMV (device_ops.h), except kv_b, which the
 /// absorbed attention multiplies per head on both sides and which is therefore kept as an FP32
-/// copy dequantized on the host. The FP32 copies are made once at create(): fp32 mode is the
-/// golden-parity mode, not the memory-saving one.
+/// copy dequantized on the host. The routed experts' linears, whatever their dtype, run through
+/// the grouped GEMV (one launch per linear for all experts). The FP32 copies are made once at
+/// create(): fp32 mode is the golden-parity mode, not the memory-saving one.
 ///
 /// The same step runs the rows of prefill chunks and MTP verify (one row per new token, each
 /// attending to the positions up to its own: every row's latent is written to the device cache
@@ -20,8 +21,9 @@
 /// each layer's new latents on the host (the CudaEngine mirrors them into the caller's cache).
 ///
 /// Options::numerics Bf16 is the bf16 mode (BF16 linears multiplied as stored, their inputs rounded
-/// to BF16, FP32 accumulation). Not yet here: a BF16 device cache, CUDA graphs. MoE routing results
-/// cross to the host once per MoE layer to group tokens by expert (a synchronize per MoE layer).
+/// to BF16, FP32 accumulation). Not yet here: a BF16 device cache, CUDA graphs. The MoE runs
+/// on the device without a host round trip: grouping by expert, one grouped GEMV launch per
+/// expert linear, the combine (docs/gpu.md).
 ///
 /// Private to the CUDA backend (engine/cuda) and its tests.
 /// Thread rules: one thread at a time (the engine's); all work is ordered on the step's own stream.

@@ -8,7 +8,9 @@
 /// inverse frequencies and the interleaved RoPE rotation; noaux_tc grouped top-k routing with the
 /// CPU engine's tie order; the merge of split-KV softmax partials; the sampling transforms
 /// (penalties, temperature weights, top-k / top-p / min-p cut-offs, the draw) and the
-/// counter-based generator; the FP8 GEMV's per-lane accumulation and its butterfly reduction.
+/// counter-based generator; the FP8 GEMV's per-lane accumulation and its butterfly reduction, and
+/// the grouped GEMV's for FP32, BF16 and FP8 experts; the MoE grouping of tokens by expert and the
+/// weighted combine in ascending expert order.
 ///
 /// Compiles as C++17 under nvcc and as C++20 under the host compiler; no allocation, no library
 /// calls but the math functions. Thread rules: pure functions.
@@ -464,6 +466,99 @@ PD_HD float fp8GemvRow(const std::uint8_t* q_row, const float* scale_row, std::i
   float lanes[kGemvWarp];
   for (int l = 0; l < kGemvWarp; ++l) lanes[l] = fp8GemvLanePartial(q_row, scale_row, cols, block_cols, x, l);
   return butterflySum32(lanes);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Grouped GEMV (the MoE experts on the device, no host round trip): expert g multiplies the rows
+// of its slots [offsets[g], offsets[g + 1]) by its own weight matrix, stored FP32 (the fp32
+// mode's copies), BF16 (multiplied as stored in the bf16 mode, inputs rounded to BF16) or FP8
+// with block scales. Lanes and the butterfly are the FP8 GEMV's above.
+
+enum class GemvWeights : int { F32 = 0, Bf16 = 1, Fp8 = 2 };
+
+/// Weight [row][c] of a matrix of `cols` columns stored as `kind`; `scale_row` is the row's block
+/// row of scales (FP8 only).
+PD_HD float gemvWeightAt(GemvWeights kind, const void* w, const float* scale_row, std::int64_t row, std::int64_t cols,
+                         std::int64_t c, std::int64_t block_cols) {
+  const std::int64_t at = row * cols + c;
+  if (kind == GemvWeights::F32) return static_cast<const float*>(w)[at];
+  if (kind == GemvWeights::Bf16) return bf16Decode(static_cast<const std::uint16_t*>(w)[at]);
+  return fp8BlockScaledValue(static_cast<const std::uint8_t*>(w)[at], scale_row[c / block_cols]);
+}
+
+/// An input value as the grouped GEMV multiplies it: rounded to BF16 against BF16 weights (the
+/// bf16 mode's rule for every BF16 linear), as is otherwise.
+PD_HD float gemvInput(GemvWeights kind, float x) {
+  return kind == GemvWeights::Bf16 ? bf16Decode(bf16Encode(x)) : x;
+}
+
+/// Lane `lane`'s partial sum of weight row `row` against x [cols].
+PD_HD float gemvLanePartial(GemvWeights kind, const void* w, const float* scale_row, std::int64_t row,
+                            std::int64_t cols, std::int64_t block_cols, const float* x, int lane) {
+  float acc = 0.0F;
+  for (std::int64_t tile = 0; tile * kGemvTileCols < cols; ++tile) {
+    const std::int64_t c0 = tile * kGemvTileCols + static_cast<std::int64_t>(lane) * kGemvColsPerLane;
+    for (int i = 0; i < kGemvColsPerLane; ++i) {
+      const std::int64_t c = c0 + i;
+      if (c < cols) acc = fmaF(gemvWeightAt(kind, w, scale_row, row, cols, c, block_cols), gemvInput(kind, x[c]), acc);
+    }
+  }
+  return acc;
+}
+
+/// One output of the grouped GEMV exactly as the kernel computes it.
+PD_HD float gemvRow(GemvWeights kind, const void* w, const float* scale_row, std::int64_t row, std::int64_t cols,
+                    std::int64_t block_cols, const float* x) {
+  float lanes[kGemvWarp];
+  for (int l = 0; l < kGemvWarp; ++l) lanes[l] = gemvLanePartial(kind, w, scale_row, row, cols, block_cols, x, l);
+  return butterflySum32(lanes);
+}
+
+// ---------------------------------------------------------------------------------------------
+// MoE token grouping and combine, as the CPU engine's moe() does them on the host.
+
+/// Groups the `slots` (token, k) choices `chosen` [slots] by expert: expert e's rows are
+/// [offsets[e], offsets[e + 1]) (offsets [experts + 1]), in ascending slot order, and slot i's row
+/// is slot_of[i]. When a chosen id is outside [0, experts) nothing is grouped (offsets all 0,
+/// slot_of all -1) and false is returned. One thread; O(slots + experts).
+PD_HD bool groupByExpert(const std::int32_t* chosen, std::int64_t slots, std::int64_t experts, std::int32_t* offsets,
+                         std::int32_t* slot_of) {
+  bool ok = true;
+  for (std::int64_t i = 0; i < slots; ++i) ok = ok && chosen[i] >= 0 && chosen[i] < experts;
+  for (std::int64_t e = 0; e <= experts; ++e) offsets[e] = 0;
+  if (!ok) {
+    for (std::int64_t i = 0; i < slots; ++i) slot_of[i] = -1;
+    return false;
+  }
+  for (std::int64_t i = 0; i < slots; ++i) ++offsets[chosen[i] + 1];
+  for (std::int64_t e = 0; e < experts; ++e) offsets[e + 1] += offsets[e];
+  // offsets[e] is now expert e's next free row; filling moves it to e's end, e + 1's begin.
+  for (std::int64_t i = 0; i < slots; ++i) slot_of[i] = offsets[chosen[i]]++;
+  for (std::int64_t e = experts; e > 0; --e) offsets[e] = offsets[e - 1];
+  offsets[0] = 0;
+  return true;
+}
+
+/// Output column j of one token's MoE block: its top_k experts' outputs (gout rows slot_row[k],
+/// width d) weighted by weight_row[k], accumulated with fma in ascending expert id order (the
+/// CPU engine's order), then + shared_row[j] when shared_row is not null. A slot of -1 (a failed
+/// grouping) adds nothing.
+PD_HD float moeCombine(const std::int32_t* chosen_row, const float* weight_row, const std::int32_t* slot_row,
+                       std::int64_t top_k, const float* gout, std::int64_t d, std::int64_t j, const float* shared_row) {
+  float acc = 0.0F;
+  std::int64_t last = -1;  // the expert id added last; ids of one token are distinct
+  for (std::int64_t n = 0; n < top_k; ++n) {
+    std::int64_t pick = -1;
+    for (std::int64_t k = 0; k < top_k; ++k) {
+      const std::int64_t id = chosen_row[k];
+      if (id > last && (pick < 0 || id < chosen_row[pick])) pick = k;
+    }
+    if (pick < 0) break;
+    last = chosen_row[pick];
+    if (slot_row[pick] >= 0) acc = fmaF(weight_row[pick], gout[static_cast<std::int64_t>(slot_row[pick]) * d + j], acc);
+  }
+  if (shared_row != nullptr) acc = acc + shared_row[j];
+  return acc;
 }
 
 }  // namespace pd::gpu::math

@@ -147,6 +147,70 @@ Status fp8Gemv(const kernels::Fp8GemvArgs& a, const cuda::Stream& stream) {
   return okStatus();
 }
 
+Status groupedGemv(const kernels::GroupedGemvArgs& a, const cuda::Stream& stream) {
+  constexpr std::string_view kWhat = "groupedGemv";
+  PD_TRY(inRange(kWhat, "groups", a.groups, 1, kMaxGemvGroups));
+  PD_TRY(inRange(kWhat, "rows", a.rows, 1, kIntMax));
+  PD_TRY(inRange(kWhat, "cols", a.cols, 1, kIntMax));
+  PD_TRY(inRange(kWhat, "x_stride", a.x_stride, a.cols, std::numeric_limits<std::int64_t>::max()));
+  PD_TRY(inRange(kWhat, "y_stride", a.y_stride, a.rows, std::numeric_limits<std::int64_t>::max()));
+  if (a.weights == nullptr || a.offsets == nullptr || a.x == nullptr || a.y == nullptr)
+    return invalid(fmt::format("{}: null pointer", kWhat));
+  if (a.kind == math::GemvWeights::Fp8) {
+    PD_TRY(inRange(kWhat, "block_rows", a.block_rows, 1, kIntMax));
+    PD_TRY(inRange(kWhat, "block_cols", a.block_cols, 1, kIntMax));
+    const std::int64_t scale_cols = (static_cast<std::int64_t>(a.cols) + a.block_cols - 1) / a.block_cols;
+    PD_TRY(inRange(kWhat, "scale_cols", a.scale_cols, scale_cols, scale_cols));
+    if (a.scales == nullptr) return invalid(fmt::format("{}: FP8 weights without scales", kWhat));
+  } else if (a.kind != math::GemvWeights::F32 && a.kind != math::GemvWeights::Bf16) {
+    return invalid(fmt::format("{}: unknown weight kind {}", kWhat, static_cast<int>(a.kind)));
+  }
+  PD_CUDA_TRY(kernels::launchGroupedGemv(a, stream.get()));
+  return okStatus();
+}
+
+Status moeGroup(const std::int32_t* chosen, std::int64_t tokens, std::int64_t top_k, std::int64_t experts,
+                std::int32_t* offsets, std::int32_t* slot_of, std::int32_t* failed, const cuda::Stream& stream) {
+  constexpr std::string_view kWhat = "moeGroup";
+  PD_TRY(inRange(kWhat, "tokens", tokens, 1, kIntMax));
+  PD_TRY(inRange(kWhat, "top_k", top_k, 1, math::kMaxRoutedExperts));
+  PD_TRY(inRange(kWhat, "tokens * top_k", tokens * top_k, 1, kIntMax));
+  PD_TRY(inRange(kWhat, "experts", experts, 1, math::kMaxRoutedExperts));
+  if (chosen == nullptr || offsets == nullptr || slot_of == nullptr || failed == nullptr)
+    return invalid(fmt::format("{}: null pointer", kWhat));
+  PD_CUDA_TRY(kernels::launchMoeGroup(chosen, static_cast<int>(tokens * top_k), static_cast<int>(experts), offsets,
+                                      slot_of, failed, stream.get()));
+  return okStatus();
+}
+
+Status moeGather(const float* x, const std::int32_t* slot_of, std::int64_t tokens, std::int64_t top_k, std::int64_t d,
+                 float* gx, const cuda::Stream& stream) {
+  constexpr std::string_view kWhat = "moeGather";
+  PD_TRY(inRange(kWhat, "tokens", tokens, 1, kIntMax));
+  PD_TRY(inRange(kWhat, "top_k", top_k, 1, math::kMaxRoutedExperts));
+  PD_TRY(inRange(kWhat, "tokens * top_k", tokens * top_k, 1, kIntMax));
+  PD_TRY(inRange(kWhat, "d", d, 1, kIntMax));
+  if (x == nullptr || slot_of == nullptr || gx == nullptr) return invalid(fmt::format("{}: null pointer", kWhat));
+  PD_CUDA_TRY(kernels::launchMoeGather(x, slot_of, static_cast<int>(tokens), static_cast<int>(top_k),
+                                       static_cast<int>(d), gx, stream.get()));
+  return okStatus();
+}
+
+Status moeCombine(const std::int32_t* chosen, const float* weight, const std::int32_t* slot_of, std::int64_t tokens,
+                  std::int64_t top_k, const float* gout, std::int64_t d, const float* shared, float* out,
+                  const cuda::Stream& stream) {
+  constexpr std::string_view kWhat = "moeCombine";
+  PD_TRY(inRange(kWhat, "tokens", tokens, 1, kIntMax));
+  PD_TRY(inRange(kWhat, "top_k", top_k, 1, math::kMaxRoutedExperts));
+  PD_TRY(inRange(kWhat, "tokens * top_k", tokens * top_k, 1, kIntMax));
+  PD_TRY(inRange(kWhat, "d", d, 1, kIntMax));
+  if (chosen == nullptr || weight == nullptr || slot_of == nullptr || gout == nullptr || out == nullptr)
+    return invalid(fmt::format("{}: null pointer", kWhat));
+  PD_CUDA_TRY(kernels::launchMoeCombine(chosen, weight, slot_of, static_cast<int>(tokens), static_cast<int>(top_k),
+                                        gout, static_cast<int>(d), shared, out, stream.get()));
+  return okStatus();
+}
+
 Result<DeviceSampler> DeviceSampler::create(std::int64_t max_rows, std::int64_t vocab) {
   PD_TRY(inRange("DeviceSampler", "max_rows", max_rows, 1, 4096));
   PD_TRY(inRange("DeviceSampler", "vocab", vocab, 1, kIntMax));

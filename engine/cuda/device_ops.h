@@ -97,6 +97,28 @@ Status routeNoauxTc(const float* logits, const float* bias, const math::RoutingS
 constexpr std::int64_t kFp8GemvMaxTokens = 64;
 Status fp8Gemv(const kernels::Fp8GemvArgs& args, const cuda::Stream& stream);
 
+/// The MoE experts of one layer in one launch each for gate, up and down (kernels::GroupedGemvArgs):
+/// the groups' rows come from offsets on the device, which the host never reads, so x and y must
+/// hold every row the grouping can produce (tokens * top_k). InvalidArgument for a bad shape.
+constexpr std::int64_t kMaxGemvGroups = 65535;  // the grid's y dimension
+Status groupedGemv(const kernels::GroupedGemvArgs& args, const cuda::Stream& stream);
+
+/// One MoE layer's token grouping on the device (math::groupByExpert): chosen [tokens, top_k]
+/// (routeNoauxTc's idx) -> offsets [experts + 1], slot_of [tokens * top_k]. *failed (device) is
+/// set to 1 when a chosen id is outside [0, experts); nothing is grouped then.
+Status moeGroup(const std::int32_t* chosen, std::int64_t tokens, std::int64_t top_k, std::int64_t experts,
+                std::int32_t* offsets, std::int32_t* slot_of, std::int32_t* failed, const cuda::Stream& stream);
+
+/// gx[slot_of[i]] = x[i / top_k] for the tokens * top_k slots (rows of width d).
+Status moeGather(const float* x, const std::int32_t* slot_of, std::int64_t tokens, std::int64_t top_k, std::int64_t d,
+                 float* gx, const cuda::Stream& stream);
+
+/// out[t] = the weighted sum of token t's expert outputs gout[slot_of[t, k]] in ascending expert
+/// id order, + shared[t] when shared is not null (math::moeCombine).
+Status moeCombine(const std::int32_t* chosen, const float* weight, const std::int32_t* slot_of, std::int64_t tokens,
+                  std::int64_t top_k, const float* gout, std::int64_t d, const float* shared, float* out,
+                  const cuda::Stream& stream);
+
 /// Samples one token per row of device logits (the CPU Sampler's rules: penalties, temperature,
 /// top-k, top-p, min-p, a seeded draw; greedy when temperature is 0) and returns only the ids and
 /// their logprobs to the host. Owns its workspace, sized for max_rows x vocab once.

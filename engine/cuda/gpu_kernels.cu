@@ -214,6 +214,74 @@ __global__ void __launch_bounds__(kGemvThreads) fp8GemvKernel(Fp8GemvArgs a) {
   }
 }
 
+// Grouped GEMV: blockIdx.y is the group (expert), one warp per row as in fp8GemvKernel, over the
+// group's rows [offsets[g], offsets[g + 1]) of x. A group with no rows leaves at once. Lane
+// partials and the butterfly are those of math::gemvRow.
+__global__ void __launch_bounds__(kGemvThreads) groupedGemvKernel(GroupedGemvArgs a) {
+  const int g = blockIdx.y;
+  const int row = blockIdx.x * kGemvRowsPerBlock + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  const int begin = a.offsets[g];
+  const int count = a.offsets[g + 1] - begin;
+  if (row >= a.rows || count <= 0) return;  // uniform per warp
+  const void* w = a.weights[g];
+  const float* scale_row = a.kind == m::GemvWeights::Fp8
+                               ? a.scales[g] + static_cast<std::int64_t>(row / a.block_rows) * a.scale_cols
+                               : nullptr;
+  const float* x = a.x + static_cast<std::int64_t>(begin) * a.x_stride;
+  float* y = a.y + static_cast<std::int64_t>(begin) * a.y_stride;
+  for (int t0 = 0; t0 < count; t0 += kGemvTokensPerPass) {
+    float acc[kGemvTokensPerPass];
+    for (int k = 0; k < kGemvTokensPerPass; ++k) acc[k] = 0.0F;
+    for (std::int64_t tile = 0; tile * m::kGemvTileCols < a.cols; ++tile) {
+      const std::int64_t c0 = tile * m::kGemvTileCols + static_cast<std::int64_t>(lane) * m::kGemvColsPerLane;
+      for (int i = 0; i < m::kGemvColsPerLane; ++i) {
+        const std::int64_t c = c0 + i;
+        if (c >= a.cols) continue;
+        const float wv = m::gemvWeightAt(a.kind, w, scale_row, row, a.cols, c, a.block_cols);
+        for (int k = 0; k < kGemvTokensPerPass; ++k) {
+          if (t0 + k < count) acc[k] = m::fmaF(wv, m::gemvInput(a.kind, x[(t0 + k) * a.x_stride + c]), acc[k]);
+        }
+      }
+    }
+    for (int k = 0; k < kGemvTokensPerPass; ++k) {
+      float v = acc[k];
+      for (int width = m::kGemvWarp / 2; width > 0; width /= 2) v = v + __shfl_xor_sync(0xFFFFFFFFU, v, width);
+      if (lane == 0 && t0 + k < count) y[(t0 + k) * a.y_stride + row] = v;
+    }
+  }
+}
+
+// One thread: the grouping is a counting sort of at most kMaxDecodeBatch * top_k slots.
+__global__ void moeGroupKernel(const std::int32_t* chosen, int slots, int experts, std::int32_t* offsets,
+                               std::int32_t* slot_of, std::int32_t* failed) {
+  if (blockIdx.x != 0 || threadIdx.x != 0) return;
+  if (!m::groupByExpert(chosen, slots, experts, offsets, slot_of)) *failed = 1;
+}
+
+// blockIdx.x is the slot; threads stride over the row.
+__global__ void __launch_bounds__(kAxpyThreads)
+    moeGatherKernel(const float* x, const std::int32_t* slot_of, int top_k, int d, float* gx) {
+  const int i = blockIdx.x;
+  const std::int32_t slot = slot_of[i];
+  if (slot < 0) return;
+  const float* src = x + static_cast<std::int64_t>(i / top_k) * d;
+  float* dst = gx + static_cast<std::int64_t>(slot) * d;
+  for (int j = threadIdx.x; j < d; j += blockDim.x) dst[j] = src[j];
+}
+
+// blockIdx.x is the token; threads stride over the row's columns.
+__global__ void __launch_bounds__(kAxpyThreads)
+    moeCombineKernel(const std::int32_t* chosen, const float* weight, const std::int32_t* slot_of, int top_k,
+                     const float* gout, int d, const float* shared, float* out) {
+  const std::int64_t t = blockIdx.x;
+  const std::int64_t at = t * top_k;
+  const float* shared_row = shared == nullptr ? nullptr : shared + t * d;
+  for (int j = threadIdx.x; j < d; j += blockDim.x) {
+    out[t * d + j] = m::moeCombine(chosen + at, weight + at, slot_of + at, top_k, gout, d, j, shared_row);
+  }
+}
+
 constexpr int kStreamReadThreads = 512;
 
 // One 16-byte load per word; the XOR of a block's words goes to sink[block] (block-reduced
@@ -316,6 +384,34 @@ cudaError_t launchRouteNoauxTc(const float* logits, const float* bias, const mat
                                std::int32_t* idx, float* weight, cudaStream_t stream) {
   if (tokens <= 0) return cudaSuccess;
   routeKernel<<<tokens, 32, 0, stream>>>(logits, bias, shape, idx, weight);
+  return cudaGetLastError();
+}
+
+cudaError_t launchGroupedGemv(const GroupedGemvArgs& args, cudaStream_t stream) {
+  if (args.rows <= 0 || args.groups <= 0) return cudaSuccess;
+  const dim3 grid((args.rows + kGemvRowsPerBlock - 1) / kGemvRowsPerBlock, args.groups);
+  groupedGemvKernel<<<grid, kGemvThreads, 0, stream>>>(args);
+  return cudaGetLastError();
+}
+
+cudaError_t launchMoeGroup(const std::int32_t* chosen, int slots, int experts, std::int32_t* offsets,
+                           std::int32_t* slot_of, std::int32_t* failed, cudaStream_t stream) {
+  moeGroupKernel<<<1, 1, 0, stream>>>(chosen, slots, experts, offsets, slot_of, failed);
+  return cudaGetLastError();
+}
+
+cudaError_t launchMoeGather(const float* x, const std::int32_t* slot_of, int tokens, int top_k, int d, float* gx,
+                            cudaStream_t stream) {
+  if (tokens <= 0 || top_k <= 0 || d <= 0) return cudaSuccess;
+  moeGatherKernel<<<tokens * top_k, kAxpyThreads, 0, stream>>>(x, slot_of, top_k, d, gx);
+  return cudaGetLastError();
+}
+
+cudaError_t launchMoeCombine(const std::int32_t* chosen, const float* weight, const std::int32_t* slot_of, int tokens,
+                             int top_k, const float* gout, int d, const float* shared, float* out,
+                             cudaStream_t stream) {
+  if (tokens <= 0 || d <= 0) return cudaSuccess;
+  moeCombineKernel<<<tokens, kAxpyThreads, 0, stream>>>(chosen, weight, slot_of, top_k, gout, d, shared, out);
   return cudaGetLastError();
 }
 

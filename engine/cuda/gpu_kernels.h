@@ -82,6 +82,42 @@ struct Fp8GemvArgs {
 };
 cudaError_t launchFp8Gemv(const Fp8GemvArgs& args, cudaStream_t stream);
 
+/// The MoE experts of one layer as one launch: y[t * y_stride + r] = W_g[r] . x[t * x_stride ...]
+/// for every group g and t in [offsets[g], offsets[g + 1]) (offsets on the device: the routing's
+/// grouping, never read by the host). All groups share kind, rows and cols.
+struct GroupedGemvArgs {
+  math::GemvWeights kind = math::GemvWeights::F32;
+  const void* const* weights = nullptr;  ///< device array [groups] of device matrices [rows, cols]
+  const float* const* scales = nullptr;  ///< Fp8: device array [groups] of scales [., scale_cols]
+  int groups = 0;
+  int rows = 0;
+  int cols = 0;
+  int block_rows = 128;
+  int block_cols = 128;
+  int scale_cols = 0;
+  const std::int32_t* offsets = nullptr;  ///< device [groups + 1]
+  const float* x = nullptr;
+  std::int64_t x_stride = 0;
+  float* y = nullptr;
+  std::int64_t y_stride = 0;
+};
+cudaError_t launchGroupedGemv(const GroupedGemvArgs& args, cudaStream_t stream);
+
+/// MoE grouping on the device (math::groupByExpert, one thread): chosen [slots] -> offsets
+/// [experts + 1], slot_of [slots]; *failed is set to 1 (and never cleared) when a chosen id is
+/// outside [0, experts).
+cudaError_t launchMoeGroup(const std::int32_t* chosen, int slots, int experts, std::int32_t* offsets,
+                           std::int32_t* slot_of, std::int32_t* failed, cudaStream_t stream);
+
+/// gx[slot_of[i] * d + j] = x[(i / top_k) * d + j] for i < tokens * top_k with slot_of[i] >= 0.
+cudaError_t launchMoeGather(const float* x, const std::int32_t* slot_of, int tokens, int top_k, int d, float* gx,
+                            cudaStream_t stream);
+
+/// out[t * d + j] = math::moeCombine of token t (chosen / weight / slot_of [tokens, top_k], gout
+/// [., d], shared [tokens, d] or null).
+cudaError_t launchMoeCombine(const std::int32_t* chosen, const float* weight, const std::int32_t* slot_of, int tokens,
+                             int top_k, const float* gout, int d, const float* shared, float* out, cudaStream_t stream);
+
 /// One row's sampling request on the device.
 struct RowSampling {
   math::SamplingTransform transform;

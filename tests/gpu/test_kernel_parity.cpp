@@ -11,6 +11,8 @@
 #include <numeric>
 #include <optional>
 #include <random>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #include "cpu_reference.h"
@@ -366,6 +368,159 @@ TEST_F(Kernel, Fp8GemvIsBitExactToItsHostOrderAndCloseToCpu) {
   }
 }
 
+// ---- grouped GEMV and the MoE grouping -----------------------------------------------------------
+
+// Every expert's rows against math::gemvRow (the kernel's own order, bit-exact) for FP32, BF16
+// and FP8 experts, with empty experts among them; rows no expert owns stay untouched.
+TEST_F(Kernel, GroupedGemvIsBitExactToItsHostOrderForEveryKind) {
+  const int64_t groups = 6;
+  for (const auto& [rows, cols] : std::vector<std::pair<int64_t, int64_t>>{{1, 1}, {129, 127}, {64, 1000}}) {
+    const int64_t scale_cols = (cols + 127) / 128;
+    const int64_t scale_rows = (rows + 127) / 128;
+    // Tokens per expert: 0, 3, 0, 9, 1, 0 (16 rows; experts 0, 2 and 5 idle).
+    const std::vector<std::int32_t> offsets{0, 0, 3, 3, 12, 13, 13};
+    const int64_t total = offsets.back();
+    const int64_t x_stride = cols + 2;
+    const int64_t y_stride = rows + 1;
+    const std::vector<float> x = randn(static_cast<std::size_t>(total * x_stride));
+    auto dx = upload(x, stream());
+    auto doff = upload(offsets, stream());
+    for (const gm::GemvWeights kind : {gm::GemvWeights::F32, gm::GemvWeights::Bf16, gm::GemvWeights::Fp8}) {
+      std::vector<std::vector<float>> wf(groups);
+      std::vector<std::vector<std::uint16_t>> wb(groups);
+      std::vector<std::vector<std::uint8_t>> wq(groups);
+      std::vector<std::vector<float>> ws(groups);
+      std::vector<pd::cuda::DeviceBuffer<float>> df, dsc;
+      std::vector<pd::cuda::DeviceBuffer<std::uint16_t>> db;
+      std::vector<pd::cuda::DeviceBuffer<std::uint8_t>> dq;
+      std::vector<const void*> ptrs;
+      std::vector<const float*> scale_ptrs;
+      for (int64_t g = 0; g < groups; ++g) {
+        const auto gi = static_cast<std::size_t>(g);
+        wf[gi] = randn(static_cast<std::size_t>(rows * cols));
+        ws[gi].resize(static_cast<std::size_t>(scale_rows * scale_cols));
+        for (auto& v : ws[gi]) v = 0.001F + 0.01F * std::fabs(normal_(rng_));
+        if (kind == gm::GemvWeights::F32) {
+          df.push_back(upload(wf[gi], stream()));
+          ptrs.push_back(df.back().data());
+        } else if (kind == gm::GemvWeights::Bf16) {
+          for (const float v : wf[gi]) wb[gi].push_back(pd::floatToBf16(v));
+          db.push_back(upload(wb[gi], stream()));
+          ptrs.push_back(db.back().data());
+        } else {
+          for (const float v : wf[gi]) wq[gi].push_back(pd::floatToFp8e4m3(v * 100.0F));
+          dq.push_back(upload(wq[gi], stream()));
+          ptrs.push_back(dq.back().data());
+        }
+        dsc.push_back(upload(ws[gi], stream()));
+        scale_ptrs.push_back(dsc.back().data());
+      }
+      auto dptrs = upload(ptrs, stream());
+      auto dscales = upload(scale_ptrs, stream());
+      const float sentinel = -12345.0F;
+      auto dy = upload(std::vector<float>(static_cast<std::size_t>(total * y_stride), sentinel), stream());
+      pd::gpu::kernels::GroupedGemvArgs a;
+      a.kind = kind;
+      a.weights = dptrs.data();
+      a.scales = dscales.data();
+      a.groups = static_cast<int>(groups);
+      a.rows = static_cast<int>(rows);
+      a.cols = static_cast<int>(cols);
+      a.scale_cols = static_cast<int>(scale_cols);
+      a.offsets = doff.data();
+      a.x = dx.data();
+      a.x_stride = x_stride;
+      a.y = dy.data();
+      a.y_stride = y_stride;
+      ASSERT_TRUE(pd::gpu::groupedGemv(a, stream()).ok());
+      const auto y = download(dy, static_cast<std::size_t>(total * y_stride), stream());
+      for (int64_t g = 0; g < groups; ++g) {
+        const auto gi = static_cast<std::size_t>(g);
+        const void* w = kind == gm::GemvWeights::F32    ? static_cast<const void*>(wf[gi].data())
+                        : kind == gm::GemvWeights::Bf16 ? static_cast<const void*>(wb[gi].data())
+                                                        : static_cast<const void*>(wq[gi].data());
+        for (int64_t t = offsets[gi]; t < offsets[gi + 1]; ++t) {
+          for (int64_t r = 0; r < rows; ++r) {
+            const float host =
+                gm::gemvRow(kind, w, ws[gi].data() + (r / 128) * scale_cols, r, cols, 128, x.data() + t * x_stride);
+            ASSERT_EQ(y[static_cast<std::size_t>(t * y_stride + r)], host)
+                << "kind " << static_cast<int>(kind) << " " << rows << "x" << cols << " expert " << g << " row " << t;
+          }
+          ASSERT_EQ(y[static_cast<std::size_t>(t * y_stride + rows)], sentinel) << "the stride's padding was written";
+        }
+      }
+    }
+  }
+}
+
+// The grouping, gather and combine kernels against their host functions, on routing's own output
+// shape (tokens x top_k distinct ids), and the failure flag for an id outside the experts.
+TEST_F(Kernel, MoeGroupGatherAndCombineMatchTheHost) {
+  for (const auto& [tokens, top_k, experts] :
+       std::vector<std::tuple<int64_t, int64_t, int64_t>>{{1, 1, 1}, {64, 8, 256}, {7, 3, 5}}) {
+    const int64_t slots = tokens * top_k;
+    const int64_t d = 133;
+    std::vector<std::int32_t> ids(static_cast<std::size_t>(experts));
+    std::iota(ids.begin(), ids.end(), 0);
+    std::vector<std::int32_t> chosen;
+    for (int64_t t = 0; t < tokens; ++t) {
+      std::shuffle(ids.begin(), ids.end(), rng_);
+      chosen.insert(chosen.end(), ids.begin(), ids.begin() + top_k);
+    }
+    std::vector<float> weight = randn(static_cast<std::size_t>(slots));
+    const std::vector<float> x = randn(static_cast<std::size_t>(tokens * d));
+    const std::vector<float> gout = randn(static_cast<std::size_t>((slots + tokens) * d));
+    auto dchosen = upload(chosen, stream());
+    auto dweight = upload(weight, stream());
+    auto dx = upload(x, stream());
+    auto dgout = upload(gout, stream());
+    auto doff = upload(std::vector<std::int32_t>(static_cast<std::size_t>(experts + 1), 7), stream());
+    auto dslot = upload(std::vector<std::int32_t>(static_cast<std::size_t>(slots), 7), stream());
+    auto dfailed = upload(std::vector<std::int32_t>{0}, stream());
+    auto dgx = upload(std::vector<float>(static_cast<std::size_t>(slots * d)), stream());
+    auto dout = upload(std::vector<float>(static_cast<std::size_t>(tokens * d)), stream());
+    ASSERT_TRUE(
+        pd::gpu::moeGroup(dchosen.data(), tokens, top_k, experts, doff.data(), dslot.data(), dfailed.data(), stream())
+            .ok());
+    ASSERT_TRUE(pd::gpu::moeGather(dx.data(), dslot.data(), tokens, top_k, d, dgx.data(), stream()).ok());
+    const float* shared = dgout.data() + slots * d;
+    ASSERT_TRUE(pd::gpu::moeCombine(dchosen.data(), dweight.data(), dslot.data(), tokens, top_k, dgout.data(), d,
+                                    shared, dout.data(), stream())
+                    .ok());
+    std::vector<std::int32_t> offsets(static_cast<std::size_t>(experts + 1));
+    std::vector<std::int32_t> slot_of(static_cast<std::size_t>(slots));
+    ASSERT_TRUE(gm::groupByExpert(chosen.data(), slots, experts, offsets.data(), slot_of.data()));
+    EXPECT_EQ(download(doff, offsets.size(), stream()), offsets);
+    EXPECT_EQ(download(dslot, slot_of.size(), stream()), slot_of);
+    EXPECT_EQ(download(dfailed, 1, stream())[0], 0);
+    const auto gx = download(dgx, static_cast<std::size_t>(slots * d), stream());
+    for (int64_t i = 0; i < slots; ++i) {
+      for (int64_t j = 0; j < d; ++j) {
+        ASSERT_EQ(gx[static_cast<std::size_t>(slot_of[static_cast<std::size_t>(i)] * d + j)],
+                  x[static_cast<std::size_t>((i / top_k) * d + j)]);
+      }
+    }
+    const auto out = download(dout, static_cast<std::size_t>(tokens * d), stream());
+    for (int64_t t = 0; t < tokens; ++t) {
+      const auto at = static_cast<std::size_t>(t * top_k);
+      for (int64_t j = 0; j < d; ++j) {
+        const float host = gm::moeCombine(chosen.data() + at, weight.data() + at, slot_of.data() + at, top_k,
+                                          gout.data(), d, j, gout.data() + (slots + t) * d);
+        ASSERT_EQ(out[static_cast<std::size_t>(t * d + j)], host) << "token " << t << " column " << j;
+      }
+    }
+  }
+  // An id outside the experts: the flag is set and nothing is grouped.
+  auto dbad = upload(std::vector<std::int32_t>{0, 9}, stream());
+  auto doff = upload(std::vector<std::int32_t>(5, 7), stream());
+  auto dslot = upload(std::vector<std::int32_t>(2, 7), stream());
+  auto dfailed = upload(std::vector<std::int32_t>{0}, stream());
+  ASSERT_TRUE(pd::gpu::moeGroup(dbad.data(), 1, 2, 4, doff.data(), dslot.data(), dfailed.data(), stream()).ok());
+  EXPECT_EQ(download(dfailed, 1, stream())[0], 1);
+  EXPECT_EQ(download(doff, 5, stream()), std::vector<std::int32_t>(5, 0));
+  EXPECT_EQ(download(dslot, 2, stream()), std::vector<std::int32_t>(2, -1));
+}
+
 // ---- sampling -----------------------------------------------------------------------------------
 
 TEST_F(Kernel, SamplingMatchesCpuSampler) {
@@ -467,6 +622,13 @@ TEST_F(Kernel, BadShapesAreClearErrorsNotLaunches) {
   auto attn = pd::gpu::MlaDecodeAttention::create({1, 1, 4096, 10});
   ASSERT_FALSE(attn.ok());
   EXPECT_NE(attn.error().message.find("latent_dim"), std::string::npos);
+  pd::gpu::kernels::GroupedGemvArgs g;  // no pointers, no groups
+  auto grouped = pd::gpu::groupedGemv(g, stream());
+  ASSERT_FALSE(grouped.ok());
+  EXPECT_NE(grouped.error().message.find("groups = 0"), std::string::npos) << grouped.error().message;
+  auto group = pd::gpu::moeGroup(nullptr, 1, 9, 4, nullptr, nullptr, nullptr, stream());
+  ASSERT_FALSE(group.ok());
+  EXPECT_EQ(group.error().code, pd::ErrorCode::InvalidArgument);
 }
 
 }  // namespace

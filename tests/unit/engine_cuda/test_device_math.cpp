@@ -1,14 +1,18 @@
 // The CUDA kernels' arithmetic (engine/cuda/device_math.h) compiled for the host and checked
 // against the CPU engine: value decode, YaRN RoPE, RMSNorm (through the engine's own trace),
-// noaux_tc routing, the split-KV softmax merge, sampling and the FP8 GEMV's reduction order.
+// noaux_tc routing, the split-KV softmax merge, sampling, the FP8 and grouped GEMVs' reduction
+// order, and the MoE grouping and combine.
 // Runs on every machine; the GPU parity tests (tests/gpu) then check the kernels themselves.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <numeric>
 #include <random>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #include "cpu_reference.h"
@@ -412,6 +416,174 @@ TEST(DeviceMath, Fp8GemvOrderAgreesWithTheCpuMatmul) {
       ASSERT_NEAR(hd, cpu[static_cast<std::size_t>(r)], 1e-6 * mag + 1e-30) << rows << "x" << cols << " row " << r;
     }
   }
+}
+
+// ------------------------------------------------------------------------------------------
+// Grouped GEMV (the MoE experts on the device).
+
+TEST(DeviceMath, GroupedGemvRowIsTheFp8GemvForFp8AndCloseToTheCpuForEveryKind) {
+  std::mt19937 rng(23);
+  std::normal_distribution<float> normal;
+  const pd::model::KernelTable& k = pd::model::kernelTable(pd::model::detectCpuIsa());
+  for (const auto& [rows, cols] : std::vector<std::pair<int64_t, int64_t>>{{1, 1}, {3, 127}, {130, 129}, {17, 1000}}) {
+    std::vector<float> x(static_cast<std::size_t>(cols));
+    for (auto& v : x) v = normal(rng);
+    // FP8: the very order of the FP8 GEMV, so bit-equal to it.
+    const Fp8Matrix m = randomFp8(rows, cols, rng);
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* scale_row = m.scales.data() + (r / 128) * m.w.scaleCols();
+      const float grouped = gm::gemvRow(gm::GemvWeights::Fp8, m.q.data(), scale_row, r, cols, 128, x.data());
+      const float fp8 = gm::fp8GemvRow(m.q.data() + r * cols, scale_row, cols, 128, x.data());
+      ASSERT_EQ(bitsOf(grouped), bitsOf(fp8)) << rows << "x" << cols << " row " << r;
+    }
+    // F32 and BF16 against the CPU engine's matmul of the same values (BF16: of the inputs
+    // rounded to BF16, the bf16 mode's rule).
+    std::vector<float> wf(static_cast<std::size_t>(rows * cols));
+    for (auto& v : wf) v = normal(rng);
+    std::vector<std::uint16_t> wb(wf.size());
+    std::vector<float> wb_values(wf.size());
+    for (std::size_t i = 0; i < wf.size(); ++i) {
+      wb[i] = pd::floatToBf16(wf[i]);
+      wb_values[i] = pd::bf16ToFloat(wb[i]);
+    }
+    std::vector<float> xb(x.size());
+    for (std::size_t i = 0; i < x.size(); ++i) xb[i] = pd::bf16ToFloat(pd::floatToBf16(x[i]));
+    for (const bool bf16 : {false, true}) {
+      pd::model::WeightMatrix w;
+      w.dtype = DType::F32;
+      w.rows = rows;
+      w.cols = cols;
+      w.data = bf16 ? wb_values.data() : wf.data();
+      std::vector<float> cpu(static_cast<std::size_t>(rows));
+      k.matmul(w, 0, rows, bf16 ? xb.data() : x.data(), cols, 1, cpu.data(), rows);
+      for (int64_t r = 0; r < rows; ++r) {
+        const float hd = bf16 ? gm::gemvRow(gm::GemvWeights::Bf16, wb.data(), nullptr, r, cols, 128, x.data())
+                              : gm::gemvRow(gm::GemvWeights::F32, wf.data(), nullptr, r, cols, 128, x.data());
+        double mag = 0.0;
+        for (int64_t c = 0; c < cols; ++c) {
+          const auto at = static_cast<std::size_t>(r * cols + c);
+          const float wv = bf16 ? wb_values[at] : wf[at];
+          const float xv = bf16 ? xb[static_cast<std::size_t>(c)] : x[static_cast<std::size_t>(c)];
+          mag += std::fabs(static_cast<double>(wv) * xv);
+        }
+        ASSERT_NEAR(hd, cpu[static_cast<std::size_t>(r)], 1e-6 * mag + 1e-30)
+            << (bf16 ? "bf16 " : "f32 ") << rows << "x" << cols << " row " << r;
+      }
+    }
+  }
+}
+
+// ------------------------------------------------------------------------------------------
+// MoE grouping and combine.
+
+// Random top-k choices: each token's ids distinct, as routing gives them.
+std::vector<std::int32_t> randomChoices(int64_t tokens, int64_t top_k, int64_t experts, std::mt19937& rng) {
+  std::vector<std::int32_t> ids(static_cast<std::size_t>(experts));
+  std::iota(ids.begin(), ids.end(), 0);
+  std::vector<std::int32_t> chosen;
+  for (int64_t t = 0; t < tokens; ++t) {
+    std::shuffle(ids.begin(), ids.end(), rng);
+    chosen.insert(chosen.end(), ids.begin(), ids.begin() + top_k);
+  }
+  return chosen;
+}
+
+TEST(DeviceMath, MoeGroupingIsAStableSortOfTheSlotsByExpert) {
+  std::mt19937 rng(29);
+  for (const auto& [tokens, top_k, experts] : std::vector<std::tuple<int64_t, int64_t, int64_t>>{
+           {1, 1, 1}, {1, 8, 256}, {3, 2, 4}, {64, 8, 256}, {64, 6, 64}, {17, 4, 5}}) {
+    const std::vector<std::int32_t> chosen = randomChoices(tokens, top_k, experts, rng);
+    const int64_t slots = tokens * top_k;
+    std::vector<std::int32_t> offsets(static_cast<std::size_t>(experts + 1), 99);
+    std::vector<std::int32_t> slot_of(static_cast<std::size_t>(slots), 99);
+    ASSERT_TRUE(gm::groupByExpert(chosen.data(), slots, experts, offsets.data(), slot_of.data()));
+    // The definition: slots in a stable sort by expert id; expert e begins after every lower id.
+    std::vector<int64_t> order(static_cast<std::size_t>(slots));
+    std::iota(order.begin(), order.end(), 0);
+    std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
+      return chosen[static_cast<std::size_t>(a)] < chosen[static_cast<std::size_t>(b)];
+    });
+    for (int64_t row = 0; row < slots; ++row) {
+      ASSERT_EQ(slot_of[static_cast<std::size_t>(order[static_cast<std::size_t>(row)])], row);
+    }
+    for (int64_t e = 0; e <= experts; ++e) {
+      const auto below = std::count_if(chosen.begin(), chosen.end(), [&](std::int32_t id) { return id < e; });
+      ASSERT_EQ(offsets[static_cast<std::size_t>(e)], below) << "expert " << e;
+    }
+  }
+}
+
+TEST(DeviceMath, MoeGroupingRefusesAnIdOutsideTheExpertsAndGroupsNothing) {
+  for (const std::int32_t bad : {-1, 4, 1000}) {
+    const std::vector<std::int32_t> chosen{0, 3, bad, 1};
+    std::vector<std::int32_t> offsets(5, 7);
+    std::vector<std::int32_t> slot_of(4, 7);
+    EXPECT_FALSE(gm::groupByExpert(chosen.data(), 4, 4, offsets.data(), slot_of.data()));
+    EXPECT_EQ(offsets, std::vector<std::int32_t>(5, 0));
+    EXPECT_EQ(slot_of, std::vector<std::int32_t>(4, -1));
+  }
+}
+
+TEST(DeviceMath, MoeCombineAddsTheExpertsInAscendingIdOrderThenTheSharedExpert) {
+  std::mt19937 rng(31);
+  std::normal_distribution<float> normal;
+  const int64_t d = 37;
+  for (const auto& [tokens, top_k, experts] :
+       std::vector<std::tuple<int64_t, int64_t, int64_t>>{{1, 1, 2}, {5, 8, 256}, {9, 3, 7}}) {
+    const std::vector<std::int32_t> chosen = randomChoices(tokens, top_k, experts, rng);
+    const int64_t slots = tokens * top_k;
+    std::vector<std::int32_t> offsets(static_cast<std::size_t>(experts + 1));
+    std::vector<std::int32_t> slot_of(static_cast<std::size_t>(slots));
+    ASSERT_TRUE(gm::groupByExpert(chosen.data(), slots, experts, offsets.data(), slot_of.data()));
+    std::vector<float> weight(static_cast<std::size_t>(slots));
+    for (auto& v : weight) v = std::fabs(normal(rng));
+    std::vector<float> gout(static_cast<std::size_t>((slots + tokens) * d));
+    for (auto& v : gout) v = normal(rng);
+    const float* shared = gout.data() + slots * d;
+    for (int64_t t = 0; t < tokens; ++t) {
+      const auto at = static_cast<std::size_t>(t * top_k);
+      // The CPU engine's combine: its k sorted by expert id, y += w * expert row, then + shared.
+      std::vector<int64_t> ks(static_cast<std::size_t>(top_k));
+      std::iota(ks.begin(), ks.end(), 0);
+      std::sort(ks.begin(), ks.end(), [&](int64_t a, int64_t b) {
+        return chosen[at + static_cast<std::size_t>(a)] < chosen[at + static_cast<std::size_t>(b)];
+      });
+      for (int64_t j = 0; j < d; ++j) {
+        float fused = 0.0F;  // with fma, as the kernel's math does
+        double exact = 0.0;
+        for (const int64_t k : ks) {
+          const auto i = at + static_cast<std::size_t>(k);
+          const float g =
+              gout[static_cast<std::size_t>(slot_of[i]) * static_cast<std::size_t>(d) + static_cast<std::size_t>(j)];
+          fused = std::fma(weight[i], g, fused);
+          exact += static_cast<double>(weight[i]) * g;
+        }
+        const float shared_j = shared[t * d + j];
+        const float with = gm::moeCombine(chosen.data() + at, weight.data() + at, slot_of.data() + at, top_k,
+                                          gout.data(), d, j, shared + t * d);
+        const float without = gm::moeCombine(chosen.data() + at, weight.data() + at, slot_of.data() + at, top_k,
+                                             gout.data(), d, j, nullptr);
+        ASSERT_EQ(bitsOf(without), bitsOf(fused)) << "token " << t << " column " << j;
+        ASSERT_EQ(bitsOf(with), bitsOf(fused + shared_j)) << "token " << t << " column " << j;
+        ASSERT_NEAR(without, exact, 1e-5 * (1.0 + std::fabs(exact)));
+      }
+    }
+  }
+}
+
+TEST(DeviceMath, MoeCombineOrderIsTheExpertIdsNotTheRoutingRank) {
+  // Routing ranked experts 9, 2, 5, whose rows are 1e8, -1e8 and 1. In rank order the sum is
+  // 1e8 - 1e8 + 1 = 1; in ascending id order (2, 5, 9) it is -1e8 + 1 (the 1 is lost in float)
+  // + 1e8 = 0, which is what the CPU engine computes.
+  const std::vector<std::int32_t> ranked{9, 2, 5};
+  const std::vector<std::int32_t> slot_of{0, 1, 2};
+  const std::vector<float> weight{1.0F, 1.0F, 1.0F};
+  const std::vector<float> gout{1e8F, -1e8F, 1.0F};
+  EXPECT_EQ(gm::moeCombine(ranked.data(), weight.data(), slot_of.data(), 3, gout.data(), 1, 0, nullptr), 0.0F);
+  // A failed grouping (every slot -1) adds no expert: only the shared row remains.
+  const std::vector<std::int32_t> failed{-1, -1, -1};
+  const float shared = 2.5F;
+  EXPECT_EQ(gm::moeCombine(ranked.data(), weight.data(), failed.data(), 3, gout.data(), 1, 0, &shared), 2.5F);
 }
 
 }  // namespace
