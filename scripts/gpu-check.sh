@@ -117,8 +117,9 @@ step generate-tiny-bf16-numerics-bf16 120 "$build_dir/tools/pdserve" generate --
   --prompt-ids "$prompt" --max-tokens 24 --model.device cuda --model.numerics bf16 || true
 say "gpu-check: generate tiny-bf16 --model.numerics bf16: $(grep -E '^\{' "$log_dir/generate-tiny-bf16-numerics-bf16.log")"
 
-# 4. The benchmark: ceilings measured in the same run, then the upload of a checkpoint of real
-# DeepSeek-V3 layer sizes in FP8 (written by make-model into the log folder, removed afterwards).
+# 4. The benchmark: ceilings measured in the same run, then the upload (once) and decode at batches
+# 1..64 (MBU per batch) of a checkpoint of real DeepSeek-V3 layer sizes in FP8 (written by
+# make-model into the log folder, removed afterwards).
 layers=${PD_GPU_CHECK_LAYERS:-1}
 bench_model="$log_dir/dsv3-layers-$layers-fp8"
 bench_rc=1

@@ -214,78 +214,101 @@ Result<DeviceCeilings> measureDeviceCeilings(const DeviceCeilingsConfig& c) {
   return out;
 }
 
-Result<DecodeStepResult> measureBatchOneDecode(const std::filesystem::path& model_dir, const ModelDevice& device,
-                                               Numerics numerics, std::int64_t context, std::int64_t steps) {
-  if (context < 1 || context > 65536 || steps < 1 || steps > 65536) {
-    return makeError(
-        ErrorCode::InvalidArgument,
-        fmt::format("bench engine --device cuda: decode context {} and steps {} must be in 1..65536", context, steps));
-  }
+static_assert(kMaxDeviceDecodeBatch == kMaxDecodeBatch, "the bench's batch limit is the decode step's");
+
+Result<ModelOnDeviceResult> measureModelOnDevice(const std::filesystem::path& model_dir, const ModelDevice& device,
+                                                 const DeviceDecodeBenchConfig& c) {
+  PD_TRY(validateDeviceDecodeBenchConfig(c));
   PD_ASSIGN_OR_RETURN(const Checkpoint checkpoint, Checkpoint::open(model_dir));
   PD_ASSIGN_OR_RETURN(const ModelConfig config, ModelConfig::load(model_dir));
   constexpr std::int64_t kBlock = 64;
-  const std::int64_t positions = context + steps;
-  const std::int64_t blocks = (positions + kBlock - 1) / kBlock;
+  const std::int64_t max_batch = *std::max_element(c.batches.begin(), c.batches.end());
+  const std::int64_t positions = c.context + c.steps;
+  const std::int64_t blocks_per_seq = (positions + kBlock - 1) / kBlock;
+  const std::int64_t blocks = blocks_per_seq * max_batch;
   DeviceWeights::Options options;
   options.device = device;
   options.serving = DeviceServingShape{.kv_blocks = blocks,
                                        .kv_block_size = kBlock,
                                        .kv_dtype = DType::F32,
-                                       .max_batch_tokens = 64,
+                                       .max_batch_tokens = kMaxDecodeBatch,
                                        .max_context = positions,
-                                       .max_sample_rows = 64};
+                                       .max_sample_rows = kMaxDecodeBatch};
+  ModelOnDeviceResult out;
+  out.upload.model = model_dir.string();
+  const auto upload_start = std::chrono::steady_clock::now();
   PD_ASSIGN_OR_RETURN(const DeviceWeights weights, DeviceWeights::upload(checkpoint, config, options));
+  out.upload.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - upload_start).count();
+  out.upload.bytes = static_cast<double>(checkpoint.totalTensorBytes());
+  for (const auto& t : weights.tensors()) {
+    ++out.upload.tensors;
+    if (t.dtype == DType::F8E4M3) ++out.upload.fp8_tensors;
+  }
+  log::info("bench", "{}: {} tensors, {:.2f} GB uploaded in {:.2f} s", out.upload.model, out.upload.tensors,
+            out.upload.bytes / 1e9, out.upload.seconds);
+
   DeviceDecodeStep::Options step_options;
   step_options.cache = {blocks, kBlock};
-  step_options.numerics = numerics;
+  step_options.numerics = c.numerics;
   PD_ASSIGN_OR_RETURN(std::unique_ptr<DeviceDecodeStep> step, DeviceDecodeStep::create(weights, config, step_options));
-  std::vector<std::int32_t> table(static_cast<std::size_t>(blocks));
-  std::iota(table.begin(), table.end(), 0);
-  const std::int32_t token = config.vocab_size > 1 ? 1 : 0;
-  // Positions 0 .. context-1 fill the cache (untimed; the first ones warm up), then the timed ones.
-  for (std::int64_t pos = 0; pos < context; ++pos) {
-    const DecodeSequence seq{token, pos, table};
-    PD_ASSIGN_OR_RETURN(const std::vector<float> logits, step->step(std::span<const DecodeSequence>(&seq, 1)));
+  // Sequence s owns blocks [s * blocks_per_seq, (s + 1) * blocks_per_seq).
+  std::vector<std::vector<std::int32_t>> tables(static_cast<std::size_t>(max_batch));
+  for (std::int64_t s = 0; s < max_batch; ++s) {
+    auto& t = tables[static_cast<std::size_t>(s)];
+    t.resize(static_cast<std::size_t>(blocks_per_seq));
+    std::iota(t.begin(), t.end(), static_cast<std::int32_t>(s * blocks_per_seq));
+  }
+  const std::int64_t vocab = std::max<std::int64_t>(config.vocab_size, 1);
+  const auto token = [&](std::int64_t s, std::int64_t pos) {
+    return static_cast<std::int32_t>((1 + 7919 * s + 104729 * pos) % vocab);
+  };
+  const auto batch_at = [&](std::int64_t n, std::int64_t pos) {
+    std::vector<DecodeSequence> batch;
+    for (std::int64_t s = 0; s < n; ++s) batch.push_back({token(s, pos), pos, tables[static_cast<std::size_t>(s)]});
+    return batch;
+  };
+  // Positions 0 .. context-1 of every sequence fill the cache (untimed; the first steps warm up).
+  log::info("bench", "decode: filling {} sequences up to {} positions", max_batch, c.context);
+  for (std::int64_t pos = 0; pos < c.context; ++pos) {
+    PD_ASSIGN_OR_RETURN(const std::vector<float> logits, step->step(batch_at(max_batch, pos)));
     (void)logits;
   }
-  std::vector<double> seconds;
-  for (std::int64_t i = 0; i < steps; ++i) {
-    const DecodeSequence seq{token, context + i, table};
-    const auto start = std::chrono::steady_clock::now();
-    PD_ASSIGN_OR_RETURN(const std::vector<float> logits, step->step(std::span<const DecodeSequence>(&seq, 1)));
-    seconds.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
-    (void)logits;
-  }
-  DecodeStepResult out;
-  out.numerics = numerics;
-  out.context = context;
-  out.steps = steps;
-  out.step_seconds = median(std::move(seconds));
-  out.bytes_per_step = step->batchOneBytes(context + 1 + steps / 2);
-  return out;
-}
-
-Result<WeightUploadResult> measureWeightUpload(const std::filesystem::path& model_dir, const ModelDevice& device) {
-  PD_ASSIGN_OR_RETURN(const Checkpoint checkpoint, Checkpoint::open(model_dir));
-  PD_ASSIGN_OR_RETURN(const ModelConfig config, ModelConfig::load(model_dir));
-  DeviceWeights::Options options;
-  options.device = device;
-  // The smallest serving shape the plan accepts: one decode batch of 64 at a 4k context.
-  options.serving = DeviceServingShape{.kv_blocks = std::int64_t{64} * 64,
-                                       .kv_block_size = 64,
-                                       .kv_dtype = DType::BF16,
-                                       .max_batch_tokens = 64,
-                                       .max_context = 4096,
-                                       .max_sample_rows = 64};
-  WeightUploadResult out;
-  out.model = model_dir.string();
-  const auto start = std::chrono::steady_clock::now();
-  PD_ASSIGN_OR_RETURN(const DeviceWeights weights, DeviceWeights::upload(checkpoint, config, options));
-  out.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  out.bytes = static_cast<double>(checkpoint.totalTensorBytes());
-  for (const auto& t : weights.tensors()) {
-    ++out.tensors;
-    if (t.dtype == DType::F8E4M3) ++out.fp8_tensors;
+  const std::int64_t mean_context = c.context + 1 + c.steps / 2;
+  for (const std::int64_t n : c.batches) {
+    std::vector<double> seconds;
+    std::vector<double> used_sum(static_cast<std::size_t>(config.num_hidden_layers), 0.0);
+    for (std::int64_t i = 0; i < c.steps; ++i) {
+      const std::vector<DecodeSequence> batch = batch_at(n, c.context + i);
+      const auto start = std::chrono::steady_clock::now();
+      PD_ASSIGN_OR_RETURN(const std::vector<float> logits, step->step(batch));
+      seconds.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+      (void)logits;
+      PD_ASSIGN_OR_RETURN(const std::vector<std::int32_t> used, step->expertsUsedLastRun());
+      for (std::size_t l = 0; l < used_sum.size() && l < used.size(); ++l) used_sum[l] += used[l];
+    }
+    std::vector<std::int32_t> mean_used(used_sum.size());
+    double used_total = 0.0;
+    std::int64_t moe_layers = 0;
+    for (std::size_t l = 0; l < used_sum.size(); ++l) {
+      const double mean = used_sum[l] / static_cast<double>(c.steps);
+      mean_used[l] = static_cast<std::int32_t>(std::lround(mean));
+      if (config.isMoeLayer(static_cast<std::int64_t>(l))) {
+        used_total += mean;
+        ++moe_layers;
+      }
+    }
+    DecodeStepResult r;
+    r.numerics = c.numerics;
+    r.batch = n;
+    r.context = c.context;
+    r.steps = c.steps;
+    r.step_seconds = median(std::move(seconds));
+    r.experts_used = moe_layers > 0 ? used_total / static_cast<double>(moe_layers) : 0.0;
+    const std::vector<std::int64_t> contexts(static_cast<std::size_t>(n), mean_context);
+    r.bytes_per_step = step->stepBytes(contexts, mean_used);
+    log::info("bench", "decode batch {}: {:.3f} ms/step, {:.1f} experts per MoE layer", n, r.step_seconds * 1e3,
+              r.experts_used);
+    out.decode.push_back(r);
   }
   return out;
 }

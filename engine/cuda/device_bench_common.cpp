@@ -22,6 +22,22 @@ double decodeStepMbu(const DecodeStepResult& step, double read_bandwidth) {
   return bandwidthFraction(step.bytes_per_step, step.step_seconds, read_bandwidth);
 }
 
+Status validateDeviceDecodeBenchConfig(const DeviceDecodeBenchConfig& c) {
+  const auto bad = [](std::string what) {
+    return makeError(ErrorCode::InvalidArgument, "bench engine --device cuda: " + std::move(what));
+  };
+  if (c.context < 1 || c.context > 65536 || c.steps < 1 || c.steps > 65536) {
+    return bad(fmt::format("decode context {} and steps {} must be in 1..65536", c.context, c.steps));
+  }
+  if (c.batches.empty()) return bad("no decode batch sizes");
+  for (const std::int64_t b : c.batches) {
+    if (b < 1 || b > kMaxDeviceDecodeBatch) {
+      return bad(fmt::format("decode batch {} is outside 1..{} (a decode step's limit)", b, kMaxDeviceDecodeBatch));
+    }
+  }
+  return okStatus();
+}
+
 Status validateDeviceCeilingsConfig(const DeviceCeilingsConfig& c) {
   const auto check = [](std::string_view name, std::int64_t value, std::int64_t lo, std::int64_t hi) -> Status {
     if (value < lo || value > hi) {

@@ -13,15 +13,9 @@ Result<DeviceCeilings> measureDeviceCeilings(const DeviceCeilingsConfig& config)
                                modelDeviceName(config.device)));
 }
 
-Result<WeightUploadResult> measureWeightUpload(const std::filesystem::path& /*model_dir*/, const ModelDevice& device) {
-  return makeError(ErrorCode::Unsupported,
-                   fmt::format("{}: no CUDA device: this pdserve was built without CUDA (PD_WITH_CUDA=OFF)",
-                               modelDeviceName(device)));
-}
-
-Result<DecodeStepResult> measureBatchOneDecode(const std::filesystem::path& /*model_dir*/, const ModelDevice& device,
-                                               Numerics /*numerics*/, std::int64_t /*context*/,
-                                               std::int64_t /*steps*/) {
+Result<ModelOnDeviceResult> measureModelOnDevice(const std::filesystem::path& /*model_dir*/, const ModelDevice& device,
+                                                 const DeviceDecodeBenchConfig& config) {
+  PD_TRY(validateDeviceDecodeBenchConfig(config));
   return makeError(ErrorCode::Unsupported,
                    fmt::format("{}: no CUDA device: this pdserve was built without CUDA (PD_WITH_CUDA=OFF)",
                                modelDeviceName(device)));

@@ -153,6 +153,7 @@ struct DeviceDecodeStep::Impl {
   // MoE grouping on the device: offsets [experts + 1], slot_of [kMaxDecodeBatch * top_k], and a
   // flag set when routing chose an id outside the experts (checked when run() ends).
   cuda::DeviceBuffer<std::int32_t> moe_offsets, slot_of, moe_failed;
+  cuda::DeviceBuffer<std::int32_t> experts_used;  // [cache_layers]: experts with rows in the last run
   cuda::DeviceBuffer<float> topk_weight;
   i64 max_table_blocks = 0;
   gpu::Numerics numerics = gpu::Numerics::Fp32;
@@ -403,7 +404,7 @@ struct DeviceDecodeStep::Impl {
     PD_TRY(attentionBlock(layer, kv_layer, plan, observer));
     PD_TRY(rmsNormResidual(h.data(), attn_out.data(), layer.post_norm, xn.data(), n, d, eps, stream));
     if (layer.moe) {
-      PD_TRY(moeBlock(layer, n));
+      PD_TRY(moeBlock(layer, n, kv_layer));
     } else {
       PD_TRY(runMlp(layer.dense, xn.data(), n, ffn_out.data()));
     }
@@ -543,7 +544,7 @@ struct DeviceDecodeStep::Impl {
 
   // Routing, grouping, the experts and the combine, all on the device: nothing crosses to the
   // host and nothing waits (a bad routing id is flagged and reported when run() ends).
-  [[nodiscard]] Status moeBlock(const Layer& l, i64 n) {
+  [[nodiscard]] Status moeBlock(const Layer& l, i64 n, i64 kv_layer) {
     const ModelConfig& c = cfg;
     const i64 d = c.hidden_size;
     const i64 n_exp = c.n_routed_experts;
@@ -558,7 +559,8 @@ struct DeviceDecodeStep::Impl {
     PD_TRY(routeNoauxTc(router_logits.data(), l.router_bias, shape, n, topk_idx.data(), topk_weight.data(), stream));
     // Group (token, k) slots by expert, as the CPU engine does: expert e's rows are
     // [moe_offsets[e], moe_offsets[e + 1]) of gx.
-    PD_TRY(moeGroup(topk_idx.data(), n, top_k, n_exp, moe_offsets.data(), slot_of.data(), moe_failed.data(), stream));
+    PD_TRY(moeGroup(topk_idx.data(), n, top_k, n_exp, moe_offsets.data(), slot_of.data(), moe_failed.data(),
+                    experts_used.data() + kv_layer, stream));
     PD_TRY(moeGather(xn.data(), slot_of.data(), n, top_k, d, gx.data(), stream));
     const i64 slots = n * top_k;
     const i64 width = l.expert_gate.rows;
@@ -667,6 +669,7 @@ Result<std::unique_ptr<DeviceDecodeStep>> DeviceDecodeStep::create(const DeviceW
   PD_ASSIGN_OR_RETURN(m.moe_offsets,
                       cuda::DeviceBuffer<std::int32_t>::create(sz(std::max<i64>(c.n_routed_experts, 1) + 1)));
   PD_ASSIGN_OR_RETURN(m.moe_failed, cuda::DeviceBuffer<std::int32_t>::create(1));
+  PD_ASSIGN_OR_RETURN(m.experts_used, cuda::DeviceBuffer<std::int32_t>::create(sz(m.cache_layers)));
   PD_ASSIGN_OR_RETURN(m.positions, cuda::DeviceBuffer<std::int64_t>::create(sz(n)));
   PD_ASSIGN_OR_RETURN(m.ctx_len, cuda::DeviceBuffer<std::int64_t>::create(sz(n)));
   PD_ASSIGN_OR_RETURN(m.table_begin, cuda::DeviceBuffer<std::int64_t>::create(sz(n)));
@@ -702,34 +705,55 @@ double mlpBytes(const Mlp& m) {
 
 }  // namespace
 
-double DeviceDecodeStep::batchOneBytes(std::int64_t context) const {
+double DeviceDecodeStep::stepBytes(std::span<const std::int64_t> contexts,
+                                   std::span<const std::int32_t> experts_used) const {
   const Impl& m = *impl_;
   const ModelConfig& c = m.cfg;
   const double d = static_cast<double>(c.hidden_size);
   const double heads = static_cast<double>(c.num_attention_heads);
   const double ld = static_cast<double>(c.latentDim());
-  double bytes = 4.0 * d;  // the embedding row (FP32 copy)
-  for (const Layer& l : m.layers) {
+  double positions = 0.0;  // cached latents every layer reads
+  for (const std::int64_t ctx : contexts) positions += static_cast<double>(std::max<std::int64_t>(ctx, 1));
+  double bytes = 4.0 * d * static_cast<double>(contexts.size());  // the embedding rows (FP32 copy)
+  for (std::size_t i = 0; i < m.layers.size(); ++i) {
+    const Layer& l = m.layers[i];
     bytes += 4.0 * 2.0 * d;  // input and post-attention norms
     if (l.q_a) bytes += linearBytes(*l.q_a) + 4.0 * static_cast<double>(c.q_lora_rank);
     bytes += linearBytes(l.q) + linearBytes(l.kv_a) + 4.0 * static_cast<double>(c.kv_lora_rank);
     // kv_b (FP32): W_UK for the absorbed query, W_UV for the values.
     bytes += 4.0 * heads * static_cast<double>(c.qk_nope_head_dim + c.v_head_dim) * static_cast<double>(c.kv_lora_rank);
     bytes += linearBytes(l.o);
-    bytes += 4.0 * static_cast<double>(std::max<std::int64_t>(context, 1)) * ld;  // the layer's F32 latents
+    bytes += 4.0 * positions * ld;  // the layer's F32 latents
     if (!l.moe) {
       bytes += mlpBytes(l.dense);
       continue;
     }
     bytes += linearBytes(l.router);
-    if (!l.experts.empty()) {
-      bytes += static_cast<double>(
-                   std::min<std::int64_t>(c.num_experts_per_tok, static_cast<std::int64_t>(l.experts.size()))) *
-               mlpBytes(l.experts.front());
+    if (!l.experts.empty() && i < experts_used.size()) {
+      const auto used = std::min<std::int64_t>(std::max<std::int32_t>(experts_used[i], 0),
+                                               static_cast<std::int64_t>(l.experts.size()));
+      bytes += static_cast<double>(used) * mlpBytes(l.experts.front());
     }
     if (l.shared) bytes += mlpBytes(*l.shared);
   }
   return bytes + 4.0 * d + linearBytes(m.head);  // final norm, LM head
+}
+
+double DeviceDecodeStep::batchOneBytes(std::int64_t context) const {
+  // One token chooses exactly num_experts_per_tok distinct experts in every MoE layer.
+  const std::vector<std::int32_t> used(
+      impl_->layers.size(), static_cast<std::int32_t>(std::max<std::int64_t>(impl_->cfg.num_experts_per_tok, 0)));
+  const std::int64_t contexts[] = {context};
+  return stepBytes(contexts, used);
+}
+
+Result<std::vector<std::int32_t>> DeviceDecodeStep::expertsUsedLastRun() {
+  Impl& m = *impl_;
+  std::vector<std::int32_t> used(sz(m.cache_layers), 0);
+  PD_CUDA_TRY(cudaSetDevice(m.weights.device().index));
+  PD_TRY(m.experts_used.copyToHost(used, m.stream));
+  PD_TRY(m.stream.synchronize());
+  return used;
 }
 
 bool DeviceDecodeStep::hasMtp() const {
@@ -827,6 +851,7 @@ Result<DeviceDecodeStep::Output> DeviceDecodeStep::run(const DecodeStepPlan& pla
   PD_TRY(m.table_begin.copyFromHost(plan.table_begin, m.stream));
   PD_TRY(m.block_tables.copyFromHost(plan.block_tables, m.stream));
   PD_CUDA_TRY(cudaMemsetAsync(m.moe_failed.data(), 0, sizeof(std::int32_t), s));
+  PD_CUDA_TRY(cudaMemsetAsync(m.experts_used.data(), 0, m.experts_used.bytes(), s));
   const float* table = request.mtp ? m.mtp->embed : m.embed;
   for (i64 t = 0; t < n; ++t) {
     PD_CUDA_TRY(cudaMemcpyAsync(m.h.data() + t * d, table + static_cast<i64>(plan.token_ids[sz(t)]) * d,

@@ -104,8 +104,18 @@ class DeviceDecodeStep {
   /// holds it (FP32 copies, BF16 as stored, FP8 with its scales), top_k routed experts and the
   /// shared expert of each MoE layer, the norms, one embedding row, the LM head, and the latent
   /// cache of every layer. The routing bias, the workspaces and the logits are not counted.
-  /// `pdserve bench engine --device cuda` divides it by a timed step for mbu_batch1.
+  /// stepBytes() with one sequence and num_experts_per_tok experts in every MoE layer.
   [[nodiscard]] double batchOneBytes(std::int64_t context) const;
+
+  /// The same count for a main-model step of several sequences: `contexts` [sequences] the cached
+  /// positions of each (the new one included), `experts_used` [main layers] the distinct experts
+  /// that got rows in each MoE layer (expertsUsedLastRun(); entries of dense layers are ignored).
+  [[nodiscard]] double stepBytes(std::span<const std::int64_t> contexts,
+                                 std::span<const std::int32_t> experts_used) const;
+
+  /// Per KV layer (main layers, then MTP), how many distinct experts got rows in the last run()
+  /// (0 for dense layers and layers the run did not reach). Blocks until the counts are on the host.
+  [[nodiscard]] Result<std::vector<std::int32_t>> expertsUsedLastRun();
 
   /// Whether the checkpoint's MTP layer was bound (config num_nextn_predict_layers > 0).
   [[nodiscard]] bool hasMtp() const;

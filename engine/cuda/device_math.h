@@ -539,6 +539,13 @@ PD_HD bool groupByExpert(const std::int32_t* chosen, std::int64_t slots, std::in
   return true;
 }
 
+/// How many experts got at least one row from groupByExpert's offsets [experts + 1].
+PD_HD std::int32_t expertsWithRows(const std::int32_t* offsets, std::int64_t experts) {
+  std::int32_t used = 0;
+  for (std::int64_t e = 0; e < experts; ++e) used += offsets[e + 1] > offsets[e] ? 1 : 0;
+  return used;
+}
+
 /// Output column j of one token's MoE block: its top_k experts' outputs (gout rows slot_row[k],
 /// width d) weighted by weight_row[k], accumulated with fma in ascending expert id order (the
 /// CPU engine's order), then + shared_row[j] when shared_row is not null. A slot of -1 (a failed

@@ -170,7 +170,8 @@ Status groupedGemv(const kernels::GroupedGemvArgs& a, const cuda::Stream& stream
 }
 
 Status moeGroup(const std::int32_t* chosen, std::int64_t tokens, std::int64_t top_k, std::int64_t experts,
-                std::int32_t* offsets, std::int32_t* slot_of, std::int32_t* failed, const cuda::Stream& stream) {
+                std::int32_t* offsets, std::int32_t* slot_of, std::int32_t* failed, std::int32_t* used,
+                const cuda::Stream& stream) {
   constexpr std::string_view kWhat = "moeGroup";
   PD_TRY(inRange(kWhat, "tokens", tokens, 1, kIntMax));
   PD_TRY(inRange(kWhat, "top_k", top_k, 1, math::kMaxRoutedExperts));
@@ -179,7 +180,7 @@ Status moeGroup(const std::int32_t* chosen, std::int64_t tokens, std::int64_t to
   if (chosen == nullptr || offsets == nullptr || slot_of == nullptr || failed == nullptr)
     return invalid(fmt::format("{}: null pointer", kWhat));
   PD_CUDA_TRY(kernels::launchMoeGroup(chosen, static_cast<int>(tokens * top_k), static_cast<int>(experts), offsets,
-                                      slot_of, failed, stream.get()));
+                                      slot_of, failed, used, stream.get()));
   return okStatus();
 }
 

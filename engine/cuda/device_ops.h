@@ -105,9 +105,11 @@ Status groupedGemv(const kernels::GroupedGemvArgs& args, const cuda::Stream& str
 
 /// One MoE layer's token grouping on the device (math::groupByExpert): chosen [tokens, top_k]
 /// (routeNoauxTc's idx) -> offsets [experts + 1], slot_of [tokens * top_k]. *failed (device) is
-/// set to 1 when a chosen id is outside [0, experts); nothing is grouped then.
+/// set to 1 when a chosen id is outside [0, experts); nothing is grouped then. *used (device, may
+/// be null) = the experts that got rows (what the layer's expert weights cost in bytes).
 Status moeGroup(const std::int32_t* chosen, std::int64_t tokens, std::int64_t top_k, std::int64_t experts,
-                std::int32_t* offsets, std::int32_t* slot_of, std::int32_t* failed, const cuda::Stream& stream);
+                std::int32_t* offsets, std::int32_t* slot_of, std::int32_t* failed, std::int32_t* used,
+                const cuda::Stream& stream);
 
 /// gx[slot_of[i]] = x[i / top_k] for the tokens * top_k slots (rows of width d).
 Status moeGather(const float* x, const std::int32_t* slot_of, std::int64_t tokens, std::int64_t top_k, std::int64_t d,

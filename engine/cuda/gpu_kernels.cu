@@ -254,9 +254,10 @@ __global__ void __launch_bounds__(kGemvThreads) groupedGemvKernel(GroupedGemvArg
 
 // One thread: the grouping is a counting sort of at most kMaxDecodeBatch * top_k slots.
 __global__ void moeGroupKernel(const std::int32_t* chosen, int slots, int experts, std::int32_t* offsets,
-                               std::int32_t* slot_of, std::int32_t* failed) {
+                               std::int32_t* slot_of, std::int32_t* failed, std::int32_t* used) {
   if (blockIdx.x != 0 || threadIdx.x != 0) return;
   if (!m::groupByExpert(chosen, slots, experts, offsets, slot_of)) *failed = 1;
+  if (used != nullptr) *used = m::expertsWithRows(offsets, experts);
 }
 
 // blockIdx.x is the slot; threads stride over the row.
@@ -395,8 +396,8 @@ cudaError_t launchGroupedGemv(const GroupedGemvArgs& args, cudaStream_t stream) 
 }
 
 cudaError_t launchMoeGroup(const std::int32_t* chosen, int slots, int experts, std::int32_t* offsets,
-                           std::int32_t* slot_of, std::int32_t* failed, cudaStream_t stream) {
-  moeGroupKernel<<<1, 1, 0, stream>>>(chosen, slots, experts, offsets, slot_of, failed);
+                           std::int32_t* slot_of, std::int32_t* failed, std::int32_t* used, cudaStream_t stream) {
+  moeGroupKernel<<<1, 1, 0, stream>>>(chosen, slots, experts, offsets, slot_of, failed, used);
   return cudaGetLastError();
 }
 

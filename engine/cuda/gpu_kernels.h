@@ -105,9 +105,9 @@ cudaError_t launchGroupedGemv(const GroupedGemvArgs& args, cudaStream_t stream);
 
 /// MoE grouping on the device (math::groupByExpert, one thread): chosen [slots] -> offsets
 /// [experts + 1], slot_of [slots]; *failed is set to 1 (and never cleared) when a chosen id is
-/// outside [0, experts).
+/// outside [0, experts); *used (when not null) = the experts with at least one row.
 cudaError_t launchMoeGroup(const std::int32_t* chosen, int slots, int experts, std::int32_t* offsets,
-                           std::int32_t* slot_of, std::int32_t* failed, cudaStream_t stream);
+                           std::int32_t* slot_of, std::int32_t* failed, std::int32_t* used, cudaStream_t stream);
 
 /// gx[slot_of[i] * d + j] = x[(i / top_k) * d + j] for i < tokens * top_k with slot_of[i] >= 0.
 cudaError_t launchMoeGather(const float* x, const std::int32_t* slot_of, int tokens, int top_k, int d, float* gx,

@@ -479,9 +479,10 @@ TEST_F(Kernel, MoeGroupGatherAndCombineMatchTheHost) {
     auto dfailed = upload(std::vector<std::int32_t>{0}, stream());
     auto dgx = upload(std::vector<float>(static_cast<std::size_t>(slots * d)), stream());
     auto dout = upload(std::vector<float>(static_cast<std::size_t>(tokens * d)), stream());
-    ASSERT_TRUE(
-        pd::gpu::moeGroup(dchosen.data(), tokens, top_k, experts, doff.data(), dslot.data(), dfailed.data(), stream())
-            .ok());
+    auto dused = upload(std::vector<std::int32_t>{-1}, stream());
+    ASSERT_TRUE(pd::gpu::moeGroup(dchosen.data(), tokens, top_k, experts, doff.data(), dslot.data(), dfailed.data(),
+                                  dused.data(), stream())
+                    .ok());
     ASSERT_TRUE(pd::gpu::moeGather(dx.data(), dslot.data(), tokens, top_k, d, dgx.data(), stream()).ok());
     const float* shared = dgout.data() + slots * d;
     ASSERT_TRUE(pd::gpu::moeCombine(dchosen.data(), dweight.data(), dslot.data(), tokens, top_k, dgout.data(), d,
@@ -493,6 +494,7 @@ TEST_F(Kernel, MoeGroupGatherAndCombineMatchTheHost) {
     EXPECT_EQ(download(doff, offsets.size(), stream()), offsets);
     EXPECT_EQ(download(dslot, slot_of.size(), stream()), slot_of);
     EXPECT_EQ(download(dfailed, 1, stream())[0], 0);
+    EXPECT_EQ(download(dused, 1, stream())[0], gm::expertsWithRows(offsets.data(), experts));
     const auto gx = download(dgx, static_cast<std::size_t>(slots * d), stream());
     for (int64_t i = 0; i < slots; ++i) {
       for (int64_t j = 0; j < d; ++j) {
@@ -515,7 +517,8 @@ TEST_F(Kernel, MoeGroupGatherAndCombineMatchTheHost) {
   auto doff = upload(std::vector<std::int32_t>(5, 7), stream());
   auto dslot = upload(std::vector<std::int32_t>(2, 7), stream());
   auto dfailed = upload(std::vector<std::int32_t>{0}, stream());
-  ASSERT_TRUE(pd::gpu::moeGroup(dbad.data(), 1, 2, 4, doff.data(), dslot.data(), dfailed.data(), stream()).ok());
+  ASSERT_TRUE(
+      pd::gpu::moeGroup(dbad.data(), 1, 2, 4, doff.data(), dslot.data(), dfailed.data(), nullptr, stream()).ok());
   EXPECT_EQ(download(dfailed, 1, stream())[0], 1);
   EXPECT_EQ(download(doff, 5, stream()), std::vector<std::int32_t>(5, 0));
   EXPECT_EQ(download(dslot, 2, stream()), std::vector<std::int32_t>(2, -1));
@@ -626,7 +629,7 @@ TEST_F(Kernel, BadShapesAreClearErrorsNotLaunches) {
   auto grouped = pd::gpu::groupedGemv(g, stream());
   ASSERT_FALSE(grouped.ok());
   EXPECT_NE(grouped.error().message.find("groups = 0"), std::string::npos) << grouped.error().message;
-  auto group = pd::gpu::moeGroup(nullptr, 1, 9, 4, nullptr, nullptr, nullptr, stream());
+  auto group = pd::gpu::moeGroup(nullptr, 1, 9, 4, nullptr, nullptr, nullptr, nullptr, stream());
   ASSERT_FALSE(group.ok());
   EXPECT_EQ(group.error().code, pd::ErrorCode::InvalidArgument);
 }

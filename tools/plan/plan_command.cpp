@@ -256,8 +256,10 @@ Result<CalibrationFile> readCalibrationFile(const std::filesystem::path& path) {
   }
   const boost::json::value* levels = o.if_contains("decode");
   if (levels == nullptr) levels = o.if_contains("levels");
-  if (gpu_run && levels == nullptr) {
-    // A GPU run measures the ceilings only (no device decode yet): they are the whole file.
+  if (gpu_run) {
+    // A GPU run (bench engine --device cuda) calibrates with its ceilings only: its "decode" steps
+    // ran a make-model checkpoint of a few DeepSeek-V3 layers, not the planned model, so their
+    // rates are not the planned model's (docs/planner.md).
     if (b.read_bandwidth_gbs <= 0 && b.gemm_bf16_tflops <= 0) {
       return makeError(ErrorCode::InvalidArgument,
                        where + ": a GPU run (backend cuda) needs \"read_bandwidth_gbs\" or \"gemm_bf16_tflops\"");

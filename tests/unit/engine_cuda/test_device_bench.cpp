@@ -42,6 +42,28 @@ TEST(DeviceBench, BadConfigNamesTheField) {
   EXPECT_TRUE(pd::gpu::validateDeviceCeilingsConfig(DeviceCeilingsConfig{}).ok());
 }
 
+TEST(DeviceBench, DecodeConfigNamesWhatIsWrong) {
+  using pd::gpu::DeviceDecodeBenchConfig;
+  EXPECT_TRUE(pd::gpu::validateDeviceDecodeBenchConfig(DeviceDecodeBenchConfig{}).ok());
+  const auto message = [](DeviceDecodeBenchConfig c) {
+    const pd::Status st = pd::gpu::validateDeviceDecodeBenchConfig(c);
+    return st.ok() ? std::string("ok") : st.error().message;
+  };
+  DeviceDecodeBenchConfig c;
+  c.context = 0;
+  EXPECT_NE(message(c).find("context 0"), std::string::npos) << message(c);
+  c = {};
+  c.steps = 65537;
+  EXPECT_NE(message(c).find("steps 65537"), std::string::npos) << message(c);
+  c = {};
+  c.batches = {};
+  EXPECT_NE(message(c).find("no decode batch sizes"), std::string::npos) << message(c);
+  c.batches = {0};
+  EXPECT_NE(message(c).find("decode batch 0 is outside 1..64"), std::string::npos) << message(c);
+  c.batches = {64};
+  EXPECT_EQ(message(c), "ok");
+}
+
 TEST(DeviceBench, NoDeviceIsAClearError) {
   if (pd::gpu::deviceCount() > 0) GTEST_SKIP() << "a CUDA device is visible";
   auto r = pd::bench::runDeviceEngineBench(pd::bench::DeviceEngineBenchConfig{});
@@ -49,15 +71,28 @@ TEST(DeviceBench, NoDeviceIsAClearError) {
   EXPECT_EQ(r.error().code, pd::ErrorCode::Unsupported);
   EXPECT_NE(r.error().message.find("cuda:0: no CUDA device"), std::string::npos) << r.error().message;
   const auto dir = std::filesystem::path(PD_TEST_DATA_DIR) / "golden" / "tiny-fp8";
-  auto upload = pd::gpu::measureWeightUpload(dir, pd::gpu::ModelDevice{pd::gpu::ModelDevice::Kind::Cuda, 0});
-  ASSERT_FALSE(upload.ok());
-  EXPECT_EQ(upload.error().code, pd::ErrorCode::Unsupported);
-  EXPECT_NE(upload.error().message.find("no CUDA device"), std::string::npos) << upload.error().message;
-  auto decode = pd::gpu::measureBatchOneDecode(dir, pd::gpu::ModelDevice{pd::gpu::ModelDevice::Kind::Cuda, 0},
-                                               pd::gpu::Numerics::Fp32, 4, 2);
-  ASSERT_FALSE(decode.ok());
-  EXPECT_EQ(decode.error().code, pd::ErrorCode::Unsupported);
-  EXPECT_NE(decode.error().message.find("no CUDA device"), std::string::npos) << decode.error().message;
+  pd::gpu::DeviceDecodeBenchConfig decode_cfg;
+  decode_cfg.context = 4;
+  decode_cfg.steps = 2;
+  auto model =
+      pd::gpu::measureModelOnDevice(dir, pd::gpu::ModelDevice{pd::gpu::ModelDevice::Kind::Cuda, 0}, decode_cfg);
+  ASSERT_FALSE(model.ok());
+  EXPECT_EQ(model.error().code, pd::ErrorCode::Unsupported);
+  EXPECT_NE(model.error().message.find("no CUDA device"), std::string::npos) << model.error().message;
+  // A bad decode config is named before anything else, GPU or not.
+  decode_cfg.batches = {1, 65};
+  auto bad = pd::gpu::measureModelOnDevice(dir, pd::gpu::ModelDevice{pd::gpu::ModelDevice::Kind::Cuda, 0}, decode_cfg);
+  ASSERT_FALSE(bad.ok());
+  EXPECT_EQ(bad.error().code, pd::ErrorCode::InvalidArgument);
+  EXPECT_NE(bad.error().message.find("decode batch 65 is outside 1..64"), std::string::npos) << bad.error().message;
+  // With a model, batches over a step's limit alone leave nothing to measure.
+  pd::bench::DeviceEngineBenchConfig over;
+  over.model = dir;
+  over.batches = {128};
+  auto none = pd::bench::runDeviceEngineBench(over);
+  ASSERT_FALSE(none.ok());
+  EXPECT_EQ(none.error().code, pd::ErrorCode::InvalidArgument);
+  EXPECT_NE(none.error().message.find("no batch of 1..64"), std::string::npos) << none.error().message;
 }
 
 TEST(DeviceBench, JsonReportHasTheCeilingsAndNullsForTheMissingEngine) {
@@ -84,7 +119,8 @@ TEST(DeviceBench, JsonReportHasTheCeilingsAndNullsForTheMissingEngine) {
   EXPECT_EQ(o.at("attention_context").to_number<std::int64_t>(), 4096);
   EXPECT_TRUE(o.at("mbu_batch1").is_null());
   EXPECT_TRUE(o.at("prefill_gemm_fraction").is_null());
-  EXPECT_TRUE(o.at("decode").is_null());
+  EXPECT_TRUE(o.at("decode").as_array().empty());
+  EXPECT_TRUE(o.at("mbu_by_batch").as_object().empty());
   EXPECT_NE(std::string(o.at("note").as_string()).find("mbu_batch1 needs --model"), std::string::npos);
   EXPECT_NE(std::string(o.at("note").as_string()).find("prefill_gemm_fraction is not measured"), std::string::npos);
   EXPECT_TRUE(o.at("weight_upload").is_null());
@@ -97,27 +133,54 @@ TEST(DeviceBench, JsonReportHasTheCeilingsAndNullsForTheMissingEngine) {
   const auto& u = w.as_object().at("weight_upload").as_object();
   EXPECT_EQ(u.at("fp8_tensors").to_number<std::int64_t>(), 4);
   EXPECT_NEAR(u.at("gbs").to_number<double>(), 4.0, 1e-6);
-  // With a decode measurement: mbu_batch1 = bytes / seconds / read bandwidth.
+  // With decode measurements: mbu = bytes / seconds / read bandwidth, per batch; batch 128 (over
+  // a step's limit) is null and the note says why.
   pd::gpu::DecodeStepResult d;
   d.numerics = pd::gpu::Numerics::Bf16;
+  d.batch = 1;
   d.context = 256;
   d.steps = 8;
   d.step_seconds = 0.001;
   d.bytes_per_step = 2e9;  // 2 TB/s of 4
+  d.experts_used = 8;
   EXPECT_DOUBLE_EQ(pd::gpu::decodeStepMbu(d, r.read_bandwidth), 0.5);
   EXPECT_DOUBLE_EQ(pd::gpu::decodeStepMbu(d, 0.0), 0.0);
-  result.decode = d;
+  pd::gpu::DecodeStepResult d8 = d;
+  d8.batch = 8;
+  d8.step_seconds = 0.002;
+  d8.bytes_per_step = 6e9;  // 3 TB/s of 4
+  d8.experts_used = 40.5;
+  result.decode = {d, d8};
+  result.unmeasured_batches = {128};
   const boost::json::value m = boost::json::parse(pd::bench::deviceReportJson(result), ec);
-  ASSERT_FALSE(ec);
+  ASSERT_FALSE(ec) << pd::bench::deviceReportJson(result);
   EXPECT_NEAR(m.at("mbu_batch1").to_number<double>(), 0.5, 1e-6);
-  const auto& dj = m.at("decode").as_object();
+  const auto& by = m.at("mbu_by_batch").as_object();
+  EXPECT_NEAR(by.at("1").to_number<double>(), 0.5, 1e-6);
+  EXPECT_NEAR(by.at("8").to_number<double>(), 0.75, 1e-6);
+  EXPECT_TRUE(by.at("128").is_null());
+  const auto& decodes = m.at("decode").as_array();
+  ASSERT_EQ(decodes.size(), 2U);
+  const auto& dj = decodes[1].as_object();
+  EXPECT_EQ(dj.at("batch").to_number<std::int64_t>(), 8);
   EXPECT_EQ(dj.at("numerics").as_string(), "bf16");
   EXPECT_EQ(dj.at("context").to_number<std::int64_t>(), 256);
-  EXPECT_NEAR(dj.at("step_ms").to_number<double>(), 1.0, 1e-6);
-  EXPECT_NEAR(dj.at("gbs").to_number<double>(), 2000.0, 1e-3);
-  EXPECT_EQ(std::string(m.at("note").as_string()).find("mbu_batch1 needs"), std::string::npos);
-  EXPECT_NE(pd::bench::deviceReportText(result).find("MBU 0.500"), std::string::npos)
-      << pd::bench::deviceReportText(result);
+  EXPECT_NEAR(dj.at("step_ms").to_number<double>(), 2.0, 1e-6);
+  EXPECT_NEAR(dj.at("tokens_per_s").to_number<double>(), 4000.0, 1e-3);
+  EXPECT_NEAR(dj.at("experts_per_moe_layer").to_number<double>(), 40.5, 1e-6);
+  EXPECT_NEAR(dj.at("gbs").to_number<double>(), 3000.0, 1e-3);
+  EXPECT_NEAR(dj.at("mbu").to_number<double>(), 0.75, 1e-6);
+  const std::string note(m.at("note").as_string());
+  EXPECT_EQ(note.find("mbu_batch1 needs"), std::string::npos);
+  EXPECT_NE(note.find("batches over 64 are not measured"), std::string::npos) << note;
+  const std::string measured = pd::bench::deviceReportText(result);
+  EXPECT_NE(measured.find("decode batch 1 (bf16 numerics"), std::string::npos) << measured;
+  EXPECT_NE(measured.find("MBU 0.750"), std::string::npos) << measured;
+  // Without batch 1, mbu_batch1 is null (not another batch's figure).
+  result.decode = {d8};
+  const boost::json::value n = boost::json::parse(pd::bench::deviceReportJson(result), ec);
+  ASSERT_FALSE(ec);
+  EXPECT_TRUE(n.at("mbu_batch1").is_null());
 }
 
 }  // namespace

@@ -510,6 +510,10 @@ TEST(DeviceMath, MoeGroupingIsAStableSortOfTheSlotsByExpert) {
       const auto below = std::count_if(chosen.begin(), chosen.end(), [&](std::int32_t id) { return id < e; });
       ASSERT_EQ(offsets[static_cast<std::size_t>(e)], below) << "expert " << e;
     }
+    std::vector<std::int32_t> distinct = chosen;
+    std::sort(distinct.begin(), distinct.end());
+    distinct.erase(std::unique(distinct.begin(), distinct.end()), distinct.end());
+    EXPECT_EQ(gm::expertsWithRows(offsets.data(), experts), static_cast<std::int32_t>(distinct.size()));
   }
 }
 

@@ -112,6 +112,16 @@ TEST(PlanCommand, AGpuRunsFileGivesTheMeasuredCeilingsAndNoPoints) {
   auto refused = readCalibrationFile(empty);
   ASSERT_FALSE(refused.ok());
   EXPECT_NE(refused.error().message.find("a GPU run (backend cuda) needs"), std::string::npos);
+  // A GPU run with --model carries the device decode step's rates: ceilings only, never fitted
+  // (they are a make-model checkpoint's, not the planned model's).
+  const auto with_decode = writeFile(
+      dir,
+      R"({"backend": "cuda", "read_bandwidth_gbs": 4000, "mbu_batch1": 0.5, "mbu_by_batch": {"1": 0.5, "128": null},
+               "decode": [{"batch": 1, "tokens_per_s": 900, "mbu": 0.5}, {"batch": 8, "tokens_per_s": 5000}]})");
+  auto ceilings_only = readCalibrationFile(with_decode);
+  ASSERT_TRUE(ceilings_only.ok()) << ceilings_only.error().toString();
+  EXPECT_TRUE(ceilings_only->points.empty());
+  EXPECT_DOUBLE_EQ(ceilings_only->read_bandwidth_gbs, 4000.0);
   const auto bad = writeFile(dir, R"({"backend": "cuda", "gemm_bf16_tflops": -3})");
   EXPECT_EQ(readCalibrationFile(bad).error().code, ErrorCode::InvalidArgument);
   // A CPU file still needs its decode levels.

@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <string>
+#include <vector>
 
 #include "pd/common/result.h"
 #include "pd/engine/gpu.h"
@@ -55,7 +56,7 @@ struct DeviceCeilings {
 [[nodiscard]] Status validateDeviceCeilingsConfig(const DeviceCeilingsConfig& config);
 
 /// A checkpoint uploaded to the device (engine/cuda/device_weights.h: pinned staging, chunks,
-/// stored dtypes kept) and freed again.
+/// stored dtypes kept).
 struct WeightUploadResult {
   std::string model;
   std::int64_t tensors = 0;
@@ -64,31 +65,51 @@ struct WeightUploadResult {
   double seconds = 0.0;  ///< fit check, allocation and copies, until the last copy has run
 };
 
-/// Uploads the checkpoint in `model_dir` to `device` (with room for a minimal KV pool), then
-/// frees it. Errors as DeviceWeights::upload (Unsupported "no CUDA device" without one;
-/// ResourceExhausted naming each part when it does not fit), or the checkpoint's own.
-[[nodiscard]] Result<WeightUploadResult> measureWeightUpload(const std::filesystem::path& model_dir,
-                                                             const ModelDevice& device);
-
-/// One sequence's decode steps through the whole model on the device (DeviceDecodeStep), the
-/// engine's batch-1 figure: mbu = bytes_per_step / step_seconds / the measured read bandwidth.
+/// Decode steps of `batch` sequences through the whole model on the device (DeviceDecodeStep):
+/// mbu = bytes_per_step / step_seconds / the measured read bandwidth.
 struct DecodeStepResult {
   Numerics numerics = Numerics::Fp32;
-  std::int64_t context = 0;     ///< cached positions when the timed steps begin
+  std::int64_t batch = 1;       ///< sequences per step
+  std::int64_t context = 0;     ///< cached positions of each sequence when the timed steps begin
   std::int64_t steps = 0;       ///< timed steps
   double step_seconds = 0.0;    ///< median wall time of step(): launches, the work, the logits copy
-  double bytes_per_step = 0.0;  ///< DeviceDecodeStep::batchOneBytes at the timed steps' mean context
+  double experts_used = 0.0;    ///< distinct routed experts per MoE layer, mean over layers and timed steps
+  double bytes_per_step = 0.0;  ///< DeviceDecodeStep::stepBytes at the timed steps' mean context and
+                                ///< the experts the routing chose (mean over the timed steps)
 };
 
 /// mbu of one step: bytes / seconds / read bandwidth (0 when either is not positive).
 [[nodiscard]] double decodeStepMbu(const DecodeStepResult& step, double read_bandwidth);
 
-/// Uploads `model_dir` to `device`, runs one sequence from position 0 up to `context` (token 1 at
-/// every position), then times `steps` more steps. Errors as measureWeightUpload, InvalidArgument
-/// for context or steps outside 1..65536, the decode step's own otherwise.
-[[nodiscard]] Result<DecodeStepResult> measureBatchOneDecode(const std::filesystem::path& model_dir,
-                                                             const ModelDevice& device, Numerics numerics,
-                                                             std::int64_t context, std::int64_t steps);
+/// The largest batch one decode step takes (the step's workspaces: kMaxDecodeBatch).
+inline constexpr std::int64_t kMaxDeviceDecodeBatch = 64;
+
+struct DeviceDecodeBenchConfig {
+  Numerics numerics = Numerics::Fp32;
+  std::int64_t context = 256;  ///< cached positions per sequence before the timed steps
+  std::int64_t steps = 8;      ///< timed steps per batch
+  /// Batches to time, each 1..kMaxDeviceDecodeBatch (larger ones are the caller's to report as
+  /// not measured).
+  std::vector<std::int64_t> batches{1, 8, 32, 64};
+};
+/// InvalidArgument for context or steps outside 1..65536, no batches, or a batch outside
+/// 1..kMaxDeviceDecodeBatch (checked before any device call, in every build).
+[[nodiscard]] Status validateDeviceDecodeBenchConfig(const DeviceDecodeBenchConfig& config);
+
+struct ModelOnDeviceResult {
+  WeightUploadResult upload;
+  std::vector<DecodeStepResult> decode;  ///< one per configured batch, in its order
+};
+
+/// Uploads `model_dir` to `device` once (timed: `upload`), then fills the cache of the largest
+/// batch's sequences up to `context` positions (untimed; sequence s feeds token (1 + 7919 s + 104729
+/// p) mod vocab at position p, so the rows route to different experts) and times `steps` steps of
+/// each batch's first sequences at the positions after. Frees everything before returning. Errors
+/// as DeviceWeights::upload (Unsupported "no CUDA device" without one; ResourceExhausted naming
+/// each part when it does not fit), the checkpoint's, the config's, or the decode step's.
+[[nodiscard]] Result<ModelOnDeviceResult> measureModelOnDevice(const std::filesystem::path& model_dir,
+                                                               const ModelDevice& device,
+                                                               const DeviceDecodeBenchConfig& config);
 
 /// Measures the three numbers. Unsupported "no CUDA device" without CUDA or without a visible
 /// device; InvalidArgument for a bad config or a device index past the visible ones;
