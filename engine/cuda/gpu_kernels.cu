@@ -184,39 +184,46 @@ constexpr int kGemvRowsPerBlock = kGemvThreads / m::kGemvWarp;
 constexpr int kGemvTokensPerPass = 8;
 static_assert(m::kGemvWarp == 32, "the butterfly below is a full warp");
 
-// One warp per row; tokens in passes of kGemvTokensPerPass (each pass re-reads the row, from L2
-// after the first). Lane partials and the butterfly are those of math::fp8GemvRow.
-__global__ void __launch_bounds__(kGemvThreads) fp8GemvKernel(Fp8GemvArgs a) {
-  const int row = blockIdx.x * kGemvRowsPerBlock + threadIdx.x / 32;
-  const int lane = threadIdx.x % 32;
-  if (row >= a.rows) return;  // the whole warp leaves together
-  const std::uint8_t* q_row = a.q + static_cast<std::int64_t>(row) * a.cols;
-  const float* scale_row = a.scale_inv + static_cast<std::int64_t>(row / a.block_rows) * a.scale_cols;
-  for (int t0 = 0; t0 < a.tokens; t0 += kGemvTokensPerPass) {
+// One warp: weight row `row` (of a matrix stored as `kind`) against `count` rows of x, into y.
+// Tokens in passes of kGemvTokensPerPass (each pass re-reads the weight row, from L2 after the
+// first). Lane partials and the butterfly are those of math::gemvRow (math::fp8GemvRow for FP8).
+__device__ void gemvWarpRows(m::GemvWeights kind, const void* w, const float* scale_row, int row, int cols,
+                             int block_cols, const float* x, std::int64_t x_stride, int count, float* y,
+                             std::int64_t y_stride, int lane) {
+  for (int t0 = 0; t0 < count; t0 += kGemvTokensPerPass) {
     float acc[kGemvTokensPerPass];
     for (int k = 0; k < kGemvTokensPerPass; ++k) acc[k] = 0.0F;
-    for (std::int64_t tile = 0; tile * m::kGemvTileCols < a.cols; ++tile) {
+    for (std::int64_t tile = 0; tile * m::kGemvTileCols < cols; ++tile) {
       const std::int64_t c0 = tile * m::kGemvTileCols + static_cast<std::int64_t>(lane) * m::kGemvColsPerLane;
       for (int i = 0; i < m::kGemvColsPerLane; ++i) {
         const std::int64_t c = c0 + i;
-        if (c >= a.cols) continue;
-        const float w = m::fp8BlockScaledValue(q_row[c], scale_row[c / a.block_cols]);
+        if (c >= cols) continue;
+        const float wv = m::gemvWeightAt(kind, w, scale_row, row, cols, c, block_cols);
         for (int k = 0; k < kGemvTokensPerPass; ++k) {
-          if (t0 + k < a.tokens) acc[k] = m::fmaF(w, a.x[(t0 + k) * a.x_stride + c], acc[k]);
+          if (t0 + k < count) acc[k] = m::fmaF(wv, m::gemvInput(kind, x[(t0 + k) * x_stride + c]), acc[k]);
         }
       }
     }
     for (int k = 0; k < kGemvTokensPerPass; ++k) {
       float v = acc[k];
       for (int width = m::kGemvWarp / 2; width > 0; width /= 2) v = v + __shfl_xor_sync(0xFFFFFFFFU, v, width);
-      if (lane == 0 && t0 + k < a.tokens) a.y[(t0 + k) * a.y_stride + row] = v;
+      if (lane == 0 && t0 + k < count) y[(t0 + k) * y_stride + row] = v;
     }
   }
 }
 
-// Grouped GEMV: blockIdx.y is the group (expert), one warp per row as in fp8GemvKernel, over the
-// group's rows [offsets[g], offsets[g + 1]) of x. A group with no rows leaves at once. Lane
-// partials and the butterfly are those of math::gemvRow.
+// One warp per row of the FP8 matrix.
+__global__ void __launch_bounds__(kGemvThreads) fp8GemvKernel(Fp8GemvArgs a) {
+  const int row = blockIdx.x * kGemvRowsPerBlock + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (row >= a.rows) return;  // the whole warp leaves together
+  const float* scale_row = a.scale_inv + static_cast<std::int64_t>(row / a.block_rows) * a.scale_cols;
+  gemvWarpRows(m::GemvWeights::Fp8, a.q, scale_row, row, a.cols, a.block_cols, a.x, a.x_stride, a.tokens, a.y,
+               a.y_stride, lane);
+}
+
+// Grouped GEMV: blockIdx.y is the group (expert), one warp per row, over the group's rows
+// [offsets[g], offsets[g + 1]) of x. A group with no rows leaves at once.
 __global__ void __launch_bounds__(kGemvThreads) groupedGemvKernel(GroupedGemvArgs a) {
   const int g = blockIdx.y;
   const int row = blockIdx.x * kGemvRowsPerBlock + threadIdx.x / 32;
@@ -224,32 +231,12 @@ __global__ void __launch_bounds__(kGemvThreads) groupedGemvKernel(GroupedGemvArg
   const int begin = a.offsets[g];
   const int count = a.offsets[g + 1] - begin;
   if (row >= a.rows || count <= 0) return;  // uniform per warp
-  const void* w = a.weights[g];
   const float* scale_row = a.kind == m::GemvWeights::Fp8
                                ? a.scales[g] + static_cast<std::int64_t>(row / a.block_rows) * a.scale_cols
                                : nullptr;
-  const float* x = a.x + static_cast<std::int64_t>(begin) * a.x_stride;
-  float* y = a.y + static_cast<std::int64_t>(begin) * a.y_stride;
-  for (int t0 = 0; t0 < count; t0 += kGemvTokensPerPass) {
-    float acc[kGemvTokensPerPass];
-    for (int k = 0; k < kGemvTokensPerPass; ++k) acc[k] = 0.0F;
-    for (std::int64_t tile = 0; tile * m::kGemvTileCols < a.cols; ++tile) {
-      const std::int64_t c0 = tile * m::kGemvTileCols + static_cast<std::int64_t>(lane) * m::kGemvColsPerLane;
-      for (int i = 0; i < m::kGemvColsPerLane; ++i) {
-        const std::int64_t c = c0 + i;
-        if (c >= a.cols) continue;
-        const float wv = m::gemvWeightAt(a.kind, w, scale_row, row, a.cols, c, a.block_cols);
-        for (int k = 0; k < kGemvTokensPerPass; ++k) {
-          if (t0 + k < count) acc[k] = m::fmaF(wv, m::gemvInput(a.kind, x[(t0 + k) * a.x_stride + c]), acc[k]);
-        }
-      }
-    }
-    for (int k = 0; k < kGemvTokensPerPass; ++k) {
-      float v = acc[k];
-      for (int width = m::kGemvWarp / 2; width > 0; width /= 2) v = v + __shfl_xor_sync(0xFFFFFFFFU, v, width);
-      if (lane == 0 && t0 + k < count) y[(t0 + k) * a.y_stride + row] = v;
-    }
-  }
+  gemvWarpRows(a.kind, a.weights[g], scale_row, row, a.cols, a.block_cols,
+               a.x + static_cast<std::int64_t>(begin) * a.x_stride, a.x_stride, count,
+               a.y + static_cast<std::int64_t>(begin) * a.y_stride, a.y_stride, lane);
 }
 
 // One thread: the grouping is a counting sort of at most kMaxDecodeBatch * top_k slots.
