@@ -79,6 +79,8 @@ class HostMirror final : public DeviceDecodeStep::LatentObserver {
   LatentKvSink* sink_;
 };
 
+static_assert(kMaxDeviceTopLogprobs == gpu::kernels::kMaxTopLogprobs, "one limit for the device's top logprobs");
+
 class CudaEngine final : public Engine, public SamplingEngine {
  public:
   CudaEngine(std::unique_ptr<const ModelConfig> config, std::unique_ptr<gpu::DeviceWeights> weights,
@@ -118,9 +120,7 @@ class CudaEngine final : public Engine, public SamplingEngine {
     for (std::size_t i = 0; i < rows.size(); ++i) {
       if (rows[i].params == nullptr || !deviceSamplable(*rows[i].params)) {
         return makeError(ErrorCode::InvalidArgument,
-                         fmt::format("sampled forward: row {} asks for what the device does not sample (logit_bias, "
-                                     "top logprobs)",
-                                     i));
+                         fmt::format("sampled forward: row {} has no sampling parameters the device can sample", i));
       }
     }
     if (rows.empty()) return makeError(ErrorCode::InvalidArgument, "sampled forward: no rows to sample");
@@ -151,10 +151,16 @@ class CudaEngine final : public Engine, public SamplingEngine {
                                                                rows.size(), plan.logit_rows));
     }
     std::vector<gpu::DeviceSampler::Row> sample_rows;
-    for (const RowSample& r : rows) {
+    std::vector<std::vector<std::pair<std::int32_t, float>>> biases(rows.size());
+    for (std::size_t i = 0; i < rows.size(); ++i) {
+      const RowSample& r = rows[i];
       const SamplingParams& p = *r.params;
-      sample_rows.push_back({p.temperature, p.top_k, p.top_p, p.min_p, p.presence_penalty, p.frequency_penalty, p.seed,
-                             r.draw, r.counts});
+      for (const LogitBias& b : p.logit_bias) biases[i].emplace_back(b.token, b.bias);
+      gpu::DeviceSampler::Row row{p.temperature,       p.top_k, p.top_p, p.min_p, p.presence_penalty,
+                                  p.frequency_penalty, p.seed,  r.draw,  r.counts};
+      row.logit_bias = biases[i];
+      row.top_logprobs = p.top_logprobs;
+      sample_rows.push_back(row);
     }
     PD_TRY(step_->setCacheShape({cache.num_blocks, cache.block_size}));
     PD_TRY(uploadPrefixes(batch, cache, mtp ? c.num_hidden_layers : 0, kv_layer_last + 1));
@@ -199,6 +205,7 @@ class CudaEngine final : public Engine, public SamplingEngine {
         SampledToken t;
         t.token = s.token;
         t.logprob = s.logprob;
+        for (const auto& [token, logprob] : s.top) t.top.push_back({token, logprob});
         result.sampled.push_back(std::move(t));
       }
     }

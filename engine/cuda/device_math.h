@@ -469,6 +469,44 @@ PD_HD float fp8GemvRow(const std::uint8_t* q_row, const float* scale_row, std::i
 }
 
 // ---------------------------------------------------------------------------------------------
+// Top-n logprobs: the n most likely tokens of a row of raw logits, in the CPU Sampler's order
+// (larger logit first, lower id on ties: ranksBefore, a total order over (value, id)).
+
+/// The candidate of raw[first], raw[first + stride], ... below `end` that ranks first among
+/// those ranked after (prev_v, prev_id) (prev_id < 0: every candidate); -1 when there is none.
+/// Shares of one row's scan may be split across threads and reduced with ranksBefore in any
+/// order: the result is the same.
+PD_HD std::int64_t bestAfter(const float* raw, std::int64_t first, std::int64_t end, std::int64_t stride, float prev_v,
+                             std::int64_t prev_id) {
+  std::int64_t best = -1;
+  for (std::int64_t i = first; i < end; i += stride) {
+    if (prev_id >= 0 && !ranksBefore(prev_v, prev_id, raw[i], i)) continue;
+    if (best < 0 || ranksBefore(raw[i], i, raw[best], best)) best = i;
+  }
+  return best;
+}
+
+/// ids [n]: the n first tokens of raw [vocab] in that order (n <= vocab), by n passes of
+/// bestAfter, as the kernel runs them (one pass per entry).
+PD_HD void topTokens(const float* raw, std::int64_t vocab, std::int64_t n, std::int32_t* ids) {
+  float prev_v = 0.0F;
+  std::int64_t prev_id = -1;
+  for (std::int64_t k = 0; k < n; ++k) {
+    const std::int64_t best = bestAfter(raw, 0, vocab, 1, prev_v, prev_id);
+    ids[k] = static_cast<std::int32_t>(best);
+    if (best < 0) continue;
+    prev_v = raw[best];
+    prev_id = best;
+  }
+}
+
+/// A token's logprob under the raw distribution: logit - log-sum-exp, in double, as the CPU
+/// Sampler computes it.
+PD_HD float rawLogprob(float logit, double lse) {
+  return static_cast<float>(static_cast<double>(logit) - lse);
+}
+
+// ---------------------------------------------------------------------------------------------
 // Grouped GEMV (the MoE experts on the device, no host round trip): expert g multiplies the rows
 // of its slots [offsets[g], offsets[g + 1]) by its own weight matrix, stored FP32 (the fp32
 // mode's copies), BF16 (multiplied as stored in the bf16 mode, inputs rounded to BF16) or FP8

@@ -3,6 +3,8 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
+#include <cmath>
 #include <limits>
 #include <utility>
 #include <vector>
@@ -231,6 +233,10 @@ Result<DeviceSampler> DeviceSampler::create(std::int64_t max_rows, std::int64_t 
   PD_ASSIGN_OR_RETURN(s.params_, cuda::DeviceBuffer<kernels::RowSampling>::create(static_cast<std::size_t>(max_rows)));
   PD_ASSIGN_OR_RETURN(s.tokens_, cuda::DeviceBuffer<std::int32_t>::create(static_cast<std::size_t>(max_rows)));
   PD_ASSIGN_OR_RETURN(s.logprobs_, cuda::DeviceBuffer<float>::create(static_cast<std::size_t>(max_rows)));
+  PD_ASSIGN_OR_RETURN(s.lse_, cuda::DeviceBuffer<double>::create(static_cast<std::size_t>(max_rows)));
+  const auto top = static_cast<std::size_t>(max_rows * kernels::kMaxTopLogprobs);
+  PD_ASSIGN_OR_RETURN(s.top_ids_, cuda::DeviceBuffer<std::int32_t>::create(top));
+  PD_ASSIGN_OR_RETURN(s.top_logprobs_, cuda::DeviceBuffer<float>::create(top));
   return s;
 }
 
@@ -245,11 +251,15 @@ Result<std::vector<DeviceSampler::Sampled>> DeviceSampler::sample(const float* l
   std::vector<std::int64_t> begin{0};
   std::vector<std::int32_t> tok;
   std::vector<std::int64_t> cnt;
+  std::vector<std::int64_t> bias_begin{0};
+  std::vector<std::int32_t> bias_tok;
+  std::vector<float> bias_val;
   bool any_filtered = false;
+  bool any_top = false;
   for (std::size_t i = 0; i < rows.size(); ++i) {
     const Row& r = rows[i];
     if (!(r.temperature >= 0.0) || r.top_k < 0 || !(r.top_p > 0.0 && r.top_p <= 1.0) ||
-        !(r.min_p >= 0.0 && r.min_p <= 1.0)) {
+        !(r.min_p >= 0.0 && r.min_p <= 1.0) || r.top_logprobs < 0 || r.top_logprobs > kernels::kMaxTopLogprobs) {
       return invalid(fmt::format("{}: row {} has sampling parameters out of range", kWhat, i));
     }
     auto& p = params[i];
@@ -259,12 +269,20 @@ Result<std::vector<DeviceSampler::Sampled>> DeviceSampler::sample(const float* l
     p.draw = r.draw;
     p.presence = r.presence_penalty;
     p.frequency = r.frequency_penalty;
+    p.top_n = static_cast<int>(std::min<std::int64_t>(r.top_logprobs, vocab_));  // as the CPU Sampler: at most vocab
     any_filtered = any_filtered || (p.greedy == 0 && p.transform.filtered());
+    any_top = any_top || p.top_n > 0;
     for (const auto& [token, count] : r.counts) {
       tok.push_back(token);
       cnt.push_back(count);
     }
     begin.push_back(static_cast<std::int64_t>(tok.size()));
+    for (const auto& [token, bias] : r.logit_bias) {
+      if (!std::isfinite(bias)) return invalid(fmt::format("{}: row {} has a logit_bias that is not finite", kWhat, i));
+      bias_tok.push_back(token);
+      bias_val.push_back(bias);
+    }
+    bias_begin.push_back(static_cast<std::int64_t>(bias_tok.size()));
   }
   // The penalty lists vary per call; this first version uploads them through fresh buffers.
   PD_ASSIGN_OR_RETURN(auto d_begin, cuda::DeviceBuffer<std::int64_t>::create(begin.size()));
@@ -273,6 +291,13 @@ Result<std::vector<DeviceSampler::Sampled>> DeviceSampler::sample(const float* l
   PD_TRY(d_begin.copyFromHost(std::span<const std::int64_t>(begin), stream));
   PD_TRY(d_tok.copyFromHost(std::span<const std::int32_t>(tok), stream));
   PD_TRY(d_cnt.copyFromHost(std::span<const std::int64_t>(cnt), stream));
+  PD_ASSIGN_OR_RETURN(auto d_bias_begin, cuda::DeviceBuffer<std::int64_t>::create(bias_begin.size()));
+  PD_ASSIGN_OR_RETURN(auto d_bias_tok,
+                      cuda::DeviceBuffer<std::int32_t>::create(std::max<std::size_t>(bias_tok.size(), 1)));
+  PD_ASSIGN_OR_RETURN(auto d_bias_val, cuda::DeviceBuffer<float>::create(std::max<std::size_t>(bias_val.size(), 1)));
+  PD_TRY(d_bias_begin.copyFromHost(std::span<const std::int64_t>(bias_begin), stream));
+  PD_TRY(d_bias_tok.copyFromHost(std::span<const std::int32_t>(bias_tok), stream));
+  PD_TRY(d_bias_val.copyFromHost(std::span<const float>(bias_val), stream));
   PD_TRY(params_.copyFromHost(std::span<const kernels::RowSampling>(params), stream));
   kernels::SampleArgs a;
   a.logits = logits;
@@ -282,7 +307,14 @@ Result<std::vector<DeviceSampler::Sampled>> DeviceSampler::sample(const float* l
   a.penalty_begin = d_begin.data();
   a.penalty_token = d_tok.data();
   a.penalty_count = d_cnt.data();
+  a.bias_begin = d_bias_begin.data();
+  a.bias_token = d_bias_tok.data();
+  a.bias_value = d_bias_val.data();
   a.any_filtered = any_filtered;
+  a.any_top = any_top;
+  a.lse = lse_.data();
+  a.top_ids = top_ids_.data();
+  a.top_logprobs = top_logprobs_.data();
   a.work = work_.data();
   a.sorted = sorted_.data();
   a.ids = ids_.data();
@@ -297,9 +329,25 @@ Result<std::vector<DeviceSampler::Sampled>> DeviceSampler::sample(const float* l
   std::vector<float> out_lp(rows.size());
   PD_TRY(tokens_.copyToHost(std::span<std::int32_t>(out_tok), stream));
   PD_TRY(logprobs_.copyToHost(std::span<float>(out_lp), stream));
-  PD_TRY(stream.synchronize());
+  const std::size_t top_slots = rows.size() * static_cast<std::size_t>(kernels::kMaxTopLogprobs);
+  std::vector<std::int32_t> top_ids(any_top ? top_slots : 0);
+  std::vector<float> top_lp(any_top ? top_slots : 0);
+  PD_TRY(top_ids_.copyToHost(std::span<std::int32_t>(top_ids), stream));
+  PD_TRY(top_logprobs_.copyToHost(std::span<float>(top_lp), stream));
+  PD_TRY(stream.synchronize());  // the uploads' host vectors and the outputs are done with here
   std::vector<Sampled> out(rows.size());
-  for (std::size_t i = 0; i < rows.size(); ++i) out[i] = {out_tok[i], out_lp[i]};
+  for (std::size_t i = 0; i < rows.size(); ++i) {
+    out[i].token = out_tok[i];
+    out[i].logprob = out_lp[i];
+    for (int k = 0; k < params[i].top_n; ++k) {
+      const std::size_t at = i * static_cast<std::size_t>(kernels::kMaxTopLogprobs) + static_cast<std::size_t>(k);
+      if (top_ids[at] < 0 || top_ids[at] >= vocab_) {
+        return makeError(ErrorCode::Internal,
+                         fmt::format("{}: row {}'s top logprob {} is token {}", kWhat, i, k, top_ids[at]));
+      }
+      out[i].top.emplace_back(top_ids[at], top_lp[at]);
+    }
+  }
   return out;
 }
 

@@ -121,9 +121,10 @@ Status moeCombine(const std::int32_t* chosen, const float* weight, const std::in
                   std::int64_t top_k, const float* gout, std::int64_t d, const float* shared, float* out,
                   const cuda::Stream& stream);
 
-/// Samples one token per row of device logits (the CPU Sampler's rules: penalties, temperature,
-/// top-k, top-p, min-p, a seeded draw; greedy when temperature is 0) and returns only the ids and
-/// their logprobs to the host. Owns its workspace, sized for max_rows x vocab once.
+/// Samples one token per row of device logits (the CPU Sampler's rules: penalties, logit_bias,
+/// temperature, top-k, top-p, min-p, a seeded draw; greedy when temperature is 0) and returns only
+/// the ids, their logprobs and the top logprobs asked for to the host. Owns its workspace, sized
+/// for max_rows x vocab once.
 class DeviceSampler {
  public:
   [[nodiscard]] static Result<DeviceSampler> create(std::int64_t max_rows, std::int64_t vocab);
@@ -139,10 +140,16 @@ class DeviceSampler {
     std::uint64_t draw = 0;  ///< the request's non-greedy tokens sampled so far
     /// Tokens generated so far with their counts (distinct ids), for the penalties.
     std::span<const std::pair<std::int32_t, std::int64_t>> counts;
+    /// Added after the penalties (distinct tokens; ids outside the vocabulary are ignored).
+    std::span<const std::pair<std::int32_t, float>> logit_bias;
+    std::int64_t top_logprobs = 0;  ///< 0..kernels::kMaxTopLogprobs alternatives to report
   };
   struct Sampled {
     std::int32_t token = 0;
     float logprob = 0.0F;
+    /// The row's top_logprobs most likely tokens under the raw logits with their logprobs, best
+    /// first (larger logit, then lower id), at most the vocabulary.
+    std::vector<std::pair<std::int32_t, float>> top;
   };
   /// logits: [rows.size(), vocab] on the device. Blocks until the results are on the host.
   Result<std::vector<Sampled>> sample(const float* logits, std::span<const Row> rows, const cuda::Stream& stream);
@@ -160,6 +167,9 @@ class DeviceSampler {
   cuda::DeviceBuffer<kernels::RowSampling> params_;
   cuda::DeviceBuffer<std::int32_t> tokens_;
   cuda::DeviceBuffer<float> logprobs_;
+  cuda::DeviceBuffer<double> lse_;
+  cuda::DeviceBuffer<std::int32_t> top_ids_;
+  cuda::DeviceBuffer<float> top_logprobs_;
 };
 
 }  // namespace pd::gpu

@@ -118,6 +118,9 @@ cudaError_t launchMoeGather(const float* x, const std::int32_t* slot_of, int tok
 cudaError_t launchMoeCombine(const std::int32_t* chosen, const float* weight, const std::int32_t* slot_of, int tokens,
                              int top_k, const float* gout, int d, const float* shared, float* out, cudaStream_t stream);
 
+/// Most top logprobs a row may ask for (SamplingParams::top_logprobs' limit).
+constexpr int kMaxTopLogprobs = 20;
+
 /// One row's sampling request on the device.
 struct RowSampling {
   math::SamplingTransform transform;
@@ -126,6 +129,7 @@ struct RowSampling {
   int greedy = 0;
   double presence = 0.0;
   double frequency = 0.0;
+  int top_n = 0;  ///< top logprobs to report, 0..kMaxTopLogprobs
 };
 struct SampleArgs {
   const float* logits = nullptr;  ///< [rows, vocab] raw
@@ -135,7 +139,11 @@ struct SampleArgs {
   const std::int64_t* penalty_begin = nullptr;  ///< [rows + 1] CSR over the two arrays below
   const std::int32_t* penalty_token = nullptr;  ///< distinct per row
   const std::int64_t* penalty_count = nullptr;
+  const std::int64_t* bias_begin = nullptr;  ///< [rows + 1] CSR of logit_bias over the two below
+  const std::int32_t* bias_token = nullptr;  ///< distinct per row; ids outside the vocabulary ignored
+  const float* bias_value = nullptr;
   bool any_filtered = false;  ///< sort the rows (top-k / top-p / min-p)
+  bool any_top = false;       ///< some row asks for top logprobs
   // Workspace (SampleWorkspace sizes it):
   float* work = nullptr;               ///< [rows, vocab]
   float* sorted = nullptr;             ///< [rows, vocab]
@@ -144,9 +152,12 @@ struct SampleArgs {
   int* offsets = nullptr;              ///< [rows + 1]
   void* sort_temp = nullptr;
   std::size_t sort_temp_bytes = 0;
+  double* lse = nullptr;  ///< [rows]: the raw logits' log-sum-exp
   // Out:
-  std::int32_t* token = nullptr;  ///< [rows]
-  float* logprob = nullptr;       ///< [rows]: under the raw distribution
+  std::int32_t* token = nullptr;    ///< [rows]
+  float* logprob = nullptr;         ///< [rows]: under the raw distribution
+  std::int32_t* top_ids = nullptr;  ///< [rows, kMaxTopLogprobs]: the first top_n of each row
+  float* top_logprobs = nullptr;    ///< [rows, kMaxTopLogprobs]
 };
 /// CUB's scratch bytes for sorting rows x vocab keys.
 cudaError_t sampleSortTempBytes(int rows, int vocab, std::size_t& bytes);

@@ -1,7 +1,8 @@
-// Sampling on the device: penalties, a stable descending sort of each row (CUB) when a row
-// filters (top-k / top-p / min-p), then one thread per row draws with math::drawToken, the CPU
-// Sampler's arithmetic, keyed by the request's seed and draw counter. Naive on purpose: the draw
-// and the logprob normalizer scan the vocabulary serially (docs/gpu.md).
+// Sampling on the device: penalties, logit_bias, a stable descending sort of each row (CUB) when
+// a row filters (top-k / top-p / min-p), then one thread per row draws with math::drawToken, the
+// CPU Sampler's arithmetic, keyed by the request's seed and draw counter; then the top logprobs
+// a row asks for. Naive on purpose: the draw and the logprob normalizer scan the vocabulary
+// serially (docs/gpu.md).
 #include <cuda_runtime.h>
 
 #include <cub/device/device_segmented_radix_sort.cuh>
@@ -46,6 +47,18 @@ __global__ void penaltyKernel(float* work, const RowSampling* params, const std:
   }
 }
 
+// One block per row, a thread per biased token (distinct within a row: no races), after the
+// penalties: the CPU Sampler's order.
+__global__ void biasKernel(float* work, const std::int64_t* begin, const std::int32_t* token, const float* value,
+                           int vocab) {
+  const int row = blockIdx.x;
+  for (std::int64_t k = begin[row] + threadIdx.x; k < begin[row + 1]; k += blockDim.x) {
+    const std::int32_t tok = token[k];
+    if (tok < 0 || tok >= vocab) continue;
+    work[static_cast<std::int64_t>(row) * vocab + tok] += value[k];
+  }
+}
+
 // One thread per row: greedy argmax (lowest id on ties) or the seeded draw; then the logprob of
 // the chosen token under the raw logits.
 __global__ void drawKernel(SampleArgs a) {
@@ -69,8 +82,48 @@ __global__ void drawKernel(SampleArgs a) {
   double sum = 0.0;
   for (int i = 0; i < a.vocab; ++i) sum += m::expD(static_cast<double>(raw[i]) - raw_max);
   const double lse = static_cast<double>(raw_max) + log(sum);
+  a.lse[row] = lse;
   a.token[row] = token;
-  a.logprob[row] = static_cast<float>(static_cast<double>(raw[token]) - lse);
+  a.logprob[row] = m::rawLogprob(raw[token], lse);
+}
+
+constexpr int kTopThreads = 256;
+
+// One block per row: top_n passes; in each, every thread finds its share's best candidate ranked
+// after the previous entry (math::bestAfter over a stride of the block), and thread 0 reduces
+// the shares with ranksBefore (a total order, so the result is math::topTokens').
+__global__ void __launch_bounds__(kTopThreads) topLogprobKernel(SampleArgs a) {
+  const int row = blockIdx.x;
+  const int n = a.params[row].top_n;
+  if (n <= 0) return;  // uniform per block
+  const float* raw = a.logits + static_cast<std::int64_t>(row) * a.vocab;
+  __shared__ std::int64_t share[kTopThreads];
+  __shared__ std::int64_t prev_id;
+  __shared__ float prev_v;
+  if (threadIdx.x == 0) {
+    prev_id = -1;
+    prev_v = 0.0F;
+  }
+  __syncthreads();
+  for (int k = 0; k < n; ++k) {
+    share[threadIdx.x] = m::bestAfter(raw, threadIdx.x, a.vocab, kTopThreads, prev_v, prev_id);
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      std::int64_t best = -1;
+      for (int t = 0; t < kTopThreads; ++t) {
+        const std::int64_t c = share[t];
+        if (c >= 0 && (best < 0 || m::ranksBefore(raw[c], c, raw[best], best))) best = c;
+      }
+      const std::int64_t at = static_cast<std::int64_t>(row) * kMaxTopLogprobs + k;
+      a.top_ids[at] = static_cast<std::int32_t>(best);
+      a.top_logprobs[at] = best >= 0 ? m::rawLogprob(raw[best], a.lse[row]) : 0.0F;
+      if (best >= 0) {
+        prev_id = best;
+        prev_v = raw[best];
+      }
+    }
+    __syncthreads();
+  }
 }
 
 }  // namespace
@@ -94,6 +147,9 @@ cudaError_t launchSample(const SampleArgs& a, cudaStream_t stream) {
                                             a.vocab);
   status = cudaGetLastError();
   if (status != cudaSuccess) return status;
+  biasKernel<<<a.rows, 128, 0, stream>>>(a.work, a.bias_begin, a.bias_token, a.bias_value, a.vocab);
+  status = cudaGetLastError();
+  if (status != cudaSuccess) return status;
   if (a.any_filtered) {
     // Radix sort is stable: equal logits keep ascending ids, the CPU comparator's tie order.
     std::size_t temp_bytes = a.sort_temp_bytes;
@@ -103,6 +159,9 @@ cudaError_t launchSample(const SampleArgs& a, cudaStream_t stream) {
     if (status != cudaSuccess) return status;
   }
   drawKernel<<<a.rows, 32, 0, stream>>>(a);
+  status = cudaGetLastError();
+  if (status != cudaSuccess || !a.any_top) return status;
+  topLogprobKernel<<<a.rows, kTopThreads, 0, stream>>>(a);
   return cudaGetLastError();
 }
 

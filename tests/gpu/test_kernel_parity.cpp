@@ -541,6 +541,20 @@ TEST_F(Kernel, SamplingMatchesCpuSampler) {
       p.min_p = r % 7 == 3 ? 0.05 : 0.0;
       p.presence_penalty = r % 2 == 1 ? 0.5 : 0.0;
       p.frequency_penalty = r % 2 == 1 ? 0.25 : 0.0;
+      p.top_logprobs = r % 3 == 0 ? r % 21 : 0;  // 0, 3, 6, 9, 12, 15
+      if (r % 4 == 1) {
+        // Strong biases, so they decide tokens: one pushes a token up, one past the vocabulary
+        // (ignored), one pushes a token down.
+        p.logit_bias = {{static_cast<std::int32_t>(r * 31 % vocab), 8.0F},
+                        {static_cast<std::int32_t>(vocab + 5), 100.0F},
+                        {static_cast<std::int32_t>(r * 17 % vocab), -100.0F}};
+      }
+    }
+    std::vector<std::vector<std::pair<std::int32_t, float>>> biases(static_cast<std::size_t>(rows));
+    for (int64_t r = 0; r < rows; ++r) {
+      for (const auto& b : params[static_cast<std::size_t>(r)].logit_bias) {
+        biases[static_cast<std::size_t>(r)].emplace_back(b.token, b.bias);
+      }
     }
     std::vector<pd::model::Sampler> cpu;
     for (const auto& p : params) cpu.emplace_back(p);
@@ -562,6 +576,8 @@ TEST_F(Kernel, SamplingMatchesCpuSampler) {
              p.seed,
              draws[static_cast<std::size_t>(r)],
              counts[static_cast<std::size_t>(r)]};
+        q.logit_bias = biases[static_cast<std::size_t>(r)];
+        q.top_logprobs = p.top_logprobs;
       }
       auto got = sampler->sample(dl.data(), req, stream());
       ASSERT_TRUE(got.ok()) << got.error().toString();
@@ -572,6 +588,11 @@ TEST_F(Kernel, SamplingMatchesCpuSampler) {
         const auto& g = (*got)[static_cast<std::size_t>(r)];
         ASSERT_EQ(g.token, want.token) << "vocab " << vocab << " row " << r << " step " << step;
         ASSERT_NEAR(g.logprob, want.logprob, 1e-4F);
+        ASSERT_EQ(g.top.size(), want.top.size()) << "row " << r;
+        for (std::size_t k = 0; k < want.top.size(); ++k) {
+          ASSERT_EQ(g.top[k].first, want.top[k].token) << "row " << r << " top " << k;
+          ASSERT_NEAR(g.top[k].second, want.top[k].logprob, 1e-4F);
+        }
         if (params[static_cast<std::size_t>(r)].temperature > 0.0) ++draws[static_cast<std::size_t>(r)];
         auto& c = counts[static_cast<std::size_t>(r)];
         auto it = std::find_if(c.begin(), c.end(), [&](const auto& e) { return e.first == want.token; });

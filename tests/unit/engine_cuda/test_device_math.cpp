@@ -419,6 +419,56 @@ TEST(DeviceMath, Fp8GemvOrderAgreesWithTheCpuMatmul) {
 }
 
 // ------------------------------------------------------------------------------------------
+// Top-n logprobs.
+
+TEST(DeviceMath, TopTokensAreTheCpuSamplersTopLogprobsIncludingTies) {
+  std::mt19937 rng(37);
+  std::normal_distribution<float> normal;
+  for (const int64_t vocab : {1, 7, 1000, 129280}) {
+    for (const int64_t n : {1, 5, 20}) {
+      std::vector<float> raw(static_cast<std::size_t>(vocab));
+      // Few distinct values, so ties are everywhere (lower id first on ties).
+      for (auto& v : raw) v = std::round(normal(rng) * 2.0F) / 2.0F;
+      pd::SamplingParams p;
+      p.top_logprobs = n;
+      pd::model::Sampler sampler(p);
+      const pd::SampledToken want = sampler.sample(raw);
+      const int64_t k = std::min(n, vocab);
+      ASSERT_EQ(static_cast<int64_t>(want.top.size()), k);
+      std::vector<std::int32_t> ids(static_cast<std::size_t>(k));
+      gm::topTokens(raw.data(), vocab, k, ids.data());
+      // The log-sum-exp as the draw kernel computes it.
+      float raw_max = raw[0];
+      for (const float v : raw) raw_max = std::max(raw_max, v);
+      double sum = 0.0;
+      for (const float v : raw) sum += std::exp(static_cast<double>(v) - raw_max);
+      const double lse = static_cast<double>(raw_max) + std::log(sum);
+      for (int64_t i = 0; i < k; ++i) {
+        const auto at = static_cast<std::size_t>(i);
+        ASSERT_EQ(ids[at], want.top[at].token) << "vocab " << vocab << " n " << n << " entry " << i;
+        ASSERT_EQ(bitsOf(gm::rawLogprob(raw[static_cast<std::size_t>(ids[at])], lse)), bitsOf(want.top[at].logprob));
+      }
+      // The kernel's split: shares of every 7th candidate reduced with ranksBefore give the same.
+      float prev_v = 0.0F;
+      int64_t prev = -1;
+      for (int64_t i = 0; i < k; ++i) {
+        int64_t best = -1;
+        for (int64_t first = 0; first < 7; ++first) {
+          const int64_t c = gm::bestAfter(raw.data(), first, vocab, 7, prev_v, prev);
+          if (c >= 0 && (best < 0 || gm::ranksBefore(raw[static_cast<std::size_t>(c)], c,
+                                                     raw[static_cast<std::size_t>(best)], best))) {
+            best = c;
+          }
+        }
+        ASSERT_EQ(best, ids[static_cast<std::size_t>(i)]) << "split scan, entry " << i;
+        prev = best;
+        prev_v = raw[static_cast<std::size_t>(best)];
+      }
+    }
+  }
+}
+
+// ------------------------------------------------------------------------------------------
 // Grouped GEMV (the MoE experts on the device).
 
 TEST(DeviceMath, GroupedGemvRowIsTheFp8GemvForFp8AndCloseToTheCpuForEveryKind) {

@@ -109,25 +109,40 @@ TEST(GenerateDeviceSampling, TheEnginesTokensAreTheHostSamplers) {
   }
 }
 
-TEST(GenerateDeviceSampling, WhatTheDeviceCannotSampleStaysOnTheHost) {
+TEST(GenerateDeviceSampling, LogitBiasAndTopLogprobsAreSampledByTheEngineToo) {
+  auto reference = cpu();
   HostRowSamplingEngine device(cpu());
-  const std::vector<std::int32_t> prompt{1, 2, 3};
+  const std::vector<std::int32_t> prompt{618, 1600, 791, 1241, 955};
   GenerateOptions o;
-  o.max_tokens = 4;
-  o.device_sampling = true;
-  o.sampling.top_logprobs = 2;
-  auto a = generate(device, prompt, o);
-  ASSERT_TRUE(a.ok()) << a.error().toString();
-  EXPECT_EQ(a->samples.at(0).top.size(), 2U);
-  o.sampling.top_logprobs = 0;
-  o.sampling.logit_bias.push_back({5, 3.0F});
-  auto b = generate(device, prompt, o);
-  ASSERT_TRUE(b.ok()) << b.error().toString();
-  EXPECT_EQ(device.sampled_rows, 0);
-  // And an engine that is no SamplingEngine samples on the host as before.
+  o.max_tokens = 6;
+  o.stop_at_eos = false;
+  o.sampling.temperature = 0.8;
+  o.sampling.seed = 5;
+  o.sampling.top_logprobs = 3;
+  o.sampling.logit_bias = {{5, 6.0F}, {77, -100.0F}};
+  for (const std::int64_t drafts : {0, 2}) {
+    o.mtp_drafts = drafts;
+    o.device_sampling = false;
+    auto want = generate(*reference, prompt, o);
+    ASSERT_TRUE(want.ok()) << want.error().toString();
+    o.device_sampling = true;
+    const int before = device.sampled_rows;
+    auto got = generate(device, prompt, o);
+    ASSERT_TRUE(got.ok()) << got.error().toString();
+    EXPECT_GT(device.sampled_rows, before) << "the engine's sampling was not used";
+    EXPECT_EQ(got->samples, want->samples) << drafts << " MTP drafts";  // tokens, logprobs and the top 3
+    ASSERT_FALSE(got->samples.empty());
+    EXPECT_EQ(got->samples.front().top.size(), 3U);
+  }
+  // An engine that is no SamplingEngine samples on the host as before.
   auto plain = cpu();
-  o.sampling.logit_bias.clear();
+  o.device_sampling = true;
   EXPECT_TRUE(generate(*plain, prompt, o).ok());
+  // What the device does not take stays on the host.
+  pd::SamplingParams too_many;
+  too_many.top_logprobs = 21;
+  EXPECT_FALSE(deviceSamplable(too_many));
+  EXPECT_TRUE(deviceSamplable(o.sampling));
 }
 
 }  // namespace

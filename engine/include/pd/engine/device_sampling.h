@@ -4,10 +4,11 @@
 /// logprobs cross to the host, never the [rows, vocab] logits. The rules are model::Sampler's
 /// (sampling.h) and so are the tokens: a row is keyed by the request's seed and its draw counter
 /// (the non-greedy tokens sampled so far), and its penalties by the counts of the tokens the
-/// request produced, so no sampler state lives on the device.
+/// request produced, so no sampler state lives on the device. logit_bias and top-n logprobs are
+/// sampled there too (the top logprobs come back with the token).
 ///
-/// Not on the device (deviceSamplable() is false; sample on the host instead): logit_bias, top-n
-/// logprobs, an allowed-token mask.
+/// Not on the device: an allowed-token mask (grammar-constrained decoding samples on the host).
+/// deviceSamplable() says whether a request's parameters are within what the device takes.
 ///
 /// Thread rules: as model::Engine (one thread at a time).
 
@@ -30,14 +31,19 @@ struct RowSample {
   std::span<const std::pair<std::int32_t, std::int64_t>> counts;
 };
 
-/// Whether the device samples `params` exactly as the host Sampler would.
+/// Most top logprobs the device reports per token (SamplingParams' own limit).
+inline constexpr std::int64_t kMaxDeviceTopLogprobs = 20;
+
+/// Whether the device samples `params` exactly as the host Sampler would: every validated
+/// request (validate(SamplingParams)) is, this checks the two limits the device has.
 [[nodiscard]] inline bool deviceSamplable(const SamplingParams& params) {
-  return params.logit_bias.empty() && params.top_logprobs == 0;
+  return params.top_logprobs >= 0 && params.top_logprobs <= kMaxDeviceTopLogprobs &&
+         params.logit_bias.size() <= kMaxLogitBias;
 }
 
 struct SampledForward {
   ForwardOutput output;               ///< logits empty; hidden as options.hidden says
-  std::vector<SampledToken> sampled;  ///< one per logits row (token and its raw logprob; no alternatives)
+  std::vector<SampledToken> sampled;  ///< one per logits row (token, its raw logprob, the top alternatives asked for)
 };
 
 class SamplingEngine {
