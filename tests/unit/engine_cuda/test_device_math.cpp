@@ -626,10 +626,10 @@ TEST(DeviceMath, MoeCombineAddsTheExpertsInAscendingIdOrderThenTheSharedExpert) 
 }
 
 TEST(DeviceMath, MoeCombineOrderIsTheExpertIdsNotTheRoutingRank) {
-  // Routing ranked experts 9, 2, 5, whose rows are 1e8, -1e8 and 1. In rank order the sum is
-  // 1e8 - 1e8 + 1 = 1; in ascending id order (2, 5, 9) it is -1e8 + 1 (the 1 is lost in float)
-  // + 1e8 = 0, which is what the CPU engine computes.
-  const std::vector<std::int32_t> ranked{9, 2, 5};
+  // Routing ranked experts 5, 9, 2, whose rows are 1e8, -1e8 and 1. In rank order the sum is
+  // 1e8 - 1e8 + 1 = 1, and in descending id order (9, 5, 2) -1e8 + 1e8 + 1 = 1; in ascending id
+  // order (2, 5, 9) it is 1 + 1e8 (the 1 is lost in float) - 1e8 = 0, what the CPU engine computes.
+  const std::vector<std::int32_t> ranked{5, 9, 2};
   const std::vector<std::int32_t> slot_of{0, 1, 2};
   const std::vector<float> weight{1.0F, 1.0F, 1.0F};
   const std::vector<float> gout{1e8F, -1e8F, 1.0F};
