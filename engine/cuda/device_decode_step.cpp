@@ -149,6 +149,10 @@ struct DeviceDecodeStep::Impl {
   std::optional<cuda::PinnedHostBuffer<float>> latent_host;  // [kMaxDecodeBatch, latent_dim]: the observer's view
   std::optional<cuda::PinnedHostBuffer<float>> staging;      // writeCache's host side, grown on demand
   cuda::DeviceBuffer<std::int64_t> positions, ctx_len, table_begin;
+  // [kMaxDecodeBatch]: the step's token ids, the rows whose logits it returns, the MTP rows whose
+  // embedding is zeroed; the gather kernel reads them on the device.
+  cuda::DeviceBuffer<std::int32_t> token_ids, logit_row_ids;
+  cuda::DeviceBuffer<std::uint8_t> zero_rows;
   cuda::DeviceBuffer<std::int32_t> block_tables, topk_idx;
   // MoE grouping on the device: offsets [experts + 1], slot_of [kMaxDecodeBatch * top_k], and a
   // flag set when routing chose an id outside the experts (checked when run() ends).
@@ -671,6 +675,9 @@ Result<std::unique_ptr<DeviceDecodeStep>> DeviceDecodeStep::create(const DeviceW
   PD_ASSIGN_OR_RETURN(m.moe_failed, cuda::DeviceBuffer<std::int32_t>::create(1));
   PD_ASSIGN_OR_RETURN(m.experts_used, cuda::DeviceBuffer<std::int32_t>::create(sz(m.cache_layers)));
   PD_ASSIGN_OR_RETURN(m.positions, cuda::DeviceBuffer<std::int64_t>::create(sz(n)));
+  PD_ASSIGN_OR_RETURN(m.token_ids, cuda::DeviceBuffer<std::int32_t>::create(sz(n)));
+  PD_ASSIGN_OR_RETURN(m.logit_row_ids, cuda::DeviceBuffer<std::int32_t>::create(sz(n)));
+  PD_ASSIGN_OR_RETURN(m.zero_rows, cuda::DeviceBuffer<std::uint8_t>::create(sz(n)));
   PD_ASSIGN_OR_RETURN(m.ctx_len, cuda::DeviceBuffer<std::int64_t>::create(sz(n)));
   PD_ASSIGN_OR_RETURN(m.table_begin, cuda::DeviceBuffer<std::int64_t>::create(sz(n)));
   PD_TRY(m.stream.synchronize());
@@ -852,14 +859,15 @@ Result<DeviceDecodeStep::Output> DeviceDecodeStep::run(const DecodeStepPlan& pla
   PD_TRY(m.block_tables.copyFromHost(plan.block_tables, m.stream));
   PD_CUDA_TRY(cudaMemsetAsync(m.moe_failed.data(), 0, sizeof(std::int32_t), s));
   PD_CUDA_TRY(cudaMemsetAsync(m.experts_used.data(), 0, m.experts_used.bytes(), s));
+  // The embedding rows by one gather over the uploaded ids (checkPlan kept them in the vocabulary).
   const float* table = request.mtp ? m.mtp->embed : m.embed;
-  for (i64 t = 0; t < n; ++t) {
-    PD_CUDA_TRY(cudaMemcpyAsync(m.h.data() + t * d, table + static_cast<i64>(plan.token_ids[sz(t)]) * d,
-                                sz(d) * sizeof(float), cudaMemcpyDeviceToDevice, s));
-    if (request.mtp && !request.zero_embedding.empty() && request.zero_embedding[sz(t)] != 0) {
-      PD_CUDA_TRY(cudaMemsetAsync(m.h.data() + t * d, 0, sz(d) * sizeof(float), s));
-    }
+  PD_TRY(m.token_ids.copyFromHost(plan.token_ids, m.stream));
+  const std::uint8_t* zero = nullptr;
+  if (request.mtp && !request.zero_embedding.empty()) {
+    PD_TRY(m.zero_rows.copyFromHost(request.zero_embedding, m.stream));
+    zero = m.zero_rows.data();
   }
+  PD_TRY(gatherRows(table, c.vocab_size, m.token_ids.data(), zero, n, d, m.h.data(), m.stream));
   const float* delta = nullptr;  // the previous block's output, added into h by the next norm
   const float* out_norm = m.final_norm;
   const Linear* out_head = &m.head;
@@ -891,10 +899,10 @@ Result<DeviceDecodeStep::Output> DeviceDecodeStep::run(const DecodeStepPlan& pla
     for (i64 i = 0; i < k; ++i) leading = leading && request.logit_rows[sz(i)] == i;
     const float* x = m.xn.data();
     if (!leading) {
-      for (i64 i = 0; i < k; ++i) {
-        PD_CUDA_TRY(cudaMemcpyAsync(m.sel.data() + i * d, m.xn.data() + request.logit_rows[sz(i)] * d,
-                                    sz(d) * sizeof(float), cudaMemcpyDeviceToDevice, s));
-      }
+      // The rows were checked to lie in [0, n) above.
+      const std::vector<std::int32_t> rows(request.logit_rows.begin(), request.logit_rows.end());
+      PD_TRY(m.logit_row_ids.copyFromHost(rows, m.stream));
+      PD_TRY(gatherRows(m.xn.data(), n, m.logit_row_ids.data(), nullptr, k, d, m.sel.data(), m.stream));
       x = m.sel.data();
     }
     PD_TRY(m.apply(*out_head, x, d, k, m.logits.data(), c.vocab_size));

@@ -186,6 +186,18 @@ Status moeGroup(const std::int32_t* chosen, std::int64_t tokens, std::int64_t to
   return okStatus();
 }
 
+Status gatherRows(const float* table, std::int64_t table_rows, const std::int32_t* ids, const std::uint8_t* zero,
+                  std::int64_t rows, std::int64_t d, float* out, const cuda::Stream& stream) {
+  constexpr std::string_view kWhat = "gatherRows";
+  PD_TRY(inRange(kWhat, "rows", rows, 1, kIntMax));
+  PD_TRY(inRange(kWhat, "d", d, 1, kIntMax));
+  PD_TRY(inRange(kWhat, "table_rows", table_rows, 1, kIntMax));
+  if (table == nullptr || ids == nullptr || out == nullptr) return invalid(fmt::format("{}: null pointer", kWhat));
+  PD_CUDA_TRY(
+      kernels::launchGatherRows(table, ids, zero, static_cast<int>(rows), static_cast<int>(d), out, stream.get()));
+  return okStatus();
+}
+
 Status moeGather(const float* x, const std::int32_t* slot_of, std::int64_t tokens, std::int64_t top_k, std::int64_t d,
                  float* gx, const cuda::Stream& stream) {
   constexpr std::string_view kWhat = "moeGather";

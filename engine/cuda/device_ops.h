@@ -111,6 +111,12 @@ Status moeGroup(const std::int32_t* chosen, std::int64_t tokens, std::int64_t to
                 std::int32_t* offsets, std::int32_t* slot_of, std::int32_t* failed, std::int32_t* used,
                 const cuda::Stream& stream);
 
+/// out[r] = table[ids[r]] (rows of width d) for r < rows, or zeros where zero[r] != 0 (zero may be
+/// null). The ids are on the device and must lie in [0, table_rows): the caller checks them on
+/// the host before they are uploaded (InvalidArgument here only for bad sizes or null pointers).
+Status gatherRows(const float* table, std::int64_t table_rows, const std::int32_t* ids, const std::uint8_t* zero,
+                  std::int64_t rows, std::int64_t d, float* out, const cuda::Stream& stream);
+
 /// gx[slot_of[i]] = x[i / top_k] for the tokens * top_k slots (rows of width d).
 Status moeGather(const float* x, const std::int32_t* slot_of, std::int64_t tokens, std::int64_t top_k, std::int64_t d,
                  float* gx, const cuda::Stream& stream);

@@ -239,6 +239,19 @@ __global__ void __launch_bounds__(kGemvThreads) groupedGemvKernel(GroupedGemvArg
                a.y + static_cast<std::int64_t>(begin) * a.y_stride, a.y_stride, lane);
 }
 
+// blockIdx.x is the output row; threads stride over its columns.
+__global__ void __launch_bounds__(kAxpyThreads)
+    gatherRowsKernel(const float* table, const std::int32_t* ids, const std::uint8_t* zero, int d, float* out) {
+  const std::int64_t r = blockIdx.x;
+  float* dst = out + r * d;
+  if (zero != nullptr && zero[r] != 0) {
+    for (int j = threadIdx.x; j < d; j += blockDim.x) dst[j] = 0.0F;
+    return;
+  }
+  const float* src = table + static_cast<std::int64_t>(ids[r]) * d;
+  for (int j = threadIdx.x; j < d; j += blockDim.x) dst[j] = src[j];
+}
+
 // One thread: the grouping is a counting sort of at most kMaxDecodeBatch * top_k slots.
 __global__ void moeGroupKernel(const std::int32_t* chosen, int slots, int experts, std::int32_t* offsets,
                                std::int32_t* slot_of, std::int32_t* failed, std::int32_t* used) {
@@ -385,6 +398,13 @@ cudaError_t launchGroupedGemv(const GroupedGemvArgs& args, cudaStream_t stream) 
 cudaError_t launchMoeGroup(const std::int32_t* chosen, int slots, int experts, std::int32_t* offsets,
                            std::int32_t* slot_of, std::int32_t* failed, std::int32_t* used, cudaStream_t stream) {
   moeGroupKernel<<<1, 1, 0, stream>>>(chosen, slots, experts, offsets, slot_of, failed, used);
+  return cudaGetLastError();
+}
+
+cudaError_t launchGatherRows(const float* table, const std::int32_t* ids, const std::uint8_t* zero, int rows, int d,
+                             float* out, cudaStream_t stream) {
+  if (rows <= 0 || d <= 0) return cudaSuccess;
+  gatherRowsKernel<<<rows, kAxpyThreads, 0, stream>>>(table, ids, zero, d, out);
   return cudaGetLastError();
 }
 

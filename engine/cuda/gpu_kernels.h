@@ -109,6 +109,12 @@ cudaError_t launchGroupedGemv(const GroupedGemvArgs& args, cudaStream_t stream);
 cudaError_t launchMoeGroup(const std::int32_t* chosen, int slots, int experts, std::int32_t* offsets,
                            std::int32_t* slot_of, std::int32_t* failed, std::int32_t* used, cudaStream_t stream);
 
+/// out[r * d + j] = table[ids[r] * d + j] for r < rows, j < d, or 0 where zero (may be null) has
+/// zero[r] != 0. ids on the device (a step's token ids or chosen rows), so the copies need no
+/// host-known index: one launch instead of one copy per row.
+cudaError_t launchGatherRows(const float* table, const std::int32_t* ids, const std::uint8_t* zero, int rows, int d,
+                             float* out, cudaStream_t stream);
+
 /// gx[slot_of[i] * d + j] = x[(i / top_k) * d + j] for i < tokens * top_k with slot_of[i] >= 0.
 cudaError_t launchMoeGather(const float* x, const std::int32_t* slot_of, int tokens, int top_k, int d, float* gx,
                             cudaStream_t stream);

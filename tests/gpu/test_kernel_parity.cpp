@@ -453,6 +453,37 @@ TEST_F(Kernel, GroupedGemvIsBitExactToItsHostOrderForEveryKind) {
   }
 }
 
+// The row gather (embedding rows, the LM head's chosen rows): each output row is its id's table
+// row, repeated and out-of-order ids included, or zeros where flagged.
+TEST_F(Kernel, GatherRowsCopiesEachIdsRowAndZeroesTheFlaggedOnes) {
+  for (const auto& [table_rows, d] : std::vector<std::pair<int64_t, int64_t>>{{1, 1}, {129280, 7}, {50, 7168}}) {
+    const std::vector<float> table = randn(static_cast<std::size_t>(table_rows * d));
+    std::vector<std::int32_t> ids;
+    for (int64_t r = 0; r < 64; ++r) ids.push_back(static_cast<std::int32_t>((r * 7919 + 3) % table_rows));
+    ids[5] = ids[9];  // a repeated id
+    std::vector<std::uint8_t> zero(ids.size(), 0);
+    zero[2] = 1;
+    zero[63] = 1;
+    auto dtable = upload(table, stream());
+    auto dids = upload(ids, stream());
+    auto dzero = upload(zero, stream());
+    for (const bool with_zero : {false, true}) {
+      auto dout = upload(std::vector<float>(ids.size() * static_cast<std::size_t>(d), -1.0F), stream());
+      ASSERT_TRUE(pd::gpu::gatherRows(dtable.data(), table_rows, dids.data(), with_zero ? dzero.data() : nullptr,
+                                      static_cast<int64_t>(ids.size()), d, dout.data(), stream())
+                      .ok());
+      const auto out = download(dout, ids.size() * static_cast<std::size_t>(d), stream());
+      for (std::size_t r = 0; r < ids.size(); ++r) {
+        for (int64_t j = 0; j < d; ++j) {
+          const float want = with_zero && zero[r] != 0 ? 0.0F : table[static_cast<std::size_t>(ids[r] * d + j)];
+          ASSERT_EQ(out[r * static_cast<std::size_t>(d) + static_cast<std::size_t>(j)], want)
+              << "row " << r << " column " << j << (with_zero ? " (zero flags)" : "");
+        }
+      }
+    }
+  }
+}
+
 // The grouping, gather and combine kernels against their host functions, on routing's own output
 // shape (tokens x top_k distinct ids), and the failure flag for an id outside the experts.
 TEST_F(Kernel, MoeGroupGatherAndCombineMatchTheHost) {
