@@ -148,7 +148,7 @@ struct DeviceDecodeStep::Impl {
       gout, logits, cat, prev, sel;
   std::optional<cuda::PinnedHostBuffer<float>> latent_host;  // [kMaxDecodeBatch, latent_dim]: the observer's view
   std::optional<cuda::PinnedHostBuffer<float>> staging;      // writeCache's host side, grown on demand
-  cuda::DeviceBuffer<std::int64_t> positions, ctx_len, table_begin;
+  cuda::DeviceBuffer<std::int64_t> positions, ctx_len, table_begin, write_slots;
   // [kMaxDecodeBatch]: the step's token ids, the rows whose logits it returns, the MTP rows whose
   // embedding is zeroed; the gather kernel reads them on the device.
   cuda::DeviceBuffer<std::int32_t> token_ids, logit_row_ids;
@@ -498,11 +498,12 @@ struct DeviceDecodeStep::Impl {
       PD_TRY(stream.synchronize());
       PD_ASSIGN_OR_RETURN(from_host, observer->onLatents(kv_layer, std::span<float>(host, sz(n * ld))));
     }
-    for (i64 t = 0; t < n; ++t) {
-      PD_CUDA_TRY(cudaMemcpyAsync(layer_cache + plan.write_slot[sz(t)] * ld,
-                                  from_host ? host + t * ld : latent.data() + t * ld, sz(ld) * sizeof(float),
-                                  from_host ? cudaMemcpyHostToDevice : cudaMemcpyDeviceToDevice, s));
+    if (from_host) {  // the observer's values replace the device's
+      PD_CUDA_TRY(cudaMemcpyAsync(latent.data(), host, sz(n * ld) * sizeof(float), cudaMemcpyHostToDevice, s));
     }
+    // Each row's latent into its cache slot: one scatter over the uploaded slots.
+    PD_TRY(scatterRows(latent.data(), n, write_slots.data(), layer_cache,
+                       cache_shape.num_blocks * cache_shape.block_size, ld, stream));
     // q_cat[t][h] = (W_UK_h^T q_nope[t][h] ; q_pe[t][h]).
     PD_TRY(runGemm(blas.get(), absorbQueryGemm(c, n), l.kv_b, q.data(), q_cat.data()));
     PD_CUDA_TRY(cudaMemcpy2DAsync(q_cat.data() + r, sz(ld) * sizeof(float), q.data() + dn, sz(qk) * sizeof(float),
@@ -675,6 +676,7 @@ Result<std::unique_ptr<DeviceDecodeStep>> DeviceDecodeStep::create(const DeviceW
   PD_ASSIGN_OR_RETURN(m.moe_failed, cuda::DeviceBuffer<std::int32_t>::create(1));
   PD_ASSIGN_OR_RETURN(m.experts_used, cuda::DeviceBuffer<std::int32_t>::create(sz(m.cache_layers)));
   PD_ASSIGN_OR_RETURN(m.positions, cuda::DeviceBuffer<std::int64_t>::create(sz(n)));
+  PD_ASSIGN_OR_RETURN(m.write_slots, cuda::DeviceBuffer<std::int64_t>::create(sz(n)));
   PD_ASSIGN_OR_RETURN(m.token_ids, cuda::DeviceBuffer<std::int32_t>::create(sz(n)));
   PD_ASSIGN_OR_RETURN(m.logit_row_ids, cuda::DeviceBuffer<std::int32_t>::create(sz(n)));
   PD_ASSIGN_OR_RETURN(m.zero_rows, cuda::DeviceBuffer<std::uint8_t>::create(sz(n)));
@@ -856,6 +858,7 @@ Result<DeviceDecodeStep::Output> DeviceDecodeStep::run(const DecodeStepPlan& pla
   PD_TRY(m.positions.copyFromHost(plan.positions, m.stream));
   PD_TRY(m.ctx_len.copyFromHost(plan.ctx_len, m.stream));
   PD_TRY(m.table_begin.copyFromHost(plan.table_begin, m.stream));
+  PD_TRY(m.write_slots.copyFromHost(plan.write_slot, m.stream));  // checkPlan: each inside the cache
   PD_TRY(m.block_tables.copyFromHost(plan.block_tables, m.stream));
   PD_CUDA_TRY(cudaMemsetAsync(m.moe_failed.data(), 0, sizeof(std::int32_t), s));
   PD_CUDA_TRY(cudaMemsetAsync(m.experts_used.data(), 0, m.experts_used.bytes(), s));

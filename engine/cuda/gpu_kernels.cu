@@ -252,6 +252,15 @@ __global__ void __launch_bounds__(kAxpyThreads)
   for (int j = threadIdx.x; j < d; j += blockDim.x) dst[j] = src[j];
 }
 
+// blockIdx.x is the source row; threads stride over its columns.
+__global__ void __launch_bounds__(kAxpyThreads)
+    scatterRowsKernel(const float* src, const std::int64_t* slots, int d, float* dst) {
+  const std::int64_t r = blockIdx.x;
+  const float* from = src + r * d;
+  float* to = dst + slots[r] * d;
+  for (int j = threadIdx.x; j < d; j += blockDim.x) to[j] = from[j];
+}
+
 // One thread: the grouping is a counting sort of at most kMaxDecodeBatch * top_k slots.
 __global__ void moeGroupKernel(const std::int32_t* chosen, int slots, int experts, std::int32_t* offsets,
                                std::int32_t* slot_of, std::int32_t* failed, std::int32_t* used) {
@@ -405,6 +414,13 @@ cudaError_t launchGatherRows(const float* table, const std::int32_t* ids, const 
                              float* out, cudaStream_t stream) {
   if (rows <= 0 || d <= 0) return cudaSuccess;
   gatherRowsKernel<<<rows, kAxpyThreads, 0, stream>>>(table, ids, zero, d, out);
+  return cudaGetLastError();
+}
+
+cudaError_t launchScatterRows(const float* src, const std::int64_t* slots, int rows, int d, float* dst,
+                              cudaStream_t stream) {
+  if (rows <= 0 || d <= 0) return cudaSuccess;
+  scatterRowsKernel<<<rows, kAxpyThreads, 0, stream>>>(src, slots, d, dst);
   return cudaGetLastError();
 }
 

@@ -115,6 +115,11 @@ cudaError_t launchMoeGroup(const std::int32_t* chosen, int slots, int experts, s
 cudaError_t launchGatherRows(const float* table, const std::int32_t* ids, const std::uint8_t* zero, int rows, int d,
                              float* out, cudaStream_t stream);
 
+/// dst[slots[r] * d + j] = src[r * d + j] for r < rows, j < d: each new latent written to its
+/// cache slot (slots on the device, distinct: the plan checks it).
+cudaError_t launchScatterRows(const float* src, const std::int64_t* slots, int rows, int d, float* dst,
+                              cudaStream_t stream);
+
 /// gx[slot_of[i] * d + j] = x[(i / top_k) * d + j] for i < tokens * top_k with slot_of[i] >= 0.
 cudaError_t launchMoeGather(const float* x, const std::int32_t* slot_of, int tokens, int top_k, int d, float* gx,
                             cudaStream_t stream);

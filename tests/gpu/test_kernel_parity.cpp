@@ -484,6 +484,28 @@ TEST_F(Kernel, GatherRowsCopiesEachIdsRowAndZeroesTheFlaggedOnes) {
   }
 }
 
+// The scatter (each new latent into its cache slot): rows land at their slots, nothing else moves.
+TEST_F(Kernel, GatherRowsScatterWritesEachRowToItsSlotOnly) {
+  for (const auto& [dst_rows, d] : std::vector<std::pair<int64_t, int64_t>>{{1, 1}, {4096, 576}, {64, 7}}) {
+    const int64_t rows = std::min<int64_t>(dst_rows, 64);
+    std::vector<std::int64_t> slots(static_cast<std::size_t>(dst_rows));
+    std::iota(slots.begin(), slots.end(), 0);
+    std::shuffle(slots.begin(), slots.end(), rng_);
+    slots.resize(static_cast<std::size_t>(rows));  // distinct, out of order
+    const std::vector<float> src = randn(static_cast<std::size_t>(rows * d));
+    const std::vector<float> before = randn(static_cast<std::size_t>(dst_rows * d));
+    auto dsrc = upload(src, stream());
+    auto dslots = upload(slots, stream());
+    auto ddst = upload(before, stream());
+    ASSERT_TRUE(pd::gpu::scatterRows(dsrc.data(), rows, dslots.data(), ddst.data(), dst_rows, d, stream()).ok());
+    std::vector<float> want = before;
+    for (int64_t r = 0; r < rows; ++r) {
+      std::copy_n(src.begin() + r * d, d, want.begin() + slots[static_cast<std::size_t>(r)] * d);
+    }
+    EXPECT_EQ(download(ddst, want.size(), stream()), want) << dst_rows << " x " << d;
+  }
+}
+
 // The grouping, gather and combine kernels against their host functions, on routing's own output
 // shape (tokens x top_k distinct ids), and the failure flag for an id outside the experts.
 TEST_F(Kernel, MoeGroupGatherAndCombineMatchTheHost) {
