@@ -76,7 +76,7 @@ TEST(GenerateDeviceSampling, TheEnginesTokensAreTheHostSamplers) {
   auto reference = cpu();
   HostRowSamplingEngine device(cpu());
   const std::vector<std::int32_t> prompt{618, 1600, 791, 1241, 955, 1454, 705, 184, 603, 1292, 1272};
-  std::vector<pd::SamplingParams> cases(4);
+  std::vector<pd::SamplingParams> cases(5);
   cases[1].temperature = 0.9;
   cases[1].top_k = 50;
   cases[1].seed = 11;
@@ -86,6 +86,10 @@ TEST(GenerateDeviceSampling, TheEnginesTokensAreTheHostSamplers) {
   cases[2].frequency_penalty = 0.3;
   cases[2].seed = 3;
   cases[3].presence_penalty = 1.5;  // greedy with penalties: the counts matter, the draws do not
+  cases[4].temperature = 0.8;       // logit_bias and top logprobs, sampled by the engine too
+  cases[4].seed = 5;
+  cases[4].top_logprobs = 3;
+  cases[4].logit_bias = {{5, 6.0F}, {77, -100.0F}};
   for (std::size_t c = 0; c < cases.size(); ++c) {
     for (const std::int64_t drafts : {0, 2}) {
       GenerateOptions o;
@@ -101,48 +105,30 @@ TEST(GenerateDeviceSampling, TheEnginesTokensAreTheHostSamplers) {
       ASSERT_TRUE(got.ok()) << got.error().toString();
       EXPECT_GT(device.sampled_rows, before) << "case " << c << ": the engine's sampling was not used";
       EXPECT_EQ(got->tokens, want->tokens) << "case " << c << ", " << drafts << " MTP drafts";
-      ASSERT_EQ(got->samples.size(), want->samples.size());
-      for (std::size_t i = 0; i < got->samples.size(); ++i) {
-        EXPECT_EQ(got->samples[i].logprob, want->samples[i].logprob) << "case " << c << " token " << i;
-      }
+      // Tokens, logprobs and the top alternatives asked for.
+      EXPECT_EQ(got->samples, want->samples) << "case " << c << ", " << drafts << " MTP drafts";
+      ASSERT_FALSE(got->samples.empty());
+      EXPECT_EQ(static_cast<std::int64_t>(got->samples.front().top.size()), cases[c].top_logprobs);
     }
   }
 }
 
-TEST(GenerateDeviceSampling, LogitBiasAndTopLogprobsAreSampledByTheEngineToo) {
-  auto reference = cpu();
-  HostRowSamplingEngine device(cpu());
-  const std::vector<std::int32_t> prompt{618, 1600, 791, 1241, 955};
-  GenerateOptions o;
-  o.max_tokens = 6;
-  o.stop_at_eos = false;
-  o.sampling.temperature = 0.8;
-  o.sampling.seed = 5;
-  o.sampling.top_logprobs = 3;
-  o.sampling.logit_bias = {{5, 6.0F}, {77, -100.0F}};
-  for (const std::int64_t drafts : {0, 2}) {
-    o.mtp_drafts = drafts;
-    o.device_sampling = false;
-    auto want = generate(*reference, prompt, o);
-    ASSERT_TRUE(want.ok()) << want.error().toString();
-    o.device_sampling = true;
-    const int before = device.sampled_rows;
-    auto got = generate(device, prompt, o);
-    ASSERT_TRUE(got.ok()) << got.error().toString();
-    EXPECT_GT(device.sampled_rows, before) << "the engine's sampling was not used";
-    EXPECT_EQ(got->samples, want->samples) << drafts << " MTP drafts";  // tokens, logprobs and the top 3
-    ASSERT_FALSE(got->samples.empty());
-    EXPECT_EQ(got->samples.front().top.size(), 3U);
-  }
+TEST(GenerateDeviceSampling, TheDevicesLimitsAreSamplingParamsOwn) {
+  pd::SamplingParams p;
+  p.top_logprobs = 20;
+  p.logit_bias = {{5, 6.0F}};
+  EXPECT_TRUE(deviceSamplable(p));
+  p.top_logprobs = 21;  // past validate()'s limit: the host would refuse it too
+  EXPECT_FALSE(deviceSamplable(p));
   // An engine that is no SamplingEngine samples on the host as before.
   auto plain = cpu();
+  GenerateOptions o;
+  o.max_tokens = 4;
   o.device_sampling = true;
-  EXPECT_TRUE(generate(*plain, prompt, o).ok());
-  // What the device does not take stays on the host.
-  pd::SamplingParams too_many;
-  too_many.top_logprobs = 21;
-  EXPECT_FALSE(deviceSamplable(too_many));
-  EXPECT_TRUE(deviceSamplable(o.sampling));
+  o.sampling.top_logprobs = 2;
+  auto r = generate(*plain, std::vector<std::int32_t>{1, 2, 3}, o);
+  ASSERT_TRUE(r.ok()) << r.error().toString();
+  EXPECT_EQ(r->samples.at(0).top.size(), 2U);
 }
 
 }  // namespace
