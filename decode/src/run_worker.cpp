@@ -220,7 +220,7 @@ Status runWorker(const DecodeWorkerConfig& cfg) {
   }
   PD_ASSIGN_OR_RETURN(model::ServingEngine loaded,
                       model::loadServingEngine(cfg.model_dir, static_cast<int>(dec.threads), group.get(),
-                                               cfg.model_device, cfg.batch_invariant, cfg.numerics));
+                                               cfg.model_device, cfg.batch_invariant, cfg.numerics, cfg.cuda_graphs));
   model::TpLeaderEngine* const tp_leader = loaded.tp_leader;
   log::info(kLog, "model {} loaded ({}), hash {}", cfg.model_dir.string(), loaded.engine->capabilities().backend,
             modelHashHex(hash));

@@ -43,15 +43,18 @@ void appendLatents(const LatentCacheView& cache, i64 layer, const gpu::CacheRun&
   }
 }
 
-// Mirrors one step's new latents into the caller's host cache and hands them to the sink, then
-// (BF16 host cache) rounds them in place, so the device attends to what the CPU engine would.
-class HostMirror final : public DeviceDecodeStep::LatentObserver {
+// Mirrors one step's new latents into the caller's host cache and hands them to the sink, after
+// the step has run (a collector: no synchronize per layer, so the step can replay a CUDA graph).
+// With a BF16 host cache the step rounds the latents to BF16 on the device before its own cache
+// and attention see them (Request::round_latents_to_bf16), so the device attends to what the CPU
+// engine would, and writing them here stores exactly those values.
+class HostMirror final : public DeviceDecodeStep::LatentCollector {
  public:
   HostMirror(const LatentCacheView& cache, std::span<const SequenceChunk> batch, const gpu::ForwardStep& step,
              LatentKvSink* sink)
       : cache_(cache), batch_(batch), step_(step), sink_(sink) {}
 
-  Result<bool> onLatents(i64 kv_layer, std::span<float> latents) override {
+  Status onLatents(i64 kv_layer, std::span<const float> latents) override {
     const i64 ld = cache_.latent_dim;
     for (const gpu::ForwardStep::SequenceSpan& sp : step_.sequences) {
       const SequenceChunk& s = batch_[sp.sequence];
@@ -62,14 +65,7 @@ class HostMirror final : public DeviceDecodeStep::LatentObserver {
         sink_->onLayer(kv_layer, sp.sequence, sp.start_pos, latents.subspan(sz(sp.first_row * ld), sz(sp.rows * ld)));
       }
     }
-    if (cache_.dtype == DType::F32) return false;
-    for (const gpu::ForwardStep::SequenceSpan& sp : step_.sequences) {
-      const SequenceChunk& s = batch_[sp.sequence];
-      for (i64 r = 0; r < sp.rows; ++r) {
-        readLatent(cache_, kv_layer, s.block_table, sp.start_pos + r, latents.data() + (sp.first_row + r) * ld);
-      }
-    }
-    return true;
+    return okStatus();
   }
 
  private:
@@ -177,7 +173,8 @@ class CudaEngine final : public Engine, public SamplingEngine {
       request.mtp = mtp;
       request.logit_rows = step.logit_rows;
       request.hidden_rows = step.hidden_rows;
-      request.observer = &mirror;
+      request.collector = &mirror;
+      request.round_latents_to_bf16 = cache.dtype == DType::BF16;
       if (!sample_rows.empty()) {
         request.sample_rows = std::span(sample_rows).subspan(sampled_at, step.logit_rows.size());
         sampled_at += step.logit_rows.size();
@@ -272,6 +269,7 @@ Result<std::unique_ptr<Engine>> createCudaEngine(const std::filesystem::path& mo
   auto weights = std::make_unique<gpu::DeviceWeights>(std::move(uploaded));
   DeviceDecodeStep::Options step_options;
   step_options.numerics = options.numerics;
+  step_options.cuda_graphs = options.cuda_graphs;
   // One block for now: the first call sizes the device cache like the caller's host cache.
   step_options.cache = {1, options.kv_block_size};
   PD_ASSIGN_OR_RETURN(std::unique_ptr<DeviceDecodeStep> step, DeviceDecodeStep::create(*weights, c, step_options));

@@ -177,4 +177,13 @@ void referenceGemm(const BatchedGemm& g, const float* a, const float* b, float* 
   }
 }
 
+std::int64_t graphAttentionContext(std::int64_t max_context, std::int64_t split_positions, std::int64_t limit) {
+  if (max_context <= 0 || split_positions <= 0) return max_context;
+  const std::int64_t splits = (max_context + split_positions - 1) / split_positions;
+  std::int64_t bucket = 1;
+  while (bucket < splits) bucket *= 2;
+  const std::int64_t context = bucket * split_positions;
+  return std::max(max_context, std::min(context, limit));
+}
+
 }  // namespace pd::gpu

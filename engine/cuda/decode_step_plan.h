@@ -7,8 +7,13 @@
 /// Private to the CUDA backend (engine/cuda) and its tests.
 /// Thread rules: free functions, thread-safe; a plan is a value.
 
+#include <cstddef>
 #include <cstdint>
+#include <map>
+#include <optional>
 #include <span>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #include "pd/common/result.h"
@@ -61,6 +66,80 @@ struct DecodeStepPlan {
 /// value.
 [[nodiscard]] Result<DecodeStepPlan> planDecodeStep(const ModelConfig& config, const DecodeCacheShape& cache,
                                                     std::span<const DecodeSequence> batch);
+
+/// The attention context a captured (CUDA graph) step is built for: `max_context` raised so that
+/// its split count, ceil(context / split_positions), is the next power of two, at most `limit`
+/// (the attention workspace's max_context, which bounds it). A step whose longest context is
+/// `max_context` computes the same values with this context: the extra splits are empty, and an
+/// empty split adds exact zeros to the merge (math::mergeFactor). So one graph serves the
+/// contexts of a whole power-of-two band instead of one per 256 positions.
+[[nodiscard]] std::int64_t graphAttentionContext(std::int64_t max_context, std::int64_t split_positions,
+                                                 std::int64_t limit);
+
+/// What a captured decode step's work depends on besides the contents of its buffers.
+struct DecodeGraphKey {
+  std::int64_t tokens = 0;
+  std::int64_t attention_context = 0;  ///< graphAttentionContext of the step
+  bool mtp = false;
+  bool zero_embedding = false;   ///< MTP rows with a zeroed embedding flag list
+  bool collect_latents = false;  ///< each layer's latents copied to the host
+  bool round_latents = false;    ///< latents rounded to BF16 before the cache
+  bool operator==(const DecodeGraphKey&) const = default;
+  friend bool operator<(const DecodeGraphKey& a, const DecodeGraphKey& b) {
+    return std::tie(a.tokens, a.attention_context, a.mtp, a.zero_embedding, a.collect_latents, a.round_latents) <
+           std::tie(b.tokens, b.attention_context, b.mtp, b.zero_embedding, b.collect_latents, b.round_latents);
+  }
+};
+
+/// The captured steps by key, at most `capacity` (the least recently used goes first), and what
+/// to do with a step: a key's first step runs eagerly (its warm-up: cuBLAS chooses and loads its
+/// kernels outside any capture), its second is captured and launched, later ones replay. A key
+/// whose capture failed stays eager. Host logic, G is the graph type (cuda::Graph on a device).
+template <class G>
+class DecodeGraphCache {
+ public:
+  enum class Action { Eager, Capture, Replay };
+  struct Entry {
+    int steps = 0;
+    bool eager_only = false;
+    std::optional<G> graph;
+    std::uint64_t last_use = 0;
+  };
+
+  explicit DecodeGraphCache(std::size_t capacity) : capacity_(capacity < 1 ? 1 : capacity) {}
+
+  /// The key's entry (made when new, after evicting the least recently used when full) and the
+  /// action for this step. The pointer is valid until the next use() or clear().
+  [[nodiscard]] std::pair<Entry*, Action> use(const DecodeGraphKey& key) {
+    auto it = entries_.find(key);
+    if (it == entries_.end()) {
+      if (entries_.size() >= capacity_) {
+        auto oldest = entries_.begin();
+        for (auto e = entries_.begin(); e != entries_.end(); ++e) {
+          if (e->second.last_use < oldest->second.last_use) oldest = e;
+        }
+        entries_.erase(oldest);
+        ++evicted_;
+      }
+      it = entries_.emplace(key, Entry{}).first;
+    }
+    Entry& e = it->second;
+    e.last_use = ++clock_;
+    ++e.steps;
+    if (e.graph) return {&e, Action::Replay};
+    if (e.eager_only || e.steps < 2) return {&e, Action::Eager};
+    return {&e, Action::Capture};
+  }
+  void clear() { entries_.clear(); }
+  [[nodiscard]] std::size_t size() const { return entries_.size(); }
+  [[nodiscard]] std::size_t evicted() const { return evicted_; }
+
+ private:
+  std::size_t capacity_;
+  std::map<DecodeGraphKey, Entry> entries_;
+  std::uint64_t clock_ = 0;
+  std::size_t evicted_ = 0;
+};
 
 /// One column-major strided-batched SGEMM as cuBLAS takes it (cublasSgemmStridedBatched): for
 /// b < batch, C_b[m, n] = op(A_b) op(B_b) with A_b = A + a_offset + b * stride_a (and likewise B, C),

@@ -250,6 +250,7 @@ Result<ModelOnDeviceResult> measureModelOnDevice(const std::filesystem::path& mo
   DeviceDecodeStep::Options step_options;
   step_options.cache = {blocks, kBlock};
   step_options.numerics = c.numerics;
+  step_options.cuda_graphs = c.cuda_graphs;
   PD_ASSIGN_OR_RETURN(std::unique_ptr<DeviceDecodeStep> step, DeviceDecodeStep::create(weights, config, step_options));
   // Sequence s owns blocks [s * blocks_per_seq, (s + 1) * blocks_per_seq).
   std::vector<std::vector<std::int32_t>> tables(static_cast<std::size_t>(max_batch));
@@ -273,12 +274,20 @@ Result<ModelOnDeviceResult> measureModelOnDevice(const std::filesystem::path& mo
     PD_ASSIGN_OR_RETURN(const std::vector<float> logits, step->step(batch_at(max_batch, pos)));
     (void)logits;
   }
-  const std::int64_t mean_context = c.context + 1 + c.steps / 2;
+  // With graphs, each batch's first two steps are its warm-up and its capture (untimed; they write
+  // positions context and context + 1, which the timed steps then follow).
+  const std::int64_t untimed = c.cuda_graphs ? 2 : 0;
+  const std::int64_t mean_context = c.context + untimed + 1 + c.steps / 2;
   for (const std::int64_t n : c.batches) {
+    for (std::int64_t i = 0; i < untimed; ++i) {
+      PD_ASSIGN_OR_RETURN(const std::vector<float> logits, step->step(batch_at(n, c.context + i)));
+      (void)logits;
+    }
+    const std::int64_t replayed_before = step->graphStats().replayed;
     std::vector<double> seconds;
     std::vector<double> used_sum(static_cast<std::size_t>(config.num_hidden_layers), 0.0);
     for (std::int64_t i = 0; i < c.steps; ++i) {
-      const std::vector<DecodeSequence> batch = batch_at(n, c.context + i);
+      const std::vector<DecodeSequence> batch = batch_at(n, c.context + untimed + i);
       const auto start = std::chrono::steady_clock::now();
       PD_ASSIGN_OR_RETURN(const std::vector<float> logits, step->step(batch));
       seconds.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
@@ -303,11 +312,12 @@ Result<ModelOnDeviceResult> measureModelOnDevice(const std::filesystem::path& mo
     r.context = c.context;
     r.steps = c.steps;
     r.step_seconds = median(std::move(seconds));
+    r.cuda_graphs = step->graphStats().replayed - replayed_before == c.steps;
     r.experts_used = moe_layers > 0 ? used_total / static_cast<double>(moe_layers) : 0.0;
     const std::vector<std::int64_t> contexts(static_cast<std::size_t>(n), mean_context);
     r.bytes_per_step = step->stepBytes(contexts, mean_used);
-    log::info("bench", "decode batch {}: {:.3f} ms/step, {:.1f} experts per MoE layer", n, r.step_seconds * 1e3,
-              r.experts_used);
+    log::info("bench", "decode batch {}: {:.3f} ms/step, {:.1f} experts per MoE layer, CUDA graphs {}", n,
+              r.step_seconds * 1e3, r.experts_used, r.cuda_graphs ? "replayed" : "not used");
     out.decode.push_back(r);
   }
   return out;

@@ -11,6 +11,7 @@
 #include <string>
 
 #include "gpu_kernels.h"
+#include "pd/common/log.h"
 #include "pd/cuda/cuda_check.h"
 #include "pd/engine/kernels.h"
 #include "pd/engine/rope.h"
@@ -25,6 +26,24 @@ constexpr auto sz(i64 n) {
 
 static_assert(kMaxDecodeBatch == kFp8GemvMaxTokens);
 static_assert(kMaxDecodeLatentDim == kernels::kMlaMaxLatentDim);
+
+// Captured steps held at most (each a few hundred kB to a few MB of graph): every row count
+// 1..64 in two context bands, or fewer counts in more bands.
+constexpr std::size_t kMaxDecodeGraphs = 128;
+// cuBLAS's workspace, set once before any capture so that captured GEMMs never allocate.
+constexpr std::size_t kBlasWorkspaceBytes = std::size_t{32} << 20;
+
+// What one step's captured (or eager) part computes with: the rows, the attention's context
+// bound, the embedding table's choice, and what happens to each layer's new latents.
+struct StepShape {
+  i64 n = 0;
+  i64 attention_context = 0;
+  bool mtp = false;
+  const std::uint8_t* zero = nullptr;                    // MTP rows whose embedding is zeroed, or null
+  DeviceDecodeStep::LatentObserver* observer = nullptr;  // forces eager: a synchronize per layer
+  bool collect = false;                                  // copy each layer's latents to the host buffer
+  bool round = false;                                    // round the latents to BF16 first
+};
 
 // A linear layer y = W x on the device: an FP32 matrix for cuBLAS, the checkpoint's BF16 matrix
 // as stored (bf16 numerics mode), or FP8 with block scales. Exactly one of f32, bf16, q is set.
@@ -164,6 +183,13 @@ struct DeviceDecodeStep::Impl {
   // bf16 mode: a linear's input rounded to BF16 and packed, [kMaxDecodeBatch, xb_cols].
   cuda::DeviceBuffer<std::uint16_t> xb;
   i64 xb_cols = 0;
+  // [cache_layers, kMaxDecodeBatch, latent_dim]: each layer's latents for the collector.
+  std::optional<cuda::PinnedHostBuffer<float>> collected;
+  // CUDA graphs (Options::cuda_graphs); declared last, so released before what they point into.
+  bool cuda_graphs = true;
+  cuda::DeviceBuffer<std::byte> blas_workspace;
+  DeviceDecodeStep::GraphStats graph_stats;
+  DecodeGraphCache<cuda::Graph> graphs{kMaxDecodeGraphs};
 
   Impl(const ModelConfig& c, const DeviceWeights& w, DecodeCacheShape shape, cuda::Stream s, cuda::BlasHandle b)
       : cfg(c), weights(w), cache_shape(shape), stream(std::move(s)), blas(std::move(b)) {}
@@ -400,12 +426,11 @@ struct DeviceDecodeStep::Impl {
 
   // One decoder layer on h (the previous block's output `delta` still to be added, or null);
   // afterwards `delta` is this layer's FFN output.
-  [[nodiscard]] Status runLayer(const Layer& layer, i64 kv_layer, const DecodeStepPlan& plan, const float*& delta,
-                                LatentObserver* observer) {
-    const i64 n = plan.tokens;
+  [[nodiscard]] Status runLayer(const Layer& layer, i64 kv_layer, const StepShape& shape, const float*& delta) {
+    const i64 n = shape.n;
     const i64 d = cfg.hidden_size;
     PD_TRY(rmsNormResidual(h.data(), delta, layer.input_norm, xn.data(), n, d, eps, stream));
-    PD_TRY(attentionBlock(layer, kv_layer, plan, observer));
+    PD_TRY(attentionBlock(layer, kv_layer, shape));
     PD_TRY(rmsNormResidual(h.data(), attn_out.data(), layer.post_norm, xn.data(), n, d, eps, stream));
     if (layer.moe) {
       PD_TRY(moeBlock(layer, n, kv_layer));
@@ -457,10 +482,10 @@ struct DeviceDecodeStep::Impl {
     return apply(m.down, act.data(), width, n, out, d);
   }
 
-  [[nodiscard]] Status attentionBlock(const Layer& l, i64 kv_layer, const DecodeStepPlan& plan,
-                                      LatentObserver* observer) {
+  [[nodiscard]] Status attentionBlock(const Layer& l, i64 kv_layer, const StepShape& shape) {
     const ModelConfig& c = cfg;
-    const i64 n = plan.tokens;
+    const i64 n = shape.n;
+    LatentObserver* observer = shape.observer;
     const i64 d = c.hidden_size;
     const i64 heads = c.num_attention_heads;
     const i64 dn = c.qk_nope_head_dim;
@@ -490,6 +515,7 @@ struct DeviceDecodeStep::Impl {
     PD_TRY(ropeInterleaved(q.data(), RopeShape{n, heads, heads * qk, qk, dn, half}, inv_freq.data(), positions.data(),
                            stream));
     float* layer_cache = cache.data() + kv_layer * cache_shape.num_blocks * cache_shape.block_size * ld;
+    if (shape.round) PD_TRY(roundToBf16(latent.data(), n * ld, stream));
     // The observer sees the latents on the host (a synchronize per layer) and may replace them.
     bool from_host = false;
     float* host = latent_host->data();
@@ -500,6 +526,10 @@ struct DeviceDecodeStep::Impl {
     }
     if (from_host) {  // the observer's values replace the device's
       PD_CUDA_TRY(cudaMemcpyAsync(latent.data(), host, sz(n * ld) * sizeof(float), cudaMemcpyHostToDevice, s));
+    }
+    if (shape.collect) {  // into pinned memory: a plain copy node when captured
+      PD_CUDA_TRY(cudaMemcpyAsync(collected->data() + kv_layer * kMaxDecodeBatch * ld, latent.data(),
+                                  sz(n * ld) * sizeof(float), cudaMemcpyDeviceToHost, s));
     }
     // Each row's latent into its cache slot: one scatter over the uploaded slots.
     PD_TRY(scatterRows(latent.data(), n, write_slots.data(), layer_cache,
@@ -518,13 +548,86 @@ struct DeviceDecodeStep::Impl {
     b.block_tables = block_tables.data();
     b.table_begin = table_begin.data();
     b.ctx_len = ctx_len.data();
-    b.max_context_in_batch = plan.max_context;
+    b.max_context_in_batch = shape.attention_context;
     b.scale = softmax_scale;
     b.out = o_lat.data();
     PD_TRY(attention->run(b, stream));
     // o[t][h] = W_UV_h o_lat[t][h][:r].
     PD_TRY(runGemm(blas.get(), valueUpGemm(c, n), l.kv_b, o_lat.data(), o.data()));
     return apply(l.o, o.data(), heads * dv, n, attn_out.data(), d);
+  }
+
+  // Everything of a step between its uploads and its LM head: the embedding rows, every layer (or
+  // the MTP layer) and the final norm into xn. This is what a CUDA graph captures: it reads its
+  // per-step inputs from device buffers that run() fills first, and it never waits for the host
+  // unless an observer asks for each layer's latents.
+  [[nodiscard]] Status forwardBody(const StepShape& shape) {
+    const i64 n = shape.n;
+    const i64 d = cfg.hidden_size;
+    const float* table = shape.mtp ? mtp->embed : embed;
+    PD_TRY(gatherRows(table, cfg.vocab_size, token_ids.data(), shape.zero, n, d, h.data(), stream));
+    const float* delta = nullptr;  // the previous block's output, added into h by the next norm
+    const float* out_norm = final_norm;
+    if (!shape.mtp) {
+      for (std::size_t l = 0; l < layers.size(); ++l) PD_TRY(runLayer(layers[l], static_cast<i64>(l), shape, delta));
+    } else {
+      // h = eh_proj [enorm(embedding) ; hnorm(prev_hidden)], then the MTP block on its own KV layer.
+      const MtpLayer& mt = *mtp;
+      PD_TRY(rmsNormResidual(h.data(), nullptr, mt.enorm, xn.data(), n, d, eps, stream));
+      PD_TRY(rmsNormResidual(prev.data(), nullptr, mt.hnorm, attn_out.data(), n, d, eps, stream));
+      const std::size_t row = sz(d) * sizeof(float);
+      const cudaStream_t s = stream.get();
+      PD_CUDA_TRY(cudaMemcpy2DAsync(cat.data(), 2 * row, xn.data(), row, row, sz(n), cudaMemcpyDeviceToDevice, s));
+      PD_CUDA_TRY(
+          cudaMemcpy2DAsync(cat.data() + d, 2 * row, attn_out.data(), row, row, sz(n), cudaMemcpyDeviceToDevice, s));
+      PD_TRY(apply(mt.eh_proj, cat.data(), 2 * d, n, h.data(), d));
+      PD_TRY(runLayer(mt.block, cfg.num_hidden_layers, shape, delta));
+      out_norm = mt.head_norm;
+    }
+    return rmsNormResidual(h.data(), delta, out_norm, xn.data(), n, d, eps, stream);
+  }
+
+  // Runs forwardBody as a CUDA graph when it can (no observer, graphs on; see DecodeGraphCache
+  // for when a key is eager, captured or replayed), else eagerly with the exact context.
+  [[nodiscard]] Status runBody(StepShape shape) {
+    if (!cuda_graphs || shape.observer != nullptr) {
+      ++graph_stats.eager;
+      return forwardBody(shape);
+    }
+    DecodeGraphKey key;
+    key.tokens = shape.n;
+    key.attention_context =
+        graphAttentionContext(shape.attention_context, kernels::kMlaSplitPositions, attention->limits().max_context);
+    key.mtp = shape.mtp;
+    key.zero_embedding = shape.zero != nullptr;
+    key.collect_latents = shape.collect;
+    key.round_latents = shape.round;
+    auto [entry, action] = graphs.use(key);
+    graph_stats.held = static_cast<i64>(graphs.size());
+    if (action == DecodeGraphCache<cuda::Graph>::Action::Eager) {
+      ++graph_stats.eager;
+      return forwardBody(shape);
+    }
+    if (action == DecodeGraphCache<cuda::Graph>::Action::Capture) {
+      StepShape banded = shape;
+      banded.attention_context = key.attention_context;
+      Result<cuda::Graph> graph = cuda::Graph::capture(stream, [&]() { return forwardBody(banded); });
+      if (!graph.ok()) {
+        entry->eager_only = true;
+        ++graph_stats.capture_failures;
+        ++graph_stats.eager;
+        log::warn("cuda",
+                  "decode step: capturing {} rows (context {}) as a CUDA graph failed, the shape stays eager: {}",
+                  key.tokens, key.attention_context, graph.error().toString());
+        return forwardBody(shape);
+      }
+      entry->graph.emplace(std::move(*graph));
+      ++graph_stats.captured;
+      graph_stats.held = static_cast<i64>(graphs.size());
+      return entry->graph->launch(stream);
+    }
+    ++graph_stats.replayed;
+    return entry->graph->launch(stream);
   }
 
   // The experts' `g` over the grouped rows of x (stride x_stride) into y (stride y_stride).
@@ -611,6 +714,9 @@ Result<std::unique_ptr<DeviceDecodeStep>> DeviceDecodeStep::create(const DeviceW
   auto impl = std::make_unique<Impl>(config, weights, cs, std::move(stream), std::move(blas));
   Impl& m = *impl;
   m.numerics = options.numerics;
+  m.cuda_graphs = options.cuda_graphs;
+  PD_ASSIGN_OR_RETURN(m.blas_workspace, cuda::DeviceBuffer<std::byte>::create(kBlasWorkspaceBytes));
+  PD_CUDA_TRY(cublasSetWorkspace(m.blas.get(), m.blas_workspace.data(), m.blas_workspace.bytes()));
   m.softmax_scale = static_cast<float>(c.softmaxScale());
   m.eps = static_cast<float>(c.rms_norm_eps);
   PD_ASSIGN_OR_RETURN(m.embed, m.matrixF32("model.embed_tokens.weight", c.vocab_size, c.hidden_size));
@@ -669,6 +775,9 @@ Result<std::unique_ptr<DeviceDecodeStep>> DeviceDecodeStep::create(const DeviceW
   m.sampler.emplace(std::move(sampler));
   PD_ASSIGN_OR_RETURN(cuda::PinnedHostBuffer<float> latent_host, cuda::PinnedHostBuffer<float>::create(sz(n * ld)));
   m.latent_host.emplace(std::move(latent_host));
+  PD_ASSIGN_OR_RETURN(cuda::PinnedHostBuffer<float> collected,
+                      cuda::PinnedHostBuffer<float>::create(sz(m.cache_layers * n * ld)));
+  m.collected.emplace(std::move(collected));
   PD_ASSIGN_OR_RETURN(m.topk_idx, cuda::DeviceBuffer<std::int32_t>::create(sz(n * top_k)));
   PD_ASSIGN_OR_RETURN(m.slot_of, cuda::DeviceBuffer<std::int32_t>::create(sz(n * top_k)));
   PD_ASSIGN_OR_RETURN(m.moe_offsets,
@@ -765,6 +874,10 @@ Result<std::vector<std::int32_t>> DeviceDecodeStep::expertsUsedLastRun() {
   return used;
 }
 
+DeviceDecodeStep::GraphStats DeviceDecodeStep::graphStats() const {
+  return impl_->graph_stats;
+}
+
 bool DeviceDecodeStep::hasMtp() const {
   return impl_->mtp.has_value();
 }
@@ -853,47 +966,36 @@ Result<DeviceDecodeStep::Output> DeviceDecodeStep::run(const DecodeStepPlan& pla
       return makeError(ErrorCode::InvalidArgument, "device step: zero_embedding needs one flag per row");
     }
   }
+  if (request.observer != nullptr && request.collector != nullptr) {
+    return makeError(ErrorCode::InvalidArgument, "device step: an observer and a collector in one request");
+  }
   PD_CUDA_TRY(cudaSetDevice(m.weights.device().index));
   const cudaStream_t s = m.stream.get();
+  // Every per-step input goes to its device buffer first: the body (or its graph) reads them there.
   PD_TRY(m.positions.copyFromHost(plan.positions, m.stream));
   PD_TRY(m.ctx_len.copyFromHost(plan.ctx_len, m.stream));
   PD_TRY(m.table_begin.copyFromHost(plan.table_begin, m.stream));
   PD_TRY(m.write_slots.copyFromHost(plan.write_slot, m.stream));  // checkPlan: each inside the cache
   PD_TRY(m.block_tables.copyFromHost(plan.block_tables, m.stream));
+  PD_TRY(m.token_ids.copyFromHost(plan.token_ids, m.stream));  // checkPlan: in the vocabulary
   PD_CUDA_TRY(cudaMemsetAsync(m.moe_failed.data(), 0, sizeof(std::int32_t), s));
   PD_CUDA_TRY(cudaMemsetAsync(m.experts_used.data(), 0, m.experts_used.bytes(), s));
-  // The embedding rows by one gather over the uploaded ids (checkPlan kept them in the vocabulary).
-  const float* table = request.mtp ? m.mtp->embed : m.embed;
-  PD_TRY(m.token_ids.copyFromHost(plan.token_ids, m.stream));
-  const std::uint8_t* zero = nullptr;
-  if (request.mtp && !request.zero_embedding.empty()) {
-    PD_TRY(m.zero_rows.copyFromHost(request.zero_embedding, m.stream));
-    zero = m.zero_rows.data();
-  }
-  PD_TRY(gatherRows(table, c.vocab_size, m.token_ids.data(), zero, n, d, m.h.data(), m.stream));
-  const float* delta = nullptr;  // the previous block's output, added into h by the next norm
-  const float* out_norm = m.final_norm;
-  const Linear* out_head = &m.head;
-  if (!request.mtp) {
-    for (std::size_t l = 0; l < m.layers.size(); ++l) {
-      PD_TRY(m.runLayer(m.layers[l], static_cast<i64>(l), plan, delta, request.observer));
-    }
-  } else {
-    // h = eh_proj [enorm(embedding) ; hnorm(prev_hidden)], then the MTP block on its own KV layer.
-    const MtpLayer& mt = *m.mtp;
-    PD_TRY(rmsNormResidual(m.h.data(), nullptr, mt.enorm, m.xn.data(), n, d, m.eps, m.stream));
+  StepShape shape;
+  shape.n = n;
+  shape.attention_context = plan.max_context;
+  shape.mtp = request.mtp;
+  shape.observer = request.observer;
+  shape.collect = request.collector != nullptr;
+  shape.round = request.round_latents_to_bf16;
+  if (request.mtp) {
     PD_TRY(m.prev.copyFromHost(request.prev_hidden, m.stream));
-    PD_TRY(rmsNormResidual(m.prev.data(), nullptr, mt.hnorm, m.attn_out.data(), n, d, m.eps, m.stream));
-    const std::size_t row = sz(d) * sizeof(float);
-    PD_CUDA_TRY(cudaMemcpy2DAsync(m.cat.data(), 2 * row, m.xn.data(), row, row, sz(n), cudaMemcpyDeviceToDevice, s));
-    PD_CUDA_TRY(
-        cudaMemcpy2DAsync(m.cat.data() + d, 2 * row, m.attn_out.data(), row, row, sz(n), cudaMemcpyDeviceToDevice, s));
-    PD_TRY(m.apply(mt.eh_proj, m.cat.data(), 2 * d, n, m.h.data(), d));
-    PD_TRY(m.runLayer(mt.block, c.num_hidden_layers, plan, delta, request.observer));
-    out_norm = mt.head_norm;
-    out_head = &mt.head;
+    if (!request.zero_embedding.empty()) {
+      PD_TRY(m.zero_rows.copyFromHost(request.zero_embedding, m.stream));
+      shape.zero = m.zero_rows.data();
+    }
   }
-  PD_TRY(rmsNormResidual(m.h.data(), delta, out_norm, m.xn.data(), n, d, m.eps, m.stream));
+  PD_TRY(m.runBody(shape));
+  const Linear* out_head = request.mtp ? &m.mtp->head : &m.head;
   Output out;
   const auto k = static_cast<i64>(request.logit_rows.size());
   if (k > 0) {
@@ -928,6 +1030,15 @@ Result<DeviceDecodeStep::Output> DeviceDecodeStep::run(const DecodeStepPlan& pla
   PD_TRY(m.stream.synchronize());
   if (moe_failed[0] != 0) {
     return makeError(ErrorCode::Internal, "device step: MoE routing chose an expert outside the model's experts");
+  }
+  if (request.collector != nullptr) {
+    const i64 ld = c.latentDim();
+    const i64 first = request.mtp ? c.num_hidden_layers : 0;
+    const i64 last = request.mtp ? c.num_hidden_layers : c.num_hidden_layers - 1;
+    for (i64 layer = first; layer <= last; ++layer) {
+      const float* at = m.collected->data() + layer * kMaxDecodeBatch * ld;
+      PD_TRY(request.collector->onLatents(layer, std::span<const float>(at, sz(n * ld))));
+    }
   }
   return out;
 }
@@ -984,6 +1095,9 @@ Status DeviceDecodeStep::setCacheShape(const DecodeCacheShape& shape) {
   }
   PD_CUDA_TRY(cudaSetDevice(m.weights.device().index));
   PD_TRY(m.stream.synchronize());
+  // The graphs point into the cache, the attention workspace and the block tables: they go too.
+  m.graphs.clear();
+  m.graph_stats.held = 0;
   // Free the old cache first, so that the new one may take its place.
   m.cache = {};
   m.attention.reset();

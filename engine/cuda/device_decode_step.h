@@ -21,7 +21,8 @@
 /// each layer's new latents on the host (the CudaEngine mirrors them into the caller's cache).
 ///
 /// Options::numerics Bf16 is the bf16 mode (BF16 linears multiplied as stored, their inputs rounded
-/// to BF16, FP32 accumulation). Not yet here: a BF16 device cache, CUDA graphs. The MoE runs
+/// to BF16, FP32 accumulation). Not yet here: a BF16 device cache. Steps without a per-layer
+/// observer run as CUDA graphs (Options::cuda_graphs). The MoE runs
 /// on the device without a host round trip: grouping by expert, one grouped GEMV launch per
 /// expert linear, the combine (docs/gpu.md).
 ///
@@ -52,6 +53,11 @@ class DeviceDecodeStep {
     /// (no copy) with their inputs rounded to BF16, FP32 accumulation (cublasGemmEx); FP8
     /// linears, kv_b, the embedding, norms, attention and the residual are as in Fp32.
     gpu::Numerics numerics = gpu::Numerics::Fp32;
+    /// Steps without a per-layer observer run as CUDA graphs: per DecodeGraphKey (rows, attention
+    /// context band, MTP, latent collection and rounding), the first step runs eagerly, the second
+    /// is captured, later ones replay it (one launch for the embedding, every layer and the final
+    /// norm). A capture that fails leaves its key eager, with a warning. false: always eager.
+    bool cuda_graphs = true;
   };
 
   /// Binds every tensor the model needs (NotFound / InvalidArgument naming a missing or misshapen
@@ -75,6 +81,15 @@ class DeviceDecodeStep {
     [[nodiscard]] virtual Result<bool> onLatents(std::int64_t kv_layer, std::span<float> latents) = 0;
   };
 
+  /// Receives each layer's new latents [tokens, latent_dim] (float32, on the host, in row order,
+  /// as the device cache holds them) after the whole step has run, in KV-layer order: no
+  /// synchronize per layer, so a step with a collector can run as a CUDA graph.
+  class LatentCollector {
+   public:
+    virtual ~LatentCollector() = default;
+    [[nodiscard]] virtual Status onLatents(std::int64_t kv_layer, std::span<const float> latents) = 0;
+  };
+
   struct Request {
     bool mtp = false;                    ///< run the MTP layer (kv layer num_hidden_layers) instead of the main layers
     std::span<const float> prev_hidden;  ///< mtp: [tokens, hidden] main-model final hidden states
@@ -82,6 +97,10 @@ class DeviceDecodeStep {
     std::span<const std::int64_t> logit_rows;      ///< rows whose logits to return, each in [0, tokens)
     std::span<const std::int64_t> hidden_rows;     ///< rows whose hidden states to return
     LatentObserver* observer = nullptr;            ///< null: latents go straight to the device cache
+    LatentCollector* collector = nullptr;          ///< not with an observer
+    /// Round each new latent to BF16 (math::bf16Round) before the cache and the attention see it,
+    /// as a BF16 host cache would hold it.
+    bool round_latents_to_bf16 = false;
     /// When not empty: one sampling request per logit row; the rows are sampled on the device
     /// (DeviceSampler) and only the tokens and logprobs come back, not the logits.
     std::span<const DeviceSampler::Row> sample_rows;
@@ -116,6 +135,17 @@ class DeviceDecodeStep {
   /// Per KV layer (main layers, then MTP), how many distinct experts got rows in the last run()
   /// (0 for dense layers and layers the run did not reach). Blocks until the counts are on the host.
   [[nodiscard]] Result<std::vector<std::int32_t>> expertsUsedLastRun();
+
+  /// How the steps ran since create(): eagerly, captured (then launched), replayed; captures that
+  /// failed (their keys stay eager); graphs held now.
+  struct GraphStats {
+    std::int64_t eager = 0;
+    std::int64_t captured = 0;
+    std::int64_t replayed = 0;
+    std::int64_t capture_failures = 0;
+    std::int64_t held = 0;
+  };
+  [[nodiscard]] GraphStats graphStats() const;
 
   /// Whether the checkpoint's MTP layer was bound (config num_nextn_predict_layers > 0).
   [[nodiscard]] bool hasMtp() const;

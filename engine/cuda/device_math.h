@@ -153,6 +153,11 @@ PD_HD std::uint16_t bf16Encode(float value) {
   return static_cast<std::uint16_t>((bits + 0x7FFFU + lsb) >> 16);
 }
 
+/// `value` as a BF16 cache holds it: bf16Decode(bf16Encode(value)) (round to nearest even).
+PD_HD float bf16Round(float value) {
+  return bf16Decode(bf16Encode(value));
+}
+
 // ---------------------------------------------------------------------------------------------
 // RMSNorm: the CPU engine sums squares in double, takes the mean in float, then
 // out = (x * inv) * w.
@@ -527,7 +532,7 @@ PD_HD float gemvWeightAt(GemvWeights kind, const void* w, const float* scale_row
 /// An input value as the grouped GEMV multiplies it: rounded to BF16 against BF16 weights (the
 /// bf16 mode's rule for every BF16 linear), as is otherwise.
 PD_HD float gemvInput(GemvWeights kind, float x) {
-  return kind == GemvWeights::Bf16 ? bf16Decode(bf16Encode(x)) : x;
+  return kind == GemvWeights::Bf16 ? bf16Round(x) : x;
 }
 
 /// Lane `lane`'s partial sum of weight row `row` against x [cols].

@@ -198,6 +198,14 @@ Status gatherRows(const float* table, std::int64_t table_rows, const std::int32_
   return okStatus();
 }
 
+Status roundToBf16(float* x, std::int64_t n, const cuda::Stream& stream) {
+  constexpr std::string_view kWhat = "roundToBf16";
+  PD_TRY(inRange(kWhat, "n", n, 0, std::numeric_limits<std::int64_t>::max()));
+  if (n > 0 && x == nullptr) return invalid(fmt::format("{}: null pointer", kWhat));
+  PD_CUDA_TRY(kernels::launchRoundToBf16(x, n, stream.get()));
+  return okStatus();
+}
+
 Status scatterRows(const float* src, std::int64_t rows, const std::int64_t* slots, float* dst, std::int64_t dst_rows,
                    std::int64_t d, const cuda::Stream& stream) {
   constexpr std::string_view kWhat = "scatterRows";

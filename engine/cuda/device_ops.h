@@ -117,6 +117,9 @@ Status moeGroup(const std::int32_t* chosen, std::int64_t tokens, std::int64_t to
 Status gatherRows(const float* table, std::int64_t table_rows, const std::int32_t* ids, const std::uint8_t* zero,
                   std::int64_t rows, std::int64_t d, float* out, const cuda::Stream& stream);
 
+/// x[i] = math::bf16Round(x[i]) for i < n (n >= 0): what a BF16 latent cache would hold.
+Status roundToBf16(float* x, std::int64_t n, const cuda::Stream& stream);
+
 /// dst[slots[r]] = src[r] (rows of width d) for r < rows. The slots are on the device, distinct and
 /// in [0, dst_rows): the caller checks them on the host before they are uploaded.
 Status scatterRows(const float* src, std::int64_t rows, const std::int64_t* slots, float* dst, std::int64_t dst_rows,

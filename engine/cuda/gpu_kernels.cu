@@ -40,6 +40,13 @@ __global__ void __launch_bounds__(kAxpyThreads) siluMulKernel(float* gate, const
   }
 }
 
+__global__ void __launch_bounds__(kAxpyThreads) roundToBf16Kernel(float* x, std::int64_t n) {
+  for (std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
+    x[i] = m::bf16Round(x[i]);
+  }
+}
+
 // ---- RMSNorm ---------------------------------------------------------------------------------
 
 constexpr int kNormThreads = 256;
@@ -360,6 +367,13 @@ cudaError_t launchSiluMul(float* gate, const float* up, std::int64_t n, cudaStre
   if (n <= 0) return cudaSuccess;
   const std::int64_t blocks = std::min<std::int64_t>((n + kAxpyThreads - 1) / kAxpyThreads, 65535);
   siluMulKernel<<<static_cast<unsigned int>(blocks), kAxpyThreads, 0, stream>>>(gate, up, n);
+  return cudaGetLastError();
+}
+
+cudaError_t launchRoundToBf16(float* x, std::int64_t n, cudaStream_t stream) {
+  if (n <= 0) return cudaSuccess;
+  const std::int64_t blocks = std::min<std::int64_t>((n + kAxpyThreads - 1) / kAxpyThreads, 65535);
+  roundToBf16Kernel<<<static_cast<unsigned int>(blocks), kAxpyThreads, 0, stream>>>(x, n);
   return cudaGetLastError();
 }
 

@@ -22,6 +22,9 @@ cudaError_t launchAxpy(float a, const float* x, float* y, int n, cudaStream_t st
 cudaError_t launchRowsToBf16(const float* x, std::int64_t x_stride, std::int64_t rows, std::int64_t cols,
                              std::uint16_t* out, cudaStream_t stream);
 
+/// x[i] = math::bf16Round(x[i]) for i < n: values rounded as a BF16 latent cache stores them.
+cudaError_t launchRoundToBf16(float* x, std::int64_t n, cudaStream_t stream);
+
 /// gate[i] = silu(gate[i]) * up[i] for i < n (the SwiGLU activation, math::siluMul).
 cudaError_t launchSiluMul(float* gate, const float* up, std::int64_t n, cudaStream_t stream);
 

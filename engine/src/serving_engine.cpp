@@ -9,11 +9,12 @@ namespace pd::model {
 
 Result<ServingEngine> loadServingEngine(const std::filesystem::path& model_dir, int threads,
                                         comm::TpProcessGroup* group, const gpu::ModelDevice& device,
-                                        bool batch_invariant, gpu::Numerics numerics) {
+                                        bool batch_invariant, gpu::Numerics numerics, bool cuda_graphs) {
   if (device.kind == gpu::ModelDevice::Kind::Cuda) {
     CudaEngineOptions options;
     options.device = device;
     options.numerics = numerics;
+    options.cuda_graphs = cuda_graphs;
     options.batch_invariant = batch_invariant;
     PD_TRY(checkCudaEngineOptions(options));
     if (group != nullptr) {

@@ -117,7 +117,7 @@ Status runWorker(const PrefillWorkerConfig& cfg) {
   }
   PD_ASSIGN_OR_RETURN(model::ServingEngine loaded,
                       model::loadServingEngine(cfg.model_dir, static_cast<int>(pre.threads), group.get(),
-                                               cfg.model_device, cfg.batch_invariant, cfg.numerics));
+                                               cfg.model_device, cfg.batch_invariant, cfg.numerics, cfg.cuda_graphs));
   model::TpLeaderEngine* const tp_leader = loaded.tp_leader;
   if (cfg.batch_invariant && pre.kv_dtype == "f32") {
     log::info(kLog,

@@ -5,18 +5,29 @@
 // greedy tokens equal at every step. Also: a bad batch is InvalidArgument with nothing launched,
 // and device memory returns to its baseline after repeated create / step / destroy. Where no
 // device is visible the program prints why and exits 77 (ctest: skipped, never passed).
+#include <fmt/format.h>
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
+#include <fstream>
+#include <numeric>
+#include <random>
+#include <sstream>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "device_decode_step.h"
+#include "device_math.h"
 #include "device_ops.h"
 #include "device_weights.h"
 #include "gpu/gpu_test_main.h"
+#include "pd/common/check.h"
 #include "pd/engine/engine.h"
 #include "pd/engine/gpu.h"
 #include "pd/engine/latent_cache.h"
@@ -215,6 +226,182 @@ TEST(DeviceDecode, BatchOneBytesCountTheCacheAndShrinkInTheBf16Mode) {
   EXPECT_GT((*b)->batchOneBytes(10), 0.5 * (*a)->batchOneBytes(10));  // kv_b, the embedding stay FP32
   std::printf("tiny-bf16 batch-1 step bytes at context 10: fp32 %.0f, bf16 %.0f\n", (*a)->batchOneBytes(10),
               (*b)->batchOneBytes(10));
+}
+
+// Collects each layer's latents as the CudaEngine's host mirror does (after the step).
+struct Collected final : DeviceDecodeStep::LatentCollector {
+  std::vector<std::pair<std::int64_t, std::vector<float>>> layers;
+  pd::Status onLatents(std::int64_t kv_layer, std::span<const float> latents) override {
+    layers.emplace_back(kv_layer, std::vector<float>(latents.begin(), latents.end()));
+    return pd::okStatus();
+  }
+};
+
+// The first index where two float vectors differ bit for bit, or -1.
+std::int64_t firstBitDifference(const std::vector<float>& a, const std::vector<float>& b) {
+  if (a.size() != b.size()) return 0;
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    if (std::bit_cast<std::uint32_t>(a[i]) != std::bit_cast<std::uint32_t>(b[i])) return static_cast<std::int64_t>(i);
+  }
+  return -1;
+}
+
+// A copy of a golden checkpoint whose config allows `positions` (the golden ones stop at 256: one
+// attention split): the files linked, config.json rewritten.
+fs::path withLongerContext(const char* name, std::int64_t positions) {
+  const fs::path src = golden(name);
+  fs::path dst = fs::temp_directory_path() / fmt::format("pd-gpu-graphs-{}-{}", name, ::getpid());
+  fs::remove_all(dst);
+  fs::create_directories(dst);
+  for (const auto& e : fs::directory_iterator(src)) {
+    if (e.path().filename() != "config.json") fs::create_symlink(fs::absolute(e.path()), dst / e.path().filename());
+  }
+  std::ifstream in(src / "config.json");
+  std::ostringstream read;
+  read << in.rdbuf();
+  std::string text = read.str();
+  const std::string key = "\"max_position_embeddings\":";
+  const std::size_t at = text.find(key);
+  PD_CHECK_MSG(at != std::string::npos, "config.json without max_position_embeddings");
+  const std::size_t begin = text.find_first_of("0123456789", at + key.size());
+  const std::size_t end = text.find_first_not_of("0123456789", begin);
+  text.replace(begin, end - begin, std::to_string(positions));
+  std::ofstream(dst / "config.json") << text;
+  return dst;
+}
+
+// Graph replay = eager: two steps on the same weights, CUDA graphs on and off, run the same steps
+// (main model then MTP each time, latents collected and rounded to BF16, one sequence then two,
+// contexts crossing the band edge at 512 positions, so keys are warmed, captured and replayed in
+// both bands, and the 1024 band runs 4 splits where eager runs 3: the empty one merges as nothing); logits, hidden
+// states and collected latents equal bit for bit.
+void runGraphsEqualEager(const char* name) {
+  const fs::path dir = withLongerContext(name, 2048);
+  auto ckpt = pd::Checkpoint::open(dir);
+  ASSERT_TRUE(ckpt.ok()) << ckpt.error().toString();
+  auto config = pd::ModelConfig::load(dir);
+  ASSERT_TRUE(config.ok()) << config.error().toString();
+  const pd::ModelConfig& c = *config;
+  constexpr std::int64_t kBlocks = 20;
+  constexpr std::int64_t kBlock = 64;
+  DeviceWeights::Options wo;
+  wo.serving = pd::gpu::DeviceServingShape{kBlocks, kBlock, pd::DType::F32, 64, kBlocks * kBlock, 64};
+  auto weights = DeviceWeights::upload(*ckpt, c, wo);
+  ASSERT_TRUE(weights.ok()) << weights.error().toString();
+  DeviceDecodeStep::Options eager_options;
+  eager_options.cache = {kBlocks, kBlock};
+  eager_options.cuda_graphs = false;
+  DeviceDecodeStep::Options graph_options = eager_options;
+  graph_options.cuda_graphs = true;
+  auto eager = DeviceDecodeStep::create(*weights, c, eager_options);
+  ASSERT_TRUE(eager.ok()) << eager.error().toString();
+  auto graphed = DeviceDecodeStep::create(*weights, c, graph_options);
+  ASSERT_TRUE(graphed.ok()) << graphed.error().toString();
+  ASSERT_TRUE((*graphed)->hasMtp());
+
+  // Sequence A holds blocks 0..9 (its first 506 positions filled with the same random latents on
+  // both sides, every KV layer), B blocks 10..19.
+  std::vector<std::int32_t> table_a(10);
+  std::vector<std::int32_t> table_b(10);
+  std::iota(table_a.begin(), table_a.end(), 0);
+  std::iota(table_b.begin(), table_b.end(), 10);
+  constexpr std::int64_t kPrefilled = 506;
+  const std::int64_t ld = c.latentDim();
+  std::mt19937 rng(7);
+  std::normal_distribution<float> nd(0.0F, 1.0F);
+  std::vector<float> values(static_cast<std::size_t>(kPrefilled * ld));
+  for (std::int64_t layer = 0; layer < (*graphed)->cacheLayers(); ++layer) {
+    for (float& v : values) v = nd(rng);
+    const std::vector<std::int64_t> slots{0};
+    const std::vector<std::int64_t> counts{kPrefilled};
+    ASSERT_TRUE((*eager)->writeCache(layer, slots, counts, values).ok());
+    ASSERT_TRUE((*graphed)->writeCache(layer, slots, counts, values).ok());
+  }
+
+  std::int64_t pos_a = kPrefilled;
+  std::int64_t pos_b = 0;
+  std::int32_t tok_a = 17;
+  std::int32_t tok_b = 2047;
+  constexpr int kSteps = 14;  // A's context 507..520; B joins at step 2
+  for (int step = 0; step < kSteps; ++step) {
+    std::vector<DecodeSequence> seqs{{tok_a, pos_a, table_a}};
+    if (step >= 2) seqs.push_back({tok_b, pos_b, table_b});
+    const auto n = static_cast<std::int64_t>(seqs.size());
+    auto plan = pd::gpu::planDecodeStep(c, (*graphed)->cacheShape(), seqs);
+    ASSERT_TRUE(plan.ok()) << plan.error().toString();
+    std::vector<std::int64_t> rows(static_cast<std::size_t>(n));
+    std::iota(rows.begin(), rows.end(), 0);
+    std::vector<DeviceDecodeStep::Output> outs;
+    std::vector<Collected> collected(2);
+    for (int side = 0; side < 2; ++side) {
+      DeviceDecodeStep& st = side == 0 ? **eager : **graphed;
+      DeviceDecodeStep::Request main;
+      main.logit_rows = rows;
+      main.hidden_rows = rows;
+      main.collector = &collected[static_cast<std::size_t>(side)];
+      main.round_latents_to_bf16 = true;
+      auto out = st.run(*plan, main);
+      ASSERT_TRUE(out.ok()) << out.error().toString();
+      // The MTP layer on the main model's hidden states, the second row's embedding zeroed.
+      DeviceDecodeStep::Request mtp;
+      mtp.mtp = true;
+      mtp.prev_hidden = out->hidden;
+      const std::vector<std::uint8_t> zero{0, 1};
+      mtp.zero_embedding = std::span(zero).first(static_cast<std::size_t>(n));
+      mtp.logit_rows = rows;
+      mtp.collector = &collected[static_cast<std::size_t>(side)];
+      mtp.round_latents_to_bf16 = true;
+      auto drafts = st.run(*plan, mtp);
+      ASSERT_TRUE(drafts.ok()) << drafts.error().toString();
+      outs.push_back(std::move(*out));
+      outs.push_back(std::move(*drafts));
+    }
+    const std::string at = fmt::format("{} step {} (A's context {})", name, step, pos_a + 1);
+    EXPECT_EQ(firstBitDifference(outs[0].logits, outs[2].logits), -1) << "main logits, " << at;
+    EXPECT_EQ(firstBitDifference(outs[0].hidden, outs[2].hidden), -1) << "main hidden, " << at;
+    EXPECT_EQ(firstBitDifference(outs[1].logits, outs[3].logits), -1) << "MTP logits, " << at;
+    ASSERT_EQ(collected[0].layers.size(), static_cast<std::size_t>((*graphed)->cacheLayers())) << at;
+    ASSERT_EQ(collected[1].layers.size(), collected[0].layers.size()) << at;
+    for (std::size_t l = 0; l < collected[0].layers.size(); ++l) {
+      EXPECT_EQ(collected[0].layers[l].first, collected[1].layers[l].first) << at;
+      EXPECT_EQ(firstBitDifference(collected[0].layers[l].second, collected[1].layers[l].second), -1)
+          << "latents of KV layer " << collected[0].layers[l].first << ", " << at;
+      for (const float v : collected[1].layers[l].second) {
+        ASSERT_EQ(v, pd::gpu::math::bf16Round(v)) << "a collected latent not rounded to BF16, " << at;
+      }
+    }
+    const std::int64_t v = c.vocab_size;
+    tok_a = argmax(outs[0].logits.data(), v);
+    if (step >= 2) {
+      tok_b = argmax(outs[0].logits.data() + v, v);
+      ++pos_b;
+    }
+    ++pos_a;
+  }
+  const auto stats = (*graphed)->graphStats();
+  const auto eager_stats = (*eager)->graphStats();
+  std::printf("%s graphs: %lld eager, %lld captured, %lld replayed, %lld capture failures, %lld held\n", name,
+              static_cast<long long>(stats.eager), static_cast<long long>(stats.captured),
+              static_cast<long long>(stats.replayed), static_cast<long long>(stats.capture_failures),
+              static_cast<long long>(stats.held));
+  EXPECT_EQ(stats.capture_failures, 0);
+  // Keys (rows, band, main / MTP): (1, 512) x2 steps, (2, 512) x4, (2, 1024) x8: each warms once,
+  // captures once and replays the rest, for the main model and the MTP layer alike.
+  EXPECT_EQ(stats.captured, 6);
+  EXPECT_EQ(stats.eager, 6);
+  EXPECT_EQ(stats.replayed, 2 * kSteps - 12);
+  EXPECT_EQ(stats.held, 6);
+  EXPECT_EQ(eager_stats.eager, 2 * kSteps);
+  EXPECT_EQ(eager_stats.captured + eager_stats.replayed, 0);
+  fs::remove_all(dir);
+}
+
+TEST(DeviceDecode, GraphReplayEqualsEagerTinyBf16) {
+  runGraphsEqualEager("tiny-bf16");
+}
+
+TEST(DeviceDecode, GraphReplayEqualsEagerTinyFp8) {
+  runGraphsEqualEager("tiny-fp8");
 }
 
 TEST(DeviceDecode, BadBatchIsInvalidArgument) {

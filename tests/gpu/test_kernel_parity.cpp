@@ -506,6 +506,36 @@ TEST_F(Kernel, GatherRowsScatterWritesEachRowToItsSlotOnly) {
   }
 }
 
+// The latents' BF16 rounding (a BF16 cache's values) against the host's pd::floatToBf16: round to
+// nearest even, ties, NaN and infinities included, every element and nothing past n.
+TEST_F(Kernel, RoundToBf16IsTheHostsFloatToBf16) {
+  for (const int64_t n : {int64_t{1}, int64_t{1000}, int64_t{64 * 576 + 3}}) {
+    std::vector<float> x = randn(static_cast<std::size_t>(n));
+    const std::vector<float> special{0.0F,     -0.0F, 1.0F + 0x1p-8F, 1.0F + 0x1p-7F + 0x1p-8F, 3.4e38F, -INFINITY,
+                                     INFINITY, NAN,   1e-40F};
+    for (std::size_t i = 0; i < special.size() && i < x.size(); ++i) x[i] = special[i];
+    std::vector<float> padded = x;
+    padded.push_back(1.2345678F);  // past n: left as it is
+    auto dx = upload(padded, stream());
+    ASSERT_TRUE(pd::gpu::roundToBf16(dx.data(), n, stream()).ok());
+    const auto got = download(dx, padded.size(), stream());
+    for (int64_t i = 0; i < n; ++i) {
+      const float want = pd::bf16ToFloat(pd::floatToBf16(x[static_cast<std::size_t>(i)]));
+      if (std::isnan(want)) {
+        EXPECT_TRUE(std::isnan(got[static_cast<std::size_t>(i)])) << i;
+      } else {
+        std::uint32_t a = 0;
+        std::uint32_t b = 0;
+        std::memcpy(&a, &want, sizeof a);
+        std::memcpy(&b, &got[static_cast<std::size_t>(i)], sizeof b);
+        ASSERT_EQ(a, b) << "element " << i << " of " << n << ": " << x[static_cast<std::size_t>(i)];
+      }
+    }
+    EXPECT_EQ(got.back(), 1.2345678F) << "wrote past n";
+  }
+  EXPECT_TRUE(pd::gpu::roundToBf16(nullptr, 0, stream()).ok());  // nothing to do
+}
+
 // The grouping, gather and combine kernels against their host functions, on routing's own output
 // shape (tokens x top_k distinct ids), and the failure flag for an id outside the experts.
 TEST_F(Kernel, MoeGroupGatherAndCombineMatchTheHost) {
@@ -610,6 +640,7 @@ TEST_F(Kernel, SamplingMatchesCpuSampler) {
       }
     }
     std::vector<pd::model::Sampler> cpu;
+    cpu.reserve(params.size());
     for (const auto& p : params) cpu.emplace_back(p);
     std::vector<std::vector<std::pair<std::int32_t, int64_t>>> counts(static_cast<std::size_t>(rows));
     std::vector<std::uint64_t> draws(static_cast<std::size_t>(rows), 0);

@@ -31,6 +31,7 @@ Result<std::unique_ptr<Engine>> openEngine(const EngineChoice& choice) {
     model::CudaEngineOptions cuda;
     cuda.device = choice.device;
     cuda.numerics = choice.numerics;
+    cuda.cuda_graphs = choice.cuda_graphs;
     cuda.batch_invariant = choice.batch_invariant;
     return model::createCudaEngine(choice.model, cuda);
   }

@@ -26,6 +26,7 @@ struct EngineChoice {
   gpu::ModelDevice device;       ///< cpu: the CPU engine; cuda:N: the CUDA engine on device N
   bool batch_invariant = false;  ///< CPU engine: CpuEngineOptions::batch_invariant (model.batch_invariant)
   gpu::Numerics numerics = gpu::Numerics::Fp32;  ///< CUDA engine: CudaEngineOptions::numerics (model.numerics)
+  bool cuda_graphs = true;                       ///< CUDA engine: CudaEngineOptions::cuda_graphs (model.cuda_graphs)
 };
 
 /// "1, 2,3" -> {1, 2, 3}: comma-separated ids in [0, vocab), blanks around each allowed;

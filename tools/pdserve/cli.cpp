@@ -65,6 +65,9 @@ CommonOptions::CommonOptions(CommonConfig& cfg) {
            "with model.device cuda: fp32 (FP32 activations and accumulation, the golden-parity mode) or bf16 (BF16 "
            "linears multiplied as stored with BF16-rounded inputs, FP32 accumulation; docs/gpu.md)",
            {"fp32", "bf16"})
+      .add("cuda_graphs", &cfg.cuda_graphs,
+           "with model.device cuda: replay decode steps as CUDA graphs captured per shape (false: every step eager; "
+           "docs/gpu.md)")
       .add("gpu_memory_utilization", &cfg.gpu_memory_utilization,
            "with model.device cuda: fraction of the GPU's total memory this process may use, in (0, 1]; the KV "
            "pool takes what is left after weights, workspace and CUDA graphs (docs/gpu.md)",

@@ -37,6 +37,9 @@ struct CommonConfig {
   /// With model.device cuda: "fp32" (the parity mode) or "bf16" (BF16 linears as stored, FP32
   /// accumulation); gpu::Numerics, docs/gpu.md "Numerics modes".
   std::string model_numerics = "fp32";
+  /// With model.device cuda: decode steps replay CUDA graphs captured per shape (docs/gpu.md,
+  /// "CUDA graphs"); false runs every step eagerly.
+  bool cuda_graphs = true;
   /// With model.device cuda: the fraction of the device's total memory the process may use (vLLM's
   /// --gpu-memory-utilization); the KV pool gets what is left after weights, workspace and CUDA
   /// graphs (docs/gpu.md, "The GPU memory plan"). In (0, 1].

@@ -59,6 +59,7 @@ int runBenchEngine(const std::vector<std::string>& args) {
     auto numerics = gpu::parseNumerics(common.model_numerics);
     if (!numerics.ok()) return reportFailure(numerics.error());
     device_cfg.numerics = *numerics;
+    device_cfg.cuda_graphs = common.cuda_graphs;
     device_cfg.decode_context = cfg.context;
     device_cfg.decode_steps = cfg.steps;
     if (!batches_text.empty()) {

@@ -28,7 +28,8 @@ Result<tools::EngineChoice> engineChoice(const EngineFlags& flags, const CommonC
   PD_TRY(checkModelDevice(common));
   PD_ASSIGN_OR_RETURN(const gpu::ModelDevice device, gpu::parseModelDevice(common.model_device));
   PD_ASSIGN_OR_RETURN(const gpu::Numerics numerics, gpu::parseNumerics(common.model_numerics));
-  tools::EngineChoice choice{flags.model, flags.threads, flags.isa, device, common.batch_invariant, numerics};
+  tools::EngineChoice choice{flags.model, flags.threads,     flags.isa, device, common.batch_invariant,
+                             numerics,    common.cuda_graphs};
   if (choice.model.empty()) {
     PD_ASSIGN_OR_RETURN(choice.model, resolveModelDir(common));
   }

@@ -58,6 +58,7 @@ int runWorkerCommand(const WorkerRole& role, const std::vector<std::string>& raw
   auto numerics = gpu::parseNumerics(common.model_numerics);
   if (!numerics.ok()) return reportFailure(numerics.error());
   cfg.numerics = *numerics;
+  cfg.cuda_graphs = common.cuda_graphs;
   if (Status s = validate(cfg); !s.ok()) return reportFailure(s.error());
   if (Status s = checkGpuOptions(common); !s.ok()) return reportFailure(s.error());
   if (check_only) return 0;

@@ -72,4 +72,35 @@ void Event::Deleter::operator()(cudaEvent_t event) const noexcept {
   detail::logReleaseFailure(PD_CUDA_STATUS(cudaEventDestroy(event)));
 }
 
+namespace {
+struct GraphDeleter {
+  void operator()(cudaGraph_t graph) const noexcept {
+    detail::logReleaseFailure(PD_CUDA_STATUS(cudaGraphDestroy(graph)));
+  }
+};
+using OwnedGraph = std::unique_ptr<CUgraph_st, GraphDeleter>;
+}  // namespace
+
+Result<Graph> Graph::capture(const Stream& stream, const std::function<Status()>& body) {
+  PD_CUDA_TRY(cudaStreamBeginCapture(stream.get(), cudaStreamCaptureModeThreadLocal));
+  const Status queued = body();
+  cudaGraph_t raw = nullptr;
+  const Status ended = PD_CUDA_STATUS(cudaStreamEndCapture(stream.get(), &raw));
+  const OwnedGraph graph(raw);  // owned whatever happens next
+  PD_TRY(queued);
+  PD_TRY(ended);
+  if (!graph) return makeError(ErrorCode::Internal, "cuda graph: the capture produced no graph");
+  cudaGraphExec_t exec = nullptr;
+  PD_CUDA_TRY(cudaGraphInstantiate(&exec, graph.get(), 0));
+  return Graph(exec);
+}
+
+Status Graph::launch(const Stream& stream) const {
+  return PD_CUDA_STATUS(cudaGraphLaunch(exec_.get(), stream.get()));
+}
+
+void Graph::Deleter::operator()(cudaGraphExec_t exec) const noexcept {
+  detail::logReleaseFailure(PD_CUDA_STATUS(cudaGraphExecDestroy(exec)));
+}
+
 }  // namespace pd::cuda

@@ -3,6 +3,7 @@
 #include <cublas_v2.h>
 #include <gtest/gtest.h>
 
+#include <cstddef>
 #include <numeric>
 #include <vector>
 
@@ -80,6 +81,74 @@ TEST(CudaHandles, BlasHandleRunsOnItsStream) {
   ASSERT_TRUE(dy->copyToHost(y, *stream).ok());
   ASSERT_TRUE(stream->synchronize().ok());
   EXPECT_EQ(y, (std::vector<float>{10.5F, 21.0F, 31.5F, 42.0F}));
+}
+
+// The graph redoes its captured work (a cuBLAS call and a copy) on whatever the buffers hold at
+// each replay, and nothing of the body runs during the capture itself.
+TEST(CudaHandles, GraphReplaysItsCapturedWorkOnTheBuffersCurrentContents) {
+  PD_SKIP_WITHOUT_DEVICE();
+  auto stream = pd::cuda::Stream::create();
+  ASSERT_TRUE(stream.ok());
+  auto blas = pd::cuda::BlasHandle::create(*stream);
+  ASSERT_TRUE(blas.ok()) << blas.error().toString();
+  auto workspace = pd::cuda::DeviceBuffer<std::byte>::create(std::size_t{4} << 20);
+  ASSERT_TRUE(workspace.ok());
+  ASSERT_TRUE(PD_CUDA_STATUS(cublasSetWorkspace(blas->get(), workspace->data(), workspace->bytes())).ok());
+  auto dx = pd::cuda::DeviceBuffer<float>::create(4);
+  auto dy = pd::cuda::DeviceBuffer<float>::create(4);
+  auto dz = pd::cuda::DeviceBuffer<float>::create(4);
+  ASSERT_TRUE(dx.ok() && dy.ok() && dz.ok());
+  std::vector<float> x{1, 2, 3, 4};
+  std::vector<float> y{10, 20, 30, 40};
+  ASSERT_TRUE(dx->copyFromHost(x, *stream).ok());
+  ASSERT_TRUE(dy->copyFromHost(y, *stream).ok());
+  ASSERT_TRUE(stream->synchronize().ok());
+  const float alpha = 2.0F;
+  auto graph = pd::cuda::Graph::capture(*stream, [&]() -> pd::Status {
+    PD_CUDA_TRY(cublasSaxpy(blas->get(), 4, &alpha, dx->data(), 1, dy->data(), 1));  // y += 2 x
+    PD_CUDA_TRY(cudaMemcpyAsync(dz->data(), dy->data(), dy->bytes(), cudaMemcpyDeviceToDevice, stream->get()));
+    return pd::okStatus();
+  });
+  ASSERT_TRUE(graph.ok()) << graph.error().toString();
+  std::vector<float> z(4, 0.0F);
+  ASSERT_TRUE(dy->copyToHost(z, *stream).ok());
+  ASSERT_TRUE(stream->synchronize().ok());
+  EXPECT_EQ(z, y) << "the capture ran the body";
+  ASSERT_TRUE(graph->launch(*stream).ok());
+  ASSERT_TRUE(dz->copyToHost(z, *stream).ok());
+  ASSERT_TRUE(stream->synchronize().ok());
+  EXPECT_EQ(z, (std::vector<float>{12, 24, 36, 48}));
+  x = {100, 0, 0, 1};  // new contents, same buffers
+  ASSERT_TRUE(dx->copyFromHost(x, *stream).ok());
+  ASSERT_TRUE(graph->launch(*stream).ok());
+  ASSERT_TRUE(dz->copyToHost(z, *stream).ok());
+  ASSERT_TRUE(stream->synchronize().ok());
+  EXPECT_EQ(z, (std::vector<float>{212, 24, 36, 50}));
+}
+
+// A body that fails (here: a synchronize, which a capture forbids) gives its error, and the
+// stream is usable afterwards.
+TEST(CudaHandles, AFailedCaptureEndsTheCaptureAndReportsTheError) {
+  PD_SKIP_WITHOUT_DEVICE();
+  auto stream = pd::cuda::Stream::create();
+  ASSERT_TRUE(stream.ok());
+  auto graph = pd::cuda::Graph::capture(*stream, [&]() { return stream->synchronize(); });
+  EXPECT_FALSE(graph.ok());
+  auto refused = pd::cuda::Graph::capture(
+      *stream, [] { return pd::makeError(pd::ErrorCode::InvalidArgument, "the body's own error"); });
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.error().code, pd::ErrorCode::InvalidArgument);
+  cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusActive;
+  ASSERT_TRUE(PD_CUDA_STATUS(cudaStreamIsCapturing(stream->get(), &capturing)).ok());
+  EXPECT_EQ(capturing, cudaStreamCaptureStatusNone);
+  auto device = pd::cuda::DeviceBuffer<int>::create(3);
+  ASSERT_TRUE(device.ok());
+  std::vector<int> in{1, 2, 3};
+  std::vector<int> out(3, 0);
+  ASSERT_TRUE(device->copyFromHost(in, *stream).ok());
+  ASSERT_TRUE(device->copyToHost(out, *stream).ok());
+  ASSERT_TRUE(stream->synchronize().ok());
+  EXPECT_EQ(out, in);
 }
 
 }  // namespace

@@ -207,4 +207,93 @@ TEST(DecodeStepPlan, SiluMulIsTheCpuEnginesActivation) {
   }
 }
 
+TEST(DecodeGraphs, AttentionContextRoundsTheSplitCountUpToAPowerOfTwo) {
+  using pd::gpu::graphAttentionContext;
+  constexpr std::int64_t kSplit = 256;
+  constexpr std::int64_t kLimit = 32768;
+  EXPECT_EQ(graphAttentionContext(1, kSplit, kLimit), 256);     // 1 split
+  EXPECT_EQ(graphAttentionContext(256, kSplit, kLimit), 256);   // exactly 1 split
+  EXPECT_EQ(graphAttentionContext(257, kSplit, kLimit), 512);   // 2 splits
+  EXPECT_EQ(graphAttentionContext(513, kSplit, kLimit), 1024);  // 3 splits -> 4
+  EXPECT_EQ(graphAttentionContext(1024, kSplit, kLimit), 1024);
+  EXPECT_EQ(graphAttentionContext(1025, kSplit, kLimit), 2048);    // 5 -> 8
+  EXPECT_EQ(graphAttentionContext(20000, kSplit, kLimit), 32768);  // 79 -> 128, capped at the limit
+  // The limit never shrinks a step below its own context.
+  EXPECT_EQ(graphAttentionContext(700, kSplit, 600), 700);
+  EXPECT_EQ(graphAttentionContext(700, kSplit, 800), 800);
+  // Degenerate inputs pass through.
+  EXPECT_EQ(graphAttentionContext(0, kSplit, kLimit), 0);
+  EXPECT_EQ(graphAttentionContext(5, 0, kLimit), 5);
+  // Every context maps to a band that holds it, and the bands are few: one per power of two.
+  std::vector<std::int64_t> bands;
+  for (std::int64_t ctx = 1; ctx <= kLimit; ++ctx) {
+    const std::int64_t g = graphAttentionContext(ctx, kSplit, kLimit);
+    ASSERT_GE(g, ctx);
+    ASSERT_EQ(g % kSplit, 0);
+    if (bands.empty() || bands.back() != g) bands.push_back(g);
+  }
+  EXPECT_EQ(bands, (std::vector<std::int64_t>{256, 512, 1024, 2048, 4096, 8192, 16384, 32768}));
+}
+
+TEST(DecodeGraphs, AKeyRunsEagerThenCapturesThenReplays) {
+  using Cache = pd::gpu::DecodeGraphCache<int>;
+  Cache cache(4);
+  const pd::gpu::DecodeGraphKey k{.tokens = 8, .attention_context = 512};
+  auto [e1, a1] = cache.use(k);
+  EXPECT_EQ(a1, Cache::Action::Eager);  // warm-up outside any capture
+  auto [e2, a2] = cache.use(k);
+  EXPECT_EQ(a2, Cache::Action::Capture);
+  EXPECT_EQ(e1, e2);
+  e2->graph = 7;  // the capture succeeded
+  auto [e3, a3] = cache.use(k);
+  EXPECT_EQ(a3, Cache::Action::Replay);
+  EXPECT_EQ(*e3->graph, 7);
+  // Every field of the key tells steps apart.
+  const std::vector<pd::gpu::DecodeGraphKey> others{
+      {.tokens = 9, .attention_context = 512},
+      {.tokens = 8, .attention_context = 1024},
+      {.tokens = 8, .attention_context = 512, .mtp = true},
+      {.tokens = 8, .attention_context = 512, .mtp = true, .zero_embedding = true},
+      {.tokens = 8, .attention_context = 512, .collect_latents = true},
+      {.tokens = 8, .attention_context = 512, .round_latents = true}};
+  Cache wide(16);
+  ASSERT_EQ(wide.use(k).second, Cache::Action::Eager);
+  for (const auto& o : others) EXPECT_EQ(wide.use(o).second, Cache::Action::Eager);
+  EXPECT_EQ(wide.size(), others.size() + 1);
+}
+
+TEST(DecodeGraphs, AFailedCaptureLeavesTheKeyEager) {
+  using Cache = pd::gpu::DecodeGraphCache<int>;
+  Cache cache(4);
+  const pd::gpu::DecodeGraphKey k{.tokens = 1, .attention_context = 256};
+  ASSERT_EQ(cache.use(k).second, Cache::Action::Eager);
+  auto [e, a] = cache.use(k);
+  ASSERT_EQ(a, Cache::Action::Capture);
+  e->eager_only = true;  // what the step does when capture fails
+  for (int i = 0; i < 5; ++i) EXPECT_EQ(cache.use(k).second, Cache::Action::Eager);
+}
+
+TEST(DecodeGraphs, TheLeastRecentlyUsedKeyIsEvictedAtCapacity) {
+  using Cache = pd::gpu::DecodeGraphCache<int>;
+  Cache cache(2);
+  const pd::gpu::DecodeGraphKey a{.tokens = 1, .attention_context = 256};
+  const pd::gpu::DecodeGraphKey b{.tokens = 2, .attention_context = 256};
+  const pd::gpu::DecodeGraphKey c{.tokens = 3, .attention_context = 256};
+  for (int i = 0; i < 2; ++i) (void)cache.use(a);
+  cache.use(a).first->graph = 1;  // a replays
+  (void)cache.use(b);
+  (void)cache.use(a);  // a is now more recent than b
+  EXPECT_EQ(cache.evicted(), 0U);
+  (void)cache.use(c);  // full: b goes
+  EXPECT_EQ(cache.size(), 2U);
+  EXPECT_EQ(cache.evicted(), 1U);
+  EXPECT_EQ(cache.use(a).second, Cache::Action::Replay);  // a kept its graph
+  EXPECT_EQ(cache.use(b).second, Cache::Action::Eager);   // b starts over (and c goes)
+  EXPECT_EQ(cache.evicted(), 2U);
+  cache.clear();
+  EXPECT_EQ(cache.size(), 0U);
+  EXPECT_EQ(cache.use(a).second, Cache::Action::Eager);     // cleared graphs are captured anew
+  EXPECT_EQ(Cache(0).use(a).second, Cache::Action::Eager);  // capacity at least 1
+}
+
 }  // namespace

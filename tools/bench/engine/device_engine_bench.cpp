@@ -28,6 +28,7 @@ Result<DeviceEngineBenchResult> runDeviceEngineBench(const DeviceEngineBenchConf
   decode.numerics = config.numerics;
   decode.context = config.decode_context;
   decode.steps = config.decode_steps;
+  decode.cuda_graphs = config.cuda_graphs;
   decode.batches.clear();
   for (const std::int64_t b : config.batches) {
     if (b > gpu::kMaxDeviceDecodeBatch) {
@@ -74,10 +75,11 @@ std::string deviceReportText(const DeviceEngineBenchResult& result) {
   for (const auto& d : result.decode) {
     out += fmt::format(
         "decode batch {} ({} numerics, context {}, {} steps): {:.3f} ms/step, {:.1f} tokens/s, {:.1f} experts per MoE "
-        "layer, {:.1f} MB/step, {:.1f} GB/s, MBU {:.3f}\n",
+        "layer, {:.1f} MB/step, {:.1f} GB/s, MBU {:.3f}{}\n",
         d.batch, gpu::numericsName(d.numerics), d.context, d.steps, d.step_seconds * 1e3,
         d.step_seconds > 0 ? static_cast<double>(d.batch) / d.step_seconds : 0.0, d.experts_used,
-        d.bytes_per_step / 1e6, gbs(d.bytes_per_step, d.step_seconds), gpu::decodeStepMbu(d, r.read_bandwidth));
+        d.bytes_per_step / 1e6, gbs(d.bytes_per_step, d.step_seconds), gpu::decodeStepMbu(d, r.read_bandwidth),
+        d.cuda_graphs ? ", CUDA graphs" : ", eager");
   }
   if (result.decode.empty()) out += fmt::format("{}\n", kDeviceDecodeNeedsModel);
   if (!result.unmeasured_batches.empty()) out += fmt::format("{}\n", kDeviceBatchOverStep);
@@ -103,10 +105,10 @@ std::string deviceReportJson(const DeviceEngineBenchResult& result) {
     decode += fmt::format(
         "{{\"batch\": {}, \"numerics\": \"{}\", \"context\": {}, \"steps\": {}, \"step_ms\": {:.4f}, "
         "\"tokens_per_s\": {:.3f}, \"experts_per_moe_layer\": {:.2f}, \"bytes_per_step\": {:.0f}, \"gbs\": {:.3f}, "
-        "\"mbu\": {:.4f}}}",
+        "\"mbu\": {:.4f}, \"cuda_graphs\": {}}}",
         d.batch, gpu::numericsName(d.numerics), d.context, d.steps, d.step_seconds * 1e3,
         d.step_seconds > 0 ? static_cast<double>(d.batch) / d.step_seconds : 0.0, d.experts_used, d.bytes_per_step,
-        gbs(d.bytes_per_step, d.step_seconds), gpu::decodeStepMbu(d, r.read_bandwidth));
+        gbs(d.bytes_per_step, d.step_seconds), gpu::decodeStepMbu(d, r.read_bandwidth), d.cuda_graphs);
     if (!by_batch.empty()) by_batch += ", ";
     by_batch += fmt::format("\"{}\": {:.4f}", d.batch, gpu::decodeStepMbu(d, r.read_bandwidth));
   }

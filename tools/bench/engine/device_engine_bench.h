@@ -31,6 +31,7 @@ struct DeviceEngineBenchConfig {
   gpu::Numerics numerics = gpu::Numerics::Fp32;
   std::int64_t decode_context = 256;  ///< cached positions before the timed decode steps
   std::int64_t decode_steps = 8;      ///< timed decode steps per batch
+  bool cuda_graphs = true;            ///< model.cuda_graphs (DeviceDecodeBenchConfig::cuda_graphs)
   /// Batch sizes to report; those over gpu::kMaxDeviceDecodeBatch are reported as not measured.
   std::vector<std::int64_t> batches{1, 8, 32, 64, 128};
 };
@@ -53,7 +54,7 @@ struct DeviceEngineBenchResult {
 /// "attention_context", "attention_heads", "attention_latent_dim", "mbu_batch1": number or null,
 /// "mbu_by_batch": {"<batch>": number or null, ...} (every configured batch; {} without a model),
 /// "decode": [] or [{"batch", "numerics", "context", "steps", "step_ms", "tokens_per_s",
-/// "experts_per_moe_layer", "bytes_per_step", "gbs", "mbu"}, ...], "prefill_gemm_fraction": null,
+/// "experts_per_moe_layer", "bytes_per_step", "gbs", "mbu", "cuda_graphs"}, ...], "prefill_gemm_fraction": null,
 /// "note": ..., "weight_upload": null or {"model", "tensors", "fp8_tensors", "bytes", "seconds",
 /// "gbs"}}.
 [[nodiscard]] std::string deviceReportJson(const DeviceEngineBenchResult& result);

@@ -61,6 +61,8 @@ struct DecodeWorkerConfig {
   bool batch_invariant = false;
   /// `model.numerics`: the CUDA engine's numerics (model::CudaEngineOptions::numerics).
   gpu::Numerics numerics = gpu::Numerics::Fp32;
+  /// `model.cuda_graphs` (model::CudaEngineOptions::cuda_graphs).
+  bool cuda_graphs = true;
 };
 
 /// Cross-field checks of the whole worker configuration (InvalidArgument naming the values).

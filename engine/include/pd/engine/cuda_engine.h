@@ -8,10 +8,12 @@
 /// stays the source of truth, so the pool and KV transfer code work unchanged: the engine keeps a
 /// device latent cache of the same geometry, copies the positions a call attends to ([0,
 /// start_pos) of each sequence, every KV layer the call runs) from the host cache into it, and
-/// mirrors each layer's new latents back into the host cache (and hands them to the sink) as they
-/// are computed. This is the interim design until the device KV pool (issue 18) makes the device
-/// cache the source: its cost is one host-to-device copy of every attended prefix per call and one
-/// device-to-host copy plus a stream synchronize per layer.
+/// mirrors each step's new latents back into the host cache (and hands them to the sink), layer by
+/// layer, after the step: one device-to-host copy per layer into pinned memory inside the step, no
+/// synchronize per layer, so steps replay CUDA graphs (CudaEngineOptions::cuda_graphs). For a BF16
+/// host cache the latents are rounded to BF16 on the device first, so the device cache holds what
+/// the host cache holds. This is the interim design until the device KV pool (issue 18) makes the
+/// device cache the source: its cost is one host-to-device copy of every attended prefix per call.
 ///
 /// Thread rules: as model::Engine (one thread at a time); the engine owns one stream.
 /// Errors: as the CPU engine (InvalidArgument for a malformed batch, nothing written); in a
@@ -38,6 +40,8 @@ struct CudaEngineOptions {
   std::int64_t kv_block_size = 64;
   /// Fp32 (the parity mode) or Bf16 (BF16 linears as stored, FP32 accumulation; gpu.h Numerics).
   gpu::Numerics numerics = gpu::Numerics::Fp32;
+  /// model.cuda_graphs: decode steps replay CUDA graphs (DeviceDecodeStep::Options::cuda_graphs).
+  bool cuda_graphs = true;
   /// model.batch_invariant: the CUDA engine has no such mode; createCudaEngine refuses it.
   bool batch_invariant = false;
 };

@@ -73,6 +73,7 @@ struct DecodeStepResult {
   std::int64_t context = 0;     ///< cached positions of each sequence when the timed steps begin
   std::int64_t steps = 0;       ///< timed steps
   double step_seconds = 0.0;    ///< median wall time of step(): launches, the work, the logits copy
+  bool cuda_graphs = false;     ///< every timed step replayed a captured CUDA graph
   double experts_used = 0.0;    ///< distinct routed experts per MoE layer, mean over layers and timed steps
   double bytes_per_step = 0.0;  ///< DeviceDecodeStep::stepBytes at the timed steps' mean context and
                                 ///< the experts the routing chose (mean over the timed steps)
@@ -88,6 +89,9 @@ struct DeviceDecodeBenchConfig {
   Numerics numerics = Numerics::Fp32;
   std::int64_t context = 256;  ///< cached positions per sequence before the timed steps
   std::int64_t steps = 8;      ///< timed steps per batch
+  /// Decode steps replay CUDA graphs (model.cuda_graphs): two untimed steps per batch first (its
+  /// warm-up and its capture), so that the timed steps are replays.
+  bool cuda_graphs = true;
   /// Batches to time, each 1..kMaxDeviceDecodeBatch (larger ones are the caller's to report as
   /// not measured).
   std::vector<std::int64_t> batches{1, 8, 32, 64};

@@ -24,10 +24,11 @@ struct ServingEngine {
 /// CUDA engine (pd/engine/cuda_engine.h) instead; with a group that is InvalidArgument (tensor
 /// parallelism runs on the CPU engine only). `batch_invariant`: CpuEngineOptions::batch_invariant
 /// (Unsupported on CUDA). `numerics`: CudaEngineOptions::numerics (anything but Fp32 is
-/// InvalidArgument on the CPU).
+/// InvalidArgument on the CPU). `cuda_graphs`: CudaEngineOptions::cuda_graphs (ignored on the CPU).
 [[nodiscard]] Result<ServingEngine> loadServingEngine(const std::filesystem::path& model_dir, int threads,
                                                       comm::TpProcessGroup* group, const gpu::ModelDevice& device = {},
                                                       bool batch_invariant = false,
-                                                      gpu::Numerics numerics = gpu::Numerics::Fp32);
+                                                      gpu::Numerics numerics = gpu::Numerics::Fp32,
+                                                      bool cuda_graphs = true);
 
 }  // namespace pd::model

@@ -13,6 +13,7 @@
 #include <cuda_runtime_api.h>
 
 #include <cstddef>
+#include <functional>
 #include <limits>
 #include <memory>
 #include <span>
@@ -140,6 +141,27 @@ class PinnedHostBuffer {
   PinnedHostBuffer(T* data, std::size_t size) : data_(data), size_(size) {}
   std::unique_ptr<T, Deleter> data_;
   std::size_t size_;
+};
+
+/// An instantiated CUDA graph: work captured once from a stream and replayed with one launch.
+/// The captured kernels, copies and cuBLAS calls keep the pointers and sizes they were given, so
+/// a replay redoes exactly that work on whatever those buffers hold at replay time.
+class Graph {
+ public:
+  /// Captures what `body` queues on `stream` (thread-local capture mode: a call that is unsafe
+  /// during capture, such as cudaMalloc on this thread, fails instead of running) and
+  /// instantiates it. Nothing of the body runs during the capture. The capture is always ended,
+  /// also when `body` fails; then body's error is returned and the stream is left out of capture.
+  [[nodiscard]] static Result<Graph> capture(const Stream& stream, const std::function<Status()>& body);
+  /// Queues one replay on `stream`.
+  [[nodiscard]] Status launch(const Stream& stream) const;
+
+ private:
+  struct Deleter {
+    void operator()(cudaGraphExec_t exec) const noexcept;
+  };
+  explicit Graph(cudaGraphExec_t exec) : exec_(exec) {}
+  std::unique_ptr<CUgraphExec_st, Deleter> exec_;
 };
 
 /// A cuBLAS handle whose work runs on one stream (which must outlive it).
