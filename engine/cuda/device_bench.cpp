@@ -216,23 +216,82 @@ Result<DeviceCeilings> measureDeviceCeilings(const DeviceCeilingsConfig& c) {
 
 static_assert(kMaxDeviceDecodeBatch == kMaxDecodeBatch, "the bench's batch limit is the decode step's");
 
+namespace {
+
+// The prompt of sequence 0 (tokens token(0, p)) from position 0 in steps of up to kMaxDecodeBatch
+// rows over blocks 0.. of the step's cache (overwriting the decode measurement's), the last row's
+// logits copied back: untimed once (twice with graphs), then timed.
+template <class TokenAt>
+Result<PrefillResult> timePrefill(DeviceDecodeStep& step, const ModelConfig& config, const DeviceDecodeBenchConfig& c,
+                                  const TokenAt& token) {
+  const std::int64_t n = c.prefill_tokens;
+  const std::int64_t block = step.cacheShape().block_size;
+  std::vector<std::int32_t> table(static_cast<std::size_t>((n + block - 1) / block));
+  std::iota(table.begin(), table.end(), 0);
+  const auto prompt = [&]() -> Status {
+    for (std::int64_t begin = 0; begin < n; begin += kMaxDecodeBatch) {
+      const std::int64_t rows = std::min(kMaxDecodeBatch, n - begin);
+      std::vector<DecodeSequence> seqs;
+      seqs.reserve(static_cast<std::size_t>(rows));
+      for (std::int64_t p = begin; p < begin + rows; ++p) seqs.push_back({token(0, p), p, table});
+      PD_ASSIGN_OR_RETURN(const DecodeStepPlan plan, planDecodeStep(config, step.cacheShape(), seqs));
+      const std::vector<std::int64_t> last{rows - 1};
+      DeviceDecodeStep::Request request;
+      if (begin + rows == n) request.logit_rows = last;
+      PD_ASSIGN_OR_RETURN(const DeviceDecodeStep::Output output, step.run(plan, request));
+      (void)output;
+    }
+    return okStatus();
+  };
+  log::info("bench", "prefill: a prompt of {} tokens", n);
+  for (int i = 0; i < (c.cuda_graphs ? 2 : 1); ++i) PD_TRY(prompt());
+  const std::int64_t replayed_before = step.graphStats().replayed;
+  std::vector<double> seconds;
+  for (std::int64_t i = 0; i < c.prefill_repetitions; ++i) {
+    const auto start = std::chrono::steady_clock::now();
+    PD_TRY(prompt());
+    seconds.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+  }
+  PrefillResult r;
+  r.numerics = c.numerics;
+  r.tokens = n;
+  r.repetitions = c.prefill_repetitions;
+  r.seconds = median(std::move(seconds));
+  r.flops = devicePrefillFlops(config, n);
+  const std::int64_t steps_per_prompt = (n + kMaxDecodeBatch - 1) / kMaxDecodeBatch;
+  r.cuda_graphs = step.graphStats().replayed - replayed_before == steps_per_prompt * c.prefill_repetitions;
+  log::info("bench", "prefill {} tokens: {:.3f} s, {:.2f} TFLOP/s, CUDA graphs {}", n, r.seconds,
+            r.seconds > 0 ? r.flops / r.seconds / 1e12 : 0.0, r.cuda_graphs ? "replayed" : "not used");
+  return r;
+}
+
+}  // namespace
+
 Result<ModelOnDeviceResult> measureModelOnDevice(const std::filesystem::path& model_dir, const ModelDevice& device,
-                                                 const DeviceDecodeBenchConfig& c) {
-  PD_TRY(validateDeviceDecodeBenchConfig(c));
+                                                 const DeviceDecodeBenchConfig& requested) {
+  PD_TRY(validateDeviceDecodeBenchConfig(requested));
   PD_ASSIGN_OR_RETURN(const Checkpoint checkpoint, Checkpoint::open(model_dir));
   PD_ASSIGN_OR_RETURN(const ModelConfig config, ModelConfig::load(model_dir));
+  DeviceDecodeBenchConfig c = requested;
+  if (c.prefill_tokens > 0 && config.max_position_embeddings > 0 && c.prefill_tokens > config.max_position_embeddings) {
+    log::info("bench", "prefill: {} tokens asked, the model's {} positions measured (max_position_embeddings)",
+              c.prefill_tokens, config.max_position_embeddings);
+    c.prefill_tokens = config.max_position_embeddings;
+  }
   constexpr std::int64_t kBlock = 64;
   const std::int64_t max_batch = *std::max_element(c.batches.begin(), c.batches.end());
-  const std::int64_t positions = c.context + c.steps;
+  // Decode steps write up to context + 2 warm-up + steps positions; the prefill reuses the blocks.
+  const std::int64_t positions = c.context + c.steps + 2;
   const std::int64_t blocks_per_seq = (positions + kBlock - 1) / kBlock;
-  const std::int64_t blocks = blocks_per_seq * max_batch;
+  const std::int64_t prefill_blocks = (c.prefill_tokens + kBlock - 1) / kBlock;
+  const std::int64_t blocks = std::max(blocks_per_seq * max_batch, prefill_blocks);
   DeviceWeights::Options options;
   options.device = device;
   options.serving = DeviceServingShape{.kv_blocks = blocks,
                                        .kv_block_size = kBlock,
                                        .kv_dtype = DType::F32,
                                        .max_batch_tokens = kMaxDecodeBatch,
-                                       .max_context = positions,
+                                       .max_context = std::max(positions, c.prefill_tokens),
                                        .max_sample_rows = kMaxDecodeBatch};
   ModelOnDeviceResult out;
   out.upload.model = model_dir.string();
@@ -319,6 +378,9 @@ Result<ModelOnDeviceResult> measureModelOnDevice(const std::filesystem::path& mo
     log::info("bench", "decode batch {}: {:.3f} ms/step, {:.1f} experts per MoE layer, CUDA graphs {}", n,
               r.step_seconds * 1e3, r.experts_used, r.cuda_graphs ? "replayed" : "not used");
     out.decode.push_back(r);
+  }
+  if (c.prefill_tokens > 0) {
+    PD_ASSIGN_OR_RETURN(out.prefill, timePrefill(*step, config, c, token));
   }
   return out;
 }

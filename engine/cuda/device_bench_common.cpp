@@ -18,6 +18,43 @@ double bandwidthFraction(double bytes, double seconds, double bandwidth) {
   return bytes / seconds / bandwidth;
 }
 
+double devicePrefillFlops(const ModelConfig& c, std::int64_t tokens) {
+  if (tokens <= 0) return 0.0;
+  const auto n = static_cast<double>(tokens);
+  const auto d = static_cast<double>(c.hidden_size);
+  const auto heads = static_cast<double>(c.num_attention_heads);
+  const auto qk = static_cast<double>(c.qkHeadDim());
+  const auto dn = static_cast<double>(c.qk_nope_head_dim);
+  const auto dv = static_cast<double>(c.v_head_dim);
+  const auto r = static_cast<double>(c.kv_lora_rank);
+  const auto ld = static_cast<double>(c.latentDim());
+  const double attended = n * (n + 1.0) / 2.0;  // (query, key) pairs of a causal prompt
+  // Per token and layer: the attention's linears.
+  double linear = c.q_lora_rank > 0
+                      ? d * static_cast<double>(c.q_lora_rank) + static_cast<double>(c.q_lora_rank) * heads * qk
+                      : d * heads * qk;
+  linear += d * ld + heads * dv * d;
+  double flops = 0.0;
+  for (std::int64_t l = 0; l < c.num_hidden_layers; ++l) {
+    double mlp = 0.0;
+    if (c.isMoeLayer(l)) {
+      const auto width = static_cast<double>(c.moe_intermediate_size);
+      mlp = d * static_cast<double>(c.n_routed_experts) +
+            3.0 * d * width * static_cast<double>(c.num_experts_per_tok + c.n_shared_experts);
+    } else {
+      mlp = 3.0 * d * static_cast<double>(c.intermediate_size);
+    }
+    flops += 2.0 * n * (linear + mlp);
+    flops += 2.0 * attended * heads * (ld + r) + 2.0 * n * heads * (dn + dv) * r;
+  }
+  return flops + 2.0 * d * static_cast<double>(c.vocab_size);  // the last row's logits
+}
+
+double prefillGemmFraction(const PrefillResult& prefill, double gemm_flops) {
+  if (!(prefill.flops > 0.0) || !(prefill.seconds > 0.0) || !(gemm_flops > 0.0)) return 0.0;
+  return prefill.flops / prefill.seconds / gemm_flops;
+}
+
 double decodeStepMbu(const DecodeStepResult& step, double read_bandwidth) {
   return bandwidthFraction(step.bytes_per_step, step.step_seconds, read_bandwidth);
 }
@@ -28,6 +65,10 @@ Status validateDeviceDecodeBenchConfig(const DeviceDecodeBenchConfig& c) {
   };
   if (c.context < 1 || c.context > 65536 || c.steps < 1 || c.steps > 65536) {
     return bad(fmt::format("decode context {} and steps {} must be in 1..65536", c.context, c.steps));
+  }
+  if (c.prefill_tokens < 0 || c.prefill_tokens > 65536 || c.prefill_repetitions < 1 || c.prefill_repetitions > 1000) {
+    return bad(fmt::format("prefill tokens {} must be in 0..65536 and repetitions {} in 1..1000", c.prefill_tokens,
+                           c.prefill_repetitions));
   }
   if (c.batches.empty()) return bad("no decode batch sizes");
   for (const std::int64_t b : c.batches) {

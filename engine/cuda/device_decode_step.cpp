@@ -505,9 +505,7 @@ struct DeviceDecodeStep::Impl {
     }
     PD_TRY(apply(l.kv_a, xn.data(), d, n, kv.data(), ld));
     // latent = [RMSNorm(kv[:r]) ; RoPE(kv[r:])], as the CPU engine's writeLatent input.
-    for (i64 t = 0; t < n; ++t) {
-      PD_TRY(rmsNormResidual(kv.data() + t * ld, nullptr, l.kv_a_norm, latent.data() + t * ld, 1, r, eps, stream));
-    }
+    PD_TRY(rmsNormRows(kv.data(), ld, l.kv_a_norm, latent.data(), ld, n, r, eps, stream));
     PD_CUDA_TRY(cudaMemcpy2DAsync(latent.data() + r, sz(ld) * sizeof(float), kv.data() + r, sz(ld) * sizeof(float),
                                   sz(dr) * sizeof(float), sz(n), cudaMemcpyDeviceToDevice, s));
     const i64 half = dr / 2;

@@ -41,8 +41,22 @@ Status rmsNormResidual(float* h, const float* delta, const float* weight, float*
   if (!(eps > 0.0F)) return invalid("rmsNormResidual: eps must be positive");
   if (rows > 0 && (h == nullptr || weight == nullptr || out == nullptr))
     return invalid("rmsNormResidual: null pointer");
-  PD_CUDA_TRY(kernels::launchRmsNormResidual(h, delta, weight, out, static_cast<int>(rows), static_cast<int>(d), eps,
-                                             stream.get()));
+  PD_CUDA_TRY(kernels::launchRmsNormResidual(h, delta, weight, out, static_cast<int>(rows), static_cast<int>(d), d, d,
+                                             eps, stream.get()));
+  return okStatus();
+}
+
+Status rmsNormRows(float* x, std::int64_t x_stride, const float* weight, float* out, std::int64_t out_stride,
+                   std::int64_t rows, std::int64_t d, float eps, const cuda::Stream& stream) {
+  constexpr std::string_view kWhat = "rmsNormRows";
+  PD_TRY(inRange(kWhat, "rows", rows, 0, kIntMax));
+  PD_TRY(inRange(kWhat, "d", d, 1, kIntMax));
+  PD_TRY(inRange(kWhat, "x_stride", x_stride, d, kIntMax));
+  PD_TRY(inRange(kWhat, "out_stride", out_stride, d, kIntMax));
+  if (!(eps > 0.0F)) return invalid("rmsNormRows: eps must be positive");
+  if (rows > 0 && (x == nullptr || weight == nullptr || out == nullptr)) return invalid("rmsNormRows: null pointer");
+  PD_CUDA_TRY(kernels::launchRmsNormResidual(x, nullptr, weight, out, static_cast<int>(rows), static_cast<int>(d),
+                                             x_stride, out_stride, eps, stream.get()));
   return okStatus();
 }
 

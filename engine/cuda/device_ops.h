@@ -32,6 +32,12 @@ struct DeviceMemoryInfo {
 Status rmsNormResidual(float* h, const float* delta, const float* weight, float* out, std::int64_t rows, std::int64_t d,
                        float eps, const cuda::Stream& stream);
 
+/// Per row: out = RMSNorm(x[:d]) * weight, for the first d columns of rows x_stride apart, written
+/// to rows out_stride apart (both strides >= d): one launch for a column block of a wider matrix
+/// (the latent part of kv_a's output). Each row's values are rmsNormResidual's.
+Status rmsNormRows(float* x, std::int64_t x_stride, const float* weight, float* out, std::int64_t out_stride,
+                   std::int64_t rows, std::int64_t d, float eps, const cuda::Stream& stream);
+
 /// DeepSeek's interleaved RoPE in place: for row r and head h, the pairs of
 /// x[r * row_stride + h * head_stride + offset, + 2 * half) rotate by positions[r] * inv_freq[j]
 /// (inv_freq [half] as model::ropeInvFreq gives it, positions [rows] RoPE positions).

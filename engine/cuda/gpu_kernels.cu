@@ -53,14 +53,15 @@ constexpr int kNormThreads = 256;
 
 // One block per row; the sum of squares in double (as the CPU engine), tree-reduced.
 __global__ void __launch_bounds__(kNormThreads)
-    rmsNormKernel(float* h, const float* delta, const float* weight, float* out, int d, float eps) {
+    rmsNormKernel(float* h, const float* delta, const float* weight, float* out, int d, std::int64_t h_stride,
+                  std::int64_t out_stride, float eps) {
   __shared__ double partial[kNormThreads];
-  float* row = h + static_cast<std::int64_t>(blockIdx.x) * d;
+  float* row = h + static_cast<std::int64_t>(blockIdx.x) * h_stride;
   double ss = 0.0;
   for (int i = threadIdx.x; i < d; i += kNormThreads) {
     float v = row[i];
     if (delta != nullptr) {
-      v += delta[static_cast<std::int64_t>(blockIdx.x) * d + i];
+      v += delta[static_cast<std::int64_t>(blockIdx.x) * h_stride + i];
       row[i] = v;
     }
     ss += static_cast<double>(v) * v;
@@ -72,7 +73,7 @@ __global__ void __launch_bounds__(kNormThreads)
     __syncthreads();
   }
   const float inv = m::rmsInverse(partial[0], d, eps);
-  float* o = out + static_cast<std::int64_t>(blockIdx.x) * d;
+  float* o = out + static_cast<std::int64_t>(blockIdx.x) * out_stride;
   for (int i = threadIdx.x; i < d; i += kNormThreads) o[i] = m::rmsNormValue(row[i], inv, weight[i]);
 }
 
@@ -378,9 +379,9 @@ cudaError_t launchRoundToBf16(float* x, std::int64_t n, cudaStream_t stream) {
 }
 
 cudaError_t launchRmsNormResidual(float* h, const float* delta, const float* weight, float* out, int rows, int d,
-                                  float eps, cudaStream_t stream) {
+                                  std::int64_t h_stride, std::int64_t out_stride, float eps, cudaStream_t stream) {
   if (rows <= 0) return cudaSuccess;
-  rmsNormKernel<<<rows, kNormThreads, 0, stream>>>(h, delta, weight, out, d, eps);
+  rmsNormKernel<<<rows, kNormThreads, 0, stream>>>(h, delta, weight, out, d, h_stride, out_stride, eps);
   return cudaGetLastError();
 }
 

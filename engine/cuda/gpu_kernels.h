@@ -28,10 +28,10 @@ cudaError_t launchRoundToBf16(float* x, std::int64_t n, cudaStream_t stream);
 /// gate[i] = silu(gate[i]) * up[i] for i < n (the SwiGLU activation, math::siluMul).
 cudaError_t launchSiluMul(float* gate, const float* up, std::int64_t n, cudaStream_t stream);
 
-/// Per row r < rows of width d: if delta, h[r] += delta[r]; then out[r] = RMSNorm(h[r]) * weight.
-/// out may equal h.
+/// Per row r < rows of width d (h and delta rows h_stride apart, out rows out_stride apart): if
+/// delta, h[r] += delta[r]; then out[r] = RMSNorm(h[r]) * weight. out may equal h.
 cudaError_t launchRmsNormResidual(float* h, const float* delta, const float* weight, float* out, int rows, int d,
-                                  float eps, cudaStream_t stream);
+                                  std::int64_t h_stride, std::int64_t out_stride, float eps, cudaStream_t stream);
 
 /// Rotates pairs [offset, offset + 2 half) of each head slot of each row:
 /// x[r * row_stride + head * head_stride + offset + 2 j ...] by positions[r] * inv_freq[j].

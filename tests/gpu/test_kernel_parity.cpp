@@ -109,6 +109,41 @@ TEST_F(Kernel, RmsNormResidualMatchesCpu) {
   }
 }
 
+// The strided form (one launch for kv_a's latent columns): each row's values bit-equal to
+// rmsNormResidual on that row alone, the columns past d and the input untouched.
+TEST_F(Kernel, RmsNormResidualStridedRowsEqualEachRowAlone) {
+  for (const auto& [rows, d, stride] :
+       std::vector<std::tuple<int64_t, int64_t, int64_t>>{{1, 1, 1}, {64, 512, 576}, {5, 7, 9}, {3, 256, 256}}) {
+    const std::vector<float> x = randn(static_cast<std::size_t>(rows * stride));
+    const std::vector<float> w = randn(static_cast<std::size_t>(d));
+    const std::vector<float> before = randn(x.size());
+    auto dx = upload(x, stream());
+    auto dw = upload(w, stream());
+    auto dout = upload(before, stream());
+    ASSERT_TRUE(pd::gpu::rmsNormRows(dx.data(), stride, dw.data(), dout.data(), stride, rows, d, 1e-6F, stream()).ok());
+    const auto got = download(dout, x.size(), stream());
+    EXPECT_EQ(download(dx, x.size(), stream()), x) << "the input changed";
+    for (int64_t r = 0; r < rows; ++r) {
+      const std::vector<float> row(x.begin() + r * stride, x.begin() + r * stride + d);
+      auto drow = upload(row, stream());
+      auto drow_out = upload(std::vector<float>(row.size()), stream());
+      ASSERT_TRUE(
+          pd::gpu::rmsNormResidual(drow.data(), nullptr, dw.data(), drow_out.data(), 1, d, 1e-6F, stream()).ok());
+      const auto want = download(drow_out, row.size(), stream());
+      for (int64_t i = 0; i < stride; ++i) {
+        const auto at = static_cast<std::size_t>(r * stride + i);
+        if (i < d) {
+          ASSERT_EQ(got[at], want[static_cast<std::size_t>(i)]) << rows << "x" << d << " stride " << stride;
+        } else {
+          ASSERT_EQ(got[at], before[at]) << "wrote past d at row " << r << " column " << i;
+        }
+      }
+    }
+  }
+  // Strides below the width are refused before any launch.
+  EXPECT_FALSE(pd::gpu::rmsNormRows(nullptr, 3, nullptr, nullptr, 8, 2, 4, 1e-6F, stream()).ok());
+}
+
 // ---- RoPE ---------------------------------------------------------------------------------------
 
 TEST_F(Kernel, RopeMatchesCpuYarn) {

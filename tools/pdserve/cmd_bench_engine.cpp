@@ -46,7 +46,7 @@ int runBenchEngine(const std::vector<std::string>& args) {
       "attention\n"
       "kernel alone as a fraction of that bandwidth; --model also uploads the checkpoint's weights once and times\n"
       "decode steps through it at each --batches size up to 64 (mbu_batch1, mbu_by_batch; --context cached tokens,\n"
-      "--steps steps, --model.numerics; docs/gpu.md).",
+      "--steps steps, --model.numerics) and a --prefill_tokens prompt (prefill_gemm_fraction; docs/gpu.md).",
       {&set, &common_sets.log, &common_sets.model}, args, &common);
   if (!loaded.ok()) return reportFailure(loaded.error());
   if (loaded->help_requested) return 0;
@@ -62,6 +62,7 @@ int runBenchEngine(const std::vector<std::string>& args) {
     device_cfg.cuda_graphs = common.cuda_graphs;
     device_cfg.decode_context = cfg.context;
     device_cfg.decode_steps = cfg.steps;
+    device_cfg.prefill_tokens = cfg.prefill_tokens;
     if (!batches_text.empty()) {
       auto device_batches = bench::parsePositiveList(batches_text, "--batches");
       if (!device_batches.ok()) return reportFailure(device_batches.error());

@@ -4,11 +4,17 @@
 #include <gtest/gtest.h>
 
 #include <boost/json.hpp>
+#include <cstdint>
+#include <filesystem>
 #include <string>
+#include <vector>
 
 #include "bench/engine/device_engine_bench.h"
+#include "pd/engine/engine.h"
 #include "pd/engine/gpu.h"
 #include "pd/engine/gpu_bench.h"
+#include "pd/engine/latent_cache.h"
+#include "pd/engine/model_config.h"
 
 namespace {
 
@@ -45,7 +51,7 @@ TEST(DeviceBench, BadConfigNamesTheField) {
 TEST(DeviceBench, DecodeConfigNamesWhatIsWrong) {
   using pd::gpu::DeviceDecodeBenchConfig;
   EXPECT_TRUE(pd::gpu::validateDeviceDecodeBenchConfig(DeviceDecodeBenchConfig{}).ok());
-  const auto message = [](DeviceDecodeBenchConfig c) {
+  const auto message = [](const DeviceDecodeBenchConfig& c) {
     const pd::Status st = pd::gpu::validateDeviceDecodeBenchConfig(c);
     return st.ok() ? std::string("ok") : st.error().message;
   };
@@ -62,6 +68,56 @@ TEST(DeviceBench, DecodeConfigNamesWhatIsWrong) {
   EXPECT_NE(message(c).find("decode batch 0 is outside 1..64"), std::string::npos) << message(c);
   c.batches = {64};
   EXPECT_EQ(message(c), "ok");
+  c.prefill_tokens = -1;
+  EXPECT_NE(message(c).find("prefill tokens -1"), std::string::npos) << message(c);
+  c.prefill_tokens = 0;  // no prefill
+  EXPECT_EQ(message(c), "ok");
+  c.prefill_repetitions = 0;
+  EXPECT_NE(message(c).find("repetitions 0"), std::string::npos) << message(c);
+}
+
+// The device prefill's FLOP count is what the CPU engine counts (ForwardStats::flops) for the same
+// prompt on the absorbed path with the last row's logits: both checkpoints (dense and MoE layers,
+// q LoRA), prompts within a block, across blocks and past 64 rows.
+TEST(DeviceBench, PrefillFlopsAreTheCpuEnginesCount) {
+  for (const char* name : {"tiny-bf16", "tiny-fp8"}) {
+    const auto dir = std::filesystem::path(PD_TEST_DATA_DIR) / "golden" / name;
+    auto config = pd::ModelConfig::load(dir);
+    ASSERT_TRUE(config.ok()) << config.error().toString();
+    pd::model::CpuEngineOptions options;
+    options.threads = 1;
+    options.prefault_weights = false;
+    auto engine = pd::model::createCpuEngine(dir, options);
+    ASSERT_TRUE(engine.ok()) << engine.error().toString();
+    for (const std::int64_t n : {1, 5, 100}) {
+      auto cache = pd::model::PagedLatentCache::create(*config, 8, 16, pd::DType::F32);
+      ASSERT_TRUE(cache.ok()) << cache.error().toString();
+      std::vector<std::int32_t> tokens;
+      for (std::int64_t p = 0; p < n; ++p) tokens.push_back(static_cast<std::int32_t>((1 + 104729 * p) % 1000));
+      const std::vector<std::int32_t> table{0, 1, 2, 3, 4, 5, 6, 7};
+      pd::model::SequenceChunk chunk;
+      chunk.tokens = tokens;
+      chunk.start_pos = 0;
+      chunk.block_table = table;
+      pd::model::ForwardOptions fo;
+      fo.attention = pd::model::AttentionPath::Absorbed;
+      fo.logits = pd::model::OutputRows::Last;
+      auto out = (*engine)->forward(std::vector<pd::model::SequenceChunk>{chunk}, cache->view(), fo);
+      ASSERT_TRUE(out.ok()) << out.error().toString();
+      ASSERT_GT(out->stats.flops, 0U);
+      EXPECT_EQ(pd::gpu::devicePrefillFlops(*config, n), static_cast<double>(out->stats.flops))
+          << name << ", " << n << " tokens";
+    }
+  }
+  pd::ModelConfig none;
+  EXPECT_EQ(pd::gpu::devicePrefillFlops(none, 0), 0.0);
+  pd::gpu::PrefillResult p;
+  p.flops = 3e12;
+  p.seconds = 0.01;
+  EXPECT_DOUBLE_EQ(pd::gpu::prefillGemmFraction(p, 6e14), 0.5);
+  EXPECT_EQ(pd::gpu::prefillGemmFraction(p, 0.0), 0.0);
+  p.seconds = 0.0;
+  EXPECT_EQ(pd::gpu::prefillGemmFraction(p, 6e14), 0.0);
 }
 
 TEST(DeviceBench, NoDeviceIsAClearError) {
@@ -119,6 +175,7 @@ TEST(DeviceBench, JsonReportHasTheCeilingsAndNullsForTheMissingEngine) {
   EXPECT_EQ(o.at("attention_context").to_number<std::int64_t>(), 4096);
   EXPECT_TRUE(o.at("mbu_batch1").is_null());
   EXPECT_TRUE(o.at("prefill_gemm_fraction").is_null());
+  EXPECT_TRUE(o.at("prefill").is_null());
   EXPECT_TRUE(o.at("decode").as_array().empty());
   EXPECT_TRUE(o.at("mbu_by_batch").as_object().empty());
   EXPECT_NE(std::string(o.at("note").as_string()).find("mbu_batch1 needs --model"), std::string::npos);
@@ -176,6 +233,30 @@ TEST(DeviceBench, JsonReportHasTheCeilingsAndNullsForTheMissingEngine) {
   const std::string measured = pd::bench::deviceReportText(result);
   EXPECT_NE(measured.find("decode batch 1 (bf16 numerics"), std::string::npos) << measured;
   EXPECT_NE(measured.find("MBU 0.750"), std::string::npos) << measured;
+  EXPECT_NE(note.find("prefill_gemm_fraction is not measured"), std::string::npos) << note;
+  // With a prefill: its fraction of the GEMM ceiling (7.5e14 FLOP/s), and no prefill note.
+  pd::gpu::PrefillResult p;
+  p.numerics = pd::gpu::Numerics::Fp32;
+  p.tokens = 512;
+  p.repetitions = 3;
+  p.seconds = 0.5;
+  p.flops = 3.75e13;  // 75 TFLOP/s of 750
+  p.cuda_graphs = true;
+  result.prefill = p;
+  const boost::json::value f = boost::json::parse(pd::bench::deviceReportJson(result), ec);
+  ASSERT_FALSE(ec) << pd::bench::deviceReportJson(result);
+  EXPECT_NEAR(f.at("prefill_gemm_fraction").to_number<double>(), 0.1, 1e-9);
+  const auto& pj = f.at("prefill").as_object();
+  EXPECT_EQ(pj.at("tokens").to_number<std::int64_t>(), 512);
+  EXPECT_EQ(pj.at("numerics").as_string(), "fp32");
+  EXPECT_NEAR(pj.at("tokens_per_s").to_number<double>(), 1024.0, 1e-6);
+  EXPECT_NEAR(pj.at("tflops").to_number<double>(), 75.0, 1e-6);
+  EXPECT_TRUE(pj.at("cuda_graphs").as_bool());
+  EXPECT_EQ(std::string(f.at("note").as_string()).find("prefill_gemm_fraction"), std::string::npos);
+  const std::string with_prefill = pd::bench::deviceReportText(result);
+  EXPECT_NE(with_prefill.find("fraction of the BF16 GEMM ceiling 0.1000, CUDA graphs"), std::string::npos)
+      << with_prefill;
+  result.prefill.reset();
   // Without batch 1, mbu_batch1 is null (not another batch's figure).
   result.decode = {d8};
   const boost::json::value n = boost::json::parse(pd::bench::deviceReportJson(result), ec);

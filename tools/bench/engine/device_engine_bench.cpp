@@ -2,6 +2,10 @@
 #include "bench/engine/device_engine_bench.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <string>
+#include <vector>
 
 #include "pd/common/json_text.h"
 
@@ -29,6 +33,7 @@ Result<DeviceEngineBenchResult> runDeviceEngineBench(const DeviceEngineBenchConf
   decode.context = config.decode_context;
   decode.steps = config.decode_steps;
   decode.cuda_graphs = config.cuda_graphs;
+  decode.prefill_tokens = config.prefill_tokens;
   decode.batches.clear();
   for (const std::int64_t b : config.batches) {
     if (b > gpu::kMaxDeviceDecodeBatch) {
@@ -51,6 +56,7 @@ Result<DeviceEngineBenchResult> runDeviceEngineBench(const DeviceEngineBenchConf
                         gpu::measureModelOnDevice(config.model, config.ceilings.device, decode));
     result.upload = measured.upload;
     result.decode = std::move(measured.decode);
+    result.prefill = measured.prefill;
   }
   return result;
 }
@@ -83,7 +89,18 @@ std::string deviceReportText(const DeviceEngineBenchResult& result) {
   }
   if (result.decode.empty()) out += fmt::format("{}\n", kDeviceDecodeNeedsModel);
   if (!result.unmeasured_batches.empty()) out += fmt::format("{}\n", kDeviceBatchOverStep);
-  out += fmt::format("{}\n", kDevicePrefillMissing);
+  if (result.prefill) {
+    const auto& p = *result.prefill;
+    out += fmt::format(
+        "prefill {} tokens ({} numerics, rows of decode steps): {:.3f} s, {:.1f} tokens/s, {:.2f} TFLOP/s, fraction "
+        "of the BF16 GEMM ceiling {:.4f}{}\n",
+        p.tokens, gpu::numericsName(p.numerics), p.seconds,
+        p.seconds > 0 ? static_cast<double>(p.tokens) / p.seconds : 0.0,
+        p.seconds > 0 ? p.flops / p.seconds / 1e12 : 0.0, gpu::prefillGemmFraction(p, r.gemm_flops),
+        p.cuda_graphs ? ", CUDA graphs" : ", eager");
+  } else {
+    out += fmt::format("{}\n", kDevicePrefillMissing);
+  }
   return out;
 }
 
@@ -117,18 +134,32 @@ std::string deviceReportJson(const DeviceEngineBenchResult& result) {
   }
   const gpu::DecodeStepResult* one = batchOne(result);
   const std::string mbu = one != nullptr ? fmt::format("{:.4f}", gpu::decodeStepMbu(*one, r.read_bandwidth)) : "null";
-  std::string note = result.decode.empty() ? fmt::format("{}; {}", kDeviceDecodeNeedsModel, kDevicePrefillMissing)
-                                           : std::string(kDevicePrefillMissing);
-  if (!result.decode.empty() && !result.unmeasured_batches.empty()) note += fmt::format("; {}", kDeviceBatchOverStep);
+  std::vector<std::string> notes;
+  if (result.decode.empty()) notes.emplace_back(kDeviceDecodeNeedsModel);
+  if (!result.prefill) notes.emplace_back(kDevicePrefillMissing);
+  if (!result.decode.empty() && !result.unmeasured_batches.empty()) notes.emplace_back(kDeviceBatchOverStep);
+  const std::string note = fmt::format("{}", fmt::join(notes, "; "));
+  std::string prefill = "null";
+  std::string fraction = "null";
+  if (result.prefill) {
+    const auto& p = *result.prefill;
+    fraction = fmt::format("{:.5f}", gpu::prefillGemmFraction(p, r.gemm_flops));
+    prefill = fmt::format(
+        "{{\"tokens\": {}, \"numerics\": \"{}\", \"repetitions\": {}, \"seconds\": {:.5f}, \"tokens_per_s\": {:.3f}, "
+        "\"flops\": {:.0f}, \"tflops\": {:.4f}, \"cuda_graphs\": {}}}",
+        p.tokens, gpu::numericsName(p.numerics), p.repetitions, p.seconds,
+        p.seconds > 0 ? static_cast<double>(p.tokens) / p.seconds : 0.0, p.flops,
+        p.seconds > 0 ? p.flops / p.seconds / 1e12 : 0.0, p.cuda_graphs);
+  }
   return fmt::format(
       "{{\"backend\": \"cuda\", \"device\": {}, \"read_bandwidth_gbs\": {:.3f}, \"read_mb\": {}, "
       "\"gemm_bf16_tflops\": {:.3f}, \"gemm_size\": {}, \"attention_hbm_fraction\": {:.4f}, \"attention_ms\": {:.4f}, "
       "\"attention_bytes\": {:.0f}, \"attention_batch\": {}, \"attention_context\": {}, \"attention_heads\": {}, "
       "\"attention_latent_dim\": {}, \"mbu_batch1\": {}, \"mbu_by_batch\": {{{}}}, \"decode\": [{}], "
-      "\"prefill_gemm_fraction\": null, \"note\": {}, \"weight_upload\": {}}}",
+      "\"prefill_gemm_fraction\": {}, \"prefill\": {}, \"note\": {}, \"weight_upload\": {}}}",
       jsonString(r.device), r.read_bandwidth / 1e9, c.read_mb, r.gemm_flops / 1e12, c.gemm_size,
       r.attention_hbm_fraction, r.attention_seconds * 1e3, r.attention_bytes, c.attention_batch, c.attention_context,
-      c.attention_heads, c.attention_latent_dim, mbu, by_batch, decode, jsonString(note), upload);
+      c.attention_heads, c.attention_latent_dim, mbu, by_batch, decode, fraction, prefill, jsonString(note), upload);
 }
 
 }  // namespace pd::bench

@@ -11,11 +11,13 @@
 
 #include <cstdint>
 #include <filesystem>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "pd/common/result.h"
 #include "pd/engine/gpu.h"
+#include "pd/engine/model_config.h"
 
 namespace pd::gpu {
 
@@ -82,6 +84,30 @@ struct DecodeStepResult {
 /// mbu of one step: bytes / seconds / read bandwidth (0 when either is not positive).
 [[nodiscard]] double decodeStepMbu(const DecodeStepResult& step, double read_bandwidth);
 
+/// A prompt of one sequence prefilled through the whole model on the device the way the CUDA
+/// engine runs a prompt today: its tokens as rows of decode steps, 64 rows a step, each row
+/// attending causally through the absorbed MLA path, only the last row's logits computed and
+/// copied back. gemm fraction = devicePrefillFlops / seconds / the BF16 GEMM ceiling.
+struct PrefillResult {
+  Numerics numerics = Numerics::Fp32;
+  std::int64_t tokens = 0;       ///< prompt length (positions 0 .. tokens-1)
+  std::int64_t repetitions = 0;  ///< timed prompts
+  double seconds = 0.0;          ///< median wall time of one whole prompt, until its logits are on the host
+  double flops = 0.0;            ///< devicePrefillFlops(config, tokens)
+  bool cuda_graphs = false;      ///< every step of the timed prompts replayed a captured graph
+};
+
+/// The FLOPs (2 x multiply-adds) a prefill of `tokens` tokens from position 0 performs on the
+/// device, counted as the CPU engine counts its ForwardStats::flops on the absorbed path: every
+/// linear applied (q_a, q_b or q, kv_a, o_proj; the dense MLP, or the router, top_k routed experts
+/// and the shared experts per token), the absorbed attention (scores and values over the latent
+/// for every (query, key) pair, W_UK and W_UV per head), and the LM head for the last row only.
+/// Embedding gathers, norms, RoPE and routing are not counted. Main layers only (no MTP).
+[[nodiscard]] double devicePrefillFlops(const ModelConfig& config, std::int64_t tokens);
+
+/// flops / seconds / gemm_flops (0 when any is not positive).
+[[nodiscard]] double prefillGemmFraction(const PrefillResult& prefill, double gemm_flops);
+
 /// The largest batch one decode step takes (the step's workspaces: kMaxDecodeBatch).
 inline constexpr std::int64_t kMaxDeviceDecodeBatch = 64;
 
@@ -95,20 +121,30 @@ struct DeviceDecodeBenchConfig {
   /// Batches to time, each 1..kMaxDeviceDecodeBatch (larger ones are the caller's to report as
   /// not measured).
   std::vector<std::int64_t> batches{1, 8, 32, 64};
+  /// Prompt length of the prefill measurement (0: none; cut to the model's
+  /// max_position_embeddings); the prompt is timed `prefill_repetitions` times after one untimed
+  /// run (two with CUDA graphs: every step's warm-up, then its capture).
+  std::int64_t prefill_tokens = 512;
+  std::int64_t prefill_repetitions = 3;
 };
-/// InvalidArgument for context or steps outside 1..65536, no batches, or a batch outside
-/// 1..kMaxDeviceDecodeBatch (checked before any device call, in every build).
+/// InvalidArgument for context or steps outside 1..65536, no batches, a batch outside
+/// 1..kMaxDeviceDecodeBatch, prefill_tokens outside 0..65536 or prefill_repetitions outside
+/// 1..1000 (checked before any device call, in every build).
 [[nodiscard]] Status validateDeviceDecodeBenchConfig(const DeviceDecodeBenchConfig& config);
 
 struct ModelOnDeviceResult {
   WeightUploadResult upload;
   std::vector<DecodeStepResult> decode;  ///< one per configured batch, in its order
+  std::optional<PrefillResult> prefill;  ///< when prefill_tokens > 0
 };
 
 /// Uploads `model_dir` to `device` once (timed: `upload`), then fills the cache of the largest
 /// batch's sequences up to `context` positions (untimed; sequence s feeds token (1 + 7919 s + 104729
 /// p) mod vocab at position p, so the rows route to different experts) and times `steps` steps of
-/// each batch's first sequences at the positions after. Frees everything before returning. Errors
+/// each batch's first sequences at the positions after; then, when prefill_tokens > 0, times a
+/// prompt of sequence 0's tokens from position 0 (PrefillResult; a prompt longer than the model's
+/// max_position_embeddings is cut to it, and PrefillResult::tokens says so). Frees everything
+/// before returning. Errors
 /// as DeviceWeights::upload (Unsupported "no CUDA device" without one; ResourceExhausted naming
 /// each part when it does not fit), the checkpoint's, the config's, or the decode step's.
 [[nodiscard]] Result<ModelOnDeviceResult> measureModelOnDevice(const std::filesystem::path& model_dir,
