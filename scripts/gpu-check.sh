@@ -12,6 +12,9 @@
 #
 # usage: scripts/gpu-check.sh [LOG_DIR]
 #   LOG_DIR                 default gpu-check-<UTC time>
+#   PD_GPU_BUNDLE           a scripts/gpu-bundle.sh tarball: use its prebuilt binaries instead of
+#                           building (a machine without pdserve's build dependencies, such as the
+#                           lent device machines; docs/gpu.md, "The device check")
 #   PD_GPU_BUILD_DIR        build folder (default build-gpu)
 #   CMAKE_CUDA_ARCHITECTURES  default 90 (H100/H200)
 #   PD_GPU_CHECK_LAYERS     decoder layers of the bench checkpoint (default 1: one dense layer plus
@@ -55,25 +58,98 @@ fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv >>"$log_dir/nvidia-smi.log" 2>&1
 say "gpu-check: GPUs: $(grep -c '^GPU ' "$log_dir/nvidia-smi.log"): $(grep '^GPU 0' "$log_dir/nvidia-smi.log")"
 
-# 2. Configure and build (only what the tests need).
-launcher=()
-if command -v ccache >/dev/null 2>&1; then
-  launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache -DCMAKE_CUDA_COMPILER_LAUNCHER=ccache)
-fi
-step configure 180 cmake -S . -B "$build_dir" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DPD_WITH_CUDA=ON \
-  -DCMAKE_CUDA_ARCHITECTURES="$arch" "${launcher[@]}" || fail "configure (is nvcc on PATH or CUDACXX set?)"
-targets=(test_kernel_parity test_device_weights test_device_decode test_cuda_engine test_gpu test_device_math
-  test_device_memory_plan test_model_device test_weight_upload_plan test_device_bench test_cuda_handles
-  test_decode_step_plan test_forward_plan test_staging_device pdserve)
-step build 360 cmake --build "$build_dir" -j "$jobs" --target "${targets[@]}" || fail "build"
+# Runs a gpu-bundle.sh test list (NAME WORKING_DIR SKIP_CODE TIMEOUT COMMAND, tab-separated) as
+# ctest would, printing ctest's result lines (and the output of every test that did not pass).
+run_test_list() {
+  local list=$1 n=0 total name dir skip_code limit cmd rc status t0 out
+  total=$(wc -l <"$list")
+  while IFS=$'\t' read -r name dir skip_code limit cmd; do
+    n=$((n + 1))
+    t0=$SECONDS
+    out="$log_dir/test-$n.log"
+    (cd "$dir" && timeout --kill-after=10 "$limit" bash -c "$cmd") </dev/null >"$out" 2>&1
+    rc=$?
+    if [[ "$rc" == "$skip_code" ]] || grep -q '^\[  SKIPPED \]' "$out"; then
+      status='***Skipped'
+    elif ((rc == 0)); then
+      status='Passed'
+    else
+      status="***Failed (exit $rc)"
+    fi
+    printf '%d/%d Test #%d: %s ... %s %d sec\n' "$n" "$total" "$n" "$name" "$status" $((SECONDS - t0))
+    if [[ "$status" != Passed ]]; then cat "$out"; fi
+  done <"$list"
+}
 
-# 3. The host tests of the kernels' arithmetic, then every gpu-labelled test.
-host_tests='^(DeviceMath|DeviceMemoryPlan|ModelDevice|WeightUploadPlan|DeviceBench|DecodeStepPlan|ForwardPlan)\.'
-step host-tests 60 ctest --test-dir "$build_dir" -L unit -R "$host_tests" --output-on-failure ||
-  fail "host tests of the kernels' arithmetic"
-step gpu-tests 300 ctest --test-dir "$build_dir" -L gpu --output-on-failure --timeout 280
-gpu_rc=$?
-gpu_log="$log_dir/gpu-tests.log"
+if [[ -n "${PD_GPU_BUNDLE:-}" ]]; then
+  # 2'. Prebuilt binaries (scripts/gpu-bundle.sh). They hold the absolute paths of the machine that
+  # built them (the test data under its checkout, pdserve under its build folder): those paths are
+  # made to lead here, to this checkout and to the unpacked build folder.
+  bundle_root=${PD_GPU_BUNDLE_DIR:-/tmp/pd-gpu-bundle}
+  rm -rf "$bundle_root" && mkdir -p "$bundle_root" || fail "cannot make $bundle_root"
+  tar -C "$bundle_root" -xJf "$PD_GPU_BUNDLE" || fail "cannot unpack $PD_GPU_BUNDLE"
+  origin_src=$(sed -n 1p "$bundle_root/origin")
+  origin_build=$(sed -n 2p "$bundle_root/origin")
+  here=$(pwd -P)
+  if [[ "$origin_src" != "$here" ]]; then
+    if [[ -e "$origin_src" ]]; then fail "the bundle's source folder $origin_src exists here and is not this checkout"; fi
+    mkdir -p "$(dirname "$origin_src")" && ln -s "$here" "$origin_src" || fail "cannot link $origin_src to $here"
+  fi
+  if [[ ! -e "$origin_build" ]]; then
+    mkdir -p "$(dirname "$origin_build")" && ln -s "$bundle_root/build" "$origin_build" ||
+      fail "cannot link $origin_build to the bundle"
+  fi
+  if [[ "$(cd "$origin_build" && pwd -P)" != "$(cd "$bundle_root/build" && pwd -P)" ]]; then
+    fail "$origin_build (the bundle's build folder) exists here and is not the bundle"
+  fi
+  build_dir=$origin_build
+  # CUDA's libraries and OpenSSL's libcrypto are the machine's: the system's, CUDA's folders, or the
+  # NVIDIA wheels of its Python.
+  lib_dirs="$bundle_root/lib"
+  search=(/usr/local/cuda/lib64 /usr/local/cuda/lib /usr/local/cuda/targets/x86_64-linux/lib)
+  while read -r site; do search+=("$site"/nvidia/*/lib); done < <(python3 -c \
+    'import site; print("\n".join(site.getsitepackages()))' 2>/dev/null)
+  for lib in libcudart.so.13 libcublas.so.13 libcublasLt.so.13 libnccl.so.2 libcrypto.so.3; do
+    if ldconfig -p 2>/dev/null | grep -qE "(^|[[:space:]])$lib[[:space:]]"; then continue; fi
+    for dir in "${search[@]}"; do
+      if [[ -e "$dir/$lib" ]]; then
+        lib_dirs="$lib_dirs:$dir"
+        break
+      fi
+    done
+  done
+  export LD_LIBRARY_PATH="$lib_dirs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  export UCX_MODULE_DIR="$bundle_root/lib/ucx"
+  missing=$(ldd "$build_dir/tools/pdserve" "$build_dir/tests/gpu/test_cuda_engine" 2>&1 | grep 'not found' | sort -u)
+  if [[ -n "$missing" ]]; then fail "libraries not found on this machine: $(echo "$missing" | tr -s ' \n' ' ')"; fi
+  say "gpu-check: prebuilt binaries of $PD_GPU_BUNDLE (built in $origin_build); libraries from $lib_dirs"
+  say "gpu-check: host tests of the kernels' arithmetic: not in the bundle (CI runs the same x86 code)"
+  gpu_log="$log_dir/gpu-tests.log"
+  t0=$SECONDS
+  run_test_list "$bundle_root/gpu-tests.tsv" >"$gpu_log" 2>&1
+  gpu_rc=$?
+  say "gpu-check: gpu-tests: exit $gpu_rc in $((SECONDS - t0)) s (log $gpu_log)"
+else
+  # 2. Configure and build (only what the tests need).
+  launcher=()
+  if command -v ccache >/dev/null 2>&1; then
+    launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache -DCMAKE_CUDA_COMPILER_LAUNCHER=ccache)
+  fi
+  step configure 180 cmake -S . -B "$build_dir" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DPD_WITH_CUDA=ON \
+    -DCMAKE_CUDA_ARCHITECTURES="$arch" "${launcher[@]}" || fail "configure (is nvcc on PATH or CUDACXX set?)"
+  targets=(test_kernel_parity test_device_weights test_device_decode test_cuda_engine test_gpu test_device_math
+    test_device_memory_plan test_model_device test_weight_upload_plan test_device_bench test_cuda_handles
+    test_decode_step_plan test_forward_plan test_staging_device pdserve)
+  step build 360 cmake --build "$build_dir" -j "$jobs" --target "${targets[@]}" || fail "build"
+
+  # 3. The host tests of the kernels' arithmetic, then every gpu-labelled test.
+  host_tests='^(DeviceMath|DeviceMemoryPlan|ModelDevice|WeightUploadPlan|DeviceBench|DecodeStepPlan|DecodeGraphs|ForwardPlan)\.'
+  step host-tests 60 ctest --test-dir "$build_dir" -L unit -R "$host_tests" --output-on-failure ||
+    fail "host tests of the kernels' arithmetic"
+  step gpu-tests 300 ctest --test-dir "$build_dir" -L gpu --output-on-failure --timeout 280
+  gpu_rc=$?
+  gpu_log="$log_dir/gpu-tests.log"
+fi
 ran=$(grep -cE 'Test +#[0-9]+: ' "$gpu_log")
 passed=$(grep -cE 'Test +#[0-9]+: .* Passed' "$gpu_log")
 skipped=$(grep -cE 'Test +#[0-9]+: .*\*\*\*Skipped' "$gpu_log")
