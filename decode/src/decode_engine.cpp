@@ -823,6 +823,7 @@ void DecodeEngine::runBatch(std::span<Sequence* const> all) {
     if (seq->constraint) stats_.grammar_seconds += seq->constraint->takeSeconds();
   }
   stats_.sample_seconds += verifier_->takeSampleSeconds();
+  stats_.engine_sampled_tokens += verifier_->takeEngineSampledTokens();
   stats_.drafts_proposed += proposed_tokens;
   stats_.drafts_accepted += accepted_tokens;
   stats_.tokens_generated += emitted_tokens;

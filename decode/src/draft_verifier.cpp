@@ -1,10 +1,21 @@
 #include "draft_verifier.h"
 
+#include <fmt/format.h>
+
 #include <chrono>
+#include <map>
 
 #include "pd/common/check.h"
 
 namespace pd::decode {
+
+bool DraftVerifier::engineSamples(std::span<const VerifySlot> slots) const {
+  if (sampling_engine_ == nullptr) return false;
+  for (const VerifySlot& s : slots) {
+    if (s.constraint != nullptr || !model::deviceSamplable(s.sampler->params())) return false;
+  }
+  return true;
+}
 
 Result<std::vector<Verified>> DraftVerifier::verify(std::span<const VerifySlot> slots) {
   const ModelConfig& cfg = engine_.config();
@@ -26,7 +37,40 @@ Result<std::vector<Verified>> DraftVerifier::verify(std::span<const VerifySlot> 
   fo.attention = model::AttentionPath::Absorbed;
   fo.logits = model::OutputRows::All;
   fo.hidden = any_spec ? model::OutputRows::All : model::OutputRows::None;
-  PD_ASSIGN_OR_RETURN(model::ForwardOutput out, engine_.forward(chunks, pool_.view(), fo));
+  const bool engine_samples = engineSamples(slots);
+  model::ForwardOutput out;
+  std::vector<model::SampledToken> sampled;  // engine_samples: one per row, in row order
+  if (engine_samples) {
+    // Row j of a slot is sampled as the slot's sampler would be after emitting drafts [0, j):
+    // their counts added, one draw each when sampling is stochastic.
+    std::size_t total_rows = 0;
+    for (const auto& f : feeds) total_rows += f.size();
+    std::vector<std::vector<std::pair<std::int32_t, std::int64_t>>> row_counts;
+    row_counts.reserve(total_rows);  // the requests' spans point into these
+    std::vector<model::RowSample> rows;
+    rows.reserve(total_rows);
+    for (std::size_t i = 0; i < n; ++i) {
+      const VerifySlot& s = slots[i];
+      const pd::SamplingParams& params = s.sampler->params();
+      const std::vector<std::pair<std::int32_t, std::int64_t>> base = s.sampler->counts();
+      std::map<std::int32_t, std::int64_t> counts(base.begin(), base.end());
+      for (std::size_t j = 0; j < feeds[i].size(); ++j) {
+        if (j > 0) ++counts[s.drafts[j - 1]];
+        row_counts.emplace_back(counts.begin(), counts.end());
+        const std::uint64_t draw = params.temperature != 0.0 ? s.sampler->draws() + j : 0;
+        rows.push_back(model::RowSample{&params, draw, row_counts.back()});
+      }
+    }
+    PD_ASSIGN_OR_RETURN(model::SampledForward r, sampling_engine_->forwardSampled(chunks, pool_.view(), fo, rows));
+    if (r.sampled.size() != total_rows) {
+      return makeError(ErrorCode::Internal,
+                       fmt::format("verify: the engine sampled {} of {} rows", r.sampled.size(), total_rows));
+    }
+    out = std::move(r.output);
+    sampled = std::move(r.sampled);
+  } else {
+    PD_ASSIGN_OR_RETURN(out, engine_.forward(chunks, pool_.view(), fo));
+  }
 
   std::vector<Verified> verified(n);
   std::size_t row = 0;
@@ -38,6 +82,15 @@ Result<std::vector<Verified>> DraftVerifier::verify(std::span<const VerifySlot> 
       if (s.mtp != nullptr) {
         const auto* h = out.hidden.data() + (row + j) * d;
         s.mtp->hidden.insert(s.mtp->hidden.end(), h, h + d);
+      }
+      if (engine_samples) {
+        const model::SampledToken& t = sampled[row + j];
+        s.sampler->resumeAfter(std::span<const std::int32_t>(&t.token, 1));  // its counts and its draw
+        v.tokens.push_back(t);
+        ++engine_sampled_tokens_;
+        if (j >= s.drafts.size() || v.tokens.back().token != s.drafts[j]) break;
+        ++v.accepted;
+        continue;
       }
       const std::span<const float> logits(out.logits.data() + (row + j) * vocab, vocab);
       if (s.constraint != nullptr) {

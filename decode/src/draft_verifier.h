@@ -3,6 +3,12 @@
 // model over (last token, drafts...) of every sequence in the step, then each verified position
 // is sampled with the request's own sampler exactly as plain decoding would; a draft is accepted
 // only if it equals that sample, so speculation never changes the output.
+//
+// When the engine is also a model::SamplingEngine (the CUDA engine) and no sequence of the step
+// has an output constraint, the rows are sampled where the logits are (forwardSampled): each row
+// gets its request's parameters, draw counter and token counts as its sampler would have them
+// after the drafts before it, so the tokens are the host sampler's, and only they cross to the
+// host. The host samplers are then advanced by the tokens emitted (Sampler::resumeAfter).
 // Thread rules: engine thread only.
 
 #include <cstddef>
@@ -15,6 +21,7 @@
 #include "pd/common/result.h"
 #include "pd/decode/drafter.h"
 #include "pd/decode/kv_pool.h"
+#include "pd/engine/device_sampling.h"
 #include "pd/engine/engine.h"
 #include "pd/engine/sampling.h"
 
@@ -44,7 +51,8 @@ struct Verified {
 class DraftVerifier {
  public:
   /// `engine` and `pool` must outlive the verifier.
-  DraftVerifier(model::Engine& engine, KvPool& pool) : engine_(engine), pool_(pool) {}
+  DraftVerifier(model::Engine& engine, KvPool& pool)
+      : engine_(engine), sampling_engine_(dynamic_cast<model::SamplingEngine*>(&engine)), pool_(pool) {}
 
   /// One result per slot, in order; the forward's error otherwise.
   [[nodiscard]] Result<std::vector<Verified>> verify(std::span<const VerifySlot> slots);
@@ -52,11 +60,19 @@ class DraftVerifier {
   /// Wall time in the samplers (masks applied included, the grammar's own work not) since the
   /// last call: DecodeStats::sample_seconds.
   [[nodiscard]] double takeSampleSeconds() { return std::exchange(sample_seconds_, 0.0); }
+  /// Tokens sampled by the engine (forwardSampled) since the last call: DecodeStats.
+  [[nodiscard]] std::int64_t takeEngineSampledTokens() { return std::exchange(engine_sampled_tokens_, 0); }
 
  private:
+  /// Whether this step's rows can be sampled by the engine: it samples, and every slot is free
+  /// text whose parameters the engine takes.
+  [[nodiscard]] bool engineSamples(std::span<const VerifySlot> slots) const;
+
   model::Engine& engine_;
+  model::SamplingEngine* sampling_engine_;  ///< the engine, when it samples; else null
   KvPool& pool_;
   double sample_seconds_ = 0.0;
+  std::int64_t engine_sampled_tokens_ = 0;
 };
 
 }  // namespace pd::decode

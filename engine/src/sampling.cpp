@@ -30,6 +30,7 @@ Sampler::Sampler(SamplingParams params, bool logprobs)
 double Sampler::nextUniform() {
   // splitmix64: a fixed, portable sequence for a given seed.
   rng_state_ += 0x9E3779B97F4A7C15ULL;
+  ++draws_;
   std::uint64_t z = rng_state_;
   z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
   z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
@@ -39,6 +40,12 @@ double Sampler::nextUniform() {
 
 void Sampler::observe(std::int32_t token) {
   ++counts_[token];
+}
+
+std::vector<std::pair<std::int32_t, std::int64_t>> Sampler::counts() const {
+  std::vector<std::pair<std::int32_t, std::int64_t>> out(counts_.begin(), counts_.end());
+  std::sort(out.begin(), out.end());
+  return out;
 }
 
 void Sampler::resumeAfter(std::span<const std::int32_t> produced) {

@@ -20,6 +20,7 @@
 #include "pd/engine/latent_cache.h"
 #include "pd/engine/safetensors.h"
 #include "pd/engine/sampling.h"
+#include "support/host_row_sampling_engine.h"
 #include "unit/decode/golden_support.h"
 #include "unit/decode/local_prefill.h"
 
@@ -158,10 +159,10 @@ class DecodeGolden : public ::testing::TestWithParam<std::string> {
                                                         std::int64_t max_tokens, std::int64_t drafts,
                                                         DecodeStats* stats = nullptr, std::int64_t max_running = 64,
                                                         const pd::SamplingParams& sampling = {}, KvPool* pool = nullptr,
-                                                        bool local = false) {
+                                                        bool local = false, model::Engine* engine = nullptr) {
     KvPool& kv = pool != nullptr ? *pool : *pool_;
     std::vector<Stream> streams(prompts.size());  // outlives the engine, whose destructor may call sinks
-    DecodeEngine dec(*engine_, kv, DecodeEngineOptions{drafts, max_running});
+    DecodeEngine dec(engine != nullptr ? *engine : *engine_, kv, DecodeEngineOptions{drafts, max_running});
     for (std::size_t i = 0; i < prompts.size(); ++i) {
       DecodeRequest r = request(i + 1, static_cast<std::int64_t>(prompts[i].size()), max_tokens, streams[i]);
       r.sampling = sampling;
@@ -353,6 +354,44 @@ TEST_P(DecodeGolden, SampledTokensDoNotDependOnSpeculation) {
   EXPECT_EQ(s.tokens, plain[0]);
   EXPECT_GT(dec.stats().drafts_accepted, 0);
   EXPECT_TRUE(dec.blocks().isFullyFree());
+}
+
+// An engine that samples where it computes the logits (a SamplingEngine: the CUDA engine's device
+// sampling) is handed every verify row with its request's draw counter and token counts, and the
+// streams are the host samplers' tokens: greedy, seeded top-k, penalties with top-p, and logprobs,
+// with 0 and 2 MTP drafts, two requests of different lengths batched. Here the SamplingEngine
+// samples each row with a host Sampler rebuilt from the row's request (support/
+// host_row_sampling_engine.h), so a wrong draw or count changes the tokens.
+TEST_P(DecodeGolden, AnEngineThatSamplesGivesTheHostSamplersTokens) {
+  pd::test_support::HostRowSamplingEngine sampling_engine(*engine_);
+  const std::vector<std::vector<std::int32_t>> prompts{prompt_, {prompt_.begin(), prompt_.begin() + 9}};
+  std::vector<pd::SamplingParams> cases(4);
+  cases[1].temperature = 0.8;
+  cases[1].top_k = 50;
+  cases[1].seed = 99;
+  cases[2].temperature = 0.7;
+  cases[2].top_p = 0.9;
+  cases[2].presence_penalty = 0.6;
+  cases[2].frequency_penalty = 0.4;
+  cases[2].seed = 7;
+  cases[3].temperature = 1.1;
+  cases[3].seed = 3;
+  cases[3].top_logprobs = 3;
+  for (std::size_t c = 0; c < cases.size(); ++c) {
+    for (const std::int64_t drafts : {0, 2}) {
+      DecodeStats host_stats;
+      DecodeStats engine_stats;
+      const auto host = decodeTogether(prompts, 12, drafts, &host_stats, 64, cases[c]);
+      const int rows_before = sampling_engine.sampled_rows;
+      const auto sampled =
+          decodeTogether(prompts, 12, drafts, &engine_stats, 64, cases[c], nullptr, false, &sampling_engine);
+      EXPECT_EQ(sampled, host) << "case " << c << ", " << drafts << " drafts";
+      EXPECT_EQ(host_stats.engine_sampled_tokens, 0);
+      // Every decode-step token came from the engine (the first token is the prefill side's).
+      EXPECT_EQ(engine_stats.engine_sampled_tokens, engine_stats.tokens_generated) << "case " << c;
+      EXPECT_GT(sampling_engine.sampled_rows, rows_before) << "case " << c;
+    }
+  }
 }
 
 // n = 3 (header comment of decode_engine.h, "Choices"): one prompt's KV, three sequences sharing

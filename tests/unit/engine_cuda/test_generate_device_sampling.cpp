@@ -15,53 +15,14 @@
 #include "pd/engine/engine.h"
 #include "pd/engine/generate.h"
 #include "pd/engine/sampling.h"
+#include "support/host_row_sampling_engine.h"
 
 namespace {
 
 namespace fs = std::filesystem;
 using namespace pd::model;
 
-class HostRowSamplingEngine final : public Engine, public SamplingEngine {
- public:
-  explicit HostRowSamplingEngine(std::unique_ptr<Engine> inner) : inner_(std::move(inner)) {}
-  [[nodiscard]] const pd::ModelConfig& config() const override { return inner_->config(); }
-  [[nodiscard]] EngineCapabilities capabilities() const override { return inner_->capabilities(); }
-  pd::Result<ForwardOutput> forward(std::span<const SequenceChunk> batch, const LatentCacheView& cache,
-                                    const ForwardOptions& options) override {
-    return inner_->forward(batch, cache, options);
-  }
-  pd::Result<ForwardOutput> forwardMtp(std::span<const SequenceChunk> batch, const LatentCacheView& cache,
-                                       const ForwardOptions& options) override {
-    return inner_->forwardMtp(batch, cache, options);
-  }
-  pd::Result<SampledForward> forwardSampled(std::span<const SequenceChunk> batch, const LatentCacheView& cache,
-                                            const ForwardOptions& options, std::span<const RowSample> rows) override {
-    PD_ASSIGN_OR_RETURN(ForwardOutput out, inner_->forward(batch, cache, options));
-    const auto vocab = static_cast<std::size_t>(config().vocab_size);
-    EXPECT_EQ(out.logits.size(), rows.size() * vocab) << "one request per logits row";
-    SampledForward r;
-    for (std::size_t j = 0; j < rows.size() && (j + 1) * vocab <= out.logits.size(); ++j) {
-      const RowSample& row = rows[j];
-      std::vector<std::int32_t> produced;
-      for (const auto& [token, count] : row.counts)
-        produced.insert(produced.end(), static_cast<std::size_t>(count), token);
-      // Every produced token consumed one draw when sampling is stochastic (none when greedy).
-      const std::uint64_t want_draw = row.params->temperature > 0.0 ? produced.size() : 0;
-      EXPECT_EQ(row.draw, want_draw) << "row " << j;
-      Sampler sampler(*row.params);
-      sampler.resumeAfter(produced);
-      r.sampled.push_back(sampler.sample(std::span<const float>(out.logits.data() + j * vocab, vocab)));
-      ++sampled_rows;
-    }
-    r.output = std::move(out);
-    r.output.logits.clear();  // as a device engine: nothing but the tokens comes back
-    return r;
-  }
-  int sampled_rows = 0;
-
- private:
-  std::unique_ptr<Engine> inner_;
-};
+using pd::test_support::HostRowSamplingEngine;
 
 std::unique_ptr<Engine> cpu() {
   CpuEngineOptions o;

@@ -244,6 +244,9 @@ struct DecodeStats {
   double grammar_seconds = 0.0;
   /// Wall time in the samplers during steps, all sequences (a constraint's mask applied included).
   double sample_seconds = 0.0;
+  /// Tokens the engine sampled where it computed the logits (a SamplingEngine: the CUDA engine's
+  /// device sampling), not the host samplers.
+  std::int64_t engine_sampled_tokens = 0;
 };
 
 class DecodeEngine {

@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <span>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "pd/common/generation.h"
@@ -51,6 +52,10 @@ class Sampler {
   void resumeAfter(std::span<const std::int32_t> produced);
 
   [[nodiscard]] const SamplingParams& params() const { return params_; }
+  /// RNG draws consumed so far: the index of the next one (a device sampler's RowSample::draw).
+  [[nodiscard]] std::uint64_t draws() const { return draws_; }
+  /// The tokens recorded for the penalties, each with its count, ascending by id.
+  [[nodiscard]] std::vector<std::pair<std::int32_t, std::int64_t>> counts() const;
 
  private:
   double nextUniform();  // [0, 1), 53 random bits
@@ -60,6 +65,7 @@ class Sampler {
   SamplingParams params_;
   bool logprobs_;
   std::uint64_t rng_state_;
+  std::uint64_t draws_ = 0;
   std::unordered_map<std::int32_t, std::int64_t> counts_;
   std::vector<float> work_;               // adjusted logits: of every token, or of candidates_
   std::vector<std::int32_t> candidates_;  // a sparse mask's allowed ids (ascending); empty: all tokens
