@@ -88,12 +88,8 @@ Result<std::vector<Verified>> DraftVerifier::verify(std::span<const VerifySlot> 
         s.sampler->resumeAfter(std::span<const std::int32_t>(&t.token, 1));  // its counts and its draw
         v.tokens.push_back(t);
         ++engine_sampled_tokens_;
-        if (j >= s.drafts.size() || v.tokens.back().token != s.drafts[j]) break;
-        ++v.accepted;
-        continue;
-      }
-      const std::span<const float> logits(out.logits.data() + (row + j) * vocab, vocab);
-      if (s.constraint != nullptr) {
+      } else if (s.constraint != nullptr) {
+        const std::span<const float> logits(out.logits.data() + (row + j) * vocab, vocab);
         const std::span<const std::uint64_t> mask = s.constraint->mask();
         const auto t0 = std::chrono::steady_clock::now();
         v.tokens.push_back(s.sampler->sample(logits, mask));
@@ -101,6 +97,7 @@ Result<std::vector<Verified>> DraftVerifier::verify(std::span<const VerifySlot> 
         PD_CHECK(s.constraint->accept(v.tokens.back().token).ok());  // sampled under the mask
         if (s.constraint->terminated()) break;                       // nothing may follow the stop token
       } else {
+        const std::span<const float> logits(out.logits.data() + (row + j) * vocab, vocab);
         const auto t0 = std::chrono::steady_clock::now();
         v.tokens.push_back(s.sampler->sample(logits));
         sample_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();

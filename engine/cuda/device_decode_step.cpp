@@ -39,10 +39,9 @@ struct StepShape {
   i64 n = 0;
   i64 attention_context = 0;
   bool mtp = false;
-  const std::uint8_t* zero = nullptr;                    // MTP rows whose embedding is zeroed, or null
-  DeviceDecodeStep::LatentObserver* observer = nullptr;  // forces eager: a synchronize per layer
-  bool collect = false;                                  // copy each layer's latents to the host buffer
-  bool round = false;                                    // round the latents to BF16 first
+  const std::uint8_t* zero = nullptr;  // MTP rows whose embedding is zeroed, or null
+  bool collect = false;                // copy each layer's latents to the host buffer
+  bool round = false;                  // round the latents to BF16 first
 };
 
 // A linear layer y = W x on the device: an FP32 matrix for cuBLAS, the checkpoint's BF16 matrix
@@ -165,8 +164,7 @@ struct DeviceDecodeStep::Impl {
   // Workspaces for kMaxDecodeBatch tokens.
   cuda::DeviceBuffer<float> h, xn, qa, q, kv, latent, q_cat, o_lat, o, attn_out, ffn_out, router_logits, gx, act, up,
       gout, logits, cat, prev, sel;
-  std::optional<cuda::PinnedHostBuffer<float>> latent_host;  // [kMaxDecodeBatch, latent_dim]: the observer's view
-  std::optional<cuda::PinnedHostBuffer<float>> staging;      // writeCache's host side, grown on demand
+  std::optional<cuda::PinnedHostBuffer<float>> staging;  // writeCache's host side, grown on demand
   cuda::DeviceBuffer<std::int64_t> positions, ctx_len, table_begin, write_slots;
   // [kMaxDecodeBatch]: the step's token ids, the rows whose logits it returns, the MTP rows whose
   // embedding is zeroed; the gather kernel reads them on the device.
@@ -188,7 +186,7 @@ struct DeviceDecodeStep::Impl {
   // CUDA graphs (Options::cuda_graphs); declared last, so released before what they point into.
   bool cuda_graphs = true;
   cuda::DeviceBuffer<std::byte> blas_workspace;
-  DeviceDecodeStep::GraphStats graph_stats;
+  DeviceDecodeStep::GraphStats graph_stats;  // held: graphs.size(), filled in by graphStats()
   DecodeGraphCache<cuda::Graph> graphs{kMaxDecodeGraphs};
 
   Impl(const ModelConfig& c, const DeviceWeights& w, DecodeCacheShape shape, cuda::Stream s, cuda::BlasHandle b)
@@ -485,7 +483,6 @@ struct DeviceDecodeStep::Impl {
   [[nodiscard]] Status attentionBlock(const Layer& l, i64 kv_layer, const StepShape& shape) {
     const ModelConfig& c = cfg;
     const i64 n = shape.n;
-    LatentObserver* observer = shape.observer;
     const i64 d = c.hidden_size;
     const i64 heads = c.num_attention_heads;
     const i64 dn = c.qk_nope_head_dim;
@@ -514,17 +511,6 @@ struct DeviceDecodeStep::Impl {
                            stream));
     float* layer_cache = cache.data() + kv_layer * cache_shape.num_blocks * cache_shape.block_size * ld;
     if (shape.round) PD_TRY(roundToBf16(latent.data(), n * ld, stream));
-    // The observer sees the latents on the host (a synchronize per layer) and may replace them.
-    bool from_host = false;
-    float* host = latent_host->data();
-    if (observer != nullptr) {
-      PD_CUDA_TRY(cudaMemcpyAsync(host, latent.data(), sz(n * ld) * sizeof(float), cudaMemcpyDeviceToHost, s));
-      PD_TRY(stream.synchronize());
-      PD_ASSIGN_OR_RETURN(from_host, observer->onLatents(kv_layer, std::span<float>(host, sz(n * ld))));
-    }
-    if (from_host) {  // the observer's values replace the device's
-      PD_CUDA_TRY(cudaMemcpyAsync(latent.data(), host, sz(n * ld) * sizeof(float), cudaMemcpyHostToDevice, s));
-    }
     if (shape.collect) {  // into pinned memory: a plain copy node when captured
       PD_CUDA_TRY(cudaMemcpyAsync(collected->data() + kv_layer * kMaxDecodeBatch * ld, latent.data(),
                                   sz(n * ld) * sizeof(float), cudaMemcpyDeviceToHost, s));
@@ -557,8 +543,7 @@ struct DeviceDecodeStep::Impl {
 
   // Everything of a step between its uploads and its LM head: the embedding rows, every layer (or
   // the MTP layer) and the final norm into xn. This is what a CUDA graph captures: it reads its
-  // per-step inputs from device buffers that run() fills first, and it never waits for the host
-  // unless an observer asks for each layer's latents.
+  // per-step inputs from device buffers that run() fills first, and it never waits for the host.
   [[nodiscard]] Status forwardBody(const StepShape& shape) {
     const i64 n = shape.n;
     const i64 d = cfg.hidden_size;
@@ -585,10 +570,10 @@ struct DeviceDecodeStep::Impl {
     return rmsNormResidual(h.data(), delta, out_norm, xn.data(), n, d, eps, stream);
   }
 
-  // Runs forwardBody as a CUDA graph when it can (no observer, graphs on; see DecodeGraphCache
-  // for when a key is eager, captured or replayed), else eagerly with the exact context.
+  // Runs forwardBody as a CUDA graph when graphs are on (see DecodeGraphCache for when a key is
+  // eager, captured or replayed), else eagerly with the exact context.
   [[nodiscard]] Status runBody(StepShape shape) {
-    if (!cuda_graphs || shape.observer != nullptr) {
+    if (!cuda_graphs) {
       ++graph_stats.eager;
       return forwardBody(shape);
     }
@@ -601,7 +586,6 @@ struct DeviceDecodeStep::Impl {
     key.collect_latents = shape.collect;
     key.round_latents = shape.round;
     auto [entry, action] = graphs.use(key);
-    graph_stats.held = static_cast<i64>(graphs.size());
     if (action == DecodeGraphCache<cuda::Graph>::Action::Eager) {
       ++graph_stats.eager;
       return forwardBody(shape);
@@ -621,7 +605,6 @@ struct DeviceDecodeStep::Impl {
       }
       entry->graph.emplace(std::move(*graph));
       ++graph_stats.captured;
-      graph_stats.held = static_cast<i64>(graphs.size());
       return entry->graph->launch(stream);
     }
     ++graph_stats.replayed;
@@ -771,8 +754,6 @@ Result<std::unique_ptr<DeviceDecodeStep>> DeviceDecodeStep::create(const DeviceW
   }
   PD_ASSIGN_OR_RETURN(DeviceSampler sampler, DeviceSampler::create(n, c.vocab_size));
   m.sampler.emplace(std::move(sampler));
-  PD_ASSIGN_OR_RETURN(cuda::PinnedHostBuffer<float> latent_host, cuda::PinnedHostBuffer<float>::create(sz(n * ld)));
-  m.latent_host.emplace(std::move(latent_host));
   PD_ASSIGN_OR_RETURN(cuda::PinnedHostBuffer<float> collected,
                       cuda::PinnedHostBuffer<float>::create(sz(m.cache_layers * n * ld)));
   m.collected.emplace(std::move(collected));
@@ -873,7 +854,9 @@ Result<std::vector<std::int32_t>> DeviceDecodeStep::expertsUsedLastRun() {
 }
 
 DeviceDecodeStep::GraphStats DeviceDecodeStep::graphStats() const {
-  return impl_->graph_stats;
+  GraphStats stats = impl_->graph_stats;
+  stats.held = static_cast<std::int64_t>(impl_->graphs.size());
+  return stats;
 }
 
 bool DeviceDecodeStep::hasMtp() const {
@@ -964,9 +947,6 @@ Result<DeviceDecodeStep::Output> DeviceDecodeStep::run(const DecodeStepPlan& pla
       return makeError(ErrorCode::InvalidArgument, "device step: zero_embedding needs one flag per row");
     }
   }
-  if (request.observer != nullptr && request.collector != nullptr) {
-    return makeError(ErrorCode::InvalidArgument, "device step: an observer and a collector in one request");
-  }
   PD_CUDA_TRY(cudaSetDevice(m.weights.device().index));
   const cudaStream_t s = m.stream.get();
   // Every per-step input goes to its device buffer first: the body (or its graph) reads them there.
@@ -982,7 +962,6 @@ Result<DeviceDecodeStep::Output> DeviceDecodeStep::run(const DecodeStepPlan& pla
   shape.n = n;
   shape.attention_context = plan.max_context;
   shape.mtp = request.mtp;
-  shape.observer = request.observer;
   shape.collect = request.collector != nullptr;
   shape.round = request.round_latents_to_bf16;
   if (request.mtp) {
@@ -1095,7 +1074,6 @@ Status DeviceDecodeStep::setCacheShape(const DecodeCacheShape& shape) {
   PD_TRY(m.stream.synchronize());
   // The graphs point into the cache, the attention workspace and the block tables: they go too.
   m.graphs.clear();
-  m.graph_stats.held = 0;
   // Free the old cache first, so that the new one may take its place.
   m.cache = {};
   m.attention.reset();

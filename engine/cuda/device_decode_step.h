@@ -17,12 +17,13 @@
 ///
 /// The same step runs the rows of prefill chunks and MTP verify (one row per new token, each
 /// attending to the positions up to its own: every row's latent is written to the device cache
-/// before the layer's attention reads it) and the MTP layer (run()), with an observer that sees
-/// each layer's new latents on the host (the CudaEngine mirrors them into the caller's cache).
+/// before the layer's attention reads it) and the MTP layer (run()), with a collector that receives
+/// each layer's new latents on the host after the step (the CudaEngine mirrors them into the
+/// caller's cache).
 ///
 /// Options::numerics Bf16 is the bf16 mode (BF16 linears multiplied as stored, their inputs rounded
-/// to BF16, FP32 accumulation). Not yet here: a BF16 device cache. Steps without a per-layer
-/// observer run as CUDA graphs (Options::cuda_graphs). The MoE runs
+/// /// to BF16, FP32 accumulation). Not yet here: a BF16 device cache. Steps run as CUDA graphs
+/// (Options::cuda_graphs). The MoE runs
 /// on the device without a host round trip: grouping by expert, one grouped GEMV launch per
 /// expert linear, the combine (docs/gpu.md).
 ///
@@ -53,7 +54,7 @@ class DeviceDecodeStep {
     /// (no copy) with their inputs rounded to BF16, FP32 accumulation (cublasGemmEx); FP8
     /// linears, kv_b, the embedding, norms, attention and the residual are as in Fp32.
     gpu::Numerics numerics = gpu::Numerics::Fp32;
-    /// Steps without a per-layer observer run as CUDA graphs: per DecodeGraphKey (rows, attention
+    /// Steps run as CUDA graphs: per DecodeGraphKey (rows, attention
     /// context band, MTP, latent collection and rounding), the first step runs eagerly, the second
     /// is captured, later ones replay it (one launch for the embedding, every layer and the final
     /// norm). A capture that fails leaves its key eager, with a warning. false: always eager.
@@ -71,16 +72,6 @@ class DeviceDecodeStep {
   /// and returns the logits [batch.size(), vocab_size]. Blocks until they are on the host.
   [[nodiscard]] Result<std::vector<float>> step(std::span<const DecodeSequence> batch);
 
-  /// Sees each layer's new latents [tokens, latent_dim] (float32, on the host, in row order) after
-  /// they are computed and before the layer's attention reads them. Called on the calling thread.
-  class LatentObserver {
-   public:
-    virtual ~LatentObserver() = default;
-    /// May change `latents` in place (e.g. round them as a BF16 cache would); returns whether it
-    /// did, in which case the changed values are what the device cache holds and attention reads.
-    [[nodiscard]] virtual Result<bool> onLatents(std::int64_t kv_layer, std::span<float> latents) = 0;
-  };
-
   /// Receives each layer's new latents [tokens, latent_dim] (float32, on the host, in row order,
   /// as the device cache holds them) after the whole step has run, in KV-layer order: no
   /// synchronize per layer, so a step with a collector can run as a CUDA graph.
@@ -96,8 +87,7 @@ class DeviceDecodeStep {
     std::span<const std::uint8_t> zero_embedding;  ///< mtp: per row, 1 = zero its token embedding (or empty)
     std::span<const std::int64_t> logit_rows;      ///< rows whose logits to return, each in [0, tokens)
     std::span<const std::int64_t> hidden_rows;     ///< rows whose hidden states to return
-    LatentObserver* observer = nullptr;            ///< null: latents go straight to the device cache
-    LatentCollector* collector = nullptr;          ///< not with an observer
+    LatentCollector* collector = nullptr;          ///< null: latents go only to the device cache
     /// Round each new latent to BF16 (math::bf16Round) before the cache and the attention see it,
     /// as a BF16 host cache would hold it.
     bool round_latents_to_bf16 = false;

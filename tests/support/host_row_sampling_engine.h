@@ -67,4 +67,25 @@ class HostRowSamplingEngine final : public model::Engine, public model::Sampling
   model::Engine& inner_;
 };
 
+/// The sampling parameters a caller of forwardSampled is checked with: greedy, seeded top-k,
+/// top-p with penalties, greedy with penalties (the counts matter, the draws do not), and
+/// logit_bias with top logprobs.
+inline std::vector<pd::SamplingParams> engineSamplingCases() {
+  std::vector<pd::SamplingParams> cases(5);
+  cases[1].temperature = 0.9;
+  cases[1].top_k = 50;
+  cases[1].seed = 11;
+  cases[2].temperature = 0.7;
+  cases[2].top_p = 0.9;
+  cases[2].presence_penalty = 0.5;
+  cases[2].frequency_penalty = 0.3;
+  cases[2].seed = 3;
+  cases[3].presence_penalty = 1.5;
+  cases[4].temperature = 0.8;
+  cases[4].seed = 5;
+  cases[4].top_logprobs = 3;
+  cases[4].logit_bias = {{5, 6.0F}, {77, -100.0F}};
+  return cases;
+}
+
 }  // namespace pd::test_support

@@ -358,25 +358,15 @@ TEST_P(DecodeGolden, SampledTokensDoNotDependOnSpeculation) {
 
 // An engine that samples where it computes the logits (a SamplingEngine: the CUDA engine's device
 // sampling) is handed every verify row with its request's draw counter and token counts, and the
-// streams are the host samplers' tokens: greedy, seeded top-k, penalties with top-p, and logprobs,
-// with 0 and 2 MTP drafts, two requests of different lengths batched. Here the SamplingEngine
+// streams are the host samplers' tokens for every case of engineSamplingCases() (greedy, top-k,
+// penalties, logit_bias and top logprobs), with 0 and 2 MTP drafts, two requests of different
+// lengths batched. Here the SamplingEngine
 // samples each row with a host Sampler rebuilt from the row's request (support/
 // host_row_sampling_engine.h), so a wrong draw or count changes the tokens.
 TEST_P(DecodeGolden, AnEngineThatSamplesGivesTheHostSamplersTokens) {
   pd::test_support::HostRowSamplingEngine sampling_engine(*engine_);
   const std::vector<std::vector<std::int32_t>> prompts{prompt_, {prompt_.begin(), prompt_.begin() + 9}};
-  std::vector<pd::SamplingParams> cases(4);
-  cases[1].temperature = 0.8;
-  cases[1].top_k = 50;
-  cases[1].seed = 99;
-  cases[2].temperature = 0.7;
-  cases[2].top_p = 0.9;
-  cases[2].presence_penalty = 0.6;
-  cases[2].frequency_penalty = 0.4;
-  cases[2].seed = 7;
-  cases[3].temperature = 1.1;
-  cases[3].seed = 3;
-  cases[3].top_logprobs = 3;
+  const std::vector<pd::SamplingParams> cases = pd::test_support::engineSamplingCases();
   for (std::size_t c = 0; c < cases.size(); ++c) {
     for (const std::int64_t drafts : {0, 2}) {
       DecodeStats host_stats;

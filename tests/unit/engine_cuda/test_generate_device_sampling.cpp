@@ -37,20 +37,7 @@ TEST(GenerateDeviceSampling, TheEnginesTokensAreTheHostSamplers) {
   auto reference = cpu();
   HostRowSamplingEngine device(cpu());
   const std::vector<std::int32_t> prompt{618, 1600, 791, 1241, 955, 1454, 705, 184, 603, 1292, 1272};
-  std::vector<pd::SamplingParams> cases(5);
-  cases[1].temperature = 0.9;
-  cases[1].top_k = 50;
-  cases[1].seed = 11;
-  cases[2].temperature = 0.7;
-  cases[2].top_p = 0.9;
-  cases[2].presence_penalty = 0.5;
-  cases[2].frequency_penalty = 0.3;
-  cases[2].seed = 3;
-  cases[3].presence_penalty = 1.5;  // greedy with penalties: the counts matter, the draws do not
-  cases[4].temperature = 0.8;       // logit_bias and top logprobs, sampled by the engine too
-  cases[4].seed = 5;
-  cases[4].top_logprobs = 3;
-  cases[4].logit_bias = {{5, 6.0F}, {77, -100.0F}};
+  const std::vector<pd::SamplingParams> cases = pd::test_support::engineSamplingCases();
   for (std::size_t c = 0; c < cases.size(); ++c) {
     for (const std::int64_t drafts : {0, 2}) {
       GenerateOptions o;
