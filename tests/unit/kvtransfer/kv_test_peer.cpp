@@ -6,7 +6,8 @@
 // device).
 //   kv_test_peer receive --tls T --tokens N --blocks B --seed S [--model-hash H] [--timeout-ms MS]
 //       registers a pool of B blocks, prints "DESCRIPTOR <hex>", waits for the request's record,
-//       verifies every byte, prints "RESULT ok" or "RESULT <what went wrong>".
+//       verifies every byte, prints "RESULT ok" or "RESULT <what went wrong>", and stays up
+//       until its stdin closes.
 //   kv_test_peer send --tls T --seed S [--model-hash H] [--stall-after-layers K]
 //       reads "DESCRIPTOR <hex>" from stdin, puts every layer, finishes, prints "RESULT ...";
 //       with --stall-after-layers it puts K layers, prints "POSTED" and hangs (to be killed).
@@ -71,6 +72,16 @@ std::unique_ptr<Transport> transport(const std::map<std::string, std::string>& f
   return std::move(staged).value();
 }
 
+/// The receiver stays up, its endpoints open, until the test closes our stdin (or dies): a
+/// receiver that exited right after its record arrived could close the connection before the
+/// sender had seen the record's send complete, and the sender would report the delivered
+/// transfer as PeerFailed. The test closes stdin only after its own outcome, by construction.
+void lingerUntilStdinCloses() {
+  std::string line;
+  while (std::getline(std::cin, line)) {
+  }
+}
+
 int receive(const std::map<std::string, std::string>& flags) {
   const CompatInfo compat = testutil::realCompat(flagU64(flags, "--model-hash", 0x5eed));
   const auto tokens = static_cast<std::uint32_t>(flagU64(flags, "--tokens", 130));
@@ -114,6 +125,7 @@ int receive(const std::map<std::string, std::string>& flags) {
   const std::string mismatch = pool.verify(asked, seed);
   say(mismatch.empty() ? fmt::format("RESULT ok first_token={}", arrived->value().first_token)
                        : "RESULT mismatch: " + mismatch);
+  lingerUntilStdinCloses();
   return 0;
 }
 
