@@ -4,7 +4,7 @@
 set -euo pipefail
 
 packages=(
-  build-essential cmake ninja-build pkg-config git ca-certificates curl
+  build-essential cmake ninja-build lld pkg-config git ca-certificates curl
   libucx-dev ucx-utils
   libboost1.81-dev libboost-json1.81-dev
   libyaml-cpp-dev libpcre2-dev libfmt-dev libssl-dev
