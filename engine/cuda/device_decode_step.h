@@ -22,7 +22,7 @@
 /// caller's cache).
 ///
 /// Options::numerics Bf16 is the bf16 mode (BF16 linears multiplied as stored, their inputs rounded
-/// /// to BF16, FP32 accumulation). Not yet here: a BF16 device cache. Steps run as CUDA graphs
+/// to BF16, FP32 accumulation). Not yet here: a BF16 device cache. Steps run as CUDA graphs
 /// (Options::cuda_graphs). The MoE runs
 /// on the device without a host round trip: grouping by expert, one grouped GEMV launch per
 /// expert linear, the combine (docs/gpu.md).

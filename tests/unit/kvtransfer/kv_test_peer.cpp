@@ -72,10 +72,11 @@ std::unique_ptr<Transport> transport(const std::map<std::string, std::string>& f
   return std::move(staged).value();
 }
 
-/// The receiver stays up, its endpoints open, until the test closes our stdin (or dies): a
-/// receiver that exited right after its record arrived could close the connection before the
-/// sender had seen the record's send complete, and the sender would report the delivered
-/// transfer as PeerFailed. The test closes stdin only after its own outcome, by construction.
+/// The receiver stays up, its endpoints open, until its stdin closes or it is killed: a receiver
+/// that exited right after its record arrived could close the connection before the sender had
+/// seen the record's send complete, and the sender would report the delivered transfer as
+/// PeerFailed. The test's ChildProcess ends us (SIGKILL, then closes stdin) only in its
+/// destructor, after the test's own outcome, so the order holds by construction.
 void lingerUntilStdinCloses() {
   std::string line;
   while (std::getline(std::cin, line)) {
