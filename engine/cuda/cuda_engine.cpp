@@ -156,6 +156,7 @@ class CudaEngine final : public Engine, public SamplingEngine {
                                   p.frequency_penalty, p.seed,  r.draw,  r.counts};
       row.logit_bias = biases[i];
       row.top_logprobs = p.top_logprobs;
+      row.allowed = r.allowed;  // DeviceSampler::sample checks its size and that it allows a token
       sample_rows.push_back(row);
     }
     PD_TRY(step_->setCacheShape({cache.num_blocks, cache.block_size}));
