@@ -29,9 +29,16 @@ class ConstraintState {
   /// How many leading `drafts` the grammar accepts in order; the state is unchanged after the
   /// call (the drafts are accepted, counted, then rolled back).
   [[nodiscard]] std::size_t acceptablePrefix(std::span<const std::int32_t> drafts);
+  /// Words of a mask (the vocabulary's maskWords()).
+  [[nodiscard]] std::size_t maskWords() const { return mask_.size(); }
+  /// The masks a verify forward samples the rows of (last token, drafts...) with, concatenated:
+  /// row j's is the mask after drafts [0, j) were accepted; a row past a draft the grammar
+  /// refuses or past a stop token (never sampled: verification stops before it) repeats the last
+  /// mask. The state is unchanged after the call.
+  [[nodiscard]] std::vector<std::uint64_t> rowMasks(std::span<const std::int32_t> drafts);
   /// True once a stop token was accepted: the output is complete and nothing may follow.
   [[nodiscard]] bool terminated() const { return matcher_.isTerminated(); }
-  /// Wall time spent in mask(), accept() and acceptablePrefix() since the last call (the
+  /// Wall time spent in mask(), accept(), acceptablePrefix() and rowMasks() since the last call (the
   /// grammar's share of a decode step; DecodeStats::grammar_seconds).
   [[nodiscard]] double takeSeconds() { return std::exchange(seconds_, 0.0); }
 

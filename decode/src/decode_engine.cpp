@@ -106,6 +106,12 @@ DecodeEngine::DecodeEngine(model::Engine& engine, KvPool& pool, DecodeEngineOpti
       verifier_(std::make_unique<DraftVerifier>(engine, pool)) {
   PD_CHECK(pool.latentDim() == engine.config().latentDim());
   PD_CHECK(pool.numLayers() == engine.config().kvLayers());
+  // This engine owns the pool's allocations, so it keeps the block epochs an engine's copy of
+  // the cache relies on (LatentCacheView::block_epochs): a block changes owner only through
+  // take() (touched there), KV lands only into such fresh blocks (touched again on arrival and
+  // after a local prefill), and copyBlock touches its destination.
+  pool_.enableEpochs();
+  blocks_.setOnTake([this](std::int32_t b) { pool_.touch(b); });
   PD_CHECK(options_.num_speculative_tokens >= 0 && options_.max_running_requests >= 1 &&
            options_.kv_headroom_blocks >= 0 && options_.local_prefill_chunk_size >= 1 &&
            options_.local_prefill_token_budget >= 1 && options_.max_choices >= 1 && options_.prefix_cache_blocks >= 0);

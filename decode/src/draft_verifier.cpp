@@ -11,8 +11,10 @@ namespace pd::decode {
 
 bool DraftVerifier::engineSamples(std::span<const VerifySlot> slots) const {
   if (sampling_engine_ == nullptr) return false;
+  const auto words = static_cast<std::size_t>((engine_.config().vocab_size + 63) / 64);
   for (const VerifySlot& s : slots) {
-    if (s.constraint != nullptr || !model::deviceSamplable(s.sampler->params())) return false;
+    if (!model::deviceSamplable(s.sampler->params())) return false;
+    if (s.constraint != nullptr && s.constraint->maskWords() != words) return false;  // masks the model's vocabulary
   }
   return true;
 }
@@ -49,16 +51,23 @@ Result<std::vector<Verified>> DraftVerifier::verify(std::span<const VerifySlot> 
     row_counts.reserve(total_rows);  // the requests' spans point into these
     std::vector<model::RowSample> rows;
     rows.reserve(total_rows);
+    // A constrained slot's rows go with the masks its grammar gives after the drafts before each.
+    std::vector<std::vector<std::uint64_t>> masks(n);
     for (std::size_t i = 0; i < n; ++i) {
       const VerifySlot& s = slots[i];
       const pd::SamplingParams& params = s.sampler->params();
+      const std::size_t words = s.constraint != nullptr ? s.constraint->maskWords() : 0;
+      if (s.constraint != nullptr) masks[i] = s.constraint->rowMasks(s.drafts);
       const std::vector<std::pair<std::int32_t, std::int64_t>> base = s.sampler->counts();
       std::map<std::int32_t, std::int64_t> counts(base.begin(), base.end());
       for (std::size_t j = 0; j < feeds[i].size(); ++j) {
         if (j > 0) ++counts[s.drafts[j - 1]];
         row_counts.emplace_back(counts.begin(), counts.end());
         const std::uint64_t draw = params.temperature != 0.0 ? s.sampler->draws() + j : 0;
-        rows.push_back(model::RowSample{&params, draw, row_counts.back()});
+        const std::span<const std::uint64_t> allowed =
+            s.constraint != nullptr ? std::span<const std::uint64_t>(masks[i]).subspan(j * words, words)
+                                    : std::span<const std::uint64_t>{};
+        rows.push_back(model::RowSample{&params, draw, row_counts.back(), allowed});
       }
     }
     PD_ASSIGN_OR_RETURN(model::SampledForward r, sampling_engine_->forwardSampled(chunks, pool_.view(), fo, rows));
@@ -88,6 +97,10 @@ Result<std::vector<Verified>> DraftVerifier::verify(std::span<const VerifySlot> 
         s.sampler->resumeAfter(std::span<const std::int32_t>(&t.token, 1));  // its counts and its draw
         v.tokens.push_back(t);
         ++engine_sampled_tokens_;
+        if (s.constraint != nullptr) {
+          PD_CHECK(s.constraint->accept(t.token).ok());  // sampled under the row's mask
+          if (s.constraint->terminated()) break;         // nothing may follow the stop token
+        }
       } else if (s.constraint != nullptr) {
         const std::span<const float> logits(out.logits.data() + (row + j) * vocab, vocab);
         const std::span<const std::uint64_t> mask = s.constraint->mask();

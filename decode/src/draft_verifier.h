@@ -4,11 +4,12 @@
 // is sampled with the request's own sampler exactly as plain decoding would; a draft is accepted
 // only if it equals that sample, so speculation never changes the output.
 //
-// When the engine is also a model::SamplingEngine (the CUDA engine) and no sequence of the step
-// has an output constraint, the rows are sampled where the logits are (forwardSampled): each row
-// gets its request's parameters, draw counter and token counts as its sampler would have them
-// after the drafts before it, so the tokens are the host sampler's, and only they cross to the
-// host. The host samplers are then advanced by the tokens emitted (Sampler::resumeAfter).
+// When the engine is also a model::SamplingEngine (the CUDA engine), the rows are sampled where
+// the logits are (forwardSampled): each row gets its request's parameters, draw counter and token
+// counts as its sampler would have them after the drafts before it, and, for a constrained
+// sequence, the grammar's mask after those drafts (ConstraintState::rowMasks), so the tokens are
+// the host sampler's, and only they cross to the host. The host samplers are then advanced by
+// the tokens emitted (Sampler::resumeAfter) and the grammars accept them.
 // Thread rules: engine thread only.
 
 #include <cstddef>
@@ -64,8 +65,8 @@ class DraftVerifier {
   [[nodiscard]] std::int64_t takeEngineSampledTokens() { return std::exchange(engine_sampled_tokens_, 0); }
 
  private:
-  /// Whether this step's rows can be sampled by the engine: it samples, and every slot is free
-  /// text whose parameters the engine takes.
+  /// Whether this step's rows can be sampled by the engine: it samples, and it takes every
+  /// slot's parameters.
   [[nodiscard]] bool engineSamples(std::span<const VerifySlot> slots) const;
 
   model::Engine& engine_;

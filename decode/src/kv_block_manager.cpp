@@ -81,6 +81,7 @@ std::int32_t KvBlockManager::take() {
   free_.pop_back();
   PD_CHECK(refs_[static_cast<std::size_t>(b)] == 0);
   recount(b, [](std::int32_t& refs, std::int32_t&) { refs = 1; });
+  if (on_take_) on_take_(b);
   return b;
 }
 

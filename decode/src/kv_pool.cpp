@@ -3,6 +3,8 @@
 #include <cstring>
 #include <utility>
 
+#include "pd/engine/cache_residency.h"
+
 namespace pd::decode {
 
 Result<KvPool> KvPool::create(const ModelConfig& config, std::int64_t num_blocks, std::int64_t block_size,
@@ -51,8 +53,21 @@ kvtransfer::CompatInfo KvPool::compat(std::uint64_t model_hash, std::uint32_t tp
   return c;
 }
 
-void KvPool::copyBlock(std::int32_t src, std::int32_t dst) const {
+void KvPool::enableEpochs() {
+  if (!epochs_.empty()) return;
+  epochs_.resize(static_cast<std::size_t>(numBlocks()));
+  for (auto& e : epochs_) e = model::nextCacheEpoch();  // unique in the process: no two caches share one
+  view_.block_epochs = epochs_;
+}
+
+void KvPool::touch(std::int32_t block) {
+  PD_CHECK(block >= 0 && block < numBlocks());
+  if (!epochs_.empty()) epochs_[static_cast<std::size_t>(block)] = model::nextCacheEpoch();
+}
+
+void KvPool::copyBlock(std::int32_t src, std::int32_t dst) {
   PD_CHECK(src >= 0 && src < numBlocks() && dst >= 0 && dst < numBlocks() && src != dst);
+  touch(dst);
   const std::uint64_t stride = blockStride();
   for (std::byte* layer : view().layers) {
     std::memcpy(layer + static_cast<std::uint64_t>(dst) * stride, layer + static_cast<std::uint64_t>(src) * stride,

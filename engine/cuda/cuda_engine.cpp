@@ -13,6 +13,7 @@
 #include "forward_plan.h"
 #include "pd/common/dtype.h"
 #include "pd/common/log.h"
+#include "pd/engine/cache_residency.h"
 #include "pd/engine/device_sampling.h"
 #include "pd/engine/safetensors.h"
 
@@ -27,6 +28,24 @@ constexpr auto sz(i64 n) {
 
 // Appends the host cache's latents of `run` (positions of one sequence in contiguous slots) as
 // float32 to `out`.
+/// Forgets what a CacheResidency holds unless the call it guards reached done().
+class ForgetUnlessDone {
+ public:
+  explicit ForgetUnlessDone(CacheResidency& residency) : residency_(residency) {}
+  ~ForgetUnlessDone() {
+    if (!done_) residency_.forget();
+  }
+  ForgetUnlessDone(const ForgetUnlessDone&) = delete;
+  ForgetUnlessDone& operator=(const ForgetUnlessDone&) = delete;
+  ForgetUnlessDone(ForgetUnlessDone&&) = delete;
+  ForgetUnlessDone& operator=(ForgetUnlessDone&&) = delete;
+  void done() { done_ = true; }
+
+ private:
+  CacheResidency& residency_;
+  bool done_ = false;
+};
+
 void appendLatents(const LatentCacheView& cache, i64 layer, const gpu::CacheRun& run, std::vector<float>& out) {
   const i64 ld = cache.latent_dim;
   const std::size_t at = out.size();
@@ -156,10 +175,15 @@ class CudaEngine final : public Engine, public SamplingEngine {
                                   p.frequency_penalty, p.seed,  r.draw,  r.counts};
       row.logit_bias = biases[i];
       row.top_logprobs = p.top_logprobs;
+      row.allowed = r.allowed;  // DeviceSampler::sample checks its size and that it allows a token
       sample_rows.push_back(row);
     }
     PD_TRY(step_->setCacheShape({cache.num_blocks, cache.block_size}));
-    PD_TRY(uploadPrefixes(batch, cache, mtp ? c.num_hidden_layers : 0, kv_layer_last + 1));
+    // Only the positions the device cache does not hold yet cross over (CacheResidency); a call
+    // that fails past this point leaves the device cache unknown, so it is forgotten.
+    CacheResidency& residency = mtp ? mtp_residency_ : main_residency_;
+    ForgetUnlessDone guard(residency);
+    PD_TRY(uploadRanges(residency.prepare(batch, cache), cache, mtp ? c.num_hidden_layers : 0, kv_layer_last + 1));
     SampledForward result;
     ForwardOutput& out = result.output;
     if (rows.empty()) out.logits.reserve(sz(plan.logit_rows * c.vocab_size));
@@ -206,18 +230,18 @@ class CudaEngine final : public Engine, public SamplingEngine {
         result.sampled.push_back(std::move(t));
       }
     }
+    guard.done();
     return result;
   }
 
-  // Positions [0, start_pos) of every sequence, KV layers [first, end), host cache -> device cache.
-  Status uploadPrefixes(std::span<const SequenceChunk> batch, const LatentCacheView& cache, i64 first, i64 end) {
+  // The positions `ranges` name, KV layers [first, end), host cache -> device cache.
+  Status uploadRanges(const std::vector<CacheResidency::Range>& ranges, const LatentCacheView& cache, i64 first,
+                      i64 end) {
     std::vector<std::int64_t> slots;
     std::vector<std::int64_t> counts;
-    for (const SequenceChunk& s : batch) {
-      for (const gpu::CacheRun& run : gpu::cacheRuns(s.block_table, cache.block_size, 0, s.start_pos)) {
-        slots.push_back(run.slot);
-        counts.push_back(run.count);
-      }
+    for (const CacheResidency::Range& r : ranges) {
+      slots.push_back(r.block * cache.block_size + r.first);
+      counts.push_back(r.count);
     }
     if (slots.empty()) return okStatus();
     std::vector<float> values;
@@ -235,6 +259,8 @@ class CudaEngine final : public Engine, public SamplingEngine {
   std::unique_ptr<DeviceDecodeStep> step_;
   CudaEngineOptions options_;
   DType weight_dtype_;
+  CacheResidency main_residency_;  // what the device cache holds of the main layers
+  CacheResidency mtp_residency_;   // and of the MTP layer
 };
 
 }  // namespace

@@ -360,6 +360,29 @@ PD_HD float penalizedLogit(float logit, std::int64_t count, double presence, dou
   return logit - static_cast<float>(presence + frequency * static_cast<double>(count));
 }
 
+/// Words of an allowed-token mask over `vocab` token ids (one bit per id).
+PD_HD constexpr std::int64_t maskWords(std::int64_t vocab) {
+  return (vocab + 63) / 64;
+}
+
+/// Whether an allowed-token mask lets token `id` through: bit id % 64 of word id / 64, the rule
+/// of the CPU Sampler's `allowed` (a grammar's mask). A token it refuses gets the logit -inf
+/// after the penalties and logit_bias, before the draw.
+PD_HD bool tokenAllowed(const std::uint64_t* mask, std::int64_t id) {
+  return ((mask[id / 64] >> (id % 64)) & 1U) != 0;
+}
+
+/// Whether `mask` (maskWords(vocab) words) allows at least one token id below vocab: bits past
+/// the vocabulary in the last word do not count.
+PD_HD bool maskAllowsSome(const std::uint64_t* mask, std::int64_t vocab) {
+  for (std::int64_t w = 0; w * 64 < vocab; ++w) {
+    const std::int64_t valid = vocab - w * 64 < 64 ? vocab - w * 64 : 64;
+    const std::uint64_t keep = valid == 64 ? ~std::uint64_t{0} : (std::uint64_t{1} << valid) - 1;
+    if ((mask[w] & keep) != 0) return true;
+  }
+  return false;
+}
+
 /// The unnormalized probability of a logit at temperature 1 / inv_t, relative to the maximum.
 PD_HD double temperatureWeight(float logit, float max_logit, double inv_t) {
   return expD((static_cast<double>(logit) - max_logit) * inv_t);

@@ -299,10 +299,21 @@ Result<std::vector<DeviceSampler::Sampled>> DeviceSampler::sample(const float* l
   std::vector<std::int64_t> bias_begin{0};
   std::vector<std::int32_t> bias_tok;
   std::vector<float> bias_val;
+  std::vector<std::uint64_t> masks;
+  const std::int64_t words = math::maskWords(vocab_);
   bool any_filtered = false;
   bool any_top = false;
   for (std::size_t i = 0; i < rows.size(); ++i) {
     const Row& r = rows[i];
+    if (!r.allowed.empty()) {
+      if (static_cast<std::int64_t>(r.allowed.size()) != words) {
+        return invalid(fmt::format("{}: row {} has an allowed-token mask of {} words for a vocabulary of {} ({} words)",
+                                   kWhat, i, r.allowed.size(), vocab_, words));
+      }
+      if (!math::maskAllowsSome(r.allowed.data(), vocab_)) {
+        return invalid(fmt::format("{}: row {} has an allowed-token mask that allows no token", kWhat, i));
+      }
+    }
     if (!(r.temperature >= 0.0) || r.top_k < 0 || !(r.top_p > 0.0 && r.top_p <= 1.0) ||
         !(r.min_p >= 0.0 && r.min_p <= 1.0) || r.top_logprobs < 0 || r.top_logprobs > kernels::kMaxTopLogprobs) {
       return invalid(fmt::format("{}: row {} has sampling parameters out of range", kWhat, i));
@@ -315,6 +326,10 @@ Result<std::vector<DeviceSampler::Sampled>> DeviceSampler::sample(const float* l
     p.presence = r.presence_penalty;
     p.frequency = r.frequency_penalty;
     p.top_n = static_cast<int>(std::min<std::int64_t>(r.top_logprobs, vocab_));  // as the CPU Sampler: at most vocab
+    if (!r.allowed.empty()) {
+      p.mask = static_cast<int>(masks.size() / static_cast<std::size_t>(words));
+      masks.insert(masks.end(), r.allowed.begin(), r.allowed.end());
+    }
     any_filtered = any_filtered || (p.greedy == 0 && p.transform.filtered());
     any_top = any_top || p.top_n > 0;
     for (const auto& [token, count] : r.counts) {
@@ -343,6 +358,8 @@ Result<std::vector<DeviceSampler::Sampled>> DeviceSampler::sample(const float* l
   PD_TRY(d_bias_begin.copyFromHost(std::span<const std::int64_t>(bias_begin), stream));
   PD_TRY(d_bias_tok.copyFromHost(std::span<const std::int32_t>(bias_tok), stream));
   PD_TRY(d_bias_val.copyFromHost(std::span<const float>(bias_val), stream));
+  PD_ASSIGN_OR_RETURN(auto d_masks, cuda::DeviceBuffer<std::uint64_t>::create(std::max<std::size_t>(masks.size(), 1)));
+  PD_TRY(d_masks.copyFromHost(std::span<const std::uint64_t>(masks), stream));
   PD_TRY(params_.copyFromHost(std::span<const kernels::RowSampling>(params), stream));
   kernels::SampleArgs a;
   a.logits = logits;
@@ -355,6 +372,8 @@ Result<std::vector<DeviceSampler::Sampled>> DeviceSampler::sample(const float* l
   a.bias_begin = d_bias_begin.data();
   a.bias_token = d_bias_tok.data();
   a.bias_value = d_bias_val.data();
+  a.masks = d_masks.data();
+  a.any_masked = !masks.empty();
   a.any_filtered = any_filtered;
   a.any_top = any_top;
   a.lse = lse_.data();

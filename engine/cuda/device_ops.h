@@ -163,6 +163,9 @@ class DeviceSampler {
     /// Added after the penalties (distinct tokens; ids outside the vocabulary are ignored).
     std::span<const std::pair<std::int32_t, float>> logit_bias;
     std::int64_t top_logprobs = 0;  ///< 0..kernels::kMaxTopLogprobs alternatives to report
+    /// Empty: every token. Else an allowed-token bitset (model::RowSample::allowed) of
+    /// math::maskWords(vocab) words allowing at least one token below vocab.
+    std::span<const std::uint64_t> allowed;
   };
   struct Sampled {
     std::int32_t token = 0;

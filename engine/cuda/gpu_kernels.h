@@ -144,6 +144,7 @@ struct RowSampling {
   double presence = 0.0;
   double frequency = 0.0;
   int top_n = 0;  ///< top logprobs to report, 0..kMaxTopLogprobs
+  int mask = -1;  ///< the row's allowed-token mask in SampleArgs::masks; -1: every token
 };
 struct SampleArgs {
   const float* logits = nullptr;  ///< [rows, vocab] raw
@@ -156,6 +157,10 @@ struct SampleArgs {
   const std::int64_t* bias_begin = nullptr;  ///< [rows + 1] CSR of logit_bias over the two below
   const std::int32_t* bias_token = nullptr;  ///< distinct per row; ids outside the vocabulary ignored
   const float* bias_value = nullptr;
+  /// [masked rows, maskWords(vocab)]: allowed-token bitsets (math::tokenAllowed) that
+  /// RowSampling::mask indexes; tokens outside a row's get -inf after logit_bias.
+  const std::uint64_t* masks = nullptr;
+  bool any_masked = false;
   bool any_filtered = false;  ///< sort the rows (top-k / top-p / min-p)
   bool any_top = false;       ///< some row asks for top logprobs
   // Workspace (SampleWorkspace sizes it):

@@ -1,4 +1,4 @@
-// Sampling on the device: penalties, logit_bias, a stable descending sort of each row (CUB) when
+// Sampling on the device: penalties, logit_bias, an allowed-token mask, a stable descending sort of each row (CUB) when
 // a row filters (top-k / top-p / min-p), then one thread per row draws with math::drawToken, the
 // CPU Sampler's arithmetic, keyed by the request's seed and draw counter; then the top logprobs
 // a row asks for. Naive on purpose: the draw and the logprob normalizer scan the vocabulary
@@ -57,6 +57,18 @@ __global__ void biasKernel(float* work, const std::int64_t* begin, const std::in
     if (tok < 0 || tok >= vocab) continue;
     work[static_cast<std::int64_t>(row) * vocab + tok] += value[k];
   }
+}
+
+// After the bias: a token the row's allowed-token mask refuses gets -inf (the CPU Sampler's dense
+// mask path). One thread per (row, token), as prepareKernel.
+__global__ void __launch_bounds__(kPrepareThreads)
+    maskKernel(float* work, const RowSampling* params, const std::uint64_t* masks, int vocab) {
+  const int row = blockIdx.y;
+  const int i = blockIdx.x * kPrepareThreads + threadIdx.x;
+  const int mask = params[row].mask;
+  if (i >= vocab || mask < 0) return;
+  const std::uint64_t* bits = masks + static_cast<std::int64_t>(mask) * m::maskWords(vocab);
+  if (!m::tokenAllowed(bits, i)) work[static_cast<std::int64_t>(row) * vocab + i] = -INFINITY;
 }
 
 // One thread per row: greedy argmax (lowest id on ties) or the seeded draw; then the logprob of
@@ -150,6 +162,11 @@ cudaError_t launchSample(const SampleArgs& a, cudaStream_t stream) {
   biasKernel<<<a.rows, 128, 0, stream>>>(a.work, a.bias_begin, a.bias_token, a.bias_value, a.vocab);
   status = cudaGetLastError();
   if (status != cudaSuccess) return status;
+  if (a.any_masked) {
+    maskKernel<<<grid, kPrepareThreads, 0, stream>>>(a.work, a.params, a.masks, a.vocab);
+    status = cudaGetLastError();
+    if (status != cudaSuccess) return status;
+  }
   if (a.any_filtered) {
     // Radix sort is stable: equal logits keep ascending ids, the CPU comparator's tie order.
     std::size_t temp_bytes = a.sort_temp_bytes;

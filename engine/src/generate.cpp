@@ -8,6 +8,7 @@
 #include <utility>
 #include <vector>
 
+#include "pd/engine/cache_residency.h"
 #include "pd/engine/device_sampling.h"
 
 namespace pd::model {
@@ -36,6 +37,12 @@ Result<GenerateResult> generate(Engine& engine, std::span<const std::int32_t> pr
   PD_ASSIGN_OR_RETURN(PagedLatentCache cache, PagedLatentCache::create(cfg, blocks, o.block_size, o.cache_dtype));
   std::vector<std::int32_t> table(static_cast<std::size_t>(blocks));
   std::iota(table.begin(), table.end(), 0);
+  // Only the engine writes this cache, so its blocks keep their first epochs: an engine that keeps
+  // a copy of the cache (the CUDA engine, CacheResidency) copies each position at most once.
+  std::vector<std::uint64_t> epochs(static_cast<std::size_t>(blocks));
+  for (auto& e : epochs) e = nextCacheEpoch();
+  LatentCacheView view = cache.view();
+  view.block_epochs = epochs;
 
   const bool mtp = o.mtp_drafts > 0;
   const std::int64_t d = cfg.hidden_size;
@@ -84,12 +91,12 @@ Result<GenerateResult> generate(Engine& engine, std::span<const std::int32_t> pr
   const auto forward = [&](const SequenceChunk& sc, const ForwardOptions& fo,
                            std::span<const std::int32_t> ahead) -> Result<ForwardOutput> {
     if (device == nullptr || fo.logits == OutputRows::None) {
-      return engine.forward(std::span<const SequenceChunk>(&sc, 1), cache.view(), fo);
+      return engine.forward(std::span<const SequenceChunk>(&sc, 1), view, fo);
     }
     const std::size_t n = fo.logits == OutputRows::All ? sc.tokens.size() : 1;
     const std::vector<RowSample> rows = row_samples(n, ahead);
     PD_ASSIGN_OR_RETURN(SampledForward r,
-                        device->forwardSampled(std::span<const SequenceChunk>(&sc, 1), cache.view(), fo, rows));
+                        device->forwardSampled(std::span<const SequenceChunk>(&sc, 1), view, fo, rows));
     sampled = std::move(r.sampled);
     return std::move(r.output);
   };
@@ -126,14 +133,14 @@ Result<GenerateResult> generate(Engine& engine, std::span<const std::int32_t> pr
       ForwardOptions fo;
       fo.logits = OutputRows::Last;
       fo.hidden = OutputRows::Last;
-      PD_ASSIGN_OR_RETURN(ForwardOutput m, engine.forwardMtp(std::span<const SequenceChunk>(&sc, 1), cache.view(), fo));
+      PD_ASSIGN_OR_RETURN(ForwardOutput m, engine.forwardMtp(std::span<const SequenceChunk>(&sc, 1), view, fo));
       mtp_done = start;
       drafts.push_back(argmax(m.logits));
       // Further drafts chain the MTP layer on its own output.
       for (std::int64_t j = 1; j < k; ++j) {
         const std::vector<float> prev = m.hidden;
         const SequenceChunk chained{std::span<const std::int32_t>(&drafts.back(), 1), start + j - 1, table, prev};
-        PD_ASSIGN_OR_RETURN(m, engine.forwardMtp(std::span<const SequenceChunk>(&chained, 1), cache.view(), fo));
+        PD_ASSIGN_OR_RETURN(m, engine.forwardMtp(std::span<const SequenceChunk>(&chained, 1), view, fo));
         drafts.push_back(argmax(m.logits));
       }
       result.drafts_proposed += static_cast<std::int64_t>(drafts.size());

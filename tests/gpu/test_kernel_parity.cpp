@@ -725,6 +725,118 @@ TEST_F(Kernel, SamplingMatchesCpuSampler) {
   }
 }
 
+// Allowed-token masks (grammar-constrained decoding): rows with none, a dense mask (the CPU
+// Sampler's -inf path), a sparse one (its gather path) and a single allowed token, every filter,
+// penalties and logit_bias; the tokens are the CPU Sampler's under the same masks. Then masks of
+// the wrong size or allowing nothing are refused before any launch.
+TEST_F(Kernel, SamplingUnderMasksMatchesCpuSampler) {
+  for (const int64_t vocab : {1000, 129280}) {
+    const int64_t rows = 12;
+    const int64_t words = pd::gpu::math::maskWords(vocab);
+    auto sampler = pd::gpu::DeviceSampler::create(64, vocab);
+    ASSERT_TRUE(sampler.ok()) << sampler.error().toString();
+    std::vector<pd::SamplingParams> params(static_cast<std::size_t>(rows));
+    for (int64_t r = 0; r < rows; ++r) {
+      auto& p = params[static_cast<std::size_t>(r)];
+      p.seed = static_cast<std::uint64_t>(r * 104729 + 3);
+      p.temperature = r % 3 == 0 ? 0.0 : 0.6 + 0.1 * static_cast<double>(r);
+      p.top_k = r % 4 == 1 ? 30 : 0;
+      p.top_p = r % 4 == 2 ? 0.85 : 1.0;
+      p.min_p = r % 5 == 3 ? 0.05 : 0.0;
+      p.presence_penalty = r % 2 == 1 ? 0.7 : 0.0;
+      p.logit_bias = {{static_cast<std::int32_t>(r * 37 % vocab), 6.0F}};
+    }
+    std::vector<pd::model::Sampler> cpu;
+    cpu.reserve(params.size());
+    for (const auto& p : params) cpu.emplace_back(p);
+    std::vector<std::vector<std::pair<std::int32_t, float>>> biases(static_cast<std::size_t>(rows));
+    for (int64_t r = 0; r < rows; ++r) {
+      for (const auto& b : params[static_cast<std::size_t>(r)].logit_bias) {
+        biases[static_cast<std::size_t>(r)].emplace_back(b.token, b.bias);
+      }
+    }
+    std::vector<std::vector<std::pair<std::int32_t, int64_t>>> counts(static_cast<std::size_t>(rows));
+    std::vector<std::uint64_t> draws(static_cast<std::size_t>(rows), 0);
+    std::mt19937_64 bits(99);
+    int masked_tokens = 0;
+    for (int step = 0; step < 6; ++step) {
+      const std::vector<float> logits = randn(static_cast<std::size_t>(rows * vocab));
+      auto dl = upload(logits, stream());
+      // Row r % 4: 0 no mask, 1 dense (about half), 2 sparse (8 tokens), 3 one token.
+      std::vector<std::vector<std::uint64_t>> masks(static_cast<std::size_t>(rows));
+      for (int64_t r = 0; r < rows; ++r) {
+        auto& m = masks[static_cast<std::size_t>(r)];
+        if (r % 4 == 0) continue;
+        m.assign(static_cast<std::size_t>(words), 0);
+        if (r % 4 == 1) {
+          for (auto& w : m) w = bits();
+        } else {
+          for (int k = 0; k < (r % 4 == 2 ? 8 : 1); ++k) {
+            const auto t = static_cast<int64_t>(bits() % static_cast<std::uint64_t>(vocab));
+            m[static_cast<std::size_t>(t / 64)] |= std::uint64_t{1} << (t % 64);
+          }
+        }
+        if (vocab % 64 != 0) m.back() &= (std::uint64_t{1} << (vocab % 64)) - 1;
+        if (!pd::gpu::math::maskAllowsSome(m.data(), vocab)) m[0] |= 1;
+      }
+      std::vector<pd::gpu::DeviceSampler::Row> req(static_cast<std::size_t>(rows));
+      for (int64_t r = 0; r < rows; ++r) {
+        const auto& p = params[static_cast<std::size_t>(r)];
+        auto& q = req[static_cast<std::size_t>(r)];
+        q = {p.temperature,
+             p.top_k,
+             p.top_p,
+             p.min_p,
+             p.presence_penalty,
+             p.frequency_penalty,
+             p.seed,
+             draws[static_cast<std::size_t>(r)],
+             counts[static_cast<std::size_t>(r)]};
+        q.logit_bias = biases[static_cast<std::size_t>(r)];
+        q.allowed = masks[static_cast<std::size_t>(r)];
+      }
+      auto got = sampler->sample(dl.data(), req, stream());
+      ASSERT_TRUE(got.ok()) << got.error().toString();
+      for (int64_t r = 0; r < rows; ++r) {
+        const auto row = std::span<const float>(logits).subspan(static_cast<std::size_t>(r * vocab),
+                                                                static_cast<std::size_t>(vocab));
+        const auto& m = masks[static_cast<std::size_t>(r)];
+        const pd::SampledToken want = cpu[static_cast<std::size_t>(r)].sample(row, m);
+        const auto& g = (*got)[static_cast<std::size_t>(r)];
+        ASSERT_EQ(g.token, want.token) << "vocab " << vocab << " row " << r << " step " << step;
+        ASSERT_NEAR(g.logprob, want.logprob, 1e-4F);
+        if (!m.empty()) {
+          ASSERT_TRUE(pd::gpu::math::tokenAllowed(m.data(), g.token)) << "row " << r;
+          ++masked_tokens;
+        }
+        if (params[static_cast<std::size_t>(r)].temperature > 0.0) ++draws[static_cast<std::size_t>(r)];
+        auto& c = counts[static_cast<std::size_t>(r)];
+        auto it = std::find_if(c.begin(), c.end(), [&](const auto& e) { return e.first == want.token; });
+        if (it == c.end()) {
+          c.emplace_back(want.token, 1);
+        } else {
+          ++it->second;
+        }
+      }
+    }
+    EXPECT_EQ(masked_tokens, 6 * 9);
+    // Refused before any launch: a mask one word short, and one that allows nothing.
+    const std::vector<float> logits = randn(static_cast<std::size_t>(vocab));
+    auto dl = upload(logits, stream());
+    pd::gpu::DeviceSampler::Row bad;
+    std::vector<std::uint64_t> short_mask(static_cast<std::size_t>(words - 1), ~std::uint64_t{0});
+    bad.allowed = short_mask;
+    auto refused = sampler->sample(dl.data(), std::span(&bad, 1), stream());
+    ASSERT_FALSE(refused.ok());
+    EXPECT_EQ(refused.error().code, pd::ErrorCode::InvalidArgument);
+    std::vector<std::uint64_t> empty_mask(static_cast<std::size_t>(words), 0);
+    bad.allowed = empty_mask;
+    refused = sampler->sample(dl.data(), std::span(&bad, 1), stream());
+    ASSERT_FALSE(refused.ok());
+    EXPECT_NE(refused.error().message.find("allows no token"), std::string::npos) << refused.error().message;
+  }
+}
+
 // ---- memory plan ----------------------------------------------------------------------------------
 
 TEST_F(Kernel, MemoryPlanAgainstTheRealFreeMemory) {

@@ -1,7 +1,7 @@
 #pragma once
-// A model::SamplingEngine over any engine that samples each logits row with a fresh host Sampler
-// put where the request's would be (resumeAfter of the row's token counts; the draw counter is
-// checked to be one per produced token when sampling is stochastic), so that the bookkeeping of a
+// A model::SamplingEngine over any engine that samples each logits row (under its allowed-token
+// mask, if any) with a fresh host Sampler put where the request's would be (resumeAfter of the row's token counts; the
+// draw counter is checked to be one per produced token when sampling is stochastic), so that the bookkeeping of a
 // caller of forwardSampled (model::generate, the decode worker's verifier) is checked in every
 // build against plain host sampling; tests/gpu runs the CUDA engine's DeviceSampler through the
 // same callers. Like a device engine it returns no logits, only the tokens.
@@ -53,7 +53,8 @@ class HostRowSamplingEngine final : public model::Engine, public model::Sampling
       EXPECT_EQ(row.draw, want_draw) << "row " << j;
       model::Sampler sampler(*row.params);
       sampler.resumeAfter(produced);
-      r.sampled.push_back(sampler.sample(std::span<const float>(out.logits.data() + j * vocab, vocab)));
+      r.sampled.push_back(sampler.sample(std::span<const float>(out.logits.data() + j * vocab, vocab), row.allowed));
+      if (!row.allowed.empty()) ++masked_rows;
       ++sampled_rows;
     }
     r.output = std::move(out);
@@ -61,6 +62,7 @@ class HostRowSamplingEngine final : public model::Engine, public model::Sampling
     return r;
   }
   int sampled_rows = 0;
+  int masked_rows = 0;  ///< rows sampled under an allowed-token mask
 
  private:
   std::unique_ptr<model::Engine> owned_;

@@ -2,7 +2,8 @@
 // tiny checkpoint with its MTP layer: sampled outputs (temperature 1, several seeds, a batch) are
 // valid for the grammar and end with its stop token; with MTP drafts (trimmed to what the grammar
 // accepts) the outputs are exactly those without; a first token the grammar refuses ends the
-// request with Corrupt; ignore_eos with a grammar is refused at admission.
+// request with Corrupt; ignore_eos with a grammar is refused at admission. An engine that samples
+// its own rows gets the grammar's masks and gives the same tokens.
 #include <gtest/gtest.h>
 
 #include <boost/json.hpp>
@@ -20,6 +21,7 @@
 #include "pd/engine/model_factory.h"
 #include "pd/structured/grammar.h"
 #include "pd/structured/token_vocabulary.h"
+#include "support/host_row_sampling_engine.h"
 
 namespace pd::decode {
 namespace {
@@ -83,15 +85,18 @@ class ConstrainedDecode : public ::testing::Test {
 
   /// kBatch requests (seeds 1.., temperature 1) decoded to the end with `drafts` MTP drafts.
   /// `known`: with drafts, the KnownAnswerDrafter proposes from these outputs (else the MTP layer's own).
+  /// `verify_engine`: the engine the decode engine runs (default the CPU engine; drafts come from
+  /// the CPU engine either way).
   Outcome run(std::int64_t drafts, std::int32_t first_token,
-              const std::vector<std::vector<std::int32_t>>* known = nullptr, std::int64_t max_tokens = 200) {
+              const std::vector<std::vector<std::int32_t>>* known = nullptr, std::int64_t max_tokens = 200,
+              model::Engine* verify_engine = nullptr) {
     const ModelConfig& cfg = engine_->config();
     constexpr std::int64_t kBlock = 16;
     const std::int64_t per_seq = (kContext + max_tokens + drafts + kBlock - 1) / kBlock + 1;
     auto pool = KvPool::create(cfg, kBatch * per_seq, kBlock, DType::F32);
     EXPECT_TRUE(pool.ok());
     if (!pool.ok()) return {};
-    DecodeEngine dec(*engine_, *pool, DecodeEngineOptions{drafts, kBatch},
+    DecodeEngine dec(verify_engine != nullptr ? *verify_engine : *engine_, *pool, DecodeEngineOptions{drafts, kBatch},
                      known != nullptr ? std::make_unique<KnownAnswerDrafter>(*engine_, *pool, known) : nullptr);
     Outcome out;
     out.tokens.resize(kBatch);
@@ -168,6 +173,28 @@ TEST_F(ConstrainedDecode, SampledOutputsAreValidAndMtpChangesNothing) {
     EXPECT_LE(o.at("a").as_array().size(), 3U) << text;
     const std::string b(o.at("b").as_string());
     EXPECT_TRUE(b == "x" || b == "yy") << text;
+  }
+}
+
+// An engine that samples (the CUDA engine's forwardSampled; here host_row_sampling_engine.h, a
+// host Sampler per row under the row's mask) gives the host path's tokens: each row is sampled
+// under the grammar's mask after the drafts before it, with and without MTP drafts (known-answer
+// drafts, so some are accepted, some trimmed, some rejected).
+TEST_F(ConstrainedDecode, AnEngineThatSamplesUnderTheMasksGivesTheHostTokens) {
+  const Outcome plain = run(0, kOpenBrace);
+  pd::test_support::HostRowSamplingEngine sampling_engine(*engine_);
+  for (const std::int64_t drafts : {0, 2}) {
+    const int masked_before = sampling_engine.masked_rows;
+    const Outcome sampled = run(drafts, kOpenBrace, drafts > 0 ? &plain.tokens : nullptr, 200, &sampling_engine);
+    EXPECT_EQ(sampled.tokens, plain.tokens) << drafts << " drafts";
+    EXPECT_EQ(sampled.finish, plain.finish) << drafts << " drafts";
+    // Every decode-step token came from the engine (the first is the prefill side's), all masked.
+    EXPECT_EQ(sampled.stats.engine_sampled_tokens, sampled.stats.tokens_generated) << drafts << " drafts";
+    EXPECT_GE(sampling_engine.masked_rows - masked_before, sampled.stats.engine_sampled_tokens) << drafts << " drafts";
+    if (drafts > 0) {
+      EXPECT_GT(sampled.stats.drafts_accepted, 0);
+      EXPECT_GT(sampled.stats.drafts_proposed, sampled.stats.drafts_accepted);
+    }
   }
 }
 

@@ -21,6 +21,7 @@
 #include "pd/engine/safetensors.h"
 #include "pd/engine/sampling.h"
 #include "support/host_row_sampling_engine.h"
+#include "support/resident_cache_engine.h"
 #include "unit/decode/golden_support.h"
 #include "unit/decode/local_prefill.h"
 
@@ -384,6 +385,66 @@ TEST_P(DecodeGolden, AnEngineThatSamplesGivesTheHostSamplersTokens) {
   }
 }
 
+// The CUDA engine keeps a device copy of the pool and re-reads only what the pool's block epochs
+// say changed (model::CacheResidency). Run through a CPU stand-in for that copy (support/
+// resident_cache_engine.h: it checks every position a call reads against the pool), the streams
+// equal the plain engine's and no position is ever read stale: remote and local prefill (a
+// scratch cache in between), 0 and 2 drafts, seeded sampling, a batch of mixed lengths, requests
+// waiting for batch slots (their blocks reused), a BF16 pool, and pools shared by successive
+// decode engines. The copy re-reads far less than every prefix on every call.
+TEST_P(DecodeGolden, AResidentCacheCopyIsNeverStaleAndGivesTheSameTokens) {
+  pd::test_support::ResidentCacheEngine resident(*engine_);
+  std::vector<std::vector<std::int32_t>> prompts;
+  for (std::size_t len : {40U, 3U, 17U, 28U, 9U}) prompts.emplace_back(prompt_.begin(), prompt_.begin() + len);
+  pd::SamplingParams sampling;
+  sampling.temperature = 0.9;
+  sampling.seed = 77;
+  auto bf16 = KvPool::create(engine_->config(), 40, 4, DType::BF16);  // small: blocks change owners
+  ASSERT_TRUE(bf16.ok());
+  for (KvPool* pool : {pool_.get(), &*bf16}) {
+    for (const std::int64_t drafts : {0, 2}) {
+      for (const bool local : {false, true}) {
+        for (const std::int64_t slots : {64, 2}) {
+          const auto plain = decodeTogether(prompts, 10, drafts, nullptr, slots, sampling, pool, local);
+          const auto copied = decodeTogether(prompts, 10, drafts, nullptr, slots, sampling, pool, local, &resident);
+          EXPECT_EQ(copied, plain) << "drafts " << drafts << (local ? " local" : " remote") << ", " << slots
+                                   << " slots, pool " << dtypeName(pool->dtype());
+          EXPECT_EQ(resident.stale_positions, 0);
+        }
+      }
+    }
+  }
+  EXPECT_GT(resident.copied_positions, 0);
+  // Each call reads its sequences' whole prefixes; the copy re-read a fraction of that.
+  EXPECT_LT(resident.copied_positions * 4, resident.read_positions)
+      << resident.copied_positions << " copied for " << resident.read_positions << " read";
+  std::printf("  [residency] %lld positions copied for %lld read\n", static_cast<long long>(resident.copied_positions),
+              static_cast<long long>(resident.read_positions));
+}
+
+// model::generate's cache is written by the engine alone, so it gives its blocks fixed epochs:
+// an engine with a copy of the cache copies nothing at all, in chunked prefill and with chained
+// MTP drafts, and the tokens are the plain engine's.
+TEST_P(DecodeGolden, GenerateOnAResidentCacheCopyCopiesNothing) {
+  pd::test_support::ResidentCacheEngine resident(*engine_);
+  for (const std::int64_t drafts : {0, 2}) {
+    model::GenerateOptions go;
+    go.max_tokens = 12;
+    go.mtp_drafts = drafts;
+    go.prefill_chunk = 5;
+    go.block_size = 4;
+    go.sampling.temperature = 0.8;
+    go.sampling.seed = 9;
+    auto plain = model::generate(*engine_, prompt_, go);
+    auto copied = model::generate(resident, prompt_, go);
+    ASSERT_TRUE(plain.ok() && copied.ok());
+    EXPECT_EQ(copied->tokens, plain->tokens) << drafts << " drafts";
+  }
+  EXPECT_EQ(resident.stale_positions, 0);
+  EXPECT_EQ(resident.copied_positions, 0);
+  EXPECT_GT(resident.read_positions, 0);
+}
+
 // n = 3 (header comment of decode_engine.h, "Choices"): one prompt's KV, three sequences sharing
 // its blocks. Each choice's tokens equal an n = 1 run seeded choiceSeed(seed, choice) — choice 0
 // the plain seed — with and without MTP; the prompt's blocks are shared while they run; the pool
@@ -401,10 +462,14 @@ TEST_P(DecodeGolden, ChoicesShareThePromptAndEachEqualsItsOwnSeededRun) {
     alone.push_back(decodeTogether({prompt_}, 10, 0, nullptr, 64, own)[0]);
   }
   EXPECT_TRUE(alone[0] != alone[1] || alone[1] != alone[2]) << "the choices' seeds had no effect";
-  for (const std::int64_t drafts : {0, 1}) {
+  // Also on a resident copy of the cache (support/resident_cache_engine.h): the forks' copied
+  // blocks (KvPool::copyBlock) are re-read, never stale.
+  pd::test_support::ResidentCacheEngine resident(*engine_);
+  for (const auto& [drafts, dec_engine] : std::vector<std::pair<std::int64_t, model::Engine*>>{
+           {0, engine_.get()}, {1, engine_.get()}, {0, &resident}, {1, &resident}}) {
     std::vector<Stream> streams(3);
     {
-      DecodeEngine dec(*engine_, *pool_, DecodeEngineOptions{drafts, 8});
+      DecodeEngine dec(*dec_engine, *pool_, DecodeEngineOptions{drafts, 8});
       DecodeRequest r = request(1, n, 10, streams[0]);
       r.sampling = sp;
       r.choices = 3;
@@ -430,6 +495,8 @@ TEST_P(DecodeGolden, ChoicesShareThePromptAndEachEqualsItsOwnSeededRun) {
       EXPECT_EQ(streams[c].tokens, alone[c]) << "choice " << c << ", " << drafts << " drafts";
     }
   }
+  EXPECT_EQ(resident.stale_positions, 0);
+  EXPECT_GT(resident.copied_positions, 0);
 }
 
 // Ending one choice (abort, or preemption when the pool runs dry) leaves the others running to
@@ -801,61 +868,70 @@ TEST_P(DecodeGolden, PreemptionTakesTheLatestAdmittedFirst) {
 // greedy tokens are the golden ones, the shared blocks are never written, and every block ends
 // back in the cache or on the free list.
 TEST_P(DecodeGolden, PrefixReuseAttachesTurnOnesBlocksReadOnly) {
-  const auto n = static_cast<std::int64_t>(prompt_.size());
-  const auto g = static_cast<std::int64_t>(greedy_.size());
-  ASSERT_GE(n, 24);
-  DecodeEngineOptions o{1, 8};
-  o.prefix_cache_blocks = 64;
-  o.local_prefill_chunk_size = 4;  // one pool block per reuse granule
-  o.model_hash = 0x5eed;
-  std::map<std::uint64_t, Stream> s;
-  DecodeEngine dec(*engine_, *pool_, o);
-  const std::vector<std::int32_t> turn1(prompt_.begin(), prompt_.begin() + 18);
-  DecodeRequest r1 = request(1, 18, 4, s[1]);
-  r1.prompt_token_ids = turn1;
-  auto b1 = dec.admit(std::move(r1));
-  ASSERT_TRUE(b1.ok());
-  EXPECT_EQ(dec.presentTokens(1), 0);
-  DecodeRequest r2 = request(2, 18, 4, s[2]);
-  r2.prompt_token_ids = turn1;
-  ASSERT_TRUE(dec.admit(std::move(r2)).ok());
-  EXPECT_TRUE(dec.abort(2));
-  EXPECT_EQ(dec.blocks().cachedBlocks(), 0);
-  ASSERT_TRUE(dec.onKvReady(1, prefill(*engine_, turn1, *pool_, *b1)).ok());
-  for (int guard = 0; dec.hasWork() && guard < 100; ++guard) dec.step(Clock::now());
-  ASSERT_EQ(s[1].finish, FinishReason::Length);
-  // 18 tokens in blocks of 4: blocks 0..3 are full and before the block of the last token.
-  EXPECT_EQ(dec.blocks().cachedBlocks(), 4);
-  EXPECT_TRUE(dec.blocks().isFreeButPrefixCache());
+  // Run by the plain engine, then on a resident copy of the cache (support/resident_cache_engine.h):
+  // the shared blocks are read from the copy, never stale.
+  const auto run = [&](model::Engine& dec_engine) {
+    const auto n = static_cast<std::int64_t>(prompt_.size());
+    const auto g = static_cast<std::int64_t>(greedy_.size());
+    ASSERT_GE(n, 24);
+    DecodeEngineOptions o{1, 8};
+    o.prefix_cache_blocks = 64;
+    o.local_prefill_chunk_size = 4;  // one pool block per reuse granule
+    o.model_hash = 0x5eed;
+    std::map<std::uint64_t, Stream> s;
+    DecodeEngine dec(dec_engine, *pool_, o);
+    const std::vector<std::int32_t> turn1(prompt_.begin(), prompt_.begin() + 18);
+    DecodeRequest r1 = request(1, 18, 4, s[1]);
+    r1.prompt_token_ids = turn1;
+    auto b1 = dec.admit(std::move(r1));
+    ASSERT_TRUE(b1.ok());
+    EXPECT_EQ(dec.presentTokens(1), 0);
+    DecodeRequest r2 = request(2, 18, 4, s[2]);
+    r2.prompt_token_ids = turn1;
+    ASSERT_TRUE(dec.admit(std::move(r2)).ok());
+    EXPECT_TRUE(dec.abort(2));
+    EXPECT_EQ(dec.blocks().cachedBlocks(), 0);
+    ASSERT_TRUE(dec.onKvReady(1, prefill(*engine_, turn1, *pool_, *b1)).ok());
+    for (int guard = 0; dec.hasWork() && guard < 100; ++guard) dec.step(Clock::now());
+    ASSERT_EQ(s[1].finish, FinishReason::Length);
+    // 18 tokens in blocks of 4: blocks 0..3 are full and before the block of the last token.
+    EXPECT_EQ(dec.blocks().cachedBlocks(), 4);
+    EXPECT_TRUE(dec.blocks().isFreeButPrefixCache());
 
-  DecodeRequest r3 = request(3, n, g, s[3]);
-  r3.prompt_token_ids = prompt_;
-  auto b3 = dec.admit(std::move(r3));
-  ASSERT_TRUE(b3.ok());
-  EXPECT_EQ(dec.presentTokens(3), 16);
-  EXPECT_EQ(std::vector<std::int32_t>(b3->begin(), b3->begin() + 4),
-            std::vector<std::int32_t>(b1->begin(), b1->begin() + 4));
-  for (int i = 0; i < 4; ++i) EXPECT_EQ(dec.blocks().refCount((*b3)[static_cast<std::size_t>(i)]), 2);
-  EXPECT_EQ(dec.stats().prefix_hit_tokens, 16);
-  const auto present_rows = [&] {
-    const std::int64_t dim = pool_->latentDim();
-    std::vector<float> rows(static_cast<std::size_t>(pool_->numLayers() * 16 * dim));
-    for (std::int64_t l = 0; l < pool_->numLayers(); ++l) {
-      for (std::int64_t p = 0; p < 16; ++p) {
-        model::readLatent(pool_->view(), l, *b3, p, rows.data() + (l * 16 + p) * dim);
+    DecodeRequest r3 = request(3, n, g, s[3]);
+    r3.prompt_token_ids = prompt_;
+    auto b3 = dec.admit(std::move(r3));
+    ASSERT_TRUE(b3.ok());
+    EXPECT_EQ(dec.presentTokens(3), 16);
+    EXPECT_EQ(std::vector<std::int32_t>(b3->begin(), b3->begin() + 4),
+              std::vector<std::int32_t>(b1->begin(), b1->begin() + 4));
+    for (int i = 0; i < 4; ++i) EXPECT_EQ(dec.blocks().refCount((*b3)[static_cast<std::size_t>(i)]), 2);
+    EXPECT_EQ(dec.stats().prefix_hit_tokens, 16);
+    const auto present_rows = [&] {
+      const std::int64_t dim = pool_->latentDim();
+      std::vector<float> rows(static_cast<std::size_t>(pool_->numLayers() * 16 * dim));
+      for (std::int64_t l = 0; l < pool_->numLayers(); ++l) {
+        for (std::int64_t p = 0; p < 16; ++p) {
+          model::readLatent(pool_->view(), l, *b3, p, rows.data() + (l * 16 + p) * dim);
+        }
       }
-    }
-    return rows;
+      return rows;
+    };
+    const std::vector<float> before = present_rows();
+    ASSERT_TRUE(dec.onKvReady(3, prefill(*engine_, prompt_, *pool_, *b3, {}, 0, {}, 1, 16)).ok());
+    for (int guard = 0; dec.hasWork() && guard < 1000; ++guard) dec.step(Clock::now());
+    EXPECT_EQ(s[3].finish, FinishReason::Length);
+    EXPECT_EQ(s[3].tokens, greedy_) << "turn 2 on turn 1's blocks";
+    EXPECT_EQ(present_rows(), before) << "a shared block was written";
+    EXPECT_TRUE(dec.blocks().isFreeButPrefixCache());
+    EXPECT_EQ(dec.blocks().cachedBlocks(), (n - 1) / 4);
+    EXPECT_EQ(dec.blocks().freeBlocks(), pool_->numBlocks());
   };
-  const std::vector<float> before = present_rows();
-  ASSERT_TRUE(dec.onKvReady(3, prefill(*engine_, prompt_, *pool_, *b3, {}, 0, {}, 1, 16)).ok());
-  for (int guard = 0; dec.hasWork() && guard < 1000; ++guard) dec.step(Clock::now());
-  EXPECT_EQ(s[3].finish, FinishReason::Length);
-  EXPECT_EQ(s[3].tokens, greedy_) << "turn 2 on turn 1's blocks";
-  EXPECT_EQ(present_rows(), before) << "a shared block was written";
-  EXPECT_TRUE(dec.blocks().isFreeButPrefixCache());
-  EXPECT_EQ(dec.blocks().cachedBlocks(), (n - 1) / 4);
-  EXPECT_EQ(dec.blocks().freeBlocks(), pool_->numBlocks());
+  run(*engine_);
+  pd::test_support::ResidentCacheEngine resident(*engine_);
+  run(resident);
+  EXPECT_EQ(resident.stale_positions, 0);
+  EXPECT_GT(resident.copied_positions, 0);
 }
 
 INSTANTIATE_TEST_SUITE_P(Golden, DecodeGolden, ::testing::Values("tiny-bf16", "tiny-fp8"));

@@ -391,6 +391,112 @@ TEST(DeviceMath, SamplingEqualsTheCpuSamplerTokenForToken) {
   EXPECT_GT(distinct_draws, 200);  // the draws really vary
 }
 
+// Under an allowed-token mask: the device's way (tokens outside the mask set to -inf after the
+// penalties and logit_bias, the whole row sorted, then drawToken or the greedy argmax) picks the
+// CPU Sampler's token, for masks dense enough for its dense path and sparse enough for its
+// gather path, with ties, top-k larger than what the mask allows, and every filter.
+TEST(DeviceMath, MaskedSamplingEqualsTheCpuSamplerTokenForToken) {
+  struct Case {
+    double temperature;
+    int64_t top_k;
+    double top_p, min_p;
+  };
+  const std::vector<Case> cases{{0.0, 0, 1.0, 0.0},  {1.0, 0, 1.0, 0.0},    {0.7, 40, 1.0, 0.0},  {0.8, 0, 0.9, 0.0},
+                                {1.0, 0, 1.0, 0.05}, {0.9, 500, 0.8, 0.02}, {1.2, 1000, 1.0, 0.0}};
+  const int64_t vocab = 1000;  // not a multiple of 64: the last word has bits past the vocabulary
+  const int64_t words = gm::maskWords(vocab);
+  ASSERT_EQ(words, 16);
+  std::mt19937 rng(29);
+  std::normal_distribution<float> normal(0.0F, 3.0F);
+  std::uniform_int_distribution<int64_t> any_token(0, vocab - 1);
+  int distinct = 0;
+  for (const Case& c : cases) {
+    for (const int64_t allowed_tokens :
+         {int64_t{1}, int64_t{7}, int64_t{60}, int64_t{500}}) {  // 60 * 16 < 1000: sparse
+      pd::SamplingParams params;
+      params.temperature = c.temperature;
+      params.top_k = c.top_k;
+      params.top_p = c.top_p;
+      params.min_p = c.min_p;
+      params.presence_penalty = 0.4;
+      params.seed = 17 + static_cast<std::uint64_t>(allowed_tokens);
+      params.logit_bias = {{3, 2.5F}, {998, -1.0F}};
+      pd::model::Sampler sampler(params);
+      std::vector<int64_t> counts(static_cast<std::size_t>(vocab), 0);
+      std::uint64_t draws = 0;
+      std::vector<std::int32_t> seen;
+      for (int step = 0; step < 25; ++step) {
+        std::vector<float> logits(static_cast<std::size_t>(vocab));
+        for (auto& v : logits) v = normal(rng);
+        std::vector<std::uint64_t> mask(static_cast<std::size_t>(words), 0);
+        for (int64_t k = 0; k < allowed_tokens; ++k) {
+          const int64_t t = any_token(rng);
+          mask[static_cast<std::size_t>(t / 64)] |= std::uint64_t{1} << (t % 64);
+        }
+        mask.back() |= ~std::uint64_t{0} << (vocab % 64);  // bits past the vocabulary: ignored by both
+        ASSERT_TRUE(gm::maskAllowsSome(mask.data(), vocab));
+        // Ties between allowed tokens (lowest id wins in both).
+        std::vector<int64_t> allowed;
+        for (int64_t t = 0; t < vocab; ++t) {
+          if (gm::tokenAllowed(mask.data(), t)) allowed.push_back(t);
+        }
+        if (allowed.size() >= 2)
+          logits[static_cast<std::size_t>(allowed[1])] = logits[static_cast<std::size_t>(allowed[0])];
+        const std::int32_t cpu = sampler.sample(logits, mask).token;
+        std::vector<float> work = logits;
+        for (int64_t t = 0; t < vocab; ++t) {
+          const int64_t n = counts[static_cast<std::size_t>(t)];
+          if (n > 0)
+            work[static_cast<std::size_t>(t)] = gm::penalizedLogit(work[static_cast<std::size_t>(t)], n, 0.4, 0.0);
+        }
+        for (const auto& b : params.logit_bias) work[static_cast<std::size_t>(b.token)] += b.bias;
+        for (int64_t t = 0; t < vocab; ++t) {
+          if (!gm::tokenAllowed(mask.data(), t)) work[static_cast<std::size_t>(t)] = -INFINITY;
+        }
+        std::int32_t hd = 0;
+        if (c.temperature == 0.0) {
+          for (int64_t t = 1; t < vocab; ++t) {
+            if (work[static_cast<std::size_t>(t)] > work[static_cast<std::size_t>(hd)])
+              hd = static_cast<std::int32_t>(t);
+          }
+        } else {
+          std::vector<std::int32_t> order(static_cast<std::size_t>(vocab));
+          std::iota(order.begin(), order.end(), 0);
+          std::stable_sort(order.begin(), order.end(), [&](std::int32_t a, std::int32_t b) {
+            return work[static_cast<std::size_t>(a)] > work[static_cast<std::size_t>(b)];
+          });
+          const gm::SamplingTransform transform{1.0 / c.temperature, c.top_k, c.top_p, c.min_p};
+          hd = gm::drawToken(work.data(), vocab, order.data(), transform, gm::uniformAt(params.seed, draws++));
+        }
+        ASSERT_EQ(hd, cpu) << "temperature " << c.temperature << " top_k " << c.top_k << " top_p " << c.top_p
+                           << " min_p " << c.min_p << " allowed " << allowed_tokens << " step " << step;
+        ASSERT_TRUE(gm::tokenAllowed(mask.data(), hd));
+        ++counts[static_cast<std::size_t>(hd)];
+        if (std::find(seen.begin(), seen.end(), hd) == seen.end()) seen.push_back(hd);
+      }
+      distinct += static_cast<int>(seen.size());
+    }
+  }
+  EXPECT_GT(distinct, 150);  // the draws really vary
+}
+
+TEST(DeviceMath, MaskHelpersReadTheSamplersBitOrder) {
+  EXPECT_EQ(gm::maskWords(1), 1);
+  EXPECT_EQ(gm::maskWords(64), 1);
+  EXPECT_EQ(gm::maskWords(65), 2);
+  EXPECT_EQ(gm::maskWords(129280), 2020);
+  std::vector<std::uint64_t> mask(2, 0);
+  mask[1] = std::uint64_t{1} << 3;  // token 67
+  EXPECT_TRUE(gm::tokenAllowed(mask.data(), 67));
+  EXPECT_FALSE(gm::tokenAllowed(mask.data(), 3));
+  EXPECT_TRUE(gm::maskAllowsSome(mask.data(), 68));
+  EXPECT_FALSE(gm::maskAllowsSome(mask.data(), 67));  // token 67 is past a 67-token vocabulary
+  mask[1] = 0;
+  mask[0] = std::uint64_t{1} << 63;
+  EXPECT_TRUE(gm::maskAllowsSome(mask.data(), 64));
+  EXPECT_FALSE(gm::maskAllowsSome(std::vector<std::uint64_t>(2, 0).data(), 128));
+}
+
 // ------------------------------------------------------------------------------------------
 // FP8 GEMV reduction order.
 

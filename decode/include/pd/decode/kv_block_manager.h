@@ -42,6 +42,7 @@
 /// Thread rules: engine thread only (the decode engine loop owns it); no internal locking.
 
 #include <cstdint>
+#include <functional>
 #include <list>
 #include <span>
 #include <unordered_map>
@@ -120,6 +121,10 @@ class KvBlockManager {
   [[nodiscard]] bool isQuarantined(std::uint64_t request_id) const;
 
   [[nodiscard]] bool contains(std::uint64_t request_id) const { return requests_.contains(request_id); }
+  /// Called with each block as it is handed to a new owner (a fresh block of admit, grow or
+  /// fork; not a shared prefix-cache block): KvPool::touch, so that an engine's copy of the cache
+  /// re-reads it. Set once, before the first admission.
+  void setOnTake(std::function<void(std::int32_t)> on_take) { on_take_ = std::move(on_take); }
   [[nodiscard]] std::int64_t numBlocks() const { return num_blocks_; }
   [[nodiscard]] std::int64_t blockSize() const { return block_size_; }
   [[nodiscard]] std::int64_t headroomBlocks() const { return headroom_blocks_; }
@@ -208,6 +213,7 @@ class KvBlockManager {
   std::vector<bool> in_cache_;
   std::int64_t cached_blocks_ = 0;
   std::list<std::int32_t> idle_;
+  std::function<void(std::int32_t)> on_take_;
   std::vector<std::list<std::int32_t>::iterator> idle_pos_;  // valid while the block is idle
   std::int64_t prefix_evictions_ = 0;
 };

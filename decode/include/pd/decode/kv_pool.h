@@ -10,11 +10,12 @@
 /// the pool is destroyed (the pool does not hold the transport).
 /// Thread rules: the memory is written by the engine thread during forward calls and by the
 /// transport (remote puts) into blocks the engine has handed out and does not yet read; the
-/// object itself is immutable after create().
+/// block epochs (enableEpochs, touch) change on the engine thread only.
 
 #include <cstddef>
 #include <cstdint>
 #include <span>
+#include <vector>
 
 #include "pd/common/dtype.h"
 #include "pd/common/result.h"
@@ -32,8 +33,8 @@ class KvPool {
   [[nodiscard]] static Result<KvPool> create(const ModelConfig& config, std::int64_t num_blocks,
                                              std::int64_t block_size, DType dtype);
 
-  /// What the engine's forward() takes.
-  [[nodiscard]] const model::LatentCacheView& view() const { return cache_.view(); }
+  /// What the engine's forward() takes (with block epochs once enableEpochs() was called).
+  [[nodiscard]] const model::LatentCacheView& view() const { return view_; }
   [[nodiscard]] std::int64_t numLayers() const { return static_cast<std::int64_t>(view().layers.size()); }
   [[nodiscard]] std::int64_t numBlocks() const { return view().num_blocks; }
   [[nodiscard]] std::int64_t blockSize() const { return view().block_size; }
@@ -50,12 +51,23 @@ class KvPool {
   [[nodiscard]] kvtransfer::CompatInfo compat(std::uint64_t model_hash, std::uint32_t tp_size) const;
   /// Copies block `src` into block `dst` in every layer (copy-on-write of a shared prompt's last
   /// block, KvBlockManager::fork). Engine thread only, like the model's writes; PD_CHECKs the ids.
-  void copyBlock(std::int32_t src, std::int32_t dst) const;
+  void copyBlock(std::int32_t src, std::int32_t dst);
+
+  /// Publishes block epochs in view() (model::LatentCacheView::block_epochs). The owner of the
+  /// block allocations turns them on (DecodeEngine) and then touch()es every block whose
+  /// contents change other than by the engine's forward: each block it hands to a new owner, each
+  /// block KV lands into. copyBlock touches its destination. Without them (a TP follower's pool,
+  /// whose blocks the leader allocates), an engine re-reads every position it needs.
+  void enableEpochs();
+  /// Bumps `block`'s epoch (PD_CHECKs the id); nothing before enableEpochs().
+  void touch(std::int32_t block);
 
  private:
-  explicit KvPool(model::PagedLatentCache cache) : cache_(std::move(cache)) {}
+  explicit KvPool(model::PagedLatentCache cache) : cache_(std::move(cache)), view_(cache_.view()) {}
 
   model::PagedLatentCache cache_;
+  std::vector<std::uint64_t> epochs_;  // one per block once enabled; view_.block_epochs points here
+  model::LatentCacheView view_;
 };
 
 }  // namespace pd::decode

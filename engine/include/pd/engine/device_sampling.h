@@ -7,8 +7,10 @@
 /// request produced, so no sampler state lives on the device. logit_bias and top-n logprobs are
 /// sampled there too (the top logprobs come back with the token).
 ///
-/// Not on the device: an allowed-token mask (grammar-constrained decoding samples on the host).
-/// deviceSamplable() says whether a request's parameters are within what the device takes.
+/// An allowed-token mask (grammar-constrained decoding) goes with its row: the device sets every
+/// token outside it to -inf after logit_bias, as the host Sampler's dense path does, which picks
+/// the same token as its sparse path. deviceSamplable() says whether a request's parameters are
+/// within what the device takes.
 ///
 /// Thread rules: as model::Engine (one thread at a time).
 
@@ -29,6 +31,9 @@ struct RowSample {
   std::uint64_t draw = 0;                  ///< the request's non-greedy tokens sampled before this row
   /// The tokens the request produced before this row, each with its count (distinct ids).
   std::span<const std::pair<std::int32_t, std::int64_t>> counts;
+  /// Empty: every token. Otherwise a bitset over token ids as Sampler::sample's `allowed` (bit t
+  /// of word t / 64), of ceil(vocab / 64) words, allowing at least one token below vocab.
+  std::span<const std::uint64_t> allowed;
 };
 
 /// Most top logprobs the device reports per token (SamplingParams' own limit).

@@ -27,6 +27,13 @@ struct LatentCacheView {
   std::int64_t block_size = 0;  ///< tokens per block
   std::int64_t num_blocks = 0;
   std::vector<std::byte*> layers;  ///< base of each KV layer's region
+  /// Optional, one per block: a counter the cache's owner bumps whenever a block's contents may
+  /// change other than by an engine's own forward writes (the block handed to a new owner, KV
+  /// landed into it, a block copied into it). An engine that keeps a copy of the cache (the CUDA
+  /// engine's device cache, model::CacheResidency) re-reads a block whose counter moved and
+  /// trusts the positions it already holds otherwise. Empty: unknown, every needed position is
+  /// re-read on every call.
+  std::span<const std::uint64_t> block_epochs;
 
   /// Address of `layer`'s slot for token `offset` of `block`.
   [[nodiscard]] std::byte* slot(std::int64_t layer, std::int64_t block, std::int64_t offset) const {
