@@ -103,6 +103,35 @@ Result<DecodeStepPlan> planDecodeStep(const ModelConfig& config, const DecodeCac
   return plan;
 }
 
+std::vector<PrefillSegment> prefillSegments(const DecodeStepPlan& plan) {
+  std::vector<PrefillSegment> out;
+  const auto table_end = [&](std::int64_t t) {
+    return t + 1 < plan.tokens ? plan.table_begin[static_cast<std::size_t>(t + 1)]
+                               : static_cast<std::int64_t>(plan.block_tables.size());
+  };
+  // Row u continues row u - 1's segment when u - 1's table is a prefix of u's and u's context is
+  // not shorter: then every earlier row of the segment reads its positions through u's table too.
+  const auto continues = [&](std::int64_t u) {
+    const auto prev = static_cast<std::size_t>(u - 1);
+    const auto cur = static_cast<std::size_t>(u);
+    if (plan.ctx_len[cur] < plan.ctx_len[prev]) return false;
+    const std::int64_t prev_len = table_end(u - 1) - plan.table_begin[prev];
+    const std::int64_t cur_len = table_end(u) - plan.table_begin[cur];
+    if (prev_len > cur_len) return false;
+    const auto* a = plan.block_tables.data() + plan.table_begin[prev];
+    const auto* b = plan.block_tables.data() + plan.table_begin[cur];
+    return std::equal(a, a + prev_len, b);
+  };
+  for (std::int64_t t = 0; t < plan.tokens; ++t) {
+    if (t == 0 || !continues(t)) out.push_back(PrefillSegment{t, t, 0, 0});
+    PrefillSegment& seg = out.back();
+    seg.row_end = t + 1;
+    seg.table_begin = plan.table_begin[static_cast<std::size_t>(t)];
+    seg.context = plan.ctx_len[static_cast<std::size_t>(t)];
+  }
+  return out;
+}
+
 BatchedGemm linearGemm(std::int64_t rows, std::int64_t cols, std::int64_t tokens, std::int64_t x_stride,
                        std::int64_t y_stride) {
   // W row-major [rows, cols] is W^T column-major with ld = cols; x is [cols, tokens] column-major.

@@ -55,6 +55,20 @@ struct DecodeStepPlan {
   std::int64_t max_context = 0;            ///< max ctx_len
 };
 
+/// A run of consecutive rows of a step that read one sequence's cache: each row's table is a
+/// prefix of the next row's, and contexts do not decrease (the rows of a prefill chunk, or one
+/// decode row alone). The prefill attention path up-projects the segment's context once for all
+/// its rows.
+struct PrefillSegment {
+  std::int64_t row_begin = 0;
+  std::int64_t row_end = 0;      ///< exclusive
+  std::int64_t table_begin = 0;  ///< the last row's table in DecodeStepPlan::block_tables
+  std::int64_t context = 0;      ///< the last row's ctx_len: positions [0, context) are read
+};
+
+/// The plan's rows cut into PrefillSegments, in row order; together they cover every row once.
+[[nodiscard]] std::vector<PrefillSegment> prefillSegments(const DecodeStepPlan& plan);
+
 /// Whether the model is one the device decode step runs: DeepSeek-V3 MLA + MoE within the
 /// kernels' limits (latent_dim, routed experts, groups, top-k). InvalidArgument / Unsupported
 /// naming the value otherwise.

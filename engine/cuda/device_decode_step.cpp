@@ -42,6 +42,10 @@ struct StepShape {
   const std::uint8_t* zero = nullptr;  // MTP rows whose embedding is zeroed, or null
   bool collect = false;                // copy each layer's latents to the host buffer
   bool round = false;                  // round the latents to BF16 first
+  // The prefill attention path (MlaPrefillAttention) over these segments of the plan's rows;
+  // null: the absorbed decode attention. Never captured: its launches depend on the contexts.
+  const std::vector<PrefillSegment>* segments = nullptr;
+  i64 table_entries = 0;  // the plan's block_tables entries (prefill path)
 };
 
 // A linear layer y = W x on the device: an FP32 matrix for cuBLAS, the checkpoint's BF16 matrix
@@ -158,7 +162,8 @@ struct DeviceDecodeStep::Impl {
   cuda::DeviceBuffer<float> inv_freq;
   cuda::DeviceBuffer<float> cache;  // [layers, num_blocks, block_size, latent_dim]
   std::optional<MlaDecodeAttention> attention;
-  std::optional<DeviceSampler> sampler;  // kMaxDecodeBatch rows of the vocabulary
+  std::optional<MlaPrefillAttention> prefill_attention;  // workspace of one chunk, kMaxDecodeBatch rows
+  std::optional<DeviceSampler> sampler;                  // kMaxDecodeBatch rows of the vocabulary
   float softmax_scale = 1.0F;
   float eps = 1e-6F;
   // Workspaces for kMaxDecodeBatch tokens.
@@ -518,6 +523,25 @@ struct DeviceDecodeStep::Impl {
     // Each row's latent into its cache slot: one scatter over the uploaded slots.
     PD_TRY(scatterRows(latent.data(), n, write_slots.data(), layer_cache,
                        cache_shape.num_blocks * cache_shape.block_size, ld, stream));
+    if (shape.segments != nullptr) {
+      // Prefill path: keys and values up-projected per context chunk, o [n, heads, v] directly.
+      MlaPrefillAttention::Batch pb;
+      pb.q = q.data();
+      pb.rows = n;
+      pb.cache_layer = layer_cache;
+      pb.cache_dtype = DType::F32;
+      pb.block_size = cache_shape.block_size;
+      pb.num_blocks = cache_shape.num_blocks;
+      pb.block_tables = block_tables.data();
+      pb.table_entries = shape.table_entries;
+      pb.ctx_len = ctx_len.data();
+      pb.segments = *shape.segments;
+      pb.kv_b = l.kv_b;
+      pb.scale = softmax_scale;
+      pb.out = o.data();
+      PD_TRY(prefill_attention->run(pb, blas.get(), stream));
+      return apply(l.o, o.data(), heads * dv, n, attn_out.data(), d);
+    }
     // q_cat[t][h] = (W_UK_h^T q_nope[t][h] ; q_pe[t][h]).
     PD_TRY(runGemm(blas.get(), absorbQueryGemm(c, n), l.kv_b, q.data(), q_cat.data()));
     PD_CUDA_TRY(cudaMemcpy2DAsync(q_cat.data() + r, sz(ld) * sizeof(float), q.data() + dn, sz(qk) * sizeof(float),
@@ -573,7 +597,7 @@ struct DeviceDecodeStep::Impl {
   // Runs forwardBody as a CUDA graph when graphs are on (see DecodeGraphCache for when a key is
   // eager, captured or replayed), else eagerly with the exact context.
   [[nodiscard]] Status runBody(StepShape shape) {
-    if (!cuda_graphs) {
+    if (!cuda_graphs || shape.segments != nullptr) {
       ++graph_stats.eager;
       return forwardBody(shape);
     }
@@ -754,6 +778,10 @@ Result<std::unique_ptr<DeviceDecodeStep>> DeviceDecodeStep::create(const DeviceW
   }
   PD_ASSIGN_OR_RETURN(DeviceSampler sampler, DeviceSampler::create(n, c.vocab_size));
   m.sampler.emplace(std::move(sampler));
+  PD_ASSIGN_OR_RETURN(
+      MlaPrefillAttention prefill,
+      MlaPrefillAttention::create({n, heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim, c.kv_lora_rank}));
+  m.prefill_attention.emplace(std::move(prefill));
   PD_ASSIGN_OR_RETURN(cuda::PinnedHostBuffer<float> collected,
                       cuda::PinnedHostBuffer<float>::create(sz(m.cache_layers * n * ld)));
   m.collected.emplace(std::move(collected));
@@ -964,6 +992,12 @@ Result<DeviceDecodeStep::Output> DeviceDecodeStep::run(const DecodeStepPlan& pla
   shape.mtp = request.mtp;
   shape.collect = request.collector != nullptr;
   shape.round = request.round_latents_to_bf16;
+  std::vector<PrefillSegment> segments;
+  if (request.prefill_attention) {
+    segments = prefillSegments(plan);
+    shape.segments = &segments;
+    shape.table_entries = static_cast<i64>(plan.block_tables.size());
+  }
   if (request.mtp) {
     PD_TRY(m.prev.copyFromHost(request.prev_hidden, m.stream));
     if (!request.zero_embedding.empty()) {

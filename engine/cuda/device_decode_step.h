@@ -3,7 +3,8 @@
 /// mode (FP32 activations and accumulation), following the CPU engine (engine/src/cpu) op for op:
 /// embedding; per layer RMSNorm, MLA (q_a -> norm -> q_b or q, kv_a -> norm + RoPE, the new latent
 /// written to the paged device cache, W_UK absorbed into the query, split-KV attention over the
-/// latents, W_UV, o_proj), residual + RMSNorm, then the dense MLP or MoE (noaux_tc routing, the
+/// latents, W_UV, o_proj; or, with Request::prefill_attention, keys and values up-projected per
+/// context chunk, MlaPrefillAttention), residual + RMSNorm, then the dense MLP or MoE (noaux_tc routing, the
 /// chosen experts grouped on the device, the weighted combine in ascending expert order, plus the
 /// shared expert); the final norm and the LM head. Logits come back to the host.
 ///
@@ -94,6 +95,10 @@ class DeviceDecodeStep {
     /// When not empty: one sampling request per logit row; the rows are sampled on the device
     /// (DeviceSampler) and only the tokens and logprobs come back, not the logits.
     std::span<const DeviceSampler::Row> sample_rows;
+    /// The prefill attention path (MlaPrefillAttention, the CPU engine's AttentionPath::Prefill):
+    /// keys and values up-projected per context chunk once for each run of rows reading one
+    /// sequence (prefillSegments), instead of one absorbed query per row. Such steps run eagerly.
+    bool prefill_attention = false;
   };
   struct Output {
     std::vector<float> logits;  ///< [logit_rows, vocab_size]

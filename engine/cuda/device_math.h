@@ -342,6 +342,54 @@ PD_HD float mergedOutput(const float* o, std::int64_t stride, const SoftmaxParti
 }
 
 // ---------------------------------------------------------------------------------------------
+// Prefill attention (keys and values up-projected from the latents, the context in chunks): the
+// running softmax of one (query row, head) across the chunks, in the CPU engine's prefill order
+// (engine/src/cpu/cpu_engine.cpp, prefillAttention).
+
+struct RunningSoftmax {
+  float max = negInfF();  ///< -inf: no position seen yet
+  float sum = 0.0F;
+};
+
+/// One chunk of `n` raw scores q.k: scales them by `scale` in place, moves the state to the new
+/// maximum (the old sum rescaled by exp(old max - new max) when the maximum moved and the sum is
+/// positive), turns the scores into the chunk's weights exp(s - max) and adds them to the sum in
+/// position order. Returns the factor the running output must be multiplied by before the
+/// chunk's weighted values are added (1 when the maximum did not move).
+PD_HD float runningSoftmaxStep(RunningSoftmax& state, float* scores, std::int64_t n, float scale) {
+  float mx = state.max;
+  for (std::int64_t p = 0; p < n; ++p) {
+    scores[p] *= scale;
+    mx = scores[p] > mx ? scores[p] : mx;
+  }
+  float factor = 1.0F;
+  if (state.max != mx && state.sum > 0.0F) {
+    factor = expF(state.max - mx);
+    state.sum *= factor;
+  }
+  for (std::int64_t p = 0; p < n; ++p) {
+    scores[p] = expF(scores[p] - mx);
+    state.sum += scores[p];
+  }
+  state.max = mx;
+  return factor;
+}
+
+/// One running output value after a chunk: acc * factor, then plus weights[p] * v[p * stride] in
+/// position order.
+PD_HD float runningOutputStep(float acc, float factor, const float* weights, const float* v, std::int64_t stride,
+                              std::int64_t n) {
+  acc *= factor;
+  for (std::int64_t p = 0; p < n; ++p) acc += weights[p] * v[p * stride];
+  return acc;
+}
+
+/// The attention output once every chunk is in: acc * (1 / sum), as the CPU engine normalizes.
+PD_HD float runningOutputFinal(float acc, const RunningSoftmax& state) {
+  return acc * (1.0F / state.sum);
+}
+
+// ---------------------------------------------------------------------------------------------
 // Sampling (the CPU Sampler's order: penalties, temperature, top-k, top-p, min-p, one draw).
 
 /// The n-th uniform draw in [0, 1) (53 bits) of a request seeded `seed`: splitmix64 of

@@ -38,7 +38,8 @@ u64 workspaceBytes(const ModelConfig& c, std::int64_t max_batch_tokens, std::int
   floats += t * (h * qk + u(c.q_lora_rank) + 2 * ld);  // q, q_a, kv_a, latent
   floats += t * h * (2 * ld + dv);                     // q_cat, o_lat, o
   floats += t * h * splits * (ld + 2);                 // split-KV partials
-  floats += t * (u(c.n_routed_experts) + k * d + mlp_width + (k + 1) * d);  // router logits, gathered x, act, out
+  floats += 256 * (ld + h * (u(c.qk_nope_head_dim) + dv)) + t * h * (dv + 2);  // prefill attention's chunk and state
+  floats += t * (u(c.n_routed_experts) + k * d + mlp_width + (k + 1) * d);     // router logits, gathered x, act, out
   const u64 rows = u(max_sample_rows);
   const u64 vocab = u(c.vocab_size);
   floats += rows * vocab * 6;  // logits, work, sorted keys, ids, sorted ids, sort scratch

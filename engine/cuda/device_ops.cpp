@@ -1,6 +1,7 @@
 // Host side of the CUDA backend's operations: shape checks, workspace owners, checked launches.
 #include "device_ops.h"
 
+#include <cublas_v2.h>
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -127,6 +128,112 @@ Status MlaDecodeAttention::run(const Batch& b, const cuda::Stream& stream) {
   a.part_o = part_o_.data();
   a.out = b.out;
   PD_CUDA_TRY(kernels::launchMlaDecode(a, stream.get()));
+  return okStatus();
+}
+
+Result<MlaPrefillAttention> MlaPrefillAttention::create(const Limits& l) {
+  constexpr std::string_view kWhat = "MlaPrefillAttention";
+  PD_TRY(inRange(kWhat, "max_rows", l.max_rows, 1, 65535));  // grid.x
+  PD_TRY(inRange(kWhat, "heads", l.heads, 1, 65535));        // grid.y
+  PD_TRY(inRange(kWhat, "nope", l.nope, 1, kernels::kMlaPrefillMaxHeadDim));
+  PD_TRY(inRange(kWhat, "rope", l.rope, 0, kernels::kMlaPrefillMaxHeadDim - l.nope));
+  PD_TRY(inRange(kWhat, "v", l.v, 1, kernels::kMlaPrefillMaxHeadDim));
+  PD_TRY(inRange(kWhat, "rank", l.rank, 1, kIntMax));
+  const std::int64_t kvw = l.heads * (l.nope + l.v);
+  PD_TRY(inRange(kWhat, "heads * (nope + v)", kvw, 1, kIntMax / kernels::kMlaPrefillChunk));
+  PD_TRY(inRange(kWhat, "max_rows * heads * v", l.max_rows * l.heads * l.v, 1, kIntMax));
+  constexpr auto kChunk = static_cast<std::size_t>(kernels::kMlaPrefillChunk);
+  PD_ASSIGN_OR_RETURN(auto latents,
+                      cuda::DeviceBuffer<float>::create(kChunk * static_cast<std::size_t>(l.rank + l.rope)));
+  PD_ASSIGN_OR_RETURN(auto kv, cuda::DeviceBuffer<float>::create(kChunk * static_cast<std::size_t>(kvw)));
+  PD_ASSIGN_OR_RETURN(auto state,
+                      cuda::DeviceBuffer<math::RunningSoftmax>::create(static_cast<std::size_t>(l.max_rows * l.heads)));
+  PD_ASSIGN_OR_RETURN(auto acc,
+                      cuda::DeviceBuffer<float>::create(static_cast<std::size_t>(l.max_rows * l.heads * l.v)));
+  return MlaPrefillAttention(l, std::move(latents), std::move(kv), std::move(state), std::move(acc));
+}
+
+Status MlaPrefillAttention::run(const Batch& b, cublasHandle_t blas, const cuda::Stream& stream) {
+  constexpr std::string_view kWhat = "MlaPrefillAttention::run";
+  const Limits& l = limits_;
+  PD_TRY(inRange(kWhat, "rows", b.rows, 0, l.max_rows));
+  if (b.rows == 0) return okStatus();
+  PD_TRY(inRange(kWhat, "block_size", b.block_size, 1, kIntMax));
+  PD_TRY(inRange(kWhat, "num_blocks", b.num_blocks, 1, kIntMax));
+  PD_TRY(inRange(kWhat, "table_entries", b.table_entries, 1, kIntMax));
+  if (b.cache_dtype != DType::F32 && b.cache_dtype != DType::BF16) {
+    return invalid(fmt::format("{}: cache dtype {} (only F32 and BF16)", kWhat, dtypeName(b.cache_dtype)));
+  }
+  if (b.q == nullptr || b.cache_layer == nullptr || b.block_tables == nullptr || b.ctx_len == nullptr ||
+      b.kv_b == nullptr || b.out == nullptr || blas == nullptr) {
+    return invalid(fmt::format("{}: null pointer", kWhat));
+  }
+  if (!(b.scale > 0.0F)) return invalid(fmt::format("{}: scale must be positive", kWhat));
+  // The segments cover [0, rows) in order, and each one's table holds its context.
+  std::int64_t next = 0;
+  for (std::size_t i = 0; i < b.segments.size(); ++i) {
+    const PrefillSegment& s = b.segments[i];
+    if (s.row_begin != next || s.row_end <= s.row_begin || s.row_end > b.rows) {
+      return invalid(fmt::format("{}: segment {} rows [{}, {}) do not continue at row {} within {} rows", kWhat, i,
+                                 s.row_begin, s.row_end, next, b.rows));
+    }
+    PD_TRY(inRange(kWhat, "segment context", s.context, 1, b.num_blocks * b.block_size));
+    const std::int64_t blocks = (s.context + b.block_size - 1) / b.block_size;
+    PD_TRY(inRange(kWhat, "segment table_begin", s.table_begin, 0, b.table_entries - blocks));
+    next = s.row_end;
+  }
+  if (next != b.rows) return invalid(fmt::format("{}: the segments cover {} of {} rows", kWhat, next, b.rows));
+
+  const cudaStream_t st = stream.get();
+  const std::int64_t qk = l.nope + l.rope;
+  const std::int64_t ld = l.rank + l.rope;
+  const std::int64_t kvw = l.heads * (l.nope + l.v);
+  PD_CUDA_TRY(cublasSetStream(blas, st));
+  PD_CUDA_TRY(kernels::launchMlaPrefillReset(state_.data(), acc_.data(), b.rows * l.heads, static_cast<int>(l.v), st));
+  const float one = 1.0F;
+  const float zero = 0.0F;
+  for (const PrefillSegment& s : b.segments) {
+    const std::int64_t rows = s.row_end - s.row_begin;
+    for (std::int64_t first = 0; first < s.context; first += kernels::kMlaPrefillChunk) {
+      const std::int64_t count = std::min<std::int64_t>(kernels::kMlaPrefillChunk, s.context - first);
+      kernels::GatherLatentsArgs g;
+      g.cache_layer = b.cache_layer;
+      g.cache_bf16 = b.cache_dtype == DType::BF16;
+      g.block_size = static_cast<int>(b.block_size);
+      g.num_blocks = static_cast<int>(b.num_blocks);
+      g.latent_dim = static_cast<int>(ld);
+      g.table = b.block_tables + s.table_begin;
+      g.first = first;
+      g.count = static_cast<int>(count);
+      g.out = latents_.data();
+      PD_CUDA_TRY(kernels::launchGatherLatents(g, st));
+      // kv[p][j] = sum_c kv_b[j][c] latents[p][c], c < rank: kv_b row-major [kvw, rank] is
+      // column-major [rank, kvw] (transposed); the latents are column-major [rank, count], ld ld.
+      PD_CUDA_TRY(cublasSgemm(blas, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(kvw), static_cast<int>(count),
+                              static_cast<int>(l.rank), &one, b.kv_b, static_cast<int>(l.rank), latents_.data(),
+                              static_cast<int>(ld), &zero, kv_.data(), static_cast<int>(kvw)));
+      kernels::MlaPrefillChunkArgs a;
+      a.q = b.q + s.row_begin * l.heads * qk;
+      a.rows = static_cast<int>(rows);
+      a.heads = static_cast<int>(l.heads);
+      a.nope = static_cast<int>(l.nope);
+      a.rope = static_cast<int>(l.rope);
+      a.v = static_cast<int>(l.v);
+      a.kv = kv_.data();
+      a.latents = latents_.data();
+      a.latent_dim = static_cast<int>(ld);
+      a.rank = static_cast<int>(l.rank);
+      a.first = first;
+      a.count = static_cast<int>(count);
+      a.ctx_len = b.ctx_len + s.row_begin;
+      a.scale = b.scale;
+      a.state = state_.data() + s.row_begin * l.heads;
+      a.acc = acc_.data() + s.row_begin * l.heads * l.v;
+      PD_CUDA_TRY(kernels::launchMlaPrefillChunk(a, st));
+    }
+  }
+  PD_CUDA_TRY(
+      kernels::launchMlaPrefillFinish(state_.data(), acc_.data(), b.rows * l.heads, static_cast<int>(l.v), b.out, st));
   return okStatus();
 }
 

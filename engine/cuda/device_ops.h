@@ -13,6 +13,7 @@
 #include <utility>
 #include <vector>
 
+#include "decode_step_plan.h"
 #include "gpu_kernels.h"
 #include "pd/common/dtype.h"
 #include "pd/common/result.h"
@@ -92,6 +93,63 @@ class MlaDecodeAttention {
   Limits limits_;
   cuda::DeviceBuffer<math::SoftmaxPartial> parts_;
   cuda::DeviceBuffer<float> part_o_;
+};
+
+/// MLA prefill attention over one KV layer of the paged latent cache, the CPU engine's Prefill
+/// path (keys and values up-projected, not absorbed): per PrefillSegment (rows of one sequence),
+/// the latents of positions [0, context) are read in chunks of kernels::kMlaPrefillChunk,
+/// up-projected once for all the segment's rows by kv_b (one SGEMM per chunk: k_nope ; v per
+/// head), and each row t attends causally to positions [0, ctx_len[t]) with a running softmax
+/// across the chunks (math::runningSoftmaxStep). out[t][h] = softmax(scale q[t][h] . [k_nope ;
+/// k_pe]) v, [rows, heads, v]. The workspace is bounded by the chunk and the rows, not by the
+/// context. A segment's host loop depends on its context, so steps on this path run eagerly
+/// (never captured).
+class MlaPrefillAttention {
+ public:
+  struct Limits {
+    std::int64_t max_rows = 0;
+    std::int64_t heads = 0;
+    std::int64_t nope = 0;  ///< qk_nope_head_dim
+    std::int64_t rope = 0;  ///< qk_rope_head_dim
+    std::int64_t v = 0;     ///< v_head_dim
+    std::int64_t rank = 0;  ///< kv_lora_rank (latent_dim = rank + rope)
+  };
+  /// InvalidArgument for non-positive or too large limits; ResourceExhausted when the device
+  /// memory is not there.
+  [[nodiscard]] static Result<MlaPrefillAttention> create(const Limits& limits);
+
+  struct Batch {
+    const float* q = nullptr;  ///< [rows, heads, nope + rope], RoPE applied
+    std::int64_t rows = 0;
+    const void* cache_layer = nullptr;  ///< [num_blocks, block_size, rank + rope] of cache_dtype
+    DType cache_dtype = DType::F32;     ///< F32 or BF16
+    std::int64_t block_size = 0;
+    std::int64_t num_blocks = 0;
+    const std::int32_t* block_tables = nullptr;  ///< device, concatenated (DecodeStepPlan::block_tables)
+    std::int64_t table_entries = 0;              ///< host: block_tables' length
+    const std::int64_t* ctx_len = nullptr;       ///< device [rows], each in [1, its segment's context]
+    std::span<const PrefillSegment> segments;    ///< host: cover rows [0, rows) in order
+    const float* kv_b = nullptr;                 ///< device FP32 [heads * (nope + v), rank]
+    float scale = 1.0F;
+    float* out = nullptr;  ///< [rows, heads, v]
+  };
+  Status run(const Batch& batch, cublasHandle_t blas, const cuda::Stream& stream);
+
+  [[nodiscard]] const Limits& limits() const { return limits_; }
+
+ private:
+  MlaPrefillAttention(Limits limits, cuda::DeviceBuffer<float> latents, cuda::DeviceBuffer<float> kv,
+                      cuda::DeviceBuffer<math::RunningSoftmax> state, cuda::DeviceBuffer<float> acc)
+      : limits_(limits),
+        latents_(std::move(latents)),
+        kv_(std::move(kv)),
+        state_(std::move(state)),
+        acc_(std::move(acc)) {}
+  Limits limits_;
+  cuda::DeviceBuffer<float> latents_;               // [chunk, rank + rope]
+  cuda::DeviceBuffer<float> kv_;                    // [chunk, heads * (nope + v)]
+  cuda::DeviceBuffer<math::RunningSoftmax> state_;  // [max_rows * heads]
+  cuda::DeviceBuffer<float> acc_;                   // [max_rows * heads * v]
 };
 
 /// noaux_tc routing of `tokens` rows of router logits [tokens, experts] into idx / weight

@@ -171,6 +171,78 @@ __global__ void __launch_bounds__(kMlaThreads) mlaCombineKernel(MlaDecodeArgs a)
   }
 }
 
+// ---- MLA prefill attention (up-projected keys and values) ------------------------------------
+
+constexpr int kPrefillThreads = 128;
+constexpr int kPrefillWarps = kPrefillThreads / 32;
+
+// One block per position of the chunk; threads over the latent dimensions.
+__global__ void __launch_bounds__(kPrefillThreads) gatherLatentsKernel(GatherLatentsArgs a) {
+  const std::int64_t p = a.first + blockIdx.x;
+  const std::int32_t block = a.table[p / a.block_size];
+  assert(block >= 0 && block < a.num_blocks);
+  const std::int64_t base = (static_cast<std::int64_t>(block) * a.block_size + p % a.block_size) * a.latent_dim;
+  float* out = a.out + static_cast<std::int64_t>(blockIdx.x) * a.latent_dim;
+  for (int i = threadIdx.x; i < a.latent_dim; i += kPrefillThreads) {
+    out[i] = a.cache_bf16 ? m::bf16Decode(static_cast<const std::uint16_t*>(a.cache_layer)[base + i])
+                          : static_cast<const float*>(a.cache_layer)[base + i];
+  }
+}
+
+// grid (rows, heads): one block per (query row, head). Scores by one warp per position, the
+// running softmax by one thread (math::runningSoftmaxStep), the output by one thread per value
+// dimension (math::runningOutputStep).
+__global__ void __launch_bounds__(kPrefillThreads) mlaPrefillChunkKernel(MlaPrefillChunkArgs a) {
+  extern __shared__ float smem[];
+  const int qk = a.nope + a.rope;
+  float* q = smem;                             // [qk]
+  float* weights = smem + qk;                  // [kMlaPrefillChunk]
+  float* factor = weights + kMlaPrefillChunk;  // [1]
+  const int t = blockIdx.x;
+  const int h = blockIdx.y;
+  const std::int64_t ctx = a.ctx_len[t];
+  const std::int64_t end = a.first + a.count < ctx ? a.first + a.count : ctx;
+  const int n = end > a.first ? static_cast<int>(end - a.first) : 0;
+  if (n == 0) return;  // causal: this row sees none of the chunk (the whole block returns)
+  const std::int64_t th = static_cast<std::int64_t>(t) * a.heads + h;
+  const float* qsrc = a.q + th * qk;
+  for (int i = threadIdx.x; i < qk; i += kPrefillThreads) q[i] = qsrc[i];
+  __syncthreads();
+  const int kvw = a.heads * (a.nope + a.v);
+  const int warp = threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  for (int p = warp; p < n; p += kPrefillWarps) {
+    const float* k = a.kv + static_cast<std::int64_t>(p) * kvw + static_cast<std::int64_t>(h) * (a.nope + a.v);
+    const float* pe = a.latents + static_cast<std::int64_t>(p) * a.latent_dim + a.rank;
+    float dot = 0.0F;
+    for (int i = lane; i < a.nope; i += 32) dot += q[i] * k[i];
+    for (int i = lane; i < a.rope; i += 32) dot += q[a.nope + i] * pe[i];
+    for (int width = 16; width > 0; width /= 2) dot += __shfl_xor_sync(0xFFFFFFFFU, dot, width);
+    if (lane == 0) weights[p] = dot;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) *factor = m::runningSoftmaxStep(a.state[th], weights, n, a.scale);
+  __syncthreads();
+  const float f = *factor;
+  const float* v0 = a.kv + static_cast<std::int64_t>(h) * (a.nope + a.v) + a.nope;
+  float* acc = a.acc + th * a.v;
+  for (int i = threadIdx.x; i < a.v; i += kPrefillThreads)
+    acc[i] = m::runningOutputStep(acc[i], f, weights, v0 + i, kvw, n);
+}
+
+__global__ void __launch_bounds__(kAxpyThreads)
+    mlaPrefillResetKernel(m::RunningSoftmax* state, float* acc, std::int64_t n, int v) {
+  const std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i < n) state[i] = m::RunningSoftmax{};
+  if (i < n * v) acc[i] = 0.0F;
+}
+
+__global__ void __launch_bounds__(kAxpyThreads)
+    mlaPrefillFinishKernel(const m::RunningSoftmax* state, const float* acc, std::int64_t n, int v, float* out) {
+  const std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i < n * v) out[i] = m::runningOutputFinal(acc[i], state[i / v]);
+}
+
 // ---- routing ---------------------------------------------------------------------------------
 
 // One block per token; one thread routes it serially (naive; the arithmetic is shared).
@@ -402,6 +474,36 @@ cudaError_t launchMlaDecode(const MlaDecodeArgs& args, cudaStream_t stream) {
   const cudaError_t first = cudaGetLastError();
   if (first != cudaSuccess) return first;
   mlaCombineKernel<<<args.tokens * args.heads, kMlaThreads, 0, stream>>>(args);
+  return cudaGetLastError();
+}
+
+cudaError_t launchGatherLatents(const GatherLatentsArgs& args, cudaStream_t stream) {
+  if (args.count <= 0) return cudaSuccess;
+  gatherLatentsKernel<<<args.count, kPrefillThreads, 0, stream>>>(args);
+  return cudaGetLastError();
+}
+
+cudaError_t launchMlaPrefillChunk(const MlaPrefillChunkArgs& args, cudaStream_t stream) {
+  if (args.rows <= 0 || args.heads <= 0 || args.count <= 0) return cudaSuccess;
+  const dim3 grid(static_cast<unsigned>(args.rows), static_cast<unsigned>(args.heads));
+  const std::size_t smem = (static_cast<std::size_t>(args.nope + args.rope) + kMlaPrefillChunk + 1) * sizeof(float);
+  mlaPrefillChunkKernel<<<grid, kPrefillThreads, smem, stream>>>(args);
+  return cudaGetLastError();
+}
+
+cudaError_t launchMlaPrefillReset(math::RunningSoftmax* state, float* acc, std::int64_t n, int v, cudaStream_t stream) {
+  const std::int64_t total = n * v > n ? n * v : n;
+  if (total <= 0) return cudaSuccess;
+  const auto blocks = static_cast<unsigned>((total + kAxpyThreads - 1) / kAxpyThreads);
+  mlaPrefillResetKernel<<<blocks, kAxpyThreads, 0, stream>>>(state, acc, n, v);
+  return cudaGetLastError();
+}
+
+cudaError_t launchMlaPrefillFinish(const math::RunningSoftmax* state, const float* acc, std::int64_t n, int v,
+                                   float* out, cudaStream_t stream) {
+  if (n * v <= 0) return cudaSuccess;
+  const auto blocks = static_cast<unsigned>((n * v + kAxpyThreads - 1) / kAxpyThreads);
+  mlaPrefillFinishKernel<<<blocks, kAxpyThreads, 0, stream>>>(state, acc, n, v, out);
   return cudaGetLastError();
 }
 

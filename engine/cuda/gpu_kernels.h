@@ -62,6 +62,52 @@ constexpr int kMlaSplitPositions = 256;
 constexpr int kMlaMaxLatentDim = 1024;
 cudaError_t launchMlaDecode(const MlaDecodeArgs& args, cudaStream_t stream);
 
+/// Prefill attention (see device_ops.h, MlaPrefillAttention): positions [first, first + count)
+/// of one sequence's latents, read through its block table, into out [count, latent_dim] (FP32).
+struct GatherLatentsArgs {
+  const void* cache_layer = nullptr;  ///< one KV layer: [num_blocks, block_size, latent_dim]
+  bool cache_bf16 = false;
+  int block_size = 0;
+  int num_blocks = 0;
+  int latent_dim = 0;
+  const std::int32_t* table = nullptr;  ///< the sequence's block table (device)
+  std::int64_t first = 0;
+  int count = 0;
+  float* out = nullptr;
+};
+cudaError_t launchGatherLatents(const GatherLatentsArgs& args, cudaStream_t stream);
+
+/// One context chunk of prefill attention for the rows of one sequence: for row t < rows and head
+/// h, the scores q[t][h] . [k_nope[p][h] ; k_pe[p]] of the chunk's positions p < ctx_len[t]
+/// (causal), folded into the running softmax state[t][h] and output acc[t][h][:]
+/// (math::runningSoftmaxStep, runningOutputStep).
+struct MlaPrefillChunkArgs {
+  const float* q = nullptr;  ///< [rows, heads, nope + rope]: q_nope ; q_pe after RoPE
+  int rows = 0;
+  int heads = 0;
+  int nope = 0;
+  int rope = 0;
+  int v = 0;
+  const float* kv = nullptr;       ///< [count, heads, nope + v]: the chunk's k_nope ; v per head
+  const float* latents = nullptr;  ///< [count, latent_dim]: the chunk's latents (k_pe at `rank`)
+  int latent_dim = 0;
+  int rank = 0;
+  std::int64_t first = 0;                 ///< the chunk's first position
+  int count = 0;                          ///< its positions, at most kMlaPrefillChunk
+  const std::int64_t* ctx_len = nullptr;  ///< [rows]: row t attends positions [0, ctx_len[t])
+  float scale = 1.0F;
+  math::RunningSoftmax* state = nullptr;  ///< [rows, heads]
+  float* acc = nullptr;                   ///< [rows, heads, v]
+};
+constexpr int kMlaPrefillChunk = 256;
+constexpr int kMlaPrefillMaxHeadDim = 1024;  ///< nope + rope and v, each
+cudaError_t launchMlaPrefillChunk(const MlaPrefillChunkArgs& args, cudaStream_t stream);
+/// state[i] = {-inf, 0} for i < n and acc[j] = 0 for j < n * v: before a sequence's first chunk.
+cudaError_t launchMlaPrefillReset(math::RunningSoftmax* state, float* acc, std::int64_t n, int v, cudaStream_t stream);
+/// out[i * v + j] = math::runningOutputFinal(acc[i * v + j], state[i]) for i < n, j < v.
+cudaError_t launchMlaPrefillFinish(const math::RunningSoftmax* state, const float* acc, std::int64_t n, int v,
+                                   float* out, cudaStream_t stream);
+
 /// noaux_tc routing of `tokens` rows of router logits [tokens, experts] into idx / weight
 /// [tokens, top_k]. bias [experts] or null.
 cudaError_t launchRouteNoauxTc(const float* logits, const float* bias, const math::RoutingShape& shape, int tokens,

@@ -189,7 +189,8 @@ void runParity(const std::string& name) {
   const i64 d = c.hidden_size;
 
   // Sequence A: 100 prompt tokens in chunks of 1, 5, 70 (two device steps) and 24; blocks
-  // interleaved with the other sequences'.
+  // interleaved with the other sequences'. Chunks of more than 16 tokens take the prefill attention
+  // path on both engines (AttentionPath::Auto), the others the absorbed one.
   std::vector<std::int32_t> a_tokens;
   for (i64 i = 0; i < 100; ++i) a_tokens.push_back(static_cast<std::int32_t>((i * 37 + 5) % vocab));
   const auto a_table = blockTable(0, 30, 3);
@@ -226,6 +227,8 @@ void runParity(const std::string& name) {
   decode.attention = pd::model::AttentionPath::Absorbed;
   decode.logits = OutputRows::Last;
   for (int step = 0; step < 6; ++step) {
+    // Odd steps on the prefill attention path (three one-row segments), even ones absorbed.
+    decode.attention = step % 2 == 1 ? pd::model::AttentionPath::Prefill : pd::model::AttentionPath::Absorbed;
     std::vector<SequenceChunk> batch;
     for (std::size_t s = 0; s < 3; ++s) {
       batch.push_back(chunk(std::span<const std::int32_t>(&next[s], 1), positions[s], *tables[s]));

@@ -269,6 +269,108 @@ TEST_F(Kernel, MlaDecodeMatchesCpuAbsorbedAttention) {
   }
 }
 
+// ---- MLA prefill attention ------------------------------------------------------------------------
+
+struct PrefillCase {
+  int64_t heads, nope, rope, v, rank, block_size;
+  DType dtype;
+  std::vector<std::pair<int64_t, int64_t>> segments;  // (rows, last row's context) per sequence
+};
+
+TEST_F(Kernel, MlaPrefillMatchesThePlainPrefillAttention) {
+  std::vector<PrefillCase> cases{
+      {1, 8, 4, 8, 16, 16, DType::F32, {{1, 1}}},
+      {4, 16, 8, 12, 40, 16, DType::BF16, {{5, 255}, {3, 256}, {7, 257}}},     // chunk boundaries
+      {16, 128, 64, 128, 512, 64, DType::F32, {{64, 700}}},                    // V3 head dims, 64 rows
+      {16, 128, 64, 128, 512, 64, DType::BF16, {{20, 20}, {1, 513}, {9, 9}}},  // a prompt, a decode row, a prompt
+  };
+  for (const PrefillCase& c : cases) {
+    const int64_t ld = c.rank + c.rope;
+    const int64_t qk = c.nope + c.rope;
+    const int64_t kvw = c.heads * (c.nope + c.v);
+    int64_t blocks_total = 1;
+    for (const auto& [rows, ctx] : c.segments) blocks_total += (ctx + c.block_size - 1) / c.block_size;
+    auto cache = pd::model::PagedLatentCache::create(1, ld, blocks_total, c.block_size, c.dtype);
+    ASSERT_TRUE(cache.ok());
+    std::vector<std::int32_t> pool(static_cast<std::size_t>(blocks_total));
+    std::iota(pool.begin(), pool.end(), 0);
+    std::shuffle(pool.begin(), pool.end(), rng_);
+    std::vector<std::int32_t> flat;
+    std::vector<int64_t> ctx_len;
+    std::vector<pd::gpu::PrefillSegment> segments;
+    std::vector<std::vector<std::int32_t>> tables;
+    std::size_t next_block = 0;
+    std::vector<float> lat(static_cast<std::size_t>(ld));
+    for (const auto& [rows, ctx] : c.segments) {
+      const int64_t blocks = (ctx + c.block_size - 1) / c.block_size;
+      std::vector<std::int32_t> table(pool.begin() + static_cast<std::ptrdiff_t>(next_block),
+                                      pool.begin() + static_cast<std::ptrdiff_t>(next_block) + blocks);
+      next_block += static_cast<std::size_t>(blocks);
+      for (int64_t p = 0; p < ctx; ++p) {
+        for (auto& x : lat) x = normal_(rng_);
+        pd::model::writeLatent(cache->view(), 0, table, p, lat.data());
+      }
+      pd::gpu::PrefillSegment seg;
+      seg.row_begin = static_cast<int64_t>(ctx_len.size());
+      seg.row_end = seg.row_begin + rows;
+      seg.table_begin = static_cast<int64_t>(flat.size());
+      seg.context = ctx;
+      segments.push_back(seg);
+      flat.insert(flat.end(), table.begin(), table.end());
+      for (int64_t r = 0; r < rows; ++r) ctx_len.push_back(ctx - rows + 1 + r);
+      tables.push_back(std::move(table));
+    }
+    const auto rows = static_cast<int64_t>(ctx_len.size());
+    const std::vector<float> q = randn(static_cast<std::size_t>(rows * c.heads * qk));
+    std::vector<float> kv_b = randn(static_cast<std::size_t>(kvw * c.rank));
+    for (auto& x : kv_b) x *= 0.05F;
+    const float scale = 1.0F / std::sqrt(static_cast<float>(qk));
+    std::vector<std::uint8_t> cache_host(cache->bytes());
+    std::memcpy(cache_host.data(), cache->view().layers[0], cache_host.size());
+    auto dcache = upload(cache_host, stream());
+    auto dq = upload(q, stream());
+    auto dflat = upload(flat, stream());
+    auto dctx = upload(ctx_len, stream());
+    auto dkvb = upload(kv_b, stream());
+    auto dout = upload(std::vector<float>(static_cast<std::size_t>(rows * c.heads * c.v)), stream());
+    auto blas = pd::cuda::BlasHandle::create(stream());
+    ASSERT_TRUE(blas.ok()) << blas.error().toString();
+    ASSERT_EQ(cublasSetMathMode(blas->get(), CUBLAS_PEDANTIC_MATH), CUBLAS_STATUS_SUCCESS);
+    auto attn = pd::gpu::MlaPrefillAttention::create({64, c.heads, c.nope, c.rope, c.v, c.rank});
+    ASSERT_TRUE(attn.ok()) << attn.error().toString();
+    pd::gpu::MlaPrefillAttention::Batch b;
+    b.q = dq.data();
+    b.rows = rows;
+    b.cache_layer = dcache.data();
+    b.cache_dtype = c.dtype;
+    b.block_size = c.block_size;
+    b.num_blocks = blocks_total;
+    b.block_tables = dflat.data();
+    b.table_entries = static_cast<int64_t>(flat.size());
+    b.ctx_len = dctx.data();
+    b.segments = segments;
+    b.kv_b = dkvb.data();
+    b.scale = scale;
+    b.out = dout.data();
+    const auto status = attn->run(b, blas->get(), stream());
+    ASSERT_TRUE(status.ok()) << status.error().toString();
+    const std::vector<float> got = download(dout, static_cast<std::size_t>(rows * c.heads * c.v), stream());
+    for (std::size_t s = 0; s < segments.size(); ++s) {
+      const auto& seg = segments[s];
+      const std::span<const int64_t> seg_ctx(ctx_len.data() + seg.row_begin,
+                                             static_cast<std::size_t>(seg.row_end - seg.row_begin));
+      const std::vector<float> want = pd::test::referencePrefillAttention(
+          cache->view(), 0, tables[s], seg_ctx, q.data() + seg.row_begin * c.heads * qk, kv_b.data(), c.heads, c.nope,
+          c.rope, c.v, c.rank, scale);
+      for (std::size_t i = 0; i < want.size(); ++i) {
+        const float g = got[static_cast<std::size_t>(seg.row_begin * c.heads * c.v) + i];
+        ASSERT_NEAR(g, want[i], 2e-4F + 2e-4F * std::fabs(want[i]))
+            << "heads " << c.heads << " segment " << s << " value " << i;
+      }
+    }
+  }
+}
+
 // ---- routing ------------------------------------------------------------------------------------
 
 // Whether two biased scores, or two group scores, are within 1e-5 without being equal.
@@ -884,6 +986,32 @@ TEST_F(Kernel, BadShapesAreClearErrorsNotLaunches) {
   auto group = pd::gpu::moeGroup(nullptr, 1, 9, 4, nullptr, nullptr, nullptr, nullptr, stream());
   ASSERT_FALSE(group.ok());
   EXPECT_EQ(group.error().code, pd::ErrorCode::InvalidArgument);
+  auto prefill = pd::gpu::MlaPrefillAttention::create({4, 2, 2048, 64, 128, 512});
+  ASSERT_FALSE(prefill.ok());
+  EXPECT_NE(prefill.error().message.find("nope"), std::string::npos) << prefill.error().message;
+  auto small = pd::gpu::MlaPrefillAttention::create({4, 2, 8, 4, 8, 16});
+  ASSERT_TRUE(small.ok()) << small.error().toString();
+  float dummy_f = 0.0F;
+  std::int32_t dummy_i = 0;
+  std::int64_t dummy_l = 1;
+  const std::vector<pd::gpu::PrefillSegment> gap{{0, 1, 0, 1}, {2, 3, 0, 1}};  // row 1 in no segment
+  pd::gpu::MlaPrefillAttention::Batch pb;
+  pb.q = &dummy_f;
+  pb.rows = 3;
+  pb.cache_layer = &dummy_f;
+  pb.block_size = 16;
+  pb.num_blocks = 1;
+  pb.block_tables = &dummy_i;
+  pb.table_entries = 1;
+  pb.ctx_len = &dummy_l;
+  pb.segments = gap;
+  pb.kv_b = &dummy_f;
+  pb.out = &dummy_f;
+  auto blas = pd::cuda::BlasHandle::create(stream());
+  ASSERT_TRUE(blas.ok());
+  auto bad_segments = small->run(pb, blas->get(), stream());
+  ASSERT_FALSE(bad_segments.ok());
+  EXPECT_NE(bad_segments.error().message.find("segment 1"), std::string::npos) << bad_segments.error().message;
 }
 
 }  // namespace

@@ -84,4 +84,61 @@ inline std::vector<float> cpuLatentAttention(const model::KernelTable& k, const 
   return o;
 }
 
+/// Prefill attention (the CPU engine's AttentionPath::Prefill) of query rows of one sequence,
+/// written out plainly in double: per position p, the cached latent's first `rank` values
+/// up-projected by kv_b [heads * (nope + v), rank] into k_nope and v per head, k_pe its last `rope`
+/// values; row t's scores scale * q[t][h] . [k_nope ; k_pe] over positions [0, ctx_len[t]),
+/// softmax, the weighted values. q [rows, heads, nope + rope]; returns [rows, heads, v].
+inline std::vector<float> referencePrefillAttention(const model::LatentCacheView& cache, std::int64_t layer,
+                                                    std::span<const std::int32_t> block_table,
+                                                    std::span<const std::int64_t> ctx_len, const float* q,
+                                                    const float* kv_b, std::int64_t heads, std::int64_t nope,
+                                                    std::int64_t rope, std::int64_t v, std::int64_t rank, float scale) {
+  using i64 = std::int64_t;
+  const auto at = [](i64 i) { return static_cast<std::size_t>(i); };
+  const i64 ld = rank + rope;
+  const i64 qk = nope + rope;
+  const i64 kvw = heads * (nope + v);
+  const i64 ctx = ctx_len.empty() ? 0 : *std::max_element(ctx_len.begin(), ctx_len.end());
+  std::vector<float> lat(at(ctx * ld));
+  for (i64 p = 0; p < ctx; ++p) model::readLatent(cache, layer, block_table, p, lat.data() + p * ld);
+  std::vector<double> kv(at(ctx * kvw));  // [p][h * (nope + v) + j]: k_nope then v
+  for (i64 p = 0; p < ctx; ++p) {
+    for (i64 j = 0; j < kvw; ++j) {
+      double sum = 0.0;
+      for (i64 i = 0; i < rank; ++i) sum += static_cast<double>(kv_b[j * rank + i]) * lat[at(p * ld + i)];
+      kv[at(p * kvw + j)] = sum;
+    }
+  }
+  const auto rows = static_cast<i64>(ctx_len.size());
+  std::vector<float> out(at(rows * heads * v));
+  std::vector<double> scores(at(ctx));
+  for (i64 t = 0; t < rows; ++t) {
+    const i64 n = ctx_len[at(t)];
+    for (i64 h = 0; h < heads; ++h) {
+      const float* qh = q + (t * heads + h) * qk;
+      double mx = -std::numeric_limits<double>::infinity();
+      for (i64 p = 0; p < n; ++p) {
+        const double* k = kv.data() + p * kvw + h * (nope + v);
+        double dot = 0.0;
+        for (i64 j = 0; j < nope; ++j) dot += k[j] * qh[j];
+        for (i64 j = 0; j < rope; ++j) dot += static_cast<double>(qh[nope + j]) * lat[at(p * ld + rank + j)];
+        scores[at(p)] = dot * scale;
+        mx = std::max(mx, scores[at(p)]);
+      }
+      double sum = 0.0;
+      for (i64 p = 0; p < n; ++p) {
+        scores[at(p)] = std::exp(scores[at(p)] - mx);
+        sum += scores[at(p)];
+      }
+      for (i64 j = 0; j < v; ++j) {
+        double acc = 0.0;
+        for (i64 p = 0; p < n; ++p) acc += scores[at(p)] * kv[at(p * kvw + h * (nope + v) + nope + j)];
+        out[at((t * heads + h) * v + j)] = static_cast<float>(acc / sum);
+      }
+    }
+  }
+  return out;
+}
+
 }  // namespace pd::test

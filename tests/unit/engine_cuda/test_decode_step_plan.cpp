@@ -45,6 +45,63 @@ TEST(DecodeStepPlan, LaysOutAMixedLengthBatch) {
   EXPECT_EQ(plan->max_context, 9);
 }
 
+// The prefill attention path's segments: consecutive rows reading one sequence share one
+// up-projection of its context.
+TEST(DecodeStepPlan, PrefillSegmentsGroupTheRowsOfOneSequence) {
+  const pd::ModelConfig c = tiny();
+  const DecodeCacheShape cache{32, 4};
+  const std::vector<std::int32_t> a{3, 7, 8};  // sequence A: positions 0..11
+  const std::vector<std::int32_t> b{5, 6};     // sequence B
+  const std::vector<std::int32_t> fork{3, 9};  // shares A's first block, then its own
+  // A chunk of A (positions 3..9), then B's positions 6 and 7, then a fork of A, then A again.
+  std::vector<DecodeSequence> batch;
+  for (std::int64_t p = 3; p <= 9; ++p) batch.push_back({1, p, a});
+  batch.push_back({1, 6, b});
+  batch.push_back({1, 7, b});
+  batch.push_back({1, 5, fork});
+  batch.push_back({1, 10, a});
+  auto plan = planDecodeStep(c, cache, batch);
+  ASSERT_TRUE(plan.ok()) << plan.error().toString();
+  const std::vector<pd::gpu::PrefillSegment> segs = pd::gpu::prefillSegments(*plan);
+  ASSERT_EQ(segs.size(), 4U);
+  EXPECT_EQ(segs[0].row_begin, 0);
+  EXPECT_EQ(segs[0].row_end, 7);
+  EXPECT_EQ(segs[0].context, 10);
+  EXPECT_EQ(segs[0].table_begin, plan->table_begin[6]);
+  EXPECT_EQ(segs[1].row_begin, 7);
+  EXPECT_EQ(segs[1].row_end, 9);
+  EXPECT_EQ(segs[1].context, 8);
+  // The fork's first block is A's, its second is not: a segment of its own.
+  EXPECT_EQ(segs[2].row_begin, 9);
+  EXPECT_EQ(segs[2].row_end, 10);
+  EXPECT_EQ(segs[2].context, 6);
+  EXPECT_EQ(segs[3].row_begin, 10);
+  EXPECT_EQ(segs[3].row_end, 11);
+  EXPECT_EQ(segs[3].context, 11);
+  // Every row's positions are in its segment's table: the first `ctx_len` slots agree.
+  for (const auto& s : segs) {
+    for (std::int64_t t = s.row_begin; t < s.row_end; ++t) {
+      const std::int64_t blocks =
+          (plan->ctx_len[static_cast<std::size_t>(t)] + cache.block_size - 1) / cache.block_size;
+      for (std::int64_t k = 0; k < blocks; ++k) {
+        EXPECT_EQ(plan->block_tables[static_cast<std::size_t>(plan->table_begin[static_cast<std::size_t>(t)] + k)],
+                  plan->block_tables[static_cast<std::size_t>(s.table_begin + k)]);
+      }
+    }
+  }
+  // A shorter context after a longer one (the same sequence's rows out of order) starts a
+  // segment: a segment's context is its last row's.
+  std::vector<DecodeSequence> backwards{{1, 9, a}, {1, 4, a}};
+  auto back = planDecodeStep(c, cache, backwards);
+  ASSERT_TRUE(back.ok());
+  EXPECT_EQ(pd::gpu::prefillSegments(*back).size(), 2U);
+  // A decode step of distinct sequences: one row per segment.
+  std::vector<DecodeSequence> decode{{1, 11, a}, {1, 7, b}};
+  auto dec = planDecodeStep(c, cache, decode);
+  ASSERT_TRUE(dec.ok());
+  EXPECT_EQ(pd::gpu::prefillSegments(*dec).size(), 2U);
+}
+
 void expectInvalid(const pd::ModelConfig& c, const DecodeCacheShape& cache, const std::vector<DecodeSequence>& batch,
                    const std::string& fragment) {
   auto plan = planDecodeStep(c, cache, batch);

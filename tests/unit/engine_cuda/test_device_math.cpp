@@ -320,6 +320,122 @@ TEST(DeviceMath, SplitSoftmaxMergeEqualsTheCpuEnginesAttention) {
   }
 }
 
+// The prefill kernels' arithmetic, chunk by chunk as MlaPrefillAttention runs it (the latents of
+// a chunk up-projected by kv_b, one running softmax per row and head), against the plain
+// prefill attention in double, for causal rows of one sequence and chunks that split the context
+// anywhere.
+TEST(DeviceMath, PrefillAttentionInChunksEqualsOneSoftmaxOverTheContext) {
+  std::mt19937 rng(21);
+  std::normal_distribution<float> normal;
+  const int64_t heads = 3;
+  const int64_t nope = 8;
+  const int64_t rope = 4;
+  const int64_t v = 6;
+  const int64_t rank = 12;
+  const int64_t ld = rank + rope;
+  const int64_t qk = nope + rope;
+  const int64_t kvw = heads * (nope + v);
+  const int64_t bs = 16;
+  const float scale = 0.25F;
+  std::vector<float> kv_b(static_cast<std::size_t>(kvw * rank));
+  for (auto& x : kv_b) x = normal(rng) * 0.3F;
+  for (const int64_t ctx : {int64_t{1}, int64_t{17}, int64_t{256}, int64_t{257}, int64_t{700}}) {
+    const int64_t blocks = (ctx + bs - 1) / bs;
+    auto cache = pd::model::PagedLatentCache::create(1, ld, blocks + 1, bs, DType::F32);
+    ASSERT_TRUE(cache.ok());
+    std::vector<std::int32_t> table;
+    for (int64_t b = 0; b < blocks; ++b) table.push_back(static_cast<std::int32_t>(blocks - b));  // reversed
+    std::vector<float> lat(static_cast<std::size_t>(ld));
+    for (int64_t p = 0; p < ctx; ++p) {
+      for (auto& x : lat) x = normal(rng);
+      pd::model::writeLatent(cache->view(), 0, table, p, lat.data());
+    }
+    // The rows of a chunk of up to 5 new tokens ending at ctx: row t attends [0, ctx_len[t]).
+    std::vector<int64_t> ctx_len;
+    for (int64_t c = std::max<int64_t>(1, ctx - 4); c <= ctx; ++c) ctx_len.push_back(c);
+    const auto rows = static_cast<int64_t>(ctx_len.size());
+    std::vector<float> q(static_cast<std::size_t>(rows * heads * qk));
+    for (auto& x : q) x = normal(rng);
+    for (const int64_t chunk : {int64_t{7}, int64_t{64}, int64_t{256}}) {
+      std::vector<gm::RunningSoftmax> state(static_cast<std::size_t>(rows * heads));
+      std::vector<float> acc(static_cast<std::size_t>(rows * heads * v), 0.0F);
+      for (int64_t first = 0; first < ctx; first += chunk) {
+        const int64_t count = std::min(chunk, ctx - first);
+        std::vector<float> lc(static_cast<std::size_t>(count * ld));
+        for (int64_t p = 0; p < count; ++p) {
+          pd::model::readLatent(cache->view(), 0, table, first + p, lc.data() + p * ld);
+        }
+        std::vector<float> kv(static_cast<std::size_t>(count * kvw));  // the SGEMM's output
+        for (int64_t p = 0; p < count; ++p) {
+          for (int64_t j = 0; j < kvw; ++j) {
+            float sum = 0.0F;
+            for (int64_t i = 0; i < rank; ++i) {
+              sum += kv_b[static_cast<std::size_t>(j * rank + i)] * lc[static_cast<std::size_t>(p * ld + i)];
+            }
+            kv[static_cast<std::size_t>(p * kvw + j)] = sum;
+          }
+        }
+        for (int64_t t = 0; t < rows; ++t) {
+          const int64_t n = std::min(first + count, ctx_len[static_cast<std::size_t>(t)]) - first;
+          if (n <= 0) continue;
+          for (int64_t h = 0; h < heads; ++h) {
+            const float* qh = q.data() + (t * heads + h) * qk;
+            std::vector<float> w(static_cast<std::size_t>(n));
+            for (int64_t p = 0; p < n; ++p) {
+              const float* k = kv.data() + p * kvw + h * (nope + v);
+              float dot = 0.0F;
+              for (int64_t i = 0; i < nope; ++i) dot += qh[i] * k[i];
+              for (int64_t i = 0; i < rope; ++i) dot += qh[nope + i] * lc[static_cast<std::size_t>(p * ld + rank + i)];
+              w[static_cast<std::size_t>(p)] = dot;
+            }
+            auto& st = state[static_cast<std::size_t>(t * heads + h)];
+            const float factor = gm::runningSoftmaxStep(st, w.data(), n, scale);
+            for (int64_t i = 0; i < v; ++i) {
+              float& a = acc[static_cast<std::size_t>((t * heads + h) * v + i)];
+              a = gm::runningOutputStep(a, factor, w.data(), kv.data() + h * (nope + v) + nope + i, kvw, n);
+            }
+          }
+        }
+      }
+      const std::vector<float> want = pd::test::referencePrefillAttention(
+          cache->view(), 0, table, ctx_len, q.data(), kv_b.data(), heads, nope, rope, v, rank, scale);
+      for (int64_t t = 0; t < rows; ++t) {
+        for (int64_t h = 0; h < heads; ++h) {
+          for (int64_t i = 0; i < v; ++i) {
+            const auto hi = static_cast<std::size_t>((t * heads + h) * v + i);
+            const float got = gm::runningOutputFinal(acc[hi], state[static_cast<std::size_t>(t * heads + h)]);
+            const float ref = want[hi];
+            ASSERT_NEAR(got, ref, 2e-5F * (1.0F + std::fabs(ref)))
+                << "ctx " << ctx << " row " << t << " chunk " << chunk << " head " << h << " i " << i;
+          }
+        }
+      }
+    }
+  }
+}
+
+// The running softmax keeps what came before when the maximum moves: two chunks equal one.
+TEST(DeviceMath, RunningSoftmaxRescalesWhenTheMaximumMoves) {
+  std::vector<float> all{0.5F, -1.0F, 3.0F, 2.0F, 7.0F, -4.0F};
+  gm::RunningSoftmax one;
+  std::vector<float> w1 = all;
+  EXPECT_EQ(gm::runningSoftmaxStep(one, w1.data(), 6, 0.5F), 1.0F);  // from empty: no rescale
+  gm::RunningSoftmax two;
+  std::vector<float> a(all.begin(), all.begin() + 3);
+  std::vector<float> b(all.begin() + 3, all.end());
+  gm::runningSoftmaxStep(two, a.data(), 3, 0.5F);
+  EXPECT_EQ(two.max, 1.5F);
+  const float factor = gm::runningSoftmaxStep(two, b.data(), 3, 0.5F);
+  EXPECT_EQ(two.max, 3.5F);
+  EXPECT_FLOAT_EQ(factor, std::exp(1.5F - 3.5F));
+  EXPECT_NEAR(two.sum, one.sum, 1e-6F * one.sum);
+  const float values[6] = {1, 2, 3, 4, 5, 6};
+  const float acc1 = gm::runningOutputStep(0.0F, 1.0F, w1.data(), values, 1, 6);
+  float acc2 = gm::runningOutputStep(0.0F, 1.0F, a.data(), values, 1, 3);
+  acc2 = gm::runningOutputStep(acc2, factor, b.data(), values + 3, 1, 3);
+  EXPECT_NEAR(gm::runningOutputFinal(acc2, two), gm::runningOutputFinal(acc1, one), 1e-6F);
+}
+
 TEST(DeviceMath, EmptyPartialsMergeAsNothing) {
   const gm::SoftmaxPartial empty;
   EXPECT_EQ(gm::mergeFactor(empty.max, 3.0F), 0.0F);
