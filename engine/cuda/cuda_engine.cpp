@@ -68,9 +68,9 @@ void appendLatents(const LatentCacheView& cache, i64 layer, const gpu::CacheRun&
 
 // Mirrors one step's new latents into the caller's host cache and hands them to the sink, after
 // the step has run (a collector: no synchronize per layer, so the step can replay a CUDA graph).
-// With a BF16 host cache the step rounds the latents to BF16 on the device before its own cache
-// and attention see them (Request::round_latents_to_bf16), so the device attends to what the CPU
-// engine would, and writing them here stores exactly those values.
+// With a BF16 host cache the step rounds the latents to BF16 on the device before its own (BF16)
+// cache and attention see them (Request::round_latents_to_bf16), so the device attends to what the
+// CPU engine would, and writing them here stores exactly those values.
 class HostMirror final : public DeviceDecodeStep::LatentCollector {
  public:
   HostMirror(const LatentCacheView& cache, std::span<const SequenceChunk> batch, const gpu::ForwardStep& step,
@@ -182,7 +182,10 @@ class CudaEngine final : public Engine, public SamplingEngine {
       row.allowed = r.allowed;  // DeviceSampler::sample checks its size and that it allows a token
       sample_rows.push_back(row);
     }
-    PD_TRY(step_->setCacheShape({cache.num_blocks, cache.block_size}));
+    // The device cache takes the host cache's dtype: BF16 halves its memory and the attention's
+    // reads; an F32 host cache (the golden parity mode) keeps F32.
+    PD_TRY(step_->setCacheShape(
+        {cache.num_blocks, cache.block_size, cache.dtype == DType::BF16 ? DType::BF16 : DType::F32}));
     // Only the positions the device cache does not hold yet cross over (CacheResidency); a call
     // that fails past this point leaves the device cache unknown, so it is forgotten.
     CacheResidency& residency = mtp ? mtp_residency_ : main_residency_;
@@ -298,7 +301,7 @@ Result<std::unique_ptr<Engine>> createCudaEngine(const std::filesystem::path& mo
   upload.serving.kv_block_size = options.kv_block_size;
   upload.serving.kv_blocks =
       options.kv_blocks > 0 ? options.kv_blocks : (max_context + options.kv_block_size - 1) / options.kv_block_size;
-  upload.serving.kv_dtype = DType::F32;
+  upload.serving.kv_dtype = DType::F32;  // the host cache's dtype is known at the first call: the larger
   upload.serving.max_batch_tokens = options.max_step_rows;
   upload.serving.max_context = max_context;
   upload.serving.max_sample_rows = options.max_step_rows;

@@ -103,6 +103,17 @@ Result<DecodeStepPlan> planDecodeStep(const ModelConfig& config, const DecodeCac
   return plan;
 }
 
+Status checkCacheShape(const DecodeCacheShape& shape) {
+  if (shape.num_blocks <= 0 || shape.block_size <= 0 || shape.num_blocks > (std::int64_t{1} << 31) / shape.block_size) {
+    return invalid(
+        fmt::format("device decode: cache of {} blocks of {} positions", shape.num_blocks, shape.block_size));
+  }
+  if (shape.dtype != DType::F32 && shape.dtype != DType::BF16) {
+    return invalid(fmt::format("device decode: a {} cache (only F32 and BF16)", dtypeName(shape.dtype)));
+  }
+  return okStatus();
+}
+
 std::vector<PrefillSegment> prefillSegments(const DecodeStepPlan& plan) {
   std::vector<PrefillSegment> out;
   const auto table_end = [&](std::int64_t t) {

@@ -16,6 +16,7 @@
 #include <utility>
 #include <vector>
 
+#include "pd/common/dtype.h"
 #include "pd/common/result.h"
 #include "pd/engine/model_config.h"
 
@@ -26,11 +27,19 @@ constexpr std::int64_t kMaxDecodeBatch = 64;
 /// Widest latent the decode attention kernel takes (kernels::kMlaMaxLatentDim).
 constexpr std::int64_t kMaxDecodeLatentDim = 1024;
 
-/// The device latent cache's geometry: [kv_layers, num_blocks, block_size, latent_dim] float32.
+/// The device latent cache's geometry: [kv_layers, num_blocks, block_size, latent_dim] of dtype,
+/// F32 or BF16 (the latents rounded to nearest even as they are written, as a BF16 host cache
+/// holds them; the attention kernels decode them to FP32).
 struct DecodeCacheShape {
   std::int64_t num_blocks = 0;
   std::int64_t block_size = 0;
+  DType dtype = DType::F32;
+  friend bool operator==(const DecodeCacheShape&, const DecodeCacheShape&) = default;
 };
+
+/// InvalidArgument naming the value unless num_blocks, block_size > 0, num_blocks * block_size
+/// <= 2^31 and dtype is F32 or BF16.
+[[nodiscard]] Status checkCacheShape(const DecodeCacheShape& shape);
 
 /// One sequence of a decode step (or one row of a prefill chunk): `token` goes to cache position
 /// `position`; positions [0, position) are already in the cache (or written by earlier rows of the

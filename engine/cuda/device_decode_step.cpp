@@ -160,7 +160,9 @@ struct DeviceDecodeStep::Impl {
   std::optional<MtpLayer> mtp;
   i64 cache_layers = 0;  // main layers, + 1 with the MTP layer
   cuda::DeviceBuffer<float> inv_freq;
-  cuda::DeviceBuffer<float> cache;  // [layers, num_blocks, block_size, latent_dim]
+  // [layers, num_blocks, block_size, latent_dim]: `cache` for an F32 shape, `cache_bf16` for BF16.
+  cuda::DeviceBuffer<float> cache;
+  cuda::DeviceBuffer<std::uint16_t> cache_bf16;
   std::optional<MlaDecodeAttention> attention;
   std::optional<MlaPrefillAttention> prefill_attention;  // workspace of one chunk, kMaxDecodeBatch rows
   std::optional<DeviceSampler> sampler;                  // kMaxDecodeBatch rows of the vocabulary
@@ -169,7 +171,8 @@ struct DeviceDecodeStep::Impl {
   // Workspaces for kMaxDecodeBatch tokens.
   cuda::DeviceBuffer<float> h, xn, qa, q, kv, latent, q_cat, o_lat, o, attn_out, ffn_out, router_logits, gx, act, up,
       gout, logits, cat, prev, sel;
-  std::optional<cuda::PinnedHostBuffer<float>> staging;  // writeCache's host side, grown on demand
+  std::optional<cuda::PinnedHostBuffer<float>> staging;               // writeCache's host side, grown on demand
+  std::optional<cuda::PinnedHostBuffer<std::uint16_t>> staging_bf16;  // the same for a BF16 cache
   cuda::DeviceBuffer<std::int64_t> positions, ctx_len, table_begin, write_slots;
   // [kMaxDecodeBatch]: the step's token ids, the rows whose logits it returns, the MTP rows whose
   // embedding is zeroed; the gather kernel reads them on the device.
@@ -196,6 +199,8 @@ struct DeviceDecodeStep::Impl {
 
   Impl(const ModelConfig& c, const DeviceWeights& w, DecodeCacheShape shape, cuda::Stream s, cuda::BlasHandle b)
       : cfg(c), weights(w), cache_shape(shape), stream(std::move(s)), blas(std::move(b)) {}
+
+  [[nodiscard]] bool hasCache() const { return cache.size() > 0 || cache_bf16.size() > 0; }
 
   [[nodiscard]] Result<const DeviceWeights::Tensor*> tensor(const std::string& name,
                                                             std::vector<std::int64_t> shape) const {
@@ -418,7 +423,11 @@ struct DeviceDecodeStep::Impl {
     const i64 ld = c.latentDim();
     const i64 slots = cs.num_blocks * cs.block_size;
     const i64 max_ctx = c.max_position_embeddings > 0 ? std::min(c.max_position_embeddings, slots) : slots;
-    PD_ASSIGN_OR_RETURN(cache, cuda::DeviceBuffer<float>::create(sz(cache_layers * slots * ld)));
+    if (cs.dtype == DType::BF16) {
+      PD_ASSIGN_OR_RETURN(cache_bf16, cuda::DeviceBuffer<std::uint16_t>::create(sz(cache_layers * slots * ld)));
+    } else {
+      PD_ASSIGN_OR_RETURN(cache, cuda::DeviceBuffer<float>::create(sz(cache_layers * slots * ld)));
+    }
     PD_ASSIGN_OR_RETURN(MlaDecodeAttention att,
                         MlaDecodeAttention::create({kMaxDecodeBatch, c.num_attention_heads, ld, max_ctx}));
     attention.emplace(std::move(att));
@@ -514,22 +523,32 @@ struct DeviceDecodeStep::Impl {
     PD_TRY(ropeInterleaved(latent.data(), RopeShape{n, 1, ld, ld, r, half}, inv_freq.data(), positions.data(), stream));
     PD_TRY(ropeInterleaved(q.data(), RopeShape{n, heads, heads * qk, qk, dn, half}, inv_freq.data(), positions.data(),
                            stream));
-    float* layer_cache = cache.data() + kv_layer * cache_shape.num_blocks * cache_shape.block_size * ld;
+    const i64 layer_offset = kv_layer * cache_shape.num_blocks * cache_shape.block_size * ld;
+    const bool bf16_cache = cache_shape.dtype == DType::BF16;
+    void* layer_cache = bf16_cache ? static_cast<void*>(cache_bf16.data() + layer_offset)
+                                   : static_cast<void*>(cache.data() + layer_offset);
     if (shape.round) PD_TRY(roundToBf16(latent.data(), n * ld, stream));
     if (shape.collect) {  // into pinned memory: a plain copy node when captured
       PD_CUDA_TRY(cudaMemcpyAsync(collected->data() + kv_layer * kMaxDecodeBatch * ld, latent.data(),
                                   sz(n * ld) * sizeof(float), cudaMemcpyDeviceToHost, s));
     }
     // Each row's latent into its cache slot: one scatter over the uploaded slots.
-    PD_TRY(scatterRows(latent.data(), n, write_slots.data(), layer_cache,
-                       cache_shape.num_blocks * cache_shape.block_size, ld, stream));
+    // (A BF16 cache rounds as it stores: the attention below reads the rounded values.)
+    const i64 cache_slots = cache_shape.num_blocks * cache_shape.block_size;
+    if (bf16_cache) {
+      PD_TRY(scatterRowsBf16(latent.data(), n, write_slots.data(), static_cast<std::uint16_t*>(layer_cache),
+                             cache_slots, ld, stream));
+    } else {
+      PD_TRY(
+          scatterRows(latent.data(), n, write_slots.data(), static_cast<float*>(layer_cache), cache_slots, ld, stream));
+    }
     if (shape.segments != nullptr) {
       // Prefill path: keys and values up-projected per context chunk, o [n, heads, v] directly.
       MlaPrefillAttention::Batch pb;
       pb.q = q.data();
       pb.rows = n;
       pb.cache_layer = layer_cache;
-      pb.cache_dtype = DType::F32;
+      pb.cache_dtype = cache_shape.dtype;
       pb.block_size = cache_shape.block_size;
       pb.num_blocks = cache_shape.num_blocks;
       pb.block_tables = block_tables.data();
@@ -550,7 +569,7 @@ struct DeviceDecodeStep::Impl {
     b.q_cat = q_cat.data();
     b.tokens = n;
     b.cache_layer = layer_cache;
-    b.cache_dtype = DType::F32;
+    b.cache_dtype = cache_shape.dtype;
     b.block_size = cache_shape.block_size;
     b.num_blocks = cache_shape.num_blocks;
     b.block_tables = block_tables.data();
@@ -707,10 +726,7 @@ Result<std::unique_ptr<DeviceDecodeStep>> DeviceDecodeStep::create(const DeviceW
   PD_TRY(checkDecodeModel(config));
   const ModelConfig& c = config;
   const DecodeCacheShape& cs = options.cache;
-  if (cs.num_blocks <= 0 || cs.block_size <= 0 || cs.num_blocks * cs.block_size > (i64{1} << 31)) {
-    return makeError(ErrorCode::InvalidArgument,
-                     fmt::format("device decode: cache of {} blocks of {} positions", cs.num_blocks, cs.block_size));
-  }
+  PD_TRY(checkCacheShape(cs));
   PD_CUDA_TRY(cudaSetDevice(weights.device().index));
   PD_ASSIGN_OR_RETURN(cuda::Stream stream, cuda::Stream::create());
   PD_ASSIGN_OR_RETURN(cuda::BlasHandle blas, cuda::BlasHandle::create(stream));
@@ -848,7 +864,7 @@ double DeviceDecodeStep::stepBytes(std::span<const std::int64_t> contexts,
     // kv_b (FP32): W_UK for the absorbed query, W_UV for the values.
     bytes += 4.0 * heads * static_cast<double>(c.qk_nope_head_dim + c.v_head_dim) * static_cast<double>(c.kv_lora_rank);
     bytes += linearBytes(l.o);
-    bytes += 4.0 * positions * ld;  // the layer's F32 latents
+    bytes += static_cast<double>(dtypeSize(cache_shape_.dtype)) * positions * ld;  // the layer's latents
     if (!l.moe) {
       bytes += mlpBytes(l.dense);
       continue;
@@ -947,7 +963,7 @@ Status checkPlan(const DecodeStepPlan& plan, const DecodeCacheShape& cs, i64 max
 Result<DeviceDecodeStep::Output> DeviceDecodeStep::run(const DecodeStepPlan& plan, const Request& request) {
   Impl& m = *impl_;
   const ModelConfig& c = m.cfg;
-  if (!m.attention || m.cache.size() == 0) {
+  if (!m.attention || !m.hasCache()) {
     return makeError(ErrorCode::ResourceExhausted, "device step: no device cache (a cache shape did not fit)");
   }
   PD_TRY(checkPlan(plan, cache_shape_, m.attention->limits().max_context, m.max_table_blocks, c.vocab_size));
@@ -1059,7 +1075,7 @@ Status DeviceDecodeStep::writeCache(std::int64_t kv_layer, std::span<const std::
   Impl& m = *impl_;
   const i64 ld = m.cfg.latentDim();
   const i64 cache_slots = cache_shape_.num_blocks * cache_shape_.block_size;
-  if (kv_layer < 0 || kv_layer >= m.cache_layers || slots.size() != counts.size() || m.cache.size() == 0) {
+  if (kv_layer < 0 || kv_layer >= m.cache_layers || slots.size() != counts.size() || !m.hasCache()) {
     return makeError(ErrorCode::InvalidArgument,
                      fmt::format("device cache write: layer {} of {}, {} slots and {} counts", kv_layer, m.cache_layers,
                                  slots.size(), counts.size()));
@@ -1078,16 +1094,34 @@ Status DeviceDecodeStep::writeCache(std::int64_t kv_layer, std::span<const std::
   }
   if (total == 0) return okStatus();
   PD_CUDA_TRY(cudaSetDevice(m.weights.device().index));
+  const i64 layer_offset = kv_layer * cache_slots * ld;
+  i64 at = 0;
+  // Every writeCache ends synchronized, so a staging buffer is free when the next one starts.
+  if (cache_shape_.dtype == DType::BF16) {
+    // Encoded on the host (exact for latents a BF16 host cache held), then copied.
+    if (!m.staging_bf16 || m.staging_bf16->size() < values.size()) {
+      m.staging_bf16.reset();
+      PD_ASSIGN_OR_RETURN(cuda::PinnedHostBuffer<std::uint16_t> buf,
+                          cuda::PinnedHostBuffer<std::uint16_t>::create(values.size()));
+      m.staging_bf16.emplace(std::move(buf));
+    }
+    std::uint16_t* bits = m.staging_bf16->data();
+    for (std::size_t i = 0; i < values.size(); ++i) bits[i] = math::bf16Encode(values[i]);
+    for (std::size_t i = 0; i < slots.size(); ++i) {
+      PD_CUDA_TRY(cudaMemcpyAsync(m.cache_bf16.data() + layer_offset + slots[i] * ld, bits + at * ld,
+                                  sz(counts[i] * ld) * sizeof(std::uint16_t), cudaMemcpyHostToDevice, m.stream.get()));
+      at += counts[i];
+    }
+    return m.stream.synchronize();
+  }
   if (!m.staging || m.staging->size() < values.size()) {
-    m.staging.reset();  // the last copy from it finished: every writeCache ends synchronized
+    m.staging.reset();
     PD_ASSIGN_OR_RETURN(cuda::PinnedHostBuffer<float> buf, cuda::PinnedHostBuffer<float>::create(values.size()));
     m.staging.emplace(std::move(buf));
   }
   std::memcpy(m.staging->data(), values.data(), values.size_bytes());
-  float* layer_cache = m.cache.data() + kv_layer * cache_slots * ld;
-  i64 at = 0;
   for (std::size_t i = 0; i < slots.size(); ++i) {
-    PD_CUDA_TRY(cudaMemcpyAsync(layer_cache + slots[i] * ld, m.staging->data() + at * ld,
+    PD_CUDA_TRY(cudaMemcpyAsync(m.cache.data() + layer_offset + slots[i] * ld, m.staging->data() + at * ld,
                                 sz(counts[i] * ld) * sizeof(float), cudaMemcpyHostToDevice, m.stream.get()));
     at += counts[i];
   }
@@ -1096,20 +1130,15 @@ Status DeviceDecodeStep::writeCache(std::int64_t kv_layer, std::span<const std::
 
 Status DeviceDecodeStep::setCacheShape(const DecodeCacheShape& shape) {
   Impl& m = *impl_;
-  if (shape.num_blocks == cache_shape_.num_blocks && shape.block_size == cache_shape_.block_size &&
-      m.cache.size() > 0) {
-    return okStatus();
-  }
-  if (shape.num_blocks <= 0 || shape.block_size <= 0 || shape.num_blocks * shape.block_size > (i64{1} << 31)) {
-    return makeError(ErrorCode::InvalidArgument, fmt::format("device decode: cache of {} blocks of {} positions",
-                                                             shape.num_blocks, shape.block_size));
-  }
+  if (shape == cache_shape_ && m.hasCache()) return okStatus();
+  PD_TRY(checkCacheShape(shape));
   PD_CUDA_TRY(cudaSetDevice(m.weights.device().index));
   PD_TRY(m.stream.synchronize());
   // The graphs point into the cache, the attention workspace and the block tables: they go too.
   m.graphs.clear();
   // Free the old cache first, so that the new one may take its place.
   m.cache = {};
+  m.cache_bf16 = {};
   m.attention.reset();
   m.block_tables = {};
   cache_shape_ = shape;

@@ -23,7 +23,7 @@
 /// caller's cache).
 ///
 /// Options::numerics Bf16 is the bf16 mode (BF16 linears multiplied as stored, their inputs rounded
-/// to BF16, FP32 accumulation). Not yet here: a BF16 device cache. Steps run as CUDA graphs
+/// to BF16, FP32 accumulation). The device cache is F32 or BF16 (DecodeCacheShape::dtype). Steps run as CUDA graphs
 /// (Options::cuda_graphs). The MoE runs
 /// on the device without a host round trip: grouping by expert, one grouped GEMV launch per
 /// expert linear, the combine (docs/gpu.md).
@@ -50,7 +50,7 @@ namespace pd::gpu {
 class DeviceDecodeStep {
  public:
   struct Options {
-    DecodeCacheShape cache;  ///< the device latent cache this step owns (F32)
+    DecodeCacheShape cache;  ///< the device latent cache this step owns (F32 or BF16)
     /// Fp32: FP32 copies of the BF16 linears, SGEMM. Bf16: the BF16 linears multiplied as stored
     /// (no copy) with their inputs rounded to BF16, FP32 accumulation (cublasGemmEx); FP8
     /// linears, kv_b, the embedding, norms, attention and the residual are as in Fp32.

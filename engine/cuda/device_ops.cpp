@@ -338,6 +338,18 @@ Status scatterRows(const float* src, std::int64_t rows, const std::int64_t* slot
   return okStatus();
 }
 
+Status scatterRowsBf16(const float* src, std::int64_t rows, const std::int64_t* slots, std::uint16_t* dst,
+                       std::int64_t dst_rows, std::int64_t d, const cuda::Stream& stream) {
+  constexpr std::string_view kWhat = "scatterRowsBf16";
+  PD_TRY(inRange(kWhat, "rows", rows, 1, kIntMax));
+  PD_TRY(inRange(kWhat, "d", d, 1, kIntMax));
+  PD_TRY(inRange(kWhat, "dst_rows", dst_rows, rows, std::numeric_limits<std::int64_t>::max()));
+  if (src == nullptr || slots == nullptr || dst == nullptr) return invalid(fmt::format("{}: null pointer", kWhat));
+  PD_CUDA_TRY(
+      kernels::launchScatterRowsBf16(src, slots, static_cast<int>(rows), static_cast<int>(d), dst, stream.get()));
+  return okStatus();
+}
+
 Status moeGather(const float* x, const std::int32_t* slot_of, std::int64_t tokens, std::int64_t top_k, std::int64_t d,
                  float* gx, const cuda::Stream& stream) {
   constexpr std::string_view kWhat = "moeGather";

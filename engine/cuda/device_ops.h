@@ -188,6 +188,9 @@ Status roundToBf16(float* x, std::int64_t n, const cuda::Stream& stream);
 /// in [0, dst_rows): the caller checks them on the host before they are uploaded.
 Status scatterRows(const float* src, std::int64_t rows, const std::int64_t* slots, float* dst, std::int64_t dst_rows,
                    std::int64_t d, const cuda::Stream& stream);
+/// The same into a BF16 cache: each value rounded to nearest even (math::bf16Encode).
+Status scatterRowsBf16(const float* src, std::int64_t rows, const std::int64_t* slots, std::uint16_t* dst,
+                       std::int64_t dst_rows, std::int64_t d, const cuda::Stream& stream);
 
 /// gx[slot_of[i]] = x[i / top_k] for the tokens * top_k slots (rows of width d).
 Status moeGather(const float* x, const std::int32_t* slot_of, std::int64_t tokens, std::int64_t top_k, std::int64_t d,

@@ -341,6 +341,14 @@ __global__ void __launch_bounds__(kAxpyThreads)
   for (int j = threadIdx.x; j < d; j += blockDim.x) to[j] = from[j];
 }
 
+__global__ void __launch_bounds__(kAxpyThreads)
+    scatterRowsBf16Kernel(const float* src, const std::int64_t* slots, int d, std::uint16_t* dst) {
+  const std::int64_t r = blockIdx.x;
+  const float* from = src + r * d;
+  std::uint16_t* to = dst + slots[r] * d;
+  for (int j = threadIdx.x; j < d; j += blockDim.x) to[j] = m::bf16Encode(from[j]);
+}
+
 // One thread: the grouping is a counting sort of at most kMaxDecodeBatch * top_k slots.
 __global__ void moeGroupKernel(const std::int32_t* chosen, int slots, int experts, std::int32_t* offsets,
                                std::int32_t* slot_of, std::int32_t* failed, std::int32_t* used) {
@@ -538,6 +546,13 @@ cudaError_t launchScatterRows(const float* src, const std::int64_t* slots, int r
                               cudaStream_t stream) {
   if (rows <= 0 || d <= 0) return cudaSuccess;
   scatterRowsKernel<<<rows, kAxpyThreads, 0, stream>>>(src, slots, d, dst);
+  return cudaGetLastError();
+}
+
+cudaError_t launchScatterRowsBf16(const float* src, const std::int64_t* slots, int rows, int d, std::uint16_t* dst,
+                                  cudaStream_t stream) {
+  if (rows <= 0 || d <= 0) return cudaSuccess;
+  scatterRowsBf16Kernel<<<rows, kAxpyThreads, 0, stream>>>(src, slots, d, dst);
   return cudaGetLastError();
 }
 

@@ -168,6 +168,9 @@ cudaError_t launchGatherRows(const float* table, const std::int32_t* ids, const 
 /// cache slot (slots on the device, distinct: the plan checks it).
 cudaError_t launchScatterRows(const float* src, const std::int64_t* slots, int rows, int d, float* dst,
                               cudaStream_t stream);
+/// The same into a BF16 cache: dst[slots[r] * d + j] = math::bf16Encode(src[r * d + j]).
+cudaError_t launchScatterRowsBf16(const float* src, const std::int64_t* slots, int rows, int d, std::uint16_t* dst,
+                                  cudaStream_t stream);
 
 /// gx[slot_of[i] * d + j] = x[(i / top_k) * d + j] for i < tokens * top_k with slot_of[i] >= 0.
 cudaError_t launchMoeGather(const float* x, const std::int32_t* slot_of, int tokens, int top_k, int d, float* gx,

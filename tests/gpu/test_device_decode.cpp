@@ -275,7 +275,13 @@ fs::path withLongerContext(const char* name, std::int64_t positions) {
 // contexts crossing the band edge at 512 positions, so keys are warmed, captured and replayed in
 // both bands, and the 1024 band runs 4 splits where eager runs 3: the empty one merges as nothing); logits, hidden
 // states and collected latents equal bit for bit.
-void runGraphsEqualEager(const char* name) {
+// What the second step of runStepsEqual differs in from the first (eager, F32 device cache).
+enum class Second {
+  Graphs,    // CUDA graphs on
+  Bf16Cache  // a BF16 device cache, eager: the latents are BF16 values, so its bits are the F32 cache's
+};
+
+void runStepsEqual(const char* name, Second second) {
   const fs::path dir = withLongerContext(name, 2048);
   auto ckpt = pd::Checkpoint::open(dir);
   ASSERT_TRUE(ckpt.ok()) << ckpt.error().toString();
@@ -292,7 +298,11 @@ void runGraphsEqualEager(const char* name) {
   eager_options.cache = {kBlocks, kBlock};
   eager_options.cuda_graphs = false;
   DeviceDecodeStep::Options graph_options = eager_options;
-  graph_options.cuda_graphs = true;
+  if (second == Second::Graphs) {
+    graph_options.cuda_graphs = true;
+  } else {
+    graph_options.cache.dtype = pd::DType::BF16;
+  }
   auto eager = DeviceDecodeStep::create(*weights, c, eager_options);
   ASSERT_TRUE(eager.ok()) << eager.error().toString();
   auto graphed = DeviceDecodeStep::create(*weights, c, graph_options);
@@ -311,7 +321,7 @@ void runGraphsEqualEager(const char* name) {
   std::normal_distribution<float> nd(0.0F, 1.0F);
   std::vector<float> values(static_cast<std::size_t>(kPrefilled * ld));
   for (std::int64_t layer = 0; layer < (*graphed)->cacheLayers(); ++layer) {
-    for (float& v : values) v = nd(rng);
+    for (float& v : values) v = pd::gpu::math::bf16Round(nd(rng));  // what a BF16 cache holds exactly
     const std::vector<std::int64_t> slots{0};
     const std::vector<std::int64_t> counts{kPrefilled};
     ASSERT_TRUE((*eager)->writeCache(layer, slots, counts, values).ok());
@@ -384,6 +394,12 @@ void runGraphsEqualEager(const char* name) {
               static_cast<long long>(stats.eager), static_cast<long long>(stats.captured),
               static_cast<long long>(stats.replayed), static_cast<long long>(stats.capture_failures),
               static_cast<long long>(stats.held));
+  if (second == Second::Bf16Cache) {
+    EXPECT_EQ(stats.eager, 2 * kSteps);
+    EXPECT_EQ(eager_stats.eager, 2 * kSteps);
+    fs::remove_all(dir);
+    return;
+  }
   EXPECT_EQ(stats.capture_failures, 0);
   // Keys (rows, band, main / MTP): (1, 512) x2 steps, (2, 512) x4, (2, 1024) x8: each warms once,
   // captures once and replays the rest, for the main model and the MTP layer alike.
@@ -397,11 +413,17 @@ void runGraphsEqualEager(const char* name) {
 }
 
 TEST(DeviceDecode, GraphReplayEqualsEagerTinyBf16) {
-  runGraphsEqualEager("tiny-bf16");
+  runStepsEqual("tiny-bf16", Second::Graphs);
 }
 
 TEST(DeviceDecode, GraphReplayEqualsEagerTinyFp8) {
-  runGraphsEqualEager("tiny-fp8");
+  runStepsEqual("tiny-fp8", Second::Graphs);
+}
+
+// A BF16 device cache stores every latent rounded (the step rounds them, as for a BF16 host
+// cache) and the attention decodes them exactly: the same bits as an F32 cache of those values.
+TEST(DeviceDecode, Bf16DeviceCacheGivesTheBitsOfAnF32CacheOfRoundedLatents) {
+  runStepsEqual("tiny-bf16", Second::Bf16Cache);
 }
 
 TEST(DeviceDecode, BadBatchIsInvalidArgument) {
