@@ -114,6 +114,37 @@ Status checkCacheShape(const DecodeCacheShape& shape) {
   return okStatus();
 }
 
+std::int64_t graphRowBucket(std::int64_t rows) {
+  if (rows <= 1) return 1;
+  if (rows <= 2) return 2;
+  if (rows <= 4) return 4;
+  return std::min<std::int64_t>((rows + 7) / 8 * 8, kMaxDecodeBatch);
+}
+
+std::int64_t paddingBlocks(std::int64_t block_size) {
+  return (kMaxDecodeBatch - 1 + block_size - 1) / block_size;
+}
+
+DecodeStepPlan padDecodeStep(const DecodeStepPlan& plan, std::int64_t rows, const DecodeCacheShape& cache) {
+  DecodeStepPlan out = plan;
+  for (std::int64_t i = 0; plan.tokens + i < rows; ++i) {
+    const std::int64_t block = cache.num_blocks + i / cache.block_size;
+    out.token_ids.push_back(0);
+    out.positions.push_back(0);
+    out.ctx_len.push_back(1);
+    out.table_begin.push_back(static_cast<std::int64_t>(out.block_tables.size()));
+    out.block_tables.push_back(static_cast<std::int32_t>(block));
+    // Context 1 reads position 0 through the table: the row's table is its block, and the row
+    // writes the block's slot i % block_size; slot 0 of that block is where it reads. Every
+    // padded row reads slot 0 of its block, written by the padded row with that offset 0 (or by
+    // itself): what it reads is a padded latent, never a real one.
+    out.write_slot.push_back(block * cache.block_size + i % cache.block_size);
+  }
+  out.tokens = std::max(rows, plan.tokens);
+  out.max_context = std::max<std::int64_t>(out.max_context, 1);
+  return out;
+}
+
 std::vector<PrefillSegment> prefillSegments(const DecodeStepPlan& plan) {
   std::vector<PrefillSegment> out;
   const auto table_end = [&](std::int64_t t) {

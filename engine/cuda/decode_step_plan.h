@@ -99,6 +99,23 @@ struct PrefillSegment {
 [[nodiscard]] std::int64_t graphAttentionContext(std::int64_t max_context, std::int64_t split_positions,
                                                  std::int64_t limit);
 
+/// The row counts captured steps are padded to, so that a decode batch whose size changes every
+/// step reuses a few graphs rather than warming and capturing one per count: 1, 2, 4, 8, then
+/// multiples of 8 up to kMaxDecodeBatch (the smallest at least `rows`; rows in [1, 64]).
+[[nodiscard]] std::int64_t graphRowBucket(std::int64_t rows);
+
+/// Device cache blocks kept past the caller's num_blocks for padded rows: enough that each of up
+/// to kMaxDecodeBatch - 1 padded rows writes a slot of its own.
+[[nodiscard]] std::int64_t paddingBlocks(std::int64_t block_size);
+
+/// `plan` (made for `cache`) grown to `rows` rows (plan.tokens <= rows <= kMaxDecodeBatch): padded
+/// row i is token 0 at position 0 with context 1, writing and reading slot i of the padding blocks
+/// [cache.num_blocks, cache.num_blocks + paddingBlocks) that no real row's table names. A row's
+/// computation reads only its own inputs, so the real rows compute what they would alone (up to
+/// the summation order cuBLAS picks for the padded row count).
+[[nodiscard]] DecodeStepPlan padDecodeStep(const DecodeStepPlan& plan, std::int64_t rows,
+                                           const DecodeCacheShape& cache);
+
 /// What a captured decode step's work depends on besides the contents of its buffers.
 struct DecodeGraphKey {
   std::int64_t tokens = 0;

@@ -185,6 +185,7 @@ struct DeviceDecodeStep::Impl {
   cuda::DeviceBuffer<std::int32_t> experts_used;  // [cache_layers]: experts with rows in the last run
   cuda::DeviceBuffer<float> topk_weight;
   i64 max_table_blocks = 0;
+  i64 allocated_blocks = 0;  // cache_shape.num_blocks + paddingBlocks(block_size)
   gpu::Numerics numerics = gpu::Numerics::Fp32;
   // bf16 mode: a linear's input rounded to BF16 and packed, [kMaxDecodeBatch, xb_cols].
   cuda::DeviceBuffer<std::uint16_t> xb;
@@ -423,16 +424,22 @@ struct DeviceDecodeStep::Impl {
     const i64 ld = c.latentDim();
     const i64 slots = cs.num_blocks * cs.block_size;
     const i64 max_ctx = c.max_position_embeddings > 0 ? std::min(c.max_position_embeddings, slots) : slots;
+    // The caller's blocks, then the padding blocks of padded graph rows (padDecodeStep).
+    allocated_blocks = cs.num_blocks + paddingBlocks(cs.block_size);
+    const i64 allocated_slots = allocated_blocks * cs.block_size;
     if (cs.dtype == DType::BF16) {
-      PD_ASSIGN_OR_RETURN(cache_bf16, cuda::DeviceBuffer<std::uint16_t>::create(sz(cache_layers * slots * ld)));
+      PD_ASSIGN_OR_RETURN(cache_bf16,
+                          cuda::DeviceBuffer<std::uint16_t>::create(sz(cache_layers * allocated_slots * ld)));
     } else {
-      PD_ASSIGN_OR_RETURN(cache, cuda::DeviceBuffer<float>::create(sz(cache_layers * slots * ld)));
+      PD_ASSIGN_OR_RETURN(cache, cuda::DeviceBuffer<float>::create(sz(cache_layers * allocated_slots * ld)));
     }
     PD_ASSIGN_OR_RETURN(MlaDecodeAttention att,
                         MlaDecodeAttention::create({kMaxDecodeBatch, c.num_attention_heads, ld, max_ctx}));
     attention.emplace(std::move(att));
     max_table_blocks = (max_ctx + cs.block_size - 1) / cs.block_size;
-    PD_ASSIGN_OR_RETURN(block_tables, cuda::DeviceBuffer<std::int32_t>::create(sz(kMaxDecodeBatch * max_table_blocks)));
+    // Real rows' tables plus one block for each padded row.
+    PD_ASSIGN_OR_RETURN(block_tables, cuda::DeviceBuffer<std::int32_t>::create(
+                                          sz(kMaxDecodeBatch * max_table_blocks + kMaxDecodeBatch)));
     return okStatus();
   }
 
@@ -523,7 +530,7 @@ struct DeviceDecodeStep::Impl {
     PD_TRY(ropeInterleaved(latent.data(), RopeShape{n, 1, ld, ld, r, half}, inv_freq.data(), positions.data(), stream));
     PD_TRY(ropeInterleaved(q.data(), RopeShape{n, heads, heads * qk, qk, dn, half}, inv_freq.data(), positions.data(),
                            stream));
-    const i64 layer_offset = kv_layer * cache_shape.num_blocks * cache_shape.block_size * ld;
+    const i64 layer_offset = kv_layer * allocated_blocks * cache_shape.block_size * ld;
     const bool bf16_cache = cache_shape.dtype == DType::BF16;
     void* layer_cache = bf16_cache ? static_cast<void*>(cache_bf16.data() + layer_offset)
                                    : static_cast<void*>(cache.data() + layer_offset);
@@ -534,7 +541,7 @@ struct DeviceDecodeStep::Impl {
     }
     // Each row's latent into its cache slot: one scatter over the uploaded slots.
     // (A BF16 cache rounds as it stores: the attention below reads the rounded values.)
-    const i64 cache_slots = cache_shape.num_blocks * cache_shape.block_size;
+    const i64 cache_slots = allocated_blocks * cache_shape.block_size;
     if (bf16_cache) {
       PD_TRY(scatterRowsBf16(latent.data(), n, write_slots.data(), static_cast<std::uint16_t*>(layer_cache),
                              cache_slots, ld, stream));
@@ -550,7 +557,7 @@ struct DeviceDecodeStep::Impl {
       pb.cache_layer = layer_cache;
       pb.cache_dtype = cache_shape.dtype;
       pb.block_size = cache_shape.block_size;
-      pb.num_blocks = cache_shape.num_blocks;
+      pb.num_blocks = allocated_blocks;
       pb.block_tables = block_tables.data();
       pb.table_entries = shape.table_entries;
       pb.ctx_len = ctx_len.data();
@@ -571,7 +578,7 @@ struct DeviceDecodeStep::Impl {
     b.cache_layer = layer_cache;
     b.cache_dtype = cache_shape.dtype;
     b.block_size = cache_shape.block_size;
-    b.num_blocks = cache_shape.num_blocks;
+    b.num_blocks = allocated_blocks;
     b.block_tables = block_tables.data();
     b.table_begin = table_begin.data();
     b.ctx_len = ctx_len.data();
@@ -993,17 +1000,24 @@ Result<DeviceDecodeStep::Output> DeviceDecodeStep::run(const DecodeStepPlan& pla
   }
   PD_CUDA_TRY(cudaSetDevice(m.weights.device().index));
   const cudaStream_t s = m.stream.get();
+  // With graphs, a step on the absorbed path runs (warm-up, capture, replay alike) with its rows
+  // padded to graphRowBucket(n): the body computes `rows` rows, the outputs are the first n.
+  const bool prefill_path = request.prefill_attention;
+  const i64 body_rows = m.cuda_graphs && !prefill_path ? graphRowBucket(n) : n;
+  std::optional<DecodeStepPlan> padded;
+  if (body_rows > n) padded.emplace(padDecodeStep(plan, body_rows, cache_shape_));
+  const DecodeStepPlan& body = padded ? *padded : plan;
   // Every per-step input goes to its device buffer first: the body (or its graph) reads them there.
-  PD_TRY(m.positions.copyFromHost(plan.positions, m.stream));
-  PD_TRY(m.ctx_len.copyFromHost(plan.ctx_len, m.stream));
-  PD_TRY(m.table_begin.copyFromHost(plan.table_begin, m.stream));
-  PD_TRY(m.write_slots.copyFromHost(plan.write_slot, m.stream));  // checkPlan: each inside the cache
-  PD_TRY(m.block_tables.copyFromHost(plan.block_tables, m.stream));
-  PD_TRY(m.token_ids.copyFromHost(plan.token_ids, m.stream));  // checkPlan: in the vocabulary
+  PD_TRY(m.positions.copyFromHost(body.positions, m.stream));
+  PD_TRY(m.ctx_len.copyFromHost(body.ctx_len, m.stream));
+  PD_TRY(m.table_begin.copyFromHost(body.table_begin, m.stream));
+  PD_TRY(m.write_slots.copyFromHost(body.write_slot, m.stream));  // checkPlan, padDecodeStep: inside the cache
+  PD_TRY(m.block_tables.copyFromHost(body.block_tables, m.stream));
+  PD_TRY(m.token_ids.copyFromHost(body.token_ids, m.stream));  // checkPlan: in the vocabulary
   PD_CUDA_TRY(cudaMemsetAsync(m.moe_failed.data(), 0, sizeof(std::int32_t), s));
   PD_CUDA_TRY(cudaMemsetAsync(m.experts_used.data(), 0, m.experts_used.bytes(), s));
   StepShape shape;
-  shape.n = n;
+  shape.n = body_rows;
   shape.attention_context = plan.max_context;
   shape.mtp = request.mtp;
   shape.collect = request.collector != nullptr;
@@ -1016,8 +1030,12 @@ Result<DeviceDecodeStep::Output> DeviceDecodeStep::run(const DecodeStepPlan& pla
   }
   if (request.mtp) {
     PD_TRY(m.prev.copyFromHost(request.prev_hidden, m.stream));
+    if (body_rows > n) {  // padded rows: a zero hidden state, their embedding kept
+      PD_CUDA_TRY(cudaMemsetAsync(m.prev.data() + n * d, 0, sz((body_rows - n) * d) * sizeof(float), s));
+    }
     if (!request.zero_embedding.empty()) {
       PD_TRY(m.zero_rows.copyFromHost(request.zero_embedding, m.stream));
+      if (body_rows > n) PD_CUDA_TRY(cudaMemsetAsync(m.zero_rows.data() + n, 0, sz(body_rows - n), s));
       shape.zero = m.zero_rows.data();
     }
   }
@@ -1094,7 +1112,7 @@ Status DeviceDecodeStep::writeCache(std::int64_t kv_layer, std::span<const std::
   }
   if (total == 0) return okStatus();
   PD_CUDA_TRY(cudaSetDevice(m.weights.device().index));
-  const i64 layer_offset = kv_layer * cache_slots * ld;
+  const i64 layer_offset = kv_layer * m.allocated_blocks * cache_shape_.block_size * ld;
   i64 at = 0;
   // Every writeCache ends synchronized, so a staging buffer is free when the next one starts.
   if (cache_shape_.dtype == DType::BF16) {

@@ -426,6 +426,100 @@ TEST(DeviceDecode, Bf16DeviceCacheGivesTheBitsOfAnF32CacheOfRoundedLatents) {
   runStepsEqual("tiny-bf16", Second::Bf16Cache);
 }
 
+// Graph steps run with their rows padded to graphRowBucket: three sequences run as four rows (the
+// padded one writes and reads only the padding blocks) for the warm-up, the capture and the
+// replay, which give the same bits; the graphs-off step of exactly three rows agrees within the
+// float32 tolerance (cuBLAS may sum in another order for four rows than for three).
+TEST(DeviceDecode, PaddedGraphRowsLeaveTheRealRowsAlone) {
+  const fs::path dir = golden("tiny-bf16");
+  auto ckpt = pd::Checkpoint::open(dir);
+  ASSERT_TRUE(ckpt.ok());
+  auto config = pd::ModelConfig::load(dir);
+  ASSERT_TRUE(config.ok());
+  const pd::ModelConfig& c = *config;
+  auto weights = DeviceWeights::upload(*ckpt, c, uploadOptions());
+  ASSERT_TRUE(weights.ok()) << weights.error().toString();
+  DeviceDecodeStep::Options graphs_on;
+  graphs_on.cache = {kSequences * kBlocksPerSequence, kBlockSize};
+  graphs_on.cuda_graphs = true;
+  DeviceDecodeStep::Options graphs_off = graphs_on;
+  graphs_off.cuda_graphs = false;
+  auto graphed = DeviceDecodeStep::create(*weights, c, graphs_on);
+  auto eager = DeviceDecodeStep::create(*weights, c, graphs_off);
+  ASSERT_TRUE(graphed.ok() && eager.ok());
+  std::vector<std::vector<std::int32_t>> tables(kSequences);
+  for (std::int64_t s = 0; s < kSequences; ++s) {
+    for (std::int64_t b = 0; b < kBlocksPerSequence; ++b) {
+      tables[static_cast<std::size_t>(s)].push_back(static_cast<std::int32_t>(s * kBlocksPerSequence + b));
+    }
+  }
+  // Positions [0, 20) of every sequence hold the same random BF16-exact latents on both sides.
+  const std::int64_t ld = c.latentDim();
+  std::mt19937 rng(5);
+  std::normal_distribution<float> nd(0.0F, 1.0F);
+  for (std::int64_t layer = 0; layer < (*graphed)->cacheLayers(); ++layer) {
+    for (std::int64_t s = 0; s < kSequences; ++s) {
+      std::vector<float> values(static_cast<std::size_t>(20 * ld));
+      for (float& v : values) v = nd(rng);
+      const std::vector<std::int64_t> slots{s * kBlocksPerSequence * kBlockSize};
+      const std::vector<std::int64_t> counts{20};
+      ASSERT_TRUE((*graphed)->writeCache(layer, slots, counts, values).ok());
+      ASSERT_TRUE((*eager)->writeCache(layer, slots, counts, values).ok());
+    }
+  }
+  const std::vector<DecodeSequence> seqs{{17, 20, tables[0]}, {300, 20, tables[1]}, {2047, 20, tables[2]}};
+  auto plan = pd::gpu::planDecodeStep(c, (*graphed)->cacheShape(), seqs);
+  ASSERT_TRUE(plan.ok()) << plan.error().toString();
+  const std::vector<std::int64_t> rows{0, 1, 2};
+  const auto runBoth = [&](DeviceDecodeStep& st, Collected& collected) {
+    DeviceDecodeStep::Request main;
+    main.logit_rows = rows;
+    main.hidden_rows = rows;
+    main.collector = &collected;
+    auto out = st.run(*plan, main);
+    EXPECT_TRUE(out.ok()) << out.error().toString();
+    if (!out.ok()) return std::vector<float>{};
+    DeviceDecodeStep::Request mtp;
+    mtp.mtp = true;
+    mtp.prev_hidden = out->hidden;
+    const std::vector<std::uint8_t> zero{0, 1, 0};
+    mtp.zero_embedding = zero;
+    mtp.logit_rows = rows;
+    mtp.collector = &collected;
+    auto drafts = st.run(*plan, mtp);
+    EXPECT_TRUE(drafts.ok()) << drafts.error().toString();
+    if (!drafts.ok()) return std::vector<float>{};
+    std::vector<float> all = out->logits;
+    all.insert(all.end(), drafts->logits.begin(), drafts->logits.end());
+    return all;
+  };
+  Collected eager_latents;
+  const std::vector<float> want = runBoth(**eager, eager_latents);
+  std::vector<float> first;
+  for (int run = 0; run < 3; ++run) {  // warm-up (eager, padded), capture, replay
+    Collected latents;
+    const std::vector<float> got = runBoth(**graphed, latents);
+    ASSERT_EQ(got.size(), want.size());
+    ASSERT_EQ(latents.layers.size(), eager_latents.layers.size());
+    for (std::size_t l = 0; l < latents.layers.size(); ++l) {
+      ASSERT_EQ(latents.layers[l].second.size(), static_cast<std::size_t>(3 * ld)) << "only the real rows' latents";
+    }
+    double worst = 0.0;
+    for (std::size_t i = 0; i < got.size(); ++i) worst = std::max(worst, std::fabs(double{got[i]} - want[i]));
+    EXPECT_LE(worst, kLogitTolerance) << "run " << run;
+    if (run == 0) {
+      first = got;
+    } else {
+      EXPECT_EQ(firstBitDifference(first, got), -1) << "run " << run << " differs from the padded warm-up";
+    }
+  }
+  const auto stats = (*graphed)->graphStats();
+  EXPECT_EQ(stats.eager, 2);     // main and MTP warm-ups
+  EXPECT_EQ(stats.captured, 2);  // one key each: 4 rows
+  EXPECT_EQ(stats.replayed, 2);
+  EXPECT_EQ(stats.capture_failures, 0);
+}
+
 TEST(DeviceDecode, BadBatchIsInvalidArgument) {
   const fs::path dir = golden("tiny-bf16");
   auto ckpt = pd::Checkpoint::open(dir);

@@ -3,6 +3,7 @@
 // device. Host arithmetic: runs in every build, GPU or not.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <random>
@@ -112,6 +113,62 @@ TEST(DecodeStepPlan, CacheShapesAreF32OrBf16WithPositiveSizes) {
   EXPECT_FALSE(pd::gpu::checkCacheShape({8, 0, pd::DType::BF16}).ok());
   EXPECT_FALSE(pd::gpu::checkCacheShape({std::int64_t{1} << 30, 4}).ok());  // 2^32 positions
   EXPECT_TRUE(pd::gpu::checkCacheShape({std::int64_t{1} << 29, 4}).ok());
+}
+
+TEST(DecodeGraphs, RowBucketsAreTheSmallestBucketHoldingTheRows) {
+  const std::vector<std::int64_t> buckets{1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64};
+  for (std::int64_t n = 1; n <= pd::gpu::kMaxDecodeBatch; ++n) {
+    const std::int64_t b = pd::gpu::graphRowBucket(n);
+    EXPECT_GE(b, n);
+    EXPECT_EQ(b, *std::lower_bound(buckets.begin(), buckets.end(), n)) << n;
+  }
+}
+
+// Padded rows are harmless by construction: they name only the padding blocks past the cache's,
+// each writes its own slot, each reads a slot a padded row wrote, and the real rows are untouched.
+TEST(DecodeGraphs, PaddedRowsWriteAndReadOnlyThePaddingBlocks) {
+  const pd::ModelConfig c = tiny();
+  for (const std::int64_t bs : {std::int64_t{1}, std::int64_t{4}, std::int64_t{64}}) {
+    const DecodeCacheShape cache{32, bs};
+    EXPECT_EQ(pd::gpu::paddingBlocks(bs) * bs >= pd::gpu::kMaxDecodeBatch - 1, true) << bs;
+    const std::vector<std::int32_t> a{3, 4, 5, 6};
+    const std::vector<std::int32_t> b{7, 8, 9, 10};
+    const std::vector<std::int32_t> d{12, 13, 14, 15};
+    const std::vector<DecodeSequence> batch{{5, 0, a}, {6, 2, b}, {9, 1, d}};
+    auto plan = planDecodeStep(c, cache, batch);
+    ASSERT_TRUE(plan.ok()) << plan.error().toString();
+    for (const std::int64_t rows : {std::int64_t{3}, std::int64_t{4}, std::int64_t{64}}) {
+      const pd::gpu::DecodeStepPlan p = pd::gpu::padDecodeStep(*plan, rows, cache);
+      ASSERT_EQ(p.tokens, rows);
+      ASSERT_EQ(p.token_ids.size(), static_cast<std::size_t>(rows));
+      ASSERT_EQ(p.write_slot.size(), static_cast<std::size_t>(rows));
+      // The real rows as planned.
+      for (std::size_t t = 0; t < 3; ++t) {
+        EXPECT_EQ(p.token_ids[t], plan->token_ids[t]);
+        EXPECT_EQ(p.write_slot[t], plan->write_slot[t]);
+        EXPECT_EQ(p.table_begin[t], plan->table_begin[t]);
+      }
+      EXPECT_EQ(p.max_context, plan->max_context);
+      const std::int64_t first_padding_slot = cache.num_blocks * bs;
+      const std::int64_t end_slot = (cache.num_blocks + pd::gpu::paddingBlocks(bs)) * bs;
+      std::vector<std::int64_t> slots(p.write_slot.begin(), p.write_slot.end());
+      std::sort(slots.begin(), slots.end());
+      EXPECT_EQ(std::adjacent_find(slots.begin(), slots.end()), slots.end()) << "two rows write one slot";
+      for (std::int64_t t = 3; t < rows; ++t) {
+        const auto i = static_cast<std::size_t>(t);
+        EXPECT_EQ(p.token_ids[i], 0);
+        EXPECT_EQ(p.positions[i], 0);
+        EXPECT_EQ(p.ctx_len[i], 1);
+        EXPECT_GE(p.write_slot[i], first_padding_slot);
+        EXPECT_LT(p.write_slot[i], end_slot);
+        const std::int32_t block = p.block_tables[static_cast<std::size_t>(p.table_begin[i])];
+        EXPECT_GE(block, cache.num_blocks);
+        // It reads slot 0 of its block, which a padded row of this step writes.
+        const std::int64_t read = std::int64_t{block} * bs;
+        EXPECT_NE(std::find(p.write_slot.begin() + 3, p.write_slot.end(), read), p.write_slot.end()) << t;
+      }
+    }
+  }
 }
 
 void expectInvalid(const pd::ModelConfig& c, const DecodeCacheShape& cache, const std::vector<DecodeSequence>& batch,
