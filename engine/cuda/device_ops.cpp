@@ -188,7 +188,6 @@ Status MlaPrefillAttention::run(const Batch& b, cublasHandle_t blas, const cuda:
   const std::int64_t qk = l.nope + l.rope;
   const std::int64_t ld = l.rank + l.rope;
   const std::int64_t kvw = l.heads * (l.nope + l.v);
-  PD_CUDA_TRY(cublasSetStream(blas, st));
   PD_CUDA_TRY(kernels::launchMlaPrefillReset(state_.data(), acc_.data(), b.rows * l.heads, static_cast<int>(l.v), st));
   const float one = 1.0F;
   const float zero = 0.0F;

@@ -133,6 +133,8 @@ class MlaPrefillAttention {
     float scale = 1.0F;
     float* out = nullptr;  ///< [rows, heads, v]
   };
+  /// `blas` must already run on `stream` (cuda::BlasHandle::create(stream)): run() does not call
+  /// cublasSetStream, which would also reset a workspace the caller set (cublasSetWorkspace).
   Status run(const Batch& batch, cublasHandle_t blas, const cuda::Stream& stream);
 
   [[nodiscard]] const Limits& limits() const { return limits_; }
