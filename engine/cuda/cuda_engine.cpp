@@ -26,9 +26,6 @@ using i64 = std::int64_t;
 constexpr auto sz(i64 n) {
   return static_cast<std::size_t>(n);
 }
-// AttentionPath::Auto takes the prefill path above this many tokens in a chunk (the CPU engine's
-// rule).
-constexpr std::size_t kAutoPrefillChunk = 16;
 
 // Appends the host cache's latents of `run` (positions of one sequence in contiguous slots) as
 // float32 to `out`.
@@ -195,12 +192,6 @@ class CudaEngine final : public Engine, public SamplingEngine {
     ForwardOutput& out = result.output;
     if (rows.empty()) out.logits.reserve(sz(plan.logit_rows * c.vocab_size));
     out.hidden.reserve(sz(plan.hidden_rows * c.hidden_size));
-    // The CPU engine's attention choice: Auto takes the prefill path when a chunk of the call has
-    // more than 16 tokens.
-    std::size_t longest_chunk = 0;
-    for (const SequenceChunk& s : batch) longest_chunk = std::max(longest_chunk, s.tokens.size());
-    const bool prefill_attention = options.attention == AttentionPath::Prefill ||
-                                   (options.attention == AttentionPath::Auto && longest_chunk > kAutoPrefillChunk);
     std::size_t sampled_at = 0;  // the first sampling request of the step
     std::vector<float> prev_hidden;
     std::vector<std::uint8_t> zero_embedding;
@@ -212,7 +203,10 @@ class CudaEngine final : public Engine, public SamplingEngine {
       request.hidden_rows = step.hidden_rows;
       request.collector = &mirror;
       request.round_latents_to_bf16 = cache.dtype == DType::BF16;
-      request.prefill_attention = prefill_attention;
+      // Auto: per step, the path that costs fewer operations (gpu::preferPrefillAttention).
+      request.prefill_attention =
+          options.attention == AttentionPath::Prefill ||
+          (options.attention == AttentionPath::Auto && gpu::preferPrefillAttention(c, step.plan));
       if (!sample_rows.empty()) {
         request.sample_rows = std::span(sample_rows).subspan(sampled_at, step.logit_rows.size());
         sampled_at += step.logit_rows.size();

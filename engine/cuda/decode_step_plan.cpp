@@ -114,6 +114,30 @@ Status checkCacheShape(const DecodeCacheShape& shape) {
   return okStatus();
 }
 
+AttentionCost attentionCost(const ModelConfig& c, const DecodeStepPlan& plan) {
+  const auto heads = static_cast<double>(c.num_attention_heads);
+  const auto nope = static_cast<double>(c.qk_nope_head_dim);
+  const auto rope = static_cast<double>(c.qk_rope_head_dim);
+  const auto v = static_cast<double>(c.v_head_dim);
+  const auto rank = static_cast<double>(c.kv_lora_rank);
+  const double ld = rank + rope;
+  AttentionCost cost;
+  for (const std::int64_t ctx : plan.ctx_len) {
+    const auto n = static_cast<double>(ctx);
+    cost.absorbed += 2.0 * heads * (nope + v) * rank + 2.0 * n * heads * (ld + rank);
+    cost.prefill += 2.0 * n * heads * (nope + rope + v);
+  }
+  for (const PrefillSegment& s : prefillSegments(plan)) {
+    cost.prefill += 2.0 * static_cast<double>(s.context) * heads * (nope + v) * rank;
+  }
+  return cost;
+}
+
+bool preferPrefillAttention(const ModelConfig& config, const DecodeStepPlan& plan) {
+  const AttentionCost cost = attentionCost(config, plan);
+  return cost.prefill < cost.absorbed;
+}
+
 std::int64_t graphRowBucket(std::int64_t rows) {
   if (rows <= 1) return 1;
   if (rows <= 2) return 2;

@@ -99,6 +99,24 @@ struct PrefillSegment {
 [[nodiscard]] std::int64_t graphAttentionContext(std::int64_t max_context, std::int64_t split_positions,
                                                  std::int64_t limit);
 
+/// Multiply-adds x 2 of a step's attention on each path (the linears they share left out):
+/// absorbed, per row, W_UK into the query and W_UV out of the latent (2 heads (nope + v) rank)
+/// plus its scores and weighted latents (2 ctx heads (latent_dim + rank)); prefill, per segment,
+/// the up-projection of its context (2 context heads (nope + v) rank) plus, per row, the scores
+/// and weighted values (2 ctx heads (nope + rope + v)).
+struct AttentionCost {
+  double absorbed = 0.0;
+  double prefill = 0.0;
+};
+[[nodiscard]] AttentionCost attentionCost(const ModelConfig& config, const DecodeStepPlan& plan);
+
+/// The CUDA engine's AttentionPath::Auto for one step: the prefill path when it costs fewer
+/// operations than the absorbed one (attentionCost). With 64-row steps the prefill path pays off
+/// only while the rows are a large part of their context (a prompt's first steps): re-projecting
+/// a long context for 64 rows costs more than absorbing it (DeepSeek-V3: 64 rows at context 4096,
+/// 137 against 75 GFLOP per layer).
+[[nodiscard]] bool preferPrefillAttention(const ModelConfig& config, const DecodeStepPlan& plan);
+
 /// The row counts captured steps are padded to, so that a decode batch whose size changes every
 /// step reuses a few graphs rather than warming and capturing one per count: 1, 2, 4, 8, then
 /// multiples of 8 up to kMaxDecodeBatch (the smallest at least `rows`; rows in [1, 64]).

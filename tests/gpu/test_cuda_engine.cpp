@@ -190,8 +190,8 @@ void runParity(const std::string& name) {
   const i64 d = c.hidden_size;
 
   // Sequence A: 100 prompt tokens in chunks of 1, 5, 70 (two device steps) and 24; blocks
-  // interleaved with the other sequences'. Chunks of more than 16 tokens take the prefill attention
-  // path on both engines (AttentionPath::Auto), the others the absorbed one.
+  // interleaved with the other sequences'. With AttentionPath::Auto the CPU engine takes the prefill
+  // path for chunks of more than 16 tokens, the CUDA engine per step where it is cheaper.
   std::vector<std::int32_t> a_tokens;
   for (i64 i = 0; i < 100; ++i) a_tokens.push_back(static_cast<std::int32_t>((i * 37 + 5) % vocab));
   const auto a_table = blockTable(0, 30, 3);
@@ -311,7 +311,7 @@ TEST(CudaEngine, ABf16HostCacheRunsOnABf16DeviceCacheNearTheCpuEngine) {
     }
   };
   ForwardOptions all;
-  all.logits = OutputRows::All;  // 40 tokens: the prefill attention path on both engines
+  all.logits = OutputRows::All;  // 40 tokens: the prefill path on both (the cheaper one here)
   const std::vector<SequenceChunk> first{chunk(prompt, 0, table)};
   auto want = cpu->forward(first, cpu_cache->view(), all);
   auto got = gpu->forward(first, gpu_cache->view(), all);

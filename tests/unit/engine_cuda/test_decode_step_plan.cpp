@@ -6,12 +6,14 @@
 #include <algorithm>
 #include <cmath>
 #include <filesystem>
+#include <numeric>
 #include <random>
 #include <vector>
 
 #include "decode_step_plan.h"
 #include "device_math.h"
 #include "pd/engine/model_config.h"
+#include "pd/engine/model_factory.h"
 
 namespace {
 
@@ -113,6 +115,41 @@ TEST(DecodeStepPlan, CacheShapesAreF32OrBf16WithPositiveSizes) {
   EXPECT_FALSE(pd::gpu::checkCacheShape({8, 0, pd::DType::BF16}).ok());
   EXPECT_FALSE(pd::gpu::checkCacheShape({std::int64_t{1} << 30, 4}).ok());  // 2^32 positions
   EXPECT_TRUE(pd::gpu::checkCacheShape({std::int64_t{1} << 29, 4}).ok());
+}
+
+// The CUDA engine's Auto attention path: the cheaper one per step. For DeepSeek-V3's dimensions
+// a prompt's first 64 rows are cheaper up-projected (the context is the rows), 64 rows deep in a
+// 4k context are cheaper absorbed (re-projecting 4k positions for 64 rows), and a decode step of
+// single rows always is.
+TEST(DecodeStepPlan, AutoAttentionPicksTheCheaperPathPerStep) {
+  auto v3 = pd::presetConfig("deepseek-v3-layers=1");
+  ASSERT_TRUE(v3.ok()) << v3.error().toString();
+  const DecodeCacheShape cache{128, 64};
+  std::vector<std::int32_t> table(128);
+  std::iota(table.begin(), table.end(), 0);
+  const auto rowsAt = [&](std::int64_t first, std::int64_t n) {
+    std::vector<DecodeSequence> rows;
+    for (std::int64_t p = first; p < first + n; ++p) rows.push_back({1, p, table});
+    auto plan = planDecodeStep(*v3, cache, rows);
+    EXPECT_TRUE(plan.ok()) << plan.error().toString();
+    return *plan;
+  };
+  const pd::gpu::DecodeStepPlan start = rowsAt(0, 64);
+  const pd::gpu::AttentionCost a = pd::gpu::attentionCost(*v3, start);
+  // By hand: heads 128, nope 128, rope 64, v 128, rank 512, latent 576; contexts 1..64 (sum 2080).
+  EXPECT_DOUBLE_EQ(a.absorbed, 64 * 2.0 * 128 * 256 * 512 + 2080 * 2.0 * 128 * (576 + 512));
+  EXPECT_DOUBLE_EQ(a.prefill, 64 * 2.0 * 128 * 256 * 512 + 2080 * 2.0 * 128 * (128 + 64 + 128));
+  EXPECT_TRUE(pd::gpu::preferPrefillAttention(*v3, start));
+  EXPECT_FALSE(pd::gpu::preferPrefillAttention(*v3, rowsAt(4032, 64)));
+  std::vector<std::vector<std::int32_t>> tables(8);
+  std::vector<DecodeSequence> decode;
+  for (std::size_t s = 0; s < tables.size(); ++s) {
+    for (int b = 0; b < 16; ++b) tables[s].push_back(static_cast<std::int32_t>(s * 16 + static_cast<std::size_t>(b)));
+    decode.push_back({1, 1000, tables[s]});
+  }
+  auto step = planDecodeStep(*v3, cache, decode);
+  ASSERT_TRUE(step.ok());
+  EXPECT_FALSE(pd::gpu::preferPrefillAttention(*v3, *step));
 }
 
 TEST(DecodeGraphs, RowBucketsAreTheSmallestBucketHoldingTheRows) {

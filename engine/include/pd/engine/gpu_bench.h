@@ -85,16 +85,18 @@ struct DecodeStepResult {
 [[nodiscard]] double decodeStepMbu(const DecodeStepResult& step, double read_bandwidth);
 
 /// A prompt of one sequence prefilled through the whole model on the device the way the CUDA
-/// engine runs a prompt today: its tokens as rows of decode steps, 64 rows a step, each row
-/// attending causally through the absorbed MLA path, only the last row's logits computed and
-/// copied back. gemm fraction = devicePrefillFlops / seconds / the BF16 GEMM ceiling.
+/// engine runs a prompt today: its tokens as rows of decode steps, 64 rows a step, each step
+/// attending causally on the path the engine's Auto picks for it (gpu::preferPrefillAttention:
+/// up-projected while the rows are a large part of the context, absorbed after), only the last
+/// row's logits computed and copied back. gemm fraction = devicePrefillFlops (the absorbed
+/// formulation's count, a fixed measure of the work) / seconds / the BF16 GEMM ceiling.
 struct PrefillResult {
   Numerics numerics = Numerics::Fp32;
   std::int64_t tokens = 0;       ///< prompt length (positions 0 .. tokens-1)
   std::int64_t repetitions = 0;  ///< timed prompts
   double seconds = 0.0;          ///< median wall time of one whole prompt, until its logits are on the host
   double flops = 0.0;            ///< devicePrefillFlops(config, tokens)
-  bool cuda_graphs = false;      ///< every step of the timed prompts replayed a captured graph
+  bool cuda_graphs = false;      ///< every absorbed-path step of the timed prompts replayed a captured graph
 };
 
 /// The FLOPs (2 x multiply-adds) a prefill of `tokens` tokens from position 0 performs on the
