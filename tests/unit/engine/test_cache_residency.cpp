@@ -34,7 +34,7 @@ SequenceChunk chunk(const std::vector<std::int32_t>& tokens, std::int64_t start,
 TEST(CacheResidency, ReadsEachPrefixOnceThenOnlyWhatItHasNotWritten) {
   Cache c(8);
   CacheResidency r;
-  const std::vector<std::int32_t> table{5, 2, 7};
+  const std::vector<std::int32_t> table{5, 2, 7, 1};  // positions 0..15
   const std::vector<std::int32_t> one{1};
   // 10 positions arrived in the host cache (a prefill): the first call reads all of them.
   auto a = chunk(one, 10, table);
@@ -48,6 +48,23 @@ TEST(CacheResidency, ReadsEachPrefixOnceThenOnlyWhatItHasNotWritten) {
   c.touch(2);
   auto d = chunk(one, 12, table);
   EXPECT_EQ(r.prepare(std::span(&d, 1), c.view), (std::vector<Range>{{2, 0, 4}}));
+}
+
+// Bad input the engine refuses afterwards (a table too short for its chunk, a block id outside
+// the cache) is never read past: the ranges stop at the table's end and skip the bad id. (ASan
+// checks the "never read past" in the sanitizer run.)
+TEST(CacheResidency, ATableTooShortOrABadIdIsNotReadPast) {
+  Cache c(8);
+  CacheResidency r;
+  const std::vector<std::int32_t> short_table{3};  // position 6 needs two blocks
+  const std::vector<std::int32_t> one{1};
+  auto a = chunk(one, 6, short_table);
+  EXPECT_EQ(r.prepare(std::span(&a, 1), c.view), (std::vector<Range>{{3, 0, 4}}));
+  const std::vector<std::int32_t> bad_id{4, 99};
+  auto b = chunk(one, 6, bad_id);
+  EXPECT_EQ(r.prepare(std::span(&b, 1), c.view), (std::vector<Range>{{4, 0, 4}}));
+  Cache scratch(8, /*with_epochs=*/false);
+  EXPECT_EQ(r.prepare(std::span(&b, 1), scratch.view), (std::vector<Range>{{4, 0, 4}}));
 }
 
 TEST(CacheResidency, ASharedPrefixBlockIsReadOnceForTheBatch) {
