@@ -38,13 +38,13 @@ std::vector<CacheResidency::Range> CacheResidency::prepare(std::span<const Seque
   // A table shorter than its chunk, or a block id outside the cache, is bad input the engine
   // refuses after this: such a table is read only as far as it goes and such ids are skipped, so
   // nothing is read or written out of bounds on the way to that error.
-  const auto blocksOf = [&](const SequenceChunk& s, std::int64_t end) {
+  const auto blocks_of = [&](const SequenceChunk& s, std::int64_t end) {
     return std::min((end + bs - 1) / bs, static_cast<std::int64_t>(s.block_table.size()));
   };
   const auto valid = [&](std::int32_t id) { return id >= 0 && static_cast<std::size_t>(id) < num_blocks; };
   for (const SequenceChunk& s : batch) {
     const std::int64_t end = s.start_pos + static_cast<std::int64_t>(s.tokens.size());
-    for (std::int64_t first = 0; first / bs < blocksOf(s, end); first += bs) {
+    for (std::int64_t first = 0; first / bs < blocks_of(s, end); first += bs) {
       const std::int32_t id = s.block_table[static_cast<std::size_t>(first / bs)];
       if (!valid(id)) continue;
       const std::int64_t need = std::clamp<std::int64_t>(s.start_pos - first, 0, bs);  // positions read
@@ -64,7 +64,7 @@ std::vector<CacheResidency::Range> CacheResidency::prepare(std::span<const Seque
   // The call's writes: held from now on (a view without epochs: every touched block forgotten).
   for (const SequenceChunk& s : batch) {
     const std::int64_t end = s.start_pos + static_cast<std::int64_t>(s.tokens.size());
-    for (std::int64_t first = (s.start_pos / bs) * bs; first / bs < blocksOf(s, end); first += bs) {
+    for (std::int64_t first = (s.start_pos / bs) * bs; first / bs < blocks_of(s, end); first += bs) {
       const std::int32_t id = s.block_table[static_cast<std::size_t>(first / bs)];
       if (!epochs || !valid(id)) continue;
       Block& b = blocks_[static_cast<std::size_t>(id)];
@@ -72,7 +72,7 @@ std::vector<CacheResidency::Range> CacheResidency::prepare(std::span<const Seque
       if (b.held >= std::max<std::int64_t>(s.start_pos - first, 0)) b.held = std::max(b.held, written_end);
     }
     if (!epochs) {
-      for (std::int64_t first = 0; first / bs < blocksOf(s, end); first += bs) {
+      for (std::int64_t first = 0; first / bs < blocks_of(s, end); first += bs) {
         const std::int32_t id = s.block_table[static_cast<std::size_t>(first / bs)];
         if (valid(id)) blocks_[static_cast<std::size_t>(id)] = Block{};
       }
