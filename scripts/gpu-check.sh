@@ -137,13 +137,13 @@ else
   fi
   step configure 180 cmake -S . -B "$build_dir" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DPD_WITH_CUDA=ON \
     -DCMAKE_CUDA_ARCHITECTURES="$arch" "${launcher[@]}" || fail "configure (is nvcc on PATH or CUDACXX set?)"
-  targets=(test_kernel_parity test_device_weights test_device_decode test_cuda_engine test_gpu test_device_math
+  targets=(test_kernel_parity test_device_weights test_device_decode test_cuda_engine test_cuda_tp test_gpu test_device_math
     test_device_memory_plan test_model_device test_weight_upload_plan test_device_bench test_cuda_handles
-    test_decode_step_plan test_forward_plan test_staging_device pdserve)
+    test_decode_step_plan test_forward_plan test_weight_shard test_staging_device pdserve)
   step build 360 cmake --build "$build_dir" -j "$jobs" --target "${targets[@]}" || fail "build"
 
   # 3. The host tests of the kernels' arithmetic, then every gpu-labelled test.
-  host_tests='^(DeviceMath|DeviceMemoryPlan|ModelDevice|WeightUploadPlan|DeviceBench|DecodeStepPlan|DecodeGraphs|ForwardPlan)\.'
+  host_tests='^(DeviceMath|DeviceMemoryPlan|ModelDevice|WeightUploadPlan|DeviceBench|DecodeStepPlan|DecodeGraphs|ForwardPlan|WeightShard)\.'
   step host-tests 60 ctest --test-dir "$build_dir" -L unit -R "$host_tests" --output-on-failure ||
     fail "host tests of the kernels' arithmetic"
   step gpu-tests 300 ctest --test-dir "$build_dir" -L gpu --output-on-failure --timeout 280

@@ -9,6 +9,7 @@
 #include <utility>
 
 #include "nccl_handles.h"
+#include "pd/comm/device_collectives.h"
 #include "pd/comm/nccl_bootstrap.h"
 #include "pd/common/log.h"
 #include "pd/cuda/cuda_handles.h"
@@ -88,8 +89,53 @@ class NcclCommunicator final : public Communicator {
     return allReduceSum(std::span(&one, 1));
   }
   Status checkPeers() override { return peers_ ? peers_() : okStatus(); }
+  DeviceCollectives* deviceCollectives() override { return &on_device_; }
 
  private:
+  // The same communicator over the caller's device buffers and stream (device_collectives.h):
+  // each call only enqueues (waiting for NCCL to accept a non-blocking call, never for the
+  // stream), so a CUDA graph may capture it; awaitStream() polls like the host collectives.
+  class Device final : public DeviceCollectives {
+   public:
+    explicit Device(NcclCommunicator& c) : c_(c) {}
+    [[nodiscard]] int rank() const override { return c_.rank_; }
+    [[nodiscard]] int size() const override { return c_.size_; }
+    [[nodiscard]] std::string kind() const override { return "nccl"; }
+    [[nodiscard]] bool capturable() const override { return true; }
+    Status allReduceSum(float* data, std::size_t count, void* stream) override {
+      if (count == 0) return okStatus();
+      if (data == nullptr) return makeError(ErrorCode::InvalidArgument, "device allReduceSum: null buffer");
+      return c_.enqueue("ncclAllReduce (device)", [&] {
+        return ncclAllReduce(data, data, count, ncclFloat32, ncclSum, c_.comm_.get(),
+                             static_cast<cudaStream_t>(stream));
+      });
+    }
+    Status allGather(const float* send, float* recv, std::size_t count, void* stream) override {
+      if (count == 0) return okStatus();
+      if (send == nullptr || recv == nullptr) {
+        return makeError(ErrorCode::InvalidArgument, "device allGather: null buffer");
+      }
+      return c_.enqueue("ncclAllGather (device)", [&] {
+        return ncclAllGather(send, recv, count, ncclFloat32, c_.comm_.get(), static_cast<cudaStream_t>(stream));
+      });
+    }
+    Status awaitStream(void* stream) override {
+      return c_.collective("device step", [&] { return c_.awaitOn(static_cast<cudaStream_t>(stream), "device step"); });
+    }
+
+   private:
+    NcclCommunicator& c_;
+  };
+
+  // Issues one non-blocking NCCL call and waits (within the deadline) until NCCL took it.
+  template <class Call>
+  Status enqueue(std::string_view what, Call&& call) {
+    return collective(what, [&]() -> Status {
+      PD_CUDA_TRY(nccl::issued(std::forward<Call>(call)()));
+      return awaitNccl([this]() -> Result<NcclProgress> { return comm_.poll(); }, peers_, [this] { comm_.abort(); },
+                       deadline_, what);
+    });
+  }
   static constexpr std::size_t kStagingBytes = std::size_t{1} << 20;
 
   NcclCommunicator(int rank, int size, int device, std::function<Status()> peers,
@@ -102,7 +148,8 @@ class NcclCommunicator final : public Communicator {
         collective_timeout_(collective_timeout),
         stream_(std::move(stream)),
         comm_(std::move(comm)),
-        staging_(std::move(staging)) {}
+        staging_(std::move(staging)),
+        on_device_(*this) {}
 
   Status ensureStaging(std::size_t bytes) {
     if (bytes <= staging_.size()) return okStatus();
@@ -113,12 +160,13 @@ class NcclCommunicator final : public Communicator {
 
   // Waits until the communicator has no call in progress and the stream ran dry, within the
   // collective's deadline; aborts the communicator on a failure (awaitNccl).
-  Status await(std::string_view what) {
+  Status await(std::string_view what) { return awaitOn(stream_.get(), what); }
+  Status awaitOn(cudaStream_t stream, std::string_view what) {
     return awaitNccl(
-        [this]() -> Result<NcclProgress> {
+        [this, stream]() -> Result<NcclProgress> {
           PD_ASSIGN_OR_RETURN(const NcclProgress comm_state, comm_.poll());
           if (comm_state == NcclProgress::InProgress) return NcclProgress::InProgress;
-          const cudaError_t query = cudaStreamQuery(stream_.get());
+          const cudaError_t query = cudaStreamQuery(stream);
           if (query == cudaErrorNotReady) return NcclProgress::InProgress;
           PD_CUDA_TRY(query);
           return NcclProgress::Done;
@@ -148,6 +196,7 @@ class NcclCommunicator final : public Communicator {
   cuda::Stream stream_;
   nccl::Comm comm_;
   cuda::DeviceBuffer<std::byte> staging_;
+  Device on_device_;  // last: refers to the members above
 };
 
 class NcclFactory final : public CommunicatorFactory {

@@ -20,6 +20,7 @@
 #include "pd/common/stop_signals.h"
 #include "pd/decode/decode_server.h"
 #include "pd/decode/tp_worker.h"
+#include "pd/engine/cuda_engine.h"
 #include "pd/engine/engine.h"
 #include "pd/engine/model_hash.h"
 #include "pd/engine/serving_engine.h"
@@ -44,12 +45,32 @@ Result<std::unique_ptr<comm::Communicator>> joinDeviceGroup(comm::Communicator& 
   PD_ASSIGN_OR_RETURN(auto device_group, comm::joinDeviceGroup(group, gpu::cudaIndexOrNone(cfg.model_device),
                                                                local_rank, hash, kTpJoinTimeout));
   if (device_group) {
-    // The device engine that computes over it is not built yet (docs/gpu.md); the CPU shard
-    // engine keeps computing over `group`.
     log::info(kLog, "tensor-parallel rank {} of {}: NCCL communicator on cuda:{}", group.rank(), group.size(),
               gpu::cudaIndexOrNone(cfg.model_device) + local_rank);
   }
   return device_group;
+}
+
+// This rank's engine: the CPU engine's shard over `comm`, or with --model.device cuda the CUDA
+// engine's shard on the rank's GPU (index + local rank), its collectives over NCCL when the group
+// joined one, else staged over `comm`.
+Result<std::unique_ptr<model::Engine>> loadFollowerEngine(comm::Communicator& comm, comm::Communicator* device_group,
+                                                          const DecodeWorkerConfig& cfg) {
+  if (cfg.model_device.kind == gpu::ModelDevice::Kind::Cuda) {
+    model::CudaEngineOptions o;
+    o.device = cfg.model_device;
+    o.device.index += comm.rank() % ranksPerNode(cfg.decode);
+    o.numerics = cfg.numerics;
+    o.cuda_graphs = cfg.cuda_graphs;
+    o.batch_invariant = cfg.batch_invariant;
+    o.tp = device_group != nullptr ? device_group : &comm;
+    return model::createCudaEngine(cfg.model_dir, o);
+  }
+  model::CpuEngineOptions engine_options;
+  engine_options.threads = static_cast<int>(cfg.decode.threads);
+  engine_options.tp = &comm;
+  engine_options.batch_invariant = cfg.batch_invariant;
+  return model::createCpuEngine(cfg.model_dir, engine_options);
 }
 
 // Loads this rank's shard and serves the leader's calls until it stops the group (ok) or the
@@ -57,11 +78,7 @@ Result<std::unique_ptr<comm::Communicator>> joinDeviceGroup(comm::Communicator& 
 Status serveAsFollower(comm::Communicator& comm, const DecodeWorkerConfig& cfg, std::uint64_t hash,
                        const std::function<void(bool)>& serving = {}) {
   PD_ASSIGN_OR_RETURN(const std::unique_ptr<comm::Communicator> device_group, joinDeviceGroup(comm, cfg, hash));
-  model::CpuEngineOptions engine_options;
-  engine_options.threads = static_cast<int>(cfg.decode.threads);
-  engine_options.tp = &comm;
-  engine_options.batch_invariant = cfg.batch_invariant;
-  PD_ASSIGN_OR_RETURN(auto engine, model::createCpuEngine(cfg.model_dir, engine_options));
+  PD_ASSIGN_OR_RETURN(auto engine, loadFollowerEngine(comm, device_group.get(), cfg));
   PD_ASSIGN_OR_RETURN(std::shared_ptr<InternalAuth> auth, loadInternalAuth(cfg.cluster_secret_file));
   PD_ASSIGN_OR_RETURN(auto worker,
                       TpFollowerWorker::start(std::move(engine), comm, {cfg.decode, cfg.kvtransfer, hash, auth}));
@@ -190,12 +207,12 @@ Status validate(const DecodeWorkerConfig& cfg) {
 
 Status runWorker(const DecodeWorkerConfig& cfg) {
   PD_TRY(validate(cfg));
-  // A valid configuration (the GPU overlays in deploy/ use it, and --check-config accepts it), but
-  // not one this binary runs yet: the CUDA engine drives one GPU per worker (docs/gpu.md).
-  if (cfg.decode.tensor_parallel > 1 && cfg.model_device.kind == gpu::ModelDevice::Kind::Cuda) {
-    return makeError(ErrorCode::Unsupported,
-                     "model.device cuda: decode.tensor_parallel > 1 is not built yet (the CUDA engine runs one GPU "
-                     "per worker; the CPU engine runs tensor parallelism)");
+  if (cfg.model_device.kind == gpu::ModelDevice::Kind::Cuda) {
+    // Before any rank spawns: every rank of this node runs on its own GPU, index + local rank.
+    gpu::ModelDevice last = cfg.model_device;
+    last.index += ranksPerNode(cfg.decode) - 1;
+    PD_TRY(gpu::checkModelDevice(cfg.model_device));
+    PD_TRY(gpu::checkModelDevice(last));
   }
   const DecodeConfig& dec = cfg.decode;
   const bool spawned = dec.tp_rank > 0;
@@ -218,9 +235,10 @@ Status runWorker(const DecodeWorkerConfig& cfg) {
     PD_ASSIGN_OR_RETURN(group, startGroup(cfg, hash));
     PD_ASSIGN_OR_RETURN(device_group, joinDeviceGroup(group->comm(), cfg, hash));
   }
-  PD_ASSIGN_OR_RETURN(model::ServingEngine loaded,
-                      model::loadServingEngine(cfg.model_dir, static_cast<int>(dec.threads), group.get(),
-                                               cfg.model_device, cfg.batch_invariant, cfg.numerics, cfg.cuda_graphs));
+  PD_ASSIGN_OR_RETURN(
+      model::ServingEngine loaded,
+      model::loadServingEngine(cfg.model_dir, static_cast<int>(dec.threads), group.get(), cfg.model_device,
+                               cfg.batch_invariant, cfg.numerics, cfg.cuda_graphs, device_group.get()));
   model::TpLeaderEngine* const tp_leader = loaded.tp_leader;
   log::info(kLog, "model {} loaded ({}), hash {}", cfg.model_dir.string(), loaded.engine->capabilities().backend,
             modelHashHex(hash));

@@ -15,7 +15,10 @@
 #include "pd/common/log.h"
 #include "pd/engine/cache_residency.h"
 #include "pd/engine/device_sampling.h"
+#include "pd/engine/model_weights.h"
 #include "pd/engine/safetensors.h"
+#include "staged_collectives.h"
+#include "weight_shard.h"
 
 namespace pd::model {
 namespace {
@@ -98,9 +101,11 @@ static_assert(kMaxDeviceTopLogprobs == gpu::kernels::kMaxTopLogprobs, "one limit
 
 class CudaEngine final : public Engine, public SamplingEngine {
  public:
-  CudaEngine(std::unique_ptr<const ModelConfig> config, std::unique_ptr<gpu::DeviceWeights> weights,
-             std::unique_ptr<DeviceDecodeStep> step, const CudaEngineOptions& options, DType weight_dtype)
-      : config_(std::move(config)),
+  CudaEngine(std::unique_ptr<comm::DeviceCollectives> staged, std::unique_ptr<const ModelConfig> config,
+             std::unique_ptr<gpu::DeviceWeights> weights, std::unique_ptr<DeviceDecodeStep> step,
+             const CudaEngineOptions& options, DType weight_dtype)
+      : staged_(std::move(staged)),
+        config_(std::move(config)),
         weights_(std::move(weights)),
         step_(std::move(step)),
         options_(options),
@@ -118,6 +123,9 @@ class CudaEngine final : public Engine, public SamplingEngine {
     EngineCapabilities c;
     c.backend =
         fmt::format("cuda/{} ({})", gpu::numericsName(options_.numerics), gpu::modelDeviceName(options_.device));
+    if (options_.tp != nullptr && options_.tp->size() > 1) {
+      c.backend += fmt::format(", tensor-parallel rank {} of {}", options_.tp->rank(), options_.tp->size());
+    }
     c.threads = 1;
     c.mtp = step_->hasMtp();
     c.weight_dtype = weight_dtype_;
@@ -261,6 +269,7 @@ class CudaEngine final : public Engine, public SamplingEngine {
   }
 
   // Declared in acquisition order: the step refers to the weights and the config.
+  std::unique_ptr<comm::DeviceCollectives> staged_;  // staged collectives the step uses, or null
   std::unique_ptr<const ModelConfig> config_;
   std::unique_ptr<gpu::DeviceWeights> weights_;
   std::unique_ptr<DeviceDecodeStep> step_;
@@ -287,7 +296,7 @@ Result<std::unique_ptr<Engine>> createCudaEngine(const std::filesystem::path& mo
   auto config = std::make_unique<const ModelConfig>(std::move(loaded));
   const ModelConfig& c = *config;
   PD_TRY(gpu::checkDecodeModel(c));
-  PD_ASSIGN_OR_RETURN(Checkpoint checkpoint, Checkpoint::open(model_dir));
+  const bool sharded = options.tp != nullptr && options.tp->size() > 1;
   const i64 max_context = c.max_position_embeddings > 0 ? c.max_position_embeddings : 4096;
   gpu::DeviceWeights::Options upload;
   upload.device = options.device;
@@ -298,9 +307,28 @@ Result<std::unique_ptr<Engine>> createCudaEngine(const std::filesystem::path& mo
   upload.serving.max_batch_tokens = options.max_step_rows;
   upload.serving.max_context = max_context;
   upload.serving.max_sample_rows = options.max_step_rows;
-  PD_ASSIGN_OR_RETURN(gpu::DeviceWeights uploaded, gpu::DeviceWeights::upload(checkpoint, c, upload));
-  auto weights = std::make_unique<gpu::DeviceWeights>(std::move(uploaded));
+  std::unique_ptr<gpu::DeviceWeights> weights;
+  std::unique_ptr<comm::DeviceCollectives> staged;
   DeviceDecodeStep::Options step_options;
+  if (sharded) {
+    // Only this rank's shard reaches the device; the host slices are released after the upload.
+    const TpShard shard{options.tp->rank(), options.tp->size()};
+    PD_ASSIGN_OR_RETURN(const std::unique_ptr<ModelWeights> host, ModelWeights::load(model_dir, shard));
+    PD_ASSIGN_OR_RETURN(const std::vector<gpu::HostTensor> tensors, gpu::shardTensors(*host));
+    PD_ASSIGN_OR_RETURN(gpu::DeviceWeights uploaded, gpu::DeviceWeights::upload(tensors, c, upload));
+    weights = std::make_unique<gpu::DeviceWeights>(std::move(uploaded));
+    step_options.tp = options.tp->deviceCollectives();
+    if (step_options.tp == nullptr) {
+      staged = gpu::stageDeviceCollectives(*options.tp);
+      step_options.tp = staged.get();
+    }
+    log::info("engine", "cuda engine: tensor-parallel rank {} of {} ({} heads of {}), collectives: {}", shard.rank,
+              shard.size, c.num_attention_heads / shard.size, c.num_attention_heads, step_options.tp->kind());
+  } else {
+    PD_ASSIGN_OR_RETURN(Checkpoint checkpoint, Checkpoint::open(model_dir));
+    PD_ASSIGN_OR_RETURN(gpu::DeviceWeights uploaded, gpu::DeviceWeights::upload(checkpoint, c, upload));
+    weights = std::make_unique<gpu::DeviceWeights>(std::move(uploaded));
+  }
   step_options.numerics = options.numerics;
   step_options.cuda_graphs = options.cuda_graphs;
   // One block for now: the first call sizes the device cache like the caller's host cache.
@@ -314,7 +342,7 @@ Result<std::unique_ptr<Engine>> createCudaEngine(const std::filesystem::path& mo
             gpu::modelDeviceName(options.device), c.num_hidden_layers, step->hasMtp() ? " + MTP" : "",
             static_cast<double>(weights->deviceBytes()) / 1e9);
   return std::unique_ptr<Engine>(
-      new CudaEngine(std::move(config), std::move(weights), std::move(step), options, weight_dtype));
+      new CudaEngine(std::move(staged), std::move(config), std::move(weights), std::move(step), options, weight_dtype));
 }
 
 }  // namespace pd::model

@@ -14,6 +14,7 @@
 #include "pd/common/log.h"
 #include "pd/cuda/cuda_check.h"
 #include "pd/engine/kernels.h"
+#include "pd/engine/model_weights.h"
 #include "pd/engine/rope.h"
 
 namespace pd::gpu {
@@ -147,6 +148,15 @@ Status runGemm(cublasHandle_t handle, const BatchedGemm& g, const float* a, cons
 struct DeviceDecodeStep::Impl {
   const ModelConfig& cfg;
   const DeviceWeights& weights;
+  // Tensor parallelism (Options::tp; null: one rank). This rank's attention heads, and cfg with
+  // them for the absorbed products (absorbQueryGemm, valueUpGemm); its vocabulary rows of the
+  // embeddings and LM heads.
+  comm::DeviceCollectives* tp = nullptr;
+  int tp_rank = 0;
+  int tp_size = 1;
+  i64 local_heads = 0;
+  ModelConfig head_cfg;
+  model::ShardRange vocab_rows;
   DecodeCacheShape cache_shape;
   cuda::Stream stream;
   cuda::BlasHandle blas;                                             // after the stream it runs on
@@ -171,6 +181,7 @@ struct DeviceDecodeStep::Impl {
   // Workspaces for kMaxDecodeBatch tokens.
   cuda::DeviceBuffer<float> h, xn, qa, q, kv, latent, q_cat, o_lat, o, attn_out, ffn_out, router_logits, gx, act, up,
       gout, logits, cat, prev, sel;
+  cuda::DeviceBuffer<float> head_mine, head_all;                      // tensor parallelism: the LM head's slices
   std::optional<cuda::PinnedHostBuffer<float>> staging;               // writeCache's host side, grown on demand
   std::optional<cuda::PinnedHostBuffer<std::uint16_t>> staging_bf16;  // the same for a BF16 cache
   cuda::DeviceBuffer<std::int64_t> positions, ctx_len, table_begin, write_slots;
@@ -199,7 +210,32 @@ struct DeviceDecodeStep::Impl {
   DecodeGraphCache<cuda::Graph> graphs{kMaxDecodeGraphs};
 
   Impl(const ModelConfig& c, const DeviceWeights& w, DecodeCacheShape shape, cuda::Stream s, cuda::BlasHandle b)
-      : cfg(c), weights(w), cache_shape(shape), stream(std::move(s)), blas(std::move(b)) {}
+      : cfg(c),
+        weights(w),
+        local_heads(c.num_attention_heads),
+        head_cfg(c),
+        vocab_rows{0, c.vocab_size},
+        cache_shape(shape),
+        stream(std::move(s)),
+        blas(std::move(b)) {}
+
+  // This rank's part of a width split over the ranks (shardRange: the sizes ModelWeights cut).
+  [[nodiscard]] i64 shardWidth(i64 full) const {
+    const model::ShardRange r = model::shardRange(full, tp_rank, tp_size);
+    return r.end - r.begin;
+  }
+  [[nodiscard]] i64 vocabRows() const { return vocab_rows.end - vocab_rows.begin; }
+
+  // Sums a partial [count] result over the ranks on the step's stream (nothing on one rank).
+  [[nodiscard]] Status reduce(float* x, i64 count) {
+    if (tp == nullptr) return okStatus();
+    return tp->allReduceSum(x, sz(count), stream.get());
+  }
+  // Waits for the stream; with tensor parallelism never past the collectives' deadline.
+  [[nodiscard]] Status finish() {
+    if (tp != nullptr) return tp->awaitStream(stream.get());
+    return stream.synchronize();
+  }
 
   [[nodiscard]] bool hasCache() const { return cache.size() > 0 || cache_bf16.size() > 0; }
 
@@ -245,6 +281,10 @@ struct DeviceDecodeStep::Impl {
         m.block_rows = cfg.quantization->block_out;
         m.block_cols = cfg.quantization->block_in;
       }
+      if (t.block_rows > 0 && t.block_cols > 0) {  // re-blocked by a tensor-parallel slice
+        m.block_rows = t.block_rows;
+        m.block_cols = t.block_cols;
+      }
       const std::vector<std::int64_t> want{m.scaleRows(), m.scaleCols()};
       if (s->shape != want) {
         return makeError(ErrorCode::InvalidArgument, fmt::format("scale of '{}' has the wrong shape", name));
@@ -285,6 +325,10 @@ struct DeviceDecodeStep::Impl {
     if (cfg.quantization) {
       l.block_rows = cfg.quantization->block_out;
       l.block_cols = cfg.quantization->block_in;
+    }
+    if (t->block_rows > 0 && t->block_cols > 0) {  // re-blocked by a tensor-parallel slice
+      l.block_rows = t->block_rows;
+      l.block_cols = t->block_cols;
     }
     const i64 srows = (rows + l.block_rows - 1) / l.block_rows;
     const i64 scols = (cols + l.block_cols - 1) / l.block_cols;
@@ -353,7 +397,7 @@ struct DeviceDecodeStep::Impl {
     const ModelConfig& c = cfg;
     const std::string p = fmt::format("model.layers.{}.", index);
     const i64 d = c.hidden_size;
-    const i64 heads = c.num_attention_heads;
+    const i64 heads = local_heads;
     Layer l;
     PD_ASSIGN_OR_RETURN(l.input_norm, vector(p + "input_layernorm.weight", d));
     PD_ASSIGN_OR_RETURN(l.post_norm, vector(p + "post_attention_layernorm.weight", d));
@@ -372,7 +416,7 @@ struct DeviceDecodeStep::Impl {
     PD_ASSIGN_OR_RETURN(l.o, linear(p + "self_attn.o_proj.weight", d, heads * c.v_head_dim));
     l.moe = c.isMoeLayer(index);
     if (!l.moe) {
-      PD_ASSIGN_OR_RETURN(l.dense, mlp(p + "mlp.", c.intermediate_size));
+      PD_ASSIGN_OR_RETURN(l.dense, mlp(p + "mlp.", shardWidth(c.intermediate_size)));
     } else {
       PD_ASSIGN_OR_RETURN(l.router, linear(p + "mlp.gate.weight", c.n_routed_experts, d));
       const std::string bias = p + "mlp.gate.e_score_correction_bias";
@@ -380,14 +424,15 @@ struct DeviceDecodeStep::Impl {
         PD_ASSIGN_OR_RETURN(l.router_bias, vector(bias, c.n_routed_experts));
       }
       for (i64 e = 0; e < c.n_routed_experts; ++e) {
-        PD_ASSIGN_OR_RETURN(Mlp m, mlp(fmt::format("{}mlp.experts.{}.", p, e), c.moe_intermediate_size));
+        PD_ASSIGN_OR_RETURN(Mlp m, mlp(fmt::format("{}mlp.experts.{}.", p, e), shardWidth(c.moe_intermediate_size)));
         l.experts.push_back(m);
       }
       PD_ASSIGN_OR_RETURN(l.expert_gate, grouped(l.experts, &Mlp::gate, p + "mlp.experts.*.gate_proj"));
       PD_ASSIGN_OR_RETURN(l.expert_up, grouped(l.experts, &Mlp::up, p + "mlp.experts.*.up_proj"));
       PD_ASSIGN_OR_RETURN(l.expert_down, grouped(l.experts, &Mlp::down, p + "mlp.experts.*.down_proj"));
       if (c.n_shared_experts > 0) {
-        PD_ASSIGN_OR_RETURN(Mlp m, mlp(p + "mlp.shared_experts.", c.moe_intermediate_size * c.n_shared_experts));
+        PD_ASSIGN_OR_RETURN(Mlp m,
+                            mlp(p + "mlp.shared_experts.", shardWidth(c.moe_intermediate_size * c.n_shared_experts)));
         l.shared = m;
       }
     }
@@ -407,11 +452,11 @@ struct DeviceDecodeStep::Impl {
     PD_ASSIGN_OR_RETURN(t.head_norm, vector(p + "shared_head.norm.weight", d));
     t.head = head;
     if (weights.find(p + "shared_head.head.weight") != nullptr) {
-      PD_ASSIGN_OR_RETURN(t.head, linear(p + "shared_head.head.weight", c.vocab_size, d));
+      PD_ASSIGN_OR_RETURN(t.head, linear(p + "shared_head.head.weight", vocabRows(), d));
     }
     t.embed = embed;
     if (weights.find(p + "embed_tokens.weight") != nullptr) {
-      PD_ASSIGN_OR_RETURN(t.embed, matrixF32(p + "embed_tokens.weight", c.vocab_size, d));
+      PD_ASSIGN_OR_RETURN(t.embed, matrixF32(p + "embed_tokens.weight", vocabRows(), d));
     }
     mtp = t;
     return okStatus();
@@ -434,7 +479,7 @@ struct DeviceDecodeStep::Impl {
       PD_ASSIGN_OR_RETURN(cache, cuda::DeviceBuffer<float>::create(sz(cache_layers * allocated_slots * ld)));
     }
     PD_ASSIGN_OR_RETURN(MlaDecodeAttention att,
-                        MlaDecodeAttention::create({kMaxDecodeBatch, c.num_attention_heads, ld, max_ctx}));
+                        MlaDecodeAttention::create({kMaxDecodeBatch, local_heads, ld, max_ctx}));
     attention.emplace(std::move(att));
     max_table_blocks = (max_ctx + cs.block_size - 1) / cs.block_size;
     // Real rows' tables plus one block for each padded row.
@@ -456,6 +501,7 @@ struct DeviceDecodeStep::Impl {
     } else {
       PD_TRY(runMlp(layer.dense, xn.data(), n, ffn_out.data()));
     }
+    PD_TRY(reduce(ffn_out.data(), n * d));  // each rank's part of the widths (and experts' widths)
     delta = ffn_out.data();
     return okStatus();
   }
@@ -505,7 +551,7 @@ struct DeviceDecodeStep::Impl {
     const ModelConfig& c = cfg;
     const i64 n = shape.n;
     const i64 d = c.hidden_size;
-    const i64 heads = c.num_attention_heads;
+    const i64 heads = local_heads;
     const i64 dn = c.qk_nope_head_dim;
     const i64 dr = c.qk_rope_head_dim;
     const i64 dv = c.v_head_dim;
@@ -566,10 +612,11 @@ struct DeviceDecodeStep::Impl {
       pb.scale = softmax_scale;
       pb.out = o.data();
       PD_TRY(prefill_attention->run(pb, blas.get(), stream));
-      return apply(l.o, o.data(), heads * dv, n, attn_out.data(), d);
+      PD_TRY(apply(l.o, o.data(), heads * dv, n, attn_out.data(), d));
+      return reduce(attn_out.data(), n * d);  // each rank's heads
     }
     // q_cat[t][h] = (W_UK_h^T q_nope[t][h] ; q_pe[t][h]).
-    PD_TRY(runGemm(blas.get(), absorbQueryGemm(c, n), l.kv_b, q.data(), q_cat.data()));
+    PD_TRY(runGemm(blas.get(), absorbQueryGemm(head_cfg, n), l.kv_b, q.data(), q_cat.data()));
     PD_CUDA_TRY(cudaMemcpy2DAsync(q_cat.data() + r, sz(ld) * sizeof(float), q.data() + dn, sz(qk) * sizeof(float),
                                   sz(dr) * sizeof(float), sz(n * heads), cudaMemcpyDeviceToDevice, s));
     MlaDecodeAttention::Batch b;
@@ -587,8 +634,9 @@ struct DeviceDecodeStep::Impl {
     b.out = o_lat.data();
     PD_TRY(attention->run(b, stream));
     // o[t][h] = W_UV_h o_lat[t][h][:r].
-    PD_TRY(runGemm(blas.get(), valueUpGemm(c, n), l.kv_b, o_lat.data(), o.data()));
-    return apply(l.o, o.data(), heads * dv, n, attn_out.data(), d);
+    PD_TRY(runGemm(blas.get(), valueUpGemm(head_cfg, n), l.kv_b, o_lat.data(), o.data()));
+    PD_TRY(apply(l.o, o.data(), heads * dv, n, attn_out.data(), d));
+    return reduce(attn_out.data(), n * d);  // each rank's heads
   }
 
   // Everything of a step between its uploads and its LM head: the embedding rows, every layer (or
@@ -598,7 +646,9 @@ struct DeviceDecodeStep::Impl {
     const i64 n = shape.n;
     const i64 d = cfg.hidden_size;
     const float* table = shape.mtp ? mtp->embed : embed;
-    PD_TRY(gatherRows(table, cfg.vocab_size, token_ids.data(), shape.zero, n, d, h.data(), stream));
+    // A rank's vocabulary rows, zeros for the others' ids: the sum over the ranks is the embedding.
+    PD_TRY(gatherShardRows(table, vocab_rows.begin, vocabRows(), token_ids.data(), shape.zero, n, d, h.data(), stream));
+    PD_TRY(reduce(h.data(), n * d));
     const float* delta = nullptr;  // the previous block's output, added into h by the next norm
     const float* out_norm = final_norm;
     if (!shape.mtp) {
@@ -659,6 +709,26 @@ struct DeviceDecodeStep::Impl {
     }
     ++graph_stats.replayed;
     return entry->graph->launch(stream);
+  }
+
+  // logits [k, vocab] = head x for k rows of x (stride hidden). With tensor parallelism each rank
+  // multiplies its vocabulary rows, the slices are gathered (padded to the largest) and put in
+  // place, and the stream is awaited within the collectives' deadline before anything reads them.
+  [[nodiscard]] Status lmHead(const Linear& head_w, const float* x, i64 k) {
+    const i64 d = cfg.hidden_size;
+    const i64 vocab = cfg.vocab_size;
+    if (tp == nullptr) return apply(head_w, x, d, k, logits.data(), vocab);
+    const i64 pad = (vocab + tp_size - 1) / tp_size;
+    PD_TRY(apply(head_w, x, d, k, head_mine.data(), pad));
+    PD_TRY(tp->allGather(head_mine.data(), head_all.data(), sz(k * pad), stream.get()));
+    for (int r = 0; r < tp_size; ++r) {
+      const model::ShardRange v = model::shardRange(vocab, r, tp_size);
+      if (v.end <= v.begin) continue;
+      PD_CUDA_TRY(cudaMemcpy2DAsync(logits.data() + v.begin, sz(vocab) * sizeof(float), head_all.data() + r * k * pad,
+                                    sz(pad) * sizeof(float), sz(v.end - v.begin) * sizeof(float), sz(k),
+                                    cudaMemcpyDeviceToDevice, stream.get()));
+    }
+    return tp->awaitStream(stream.get());
   }
 
   // The experts' `g` over the grouped rows of x (stride x_stride) into y (stride y_stride).
@@ -743,17 +813,35 @@ Result<std::unique_ptr<DeviceDecodeStep>> DeviceDecodeStep::create(const DeviceW
   Impl& m = *impl;
   m.numerics = options.numerics;
   m.cuda_graphs = options.cuda_graphs;
+  if (options.tp != nullptr && options.tp->size() > 1) {
+    m.tp = options.tp;
+    m.tp_rank = options.tp->rank();
+    m.tp_size = options.tp->size();
+    if (m.tp_rank < 0 || m.tp_rank >= m.tp_size || c.num_attention_heads % m.tp_size != 0) {
+      return makeError(ErrorCode::InvalidArgument,
+                       fmt::format("device step: rank {} of {} tensor-parallel ranks ({} attention heads)", m.tp_rank,
+                                   m.tp_size, c.num_attention_heads));
+    }
+    m.local_heads = c.num_attention_heads / m.tp_size;
+    m.head_cfg.num_attention_heads = m.local_heads;
+    m.vocab_rows = model::shardRange(c.vocab_size, m.tp_rank, m.tp_size);
+    if (m.cuda_graphs && !m.tp->capturable()) {
+      log::info("cuda", "decode step: {} collectives are not captured, so steps run eagerly (no CUDA graphs)",
+                m.tp->kind());
+      m.cuda_graphs = false;
+    }
+  }
   PD_ASSIGN_OR_RETURN(m.blas_workspace, cuda::DeviceBuffer<std::byte>::create(kBlasWorkspaceBytes));
   PD_CUDA_TRY(cublasSetWorkspace(m.blas.get(), m.blas_workspace.data(), m.blas_workspace.bytes()));
   m.softmax_scale = static_cast<float>(c.softmaxScale());
   m.eps = static_cast<float>(c.rms_norm_eps);
-  PD_ASSIGN_OR_RETURN(m.embed, m.matrixF32("model.embed_tokens.weight", c.vocab_size, c.hidden_size));
+  PD_ASSIGN_OR_RETURN(m.embed, m.matrixF32("model.embed_tokens.weight", m.vocabRows(), c.hidden_size));
   for (i64 l = 0; l < c.num_hidden_layers; ++l) {
     PD_ASSIGN_OR_RETURN(Layer layer, m.makeLayer(l));
     m.layers.push_back(std::move(layer));
   }
   PD_ASSIGN_OR_RETURN(m.final_norm, m.vector("model.norm.weight", c.hidden_size));
-  PD_ASSIGN_OR_RETURN(m.head, m.linear("lm_head.weight", c.vocab_size, c.hidden_size));
+  PD_ASSIGN_OR_RETURN(m.head, m.linear("lm_head.weight", m.vocabRows(), c.hidden_size));
   if (c.num_nextn_predict_layers > 0) PD_TRY(m.bindMtp());
   m.cache_layers = c.num_hidden_layers + (m.mtp ? 1 : 0);
   PD_ASSIGN_OR_RETURN(const std::vector<float> freq, model::ropeInvFreq(c));
@@ -762,7 +850,7 @@ Result<std::unique_ptr<DeviceDecodeStep>> DeviceDecodeStep::create(const DeviceW
 
   const i64 n = kMaxDecodeBatch;
   const i64 d = c.hidden_size;
-  const i64 heads = c.num_attention_heads;
+  const i64 heads = m.local_heads;
   const i64 ld = c.latentDim();
   const i64 qk = c.qkHeadDim();
   PD_TRY(m.allocateCache());
@@ -790,6 +878,11 @@ Result<std::unique_ptr<DeviceDecodeStep>> DeviceDecodeStep::create(const DeviceW
   PD_TRY(make(m.up, n * top_k * widest));
   PD_TRY(make(m.gout, (n * top_k + n) * d));
   PD_TRY(make(m.logits, n * c.vocab_size));
+  if (m.tp != nullptr) {  // the LM head's slice of every rank, padded to the largest
+    const i64 pad = (c.vocab_size + m.tp_size - 1) / m.tp_size;
+    PD_TRY(make(m.head_mine, n * pad));
+    PD_TRY(make(m.head_all, m.tp_size * n * pad));
+  }
   PD_TRY(make(m.topk_weight, n * top_k));
   PD_TRY(make(m.cat, n * 2 * d));
   PD_TRY(make(m.prev, n * d));
@@ -858,7 +951,7 @@ double DeviceDecodeStep::stepBytes(std::span<const std::int64_t> contexts,
   const Impl& m = *impl_;
   const ModelConfig& c = m.cfg;
   const double d = static_cast<double>(c.hidden_size);
-  const double heads = static_cast<double>(c.num_attention_heads);
+  const double heads = static_cast<double>(m.local_heads);
   const double ld = static_cast<double>(c.latentDim());
   double positions = 0.0;  // cached latents every layer reads
   for (const std::int64_t ctx : contexts) positions += static_cast<double>(std::max<std::int64_t>(ctx, 1));
@@ -1055,7 +1148,7 @@ Result<DeviceDecodeStep::Output> DeviceDecodeStep::run(const DecodeStepPlan& pla
       PD_TRY(gatherRows(m.xn.data(), n, m.logit_row_ids.data(), nullptr, k, d, m.sel.data(), m.stream));
       x = m.sel.data();
     }
-    PD_TRY(m.apply(*out_head, x, d, k, m.logits.data(), c.vocab_size));
+    PD_TRY(m.lmHead(*out_head, x, k));
     if (!request.sample_rows.empty()) {
       PD_ASSIGN_OR_RETURN(out.sampled, m.sampler->sample(m.logits.data(), request.sample_rows, m.stream));
     } else {
@@ -1072,7 +1165,7 @@ Result<DeviceDecodeStep::Output> DeviceDecodeStep::run(const DecodeStepPlan& pla
   }
   std::vector<std::int32_t> moe_failed(1, 0);
   PD_TRY(m.moe_failed.copyToHost(moe_failed, m.stream));
-  PD_TRY(m.stream.synchronize());
+  PD_TRY(m.finish());
   if (moe_failed[0] != 0) {
     return makeError(ErrorCode::Internal, "device step: MoE routing chose an expert outside the model's experts");
   }

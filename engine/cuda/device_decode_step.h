@@ -40,6 +40,7 @@
 #include "decode_step_plan.h"
 #include "device_ops.h"
 #include "device_weights.h"
+#include "pd/comm/device_collectives.h"
 #include "pd/common/result.h"
 #include "pd/cuda/cuda_handles.h"
 #include "pd/engine/gpu.h"
@@ -60,6 +61,12 @@ class DeviceDecodeStep {
     /// is captured, later ones replay it (one launch for the embedding, every layer and the final
     /// norm). A capture that fails leaves its key eager, with a warning. false: always eager.
     bool cuda_graphs = true;
+    /// Tensor parallelism (docs/tensor-parallel.md, "On GPUs"): `weights` hold rank tp->rank()'s
+    /// shard of tp->size() (weight_shard.h), and the step sums the partial embedding, attention
+    /// output and FFN output over the ranks (allReduceSum on the device) and gathers the
+    /// vocabulary slices of the LM head, so every rank holds the whole hidden states and logits.
+    /// Not owned; null: one rank. Collectives that cannot be captured turn cuda_graphs off.
+    comm::DeviceCollectives* tp = nullptr;
   };
 
   /// Binds every tensor the model needs (NotFound / InvalidArgument naming a missing or misshapen

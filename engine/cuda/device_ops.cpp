@@ -313,8 +313,22 @@ Status gatherRows(const float* table, std::int64_t table_rows, const std::int32_
   PD_TRY(inRange(kWhat, "d", d, 1, kIntMax));
   PD_TRY(inRange(kWhat, "table_rows", table_rows, 1, kIntMax));
   if (table == nullptr || ids == nullptr || out == nullptr) return invalid(fmt::format("{}: null pointer", kWhat));
-  PD_CUDA_TRY(
-      kernels::launchGatherRows(table, ids, zero, static_cast<int>(rows), static_cast<int>(d), out, stream.get()));
+  PD_CUDA_TRY(kernels::launchGatherRows(table, 0, table_rows, ids, zero, static_cast<int>(rows), static_cast<int>(d),
+                                        out, stream.get()));
+  return okStatus();
+}
+
+Status gatherShardRows(const float* table, std::int64_t first_id, std::int64_t table_rows, const std::int32_t* ids,
+                       const std::uint8_t* zero, std::int64_t rows, std::int64_t d, float* out,
+                       const cuda::Stream& stream) {
+  constexpr std::string_view kWhat = "gatherShardRows";
+  PD_TRY(inRange(kWhat, "rows", rows, 1, kIntMax));
+  PD_TRY(inRange(kWhat, "d", d, 1, kIntMax));
+  PD_TRY(inRange(kWhat, "table_rows", table_rows, 1, kIntMax));
+  PD_TRY(inRange(kWhat, "first_id", first_id, 0, kIntMax));
+  if (table == nullptr || ids == nullptr || out == nullptr) return invalid(fmt::format("{}: null pointer", kWhat));
+  PD_CUDA_TRY(kernels::launchGatherRows(table, first_id, table_rows, ids, zero, static_cast<int>(rows),
+                                        static_cast<int>(d), out, stream.get()));
   return okStatus();
 }
 

@@ -182,6 +182,12 @@ Status moeGroup(const std::int32_t* chosen, std::int64_t tokens, std::int64_t to
 /// the host before they are uploaded (InvalidArgument here only for bad sizes or null pointers).
 Status gatherRows(const float* table, std::int64_t table_rows, const std::int32_t* ids, const std::uint8_t* zero,
                   std::int64_t rows, std::int64_t d, float* out, const cuda::Stream& stream);
+/// The embedding of a vocabulary shard: out[r] = table[ids[r] - first_id] where ids[r] lies in
+/// [first_id, first_id + table_rows), zeros otherwise (and where zero[r] != 0). The ranks' partial
+/// embeddings then sum (allreduce) to the whole one.
+Status gatherShardRows(const float* table, std::int64_t first_id, std::int64_t table_rows, const std::int32_t* ids,
+                       const std::uint8_t* zero, std::int64_t rows, std::int64_t d, float* out,
+                       const cuda::Stream& stream);
 
 /// x[i] = math::bf16Round(x[i]) for i < n (n >= 0): what a BF16 latent cache would hold.
 Status roundToBf16(float* x, std::int64_t n, const cuda::Stream& stream);

@@ -48,6 +48,20 @@ Result<std::vector<std::byte>> DeviceWeights::readBack(const Tensor& tensor) con
 
 Result<DeviceWeights> DeviceWeights::upload(const Checkpoint& checkpoint, const ModelConfig& config,
                                             const Options& options) {
+  std::vector<HostTensor> tensors;
+  for (const TensorView* view : checkpoint.tensors()) {
+    HostTensor t;
+    t.name = view->name;
+    t.dtype = view->dtype;
+    t.shape = view->shape;
+    t.data = view->data;
+    tensors.push_back(std::move(t));
+  }
+  return upload(tensors, config, options);
+}
+
+Result<DeviceWeights> DeviceWeights::upload(const std::vector<HostTensor>& views, const ModelConfig& config,
+                                            const Options& options) {
   const std::string name = modelDeviceName(options.device);
   if (options.device.kind != ModelDevice::Kind::Cuda) {
     return makeError(ErrorCode::InvalidArgument, "DeviceWeights: the device must be cuda[:N]");
@@ -65,10 +79,9 @@ Result<DeviceWeights> DeviceWeights::upload(const Checkpoint& checkpoint, const 
   }
 
   // Host plan: layout and chunks, then the fit check, all before the first allocation.
-  const std::vector<const TensorView*> views = checkpoint.tensors();
   std::vector<std::uint64_t> sizes;
   sizes.reserve(views.size());
-  for (const TensorView* view : views) sizes.push_back(view->data.size());
+  for (const HostTensor& view : views) sizes.push_back(view.data.size());
   PD_ASSIGN_OR_RETURN(const DeviceTensorLayout layout, layoutDeviceTensors(sizes));
   const std::uint64_t half = options.staging_bytes / 2;
   PD_ASSIGN_OR_RETURN(const std::vector<UploadChunk> chunks, planUploadChunks(sizes, half));
@@ -98,7 +111,7 @@ Result<DeviceWeights> DeviceWeights::upload(const Checkpoint& checkpoint, const 
       std::byte* slot_base = staging.data() + slot * half;
       if (c >= 2) PD_TRY(slot_free[slot]->synchronize());  // the copies out of this half have run
       for (const UploadPiece& piece : chunks[c].pieces) {
-        std::memcpy(slot_base + piece.staging_offset, views[piece.tensor]->data.data() + piece.source_offset,
+        std::memcpy(slot_base + piece.staging_offset, views[piece.tensor].data.data() + piece.source_offset,
                     piece.bytes);
       }
       for (const UploadPiece& piece : chunks[c].pieces) {
@@ -130,8 +143,8 @@ Result<DeviceWeights> DeviceWeights::upload(const Checkpoint& checkpoint, const 
   std::vector<Tensor> tensors;
   tensors.reserve(views.size());
   for (std::size_t i = 0; i < views.size(); ++i) {
-    tensors.push_back(
-        Tensor{views[i]->name, views[i]->dtype, views[i]->shape, arena.data() + layout.offsets[i], sizes[i]});
+    tensors.push_back(Tensor{views[i].name, views[i].dtype, views[i].shape, arena.data() + layout.offsets[i], sizes[i],
+                             views[i].block_rows, views[i].block_cols});
   }
   return DeviceWeights(options.device, plan, std::move(arena), std::move(tensors));
 }

@@ -23,6 +23,7 @@
 #include "pd/engine/gpu.h"
 #include "pd/engine/model_config.h"
 #include "pd/engine/safetensors.h"
+#include "weight_shard.h"
 #include "weight_upload_plan.h"
 
 namespace pd::gpu {
@@ -43,6 +44,10 @@ class DeviceWeights {
     std::vector<std::int64_t> shape;
     const void* data = nullptr;  ///< device pointer, aligned to kDeviceTensorAlignment
     std::uint64_t bytes = 0;
+    /// An FP8 weight's scale blocks when a tensor-parallel slice re-blocked them (HostTensor);
+    /// 0: the checkpoint's (the config's quantization blocks).
+    std::int64_t block_rows = 0;
+    std::int64_t block_cols = 0;
   };
 
   /// Uploads every tensor of `checkpoint` (sorted by name). Unsupported "no CUDA device" when
@@ -50,6 +55,10 @@ class DeviceWeights {
   /// naming weights, KV pool and workspace bytes when they do not fit (nothing allocated then);
   /// the CUDA error otherwise.
   [[nodiscard]] static Result<DeviceWeights> upload(const Checkpoint& checkpoint, const ModelConfig& config,
+                                                    const Options& options);
+  /// The same for host tensors (weight_shard.h: one tensor-parallel rank's shard), in their
+  /// order; the fit check counts exactly their bytes.
+  [[nodiscard]] static Result<DeviceWeights> upload(const std::vector<HostTensor>& tensors, const ModelConfig& config,
                                                     const Options& options);
 
   [[nodiscard]] const std::vector<Tensor>& tensors() const { return tensors_; }

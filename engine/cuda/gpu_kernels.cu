@@ -321,14 +321,17 @@ __global__ void __launch_bounds__(kGemvThreads) groupedGemvKernel(GroupedGemvArg
 
 // blockIdx.x is the output row; threads stride over its columns.
 __global__ void __launch_bounds__(kAxpyThreads)
-    gatherRowsKernel(const float* table, const std::int32_t* ids, const std::uint8_t* zero, int d, float* out) {
+    gatherRowsKernel(const float* table, std::int64_t first_id, std::int64_t table_rows, const std::int32_t* ids,
+                     const std::uint8_t* zero, int d, float* out) {
   const std::int64_t r = blockIdx.x;
   float* dst = out + r * d;
-  if (zero != nullptr && zero[r] != 0) {
+  const std::int64_t row = static_cast<std::int64_t>(ids[r]) - first_id;
+  // Zeroed rows, and ids of another rank's vocabulary shard (or, defensively, outside the table).
+  if ((zero != nullptr && zero[r] != 0) || row < 0 || row >= table_rows) {
     for (int j = threadIdx.x; j < d; j += blockDim.x) dst[j] = 0.0F;
     return;
   }
-  const float* src = table + static_cast<std::int64_t>(ids[r]) * d;
+  const float* src = table + row * d;
   for (int j = threadIdx.x; j < d; j += blockDim.x) dst[j] = src[j];
 }
 
@@ -535,10 +538,11 @@ cudaError_t launchMoeGroup(const std::int32_t* chosen, int slots, int experts, s
   return cudaGetLastError();
 }
 
-cudaError_t launchGatherRows(const float* table, const std::int32_t* ids, const std::uint8_t* zero, int rows, int d,
-                             float* out, cudaStream_t stream) {
+cudaError_t launchGatherRows(const float* table, std::int64_t first_id, std::int64_t table_rows,
+                             const std::int32_t* ids, const std::uint8_t* zero, int rows, int d, float* out,
+                             cudaStream_t stream) {
   if (rows <= 0 || d <= 0) return cudaSuccess;
-  gatherRowsKernel<<<rows, kAxpyThreads, 0, stream>>>(table, ids, zero, d, out);
+  gatherRowsKernel<<<rows, kAxpyThreads, 0, stream>>>(table, first_id, table_rows, ids, zero, d, out);
   return cudaGetLastError();
 }
 

@@ -158,11 +158,13 @@ cudaError_t launchGroupedGemv(const GroupedGemvArgs& args, cudaStream_t stream);
 cudaError_t launchMoeGroup(const std::int32_t* chosen, int slots, int experts, std::int32_t* offsets,
                            std::int32_t* slot_of, std::int32_t* failed, std::int32_t* used, cudaStream_t stream);
 
-/// out[r * d + j] = table[ids[r] * d + j] for r < rows, j < d, or 0 where zero (may be null) has
-/// zero[r] != 0. ids on the device (a step's token ids or chosen rows), so the copies need no
-/// host-known index: one launch instead of one copy per row.
-cudaError_t launchGatherRows(const float* table, const std::int32_t* ids, const std::uint8_t* zero, int rows, int d,
-                             float* out, cudaStream_t stream);
+/// out[r * d + j] = table[(ids[r] - first_id) * d + j] for r < rows, j < d, or 0 where zero (may
+/// be null) has zero[r] != 0 or ids[r] - first_id lies outside [0, table_rows) (another tensor
+/// parallel rank's vocabulary rows). ids on the device (a step's token ids or chosen rows), so
+/// the copies need no host-known index: one launch instead of one copy per row.
+cudaError_t launchGatherRows(const float* table, std::int64_t first_id, std::int64_t table_rows,
+                             const std::int32_t* ids, const std::uint8_t* zero, int rows, int d, float* out,
+                             cudaStream_t stream);
 
 /// dst[slots[r] * d + j] = src[r * d + j] for r < rows, j < d: each new latent written to its
 /// cache slot (slots on the device, distinct: the plan checks it).

@@ -9,7 +9,8 @@ namespace pd::model {
 
 Result<ServingEngine> loadServingEngine(const std::filesystem::path& model_dir, int threads,
                                         comm::TpProcessGroup* group, const gpu::ModelDevice& device,
-                                        bool batch_invariant, gpu::Numerics numerics, bool cuda_graphs) {
+                                        bool batch_invariant, gpu::Numerics numerics, bool cuda_graphs,
+                                        comm::Communicator* device_group) {
   if (device.kind == gpu::ModelDevice::Kind::Cuda) {
     CudaEngineOptions options;
     options.device = device;
@@ -17,13 +18,15 @@ Result<ServingEngine> loadServingEngine(const std::filesystem::path& model_dir, 
     options.cuda_graphs = cuda_graphs;
     options.batch_invariant = batch_invariant;
     PD_TRY(checkCudaEngineOptions(options));
-    if (group != nullptr) {
-      return makeError(ErrorCode::InvalidArgument,
-                       "model.device cuda: tensor parallelism runs on the CPU engine only (one GPU per worker)");
-    }
+    if (group != nullptr) options.tp = device_group != nullptr ? device_group : &group->comm();
     PD_ASSIGN_OR_RETURN(std::unique_ptr<Engine> engine, createCudaEngine(model_dir, options));
     ServingEngine out;
     out.engine = std::move(engine);
+    if (group != nullptr) {
+      auto wrapped = std::make_unique<TpLeaderEngine>(std::move(out.engine), group->comm());
+      out.tp_leader = wrapped.get();
+      out.engine = std::move(wrapped);
+    }
     return out;
   }
   PD_TRY(gpu::checkNumericsOnDevice(device, numerics));

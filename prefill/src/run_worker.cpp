@@ -10,6 +10,7 @@
 #include "pd/comm/shm_communicator.h"
 #include "pd/common/log.h"
 #include "pd/common/stop_signals.h"
+#include "pd/engine/cuda_engine.h"
 #include "pd/engine/engine.h"
 #include "pd/engine/model_hash.h"
 #include "pd/engine/serving_engine.h"
@@ -25,8 +26,9 @@ constexpr auto kTpJoinTimeout = std::chrono::minutes(10);  // model loading incl
 
 // The body of a spawned rank: joins rank 0's group, loads its shard and runs rank 0's forwards
 // on a cache of its own until rank 0 stops the group.
-Status runSpawnedRank(const PrefillConfig& pre, const std::filesystem::path& model_dir, int cuda_device,
-                      std::uint64_t hash, bool batch_invariant) {
+Status runSpawnedRank(const PrefillWorkerConfig& cfg, std::uint64_t hash) {
+  const PrefillConfig& pre = cfg.prefill;
+  const int cuda_device = gpu::cudaIndexOrNone(cfg.model_device);
   comm::ShmOptions so;
   so.name = pre.tp_group;
   so.rank = static_cast<int>(pre.tp_rank);
@@ -36,13 +38,27 @@ Status runSpawnedRank(const PrefillConfig& pre, const std::filesystem::path& mod
   // With --model.device cuda every rank also joins the NCCL communicator (docs/tensor-parallel.md).
   PD_ASSIGN_OR_RETURN(const auto device_group,
                       comm::joinDeviceGroup(*comm, cuda_device, comm->rank(), hash, kTpJoinTimeout));
-  model::CpuEngineOptions engine_options;
-  engine_options.threads = static_cast<int>(pre.threads);
-  engine_options.tp = comm.get();
-  engine_options.batch_invariant = batch_invariant;
-  PD_ASSIGN_OR_RETURN(auto engine, model::createCpuEngine(model_dir, engine_options));
+  Result<std::unique_ptr<model::Engine>> engine = makeError(ErrorCode::Internal, "no engine");
+  if (cfg.model_device.kind == gpu::ModelDevice::Kind::Cuda) {
+    // The rank's shard on its own GPU, collectives over NCCL (else staged over the shm group).
+    model::CudaEngineOptions o;
+    o.device = cfg.model_device;
+    o.device.index += comm->rank();
+    o.numerics = cfg.numerics;
+    o.cuda_graphs = cfg.cuda_graphs;
+    o.batch_invariant = cfg.batch_invariant;
+    o.tp = device_group != nullptr ? device_group.get() : comm.get();
+    engine = model::createCudaEngine(cfg.model_dir, o);
+  } else {
+    model::CpuEngineOptions engine_options;
+    engine_options.threads = static_cast<int>(pre.threads);
+    engine_options.tp = comm.get();
+    engine_options.batch_invariant = cfg.batch_invariant;
+    engine = model::createCpuEngine(cfg.model_dir, engine_options);
+  }
+  if (!engine.ok()) return engine.error();
   log::info(kLog, "tensor-parallel rank {} of {} serving", pre.tp_rank, pre.tensor_parallel);
-  if (Status s = model::runTpFollower(*engine, *comm, model::ownedTpCache()); !s.ok()) {
+  if (Status s = model::runTpFollower(**engine, *comm, model::ownedTpCache()); !s.ok()) {
     log::error(kLog, "tensor-parallel rank {}: {}", pre.tp_rank, s.error().toString());
     return s;
   }
@@ -84,12 +100,12 @@ Status validate(const PrefillWorkerConfig& cfg) {
 
 Status runWorker(const PrefillWorkerConfig& cfg) {
   PD_TRY(validate(cfg));
-  // A valid configuration (the GPU overlays in deploy/ use it, and --check-config accepts it), but
-  // not one this binary runs yet: the CUDA engine drives one GPU per worker (docs/gpu.md).
-  if (cfg.prefill.tensor_parallel > 1 && cfg.model_device.kind == gpu::ModelDevice::Kind::Cuda) {
-    return makeError(ErrorCode::Unsupported,
-                     "model.device cuda: prefill.tensor_parallel > 1 is not built yet (the CUDA engine runs one GPU "
-                     "per worker; the CPU engine runs tensor parallelism)");
+  if (cfg.model_device.kind == gpu::ModelDevice::Kind::Cuda) {
+    // Before any rank spawns: every rank runs on its own GPU, index + rank.
+    gpu::ModelDevice last = cfg.model_device;
+    last.index += static_cast<int>(cfg.prefill.tensor_parallel) - 1;
+    PD_TRY(gpu::checkModelDevice(cfg.model_device));
+    PD_TRY(gpu::checkModelDevice(last));
   }
   const PrefillConfig& pre = cfg.prefill;
   // Signals are taken by sigwait on this thread: block them before any other thread exists.
@@ -97,7 +113,7 @@ Status runWorker(const PrefillWorkerConfig& cfg) {
   auto hash = modelHash(cfg.model_dir);
   if (!hash.ok()) return hash.error();
   if (pre.tp_rank > 0) {
-    return runSpawnedRank(pre, cfg.model_dir, gpu::cudaIndexOrNone(cfg.model_device), *hash, cfg.batch_invariant);
+    return runSpawnedRank(cfg, *hash);
   }
 
   std::unique_ptr<comm::TpProcessGroup> group;
@@ -110,14 +126,14 @@ Status runWorker(const PrefillWorkerConfig& cfg) {
     o.join_timeout = kTpJoinTimeout;
     PD_ASSIGN_OR_RETURN(group, comm::TpProcessGroup::start(std::move(o)));
     log::info(kLog, "tensor-parallel group of {} ranks joined ({})", pre.tensor_parallel, group->describe());
-    // The NCCL communicator of a CUDA model (nullptr on CPU); the device engine that would compute
-    // over it is not built yet (docs/gpu.md), so the CPU shard engine keeps using `group`.
+    // The NCCL communicator of a CUDA model (nullptr on CPU): the CUDA engine's collectives.
     PD_ASSIGN_OR_RETURN(device_group, comm::joinDeviceGroup(group->comm(), gpu::cudaIndexOrNone(cfg.model_device), 0,
                                                             *hash, kTpJoinTimeout));
   }
-  PD_ASSIGN_OR_RETURN(model::ServingEngine loaded,
-                      model::loadServingEngine(cfg.model_dir, static_cast<int>(pre.threads), group.get(),
-                                               cfg.model_device, cfg.batch_invariant, cfg.numerics, cfg.cuda_graphs));
+  PD_ASSIGN_OR_RETURN(
+      model::ServingEngine loaded,
+      model::loadServingEngine(cfg.model_dir, static_cast<int>(pre.threads), group.get(), cfg.model_device,
+                               cfg.batch_invariant, cfg.numerics, cfg.cuda_graphs, device_group.get()));
   model::TpLeaderEngine* const tp_leader = loaded.tp_leader;
   if (cfg.batch_invariant && pre.kv_dtype == "f32") {
     log::info(kLog,

@@ -1,6 +1,7 @@
 // What a user sees from pdserve when --model.device names a CUDA device that is not there (on
 // CPU-only machines: a clear "no CUDA device" error before anything loads, never a crash or a
 // silent fall-back to the CPU).
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <string>
@@ -34,12 +35,15 @@ TEST(ModelDevice, DecodeWorkerOnAMissingCudaDeviceFailsBeforeLoading) {
   EXPECT_NE(r.err.find(want), std::string::npos) << r.err;
 }
 
-TEST(ModelDevice, TensorParallelismOnCudaIsValidConfigThatTheWorkersDoNotRunYet) {
-  // The GPU overlays in deploy/ describe it, so --check-config accepts it (exit 0); running it is
-  // refused at start (Unsupported, exit 1): on a machine without a GPU "no CUDA device" comes first.
+TEST(ModelDevice, TensorParallelismOnCudaNeedsAVisibleGpuPerRank) {
+  // --check-config accepts it (exit 0: the GPU overlays in deploy/ describe it). Run with the last
+  // visible device as the first rank's, the second rank has no GPU: refused at start (exit 1)
+  // before any rank spawns; on a machine without a GPU "no CUDA device" comes first.
+  const int devices = pd::gpu::deviceCount();
+  const std::string device = devices > 0 ? "cuda:" + std::to_string(devices - 1) : "cuda";
   for (const char* role : {"prefill", "decode"}) {
     const std::vector<std::string> args{role,   "--model.device",
-                                        "cuda", "--" + std::string(role) + ".tensor_parallel",
+                                        device, "--" + std::string(role) + ".tensor_parallel",
                                         "2",    "--" + std::string(role) + ".port",
                                         "0"};
     std::vector<std::string> check = args;
@@ -48,8 +52,8 @@ TEST(ModelDevice, TensorParallelismOnCudaIsValidConfigThatTheWorkersDoNotRunYet)
     EXPECT_EQ(checked.exit_code, 0) << role << ": " << checked.err;
     const auto run = pd::test::pdserve(args);
     EXPECT_EQ(run.exit_code, 1) << role << ": " << run.err;
-    const std::string want = pd::gpu::deviceCount() > 0 ? std::string(role) + ".tensor_parallel > 1 is not built yet"
-                                                        : std::string("no CUDA device");
+    const std::string want =
+        devices > 0 ? fmt::format("only {} CUDA device(s) are visible", devices) : std::string("no CUDA device");
     EXPECT_NE(run.err.find(want), std::string::npos) << run.err;
   }
 }

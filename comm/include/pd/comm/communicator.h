@@ -26,6 +26,8 @@
 
 namespace pd::comm {
 
+class DeviceCollectives;
+
 class Communicator {
  public:
   virtual ~Communicator() = default;
@@ -50,6 +52,9 @@ class Communicator {
   /// wrong (the default: no cheap check); PeerFailed when a peer is gone, or the error that
   /// broke the group.
   virtual Status checkPeers() { return okStatus(); }
+  /// The same group's collectives over device memory (device_collectives.h), owned by this
+  /// communicator; nullptr when it has none (every kind but "nccl").
+  virtual DeviceCollectives* deviceCollectives() { return nullptr; }
 };
 
 /// Float convenience over Communicator::allGather.

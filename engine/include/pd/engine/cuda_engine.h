@@ -44,6 +44,13 @@ struct CudaEngineOptions {
   bool cuda_graphs = true;
   /// model.batch_invariant: the CUDA engine has no such mode; createCudaEngine refuses it.
   bool batch_invariant = false;
+  /// Tensor parallelism (docs/tensor-parallel.md, "On GPUs"): this engine is rank tp->rank() of
+  /// tp->size(), uploads only that rank's shard of the weights and sums / gathers over the group
+  /// inside each step, so that outputs are whole on every rank, as with CpuEngineOptions::tp.
+  /// The group's device collectives are used when it has them (NCCL: on the device buffers, inside
+  /// CUDA graphs); otherwise they are staged through pinned host memory over `tp` itself (ranks
+  /// sharing one GPU, tests), and steps run without graphs. Not owned; null or size 1: one rank.
+  comm::Communicator* tp = nullptr;
 };
 
 /// The checks createCudaEngine makes before it looks for a device (every build): Unsupported for

@@ -1,6 +1,6 @@
 #pragma once
-/// The engine a worker process serves with (prefill::runWorker, decode::runWorker): the CPU engine
-/// of this rank's shard, wrapped in a TpLeaderEngine when the process leads a tensor-parallel group.
+/// The engine a worker process serves with (prefill::runWorker, decode::runWorker): the CPU or CUDA
+/// engine of this rank's shard, wrapped in a TpLeaderEngine when the process leads a tensor-parallel group.
 /// Thread rules: the worker's main thread, at start-up.
 
 #include <filesystem>
@@ -21,14 +21,16 @@ struct ServingEngine {
 
 /// Loads `model_dir` with `threads` compute threads; with `group` (may be null) the engine is rank
 /// 0's shard of the group's communicator, wrapped in a TpLeaderEngine. A CUDA `device` loads the
-/// CUDA engine (pd/engine/cuda_engine.h) instead; with a group that is InvalidArgument (tensor
-/// parallelism runs on the CPU engine only). `batch_invariant`: CpuEngineOptions::batch_invariant
+/// CUDA engine (pd/engine/cuda_engine.h) instead; with a group its collectives run over
+/// `device_group` (the NCCL communicator joined over `group`) when given, else staged over the
+/// group itself (CudaEngineOptions::tp). `batch_invariant`: CpuEngineOptions::batch_invariant
 /// (Unsupported on CUDA). `numerics`: CudaEngineOptions::numerics (anything but Fp32 is
 /// InvalidArgument on the CPU). `cuda_graphs`: CudaEngineOptions::cuda_graphs (ignored on the CPU).
 [[nodiscard]] Result<ServingEngine> loadServingEngine(const std::filesystem::path& model_dir, int threads,
                                                       comm::TpProcessGroup* group, const gpu::ModelDevice& device = {},
                                                       bool batch_invariant = false,
                                                       gpu::Numerics numerics = gpu::Numerics::Fp32,
-                                                      bool cuda_graphs = true);
+                                                      bool cuda_graphs = true,
+                                                      comm::Communicator* device_group = nullptr);
 
 }  // namespace pd::model
