@@ -22,8 +22,8 @@ Result<ServingEngine> loadServingEngine(const std::filesystem::path& model_dir, 
     PD_ASSIGN_OR_RETURN(std::unique_ptr<Engine> engine, createCudaEngine(model_dir, options));
     ServingEngine out;
     out.engine = std::move(engine);
-    if (group != nullptr) {
-      auto wrapped = std::make_unique<TpLeaderEngine>(std::move(out.engine), group->comm());
+    if (group != nullptr) {  // the CUDA engine samples on the device: so does its leader
+      std::unique_ptr<TpLeaderEngine> wrapped = makeTpLeaderEngine(std::move(out.engine), group->comm());
       out.tp_leader = wrapped.get();
       out.engine = std::move(wrapped);
     }

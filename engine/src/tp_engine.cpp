@@ -19,6 +19,7 @@ enum class CallKind : std::uint32_t {
   ExpectKv = 0x54504b01,
   CancelKv = 0x54504b02,
   GrantKv = 0x54504b03,
+  ForwardSampled = 0x54504653,  // Forward, then the number of sampled (logits) rows
 };
 
 class Writer {
@@ -72,7 +73,8 @@ TpCacheGeometry geometryOf(const model::LatentCacheView& v) {
 }
 
 std::vector<std::byte> encodeCall(CallKind kind, std::span<const model::SequenceChunk> batch,
-                                  const model::LatentCacheView& cache, const model::ForwardOptions& o) {
+                                  const model::LatentCacheView& cache, const model::ForwardOptions& o,
+                                  std::uint64_t sampled_rows = 0) {
   Writer w;
   w.put(static_cast<std::uint32_t>(kind));
   if (kind == CallKind::Stop) return w.take();
@@ -94,6 +96,7 @@ std::vector<std::byte> encodeCall(CallKind kind, std::span<const model::Sequence
     w.putSpan(s.block_table);
     w.putSpan(s.prev_hidden);
   }
+  if (kind == CallKind::ForwardSampled) w.put(sampled_rows);
   return w.take();
 }
 
@@ -129,6 +132,7 @@ struct DecodedCall {
   model::ForwardOptions options;
   TpCacheGeometry geometry;
   std::vector<DecodedSequence> sequences;
+  std::uint64_t sampled_rows = 0;  // ForwardSampled
 };
 
 Result<DecodedCall> decodeCall(std::span<const std::byte> bytes) {
@@ -147,7 +151,9 @@ Result<DecodedCall> decodeCall(std::span<const std::byte> bytes) {
     if (!r.get(c.request_id) || !r.getVector(c.grant) || !r.done()) return corrupt();
     return c;
   }
-  if (c.kind != CallKind::Forward && c.kind != CallKind::ForwardMtp) return corrupt();
+  if (c.kind != CallKind::Forward && c.kind != CallKind::ForwardMtp && c.kind != CallKind::ForwardSampled) {
+    return corrupt();
+  }
   std::uint8_t attention = 0, logits = 0, hidden = 0, zero = 0;
   std::int32_t dtype = 0;
   std::uint64_t n = 0;
@@ -168,6 +174,7 @@ Result<DecodedCall> decodeCall(std::span<const std::byte> bytes) {
       return corrupt();
     }
   }
+  if (c.kind == CallKind::ForwardSampled && (!r.get(c.sampled_rows) || c.sampled_rows > (1U << 24))) return corrupt();
   if (!r.done()) return corrupt();
   return c;
 }
@@ -275,6 +282,31 @@ Result<model::ForwardOutput> TpLeaderEngine::call(bool mtp, std::span<const mode
   return out;
 }
 
+Result<model::SampledForward> TpLeaderEngine::sampledCall(std::span<const model::SequenceChunk> batch,
+                                                          const model::LatentCacheView& cache,
+                                                          const model::ForwardOptions& options,
+                                                          std::span<const model::RowSample> rows) {
+  auto* sampling = dynamic_cast<model::SamplingEngine*>(local_.get());
+  if (sampling == nullptr) {
+    return makeError(ErrorCode::Unsupported, "tensor-parallel leader: the local engine does not sample");
+  }
+  std::lock_guard lock(mu_);
+  PD_TRY(send(encodeCall(CallKind::ForwardSampled, batch, cache, options, rows.size())));
+  auto out = sampling->forwardSampled(batch, cache, options, rows);
+  if (!out.ok() && isCommunicationError(out.error())) {
+    broken_ = out.error();
+    failed_.store(true);
+  }
+  return out;
+}
+
+std::unique_ptr<TpLeaderEngine> makeTpLeaderEngine(std::unique_ptr<model::Engine> local, comm::Communicator& comm) {
+  if (dynamic_cast<model::SamplingEngine*>(local.get()) != nullptr) {
+    return std::make_unique<TpSamplingLeaderEngine>(std::move(local), comm);
+  }
+  return std::make_unique<TpLeaderEngine>(std::move(local), comm);
+}
+
 TpCacheProvider fixedTpCache(model::LatentCacheView view) {
   return [view = std::move(view)](const TpCacheGeometry& g) -> Result<model::LatentCacheView> {
     if (!(geometryOf(view) == g)) {
@@ -329,11 +361,23 @@ Status runTpFollower(model::Engine& engine, comm::Communicator& comm, const TpCa
       const DecodedSequence& s = call.sequences[i];
       batch[i] = {s.tokens, s.start_pos, s.blocks, s.prev_hidden, s.rope_offset};
     }
-    auto out = call.kind == CallKind::ForwardMtp ? engine.forwardMtp(batch, view, call.options)
-                                                 : engine.forward(batch, view, call.options);
-    if (!out.ok()) {
-      if (isCommunicationError(out.error())) return std::move(out).error();
-      log::debug("tp", "rank {}: a call failed as on the leader: {}", comm.rank(), out.error().toString());
+    Status status = okStatus();
+    auto* sampling = dynamic_cast<model::SamplingEngine*>(&engine);
+    if (call.kind == CallKind::ForwardSampled && sampling != nullptr) {
+      // The leader samples; this rank only has to take part in the same collectives, so every
+      // row is greedy (the cheapest draw) and the tokens are dropped.
+      static const SamplingParams greedy{};
+      const std::vector<model::RowSample> rows(call.sampled_rows, model::RowSample{&greedy, 0, {}, {}});
+      auto out = sampling->forwardSampled(batch, view, call.options, rows);
+      if (!out.ok()) status = std::move(out).error();
+    } else {
+      auto out = call.kind == CallKind::ForwardMtp ? engine.forwardMtp(batch, view, call.options)
+                                                   : engine.forward(batch, view, call.options);
+      if (!out.ok()) status = std::move(out).error();
+    }
+    if (!status.ok()) {
+      if (isCommunicationError(status.error())) return status;
+      log::debug("tp", "rank {}: a call failed as on the leader: {}", comm.rank(), status.error().toString());
     }
   }
 }

@@ -5,7 +5,9 @@
 
 #include <thread>
 
+#include "pd/engine/generate.h"
 #include "pd/engine/model_weights.h"
+#include "support/host_row_sampling_engine.h"
 #include "tp_test_support.h"
 
 namespace pd::decode {
@@ -174,6 +176,63 @@ TEST_P(TpGolden, GreedyTokensMatchTheGoldenWithAndWithoutMtp) {
     follower.join();
     EXPECT_TRUE(follower_status.ok()) << follower_status.error().toString();
   }
+}
+
+// A leader whose local engine samples (the CUDA engine; here HostRowSamplingEngine, which samples
+// its logits on the host) is a SamplingEngine itself: generate samples through it, the followers
+// run each sampled step with greedy rows (taking part in the same collectives, their tokens
+// dropped). Its tokens equal those of a plain leader whose logits are sampled by generate: greedy
+// (the golden tokens) and seeded top-k, with MTP drafts. A leader over a plain engine does not
+// claim to sample.
+TEST_P(TpGolden, ASamplingLeaderSamplesWhileFollowersRunTheSameStepsGreedily) {
+  const std::vector<std::int32_t> golden_greedy = greedy();
+  pd::SamplingParams seeded;
+  seeded.temperature = 0.8;
+  seeded.top_k = 20;
+  seeded.seed = 7;
+  // Generates with a sampling leader or a plain one; the follower's sampled rows come back.
+  const auto run = [&](bool sampling_leader, const pd::SamplingParams& params, int& follower_rows) {
+    auto group = comm::createLoopbackGroup(2);
+    Status follower_status = okStatus();
+    std::thread follower([&] {
+      auto inner = makeRankEngine(dir(), group[1].get());
+      if (sampling_leader) {
+        pd::test_support::HostRowSamplingEngine engine(*inner);
+        follower_status = model::runTpFollower(engine, *group[1], model::ownedTpCache());
+        follower_rows = engine.sampled_rows;
+      } else {
+        follower_status = model::runTpFollower(*inner, *group[1], model::ownedTpCache());
+      }
+    });
+    std::vector<std::int32_t> tokens;
+    {
+      std::unique_ptr<model::Engine> local = makeRankEngine(dir(), group[0].get());
+      if (sampling_leader) local = std::make_unique<pd::test_support::HostRowSamplingEngine>(std::move(local));
+      std::unique_ptr<model::TpLeaderEngine> leader = model::makeTpLeaderEngine(std::move(local), *group[0]);
+      EXPECT_EQ(dynamic_cast<model::SamplingEngine*>(leader.get()) != nullptr, sampling_leader);
+      model::GenerateOptions o;
+      o.max_tokens = static_cast<std::int64_t>(golden_greedy.size());
+      o.stop_at_eos = false;
+      o.mtp_drafts = 1;
+      o.block_size = 16;
+      o.sampling = params;
+      o.device_sampling = true;  // taken only where the engine samples
+      auto res = model::generate(*leader, prompt(), o);
+      EXPECT_TRUE(res.ok()) << res.error().toString();
+      if (res.ok()) tokens = res->tokens;
+    }  // the leader's destructor stops the follower, also after a failed expectation
+    follower.join();
+    EXPECT_TRUE(follower_status.ok()) << follower_status.error().toString();
+    return tokens;
+  };
+  int rows = 0;
+  EXPECT_EQ(run(true, pd::SamplingParams{}, rows), golden_greedy);
+  EXPECT_GT(rows, 0) << "the follower ran the sampled steps as sampled calls";
+  int plain_rows = 0;
+  EXPECT_EQ(run(false, pd::SamplingParams{}, plain_rows), golden_greedy);
+  const std::vector<std::int32_t> sampled = run(true, seeded, rows);
+  EXPECT_EQ(sampled.size(), golden_greedy.size());
+  EXPECT_EQ(sampled, run(false, seeded, plain_rows)) << "seeded top-k: the same tokens either way";
 }
 
 INSTANTIATE_TEST_SUITE_P(Golden, TpGolden, ::testing::Values("tiny-bf16", "tiny-fp8"));

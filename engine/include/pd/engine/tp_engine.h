@@ -31,6 +31,7 @@
 
 #include "pd/comm/communicator.h"
 #include "pd/common/result.h"
+#include "pd/engine/device_sampling.h"
 #include "pd/engine/engine.h"
 #include "pd/engine/latent_cache.h"
 
@@ -46,7 +47,7 @@ struct TpCacheGeometry {
   bool operator==(const TpCacheGeometry&) const = default;
 };
 
-class TpLeaderEngine final : public model::Engine {
+class TpLeaderEngine : public model::Engine {
  public:
   /// `local` is rank 0's shard engine (created with CpuEngineOptions::tp = &comm); `comm` is
   /// rank 0 of the group and must outlive this object.
@@ -86,6 +87,14 @@ class TpLeaderEngine final : public model::Engine {
   /// call fails with `why` (no-op if already broken or stopped). Waits for a running step.
   void markBroken(Error why);
 
+ protected:
+  /// A sampled forward (TpSamplingLeaderEngine): broadcast as such, so that followers run their
+  /// shard's forwardSampled too (greedy rows: the collectives are the same, and no logits cross
+  /// to their host), then the local engine's forwardSampled.
+  Result<model::SampledForward> sampledCall(std::span<const model::SequenceChunk> batch,
+                                            const model::LatentCacheView& cache, const model::ForwardOptions& options,
+                                            std::span<const model::RowSample> rows);
+
  private:
   Result<model::ForwardOutput> call(bool mtp, std::span<const model::SequenceChunk> batch,
                                     const model::LatentCacheView& cache, const model::ForwardOptions& options);
@@ -99,6 +108,27 @@ class TpLeaderEngine final : public model::Engine {
   std::atomic<bool> failed_{false};  // broken_ is set (readable without mu_)
   bool stopped_ = false;
 };
+
+/// A TpLeaderEngine whose local engine samples where it computes (a model::SamplingEngine: the
+/// CUDA engine): the decode worker's verifier then samples on rank 0's device through it, and
+/// only the sampled tokens cross to the host.
+class TpSamplingLeaderEngine final : public TpLeaderEngine, public model::SamplingEngine {
+ public:
+  /// `local` must be a model::SamplingEngine (makeTpLeaderEngine checks).
+  TpSamplingLeaderEngine(std::unique_ptr<model::Engine> local, comm::Communicator& comm)
+      : TpLeaderEngine(std::move(local), comm) {}
+  Result<model::SampledForward> forwardSampled(std::span<const model::SequenceChunk> batch,
+                                               const model::LatentCacheView& cache,
+                                               const model::ForwardOptions& options,
+                                               std::span<const model::RowSample> rows) override {
+    return sampledCall(batch, cache, options, rows);
+  }
+};
+
+/// The leader over `local`: a TpSamplingLeaderEngine when `local` is a model::SamplingEngine,
+/// else a TpLeaderEngine.
+[[nodiscard]] std::unique_ptr<TpLeaderEngine> makeTpLeaderEngine(std::unique_ptr<model::Engine> local,
+                                                                 comm::Communicator& comm);
 
 /// Where a follower's cache comes from: called with each call's geometry, returns the view to
 /// use (or an error, which fails that call on this rank — and so, through the collectives, the
@@ -123,7 +153,8 @@ struct TpFollowerHooks {
 };
 
 /// Runs follower rank comm.rank() (>= 1): receives each call from rank 0 and runs it on
-/// `engine` (this rank's shard, created with CpuEngineOptions::tp = &comm). Returns OK when the
+/// `engine` (this rank's shard, created with CpuEngineOptions::tp = &comm). A sampled call runs
+/// as forwardSampled with greedy rows when `engine` is a model::SamplingEngine, else as forward. Returns OK when the
 /// leader stopped the group, or the communication error that ended it. A call that fails input
 /// validation fails the same way on the leader, so the loop goes on after it.
 Status runTpFollower(model::Engine& engine, comm::Communicator& comm, const TpCacheProvider& cache,
