@@ -21,7 +21,7 @@ if [[ ! -f "$build_dir/CMakeCache.txt" ]] || ! grep -q '^PD_WITH_CUDA:BOOL=ON' "
   echo "gpu-bundle: $build_dir is not a CUDA build (configure with -DPD_WITH_CUDA=ON and nvcc present)" >&2
   exit 1
 fi
-targets=(test_kernel_parity test_device_weights test_device_decode test_cuda_engine test_cuda_tp test_cuda_handles
+targets=(test_kernel_parity test_device_weights test_device_decode test_cuda_engine test_cuda_tp test_up_device test_cuda_handles
   test_staging_device pdserve)
 cmake --build "$build_dir" -j "${PD_JOBS:-$(nproc)}" --target "${targets[@]}"
 

@@ -137,7 +137,7 @@ else
   fi
   step configure 180 cmake -S . -B "$build_dir" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DPD_WITH_CUDA=ON \
     -DCMAKE_CUDA_ARCHITECTURES="$arch" "${launcher[@]}" || fail "configure (is nvcc on PATH or CUDACXX set?)"
-  targets=(test_kernel_parity test_device_weights test_device_decode test_cuda_engine test_cuda_tp test_gpu test_device_math
+  targets=(test_kernel_parity test_device_weights test_device_decode test_cuda_engine test_cuda_tp test_up_device test_gpu test_device_math
     test_device_memory_plan test_model_device test_weight_upload_plan test_device_bench test_cuda_handles
     test_decode_step_plan test_forward_plan test_weight_shard test_staging_device pdserve)
   step build 360 cmake --build "$build_dir" -j "$jobs" --target "${targets[@]}" || fail "build"
@@ -209,8 +209,8 @@ fi
 rm -rf "$bench_model"
 
 elapsed=$((SECONDS - start))
-if ((ran < 39)); then
-  fail "only $ran gpu tests ran (expected at least 39: the CUDA handles and graphs, one per kernel, the memory plan, bad shapes, device weights, device decode and its graphs, cuda engine, staging)"
+if ((ran < 43)); then
+  fail "only $ran gpu tests ran (expected at least 43: the CUDA handles and graphs, one per kernel, the memory plan, bad shapes, device weights, device decode and its graphs, cuda engine, tensor parallelism, up --device cuda, staging)"
 fi
 if ((skipped > 0)); then fail "$skipped gpu tests skipped: the device was not usable by the tests"; fi
 if ((gpu_rc != 0 || failed > 0)); then fail "$failed gpu tests failed (details in $gpu_log)"; fi

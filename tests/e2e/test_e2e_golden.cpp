@@ -41,18 +41,6 @@ GoldenPrompt goldenPrompt(const std::string& model) {
   return g;
 }
 
-// The URLs of up's children, from its PDSERVE_CHILD lines.
-std::vector<std::string> childUrls(const LocalCluster& cluster, const std::string& role) {
-  std::vector<std::string> out;
-  const std::string prefix = "PDSERVE_CHILD name=" + role + "-";
-  for (const auto& line : cluster.stdoutLines()) {
-    if (!line.starts_with(prefix)) continue;
-    const auto pos = line.find("url=http://");
-    if (pos != std::string::npos) out.push_back(line.substr(pos + 11));
-  }
-  return out;
-}
-
 // Command lines of this test process's live descendants (read from /proc).
 std::vector<std::string> descendantCommandLines() {
   const auto slurp = [](const std::string& path) {

@@ -102,6 +102,18 @@ class LocalCluster {
 };
 
 /// POSTs a JSON body to the router; the whole response.
+// The host:port of up's children of `role` ("prefill", "decode"), from its PDSERVE_CHILD lines.
+inline std::vector<std::string> childUrls(const LocalCluster& cluster, const std::string& role) {
+  std::vector<std::string> out;
+  const std::string prefix = "PDSERVE_CHILD name=" + role + "-";
+  for (const auto& line : cluster.stdoutLines()) {
+    if (!line.starts_with(prefix)) continue;
+    const auto pos = line.find("url=http://");
+    if (pos != std::string::npos) out.push_back(line.substr(pos + 11));
+  }
+  return out;
+}
+
 inline http::ClientResponse postJson(const LocalCluster& cluster, const std::string& path, const std::string& body,
                                      std::chrono::seconds timeout = std::chrono::seconds{120}) {
   http::Client client(cluster.host(), cluster.port());
