@@ -10,7 +10,10 @@ void registerOptions(config::OptionSet& set, DecodeConfig& cfg) {
   set.add("host", &cfg.host, "address the decode control endpoint binds")
       .add("port", &cfg.port, "control port (0 = any free port)", 0, 65535)
       .add("block_size", &cfg.block_size, "tokens per latent-KV block", 1, 4096)
-      .add("num_blocks", &cfg.num_blocks, "latent-KV blocks per layer in the pool", 1, 1 << 24)
+      .add("num_blocks", &cfg.num_blocks,
+           "latent-KV blocks per layer in the pool (0: 1024 on the CPU, what model.gpu_memory_utilization leaves on "
+           "a GPU)",
+           0, 1 << 24)
       .add("max_running_requests", &cfg.max_running_requests, "sequences in one decode batch", 1, 1 << 16)
       .add("kv_headroom_blocks", &cfg.kv_headroom_blocks,
            "KV blocks an admission must leave free for running requests to grow into (then preemption)", 0, 1 << 24)

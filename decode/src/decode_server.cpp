@@ -199,7 +199,7 @@ Status DecodeServer::Impl::startParts() {
                                  cfg.num_speculative_tokens));
   }
   const DType dtype = cfg.kv_dtype == "f32" ? DType::F32 : DType::BF16;
-  PD_ASSIGN_OR_RETURN(KvPool pool, KvPool::create(engine_->config(), cfg.num_blocks, cfg.block_size, dtype));
+  PD_ASSIGN_OR_RETURN(KvPool pool, KvPool::create(engine_->config(), poolBlocks(cfg), cfg.block_size, dtype));
   pool_ = std::make_unique<KvPool>(std::move(pool));
   compat_ = pool_->compat(options_.model_hash, static_cast<std::uint32_t>(group_size));
 
@@ -256,7 +256,7 @@ Status DecodeServer::Impl::startParts() {
   routes = requireInternalAuth(std::move(routes), options_.auth, &registry_);
   PD_ASSIGN_OR_RETURN(http_, http::Server::start(std::move(http_options), std::move(routes)));
   log::info("decode", "serving on {} ({} KV blocks of {} tokens, {}, MTP k={}, TP {}, transport {})", url(),
-            cfg.num_blocks, cfg.block_size, cfg.kv_dtype, cfg.num_speculative_tokens, group_size,
+            poolBlocks(cfg), cfg.block_size, cfg.kv_dtype, cfg.num_speculative_tokens, group_size,
             transport_->capabilities().name);
   return okStatus();
 }

@@ -205,15 +205,50 @@ Status validate(const DecodeWorkerConfig& cfg) {
   return okStatus();
 }
 
-Status runWorker(const DecodeWorkerConfig& cfg) {
-  PD_TRY(validate(cfg));
-  if (cfg.model_device.kind == gpu::ModelDevice::Kind::Cuda) {
+namespace {
+
+// With --model.device cuda, an automatic decode.num_blocks (0) becomes what
+// model.gpu_memory_utilization leaves on the rank's GPU (model::planGpuKvPool). Every rank of a
+// group computes the same plan (same model, same GPU type); a rank whose pool differed from the
+// leader's would be refused at its first call (fixedTpCache).
+Result<DecodeWorkerConfig> sizeGpuPool(const DecodeWorkerConfig& cfg, bool log_plan) {
+  DecodeWorkerConfig out = cfg;
+  if (cfg.model_device.kind != gpu::ModelDevice::Kind::Cuda || cfg.decode.num_blocks > 0) return out;
+  PD_ASSIGN_OR_RETURN(const ModelConfig model, ModelConfig::load(cfg.model_dir));
+  PD_ASSIGN_OR_RETURN(const std::uint64_t total, gpu::deviceTotalMemory(cfg.model_device.index));
+  PD_ASSIGN_OR_RETURN(
+      const model::GpuKvPoolSize size,
+      model::planGpuKvPool(model, total, cfg.gpu_memory_utilization, static_cast<int>(cfg.decode.tensor_parallel),
+                           cfg.decode.block_size, cfg.decode.kv_dtype == "f32" ? DType::F32 : DType::BF16));
+  out.decode.num_blocks = size.num_blocks;
+  if (log_plan) {
+    log::info(kLog, "{} (model.gpu_memory_utilization; the pool is in host memory, mirrored into the device cache)",
+              size.description);
+  }
+  return out;
+}
+
+Status runSizedWorker(const DecodeWorkerConfig& cfg);
+
+}  // namespace
+
+Status runWorker(const DecodeWorkerConfig& given) {
+  PD_TRY(validate(given));
+  if (given.model_device.kind == gpu::ModelDevice::Kind::Cuda) {
     // Before any rank spawns: every rank of this node runs on its own GPU, index + local rank.
-    gpu::ModelDevice last = cfg.model_device;
-    last.index += ranksPerNode(cfg.decode) - 1;
-    PD_TRY(gpu::checkModelDevice(cfg.model_device));
+    gpu::ModelDevice last = given.model_device;
+    last.index += ranksPerNode(given.decode) - 1;
+    PD_TRY(gpu::checkModelDevice(given.model_device));
     PD_TRY(gpu::checkModelDevice(last));
   }
+  PD_ASSIGN_OR_RETURN(const DecodeWorkerConfig sized,
+                      sizeGpuPool(given, given.decode.tp_rank == 0 && given.decode.node_rank == 0));
+  return runSizedWorker(sized);
+}
+
+namespace {
+
+Status runSizedWorker(const DecodeWorkerConfig& cfg) {
   const DecodeConfig& dec = cfg.decode;
   const bool spawned = dec.tp_rank > 0;
   const bool leader = dec.tensor_parallel > 1 && !spawned && dec.node_rank == 0;
@@ -279,5 +314,7 @@ Status runWorker(const DecodeWorkerConfig& cfg) {
   log::info(kLog, "stopped");
   return okStatus();
 }
+
+}  // namespace
 
 }  // namespace pd::decode

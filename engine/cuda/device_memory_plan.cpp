@@ -96,11 +96,11 @@ Result<KvCacheDtype> parseKvCacheDtype(std::string_view text) {
 }
 
 std::string_view kvCacheDtypeName(KvCacheDtype dtype) {
-  return dtype == KvCacheDtype::Bf16 ? "bf16" : "fp8";
+  return dtype == KvCacheDtype::Bf16 ? "bf16" : dtype == KvCacheDtype::F32 ? "f32" : "fp8";
 }
 
 std::uint64_t kvBlockBytes(const ModelConfig& config, std::int64_t block_size, KvCacheDtype dtype) {
-  const u64 element = dtype == KvCacheDtype::Bf16 ? 2 : 1;
+  const u64 element = dtype == KvCacheDtype::F32 ? 4 : dtype == KvCacheDtype::Bf16 ? 2 : 1;
   const u64 scales = dtype == KvCacheDtype::Fp8E4m3 ? sizeof(float) : 0;  // one per layer and block
   return u(config.kvLayers()) * (u(block_size) * u(config.latentDim()) * element + scales);
 }

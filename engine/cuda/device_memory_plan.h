@@ -52,10 +52,11 @@ struct DeviceMemoryPlan {
 
 /// The latent KV cache's element type on the device (`--kv_cache_dtype`): BF16 (the default), or
 /// FP8 e4m3 with one F32 scale per block and layer. Only the arithmetic and the option exist for
-/// FP8: no kernel reads or writes an FP8 KV cache yet (docs/gpu.md).
-enum class KvCacheDtype { Bf16, Fp8E4m3 };
+/// FP8: no kernel reads or writes an FP8 KV cache yet (docs/gpu.md). F32: a decode pool of
+/// `decode.kv_dtype f32` (the golden parity mode), which the device cache mirrors as F32.
+enum class KvCacheDtype { Bf16, Fp8E4m3, F32 };
 
-/// "bf16" or "fp8"; InvalidArgument otherwise.
+/// "bf16" or "fp8" (the option's values); InvalidArgument otherwise.
 [[nodiscard]] Result<KvCacheDtype> parseKvCacheDtype(std::string_view text);
 [[nodiscard]] std::string_view kvCacheDtypeName(KvCacheDtype dtype);
 

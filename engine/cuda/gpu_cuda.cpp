@@ -1,5 +1,7 @@
 // CUDA build of pd/engine/gpu.h: argument checks, device owners and checked copies around the
 // kernels.
+#include <fmt/format.h>
+
 #include <limits>
 
 #include "gpu_kernels.h"
@@ -13,6 +15,20 @@ bool builtWithCuda() {
 }
 int deviceCount() {
   return cuda::deviceCount();
+}
+
+Result<std::uint64_t> deviceTotalMemory(int index) {
+  const int count = deviceCount();
+  if (count == 0) return makeError(ErrorCode::Unsupported, "no CUDA device is visible to this process");
+  if (index < 0 || index >= count) {
+    return makeError(ErrorCode::InvalidArgument,
+                     fmt::format("cuda:{}: only {} CUDA device(s) are visible", index, count));
+  }
+  PD_CUDA_TRY(cudaSetDevice(index));
+  std::size_t free_bytes = 0;
+  std::size_t total_bytes = 0;
+  PD_CUDA_TRY(cudaMemGetInfo(&free_bytes, &total_bytes));
+  return static_cast<std::uint64_t>(total_bytes);
 }
 
 Status axpy(float a, std::span<const float> x, std::span<float> y) {

@@ -13,6 +13,10 @@ int deviceCount() {
   return 0;
 }
 
+Result<std::uint64_t> deviceTotalMemory(int /*index*/) {
+  return makeError(ErrorCode::Unsupported, "no CUDA device: this pdserve was built without CUDA (PD_WITH_CUDA=OFF)");
+}
+
 Status axpy(float /*a*/, std::span<const float> /*x*/, std::span<float> /*y*/) {
   return makeError(ErrorCode::Unsupported, "axpy: this pdserve was built without CUDA (PD_WITH_CUDA=OFF)");
 }

@@ -3,6 +3,7 @@
 
 #include <utility>
 
+#include "../cuda/device_memory_plan.h"  // host arithmetic, in every build
 #include "pd/engine/cuda_engine.h"
 
 namespace pd::model {
@@ -43,6 +44,21 @@ Result<ServingEngine> loadServingEngine(const std::filesystem::path& model_dir, 
     out.engine = std::move(wrapped);
   }
   return out;
+}
+
+Result<GpuKvPoolSize> planGpuKvPool(const ModelConfig& config, std::uint64_t device_total_bytes, double utilization,
+                                    int tp_size, std::int64_t block_size, DType kv_dtype) {
+  if (kv_dtype != DType::F32 && kv_dtype != DType::BF16) {
+    return makeError(ErrorCode::InvalidArgument, "GPU KV pool: the pool is F32 or BF16");
+  }
+  gpu::GpuMemoryBudget budget;
+  budget.device_total_bytes = device_total_bytes;
+  budget.utilization = utilization;
+  budget.tp_size = tp_size;
+  budget.kv_block_size = block_size;
+  budget.kv_dtype = kv_dtype == DType::F32 ? gpu::KvCacheDtype::F32 : gpu::KvCacheDtype::Bf16;
+  PD_ASSIGN_OR_RETURN(const gpu::KvPoolPlan plan, gpu::planKvPool(config, budget));
+  return GpuKvPoolSize{plan.num_blocks, gpu::describeKvPoolPlan(plan, budget)};
 }
 
 }  // namespace pd::model

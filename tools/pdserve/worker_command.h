@@ -59,6 +59,7 @@ int runWorkerCommand(const WorkerRole& role, const std::vector<std::string>& raw
   if (!numerics.ok()) return reportFailure(numerics.error());
   cfg.numerics = *numerics;
   cfg.cuda_graphs = common.cuda_graphs;
+  if constexpr (requires { cfg.gpu_memory_utilization; }) cfg.gpu_memory_utilization = common.gpu_memory_utilization;
   if (Status s = validate(cfg); !s.ok()) return reportFailure(s.error());
   if (Status s = checkGpuOptions(common); !s.ok()) return reportFailure(s.error());
   if (check_only) return 0;

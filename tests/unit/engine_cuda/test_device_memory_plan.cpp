@@ -10,6 +10,7 @@
 #include "device_memory_plan.h"
 #include "pd/engine/model_factory.h"
 #include "pd/engine/safetensors.h"
+#include "pd/engine/serving_engine.h"
 
 namespace {
 
@@ -177,6 +178,30 @@ TEST(KvPoolPlan, DeepSeekV3Fp8OnH20Tp16) {
   ASSERT_TRUE(fp8.ok());
   std::printf("H20 TP16 fp8:  %s\n", pd::gpu::describeKvPoolPlan(*fp8, b).c_str());
   EXPECT_EQ(fp8->num_blocks, 16744);
+}
+
+// What a decode worker on a GPU sizes its pool with (model::planGpuKvPool, an automatic
+// decode.num_blocks): the plan's blocks for the pool's dtype, and the plan's line for the log.
+TEST(KvPoolPlan, TheDecodeWorkersPoolOnAGpuIsThePlans) {
+  const pd::ModelConfig c = deepSeekV3Fp8();
+  auto bf16 = pd::model::planGpuKvPool(c, kH200Bytes, 0.9, 8, 64, pd::DType::BF16);
+  ASSERT_TRUE(bf16.ok()) << bf16.error().toString();
+  EXPECT_EQ(bf16->num_blocks, 7768);
+  EXPECT_NE(bf16->description.find("KV pool 7768 blocks x 64 tokens"), std::string::npos) << bf16->description;
+  auto h20 = pd::model::planGpuKvPool(c, kH20Bytes, 0.9, 16, 64, pd::DType::BF16);
+  ASSERT_TRUE(h20.ok());
+  EXPECT_EQ(h20->num_blocks, 8373);
+  // An F32 pool (decode.kv_dtype f32) mirrors as F32: twice the bytes a block, half the blocks.
+  auto f32 = pd::model::planGpuKvPool(c, kH200Bytes, 0.9, 8, 64, pd::DType::F32);
+  ASSERT_TRUE(f32.ok());
+  EXPECT_NEAR(static_cast<double>(f32->num_blocks), 7768.0 / 2.0, 1.0);
+  EXPECT_NE(f32->description.find(", f32,"), std::string::npos) << f32->description;
+  EXPECT_EQ(pd::model::planGpuKvPool(c, kH200Bytes, 0.9, 8, 64, pd::DType::F8E4M3).error().code,
+            pd::ErrorCode::InvalidArgument);
+  // H20 at TP8 holds no pool (87 GB of weights in an 86.4 GB budget): refused, naming the parts.
+  auto none = pd::model::planGpuKvPool(c, kH20Bytes, 0.9, 8, 64, pd::DType::BF16);
+  ASSERT_FALSE(none.ok());
+  EXPECT_EQ(none.error().code, pd::ErrorCode::ResourceExhausted);
 }
 
 TEST(KvPoolPlan, TooLittleMemoryNamesEveryPart) {

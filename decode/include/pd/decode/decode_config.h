@@ -13,7 +13,10 @@ struct DecodeConfig {
   std::string host = "127.0.0.1";
   std::int64_t port = 0;
   std::int64_t block_size = 64;
-  std::int64_t num_blocks = 1024;
+  /// Latent-KV blocks in the pool. 0 (auto): kCpuPoolBlocks on the CPU; with model.device cuda,
+  /// what model.gpu_memory_utilization leaves of each GPU after the rank's weights, workspace and
+  /// reserves (runWorker, gpu::planKvPool; docs/gpu.md "The GPU memory plan").
+  std::int64_t num_blocks = 0;
   std::int64_t max_running_requests = 64;
   /// Blocks an admission leaves free (docs/kv-memory.md): a request is admitted on its prompt's
   /// blocks only if this many stay free after it, room for the running requests to grow before
@@ -62,6 +65,14 @@ struct DecodeConfig {
 };
 
 void registerOptions(config::OptionSet& set, DecodeConfig& cfg);
+
+/// The pool of an automatic decode.num_blocks (0) on the CPU.
+inline constexpr std::int64_t kCpuPoolBlocks = 1024;
+/// decode.num_blocks, with 0 (auto) as the CPU's kCpuPoolBlocks (a CUDA worker resolves 0 from
+/// its memory plan before anything uses it).
+[[nodiscard]] inline std::int64_t poolBlocks(const DecodeConfig& cfg) {
+  return cfg.num_blocks > 0 ? cfg.num_blocks : kCpuPoolBlocks;
+}
 
 /// What the option table alone cannot check: values that must agree with each other (tensor
 /// parallelism across nodes, a spawned rank's group); InvalidArgument naming them.

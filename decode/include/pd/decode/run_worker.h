@@ -51,10 +51,10 @@ struct DecodeWorkerConfig {
   std::filesystem::path cluster_secret_file;
   /// The `trace:` section (docs/observability.md).
   trace::TraceConfig trace;
-  /// Where the model runs (`model.device`): the CPU engine, or the CUDA engine on one device
-  /// (tensor parallelism needs the CPU engine). With CUDA every rank of a tensor-parallel group
-  /// also joins an NCCL communicator on its device index + its rank on this machine
-  /// (comm::joinDeviceGroup, docs/tensor-parallel.md "NCCL").
+  /// Where the model runs (`model.device`): the CPU engine, or the CUDA engine. With CUDA every
+  /// rank of a tensor-parallel group runs its shard on its device index + its rank on this
+  /// machine, over an NCCL communicator (comm::joinDeviceGroup, docs/tensor-parallel.md "NCCL"
+  /// and "On GPUs").
   gpu::ModelDevice model_device;
   /// `model.batch_invariant`: the engine of every rank computes a token alike whatever its batch
   /// or chunk (model::CpuEngineOptions::batch_invariant; docs/engine.md "Batch-invariant mode").
@@ -63,6 +63,9 @@ struct DecodeWorkerConfig {
   gpu::Numerics numerics = gpu::Numerics::Fp32;
   /// `model.cuda_graphs` (model::CudaEngineOptions::cuda_graphs).
   bool cuda_graphs = true;
+  /// `model.gpu_memory_utilization`: with CUDA and an automatic decode.num_blocks (0), the pool
+  /// gets what this fraction of the GPU leaves (model::planGpuKvPool).
+  double gpu_memory_utilization = 0.9;
 };
 
 /// Cross-field checks of the whole worker configuration (InvalidArgument naming the values).

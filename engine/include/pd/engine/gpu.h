@@ -3,6 +3,7 @@
 /// report ErrorCode::Unsupported, so callers and tests never need an #ifdef.
 /// Thread rules: thread-safe; each call synchronizes its own stream before returning.
 
+#include <cstdint>
 #include <span>
 #include <string>
 #include <string_view>
@@ -16,6 +17,11 @@ namespace pd::gpu {
 
 /// Whether this binary was built with the CUDA kernels.
 [[nodiscard]] bool builtWithCuda();
+
+/// Total memory of CUDA device `index` in bytes (cudaMemGetInfo's total): what
+/// gpu_memory_utilization is a fraction of. Unsupported without CUDA or a device; InvalidArgument
+/// for an index outside the visible devices.
+[[nodiscard]] Result<std::uint64_t> deviceTotalMemory(int index);
 
 /// Where the model runs (`--model.device`): the CPU engine, or CUDA device `index`.
 struct ModelDevice {

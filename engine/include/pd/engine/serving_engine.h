@@ -3,8 +3,10 @@
 /// engine of this rank's shard, wrapped in a TpLeaderEngine when the process leads a tensor-parallel group.
 /// Thread rules: the worker's main thread, at start-up.
 
+#include <cstdint>
 #include <filesystem>
 #include <memory>
+#include <string>
 
 #include "pd/comm/process_group.h"
 #include "pd/common/result.h"
@@ -32,5 +34,18 @@ struct ServingEngine {
                                                       gpu::Numerics numerics = gpu::Numerics::Fp32,
                                                       bool cuda_graphs = true,
                                                       comm::Communicator* device_group = nullptr);
+
+/// How many KV blocks a decode pool gets on a GPU (docs/gpu.md "The GPU memory plan"): what
+/// `utilization` of the device's `device_total_bytes` leaves after this rank's weights (split over
+/// `tp_size` ranks), its workspace and the graph and runtime reserves, in blocks of `block_size`
+/// tokens of `kv_dtype` (F32 or BF16). `description` is the plan's line for the log.
+/// ResourceExhausted naming every part when not one block fits; InvalidArgument for bad values.
+struct GpuKvPoolSize {
+  std::int64_t num_blocks = 0;
+  std::string description;
+};
+[[nodiscard]] Result<GpuKvPoolSize> planGpuKvPool(const ModelConfig& config, std::uint64_t device_total_bytes,
+                                                  double utilization, int tp_size, std::int64_t block_size,
+                                                  DType kv_dtype);
 
 }  // namespace pd::model
