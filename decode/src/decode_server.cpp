@@ -198,8 +198,7 @@ Status DecodeServer::Impl::startParts() {
                      fmt::format("decode.num_speculative_tokens {} needs a checkpoint with an MTP layer; set it to 0",
                                  cfg.num_speculative_tokens));
   }
-  const DType dtype = cfg.kv_dtype == "f32" ? DType::F32 : DType::BF16;
-  PD_ASSIGN_OR_RETURN(KvPool pool, KvPool::create(engine_->config(), poolBlocks(cfg), cfg.block_size, dtype));
+  PD_ASSIGN_OR_RETURN(KvPool pool, KvPool::create(engine_->config(), poolBlocks(cfg), cfg.block_size, poolDtype(cfg)));
   pool_ = std::make_unique<KvPool>(std::move(pool));
   compat_ = pool_->compat(options_.model_hash, static_cast<std::uint32_t>(group_size));
 

@@ -20,7 +20,6 @@
 #include "pd/common/stop_signals.h"
 #include "pd/decode/decode_server.h"
 #include "pd/decode/tp_worker.h"
-#include "pd/engine/cuda_engine.h"
 #include "pd/engine/engine.h"
 #include "pd/engine/model_hash.h"
 #include "pd/engine/serving_engine.h"
@@ -51,34 +50,17 @@ Result<std::unique_ptr<comm::Communicator>> joinDeviceGroup(comm::Communicator& 
   return device_group;
 }
 
-// This rank's engine: the CPU engine's shard over `comm`, or with --model.device cuda the CUDA
-// engine's shard on the rank's GPU (index + local rank), its collectives over NCCL when the group
-// joined one, else staged over `comm`.
-Result<std::unique_ptr<model::Engine>> loadFollowerEngine(comm::Communicator& comm, comm::Communicator* device_group,
-                                                          const DecodeWorkerConfig& cfg) {
-  if (cfg.model_device.kind == gpu::ModelDevice::Kind::Cuda) {
-    model::CudaEngineOptions o;
-    o.device = cfg.model_device;
-    o.device.index += comm.rank() % ranksPerNode(cfg.decode);
-    o.numerics = cfg.numerics;
-    o.cuda_graphs = cfg.cuda_graphs;
-    o.batch_invariant = cfg.batch_invariant;
-    o.tp = device_group != nullptr ? device_group : &comm;
-    return model::createCudaEngine(cfg.model_dir, o);
-  }
-  model::CpuEngineOptions engine_options;
-  engine_options.threads = static_cast<int>(cfg.decode.threads);
-  engine_options.tp = &comm;
-  engine_options.batch_invariant = cfg.batch_invariant;
-  return model::createCpuEngine(cfg.model_dir, engine_options);
-}
-
 // Loads this rank's shard and serves the leader's calls until it stops the group (ok) or the
 // group fails. `serving` (may be empty) is told once the rank serves and when it stops.
 Status serveAsFollower(comm::Communicator& comm, const DecodeWorkerConfig& cfg, std::uint64_t hash,
                        const std::function<void(bool)>& serving = {}) {
   PD_ASSIGN_OR_RETURN(const std::unique_ptr<comm::Communicator> device_group, joinDeviceGroup(comm, cfg, hash));
-  PD_ASSIGN_OR_RETURN(auto engine, loadFollowerEngine(comm, device_group.get(), cfg));
+  // The rank's shard on its own GPU (index + local rank) with --model.device cuda.
+  gpu::ModelDevice device = cfg.model_device;
+  if (device.kind == gpu::ModelDevice::Kind::Cuda) device.index += comm.rank() % ranksPerNode(cfg.decode);
+  PD_ASSIGN_OR_RETURN(auto engine,
+                      model::loadRankEngine(cfg.model_dir, static_cast<int>(cfg.decode.threads), &comm, device,
+                                            cfg.batch_invariant, cfg.numerics, cfg.cuda_graphs, device_group.get()));
   PD_ASSIGN_OR_RETURN(std::shared_ptr<InternalAuth> auth, loadInternalAuth(cfg.cluster_secret_file));
   PD_ASSIGN_OR_RETURN(auto worker,
                       TpFollowerWorker::start(std::move(engine), comm, {cfg.decode, cfg.kvtransfer, hash, auth}));
@@ -219,7 +201,7 @@ Result<DecodeWorkerConfig> sizeGpuPool(const DecodeWorkerConfig& cfg, bool log_p
   PD_ASSIGN_OR_RETURN(
       const model::GpuKvPoolSize size,
       model::planGpuKvPool(model, total, cfg.gpu_memory_utilization, static_cast<int>(cfg.decode.tensor_parallel),
-                           cfg.decode.block_size, cfg.decode.kv_dtype == "f32" ? DType::F32 : DType::BF16));
+                           cfg.decode.block_size, poolDtype(cfg.decode)));
   out.decode.num_blocks = size.num_blocks;
   if (log_plan) {
     log::info(kLog, "{} (model.gpu_memory_utilization; the pool is in host memory, mirrored into the device cache)",
@@ -234,13 +216,8 @@ Status runSizedWorker(const DecodeWorkerConfig& cfg);
 
 Status runWorker(const DecodeWorkerConfig& given) {
   PD_TRY(validate(given));
-  if (given.model_device.kind == gpu::ModelDevice::Kind::Cuda) {
-    // Before any rank spawns: every rank of this node runs on its own GPU, index + local rank.
-    gpu::ModelDevice last = given.model_device;
-    last.index += ranksPerNode(given.decode) - 1;
-    PD_TRY(gpu::checkModelDevice(given.model_device));
-    PD_TRY(gpu::checkModelDevice(last));
-  }
+  // Before any rank spawns: every rank of this node runs on its own GPU, index + local rank.
+  PD_TRY(gpu::checkModelDevices(given.model_device, ranksPerNode(given.decode)));
   PD_ASSIGN_OR_RETURN(const DecodeWorkerConfig sized,
                       sizeGpuPool(given, given.decode.tp_rank == 0 && given.decode.node_rank == 0));
   return runSizedWorker(sized);

@@ -20,8 +20,8 @@ Result<std::unique_ptr<TpFollowerWorker>> TpFollowerWorker::start(std::unique_pt
   if (comm.rank() == 0) return makeError(ErrorCode::InvalidArgument, "rank 0 is the leader, not a follower");
   std::unique_ptr<TpFollowerWorker> w(new TpFollowerWorker(std::move(engine), comm, std::move(options)));
   const DecodeConfig& cfg = w->options_.decode;
-  const DType dtype = cfg.kv_dtype == "f32" ? DType::F32 : DType::BF16;
-  PD_ASSIGN_OR_RETURN(KvPool pool, KvPool::create(w->engine_->config(), poolBlocks(cfg), cfg.block_size, dtype));
+  PD_ASSIGN_OR_RETURN(KvPool pool,
+                      KvPool::create(w->engine_->config(), poolBlocks(cfg), cfg.block_size, poolDtype(cfg)));
   w->pool_ = std::make_unique<KvPool>(std::move(pool));
   const kvtransfer::CompatInfo compat =
       w->pool_->compat(w->options_.model_hash, static_cast<std::uint32_t>(comm.size()));

@@ -148,13 +148,10 @@ Status runGemm(cublasHandle_t handle, const BatchedGemm& g, const float* a, cons
 struct DeviceDecodeStep::Impl {
   const ModelConfig& cfg;
   const DeviceWeights& weights;
-  // Tensor parallelism (Options::tp; null: one rank). This rank's attention heads, and cfg with
-  // them for the absorbed products (absorbQueryGemm, valueUpGemm); its vocabulary rows of the
-  // embeddings and LM heads.
+  // Tensor parallelism (Options::tp; null: one rank). cfg with this rank's attention heads (for
+  // the absorbed products, absorbQueryGemm and valueUpGemm, and every per-head size); its
+  // vocabulary rows of the embeddings and LM heads.
   comm::DeviceCollectives* tp = nullptr;
-  int tp_rank = 0;
-  int tp_size = 1;
-  i64 local_heads = 0;
   ModelConfig head_cfg;
   model::ShardRange vocab_rows;
   DecodeCacheShape cache_shape;
@@ -212,7 +209,6 @@ struct DeviceDecodeStep::Impl {
   Impl(const ModelConfig& c, const DeviceWeights& w, DecodeCacheShape shape, cuda::Stream s, cuda::BlasHandle b)
       : cfg(c),
         weights(w),
-        local_heads(c.num_attention_heads),
         head_cfg(c),
         vocab_rows{0, c.vocab_size},
         cache_shape(shape),
@@ -220,8 +216,11 @@ struct DeviceDecodeStep::Impl {
         blas(std::move(b)) {}
 
   // This rank's part of a width split over the ranks (shardRange: the sizes ModelWeights cut).
+  [[nodiscard]] int tpRank() const { return tp != nullptr ? tp->rank() : 0; }
+  [[nodiscard]] int tpSize() const { return tp != nullptr ? tp->size() : 1; }
+  [[nodiscard]] i64 localHeads() const { return head_cfg.num_attention_heads; }
   [[nodiscard]] i64 shardWidth(i64 full) const {
-    const model::ShardRange r = model::shardRange(full, tp_rank, tp_size);
+    const model::ShardRange r = model::shardRange(full, tpRank(), tpSize());
     return r.end - r.begin;
   }
   [[nodiscard]] i64 vocabRows() const { return vocab_rows.end - vocab_rows.begin; }
@@ -397,7 +396,7 @@ struct DeviceDecodeStep::Impl {
     const ModelConfig& c = cfg;
     const std::string p = fmt::format("model.layers.{}.", index);
     const i64 d = c.hidden_size;
-    const i64 heads = local_heads;
+    const i64 heads = localHeads();
     Layer l;
     PD_ASSIGN_OR_RETURN(l.input_norm, vector(p + "input_layernorm.weight", d));
     PD_ASSIGN_OR_RETURN(l.post_norm, vector(p + "post_attention_layernorm.weight", d));
@@ -479,7 +478,7 @@ struct DeviceDecodeStep::Impl {
       PD_ASSIGN_OR_RETURN(cache, cuda::DeviceBuffer<float>::create(sz(cache_layers * allocated_slots * ld)));
     }
     PD_ASSIGN_OR_RETURN(MlaDecodeAttention att,
-                        MlaDecodeAttention::create({kMaxDecodeBatch, local_heads, ld, max_ctx}));
+                        MlaDecodeAttention::create({kMaxDecodeBatch, localHeads(), ld, max_ctx}));
     attention.emplace(std::move(att));
     max_table_blocks = (max_ctx + cs.block_size - 1) / cs.block_size;
     // Real rows' tables plus one block for each padded row.
@@ -551,7 +550,7 @@ struct DeviceDecodeStep::Impl {
     const ModelConfig& c = cfg;
     const i64 n = shape.n;
     const i64 d = c.hidden_size;
-    const i64 heads = local_heads;
+    const i64 heads = localHeads();
     const i64 dn = c.qk_nope_head_dim;
     const i64 dr = c.qk_rope_head_dim;
     const i64 dv = c.v_head_dim;
@@ -718,11 +717,12 @@ struct DeviceDecodeStep::Impl {
     const i64 d = cfg.hidden_size;
     const i64 vocab = cfg.vocab_size;
     if (tp == nullptr) return apply(head_w, x, d, k, logits.data(), vocab);
-    const i64 pad = (vocab + tp_size - 1) / tp_size;
+    const int ranks = tpSize();
+    const i64 pad = (vocab + ranks - 1) / ranks;
     PD_TRY(apply(head_w, x, d, k, head_mine.data(), pad));
     PD_TRY(tp->allGather(head_mine.data(), head_all.data(), sz(k * pad), stream.get()));
-    for (int r = 0; r < tp_size; ++r) {
-      const model::ShardRange v = model::shardRange(vocab, r, tp_size);
+    for (int r = 0; r < ranks; ++r) {
+      const model::ShardRange v = model::shardRange(vocab, r, ranks);
       if (v.end <= v.begin) continue;
       PD_CUDA_TRY(cudaMemcpy2DAsync(logits.data() + v.begin, sz(vocab) * sizeof(float), head_all.data() + r * k * pad,
                                     sz(pad) * sizeof(float), sz(v.end - v.begin) * sizeof(float), sz(k),
@@ -815,16 +815,15 @@ Result<std::unique_ptr<DeviceDecodeStep>> DeviceDecodeStep::create(const DeviceW
   m.cuda_graphs = options.cuda_graphs;
   if (options.tp != nullptr && options.tp->size() > 1) {
     m.tp = options.tp;
-    m.tp_rank = options.tp->rank();
-    m.tp_size = options.tp->size();
-    if (m.tp_rank < 0 || m.tp_rank >= m.tp_size || c.num_attention_heads % m.tp_size != 0) {
+    const int rank = m.tpRank();
+    const int ranks = m.tpSize();
+    if (rank < 0 || rank >= ranks || c.num_attention_heads % ranks != 0) {
       return makeError(ErrorCode::InvalidArgument,
-                       fmt::format("device step: rank {} of {} tensor-parallel ranks ({} attention heads)", m.tp_rank,
-                                   m.tp_size, c.num_attention_heads));
+                       fmt::format("device step: rank {} of {} tensor-parallel ranks ({} attention heads)", rank, ranks,
+                                   c.num_attention_heads));
     }
-    m.local_heads = c.num_attention_heads / m.tp_size;
-    m.head_cfg.num_attention_heads = m.local_heads;
-    m.vocab_rows = model::shardRange(c.vocab_size, m.tp_rank, m.tp_size);
+    m.head_cfg.num_attention_heads = c.num_attention_heads / ranks;
+    m.vocab_rows = model::shardRange(c.vocab_size, rank, ranks);
     if (m.cuda_graphs && !m.tp->capturable()) {
       log::info("cuda", "decode step: {} collectives are not captured, so steps run eagerly (no CUDA graphs)",
                 m.tp->kind());
@@ -850,7 +849,7 @@ Result<std::unique_ptr<DeviceDecodeStep>> DeviceDecodeStep::create(const DeviceW
 
   const i64 n = kMaxDecodeBatch;
   const i64 d = c.hidden_size;
-  const i64 heads = m.local_heads;
+  const i64 heads = m.localHeads();
   const i64 ld = c.latentDim();
   const i64 qk = c.qkHeadDim();
   PD_TRY(m.allocateCache());
@@ -879,9 +878,9 @@ Result<std::unique_ptr<DeviceDecodeStep>> DeviceDecodeStep::create(const DeviceW
   PD_TRY(make(m.gout, (n * top_k + n) * d));
   PD_TRY(make(m.logits, n * c.vocab_size));
   if (m.tp != nullptr) {  // the LM head's slice of every rank, padded to the largest
-    const i64 pad = (c.vocab_size + m.tp_size - 1) / m.tp_size;
+    const i64 pad = (c.vocab_size + m.tpSize() - 1) / m.tpSize();
     PD_TRY(make(m.head_mine, n * pad));
-    PD_TRY(make(m.head_all, m.tp_size * n * pad));
+    PD_TRY(make(m.head_all, m.tpSize() * n * pad));
   }
   PD_TRY(make(m.topk_weight, n * top_k));
   PD_TRY(make(m.cat, n * 2 * d));
@@ -951,7 +950,7 @@ double DeviceDecodeStep::stepBytes(std::span<const std::int64_t> contexts,
   const Impl& m = *impl_;
   const ModelConfig& c = m.cfg;
   const double d = static_cast<double>(c.hidden_size);
-  const double heads = static_cast<double>(m.local_heads);
+  const double heads = static_cast<double>(m.localHeads());
   const double ld = static_cast<double>(c.latentDim());
   double positions = 0.0;  // cached latents every layer reads
   for (const std::int64_t ctx : contexts) positions += static_cast<double>(std::max<std::int64_t>(ctx, 1));

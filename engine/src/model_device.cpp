@@ -68,6 +68,13 @@ Status checkModelDevice(const ModelDevice& device) {
   return okStatus();
 }
 
+Status checkModelDevices(const ModelDevice& first, int count) {
+  PD_TRY(checkModelDevice(first));
+  ModelDevice last = first;
+  if (first.kind == ModelDevice::Kind::Cuda) last.index += count - 1;
+  return checkModelDevice(last);
+}
+
 }  // namespace pd::gpu
 
 namespace pd::model {

@@ -8,10 +8,10 @@
 
 namespace pd::model {
 
-Result<ServingEngine> loadServingEngine(const std::filesystem::path& model_dir, int threads,
-                                        comm::TpProcessGroup* group, const gpu::ModelDevice& device,
-                                        bool batch_invariant, gpu::Numerics numerics, bool cuda_graphs,
-                                        comm::Communicator* device_group) {
+Result<std::unique_ptr<Engine>> loadRankEngine(const std::filesystem::path& model_dir, int threads,
+                                               comm::Communicator* tp, const gpu::ModelDevice& device,
+                                               bool batch_invariant, gpu::Numerics numerics, bool cuda_graphs,
+                                               comm::Communicator* device_group) {
   if (device.kind == gpu::ModelDevice::Kind::Cuda) {
     CudaEngineOptions options;
     options.device = device;
@@ -19,27 +19,27 @@ Result<ServingEngine> loadServingEngine(const std::filesystem::path& model_dir, 
     options.cuda_graphs = cuda_graphs;
     options.batch_invariant = batch_invariant;
     PD_TRY(checkCudaEngineOptions(options));
-    if (group != nullptr) options.tp = device_group != nullptr ? device_group : &group->comm();
-    PD_ASSIGN_OR_RETURN(std::unique_ptr<Engine> engine, createCudaEngine(model_dir, options));
-    ServingEngine out;
-    out.engine = std::move(engine);
-    if (group != nullptr) {  // the CUDA engine samples on the device: so does its leader
-      std::unique_ptr<TpLeaderEngine> wrapped = makeTpLeaderEngine(std::move(out.engine), group->comm());
-      out.tp_leader = wrapped.get();
-      out.engine = std::move(wrapped);
-    }
-    return out;
+    if (tp != nullptr) options.tp = device_group != nullptr ? device_group : tp;
+    return createCudaEngine(model_dir, options);
   }
   PD_TRY(gpu::checkNumericsOnDevice(device, numerics));
   CpuEngineOptions options;
   options.threads = threads;
   options.batch_invariant = batch_invariant;
-  if (group != nullptr) options.tp = &group->comm();
-  PD_ASSIGN_OR_RETURN(std::unique_ptr<Engine> engine, createCpuEngine(model_dir, options));
+  options.tp = tp;
+  return createCpuEngine(model_dir, options);
+}
+
+Result<ServingEngine> loadServingEngine(const std::filesystem::path& model_dir, int threads,
+                                        comm::TpProcessGroup* group, const gpu::ModelDevice& device,
+                                        bool batch_invariant, gpu::Numerics numerics, bool cuda_graphs,
+                                        comm::Communicator* device_group) {
+  comm::Communicator* const tp = group != nullptr ? &group->comm() : nullptr;
   ServingEngine out;
-  out.engine = std::move(engine);
-  if (group != nullptr) {
-    auto wrapped = std::make_unique<TpLeaderEngine>(std::move(out.engine), group->comm());
+  PD_ASSIGN_OR_RETURN(
+      out.engine, loadRankEngine(model_dir, threads, tp, device, batch_invariant, numerics, cuda_graphs, device_group));
+  if (tp != nullptr) {  // a leader over an engine that samples (CUDA) samples too
+    std::unique_ptr<TpLeaderEngine> wrapped = makeTpLeaderEngine(std::move(out.engine), *tp);
     out.tp_leader = wrapped.get();
     out.engine = std::move(wrapped);
   }

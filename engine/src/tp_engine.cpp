@@ -275,11 +275,14 @@ Result<model::ForwardOutput> TpLeaderEngine::call(bool mtp, std::span<const mode
   std::lock_guard lock(mu_);
   PD_TRY(send(encodeCall(mtp ? CallKind::ForwardMtp : CallKind::Forward, batch, cache, options)));
   auto out = mtp ? local_->forwardMtp(batch, cache, options) : local_->forward(batch, cache, options);
-  if (!out.ok() && isCommunicationError(out.error())) {
-    broken_ = out.error();
-    failed_.store(true);
-  }
+  if (!out.ok()) noteFailure(out.error());
   return out;
+}
+
+void TpLeaderEngine::noteFailure(const Error& e) {
+  if (!isCommunicationError(e)) return;
+  broken_ = e;
+  failed_.store(true);
 }
 
 Result<model::SampledForward> TpLeaderEngine::sampledCall(std::span<const model::SequenceChunk> batch,
@@ -293,10 +296,7 @@ Result<model::SampledForward> TpLeaderEngine::sampledCall(std::span<const model:
   std::lock_guard lock(mu_);
   PD_TRY(send(encodeCall(CallKind::ForwardSampled, batch, cache, options, rows.size())));
   auto out = sampling->forwardSampled(batch, cache, options, rows);
-  if (!out.ok() && isCommunicationError(out.error())) {
-    broken_ = out.error();
-    failed_.store(true);
-  }
+  if (!out.ok()) noteFailure(out.error());
   return out;
 }
 
@@ -337,6 +337,7 @@ TpCacheProvider ownedTpCache() {
 Status runTpFollower(model::Engine& engine, comm::Communicator& comm, const TpCacheProvider& cache,
                      const TpFollowerHooks& hooks) {
   PD_CHECK(comm.rank() != 0);
+  auto* const sampling = dynamic_cast<model::SamplingEngine*>(&engine);
   while (true) {
     PD_ASSIGN_OR_RETURN(std::vector<std::byte> bytes, comm::broadcastMessage(comm, {}, 0, /*unbounded=*/true));
     PD_ASSIGN_OR_RETURN(DecodedCall call, decodeCall(bytes));
@@ -362,7 +363,6 @@ Status runTpFollower(model::Engine& engine, comm::Communicator& comm, const TpCa
       batch[i] = {s.tokens, s.start_pos, s.blocks, s.prev_hidden, s.rope_offset};
     }
     Status status = okStatus();
-    auto* sampling = dynamic_cast<model::SamplingEngine*>(&engine);
     if (call.kind == CallKind::ForwardSampled && sampling != nullptr) {
       // The leader samples; this rank only has to take part in the same collectives, so every
       // row is greedy (the cheapest draw) and the tokens are dropped.

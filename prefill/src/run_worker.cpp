@@ -10,7 +10,6 @@
 #include "pd/comm/shm_communicator.h"
 #include "pd/common/log.h"
 #include "pd/common/stop_signals.h"
-#include "pd/engine/cuda_engine.h"
 #include "pd/engine/engine.h"
 #include "pd/engine/model_hash.h"
 #include "pd/engine/serving_engine.h"
@@ -38,24 +37,12 @@ Status runSpawnedRank(const PrefillWorkerConfig& cfg, std::uint64_t hash) {
   // With --model.device cuda every rank also joins the NCCL communicator (docs/tensor-parallel.md).
   PD_ASSIGN_OR_RETURN(const auto device_group,
                       comm::joinDeviceGroup(*comm, cuda_device, comm->rank(), hash, kTpJoinTimeout));
-  Result<std::unique_ptr<model::Engine>> engine = makeError(ErrorCode::Internal, "no engine");
-  if (cfg.model_device.kind == gpu::ModelDevice::Kind::Cuda) {
-    // The rank's shard on its own GPU, collectives over NCCL (else staged over the shm group).
-    model::CudaEngineOptions o;
-    o.device = cfg.model_device;
-    o.device.index += comm->rank();
-    o.numerics = cfg.numerics;
-    o.cuda_graphs = cfg.cuda_graphs;
-    o.batch_invariant = cfg.batch_invariant;
-    o.tp = device_group != nullptr ? device_group.get() : comm.get();
-    engine = model::createCudaEngine(cfg.model_dir, o);
-  } else {
-    model::CpuEngineOptions engine_options;
-    engine_options.threads = static_cast<int>(pre.threads);
-    engine_options.tp = comm.get();
-    engine_options.batch_invariant = cfg.batch_invariant;
-    engine = model::createCpuEngine(cfg.model_dir, engine_options);
-  }
+  // The rank's shard on its own GPU (index + rank) with --model.device cuda.
+  gpu::ModelDevice device = cfg.model_device;
+  if (device.kind == gpu::ModelDevice::Kind::Cuda) device.index += comm->rank();
+  Result<std::unique_ptr<model::Engine>> engine =
+      model::loadRankEngine(cfg.model_dir, static_cast<int>(pre.threads), comm.get(), device, cfg.batch_invariant,
+                            cfg.numerics, cfg.cuda_graphs, device_group.get());
   if (!engine.ok()) return engine.error();
   log::info(kLog, "tensor-parallel rank {} of {} serving", pre.tp_rank, pre.tensor_parallel);
   if (Status s = model::runTpFollower(**engine, *comm, model::ownedTpCache()); !s.ok()) {
@@ -100,13 +87,8 @@ Status validate(const PrefillWorkerConfig& cfg) {
 
 Status runWorker(const PrefillWorkerConfig& cfg) {
   PD_TRY(validate(cfg));
-  if (cfg.model_device.kind == gpu::ModelDevice::Kind::Cuda) {
-    // Before any rank spawns: every rank runs on its own GPU, index + rank.
-    gpu::ModelDevice last = cfg.model_device;
-    last.index += static_cast<int>(cfg.prefill.tensor_parallel) - 1;
-    PD_TRY(gpu::checkModelDevice(cfg.model_device));
-    PD_TRY(gpu::checkModelDevice(last));
-  }
+  // Before any rank spawns: every rank runs on its own GPU, index + rank.
+  PD_TRY(gpu::checkModelDevices(cfg.model_device, static_cast<int>(cfg.prefill.tensor_parallel)));
   const PrefillConfig& pre = cfg.prefill;
   // Signals are taken by sigwait on this thread: block them before any other thread exists.
   const sigset_t signals = proc::blockStopSignals();

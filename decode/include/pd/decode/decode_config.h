@@ -5,6 +5,7 @@
 #include <string>
 
 #include "pd/common/config.h"
+#include "pd/common/dtype.h"
 #include "pd/common/result.h"
 
 namespace pd::decode {
@@ -72,6 +73,10 @@ inline constexpr std::int64_t kCpuPoolBlocks = 1024;
 /// its memory plan before anything uses it).
 [[nodiscard]] inline std::int64_t poolBlocks(const DecodeConfig& cfg) {
   return cfg.num_blocks > 0 ? cfg.num_blocks : kCpuPoolBlocks;
+}
+/// The pool's element type (decode.kv_dtype: "f32" or "bf16").
+[[nodiscard]] inline DType poolDtype(const DecodeConfig& cfg) {
+  return cfg.kv_dtype == "f32" ? DType::F32 : DType::BF16;
 }
 
 /// What the option table alone cannot check: values that must agree with each other (tensor

@@ -59,6 +59,9 @@ enum class Numerics { Fp32, Bf16 };
 /// visible, InvalidArgument when the index is past the visible devices; OK for a visible device
 /// (model::createCudaEngine, pd/engine/cuda_engine.h, then runs the model there).
 [[nodiscard]] Status checkModelDevice(const ModelDevice& device);
+/// checkModelDevice for `count` consecutive devices from `first` (a worker's ranks on one
+/// machine: cuda:N .. cuda:N+count-1); OK for the CPU.
+[[nodiscard]] Status checkModelDevices(const ModelDevice& first, int count);
 
 /// y += a * x computed on device 0: the smoke kernel that keeps the CUDA build path alive.
 /// Its CPU twin is the obvious loop; tests compare the two.

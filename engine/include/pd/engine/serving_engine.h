@@ -35,6 +35,15 @@ struct ServingEngine {
                                                       bool cuda_graphs = true,
                                                       comm::Communicator* device_group = nullptr);
 
+/// One rank's engine, as loadServingEngine loads rank 0's (without the TpLeaderEngine): the CPU
+/// engine (its shard of `tp` when given), or for a CUDA `device` the CUDA engine, whose
+/// collectives run over `device_group` when given, else over `tp`. The follower ranks of a
+/// worker's group load theirs with it, on their own device index.
+[[nodiscard]] Result<std::unique_ptr<Engine>> loadRankEngine(const std::filesystem::path& model_dir, int threads,
+                                                             comm::Communicator* tp, const gpu::ModelDevice& device,
+                                                             bool batch_invariant, gpu::Numerics numerics,
+                                                             bool cuda_graphs, comm::Communicator* device_group);
+
 /// How many KV blocks a decode pool gets on a GPU (docs/gpu.md "The GPU memory plan"): what
 /// `utilization` of the device's `device_total_bytes` leaves after this rank's weights (split over
 /// `tp_size` ranks), its workspace and the graph and runtime reserves, in blocks of `block_size`

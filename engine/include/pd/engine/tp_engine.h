@@ -100,6 +100,9 @@ class TpLeaderEngine : public model::Engine {
                                     const model::LatentCacheView& cache, const model::ForwardOptions& options);
 
   Status send(std::vector<std::byte> message);
+  // A communication failure (PeerFailed / Timeout) of a call breaks the group; others do not.
+  // Called with mu_ held.
+  void noteFailure(const Error& e);
 
   std::unique_ptr<model::Engine> local_;
   comm::Communicator& comm_;
