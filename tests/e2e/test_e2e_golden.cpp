@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "pd/common/worker_api.h"
+#include "support/golden_prompt.h"
 #include "support/local_cluster.h"
 #include "support/test_files.h"
 
@@ -26,20 +27,6 @@ namespace pd::test {
 namespace {
 
 namespace json = boost::json;
-
-struct GoldenPrompt {
-  std::vector<std::int64_t> tokens;
-  std::vector<std::int64_t> greedy;
-};
-
-GoldenPrompt goldenPrompt(const std::string& model) {
-  const auto doc = json::parse(readFile(goldenDir() / model / "golden.json"));
-  const auto& p = doc.at("prompts").as_array().at(0).as_object();
-  GoldenPrompt g;
-  for (const auto& t : p.at("tokens").as_array()) g.tokens.push_back(t.to_number<std::int64_t>());
-  for (const auto& t : p.at("greedy").as_array()) g.greedy.push_back(t.to_number<std::int64_t>());
-  return g;
-}
 
 // Command lines of this test process's live descendants (read from /proc).
 std::vector<std::string> descendantCommandLines() {

@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "device_ops.h"
+#include "gpu/engine_test_util.h"
 #include "gpu/gpu_test_main.h"
 #include "pd/engine/cuda_engine.h"
 #include "pd/engine/engine.h"
@@ -42,15 +43,15 @@ using pd::model::ForwardOptions;
 using pd::model::ForwardOutput;
 using pd::model::OutputRows;
 using pd::model::SequenceChunk;
+using pd::testutil::argmax;
+using pd::testutil::blockTable;
+using pd::testutil::golden;
+using pd::testutil::maxAbsDiff;
 using i64 = std::int64_t;
 
 constexpr double kTolerance = 1e-3;  // tests/data/golden/README.md, float32 implementations
 constexpr i64 kBlockSize = 4;        // small, so chunks cross block boundaries
 constexpr i64 kBlocks = 128;
-
-fs::path golden(const std::string& name) {
-  return fs::path(PD_TEST_DATA_DIR) / "golden" / name;
-}
 
 std::unique_ptr<Engine> cpuEngine(const std::string& name) {
   pd::model::CpuEngineOptions o;
@@ -65,20 +66,6 @@ std::unique_ptr<Engine> cudaEngine(const std::string& name) {
   auto e = pd::model::createCudaEngine(golden(name), {});
   EXPECT_TRUE(e.ok()) << e.error().toString();
   return e.ok() ? std::move(e).value() : nullptr;
-}
-
-double maxAbsDiff(const std::vector<float>& a, const std::vector<float>& b) {
-  EXPECT_EQ(a.size(), b.size());
-  double worst = 0.0;
-  for (std::size_t i = 0; i < std::min(a.size(), b.size()); ++i) {
-    worst = std::max(worst, std::fabs(double{a[i]} - double{b[i]}));
-  }
-  return a.size() == b.size() ? worst : 1e30;
-}
-
-std::int32_t argmax(const std::vector<float>& logits, i64 row, i64 vocab) {
-  const float* r = logits.data() + row * vocab;
-  return static_cast<std::int32_t>(std::max_element(r, r + vocab) - r);
 }
 
 // Every latent a sink received, by (kv layer, sequence, position).
@@ -145,12 +132,6 @@ struct Pair {
     return {std::move(want).value(), std::move(got).value()};
   }
 };
-
-std::vector<std::int32_t> blockTable(i64 first, i64 count, i64 stride) {
-  std::vector<std::int32_t> t;
-  for (i64 b = 0; b < count; ++b) t.push_back(static_cast<std::int32_t>(first + b * stride));
-  return t;
-}
 
 SequenceChunk chunk(std::span<const std::int32_t> tokens, i64 start, std::span<const std::int32_t> table) {
   SequenceChunk s;

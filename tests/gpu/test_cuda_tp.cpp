@@ -18,6 +18,7 @@
 #include <thread>
 #include <vector>
 
+#include "gpu/engine_test_util.h"
 #include "gpu/gpu_test_main.h"
 #include "pd/comm/communicator.h"
 #include "pd/engine/cuda_engine.h"
@@ -26,21 +27,20 @@
 
 namespace {
 
-namespace fs = std::filesystem;
 using pd::model::Engine;
 using pd::model::ForwardOptions;
 using pd::model::ForwardOutput;
 using pd::model::OutputRows;
 using pd::model::SequenceChunk;
+using pd::testutil::argmax;
+using pd::testutil::blockTable;
+using pd::testutil::golden;
+using pd::testutil::maxAbsDiff;
 using i64 = std::int64_t;
 
 constexpr double kTolerance = 1e-3;  // tests/data/golden/README.md, float32 implementations
 constexpr i64 kBlockSize = 4;
 constexpr i64 kBlocks = 96;
-
-fs::path golden(const std::string& name) {
-  return fs::path(PD_TEST_DATA_DIR) / "golden" / name;
-}
 
 // One sequence of a call: its tokens, first position, block table and (MTP) previous hidden.
 struct Part {
@@ -67,24 +67,6 @@ pd::Result<ForwardOutput> runCall(Engine& e, const pd::model::LatentCacheView& c
     batch.push_back(s);
   }
   return call.mtp ? e.forwardMtp(batch, cache, call.options) : e.forward(batch, cache, call.options);
-}
-
-std::vector<std::int32_t> blockTable(i64 first, i64 count, i64 stride) {
-  std::vector<std::int32_t> t;
-  for (i64 b = 0; b < count; ++b) t.push_back(static_cast<std::int32_t>(first + b * stride));
-  return t;
-}
-
-std::int32_t argmax(const std::vector<float>& logits, i64 row, i64 vocab) {
-  const float* r = logits.data() + row * vocab;
-  return static_cast<std::int32_t>(std::max_element(r, r + vocab) - r);
-}
-
-double maxAbsDiff(const std::vector<float>& a, const std::vector<float>& b) {
-  if (a.size() != b.size()) return 1e30;
-  double worst = 0.0;
-  for (std::size_t i = 0; i < a.size(); ++i) worst = std::max(worst, std::fabs(double{a[i]} - double{b[i]}));
-  return worst;
 }
 
 // The calls, with the CPU engine's outputs: decode tokens are the CPU's greedy choices, the MTP

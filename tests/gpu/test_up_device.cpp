@@ -17,6 +17,7 @@
 
 #include "gpu/gpu_test_main.h"
 #include "pd/common/worker_api.h"
+#include "support/golden_prompt.h"
 #include "support/local_cluster.h"
 #include "support/test_files.h"
 
@@ -29,11 +30,10 @@ class UpDevice : public ::testing::TestWithParam<std::tuple<std::string, int>> {
 
 TEST_P(UpDevice, CompletionsReturnTheGoldenGreedyTokens) {
   const auto& [model, mtp] = GetParam();
-  const auto doc = json::parse(readFile(goldenDir() / model / "golden.json"));
-  const auto& p = doc.at("prompts").as_array().at(0).as_object();
-  json::array prompt = p.at("tokens").as_array();
-  std::vector<std::int64_t> greedy;
-  for (const auto& t : p.at("greedy").as_array()) greedy.push_back(t.to_number<std::int64_t>());
+  const GoldenPrompt golden = goldenPrompt(model);
+  json::array prompt;
+  for (const auto t : golden.tokens) prompt.push_back(t);
+  const std::vector<std::int64_t>& greedy = golden.greedy;
   TempDir cache;
   LocalCluster cluster({"--model.path=" + (goldenDir() / model).string(),
                         "--model.tokenizer=" PD_SOURCE_DIR "/models/tiny-dsv3",
