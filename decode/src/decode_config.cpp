@@ -38,7 +38,9 @@ void registerOptions(config::OptionSet& set, DecodeConfig& cfg) {
            "TEST-ONLY: latency added to every tensor-parallel message (emulates a network; 0 = off)", 0, 1000000)
       .add("kv_wait_timeout_ms", &cfg.kv_wait_timeout_ms,
            "longest an admitted request waits for its KV (a request's kv_timeout_ms is clamped to it)", 100, 86400000)
-      .add("kv_dtype", &cfg.kv_dtype, "element type of the latent-KV pool", {"bf16", "f32"})
+      .add("kv_dtype", &cfg.kv_dtype,
+           "element type of the latent-KV pool (fp8: e4m3 with a scale per 64 values, half of bf16's bytes)",
+           {"bf16", "f32", "fp8"})
       .add("threads", &cfg.threads, "model engine compute threads (0 = every hardware thread)", 0, 1024)
       .add("http_threads", &cfg.http_threads, "io threads of the internal HTTP API", 1, 64)
       .add("drain_timeout_ms", &cfg.drain_timeout_ms,

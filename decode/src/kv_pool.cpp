@@ -24,7 +24,7 @@ std::span<std::byte> KvPool::memory() const {
 }
 
 std::uint64_t KvPool::blockStride() const {
-  return static_cast<std::uint64_t>(blockSize() * latentDim()) * dtypeSize(dtype());
+  return static_cast<std::uint64_t>(blockSize()) * view().tokenBytes();
 }
 
 std::uint64_t KvPool::layerStride() const {

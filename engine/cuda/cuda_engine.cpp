@@ -12,6 +12,7 @@
 #include "device_weights.h"
 #include "forward_plan.h"
 #include "pd/common/dtype.h"
+#include "pd/common/kv_format.h"
 #include "pd/common/log.h"
 #include "pd/engine/cache_residency.h"
 #include "pd/engine/device_sampling.h"
@@ -53,23 +54,24 @@ void appendLatents(const LatentCacheView& cache, i64 layer, const gpu::CacheRun&
   const i64 ld = cache.latent_dim;
   const std::size_t at = out.size();
   out.resize(at + sz(run.count * ld));
-  const std::byte* src = cache.layers[sz(layer)] + sz(run.slot * ld) * dtypeSize(cache.dtype);
+  const std::size_t token = cache.tokenBytes();
+  const std::byte* src = cache.layers[sz(layer)] + sz(run.slot) * token;
   if (cache.dtype == DType::F32) {
     std::memcpy(out.data() + at, src, sz(run.count * ld) * sizeof(float));
     return;
   }
-  for (i64 i = 0; i < run.count * ld; ++i) {
-    std::uint16_t bits = 0;
-    std::memcpy(&bits, src + sz(i) * 2, 2);
-    out[at + sz(i)] = bf16ToFloat(bits);
+  for (i64 t = 0; t < run.count; ++t) {  // BF16, or FP8 tiles (kv_format.h) as float32
+    decodeKvToken(cache.dtype, src + sz(t) * token, std::span(out).subspan(at + sz(t * ld), sz(ld)));
   }
 }
 
 // Mirrors one step's new latents into the caller's host cache and hands them to the sink, after
 // the step has run (a collector: no synchronize per layer, so the step can replay a CUDA graph).
 // With a BF16 host cache the step rounds the latents to BF16 on the device before its own (BF16)
-// cache and attention see them (Request::round_latents_to_bf16), so the device attends to what the
-// CPU engine would, and writing them here stores exactly those values.
+// cache and attention see them (Request::round_latents_to_bf16); an FP8 device cache encodes them
+// as it stores them (kv_format.h tokens). Either way the device attends to what the CPU engine
+// would. The collector gets them unrounded, and writing them here rounds or encodes them with the
+// same arithmetic (device_math.h, kv_format.h), so host and device caches hold the same values.
 class HostMirror final : public DeviceDecodeStep::LatentCollector {
  public:
   HostMirror(const LatentCacheView& cache, std::span<const SequenceChunk> batch, const gpu::ForwardStep& step,
@@ -187,9 +189,9 @@ class CudaEngine final : public Engine, public SamplingEngine {
       sample_rows.push_back(row);
     }
     // The device cache takes the host cache's dtype: BF16 halves its memory and the attention's
-    // reads; an F32 host cache (the golden parity mode) keeps F32.
-    PD_TRY(step_->setCacheShape(
-        {cache.num_blocks, cache.block_size, cache.dtype == DType::BF16 ? DType::BF16 : DType::F32}));
+    // reads, FP8 tokens (kv_format.h) about quarter them; an F32 host cache (the golden parity
+    // mode) keeps F32.
+    PD_TRY(step_->setCacheShape({cache.num_blocks, cache.block_size, cache.dtype}));
     // Only the positions the device cache does not hold yet cross over (CacheResidency); a call
     // that fails past this point leaves the device cache unknown, so it is forgotten.
     CacheResidency& residency = mtp ? mtp_residency_ : main_residency_;
@@ -259,6 +261,19 @@ class CudaEngine final : public Engine, public SamplingEngine {
       counts.push_back(r.count);
     }
     if (slots.empty()) return okStatus();
+    if (cache.dtype == DType::F8E4M3) {  // tokens cross as the host cache stores them
+      const std::size_t token = cache.tokenBytes();
+      std::vector<std::byte> tokens;
+      for (i64 layer = first; layer < end; ++layer) {
+        tokens.clear();
+        for (std::size_t i = 0; i < slots.size(); ++i) {
+          const std::byte* src = cache.layers[sz(layer)] + sz(slots[i]) * token;
+          tokens.insert(tokens.end(), src, src + sz(counts[i]) * token);
+        }
+        PD_TRY(step_->writeCacheTokens(layer, slots, counts, tokens));
+      }
+      return okStatus();
+    }
     std::vector<float> values;
     for (i64 layer = first; layer < end; ++layer) {
       values.clear();

@@ -108,8 +108,8 @@ Status checkCacheShape(const DecodeCacheShape& shape) {
     return invalid(
         fmt::format("device decode: cache of {} blocks of {} positions", shape.num_blocks, shape.block_size));
   }
-  if (shape.dtype != DType::F32 && shape.dtype != DType::BF16) {
-    return invalid(fmt::format("device decode: a {} cache (only F32 and BF16)", dtypeName(shape.dtype)));
+  if (shape.dtype != DType::F32 && shape.dtype != DType::BF16 && shape.dtype != DType::F8E4M3) {
+    return invalid(fmt::format("device decode: a {} cache (only F32, BF16 and F8_E4M3)", dtypeName(shape.dtype)));
   }
   return okStatus();
 }

@@ -11,6 +11,7 @@
 #include <string>
 
 #include "gpu_kernels.h"
+#include "pd/common/kv_format.h"
 #include "pd/common/log.h"
 #include "pd/cuda/cuda_check.h"
 #include "pd/engine/kernels.h"
@@ -167,9 +168,11 @@ struct DeviceDecodeStep::Impl {
   std::optional<MtpLayer> mtp;
   i64 cache_layers = 0;  // main layers, + 1 with the MTP layer
   cuda::DeviceBuffer<float> inv_freq;
-  // [layers, num_blocks, block_size, latent_dim]: `cache` for an F32 shape, `cache_bf16` for BF16.
+  // [layers, num_blocks, block_size, latent_dim]: `cache` for an F32 shape, `cache_bf16` for BF16;
+  // `cache_fp8` for F8E4M3: [layers, num_blocks, block_size] tokens of kvFp8TokenBytes bytes.
   cuda::DeviceBuffer<float> cache;
   cuda::DeviceBuffer<std::uint16_t> cache_bf16;
+  cuda::DeviceBuffer<std::uint8_t> cache_fp8;
   std::optional<MlaDecodeAttention> attention;
   std::optional<MlaPrefillAttention> prefill_attention;  // workspace of one chunk, kMaxDecodeBatch rows
   std::optional<DeviceSampler> sampler;                  // kMaxDecodeBatch rows of the vocabulary
@@ -181,6 +184,7 @@ struct DeviceDecodeStep::Impl {
   cuda::DeviceBuffer<float> head_mine, head_all;                      // tensor parallelism: the LM head's slices
   std::optional<cuda::PinnedHostBuffer<float>> staging;               // writeCache's host side, grown on demand
   std::optional<cuda::PinnedHostBuffer<std::uint16_t>> staging_bf16;  // the same for a BF16 cache
+  std::optional<cuda::PinnedHostBuffer<std::byte>> staging_tokens;    // writeCacheTokens's host side
   cuda::DeviceBuffer<std::int64_t> positions, ctx_len, table_begin, write_slots;
   // [kMaxDecodeBatch]: the step's token ids, the rows whose logits it returns, the MTP rows whose
   // embedding is zeroed; the gather kernel reads them on the device.
@@ -236,7 +240,7 @@ struct DeviceDecodeStep::Impl {
     return stream.synchronize();
   }
 
-  [[nodiscard]] bool hasCache() const { return cache.size() > 0 || cache_bf16.size() > 0; }
+  [[nodiscard]] bool hasCache() const { return cache.size() > 0 || cache_bf16.size() > 0 || cache_fp8.size() > 0; }
 
   [[nodiscard]] Result<const DeviceWeights::Tensor*> tensor(const std::string& name,
                                                             std::vector<std::int64_t> shape) const {
@@ -474,6 +478,9 @@ struct DeviceDecodeStep::Impl {
     if (cs.dtype == DType::BF16) {
       PD_ASSIGN_OR_RETURN(cache_bf16,
                           cuda::DeviceBuffer<std::uint16_t>::create(sz(cache_layers * allocated_slots * ld)));
+    } else if (cs.dtype == DType::F8E4M3) {
+      PD_ASSIGN_OR_RETURN(cache_fp8, cuda::DeviceBuffer<std::uint8_t>::create(sz(cache_layers * allocated_slots) *
+                                                                              kvTokenBytes(DType::F8E4M3, ld)));
     } else {
       PD_ASSIGN_OR_RETURN(cache, cuda::DeviceBuffer<float>::create(sz(cache_layers * allocated_slots * ld)));
     }
@@ -575,19 +582,29 @@ struct DeviceDecodeStep::Impl {
     PD_TRY(ropeInterleaved(latent.data(), RopeShape{n, 1, ld, ld, r, half}, inv_freq.data(), positions.data(), stream));
     PD_TRY(ropeInterleaved(q.data(), RopeShape{n, heads, heads * qk, qk, dn, half}, inv_freq.data(), positions.data(),
                            stream));
-    const i64 layer_offset = kv_layer * allocated_blocks * cache_shape.block_size * ld;
+    const i64 layer_slots = kv_layer * allocated_blocks * cache_shape.block_size;
+    const i64 layer_offset = layer_slots * ld;
     const bool bf16_cache = cache_shape.dtype == DType::BF16;
-    void* layer_cache = bf16_cache ? static_cast<void*>(cache_bf16.data() + layer_offset)
-                                   : static_cast<void*>(cache.data() + layer_offset);
-    if (shape.round) PD_TRY(roundToBf16(latent.data(), n * ld, stream));
+    const bool fp8_cache = cache_shape.dtype == DType::F8E4M3;
+    void* layer_cache = fp8_cache
+                            ? static_cast<void*>(cache_fp8.data() + sz(layer_slots) * kvTokenBytes(DType::F8E4M3, ld))
+                        : bf16_cache ? static_cast<void*>(cache_bf16.data() + layer_offset)
+                                     : static_cast<void*>(cache.data() + layer_offset);
+    // The collector gets the latents as computed (the host cache rounds them as it stores them,
+    // and a KV sink gets what the CPU engine's sink gets); the cache and the attention get them
+    // rounded as the host cache holds them (an FP8 cache encodes them as it stores them).
     if (shape.collect) {  // into pinned memory: a plain copy node when captured
       PD_CUDA_TRY(cudaMemcpyAsync(collected->data() + kv_layer * kMaxDecodeBatch * ld, latent.data(),
                                   sz(n * ld) * sizeof(float), cudaMemcpyDeviceToHost, s));
     }
+    if (shape.round) PD_TRY(roundToBf16(latent.data(), n * ld, stream));
     // Each row's latent into its cache slot: one scatter over the uploaded slots.
     // (A BF16 cache rounds as it stores: the attention below reads the rounded values.)
     const i64 cache_slots = allocated_blocks * cache_shape.block_size;
-    if (bf16_cache) {
+    if (fp8_cache) {
+      PD_TRY(scatterRowsKvFp8(latent.data(), n, write_slots.data(), static_cast<std::uint8_t*>(layer_cache),
+                              cache_slots, ld, stream));
+    } else if (bf16_cache) {
       PD_TRY(scatterRowsBf16(latent.data(), n, write_slots.data(), static_cast<std::uint16_t*>(layer_cache),
                              cache_slots, ld, stream));
     } else {
@@ -963,7 +980,7 @@ double DeviceDecodeStep::stepBytes(std::span<const std::int64_t> contexts,
     // kv_b (FP32): W_UK for the absorbed query, W_UV for the values.
     bytes += 4.0 * heads * static_cast<double>(c.qk_nope_head_dim + c.v_head_dim) * static_cast<double>(c.kv_lora_rank);
     bytes += linearBytes(l.o);
-    bytes += static_cast<double>(dtypeSize(cache_shape_.dtype)) * positions * ld;  // the layer's latents
+    bytes += static_cast<double>(kvTokenBytes(cache_shape_.dtype, ld)) * positions;  // the layer's latents
     if (!l.moe) {
       bytes += mlpBytes(l.dense);
       continue;
@@ -1202,6 +1219,9 @@ Status DeviceDecodeStep::writeCache(std::int64_t kv_layer, std::span<const std::
     return makeError(ErrorCode::InvalidArgument,
                      fmt::format("device cache write: {} values for {} slots of {}", values.size(), total, ld));
   }
+  if (cache_shape_.dtype == DType::F8E4M3) {
+    return makeError(ErrorCode::InvalidArgument, "device cache write: an FP8 cache takes tokens (writeCacheTokens)");
+  }
   if (total == 0) return okStatus();
   PD_CUDA_TRY(cudaSetDevice(m.weights.device().index));
   const i64 layer_offset = kv_layer * m.allocated_blocks * cache_shape_.block_size * ld;
@@ -1238,6 +1258,53 @@ Status DeviceDecodeStep::writeCache(std::int64_t kv_layer, std::span<const std::
   return m.stream.synchronize();
 }
 
+Status DeviceDecodeStep::writeCacheTokens(std::int64_t kv_layer, std::span<const std::int64_t> slots,
+                                          std::span<const std::int64_t> counts, std::span<const std::byte> tokens) {
+  Impl& m = *impl_;
+  const i64 ld = m.cfg.latentDim();
+  const i64 cache_slots = cache_shape_.num_blocks * cache_shape_.block_size;
+  if (cache_shape_.dtype != DType::F8E4M3 || !m.hasCache()) {
+    return makeError(ErrorCode::InvalidArgument, "device cache write: tokens go to an FP8 cache only");
+  }
+  if (kv_layer < 0 || kv_layer >= m.cache_layers || slots.size() != counts.size()) {
+    return makeError(ErrorCode::InvalidArgument,
+                     fmt::format("device cache write: layer {} of {}, {} slots and {} counts", kv_layer, m.cache_layers,
+                                 slots.size(), counts.size()));
+  }
+  i64 total = 0;
+  for (std::size_t i = 0; i < slots.size(); ++i) {
+    if (slots[i] < 0 || counts[i] <= 0 || slots[i] + counts[i] > cache_slots) {
+      return makeError(ErrorCode::InvalidArgument, fmt::format("device cache write: slots [{}, {}) outside [0, {})",
+                                                               slots[i], slots[i] + counts[i], cache_slots));
+    }
+    total += counts[i];
+  }
+  const std::size_t token = kvTokenBytes(DType::F8E4M3, ld);
+  if (tokens.size() != sz(total) * token) {
+    return makeError(ErrorCode::InvalidArgument, fmt::format("device cache write: {} bytes for {} tokens of {} bytes",
+                                                             tokens.size(), total, token));
+  }
+  if (total == 0) return okStatus();
+  PD_CUDA_TRY(cudaSetDevice(m.weights.device().index));
+  // Every write ends synchronized, so the staging buffer is free when the next one starts.
+  if (!m.staging_tokens || m.staging_tokens->size() < tokens.size()) {
+    m.staging_tokens.reset();
+    PD_ASSIGN_OR_RETURN(cuda::PinnedHostBuffer<std::byte> buf,
+                        cuda::PinnedHostBuffer<std::byte>::create(tokens.size()));
+    m.staging_tokens.emplace(std::move(buf));
+  }
+  std::memcpy(m.staging_tokens->data(), tokens.data(), tokens.size());
+  const std::size_t layer_offset = sz(kv_layer * m.allocated_blocks * cache_shape_.block_size) * token;
+  i64 at = 0;
+  for (std::size_t i = 0; i < slots.size(); ++i) {
+    PD_CUDA_TRY(cudaMemcpyAsync(m.cache_fp8.data() + layer_offset + sz(slots[i]) * token,
+                                m.staging_tokens->data() + sz(at) * token, sz(counts[i]) * token,
+                                cudaMemcpyHostToDevice, m.stream.get()));
+    at += counts[i];
+  }
+  return m.stream.synchronize();
+}
+
 Status DeviceDecodeStep::setCacheShape(const DecodeCacheShape& shape) {
   Impl& m = *impl_;
   if (shape == cache_shape_ && m.hasCache()) return okStatus();
@@ -1249,6 +1316,7 @@ Status DeviceDecodeStep::setCacheShape(const DecodeCacheShape& shape) {
   // Free the old cache first, so that the new one may take its place.
   m.cache = {};
   m.cache_bf16 = {};
+  m.cache_fp8 = {};
   m.attention.reset();
   m.block_tables = {};
   cache_shape_ = shape;

@@ -97,8 +97,10 @@ class DeviceDecodeStep {
     std::span<const std::int64_t> hidden_rows;     ///< rows whose hidden states to return
     LatentCollector* collector = nullptr;          ///< null: latents go only to the device cache
     /// Round each new latent to BF16 (math::bf16Round) before the cache and the attention see it,
-    /// as a BF16 host cache would hold it.
+    /// as a BF16 host cache would hold it. The collector gets the latents before the rounding, as
+    /// the CPU engine's sink does.
     bool round_latents_to_bf16 = false;
+
     /// When not empty: one sampling request per logit row; the rows are sampled on the device
     /// (DeviceSampler) and only the tokens and logprobs come back, not the logits.
     std::span<const DeviceSampler::Row> sample_rows;
@@ -159,6 +161,11 @@ class DeviceDecodeStep {
   /// the cache. Blocks until the copy is done (the host values may be freed after).
   [[nodiscard]] Status writeCache(std::int64_t kv_layer, std::span<const std::int64_t> slots,
                                   std::span<const std::int64_t> counts, std::span<const float> values);
+  /// The same for an FP8 cache (F8E4M3 shape; InvalidArgument otherwise): `tokens` holds the runs'
+  /// tokens as the host cache stores them (kvTokenBytes(F8E4M3, latent_dim) bytes each), copied
+  /// as they are.
+  [[nodiscard]] Status writeCacheTokens(std::int64_t kv_layer, std::span<const std::int64_t> slots,
+                                        std::span<const std::int64_t> counts, std::span<const std::byte> tokens);
 
   /// Replaces the device cache by one of `shape` (its contents are lost) and resizes what depends
   /// on it; nothing happens when the shape is the current one. InvalidArgument for a bad shape,

@@ -4,7 +4,8 @@
 /// functions compiled by the host compiler and check them against the CPU engine. A kernel's
 /// __global__ function then only maps threads to data (docs/gpu.md).
 ///
-/// What lives here: float8 e4m3 decode with 128x128 block scales and BF16 conversion; the YaRN
+/// What lives here: float8 e4m3 decode with 128x128 block scales, e4m3 encode and the FP8 KV
+/// cache's token format (pd/common/kv_format.h), and BF16 conversion; the YaRN
 /// inverse frequencies and the interleaved RoPE rotation; noaux_tc grouped top-k routing with the
 /// CPU engine's tie order; the merge of split-KV softmax partials; the sampling transforms
 /// (penalties, temperature weights, top-k / top-p / min-p cut-offs, the draw) and the
@@ -156,6 +157,112 @@ PD_HD std::uint16_t bf16Encode(float value) {
 /// `value` as a BF16 cache holds it: bf16Decode(bf16Encode(value)) (round to nearest even).
 PD_HD float bf16Round(float value) {
   return bf16Decode(bf16Encode(value));
+}
+
+/// float32 -> e4m3fn, round to nearest even, saturating to +-448, NaN -> 0x7F: pd::floatToFp8e4m3's
+/// construction (the sign survives rounding to zero).
+PD_HD std::uint8_t fp8e4m3Encode(float value) {
+  const std::uint32_t bits = floatToBits(value);
+  const std::uint32_t abs_bits = bits & 0x7FFFFFFFU;
+  if (abs_bits > 0x7F800000U) return 0x7F;  // NaN
+  const auto sign = static_cast<std::uint8_t>((bits >> 24) & 0x80U);
+  const float magnitude = bitsToFloat(abs_bits);
+  if (magnitude >= 448.0F) return static_cast<std::uint8_t>(sign | 0x7EU);
+  if (magnitude < 0x1p-6F) {
+    // Subnormal: the nearest multiple of 2^-9 (scaling by 512 and splitting off the fraction are exact).
+    const float scaled = magnitude * 512.0F;
+    auto whole = static_cast<std::uint32_t>(scaled);
+    const float fraction = scaled - static_cast<float>(whole);
+    if (fraction > 0.5F || (fraction == 0.5F && (whole & 1U) != 0)) ++whole;
+    return static_cast<std::uint8_t>(sign | whole);
+  }
+  const std::uint32_t lsb = (abs_bits >> 20) & 1U;
+  const std::uint32_t rounded = (abs_bits + 0x7FFFFU + lsb) >> 20;
+  const std::uint32_t code = rounded - ((127U - 7U) << 3);
+  return static_cast<std::uint8_t>(sign | (code > 0x7EU ? 0x7EU : code));
+}
+
+/// |x| (the sign bit cleared: exact).
+PD_HD float absF(float x) {
+  return bitsToFloat(floatToBits(x) & 0x7FFFFFFFU);
+}
+/// a / b and a * b rounded to nearest, never fused or approximated by the device compiler.
+PD_HD float divRn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fdiv_rn(a, b);
+#else
+  return a / b;
+#endif
+}
+PD_HD float mulRn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fmul_rn(a, b);
+#else
+  return a * b;
+#endif
+}
+
+// An FP8 KV cache token (pd/common/kv_format.h): tiles of kKvFp8Tile values, each with
+// scale = max|x| / 448 and codes e4m3(x / scale); a value reads back as e4m3(code) * scale.
+inline constexpr int kKvFp8Tile = 64;
+PD_HD float kvFp8Scale(float tile_amax) {
+  return divRn(tile_amax, 448.0F);
+}
+PD_HD std::uint8_t kvFp8Code(float x, float scale) {
+  return scale > 0.0F ? fp8e4m3Encode(divRn(x, scale)) : std::uint8_t{0};
+}
+PD_HD float kvFp8Value(std::uint8_t code, float scale) {
+  return mulRn(fp8e4m3Decode(code), scale);
+}
+/// The FP8 token layout: codes [d] padded to a multiple of 4, then one float32 scale per tile.
+PD_HD int kvFp8ScaleOffset(int d) {
+  return (d + 3) / 4 * 4;
+}
+PD_HD int kvFp8TokenBytes(int d) {
+  return kvFp8ScaleOffset(d) + (d + kKvFp8Tile - 1) / kKvFp8Tile * 4;
+}
+/// A float32 at a 4-byte aligned address inside a token.
+PD_HD void storeF32(std::uint8_t* at, float value) {
+#if defined(__CUDA_ARCH__)
+  *reinterpret_cast<float*>(at) = value;
+#else
+  std::memcpy(at, &value, sizeof value);
+#endif
+}
+PD_HD float loadF32(const std::uint8_t* at) {
+#if defined(__CUDA_ARCH__)
+  return *reinterpret_cast<const float*>(at);
+#else
+  float value;
+  std::memcpy(&value, at, sizeof value);
+  return value;
+#endif
+}
+/// Encodes tile `tile` of a d-value latent `x` into `token` (its codes and its scale).
+PD_HD void kvFp8EncodeTile(const float* x, int d, int tile, std::uint8_t* token) {
+  const int first = tile * kKvFp8Tile;
+  const int last = first + kKvFp8Tile < d ? first + kKvFp8Tile : d;
+  float amax = 0.0F;
+  for (int i = first; i < last; ++i) {
+    const float a = absF(x[i]);
+    if (a > amax) amax = a;
+  }
+  const float scale = kvFp8Scale(amax);
+  for (int i = first; i < last; ++i) token[i] = kvFp8Code(x[i], scale);
+  storeF32(token + kvFp8ScaleOffset(d) + static_cast<std::int64_t>(tile) * 4, scale);
+}
+/// The padding bytes between the codes and the scales (zero).
+PD_HD void kvFp8ZeroPadding(int d, std::uint8_t* token) {
+  for (int i = d; i < kvFp8ScaleOffset(d); ++i) token[i] = 0;
+}
+/// One token, as pd::encodeKvToken(F8E4M3) writes it.
+PD_HD void kvFp8EncodeToken(const float* x, int d, std::uint8_t* token) {
+  for (int t = 0; t * kKvFp8Tile < d; ++t) kvFp8EncodeTile(x, d, t, token);
+  kvFp8ZeroPadding(d, token);
+}
+/// Value `i` of an FP8 token.
+PD_HD float kvFp8At(const std::uint8_t* token, int d, int i) {
+  return kvFp8Value(token[i], loadF32(token + kvFp8ScaleOffset(d) + static_cast<std::int64_t>(i / kKvFp8Tile) * 4));
 }
 
 // ---------------------------------------------------------------------------------------------

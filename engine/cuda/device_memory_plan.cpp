@@ -65,13 +65,14 @@ Result<DeviceMemoryPlan> planDeviceMemory(const ModelConfig& c, const DeviceServ
                      "device memory plan: kv_blocks, kv_block_size, max_batch_tokens, max_context and "
                      "max_sample_rows must be positive");
   }
-  if (s.kv_dtype != DType::F32 && s.kv_dtype != DType::BF16) {
-    return makeError(ErrorCode::InvalidArgument,
-                     fmt::format("device memory plan: KV dtype {} (only F32 and BF16)", dtypeName(s.kv_dtype)));
+  if (!isKvDType(s.kv_dtype)) {
+    return makeError(
+        ErrorCode::InvalidArgument,
+        fmt::format("device memory plan: KV dtype {} (only F32, BF16 and F8_E4M3)", dtypeName(s.kv_dtype)));
   }
   DeviceMemoryPlan plan;
   plan.weights = checkpointLayoutBytes(c);
-  plan.kv_pool = u(c.kvLayers()) * u(s.kv_blocks) * u(s.kv_block_size) * u(c.latentDim()) * dtypeSize(s.kv_dtype);
+  plan.kv_pool = u(c.kvLayers()) * u(s.kv_blocks) * u(s.kv_block_size) * kvTokenBytes(s.kv_dtype, c.latentDim());
 
   plan.workspace = workspaceBytes(c, s.max_batch_tokens, s.max_context, s.max_sample_rows);
   return plan;
@@ -95,14 +96,16 @@ Result<KvCacheDtype> parseKvCacheDtype(std::string_view text) {
   return makeError(ErrorCode::InvalidArgument, fmt::format("kv_cache_dtype '{}' is not one of bf16, fp8", text));
 }
 
+DType kvDType(KvCacheDtype dtype) {
+  return dtype == KvCacheDtype::Bf16 ? DType::BF16 : dtype == KvCacheDtype::F32 ? DType::F32 : DType::F8E4M3;
+}
+
 std::string_view kvCacheDtypeName(KvCacheDtype dtype) {
   return dtype == KvCacheDtype::Bf16 ? "bf16" : dtype == KvCacheDtype::F32 ? "f32" : "fp8";
 }
 
 std::uint64_t kvBlockBytes(const ModelConfig& config, std::int64_t block_size, KvCacheDtype dtype) {
-  const u64 element = dtype == KvCacheDtype::F32 ? 4 : dtype == KvCacheDtype::Bf16 ? 2 : 1;
-  const u64 scales = dtype == KvCacheDtype::Fp8E4m3 ? sizeof(float) : 0;  // one per layer and block
-  return u(config.kvLayers()) * (u(block_size) * u(config.latentDim()) * element + scales);
+  return u(config.kvLayers()) * u(block_size) * kvTokenBytes(kvDType(dtype), config.latentDim());
 }
 
 std::uint64_t rankWeightBytes(const ModelConfig& config, int tp_size) {

@@ -12,6 +12,7 @@
 #include <string_view>
 
 #include "pd/common/dtype.h"
+#include "pd/common/kv_format.h"
 #include "pd/common/result.h"
 #include "pd/engine/model_config.h"
 
@@ -50,18 +51,19 @@ struct DeviceMemoryPlan {
 [[nodiscard]] Status checkDeviceFit(const DeviceMemoryPlan& plan, std::uint64_t free_bytes, std::uint64_t reserve_bytes,
                                     const std::string& device_name);
 
-/// The latent KV cache's element type on the device (`--kv_cache_dtype`): BF16 (the default), or
-/// FP8 e4m3 with one F32 scale per block and layer. Only the arithmetic and the option exist for
-/// FP8: no kernel reads or writes an FP8 KV cache yet (docs/gpu.md). F32: a decode pool of
-/// `decode.kv_dtype f32` (the golden parity mode), which the device cache mirrors as F32.
+/// The latent KV cache's element type on the device: BF16 (the default), or FP8 e4m3 with one F32
+/// scale per 64 values of a token (pd/common/kv_format.h, `decode.kv_dtype fp8`). F32: a decode
+/// pool of `decode.kv_dtype f32` (the golden parity mode).
 enum class KvCacheDtype { Bf16, Fp8E4m3, F32 };
 
 /// "bf16" or "fp8" (the option's values); InvalidArgument otherwise.
 [[nodiscard]] Result<KvCacheDtype> parseKvCacheDtype(std::string_view text);
 [[nodiscard]] std::string_view kvCacheDtypeName(KvCacheDtype dtype);
+/// The cache's DType (BF16, F8E4M3, F32).
+[[nodiscard]] DType kvDType(KvCacheDtype dtype);
 
 /// Bytes one KV block takes on one rank over every KV layer (the latent is replicated per rank):
-/// kvLayers x block_size x latentDim x element size, plus for FP8 one F32 scale per layer.
+/// kvLayers x block_size x kvTokenBytes (FP8: the codes plus one F32 scale per 64 values).
 [[nodiscard]] std::uint64_t kvBlockBytes(const ModelConfig& config, std::int64_t block_size, KvCacheDtype dtype);
 
 /// One rank's share of the checkpoint layout under tensor parallelism of `tp_size` ranks

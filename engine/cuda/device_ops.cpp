@@ -102,8 +102,8 @@ Status MlaDecodeAttention::run(const Batch& b, const cuda::Stream& stream) {
   PD_TRY(inRange(kWhat, "max_context_in_batch", b.max_context_in_batch, 1, limits_.max_context));
   PD_TRY(inRange(kWhat, "block_size", b.block_size, 1, kIntMax));
   PD_TRY(inRange(kWhat, "num_blocks", b.num_blocks, 1, kIntMax));
-  if (b.cache_dtype != DType::F32 && b.cache_dtype != DType::BF16) {
-    return invalid(fmt::format("{}: cache dtype {} (only F32 and BF16)", kWhat, dtypeName(b.cache_dtype)));
+  if (b.cache_dtype != DType::F32 && b.cache_dtype != DType::BF16 && b.cache_dtype != DType::F8E4M3) {
+    return invalid(fmt::format("{}: cache dtype {} (only F32, BF16 and F8_E4M3)", kWhat, dtypeName(b.cache_dtype)));
   }
   if (b.q_cat == nullptr || b.cache_layer == nullptr || b.block_tables == nullptr || b.table_begin == nullptr ||
       b.ctx_len == nullptr || b.out == nullptr) {
@@ -117,6 +117,7 @@ Status MlaDecodeAttention::run(const Batch& b, const cuda::Stream& stream) {
   a.latent_dim = static_cast<int>(limits_.latent_dim);
   a.cache_layer = b.cache_layer;
   a.cache_bf16 = b.cache_dtype == DType::BF16;
+  a.cache_fp8 = b.cache_dtype == DType::F8E4M3;
   a.block_size = static_cast<int>(b.block_size);
   a.num_blocks = static_cast<int>(b.num_blocks);
   a.block_tables = b.block_tables;
@@ -161,8 +162,8 @@ Status MlaPrefillAttention::run(const Batch& b, cublasHandle_t blas, const cuda:
   PD_TRY(inRange(kWhat, "block_size", b.block_size, 1, kIntMax));
   PD_TRY(inRange(kWhat, "num_blocks", b.num_blocks, 1, kIntMax));
   PD_TRY(inRange(kWhat, "table_entries", b.table_entries, 1, kIntMax));
-  if (b.cache_dtype != DType::F32 && b.cache_dtype != DType::BF16) {
-    return invalid(fmt::format("{}: cache dtype {} (only F32 and BF16)", kWhat, dtypeName(b.cache_dtype)));
+  if (b.cache_dtype != DType::F32 && b.cache_dtype != DType::BF16 && b.cache_dtype != DType::F8E4M3) {
+    return invalid(fmt::format("{}: cache dtype {} (only F32, BF16 and F8_E4M3)", kWhat, dtypeName(b.cache_dtype)));
   }
   if (b.q == nullptr || b.cache_layer == nullptr || b.block_tables == nullptr || b.ctx_len == nullptr ||
       b.kv_b == nullptr || b.out == nullptr || blas == nullptr) {
@@ -198,6 +199,7 @@ Status MlaPrefillAttention::run(const Batch& b, cublasHandle_t blas, const cuda:
       kernels::GatherLatentsArgs g;
       g.cache_layer = b.cache_layer;
       g.cache_bf16 = b.cache_dtype == DType::BF16;
+      g.cache_fp8 = b.cache_dtype == DType::F8E4M3;
       g.block_size = static_cast<int>(b.block_size);
       g.num_blocks = static_cast<int>(b.num_blocks);
       g.latent_dim = static_cast<int>(ld);
@@ -360,6 +362,17 @@ Status scatterRowsBf16(const float* src, std::int64_t rows, const std::int64_t* 
   if (src == nullptr || slots == nullptr || dst == nullptr) return invalid(fmt::format("{}: null pointer", kWhat));
   PD_CUDA_TRY(
       kernels::launchScatterRowsBf16(src, slots, static_cast<int>(rows), static_cast<int>(d), dst, stream.get()));
+  return okStatus();
+}
+
+Status scatterRowsKvFp8(const float* src, std::int64_t rows, const std::int64_t* slots, std::uint8_t* dst,
+                        std::int64_t dst_rows, std::int64_t d, const cuda::Stream& stream) {
+  constexpr std::string_view kWhat = "scatterRowsKvFp8";
+  PD_TRY(inRange(kWhat, "rows", rows, 1, kIntMax));
+  PD_TRY(inRange(kWhat, "d", d, 1, kIntMax / 2));
+  PD_TRY(inRange(kWhat, "dst_rows", dst_rows, rows, std::numeric_limits<std::int64_t>::max()));
+  if (src == nullptr || slots == nullptr || dst == nullptr) return invalid(fmt::format("{}: null pointer", kWhat));
+  PD_CUDA_TRY(kernels::launchScatterRowsKvFp8(src, rows, slots, dst, static_cast<int>(d), stream.get()));
   return okStatus();
 }
 

@@ -73,7 +73,7 @@ class MlaDecodeAttention {
     const float* q_cat = nullptr;  ///< [tokens, heads, latent_dim]
     std::int64_t tokens = 0;
     const void* cache_layer = nullptr;  ///< [num_blocks, block_size, latent_dim] of cache_dtype
-    DType cache_dtype = DType::F32;     ///< F32 or BF16
+    DType cache_dtype = DType::F32;     ///< F32, BF16 or F8E4M3 (kv_format.h tokens)
     std::int64_t block_size = 0;
     std::int64_t num_blocks = 0;
     const std::int32_t* block_tables = nullptr;  ///< concatenated
@@ -122,7 +122,7 @@ class MlaPrefillAttention {
     const float* q = nullptr;  ///< [rows, heads, nope + rope], RoPE applied
     std::int64_t rows = 0;
     const void* cache_layer = nullptr;  ///< [num_blocks, block_size, rank + rope] of cache_dtype
-    DType cache_dtype = DType::F32;     ///< F32 or BF16
+    DType cache_dtype = DType::F32;     ///< F32, BF16 or F8E4M3 (kv_format.h tokens)
     std::int64_t block_size = 0;
     std::int64_t num_blocks = 0;
     const std::int32_t* block_tables = nullptr;  ///< device, concatenated (DecodeStepPlan::block_tables)
@@ -199,6 +199,11 @@ Status scatterRows(const float* src, std::int64_t rows, const std::int64_t* slot
 /// The same into a BF16 cache: each value rounded to nearest even (math::bf16Encode).
 Status scatterRowsBf16(const float* src, std::int64_t rows, const std::int64_t* slots, std::uint16_t* dst,
                        std::int64_t dst_rows, std::int64_t d, const cuda::Stream& stream);
+/// The same into an FP8 cache (pd/common/kv_format.h): each row encoded as one token of
+/// kvTokenBytes(F8E4M3, d) bytes (e4m3 codes, a float32 scale per 64 values), exactly the bytes
+/// pd::encodeKvToken writes.
+Status scatterRowsKvFp8(const float* src, std::int64_t rows, const std::int64_t* slots, std::uint8_t* dst,
+                        std::int64_t dst_rows, std::int64_t d, const cuda::Stream& stream);
 
 /// gx[slot_of[i]] = x[i / top_k] for the tokens * top_k slots (rows of width d).
 Status moeGather(const float* x, const std::int32_t* slot_of, std::int64_t tokens, std::int64_t top_k, std::int64_t d,

@@ -4,6 +4,8 @@
 
 #include <algorithm>
 
+#include "pd/common/kv_format.h"
+
 namespace pd::gpu {
 namespace {
 
@@ -16,8 +18,8 @@ Error invalid(std::string message) {
 Status checkBatch(const ModelConfig& c, const model::LatentCacheView& cache,
                   std::span<const model::SequenceChunk> batch, i64 kv_layer, bool mtp) {
   if (batch.empty()) return invalid("empty batch");
-  if (cache.dtype != DType::F32 && cache.dtype != DType::BF16) {
-    return invalid("latent cache dtype must be F32 or BF16");
+  if (!isKvDType(cache.dtype)) {
+    return invalid("latent cache dtype must be F32, BF16 or F8_E4M3");
   }
   if (cache.latent_dim != c.latentDim() || cache.block_size <= 0 || cache.num_blocks <= 0 ||
       static_cast<i64>(cache.layers.size()) <= kv_layer) {

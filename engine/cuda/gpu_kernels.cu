@@ -47,6 +47,22 @@ __global__ void __launch_bounds__(kAxpyThreads) roundToBf16Kernel(float* x, std:
   }
 }
 
+// One thread per (row, tile of kKvFp8Tile values): row r's latent src[r] encoded into FP8 token
+// slots[r] of dst (pd/common/kv_format.h); the thread of tile 0 also zeroes the padding.
+__global__ void __launch_bounds__(kAxpyThreads)
+    scatterRowsKvFp8Kernel(const float* src, std::int64_t rows, const std::int64_t* slots, std::uint8_t* dst, int d) {
+  const std::int64_t tiles = (d + m::kKvFp8Tile - 1) / m::kKvFp8Tile;
+  const std::int64_t token_bytes = m::kvFp8TokenBytes(d);
+  for (std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < rows * tiles;
+       i += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
+    const std::int64_t row = i / tiles;
+    const int tile = static_cast<int>(i % tiles);
+    std::uint8_t* token = dst + slots[row] * token_bytes;
+    m::kvFp8EncodeTile(src + row * d, d, tile, token);
+    if (tile == 0) m::kvFp8ZeroPadding(d, token);
+  }
+}
+
 // ---- RMSNorm ---------------------------------------------------------------------------------
 
 constexpr int kNormThreads = 256;
@@ -99,10 +115,21 @@ __global__ void __launch_bounds__(kRopeThreads)
 constexpr int kMlaThreads = 128;
 constexpr int kMlaWarps = kMlaThreads / 32;
 
+// Value `dim` of the latent in cache slot `slot` of a layer: F32, BF16, or an FP8 token (its code
+// times its tile's scale).
+__device__ float cachedLatent(const void* layer, bool bf16, bool fp8, int latent_dim, std::int64_t slot, int dim) {
+  if (fp8) {
+    const auto* token = static_cast<const std::uint8_t*>(layer) + slot * m::kvFp8TokenBytes(latent_dim);
+    return m::kvFp8At(token, latent_dim, dim);
+  }
+  const std::int64_t index = slot * latent_dim + dim;
+  if (bf16) return m::bf16Decode(static_cast<const std::uint16_t*>(layer)[index]);
+  return static_cast<const float*>(layer)[index];
+}
+
 __device__ float latentAt(const MlaDecodeArgs& a, std::int32_t block, int offset, int dim) {
-  const std::int64_t index = (static_cast<std::int64_t>(block) * a.block_size + offset) * a.latent_dim + dim;
-  if (a.cache_bf16) return m::bf16Decode(static_cast<const std::uint16_t*>(a.cache_layer)[index]);
-  return static_cast<const float*>(a.cache_layer)[index];
+  return cachedLatent(a.cache_layer, a.cache_bf16, a.cache_fp8, a.latent_dim,
+                      static_cast<std::int64_t>(block) * a.block_size + offset, dim);
 }
 
 // grid (tokens * heads, splits): one block per (query token, head, split of the context).
@@ -181,11 +208,10 @@ __global__ void __launch_bounds__(kPrefillThreads) gatherLatentsKernel(GatherLat
   const std::int64_t p = a.first + blockIdx.x;
   const std::int32_t block = a.table[p / a.block_size];
   assert(block >= 0 && block < a.num_blocks);
-  const std::int64_t base = (static_cast<std::int64_t>(block) * a.block_size + p % a.block_size) * a.latent_dim;
+  const std::int64_t slot = static_cast<std::int64_t>(block) * a.block_size + p % a.block_size;
   float* out = a.out + static_cast<std::int64_t>(blockIdx.x) * a.latent_dim;
   for (int i = threadIdx.x; i < a.latent_dim; i += kPrefillThreads) {
-    out[i] = a.cache_bf16 ? m::bf16Decode(static_cast<const std::uint16_t*>(a.cache_layer)[base + i])
-                          : static_cast<const float*>(a.cache_layer)[base + i];
+    out[i] = cachedLatent(a.cache_layer, a.cache_bf16, a.cache_fp8, a.latent_dim, slot, i);
   }
 }
 
@@ -458,6 +484,15 @@ cudaError_t launchRoundToBf16(float* x, std::int64_t n, cudaStream_t stream) {
   if (n <= 0) return cudaSuccess;
   const std::int64_t blocks = std::min<std::int64_t>((n + kAxpyThreads - 1) / kAxpyThreads, 65535);
   roundToBf16Kernel<<<static_cast<unsigned int>(blocks), kAxpyThreads, 0, stream>>>(x, n);
+  return cudaGetLastError();
+}
+
+cudaError_t launchScatterRowsKvFp8(const float* src, std::int64_t rows, const std::int64_t* slots, std::uint8_t* dst,
+                                   int d, cudaStream_t stream) {
+  if (rows <= 0 || d <= 0) return cudaSuccess;
+  const std::int64_t threads = rows * ((d + m::kKvFp8Tile - 1) / m::kKvFp8Tile);
+  const std::int64_t blocks = std::min<std::int64_t>((threads + kAxpyThreads - 1) / kAxpyThreads, 65535);
+  scatterRowsKvFp8Kernel<<<static_cast<unsigned int>(blocks), kAxpyThreads, 0, stream>>>(src, rows, slots, dst, d);
   return cudaGetLastError();
 }
 

@@ -24,6 +24,10 @@ cudaError_t launchRowsToBf16(const float* x, std::int64_t x_stride, std::int64_t
 
 /// x[i] = math::bf16Round(x[i]) for i < n: values rounded as a BF16 latent cache stores them.
 cudaError_t launchRoundToBf16(float* x, std::int64_t n, cudaStream_t stream);
+/// Row r of src [rows, d] encoded as an FP8 KV token (math::kvFp8EncodeTile) into token slots[r]
+/// of dst (kvFp8TokenBytes(d) bytes a token).
+cudaError_t launchScatterRowsKvFp8(const float* src, std::int64_t rows, const std::int64_t* slots, std::uint8_t* dst,
+                                   int d, cudaStream_t stream);
 
 /// gate[i] = silu(gate[i]) * up[i] for i < n (the SwiGLU activation, math::siluMul).
 cudaError_t launchSiluMul(float* gate, const float* up, std::int64_t n, cudaStream_t stream);
@@ -45,8 +49,9 @@ struct MlaDecodeArgs {
   int tokens = 0;
   int heads = 0;
   int latent_dim = 0;
-  const void* cache_layer = nullptr;  ///< one KV layer: [num_blocks, block_size, latent_dim]
+  const void* cache_layer = nullptr;  ///< one KV layer: [num_blocks, block_size] tokens
   bool cache_bf16 = false;
+  bool cache_fp8 = false;  ///< tokens of kv_format.h's FP8 layout
   int block_size = 0;
   int num_blocks = 0;
   const std::int32_t* block_tables = nullptr;  ///< concatenated tables
@@ -65,8 +70,9 @@ cudaError_t launchMlaDecode(const MlaDecodeArgs& args, cudaStream_t stream);
 /// Prefill attention (see device_ops.h, MlaPrefillAttention): positions [first, first + count)
 /// of one sequence's latents, read through its block table, into out [count, latent_dim] (FP32).
 struct GatherLatentsArgs {
-  const void* cache_layer = nullptr;  ///< one KV layer: [num_blocks, block_size, latent_dim]
+  const void* cache_layer = nullptr;  ///< one KV layer: [num_blocks, block_size] tokens
   bool cache_bf16 = false;
+  bool cache_fp8 = false;  ///< tokens of kv_format.h's FP8 layout
   int block_size = 0;
   int num_blocks = 0;
   int latent_dim = 0;

@@ -7,6 +7,7 @@
 #include <utility>
 
 #include "pd/common/check.h"
+#include "pd/common/kv_format.h"
 
 namespace pd::model {
 
@@ -23,24 +24,14 @@ std::byte* slotOf(const LatentCacheView& cache, std::int64_t layer, std::span<co
 
 void readLatent(const LatentCacheView& cache, std::int64_t layer, std::span<const std::int32_t> block_table,
                 std::int64_t pos, float* out) {
-  const std::byte* p = slotOf(cache, layer, block_table, pos);
-  if (cache.dtype == DType::F32) {
-    std::memcpy(out, p, static_cast<std::size_t>(cache.latent_dim) * sizeof(float));
-    return;
-  }
-  const auto* h = reinterpret_cast<const std::uint16_t*>(p);
-  for (std::int64_t i = 0; i < cache.latent_dim; ++i) out[i] = bf16ToFloat(h[i]);
+  decodeKvToken(cache.dtype, slotOf(cache, layer, block_table, pos),
+                std::span(out, static_cast<std::size_t>(cache.latent_dim)));
 }
 
 void writeLatent(const LatentCacheView& cache, std::int64_t layer, std::span<const std::int32_t> block_table,
                  std::int64_t pos, const float* values) {
-  std::byte* p = slotOf(cache, layer, block_table, pos);
-  if (cache.dtype == DType::F32) {
-    std::memcpy(p, values, static_cast<std::size_t>(cache.latent_dim) * sizeof(float));
-    return;
-  }
-  auto* h = reinterpret_cast<std::uint16_t*>(p);
-  for (std::int64_t i = 0; i < cache.latent_dim; ++i) h[i] = floatToBf16(values[i]);
+  encodeKvToken(cache.dtype, std::span(values, static_cast<std::size_t>(cache.latent_dim)),
+                slotOf(cache, layer, block_table, pos));
 }
 
 PagedLatentCache::PagedLatentCache(std::unique_ptr<std::byte[]> storage, std::size_t bytes, LatentCacheView view)
@@ -48,9 +39,9 @@ PagedLatentCache::PagedLatentCache(std::unique_ptr<std::byte[]> storage, std::si
 
 Result<PagedLatentCache> PagedLatentCache::create(std::int64_t layers, std::int64_t latent_dim, std::int64_t num_blocks,
                                                   std::int64_t block_size, DType dtype) {
-  if (dtype != DType::F32 && dtype != DType::BF16) {
+  if (!isKvDType(dtype)) {
     return makeError(ErrorCode::InvalidArgument,
-                     fmt::format("latent cache dtype must be F32 or BF16, not {}", dtypeName(dtype)));
+                     fmt::format("latent cache dtype must be F32, BF16 or F8_E4M3, not {}", dtypeName(dtype)));
   }
   if (layers <= 0 || latent_dim <= 0 || num_blocks <= 0 || block_size <= 0) {
     return makeError(ErrorCode::InvalidArgument,
@@ -58,7 +49,7 @@ Result<PagedLatentCache> PagedLatentCache::create(std::int64_t layers, std::int6
                                  "block_size {})",
                                  layers, latent_dim, num_blocks, block_size));
   }
-  const auto layer_bytes = static_cast<std::size_t>(num_blocks * block_size * latent_dim) * dtypeSize(dtype);
+  const auto layer_bytes = static_cast<std::size_t>(num_blocks * block_size) * kvTokenBytes(dtype, latent_dim);
   const std::size_t bytes = layer_bytes * static_cast<std::size_t>(layers);
   std::unique_ptr<std::byte[]> storage(new (std::nothrow) std::byte[bytes]());
   if (!storage) {

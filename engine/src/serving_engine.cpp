@@ -48,15 +48,15 @@ Result<ServingEngine> loadServingEngine(const std::filesystem::path& model_dir, 
 
 Result<GpuKvPoolSize> planGpuKvPool(const ModelConfig& config, std::uint64_t device_total_bytes, double utilization,
                                     int tp_size, std::int64_t block_size, DType kv_dtype) {
-  if (kv_dtype != DType::F32 && kv_dtype != DType::BF16) {
-    return makeError(ErrorCode::InvalidArgument, "GPU KV pool: the pool is F32 or BF16");
-  }
+  if (!isKvDType(kv_dtype)) return makeError(ErrorCode::InvalidArgument, "GPU KV pool: the pool is F32, BF16 or FP8");
   gpu::GpuMemoryBudget budget;
   budget.device_total_bytes = device_total_bytes;
   budget.utilization = utilization;
   budget.tp_size = tp_size;
   budget.kv_block_size = block_size;
-  budget.kv_dtype = kv_dtype == DType::F32 ? gpu::KvCacheDtype::F32 : gpu::KvCacheDtype::Bf16;
+  budget.kv_dtype = kv_dtype == DType::F32    ? gpu::KvCacheDtype::F32
+                    : kv_dtype == DType::BF16 ? gpu::KvCacheDtype::Bf16
+                                              : gpu::KvCacheDtype::Fp8E4m3;
   PD_ASSIGN_OR_RETURN(const gpu::KvPoolPlan plan, gpu::planKvPool(config, budget));
   return GpuKvPoolSize{plan.num_blocks, gpu::describeKvPoolPlan(plan, budget)};
 }

@@ -5,6 +5,8 @@
 #include <algorithm>
 #include <numeric>
 
+#include "pd/common/kv_format.h"
+
 namespace pd::kvtransfer {
 namespace {
 
@@ -73,9 +75,10 @@ Status validateTarget(const KvDescriptor& d, std::size_t ti, std::uint32_t max_b
 
 Status validateDescriptor(const KvDescriptor& d) {
   const auto& c = d.compat;
-  if (c.kv_dtype != DType::BF16 && c.kv_dtype != DType::F32) {
-    return makeError(ErrorCode::Unsupported,
-                     fmt::format("KV descriptor: KV dtype {} is not supported (BF16, F32)", dtypeName(c.kv_dtype)));
+  if (!isKvDType(c.kv_dtype)) {
+    return makeError(
+        ErrorCode::Unsupported,
+        fmt::format("KV descriptor: KV dtype {} is not supported (BF16, F32, F8_E4M3)", dtypeName(c.kv_dtype)));
   }
   if (c.block_size == 0) return invalid("block_size is 0");
   if (c.kv_dim == 0) return invalid("kv_dim is 0");

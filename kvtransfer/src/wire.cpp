@@ -8,6 +8,7 @@
 
 #include "byte_io.h"
 #include "pd/common/choices.h"
+#include "pd/common/kv_format.h"
 #include "pd/trace/trace_context.h"
 
 namespace pd::kvtransfer {
@@ -171,7 +172,7 @@ void getAlternatives(ByteReader& r, std::vector<pd::TokenLogprob>& top) {
 }  // namespace
 
 std::uint64_t CompatInfo::tokenBytes() const {
-  return std::uint64_t{kv_dim} * dtypeSize(kv_dtype);
+  return kvTokenBytes(kv_dtype, kv_dim);
 }
 
 std::uint64_t compatHash(const CompatInfo& info) {

@@ -16,8 +16,8 @@ void registerOptions(config::OptionSet& set, PrefillConfig& cfg) {
       .add("cache_block_size", &cfg.cache_block_size, "tokens per block of the prefill-local latent cache", 1, 1 << 16)
       .add("kv_dtype", &cfg.kv_dtype,
            "element type of the prefill-local latent cache (bf16: later chunks attend to the earlier ones rounded as "
-           "a BF16 decode pool holds them)",
-           {"f32", "bf16"})
+           "a BF16 decode pool holds them; fp8 likewise for an FP8 pool)",
+           {"f32", "bf16", "fp8"})
       .add("prefix_cache_blocks", &cfg.prefix_cache_blocks,
            "local cache blocks kept for prompt-prefix reuse, LRU-evicted; beyond cache_blocks means cache_blocks (0: "
            "off)",

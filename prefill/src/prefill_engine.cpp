@@ -9,6 +9,7 @@
 #include <utility>
 
 #include "pd/common/choices.h"
+#include "pd/common/kv_format.h"
 
 namespace pd::prefill {
 
@@ -66,7 +67,7 @@ PrefillEngineOptions engineOptions(const PrefillConfig& config) {
   o.max_queued_requests = config.max_queued_requests;
   o.cache_blocks = config.cache_blocks;
   o.block_size = config.cache_block_size;
-  o.cache_dtype = config.kv_dtype == "bf16" ? DType::BF16 : DType::F32;
+  o.cache_dtype = parseKvDType(config.kv_dtype).value_or(DType::F32);
   o.prefix_cache_blocks = std::min(config.prefix_cache_blocks, config.cache_blocks);
   return o;
 }

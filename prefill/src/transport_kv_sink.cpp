@@ -63,7 +63,7 @@ Result<std::unique_ptr<TransportKvSink>> TransportKvSink::create(
     kvtransfer::Transport& transport, kvtransfer::KvDescriptor descriptor, kvtransfer::Deadline deadline,
     kvtransfer::TransferDoneFn on_done, std::shared_ptr<TransferTimeline> timeline, std::string record_traceparent) {
   const kvtransfer::CompatInfo& c = descriptor.compat;
-  if (c.kv_dtype != DType::BF16 && c.kv_dtype != DType::F32) {
+  if (!isKvDType(c.kv_dtype)) {
     return makeError(ErrorCode::Unsupported, fmt::format("KV dtype {} cannot be staged", dtypeName(c.kv_dtype)));
   }
   auto staging = std::make_shared<Staging>();

@@ -19,6 +19,8 @@
 #include <vector>
 
 #include "pd/common/worker_api.h"
+#include "pd/engine/generate.h"
+#include "pd/engine/model_factory.h"
 #include "support/golden_prompt.h"
 #include "support/local_cluster.h"
 #include "support/test_files.h"
@@ -174,6 +176,57 @@ TEST(E2eGoldenStaging, TheStagingPathReturnsTheGoldenGreedyTokens) {
   EXPECT_EQ(st.kv_transfer_path, "staging");
   EXPECT_EQ(st.free_blocks, st.total_blocks) << "KV blocks leaked";
   EXPECT_EQ(workerStatus(prefills[0], cluster.auth().get()).kv_transfer_path, "staging");
+  EXPECT_EQ(cluster.stop(std::chrono::seconds{60}), 0);
+}
+
+// An FP8 KV cache on both workers (decode.kv_dtype fp8, prefill.kv_dtype fp8: e4m3 tokens with a
+// float32 scale per 64 values, pd/common/kv_format.h), MTP on: the tokens are those the engine
+// generates in one process on an FP8 cache (model::generate), twice; the KV crossing the wire is
+// FP8 (612-byte tokens for DeepSeek-V3, here the golden model's latent); both workers report the
+// dtype and the pool is whole again afterwards.
+TEST(E2eGoldenFp8Kv, AnFp8PoolServesWhatAnFp8CacheGeneratesInOneProcess) {
+  const std::string model = "tiny-bf16";
+  const GoldenPrompt golden = goldenPrompt(model);
+  auto engine = model::createCpuEngine(goldenDir() / model, model::CpuEngineOptions{2, std::nullopt});
+  ASSERT_TRUE(engine.ok()) << engine.error().toString();
+  const std::vector<std::int32_t> prompt_ids(golden.tokens.begin(), golden.tokens.end());
+  model::GenerateOptions go;
+  go.max_tokens = static_cast<std::int64_t>(golden.greedy.size());
+  go.stop_at_eos = false;
+  go.mtp_drafts = 1;
+  go.cache_dtype = DType::F8E4M3;
+  auto expected = model::generate(**engine, prompt_ids, go);
+  ASSERT_TRUE(expected.ok()) << expected.error().toString();
+  const std::vector<std::int64_t> want(expected->tokens.begin(), expected->tokens.end());
+
+  TempDir cache;
+  LocalCluster cluster({"--model.path=" + (goldenDir() / model).string(), "--model.tokenizer=" PD_TOKENIZER_DIR,
+                        "--model.cache_dir=" + cache.path().string(), "--router.port=0",
+                        "--decode.num_speculative_tokens=1", "--decode.kv_dtype=fp8", "--prefill.kv_dtype=fp8",
+                        "--log.level=warn"});
+  ASSERT_FALSE(cluster.url().empty());
+  for (int i = 0; i < 600 && getPath(cluster.host(), cluster.port(), "/ready").status != 200; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  json::array prompt;
+  for (auto t : golden.tokens) prompt.push_back(t);
+  const json::object body{{"model", "pdserve-default"}, {"prompt", prompt},   {"max_tokens", golden.greedy.size()},
+                          {"temperature", 0},           {"ignore_eos", true}, {"return_token_ids", true}};
+  for (int round = 0; round < 2; ++round) {  // the second round reuses freed blocks
+    const auto response = postJson(cluster, "/v1/completions", json::serialize(body));
+    ASSERT_EQ(response.status, 200) << response.body;
+    const auto doc = json::parse(response.body);
+    std::vector<std::int64_t> ids;
+    for (const auto& t : doc.at("choices").as_array().at(0).as_object().at("token_ids").as_array()) {
+      ids.push_back(t.to_number<std::int64_t>());
+    }
+    EXPECT_EQ(ids, want) << "round " << round;
+  }
+  const auto decoders = childUrls(cluster, "decode");
+  ASSERT_EQ(decoders.size(), 1U);
+  const auto st = workerStatus(decoders[0], cluster.auth().get());
+  EXPECT_EQ(st.kv_cache_dtype, "fp8");
+  EXPECT_EQ(st.free_blocks, st.total_blocks) << "KV blocks leaked";
   EXPECT_EQ(cluster.stop(std::chrono::seconds{60}), 0);
 }
 

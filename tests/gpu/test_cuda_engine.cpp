@@ -262,41 +262,49 @@ TEST(CudaEngine, TinyFp8MatchesTheCpuEngine) {
   runParity("tiny-fp8");
 }
 
-// A BF16 host cache: the CUDA engine keeps a BF16 device cache (half the bytes the attention
-// reads). Both engines round every latent to BF16, but where their unrounded latents differ in the
-// last bits a rounding can flip, so the bound is the BF16 cache's (docs/engine.md: close logits,
-// the same greedy token unless the top two are close), not the float32 tolerance.
-TEST(CudaEngine, ABf16HostCacheRunsOnABf16DeviceCacheNearTheCpuEngine) {
-  auto cpu = cpuEngine("tiny-bf16");
-  auto gpu = cudaEngine("tiny-bf16");
+// A BF16 or FP8 host cache against the CPU engine on the same kind of cache, for a 40-token prompt
+// (the prefill path on both) and 8 greedy decode steps. Both engines round every latent as the
+// cache holds it, but where their unrounded latents differ in the last bits a rounding can flip,
+// so the bound is the cache's own, not the float32 tolerance: for BF16 0.05 (docs/engine.md: close
+// logits, the same greedy token unless the top two are close); for FP8 what FP8 itself moves the
+// CPU engine's logits from an F32 cache (measured in the test), with the same token wherever the top
+// two logits are 0.5 apart.
+void runCacheParity(const std::string& model, pd::DType dtype) {
+  auto cpu = cpuEngine(model);
+  auto gpu = cudaEngine(model);
   ASSERT_TRUE(cpu && gpu);
   const pd::ModelConfig& c = cpu->config();
   const i64 vocab = c.vocab_size;
-  auto cpu_cache = pd::model::PagedLatentCache::create(c, kBlocks, kBlockSize, pd::DType::BF16);
-  auto gpu_cache = pd::model::PagedLatentCache::create(c, kBlocks, kBlockSize, pd::DType::BF16);
-  ASSERT_TRUE(cpu_cache.ok() && gpu_cache.ok());
+  auto cpu_cache = pd::model::PagedLatentCache::create(c, kBlocks, kBlockSize, dtype);
+  auto gpu_cache = pd::model::PagedLatentCache::create(c, kBlocks, kBlockSize, dtype);
+  auto f32_cache = pd::model::PagedLatentCache::create(c, kBlocks, kBlockSize, pd::DType::F32);
+  ASSERT_TRUE(cpu_cache.ok() && gpu_cache.ok() && f32_cache.ok());
   std::vector<std::int32_t> prompt;
   for (i64 i = 0; i < 40; ++i) prompt.push_back(static_cast<std::int32_t>((i * 53 + 11) % vocab));
   const auto table = blockTable(0, 20, 1);
-  double worst = 0.0;
-  const auto compare = [&](const ForwardOutput& want, const ForwardOutput& got, const std::string& what) {
-    worst = std::max(worst, maxAbsDiff(want.logits, got.logits));
-    EXPECT_LE(maxAbsDiff(want.logits, got.logits), 0.05) << what;
-    const i64 rows = static_cast<i64>(want.logits.size()) / vocab;
-    for (i64 r = 0; r < rows; ++r) {
-      std::vector<float> row(want.logits.begin() + r * vocab, want.logits.begin() + (r + 1) * vocab);
-      std::partial_sort(row.begin(), row.begin() + 2, row.end(), std::greater<>());
-      if (row[0] - row[1] > 0.05F) {
-        EXPECT_EQ(argmax(want.logits, r, vocab), argmax(got.logits, r, vocab)) << what << " row " << r;
-      }
-    }
-  };
   ForwardOptions all;
   all.logits = OutputRows::All;  // 40 tokens: the prefill path on both (the cheaper one here)
   const std::vector<SequenceChunk> first{chunk(prompt, 0, table)};
+  auto exact = cpu->forward(first, f32_cache->view(), all);
   auto want = cpu->forward(first, cpu_cache->view(), all);
   auto got = gpu->forward(first, gpu_cache->view(), all);
-  ASSERT_TRUE(want.ok() && got.ok());
+  ASSERT_TRUE(exact.ok() && want.ok() && got.ok());
+  const bool fp8 = dtype == pd::DType::F8E4M3;
+  const double bound = fp8 ? maxAbsDiff(exact->logits, want->logits) : 0.05;
+  const float margin = fp8 ? 0.5F : 0.05F;
+  double worst = 0.0;
+  const auto compare = [&](const ForwardOutput& w, const ForwardOutput& g, const std::string& what) {
+    worst = std::max(worst, maxAbsDiff(w.logits, g.logits));
+    EXPECT_LE(maxAbsDiff(w.logits, g.logits), bound) << what;
+    const i64 rows = static_cast<i64>(w.logits.size()) / vocab;
+    for (i64 r = 0; r < rows; ++r) {
+      std::vector<float> row(w.logits.begin() + r * vocab, w.logits.begin() + (r + 1) * vocab);
+      std::partial_sort(row.begin(), row.begin() + 2, row.end(), std::greater<>());
+      if (row[0] - row[1] > margin) {
+        EXPECT_EQ(argmax(w.logits, r, vocab), argmax(g.logits, r, vocab)) << what << " row " << r;
+      }
+    }
+  };
   compare(*want, *got, "prompt");
   std::int32_t next = argmax(want->logits, 39, vocab);
   ForwardOptions last;
@@ -310,7 +318,19 @@ TEST(CudaEngine, ABf16HostCacheRunsOnABf16DeviceCacheNearTheCpuEngine) {
     compare(*w, *g, "decode at " + std::to_string(pos));
     next = argmax(w->logits, 0, vocab);
   }
-  std::printf("tiny-bf16 on BF16 caches: max |d| logits %.3g\n", worst);
+  std::printf("%s on %s caches: max |d| logits %.3g (bound %.3g)\n", model.c_str(), pd::dtypeName(dtype).data(), worst,
+              bound);
+}
+
+TEST(CudaEngine, ABf16HostCacheRunsOnABf16DeviceCacheNearTheCpuEngine) {
+  runCacheParity("tiny-bf16", pd::DType::BF16);
+}
+
+// An FP8 host cache (e4m3 tiles, pd/common/kv_format.h): the device cache stays F32 and holds the
+// FP8 values exactly (the step rounds each latent as the host cache stores it).
+TEST(CudaEngine, AnFp8HostCacheAttendsToTheFp8ValuesAsTheCpuEngineDoes) {
+  runCacheParity("tiny-bf16", pd::DType::F8E4M3);
+  runCacheParity("tiny-fp8", pd::DType::F8E4M3);
 }
 
 std::vector<std::int32_t> goldenIds(const std::string& name, const std::string& tensor) {

@@ -22,6 +22,7 @@
 #include "gpu/gpu_test_main.h"
 #include "pd/common/check.h"
 #include "pd/common/dtype.h"
+#include "pd/common/kv_format.h"
 #include "pd/cuda/cuda_handles.h"
 #include "pd/engine/gpu.h"
 #include "pd/engine/kernels.h"
@@ -195,6 +196,8 @@ TEST_F(Kernel, MlaDecodeMatchesCpuAbsorbedAttention) {
       {8, 40, 16, DType::F32, {}, false},  // 64 tokens, random contexts below
       {128, 576, 64, DType::BF16, {4096, 4097, 4098}, true},
       {16, 576, 64, DType::F32, {32768}, false},
+      {16, 576, 64, DType::F8E4M3, {1, 63, 64, 65, 255, 256, 257}, false},  // FP8 tokens (kv_format.h)
+      {4, 40, 16, DType::F8E4M3, {1, 17, 300}, false},                      // a short last tile, padding
   };
   for (int i = 0; i < 64; ++i) cases[2].ctx.push_back(1 + static_cast<int64_t>(rng_() % 700));
   for (const MlaCase& c : cases) {
@@ -283,6 +286,7 @@ TEST_F(Kernel, MlaPrefillMatchesThePlainPrefillAttention) {
       {4, 16, 8, 12, 40, 16, DType::BF16, {{5, 255}, {3, 256}, {7, 257}}},     // chunk boundaries
       {16, 128, 64, 128, 512, 64, DType::F32, {{64, 700}}},                    // V3 head dims, 64 rows
       {16, 128, 64, 128, 512, 64, DType::BF16, {{20, 20}, {1, 513}, {9, 9}}},  // a prompt, a decode row, a prompt
+      {4, 16, 8, 12, 40, 16, DType::F8E4M3, {{5, 255}, {3, 257}}},             // FP8 tokens (kv_format.h)
   };
   for (const PrefillCase& c : cases) {
     const int64_t ld = c.rank + c.rope;
@@ -671,6 +675,45 @@ TEST_F(Kernel, RoundToBf16IsTheHostsFloatToBf16) {
     EXPECT_EQ(got.back(), 1.2345678F) << "wrote past n";
   }
   EXPECT_TRUE(pd::gpu::roundToBf16(nullptr, 0, stream()).ok());  // nothing to do
+}
+
+// The scatter into an FP8 cache (pd/common/kv_format.h): each row's token bytes are exactly what
+// pd::encodeKvToken writes (codes, zero padding, scales), for latents of several widths (short last
+// tiles, zero tiles, wide ranges), and no other token's bytes change.
+TEST_F(Kernel, ScatterKvFp8WritesTheHostCachesTokens) {
+  for (const int64_t d : {int64_t{1}, int64_t{37}, int64_t{64}, int64_t{576}}) {
+    for (const int64_t rows : {int64_t{1}, int64_t{3}, int64_t{64}}) {
+      std::vector<float> x = randn(static_cast<std::size_t>(rows * d));
+      for (std::size_t i = 0; i < x.size(); ++i) x[i] *= std::pow(10.0F, static_cast<float>(i % 7) - 3.0F);
+      std::fill(x.begin(), x.begin() + std::min<int64_t>(d, 64), 0.0F);  // row 0's first tile: zeros
+      x.back() = -0.0F;
+      const int64_t cache_slots = 2 * rows + 1;
+      std::vector<int64_t> slots;
+      for (int64_t r = 0; r < rows; ++r) slots.push_back(2 * (rows - 1 - r) + 1);  // odd slots, reversed
+      const std::size_t token = pd::kvTokenBytes(DType::F8E4M3, d);
+      std::vector<std::uint8_t> before(static_cast<std::size_t>(cache_slots) * token, 0xCD);
+      auto dcache = upload(before, stream());
+      auto dx = upload(x, stream());
+      auto dslots = upload(slots, stream());
+      ASSERT_TRUE(
+          pd::gpu::scatterRowsKvFp8(dx.data(), rows, dslots.data(), dcache.data(), cache_slots, d, stream()).ok());
+      const auto got = download(dcache, before.size(), stream());
+      std::vector<std::uint8_t> want = before;
+      for (int64_t r = 0; r < rows; ++r) {
+        pd::encodeKvToken(
+            DType::F8E4M3,
+            std::span<const float>(x).subspan(static_cast<std::size_t>(r * d), static_cast<std::size_t>(d)),
+            reinterpret_cast<std::byte*>(want.data()) +
+                static_cast<std::size_t>(slots[static_cast<std::size_t>(r)]) * token);
+      }
+      for (std::size_t i = 0; i < want.size(); ++i) {
+        ASSERT_EQ(got[i], want[i]) << "d " << d << " rows " << rows << ": byte " << i % token << " of slot "
+                                   << i / token;
+      }
+    }
+  }
+  EXPECT_EQ(pd::gpu::scatterRowsKvFp8(nullptr, 2, nullptr, nullptr, 4, 576, stream()).error().code,
+            pd::ErrorCode::InvalidArgument);
 }
 
 // The grouping, gather and combine kernels against their host functions, on routing's own output

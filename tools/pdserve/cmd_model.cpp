@@ -5,6 +5,7 @@
 
 #include "cli.h"
 #include "model_tools/model_run.h"
+#include "pd/common/kv_format.h"
 
 namespace pd::cli {
 namespace {
@@ -85,6 +86,7 @@ int runGenerate(const std::vector<std::string>& args) {
   double temperature = 0.0, top_p = 1.0, min_p = 0.0, presence = 0.0, frequency = 0.0;
   bool ignore_eos = false;
   bool stats = false;
+  std::string kv_dtype = "f32";
   config::OptionSet set("generate");
   flags.add(set);
   set.add("prompt_ids", &prompt_ids, "comma-separated prompt token ids, e.g. 1,2,3")
@@ -99,6 +101,7 @@ int runGenerate(const std::vector<std::string>& args) {
       .add("seed", &seed, "sampling seed: the same seed gives the same tokens", 0, INT64_MAX)
       .add("logprobs", &logprobs, "also print the top-N logprobs of each token (0..20)", 0, 20)
       .add("ignore_eos", &ignore_eos, "keep generating after the end-of-sequence token")
+      .add("kv_dtype", &kv_dtype, "element type of the latent KV cache (as decode.kv_dtype)", {"f32", "bf16", "fp8"})
       .add("stats", &stats, "also print timing and MTP acceptance");
   auto loaded = loadCommandOptions(
       "usage: pdserve generate --model DIR --prompt-ids 1,2,3 --max-tokens N [--temperature T --seed S] [--mtp K]\n"
@@ -115,6 +118,7 @@ int runGenerate(const std::vector<std::string>& args) {
   o.max_tokens = max_tokens;
   o.mtp_drafts = mtp;
   o.stop_at_eos = !ignore_eos;
+  o.cache_dtype = parseKvDType(kv_dtype).value_or(DType::F32);
   o.sampling.temperature = temperature;
   o.sampling.top_k = top_k;
   o.sampling.top_p = top_p;

@@ -15,6 +15,8 @@
 #include <system_error>
 #include <vector>
 
+#include "pd/common/kv_format.h"
+
 namespace pd::plan {
 namespace {
 
@@ -319,7 +321,12 @@ Result<PlanInput> planInputFromFlags(const PlanFlags& f, const CalibrationFile* 
   auto shape = resolveModel(model);
   if (!shape.ok()) return shape.error();
   in.model = std::move(shape).value();
-  in.model.kv_dtype_bytes = f.kv_dtype == "fp8" ? 1.0 : 2.0;
+  // FP8: e4m3 codes plus a float32 scale per 64 values (pd/common/kv_format.h): 612 bytes for
+  // DeepSeek-V3's 576-value latent, 1.0625 a value.
+  const std::int64_t latent = in.model.kv_lora_rank + in.model.qk_rope_head_dim;
+  in.model.kv_dtype_bytes = f.kv_dtype == "fp8" ? static_cast<double>(kvTokenBytes(DType::F8E4M3, latent)) /
+                                                      static_cast<double>(std::max<std::int64_t>(latent, 1))
+                                                : 2.0;
 
   std::string hw_name = f.hardware;
   if (hw_name.empty() && bench != nullptr) hw_name = bench->hardware;

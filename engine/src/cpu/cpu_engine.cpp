@@ -13,6 +13,7 @@
 #include <utility>
 
 #include "pd/comm/communicator.h"
+#include "pd/common/kv_format.h"
 #include "pd/common/log.h"
 #include "pd/engine/engine.h"
 #include "pd/engine/model_weights.h"
@@ -237,8 +238,8 @@ class CpuEngine final : public Engine {
   Result<BatchPlan> makePlan(std::span<const SequenceChunk> batch, const LatentCacheView& cache, i64 kv_layer,
                              bool mtp) const {
     if (batch.empty()) return makeError(ErrorCode::InvalidArgument, "empty batch");
-    if (cache.dtype != DType::F32 && cache.dtype != DType::BF16) {
-      return makeError(ErrorCode::InvalidArgument, "latent cache dtype must be F32 or BF16");
+    if (!isKvDType(cache.dtype)) {
+      return makeError(ErrorCode::InvalidArgument, "latent cache dtype must be F32, BF16 or F8_E4M3");
     }
     if (cache.latent_dim != cfg_.latentDim() || cache.block_size <= 0 ||
         static_cast<i64>(cache.layers.size()) <= kv_layer) {
@@ -409,9 +410,8 @@ class CpuEngine final : public Engine {
       }
     }
     for (std::size_t s = 0; s < batch.size(); ++s) {
-      stats.kv_bytes +=
-          static_cast<std::uint64_t>((batch[s].start_pos + static_cast<i64>(batch[s].tokens.size())) * ld) *
-          dtypeSize(cache.dtype);
+      stats.kv_bytes += static_cast<std::uint64_t>(batch[s].start_pos + static_cast<i64>(batch[s].tokens.size())) *
+                        cache.tokenBytes();
     }
     AttentionPath path = options.attention;
     // Batch-invariant mode: every token attends alike, one at a time (the decode step's way),
@@ -439,7 +439,8 @@ class CpuEngine final : public Engine {
   }
 
   // The cache block holding positions [block_index * block_size, ...) of a sequence, viewed as a
-  // [rows, latent_dim] matrix in the cache dtype (the kernels dequantize BF16 themselves).
+  // [rows, latent_dim] matrix in the cache dtype (the kernels dequantize BF16 themselves; an FP8
+  // cache's tiles are dequantized by the caller, absorbedAttention).
   static WeightMatrix cacheBlock(const LatentCacheView& cache, i64 layer, std::span<const std::int32_t> blocks,
                                  i64 block_index, i64 rows) {
     WeightMatrix m;
@@ -498,10 +499,25 @@ class CpuEngine final : public Engine {
       if (scores.size() < sz(hn * nblocks * bs)) scores.resize(sz(hn * nblocks * bs));
       const i64 stride = nblocks * bs;
       const float* qrows = q_cat + (t * heads + h0) * ld;
+      // An FP8 cache (per-tile scales the kernels do not know) is read as F32 rows first.
+      thread_local std::vector<float> dequantized;
+      const bool fp8 = cache.dtype == DType::F8E4M3;
+      if (fp8) {
+        if (dequantized.size() < sz(ctx * ld)) dequantized.resize(sz(ctx * ld));
+        for (i64 p = 0; p < ctx; ++p) readLatent(cache, kv_layer, seq.block_table, p, dequantized.data() + p * ld);
+      }
+      const auto block = [&](i64 b, i64 rows) {
+        if (!fp8) return cacheBlock(cache, kv_layer, seq.block_table, b, rows);
+        WeightMatrix m;
+        m.dtype = DType::F32;
+        m.rows = rows;
+        m.cols = ld;
+        m.data = dequantized.data() + b * bs * ld;
+        return m;
+      };
       for (i64 b = 0; b < nblocks; ++b) {
         const i64 rows = std::min(bs, ctx - b * bs);
-        k_.matmul(cacheBlock(cache, kv_layer, seq.block_table, b, rows), 0, rows, qrows, ld, hn, scores.data() + b * bs,
-                  stride);
+        k_.matmul(block(b, rows), 0, rows, qrows, ld, hn, scores.data() + b * bs, stride);
       }
       for (i64 h = 0; h < hn; ++h) {
         float* sc = scores.data() + h * stride;
@@ -523,8 +539,7 @@ class CpuEngine final : public Engine {
       std::fill(ol, ol + hn * ld, 0.0F);
       for (i64 b = 0; b < nblocks; ++b) {
         const i64 rows = std::min(bs, ctx - b * bs);
-        k_.matmulTransposed(cacheBlock(cache, kv_layer, seq.block_table, b, rows), 0, rows, scores.data() + b * bs,
-                            stride, hn, ol, ld);
+        k_.matmulTransposed(block(b, rows), 0, rows, scores.data() + b * bs, stride, hn, ol, ld);
       }
     });
     runTasks(heads, n * heads * dv * r, [&](i64 hd) {

@@ -219,7 +219,7 @@ TEST_P(DecodeGolden, LocalPrefillGivesTheGoldenTokensWithAndWithoutMtp) {
 }
 
 // Local and remote prefill give the same stream, seeded sampling included (the first token is
-// drawn as a prefill worker draws it), for a batch of mixed lengths.
+// drawn as a prefill worker draws it), for a batch of mixed lengths, on F32, BF16 and FP8 pools.
 TEST_P(DecodeGolden, LocalPrefillEqualsRemotePrefillSeededAndBatched) {
   std::vector<std::vector<std::int32_t>> prompts{
       prompt_, {prompt_.begin(), prompt_.begin() + 7}, {prompt_.rbegin(), prompt_.rend() - 13}, {prompt_[5]}};
@@ -230,7 +230,13 @@ TEST_P(DecodeGolden, LocalPrefillEqualsRemotePrefillSeededAndBatched) {
   // stored KV is rounded, so the tokens still match.
   auto bf16 = KvPool::create(engine_->config(), 128, 4, DType::BF16);
   ASSERT_TRUE(bf16.ok());
-  for (KvPool* pool : {pool_.get(), &*bf16}) {
+  // And an FP8 pool (kv_format.h): the prefill's float32 KV is quantized by tile as it lands, as
+  // the local prefill's own writes are.
+  auto fp8 = KvPool::create(engine_->config(), 128, 4, DType::F8E4M3);
+  ASSERT_TRUE(fp8.ok());
+  EXPECT_EQ(fp8->blockStride(), 4 * kvTokenBytes(DType::F8E4M3, engine_->config().latentDim()));
+  EXPECT_EQ(fp8->compat(1, 1).tokenBytes(), kvTokenBytes(DType::F8E4M3, engine_->config().latentDim()));
+  for (KvPool* pool : {pool_.get(), &*bf16, &*fp8}) {
     for (const std::int64_t drafts : {0, 1}) {
       const auto remote = decodeTogether(prompts, 12, drafts, nullptr, 64, sampling, pool);
       const auto local = decodeTogether(prompts, 12, drafts, nullptr, 64, sampling, pool, /*local=*/true);

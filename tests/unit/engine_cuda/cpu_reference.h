@@ -48,12 +48,20 @@ inline std::vector<float> cpuLatentAttention(const model::KernelTable& k, const 
   const i64 nblocks = (ctx + bs - 1) / bs;
   const i64 stride = nblocks * bs;
   std::vector<float> scores(static_cast<std::size_t>(heads * stride), 0.0F);
+  // An FP8 cache's tiles are read as F32 rows first, as the CPU engine's absorbed attention does.
+  std::vector<float> dequantized;
+  if (cache.dtype == DType::F8E4M3) {
+    dequantized.resize(static_cast<std::size_t>(ctx * ld));
+    for (i64 p = 0; p < ctx; ++p) model::readLatent(cache, layer, block_table, p, dequantized.data() + p * ld);
+  }
   const auto block = [&](i64 b, i64 rows) {
     model::WeightMatrix m;
-    m.dtype = cache.dtype;
+    m.dtype = dequantized.empty() ? cache.dtype : DType::F32;
     m.rows = rows;
     m.cols = ld;
-    m.data = cache.slot(layer, block_table[static_cast<std::size_t>(b)], 0);
+    m.data = dequantized.empty()
+                 ? static_cast<const void*>(cache.slot(layer, block_table[static_cast<std::size_t>(b)], 0))
+                 : static_cast<const void*>(dequantized.data() + b * bs * ld);
     return m;
   };
   for (i64 b = 0; b < nblocks; ++b) {

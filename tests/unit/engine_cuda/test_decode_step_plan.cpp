@@ -105,12 +105,13 @@ TEST(DecodeStepPlan, PrefillSegmentsGroupTheRowsOfOneSequence) {
   EXPECT_EQ(pd::gpu::prefillSegments(*dec).size(), 2U);
 }
 
-TEST(DecodeStepPlan, CacheShapesAreF32OrBf16WithPositiveSizes) {
+TEST(DecodeStepPlan, CacheShapesAreF32Bf16OrFp8WithPositiveSizes) {
   EXPECT_TRUE(pd::gpu::checkCacheShape({8, 4}).ok());
   EXPECT_TRUE(pd::gpu::checkCacheShape({8, 4, pd::DType::BF16}).ok());
-  const auto fp8 = pd::gpu::checkCacheShape({8, 4, pd::DType::F8E4M3});
-  ASSERT_FALSE(fp8.ok());
-  EXPECT_NE(fp8.error().message.find("only F32 and BF16"), std::string::npos) << fp8.error().message;
+  EXPECT_TRUE(pd::gpu::checkCacheShape({8, 4, pd::DType::F8E4M3}).ok());
+  const auto f16 = pd::gpu::checkCacheShape({8, 4, pd::DType::F16});
+  ASSERT_FALSE(f16.ok());
+  EXPECT_NE(f16.error().message.find("only F32, BF16 and F8_E4M3"), std::string::npos) << f16.error().message;
   EXPECT_FALSE(pd::gpu::checkCacheShape({0, 4}).ok());
   EXPECT_FALSE(pd::gpu::checkCacheShape({8, 0, pd::DType::BF16}).ok());
   EXPECT_FALSE(pd::gpu::checkCacheShape({std::int64_t{1} << 30, 4}).ok());  // 2^32 positions

@@ -18,6 +18,7 @@
 #include "cpu_reference.h"
 #include "device_math.h"
 #include "pd/common/dtype.h"
+#include "pd/common/kv_format.h"
 #include "pd/engine/engine.h"
 #include "pd/engine/kernels.h"
 #include "pd/engine/latent_cache.h"
@@ -73,6 +74,59 @@ TEST(DeviceMath, Bf16RoundTripEqualsTheCpuConversion) {
     const float b = pd::bf16ToFloat(h);
     ASSERT_TRUE(bitsOf(a) == bitsOf(b) || (std::isnan(a) && std::isnan(b)));
   }
+}
+
+// e4m3 encode: every float whose bits are a multiple of 1021 apart (about 4.2 million, every
+// exponent and many mantissas), the e4m3 codes themselves and the midpoints between neighbours (the
+// ties), each encoded as pd::floatToFp8e4m3 encodes it.
+TEST(DeviceMath, Fp8EncodeEqualsTheCpuConversion) {
+  for (std::uint64_t b = 0; b <= 0xFFFFFFFFULL; b += 1021) {
+    const auto bits = static_cast<std::uint32_t>(b);
+    float f;
+    std::memcpy(&f, &bits, sizeof f);
+    ASSERT_EQ(gm::fp8e4m3Encode(f), pd::floatToFp8e4m3(f)) << "bits " << bits;
+  }
+  for (unsigned code = 0; code < 256; ++code) {
+    const float v = pd::fp8e4m3ToFloat(static_cast<std::uint8_t>(code));
+    const float next = pd::fp8e4m3ToFloat(static_cast<std::uint8_t>(code + 1 < 256 ? code + 1 : code));
+    for (const float x : {v, (v + next) / 2, -v, -(v + next) / 2, std::nextafter(v, 1e9F), std::nextafter(v, -1e9F)}) {
+      ASSERT_EQ(gm::fp8e4m3Encode(x), pd::floatToFp8e4m3(x)) << "near code " << code << ": " << x;
+    }
+  }
+}
+
+// The FP8 KV cache's token format (pd/common/kv_format.h) as the kernels write and read it: the
+// bytes kvFp8EncodeToken writes, whole or tile by tile as the scatter kernel writes them, are
+// pd::encodeKvToken's, and every value kvFp8At reads is pd::decodeKvToken's (bit-equal).
+TEST(DeviceMath, KvFp8TokensAreTheHostCachesBytes) {
+  std::mt19937 rng(11);
+  std::normal_distribution<float> normal(0.0F, 1.0F);
+  for (const int d : {1, 5, 63, 64, 65, 128, 576}) {
+    EXPECT_EQ(static_cast<std::uint64_t>(gm::kvFp8TokenBytes(d)), pd::kvTokenBytes(DType::F8E4M3, d)) << d;
+    EXPECT_EQ(static_cast<std::uint64_t>(gm::kvFp8ScaleOffset(d)), pd::kvFp8ScaleOffset(d)) << d;
+    for (int trial = 0; trial < 200; ++trial) {
+      std::vector<float> x(static_cast<std::size_t>(d));
+      for (auto& v : x) v = normal(rng) * std::pow(10.0F, normal(rng) * 2);
+      if (trial % 7 == 0) std::fill(x.begin(), x.begin() + std::min(d, 64), 0.0F);  // a zero tile
+      if (trial % 11 == 0) x[0] = -0.0F;
+      std::vector<std::byte> host(pd::kvTokenBytes(DType::F8E4M3, d));
+      pd::encodeKvToken(DType::F8E4M3, x, host.data());
+      std::vector<std::uint8_t> device(host.size(), 0xCD);
+      gm::kvFp8EncodeToken(x.data(), d, device.data());
+      ASSERT_EQ(std::memcmp(device.data(), host.data(), host.size()), 0) << "d " << d << " trial " << trial;
+      std::vector<std::uint8_t> tiled(host.size(), 0xCD);
+      for (int t = 0; t * gm::kKvFp8Tile < d; ++t) gm::kvFp8EncodeTile(x.data(), d, t, tiled.data());
+      gm::kvFp8ZeroPadding(d, tiled.data());
+      ASSERT_EQ(tiled, device);
+      std::vector<float> values(static_cast<std::size_t>(d));
+      pd::decodeKvToken(DType::F8E4M3, host.data(), values);
+      for (int i = 0; i < d; ++i) {
+        ASSERT_EQ(bitsOf(gm::kvFp8At(device.data(), d, i)), bitsOf(values[static_cast<std::size_t>(i)]))
+            << "d " << d << " trial " << trial << " value " << i;
+      }
+    }
+  }
+  EXPECT_EQ(gm::kKvFp8Tile, pd::kKvFp8Tile);
 }
 
 // A random FP8 matrix with block scales, owning its storage.

@@ -57,7 +57,12 @@ TEST(DeviceMemoryPlan, KvPoolAndWorkspaceFollowTheShape) {
   EXPECT_GT(bigger->workspace, plan->workspace);
   EXPECT_EQ(plan->total(), plan->weights + plan->kv_pool + plan->workspace);
 
-  shape.kv_dtype = pd::DType::F8E4M3;
+  shape.kv_dtype = pd::DType::F8E4M3;  // kv_format.h tokens: the codes and a float32 scale per 64 values
+  auto fp8 = pd::gpu::planDeviceMemory(*config, shape);
+  ASSERT_TRUE(fp8.ok());
+  EXPECT_EQ(fp8->kv_pool, static_cast<std::uint64_t>(config->kvLayers() * 100 * 64) *
+                              pd::kvTokenBytes(pd::DType::F8E4M3, config->latentDim()));
+  shape.kv_dtype = pd::DType::I32;
   EXPECT_EQ(pd::gpu::planDeviceMemory(*config, shape).error().code, pd::ErrorCode::InvalidArgument);
   shape.kv_dtype = pd::DType::BF16;
   shape.kv_blocks = 0;
@@ -109,7 +114,7 @@ TEST(KvPoolPlan, BlockBytesForBf16AndFp8WithItsScales) {
   ASSERT_EQ(c.kvLayers(), 62);    // 61 layers + the MTP layer
   ASSERT_EQ(c.latentDim(), 576);  // 512 + 64
   EXPECT_EQ(pd::gpu::kvBlockBytes(c, 64, pd::gpu::KvCacheDtype::Bf16), 62ULL * 64 * 576 * 2);
-  EXPECT_EQ(pd::gpu::kvBlockBytes(c, 64, pd::gpu::KvCacheDtype::Fp8E4m3), 62ULL * (64 * 576 + 4));
+  EXPECT_EQ(pd::gpu::kvBlockBytes(c, 64, pd::gpu::KvCacheDtype::Fp8E4m3), 62ULL * 64 * (576 + 9 * 4));
   EXPECT_EQ(pd::gpu::parseKvCacheDtype("bf16").value(), pd::gpu::KvCacheDtype::Bf16);
   EXPECT_EQ(pd::gpu::parseKvCacheDtype("fp8").value(), pd::gpu::KvCacheDtype::Fp8E4m3);
   EXPECT_EQ(pd::gpu::parseKvCacheDtype("f32").error().code, pd::ErrorCode::InvalidArgument);
@@ -151,7 +156,7 @@ TEST(KvPoolPlan, DeepSeekV3Fp8OnH200Tp8) {
   ASSERT_TRUE(fp8.ok());
   std::printf("H200 TP8 fp8:  %s\n", pd::gpu::describeKvPoolPlan(*fp8, b).c_str());
   expectTight(*fp8);
-  EXPECT_EQ(fp8->num_blocks, 15535);  // about twice: half the bytes, plus the scales
+  EXPECT_EQ(fp8->num_blocks, 14623);  // 1.88 x: 612 bytes a token (codes and scales) against 1152
 
   b.kv_dtype = pd::gpu::KvCacheDtype::Bf16;
   b.utilization = 0.95;
@@ -177,7 +182,7 @@ TEST(KvPoolPlan, DeepSeekV3Fp8OnH20Tp16) {
   auto fp8 = pd::gpu::planKvPool(c, b);
   ASSERT_TRUE(fp8.ok());
   std::printf("H20 TP16 fp8:  %s\n", pd::gpu::describeKvPoolPlan(*fp8, b).c_str());
-  EXPECT_EQ(fp8->num_blocks, 16744);
+  EXPECT_EQ(fp8->num_blocks, 15761);
 }
 
 // What a decode worker on a GPU sizes its pool with (model::planGpuKvPool, an automatic
@@ -196,7 +201,11 @@ TEST(KvPoolPlan, TheDecodeWorkersPoolOnAGpuIsThePlans) {
   ASSERT_TRUE(f32.ok());
   EXPECT_NEAR(static_cast<double>(f32->num_blocks), 7768.0 / 2.0, 1.0);
   EXPECT_NE(f32->description.find(", f32,"), std::string::npos) << f32->description;
-  EXPECT_EQ(pd::model::planGpuKvPool(c, kH200Bytes, 0.9, 8, 64, pd::DType::F8E4M3).error().code,
+  // An FP8 pool (decode.kv_dtype fp8): 612 bytes a token against BF16's 1152, so 1.88 x the blocks.
+  auto fp8 = pd::model::planGpuKvPool(c, kH200Bytes, 0.9, 8, 64, pd::DType::F8E4M3);
+  ASSERT_TRUE(fp8.ok());
+  EXPECT_EQ(fp8->num_blocks, 14623);
+  EXPECT_EQ(pd::model::planGpuKvPool(c, kH200Bytes, 0.9, 8, 64, pd::DType::I32).error().code,
             pd::ErrorCode::InvalidArgument);
   // H20 at TP8 holds no pool (87 GB of weights in an 86.4 GB budget): refused, naming the parts.
   auto none = pd::model::planGpuKvPool(c, kH20Bytes, 0.9, 8, 64, pd::DType::BF16);

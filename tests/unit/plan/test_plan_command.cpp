@@ -32,7 +32,7 @@ TEST(PlanCommand, FlagsOverrideTheProfileInSiUnits) {
   EXPECT_DOUBLE_EQ(in->hardware.net_latency, 2e-3);
   EXPECT_DOUBLE_EQ(in->hardware.nvlink_latency, 5e-6);
   EXPECT_EQ(in->hardware.gpus_per_node, 4);
-  EXPECT_DOUBLE_EQ(in->model.kv_dtype_bytes, 1.0);
+  EXPECT_DOUBLE_EQ(in->model.kv_dtype_bytes, 612.0 / 576.0);  // e4m3 codes + a float32 scale per 64 values
   EXPECT_EQ(in->decode.tp, 16);
   EXPECT_DOUBLE_EQ(in->slo.ttft, 0.5);
   // Unset hardware flags keep the h200 profile's values.

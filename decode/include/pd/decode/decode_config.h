@@ -6,6 +6,7 @@
 
 #include "pd/common/config.h"
 #include "pd/common/dtype.h"
+#include "pd/common/kv_format.h"
 #include "pd/common/result.h"
 
 namespace pd::decode {
@@ -55,7 +56,8 @@ struct DecodeConfig {
   std::int64_t tp_inject_latency_us = 0;
   /// The longest a request waits for its KV: a DecodeOpen's kv_timeout_ms is clamped to it.
   std::int64_t kv_wait_timeout_ms = 60000;
-  /// Element type of the latent-KV pool: "bf16" or "f32".
+  /// Element type of the latent-KV pool: "bf16", "f32" or "fp8" (e4m3 with tile scales,
+  /// pd/common/kv_format.h).
   std::string kv_dtype = "bf16";
   /// Compute threads of the model engine (0: every hardware thread).
   std::int64_t threads = 0;
@@ -74,9 +76,9 @@ inline constexpr std::int64_t kCpuPoolBlocks = 1024;
 [[nodiscard]] inline std::int64_t poolBlocks(const DecodeConfig& cfg) {
   return cfg.num_blocks > 0 ? cfg.num_blocks : kCpuPoolBlocks;
 }
-/// The pool's element type (decode.kv_dtype: "f32" or "bf16").
+/// The pool's element type (decode.kv_dtype: "f32", "bf16" or "fp8").
 [[nodiscard]] inline DType poolDtype(const DecodeConfig& cfg) {
-  return cfg.kv_dtype == "f32" ? DType::F32 : DType::BF16;
+  return parseKvDType(cfg.kv_dtype).value_or(DType::BF16);
 }
 
 /// What the option table alone cannot check: values that must agree with each other (tensor

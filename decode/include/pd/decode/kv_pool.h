@@ -1,7 +1,8 @@
 #pragma once
 /// The decode worker's latent-KV memory (DESIGN §4): one contiguous allocation holding, per KV
-/// layer (main layers, then the MTP layer), a region [num_blocks][block_size][latent_dim] of
-/// F32 or BF16, latent_dim = kv_lora_rank + qk_rope_head_dim. It is the engine's own paged cache
+/// layer (main layers, then the MTP layer), a region [num_blocks][block_size] of tokens, each a
+/// latent of latent_dim values in F32, BF16 or FP8 with tile scales (pd/common/kv_format.h),
+/// latent_dim = kv_lora_rank + qk_rope_head_dim. It is the engine's own paged cache
 /// type (model::PagedLatentCache), so forward() reads and writes it directly, and it is laid out
 /// so that a kvtransfer::Transport can register it as one region and describe it with one
 /// RegionLayout (layer stride and block stride constant).
@@ -29,7 +30,7 @@ namespace pd::decode {
 class KvPool {
  public:
   /// config.kvLayers() layers of num_blocks x block_size tokens. InvalidArgument for a dtype
-  /// other than F32/BF16 or non-positive sizes; ResourceExhausted if the memory is not there.
+  /// other than F32/BF16/F8E4M3 or non-positive sizes; ResourceExhausted if the memory is not there.
   [[nodiscard]] static Result<KvPool> create(const ModelConfig& config, std::int64_t num_blocks,
                                              std::int64_t block_size, DType dtype);
 

@@ -1,6 +1,7 @@
 #pragma once
 /// The paged latent-KV cache the engine reads and writes: per KV layer (main layers, then the
-/// MTP layer) a region [num_blocks][block_size][latent_dim] of F32 or BF16 values, where a
+/// MTP layer) a region [num_blocks][block_size] of tokens, each a latent of latent_dim values
+/// stored as F32, BF16 or FP8 with tile scales (pd/common/kv_format.h: kvTokenBytes), where a
 /// token's latent is (normalized c_kv [kv_lora_rank] ‖ RoPE'd k_pe [qk_rope_head_dim]).
 /// A sequence owns a list of block ids; position p lives in block_table[p / block_size] at
 /// offset p % block_size (DESIGN §4).
@@ -15,6 +16,7 @@
 #include <vector>
 
 #include "pd/common/dtype.h"
+#include "pd/common/kv_format.h"
 #include "pd/common/result.h"
 #include "pd/engine/model_config.h"
 
@@ -22,7 +24,7 @@ namespace pd::model {
 
 /// Non-owning description of cache memory (a PagedLatentCache, or a worker's registered pool).
 struct LatentCacheView {
-  DType dtype = DType::F32;     ///< F32 or BF16
+  DType dtype = DType::F32;     ///< F32, BF16 or F8E4M3 (kv_format.h)
   std::int64_t latent_dim = 0;  ///< kv_lora_rank + qk_rope_head_dim
   std::int64_t block_size = 0;  ///< tokens per block
   std::int64_t num_blocks = 0;
@@ -38,14 +40,17 @@ struct LatentCacheView {
   /// Address of `layer`'s slot for token `offset` of `block`.
   [[nodiscard]] std::byte* slot(std::int64_t layer, std::int64_t block, std::int64_t offset) const {
     return layers[static_cast<std::size_t>(layer)] +
-           static_cast<std::size_t>((block * block_size + offset) * latent_dim) * dtypeSize(dtype);
+           static_cast<std::size_t>(block * block_size + offset) * tokenBytes();
   }
+  /// Bytes of one token's latent (kvTokenBytes(dtype, latent_dim)).
+  [[nodiscard]] std::size_t tokenBytes() const { return kvTokenBytes(dtype, latent_dim); }
 };
 
 /// Reads the latent of position `pos` of a sequence as float32 into out[0, latent_dim).
 void readLatent(const LatentCacheView& cache, std::int64_t layer, std::span<const std::int32_t> block_table,
                 std::int64_t pos, float* out);
-/// Writes float32 values into position `pos` (rounded to nearest even for BF16).
+/// Writes float32 values into position `pos` (encodeKvToken: rounded to nearest even for BF16,
+/// quantized per tile for F8E4M3).
 void writeLatent(const LatentCacheView& cache, std::int64_t layer, std::span<const std::int32_t> block_table,
                  std::int64_t pos, const float* values);
 
@@ -54,7 +59,7 @@ void writeLatent(const LatentCacheView& cache, std::int64_t layer, std::span<con
 class PagedLatentCache {
  public:
   /// `layers` regions of num_blocks x block_size tokens. InvalidArgument for a dtype other than
-  /// F32/BF16 or non-positive sizes; ResourceExhausted if the allocation fails.
+  /// F32/BF16/F8E4M3 or non-positive sizes; ResourceExhausted if the allocation fails.
   static Result<PagedLatentCache> create(std::int64_t layers, std::int64_t latent_dim, std::int64_t num_blocks,
                                          std::int64_t block_size, DType dtype);
   /// One layer per KV layer of `config` (main layers + MTP layers).
