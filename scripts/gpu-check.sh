@@ -216,6 +216,65 @@ if step make-model 240 "$build_dir/tools/pdserve" make-model "$bench_model" --pr
   say "gpu-check: bench engine --device cuda --json:"
   sed 's/^/  /' "$log_dir/bench-engine.json" | tee -a "$summary"
 fi
+
+# 5. Serving on the GPU (PD_GPU_CHECK_SERVE=0 skips it): `pdserve up --device cuda` on the same
+# checkpoint (one prefill and one decode worker sharing the GPU, a pool of 2048 blocks), then
+# `pdserve bench serve` at concurrency 1..64 with the workers' /metrics (TTFT, TPOT, and the prefill
+# workers' compute and KV transfer time per prompt), then `pdserve plan --calibrate` on that file
+# with the measured ceilings of step 4 (the planner's model of this checkpoint on an H200 against
+# the measurement). The checkpoint has no tokenizer: the embedded model's renders ids, and the
+# prompts stay below its 4096 ids.
+serve_rc=0
+if [[ ${PD_GPU_CHECK_SERVE:-1} != 0 && -f "$bench_model/config.json" ]]; then
+  serve_rc=1
+  up_log="$log_dir/up-cuda.log"
+  timeout --kill-after=10 420 "$build_dir/tools/pdserve" up --device "${PD_GPU_CHECK_SERVE_DEVICE:-cuda}" \
+    --model.path "$bench_model" \
+    --model.tokenizer models/tiny-dsv3 --router.port 0 --decode.num_blocks 2048 --log.level warn >"$up_log" 2>&1 &
+  up_pid=$!
+  for _ in $(seq 1 240); do
+    grep -q '^PDSERVE_READY' "$up_log" 2>/dev/null && break
+    kill -0 "$up_pid" 2>/dev/null || break
+    sleep 1
+  done
+  url=$(sed -n 's/^PDSERVE_READY .*url=//p' "$up_log")
+  pages=$(sed -n 's/^PDSERVE_CHILD name=\(prefill\|decode\)-[0-9]* .*url=/\1 /p' "$up_log" | awk '{print $2}' | paste -sd, -)
+  if [[ -n "$url" && -n "$pages" ]]; then
+    say "gpu-check: up --device cuda ready at $url (workers' pages $pages)"
+    if step bench-serve 300 "$build_dir/tools/pdserve" bench serve --url "$url" --metrics_url "$pages" \
+      --concurrency 1,4,16,64 --input_tokens 256 --output_tokens 32 --token_id_max 4096 --quiet \
+      --json "$log_dir/bench-serve.json"; then
+      serve_rc=0
+      sed -n '/^| concurrency/,/^$/p' "$log_dir/bench-serve.log" | tee -a "$summary"
+      # The calibration input: the serve levels plus the measured ceilings (bench-engine.json).
+      if python3 - "$log_dir/bench-serve.json" "$log_dir/bench-engine.json" "$log_dir/calibrate-input.json" <<'PY'
+import json, sys
+serve = json.load(open(sys.argv[1]))
+try:
+    engine = json.load(open(sys.argv[2]))
+except (OSError, ValueError):
+    engine = {}
+for key in ("read_bandwidth_gbs", "gemm_bf16_tflops"):
+    if engine.get(key):
+        serve[key] = engine[key]
+serve["hardware"] = "h200"
+serve["note"] = "gpu-check: pdserve up --device cuda on one GPU, a make-model checkpoint"
+json.dump(serve, open(sys.argv[3], "w"))
+PY
+      then
+        step plan-calibrate 60 "$build_dir/tools/pdserve" plan --calibrate "$log_dir/calibrate-input.json" \
+          --model "$bench_model" --decode-tp 1 --nodes 1 --input-len 256 --output-len 32 || serve_rc=1
+        sed 's/^/  /' "$log_dir/plan-calibrate.log" | tee -a "$summary"
+      fi
+    fi
+  else
+    say "gpu-check: up --device cuda did not become ready (log $up_log):"
+    tail -20 "$up_log" | sed 's/^/  /' | tee -a "$summary"
+  fi
+  kill -TERM "$up_pid" 2>/dev/null
+  wait "$up_pid" 2>/dev/null
+  mkdir -p "$log_dir/checkpoint" && cp "$bench_model/config.json" "$log_dir/checkpoint/" 2>/dev/null
+fi
 rm -rf "$bench_model"
 
 elapsed=$((SECONDS - start))
@@ -226,4 +285,5 @@ if ((skipped > 0)); then fail "$skipped gpu tests skipped: the device was not us
 if ((gpu_rc != 0 || failed > 0)); then fail "$failed gpu tests failed (details in $gpu_log)"; fi
 if ((generate_rc != 0)); then fail "pdserve generate --model.device cuda (logs generate-*.log)"; fi
 if ((bench_rc != 0)); then fail "bench engine --device cuda (details in $log_dir/make-model.log, bench-engine.log)"; fi
+if ((serve_rc != 0)); then fail "up --device cuda + bench serve + plan --calibrate (details in $log_dir/up-cuda.log, bench-serve.log, plan-calibrate.log)"; fi
 say "gpu-check: PASS in $elapsed s; logs in $log_dir"

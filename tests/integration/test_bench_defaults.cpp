@@ -7,7 +7,9 @@
 // fitting of lengths and token ids to the model in place.
 #include <gtest/gtest.h>
 
+#include <boost/json.hpp>
 #include <chrono>
+#include <filesystem>
 #include <optional>
 #include <string>
 #include <utility>
@@ -87,6 +89,64 @@ TEST_F(BenchDefaults, ServeWithNoArgumentsAgainstUpSucceeds) {
   // Every level completed every request: the markdown table has no failures column above 0.
   EXPECT_EQ(r.err.find("completed no request"), std::string::npos) << r.err;
   EXPECT_EQ(r.err.find("failed"), std::string::npos) << r.err;
+}
+
+// With the workers' /metrics pages (`pdserve up` prints their addresses), bench serve reports the
+// prefill workers' own time per prompt next to TTFT: every timed prompt of a level is counted once,
+// the KV bytes per prompt are exactly the prompt's latent KV (tokens x KV layers x BF16 latent), and
+// the times are positive, the KV tail (what the transfer adds to TTFT) below the mean TTFT.
+TEST_F(BenchDefaults, ServeReportsThePrefillWorkersTimePerPrompt) {
+  LocalCluster cluster({"--model.cache_dir=" + cache_.path().string(), "--router.port=0", "--log.level=warn"});
+  ASSERT_FALSE(cluster.url().empty());
+  const auto prefills = childUrls(cluster, "prefill");
+  const auto decoders = childUrls(cluster, "decode");
+  ASSERT_EQ(prefills.size(), 1U);
+  ASSERT_EQ(decoders.size(), 1U);
+  TempDir out;
+  const std::string json_path = (out.path() / "serve.json").string();
+  auto e = env();
+  const CommandRun r =
+      pdserve({"bench", "serve", "--url", cluster.url(), "--metrics_url",
+               "http://" + prefills[0] + ",http://" + decoders[0], "--concurrency", "1,3", "--num_prompts", "6",
+               "--input_tokens", "100", "--output_tokens", "8", "--quiet", "--json", json_path},
+              e, 600s);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.out.find("| prefill ms / prompt | KV tail ms / prompt | KV transfer ms / prompt |"), std::string::npos)
+      << r.out;
+  // The embedded model's KV per token: its KV layers (main + MTP) x (kv_lora_rank + rope dims) x 2.
+  std::filesystem::path model_dir;
+  for (const auto& entry : std::filesystem::directory_iterator(cache_.path() / "models")) {
+    if (std::filesystem::exists(entry.path() / "config.json")) model_dir = entry.path();
+  }
+  ASSERT_FALSE(model_dir.empty()) << "no model in " << cache_.path();
+  const auto config = boost::json::parse(readFile(model_dir / "config.json")).as_object();
+  const auto num = [&](const char* key) { return config.at(key).to_number<std::int64_t>(); };
+  const std::int64_t token_bytes = (num("num_hidden_layers") + num("num_nextn_predict_layers")) *
+                                   (num("kv_lora_rank") + num("qk_rope_head_dim")) * 2;
+  const auto doc = boost::json::parse(readFile(json_path)).as_object();
+  const auto& levels = doc.at("levels").as_array();
+  ASSERT_EQ(levels.size(), 2U);
+  for (const auto& value : levels) {
+    const auto& level = value.as_object();
+    ASSERT_TRUE(level.contains("prefill")) << boost::json::serialize(level);
+    const auto& p = level.at("prefill").as_object();
+    EXPECT_EQ(p.at("prompts").to_number<double>(), level.at("completed").to_number<double>());
+    EXPECT_EQ(p.at("kv_bytes_per_prompt").to_number<double>(), static_cast<double>(100 * token_bytes));
+    for (const char* key : {"queue_ms_mean", "compute_ms_mean", "kv_tail_ms_mean", "kv_transfer_ms_mean"}) {
+      EXPECT_TRUE(p.at(key).is_number()) << key;
+    }
+    EXPECT_GT(p.at("compute_ms_mean").to_number<double>(), 0.0);
+    EXPECT_GT(p.at("kv_tail_ms_mean").to_number<double>(), 0.0);
+    EXPECT_LT(p.at("kv_tail_ms_mean").to_number<double>(), level.at("mean_ttft_ms").to_number<double>());
+  }
+  // The file calibrates the planner as it is (what scripts/gpu-check.sh does with a GPU run's).
+  const CommandRun plan = pdserve({"plan", "--calibrate", json_path, "--model", model_dir.string(), "--decode-tp", "1",
+                                   "--nodes", "1", "--input-len", "100", "--output-len", "8"},
+                                  e, 120s);
+  ASSERT_EQ(plan.exit_code, 0) << plan.err;
+  EXPECT_NE(plan.out.find("| concurrency | network ms | measured tok/s | predicted tok/s | predicted / measured |"),
+            std::string::npos)
+      << plan.out;
 }
 
 // The other benchmarks: defaults except for how long they run.

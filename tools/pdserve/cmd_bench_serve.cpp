@@ -63,7 +63,8 @@ int runBenchServe(const std::vector<std::string>& args) {
       .add("slo_tpot_ms", &cfg.slo_tpot_ms, "goodput SLO on TPOT (0: none)", 0, 1e9)
       .add("slo_e2e_ms", &cfg.slo_e2e_ms, "goodput SLO on end-to-end latency (0: none)", 0, 1e9)
       .add("metrics_url", &cfg.metrics_url,
-           "Prometheus pages with pdserve_decode_* counters (decode workers); empty: try --url's /metrics. "
+           "Prometheus pages: decode workers' (MTP acceptance) and prefill workers' (prefill and KV transfer time per "
+           "prompt); empty: try --url's /metrics. "
            "multiturn: the prefill workers' pages of --url's cluster (KV bytes put per later turn)")
       .add("baseline_metrics_url", &cfg.baseline_metrics_url,
            "multiturn: the prefill workers' pages of --baseline_url's cluster (transfer_bytes_ratio)")

@@ -229,7 +229,8 @@ Result<void> runServeBench(ServeBenchConfig cfg, const ModelDirSource& model_dir
   if (metrics_urls.empty()) {
     const std::string own = fmt::format("http://{}:{}/metrics", target->host, target->port);
     auto probe = scrapeCounters({own}, 5s);
-    if (probe.ok() && (probe->contains(std::string(kDecodeTokens)) || probe->contains(std::string(kMtpProposed)))) {
+    if (probe.ok() && (probe->contains(std::string(kDecodeTokens)) || probe->contains(std::string(kMtpProposed)) ||
+                       probe->contains("pdserve_prefill_compute_seconds_count"))) {
       metrics_urls.push_back(own);
     }
   } else {
@@ -302,6 +303,7 @@ Result<void> runServeBench(ServeBenchConfig cfg, const ModelDirSource& model_dir
         stats.mtp =
             mtpFromDeltas(counterDelta(before, *after, kMtpProposed), counterDelta(before, *after, kMtpAccepted),
                           counterDelta(before, *after, kDecodeTokens), counterDelta(before, *after, kDecodeSteps));
+        stats.prefill = prefillFromDeltas(before, *after);
       }
     }
     if (stats.completed == 0) any_empty_level = true;

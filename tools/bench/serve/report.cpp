@@ -60,6 +60,19 @@ boost::json::object levelJson(const LevelStats& l) {
     if (l.mtp->accepted_tokens_per_step) m["accepted_tokens_per_step"] = *l.mtp->accepted_tokens_per_step;
     o["mtp"] = std::move(m);
   }
+  if (l.prefill) {
+    const PrefillServerStats& p = *l.prefill;
+    boost::json::object m{{"prompts", p.prompts}};
+    const auto put = [&m](const char* key, const std::optional<double>& v) {
+      m[key] = v ? boost::json::value(finite(*v)) : boost::json::value(nullptr);
+    };
+    put("queue_ms_mean", p.queue_ms);
+    put("compute_ms_mean", p.compute_ms);
+    put("kv_tail_ms_mean", p.kv_tail_ms);
+    put("kv_transfer_ms_mean", p.kv_transfer_ms);
+    put("kv_bytes_per_prompt", p.kv_bytes);
+    o["prefill"] = std::move(m);
+  }
   return o;
 }
 
@@ -307,12 +320,18 @@ std::string toMarkdown(const BenchReport& report) {
   const bool rate = report.info.mode == "request_rate";
   const bool goodput = report.info.slo.any();
   bool mtp = false;
-  for (const auto& l : report.levels) mtp = mtp || (l.mtp && l.mtp->accepted_tokens_per_step);
+  bool prefill = false;
+  for (const auto& l : report.levels) {
+    mtp = mtp || (l.mtp && l.mtp->accepted_tokens_per_step);
+    prefill = prefill || l.prefill.has_value();
+  }
   md += fmt::format(
       "| {} | ok | failed | req/s | output tok/s | total tok/s | tok/s per user | TTFT ms mean / p50 / p90 / p99 "
-      "| TPOT ms | ITL ms | E2E ms |{}{}\n",
-      rate ? "rate (req/s)" : "concurrency", goodput ? " goodput (req/s) |" : "", mtp ? " MTP accepted / step |" : "");
-  md += fmt::format("|---|---|---|---|---|---|---|---|---|---|---|{}{}\n", goodput ? "---|" : "", mtp ? "---|" : "");
+      "| TPOT ms | ITL ms | E2E ms |{}{}{}\n",
+      rate ? "rate (req/s)" : "concurrency", goodput ? " goodput (req/s) |" : "", mtp ? " MTP accepted / step |" : "",
+      prefill ? " prefill ms / prompt | KV tail ms / prompt | KV transfer ms / prompt |" : "");
+  md += fmt::format("|---|---|---|---|---|---|---|---|---|---|---|{}{}{}\n", goodput ? "---|" : "", mtp ? "---|" : "",
+                    prefill ? "---|---|---|" : "");
   for (const auto& l : report.levels) {
     const auto user = perUserTokensPerS(l);
     md += fmt::format("| {} | {} | {} | {:.2f} | {:.1f} | {:.1f} | {} | {} | {} | {} | {} |",
@@ -325,9 +344,23 @@ std::string toMarkdown(const BenchReport& report) {
       md += (l.mtp && l.mtp->accepted_tokens_per_step) ? fmt::format(" {:.2f} |", *l.mtp->accepted_tokens_per_step)
                                                        : std::string(" – |");
     }
+    if (prefill) {
+      const auto cell = [](const std::optional<double>& v) {
+        return v ? fmt::format(" {:.2f} |", *v) : std::string(" – |");
+      };
+      const PrefillServerStats none;
+      const PrefillServerStats& p = l.prefill ? *l.prefill : none;
+      md += cell(p.compute_ms) + cell(p.kv_tail_ms) + cell(p.kv_transfer_ms);
+    }
     md += '\n';
   }
   md += "\nTPOT, ITL and E2E columns are mean / p50 / p90 / p99 like TTFT. Tok/s per user = 1000 / mean TPOT.\n";
+  if (prefill) {
+    md +=
+        "Prefill and KV columns are the prefill workers' own means per prompt (their /metrics): prefill = first "
+        "forward to last layer computed, KV tail = last layer to completion record delivered (what the transfer "
+        "adds to TTFT), KV transfer = the whole send, overlapping the prefill.\n";
+  }
   if (goodput) {
     std::vector<std::string> slos;
     if (report.info.slo.ttft_ms) slos.push_back(fmt::format("TTFT ≤ {:g} ms", *report.info.slo.ttft_ms));
@@ -402,6 +435,10 @@ std::string levelSummaryLine(const LevelStats& l) {
   if (l.request_goodput) line += fmt::format(", goodput {:.2f} req/s", *l.request_goodput);
   if (l.mtp && l.mtp->accepted_tokens_per_step) {
     line += fmt::format(", MTP {:.2f} accepted/step", *l.mtp->accepted_tokens_per_step);
+  }
+  if (l.prefill && l.prefill->compute_ms && l.prefill->kv_tail_ms) {
+    line +=
+        fmt::format(", prefill {:.2f} ms + KV tail {:.2f} ms a prompt", *l.prefill->compute_ms, *l.prefill->kv_tail_ms);
   }
   if (!l.errors.empty()) line += fmt::format(" (first error: {})", l.errors.front().message);
   return line;

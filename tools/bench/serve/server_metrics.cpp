@@ -24,6 +24,7 @@ std::map<std::string, double> parsePrometheusText(std::string_view text) {
     if (name_end == std::string_view::npos || name_end == 0) continue;
     const std::string name(line.substr(0, name_end));
     std::string_view rest = line.substr(name_end);
+    std::string labelled;  // name{labels} as written, for a labelled sample
     if (rest.front() == '{') {
       // Label values may contain '}' inside quotes; find the closing brace outside them.
       bool quoted = false;
@@ -38,6 +39,7 @@ std::map<std::string, double> parsePrometheusText(std::string_view text) {
         }
       }
       if (i >= rest.size()) continue;
+      labelled = name + std::string(rest.substr(0, i + 1));
       rest = rest.substr(i + 1);
     }
     const auto value_begin = rest.find_first_not_of(" \t");
@@ -48,6 +50,7 @@ std::map<std::string, double> parsePrometheusText(std::string_view text) {
     const double value = std::strtod(value_text.c_str(), &end);
     if (end == value_text.c_str() || *end != '\0' || !std::isfinite(value)) continue;
     sums[name] += value;
+    if (!labelled.empty()) sums[labelled] += value;
   }
   return sums;
 }
@@ -75,6 +78,28 @@ std::optional<double> counterDelta(const std::map<std::string, double>& before,
   if (a == after.end()) return std::nullopt;
   const auto b = before.find(std::string(name));
   return a->second - (b == before.end() ? 0.0 : b->second);
+}
+
+std::optional<PrefillServerStats> prefillFromDeltas(const std::map<std::string, double>& before,
+                                                    const std::map<std::string, double>& after) {
+  const auto delta = [&](std::string_view name) { return counterDelta(before, after, name); };
+  const auto prompts = delta("pdserve_prefill_compute_seconds_count");
+  if (!prompts || !(*prompts > 0)) return std::nullopt;
+  PrefillServerStats p;
+  p.prompts = *prompts;
+  // The mean of one histogram over the level: its sum's growth over its count's growth, in ms.
+  const auto mean_ms = [&](const std::string& stem, const std::string& labels) -> std::optional<double> {
+    const auto sum = delta(stem + "_sum" + labels);
+    const auto count = delta(stem + "_count" + labels);
+    if (!sum || !count || !(*count > 0)) return std::nullopt;
+    return *sum / *count * 1e3;
+  };
+  p.queue_ms = mean_ms("pdserve_prefill_queue_seconds", "");
+  p.compute_ms = mean_ms("pdserve_prefill_compute_seconds", "");
+  p.kv_tail_ms = mean_ms("pdserve_prefill_transfer_seconds", "");
+  p.kv_transfer_ms = mean_ms("pdserve_kv_transfer_seconds", "{side=\"send\"}");
+  if (const auto bytes = delta("pdserve_kv_put_bytes_total")) p.kv_bytes = *bytes / p.prompts;
+  return p;
 }
 
 }  // namespace pd::bench

@@ -74,6 +74,18 @@ struct MtpStats {
   std::optional<double> accepted_tokens_per_step;
 };
 
+/// The prefill workers' own timings over a level, from deltas of their /metrics (docs/benchmarks.md,
+/// "Prefill and KV transfer per prompt"): means per prompt prefilled in the level's timed part.
+struct PrefillServerStats {
+  double prompts = 0;                    ///< prefills that finished (pdserve_prefill_compute_seconds_count)
+  std::optional<double> queue_ms;        ///< submit to first forward
+  std::optional<double> compute_ms;      ///< first forward to last layer computed
+  std::optional<double> kv_tail_ms;      ///< last layer computed to completion record delivered: what the KV
+                                         ///< transfer adds to TTFT (the rest overlaps the compute)
+  std::optional<double> kv_transfer_ms;  ///< a whole send-side transfer, begin to answer (overlaps the compute)
+  std::optional<double> kv_bytes;        ///< KV bytes put
+};
+
 struct LevelStats {
   std::int64_t concurrency = 0;  ///< 0 in request-rate mode
   double request_rate = 0;       ///< 0 (unbounded) in concurrency mode
@@ -93,6 +105,7 @@ struct LevelStats {
   Distribution itl_ms;
   Distribution e2e_ms;
   std::optional<MtpStats> mtp;
+  std::optional<PrefillServerStats> prefill;
 };
 
 /// Linear-interpolation percentile of `values` (p in 0..100); 0 for no values.

@@ -252,6 +252,35 @@ TEST(BenchServeMetrics, PrometheusTextSumsLabelSets) {
   EXPECT_FALSE(m.contains("garbage"));
   EXPECT_FALSE(m.contains("z"));
   EXPECT_FALSE(m.contains("nan_metric"));
+  EXPECT_DOUBLE_EQ(m.at("x_total{a=\"1\"}"), 3);  // each label set also on its own
+  EXPECT_DOUBLE_EQ(m.at("x_total{a=\"odd } brace\",b=\"q\\\"\"}"), 4.5);
+}
+
+TEST(BenchServeMetrics, PrefillTimesPerPromptFromHistogramDeltas) {
+  const auto before = parsePrometheusText(
+      "pdserve_prefill_compute_seconds_sum 1.0\npdserve_prefill_compute_seconds_count 10\n"
+      "pdserve_prefill_queue_seconds_sum 0.5\npdserve_prefill_queue_seconds_count 10\n"
+      "pdserve_prefill_transfer_seconds_sum 0.1\npdserve_prefill_transfer_seconds_count 10\n"
+      "pdserve_kv_transfer_seconds_sum{side=\"send\"} 2\npdserve_kv_transfer_seconds_count{side=\"send\"} 10\n"
+      "pdserve_kv_transfer_seconds_sum{side=\"receive\"} 50\npdserve_kv_transfer_seconds_count{side=\"receive\"} 9\n"
+      "pdserve_kv_put_bytes_total 1000\n");
+  const auto after = parsePrometheusText(
+      "pdserve_prefill_compute_seconds_sum 1.6\npdserve_prefill_compute_seconds_count 14\n"
+      "pdserve_prefill_queue_seconds_sum 0.9\npdserve_prefill_queue_seconds_count 14\n"
+      "pdserve_prefill_transfer_seconds_sum 0.14\npdserve_prefill_transfer_seconds_count 14\n"
+      "pdserve_kv_transfer_seconds_sum{side=\"send\"} 2.8\npdserve_kv_transfer_seconds_count{side=\"send\"} 14\n"
+      "pdserve_kv_transfer_seconds_sum{side=\"receive\"} 90\npdserve_kv_transfer_seconds_count{side=\"receive\"} 13\n"
+      "pdserve_kv_put_bytes_total 5000\n");
+  const auto p = prefillFromDeltas(before, after);
+  ASSERT_TRUE(p.has_value());
+  EXPECT_DOUBLE_EQ(p->prompts, 4);
+  EXPECT_NEAR(*p->compute_ms, 150.0, 1e-9);
+  EXPECT_NEAR(*p->queue_ms, 100.0, 1e-9);
+  EXPECT_NEAR(*p->kv_tail_ms, 10.0, 1e-9);
+  EXPECT_NEAR(*p->kv_transfer_ms, 200.0, 1e-9);  // the send side only: the receive side is a decode worker's
+  EXPECT_NEAR(*p->kv_bytes, 1000.0, 1e-9);
+  EXPECT_FALSE(prefillFromDeltas(after, after).has_value());  // no prompt in between
+  EXPECT_FALSE(prefillFromDeltas({}, parsePrometheusText("pdserve_decode_steps_total 3\n")).has_value());
 }
 
 TEST(BenchServeUrl, ParsesHostPortAndPrefix) {
