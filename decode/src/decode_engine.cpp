@@ -20,18 +20,21 @@ namespace {
 // in its own, written into the request's pool blocks as its transfer would land them.
 class PoolWriter final : public model::LatentKvSink {
  public:
-  PoolWriter(const model::LatentCacheView& pool, std::span<const std::int32_t> blocks) : pool_(pool), blocks_(blocks) {}
+  PoolWriter(KvPool& pool, std::span<const std::int32_t> blocks) : pool_(pool), blocks_(blocks) {}
   void onLayer(std::int64_t kv_layer, std::size_t /*sequence*/, std::int64_t start_pos,
                std::span<const float> latent) override {
-    const auto dim = static_cast<std::size_t>(pool_.latent_dim);
-    for (std::size_t t = 0; (t + 1) * dim <= latent.size(); ++t) {
-      model::writeLatent(pool_, kv_layer, blocks_, start_pos + static_cast<std::int64_t>(t), latent.data() + t * dim);
+    const auto dim = static_cast<std::size_t>(pool_.latentDim());
+    for (std::size_t t = 0; (t + 1) * dim <= latent.size() && status_.ok(); ++t) {
+      status_ = pool_.writeLatent(kv_layer, blocks_, start_pos + static_cast<std::int64_t>(t), latent.data() + t * dim);
     }
   }
+  /// The first failed write into a device pool, if any.
+  [[nodiscard]] const Status& status() const { return status_; }
 
  private:
-  const model::LatentCacheView& pool_;
+  KvPool& pool_;
   std::span<const std::int32_t> blocks_;
+  Status status_ = okStatus();
 };
 
 }  // namespace
@@ -460,7 +463,7 @@ Result<kvtransfer::CompletionRecord> DecodeEngine::localPrefill(Sequence& seq) {
                       model::PagedLatentCache::create(cfg, (n + bs - 1) / bs, bs, scratch_dtype));
   std::vector<std::int32_t> scratch_table(static_cast<std::size_t>((n + bs - 1) / bs));
   std::iota(scratch_table.begin(), scratch_table.end(), 0);
-  PoolWriter writer(pool_.view(), table);
+  PoolWriter writer(pool_, table);
   for (std::int64_t pos = 0; pos < n; pos += options_.local_prefill_chunk_size) {
     const std::int64_t take = std::min(options_.local_prefill_chunk_size, n - pos);
     const model::SequenceChunk chunk{tokens.subspan(static_cast<std::size_t>(pos), static_cast<std::size_t>(take)), pos,
@@ -470,6 +473,7 @@ Result<kvtransfer::CompletionRecord> DecodeEngine::localPrefill(Sequence& seq) {
     fo.hidden = mtp ? model::OutputRows::All : (pos + take == n ? model::OutputRows::Last : model::OutputRows::None);
     fo.sink = &writer;
     PD_ASSIGN_OR_RETURN(model::ForwardOutput out, engine_.forward(std::span(&chunk, 1), scratch.view(), fo));
+    PD_TRY(writer.status());
     hidden.insert(hidden.end(), out.hidden.begin(), out.hidden.end());
     if (pos + take == n) last_logits = std::move(out.logits);
   }

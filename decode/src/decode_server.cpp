@@ -198,8 +198,21 @@ Status DecodeServer::Impl::startParts() {
                      fmt::format("decode.num_speculative_tokens {} needs a checkpoint with an MTP layer; set it to 0",
                                  cfg.num_speculative_tokens));
   }
-  PD_ASSIGN_OR_RETURN(KvPool pool, KvPool::create(engine_->config(), poolBlocks(cfg), cfg.block_size, poolDtype(cfg)));
+  // The pool in the memory the engine reads best: the CUDA engine's GPU memory (the device KV pool:
+  // KV lands there through the staging transport's device copier, no host copy) or host memory.
+  // With decode tensor parallelism it stays in host memory: the staging transport does not serve
+  // several ranks yet, and the direct path needs a UCX that registers GPU memory.
+  std::unique_ptr<model::CacheMemory> memory;
+  if (group_size == 1) {
+    PD_ASSIGN_OR_RETURN(memory, engine_->allocateCache(poolBlocks(cfg), cfg.block_size, poolDtype(cfg)));
+  } else {
+    PD_ASSIGN_OR_RETURN(memory,
+                        model::allocateHostCache(engine_->config(), poolBlocks(cfg), cfg.block_size, poolDtype(cfg)));
+  }
+  PD_ASSIGN_OR_RETURN(KvPool pool, KvPool::create(std::move(memory)));
   pool_ = std::make_unique<KvPool>(std::move(pool));
+  log::info("decode", "KV pool: {} blocks x {} tokens, {}, in {} memory ({})", pool_->numBlocks(), pool_->blockSize(),
+            kvDTypeName(pool_->dtype()), pool_->onDevice() ? "GPU" : "host", pool_->location());
   compat_ = pool_->compat(options_.model_hash, static_cast<std::uint32_t>(group_size));
 
   kvtransfer::UcxTransportOptions tx = kvtransfer::ucxOptionsFromConfig(options_.kvtransfer, compat_);
@@ -209,10 +222,11 @@ Status DecodeServer::Impl::startParts() {
   kvtransfer::inheritLoopbackHost(tx, options_.decode.host);
   const bool rma = kvtransfer::resolveKvDataPath(tx.data_path, tx.ucx_tls) == kvtransfer::KvDataPath::Rma;
   if (rma) receive_grace_ = std::chrono::milliseconds(options_.kvtransfer.receive_grace_ms);
-  // The pool is host memory (the CPU engine's): `auto` resolves to direct, `staging` stages anyway.
+  // A host pool: `auto` resolves to direct, `staging` stages anyway. A GPU pool: direct only where
+  // UCX registers GPU memory, staging through pinned buffers and the CUDA copier otherwise.
   PD_ASSIGN_OR_RETURN(kvtransfer::KvTransport kv,
                       kvtransfer::createKvTransport(options_.kvtransfer, tx, kvtransfer::KvTransportUse::Receive,
-                                                    /*pool_in_device_memory=*/false));
+                                                    pool_->onDevice(), pool_->view().device));
   transport_ = std::move(kv.transport);
   kv_path_ = kv.path;
   PD_ASSIGN_OR_RETURN(region_, transport_->registerRegion(pool_->memory()));
@@ -601,7 +615,7 @@ worker_api::WorkerStatus DecodeServer::Impl::status() const {
   s.drafts_accepted = m.drafts_accepted;
   // The CPU engine's pool, in host memory (a device pool sized by the GPU memory plan is not
   // built yet: docs/gpu.md).
-  s.kv_pool_memory = "host";
+  s.kv_pool_memory = pool_->location();
   s.kv_cache_dtype = options_.decode.kv_dtype;
   s.kv_pool_bytes = pool_ ? static_cast<std::int64_t>(pool_->memory().size()) : 0;
   s.kv_transfer_path = std::string(kvtransfer::kvTransferPathName(kv_path_));

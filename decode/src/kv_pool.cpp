@@ -2,25 +2,35 @@
 
 #include <cstring>
 #include <utility>
+#include <vector>
 
+#include "pd/common/kv_format.h"
 #include "pd/engine/cache_residency.h"
 
 namespace pd::decode {
 
 Result<KvPool> KvPool::create(const ModelConfig& config, std::int64_t num_blocks, std::int64_t block_size,
                               DType dtype) {
-  PD_ASSIGN_OR_RETURN(model::PagedLatentCache cache,
-                      model::PagedLatentCache::create(config, num_blocks, block_size, dtype));
+  PD_ASSIGN_OR_RETURN(std::unique_ptr<model::CacheMemory> memory,
+                      model::allocateHostCache(config, num_blocks, block_size, dtype));
+  return create(std::move(memory));
+}
+
+Result<KvPool> KvPool::create(std::unique_ptr<model::CacheMemory> memory) {
+  PD_CHECK(memory != nullptr);
   // The transport describes the pool as one region with constant strides: check that holds.
-  const auto& v = cache.view();
+  const auto& v = memory->view();
+  if (v.layers.empty() || v.num_blocks <= 0 || v.block_size <= 0) {
+    return makeError(ErrorCode::InvalidArgument, "KV pool: an empty cache");
+  }
   for (std::size_t l = 1; l < v.layers.size(); ++l) {
     PD_CHECK(v.layers[l] - v.layers[l - 1] == v.layers[1] - v.layers[0]);
   }
-  return KvPool(std::move(cache));
+  return KvPool(std::move(memory));
 }
 
 std::span<std::byte> KvPool::memory() const {
-  return {view().layers.front(), cache_.bytes()};
+  return {view().layers.front(), memory_->bytes()};
 }
 
 std::uint64_t KvPool::blockStride() const {
@@ -28,6 +38,9 @@ std::uint64_t KvPool::blockStride() const {
 }
 
 std::uint64_t KvPool::layerStride() const {
+  // An engine's memory may hold blocks of its own after the pool's (the CUDA engine's padding
+  // blocks): the stride is the distance between layers.
+  if (view().layers.size() >= 2) return static_cast<std::uint64_t>(view().layers[1] - view().layers[0]);
   return blockStride() * static_cast<std::uint64_t>(numBlocks());
 }
 
@@ -68,11 +81,22 @@ void KvPool::touch(std::int32_t block) {
 void KvPool::copyBlock(std::int32_t src, std::int32_t dst) {
   PD_CHECK(src >= 0 && src < numBlocks() && dst >= 0 && dst < numBlocks() && src != dst);
   touch(dst);
-  const std::uint64_t stride = blockStride();
-  for (std::byte* layer : view().layers) {
-    std::memcpy(layer + static_cast<std::uint64_t>(dst) * stride, layer + static_cast<std::uint64_t>(src) * stride,
-                stride);
+  const Status copied = memory_->copyBlock(src, dst);
+  PD_CHECK_MSG(copied.ok(),
+               "KV pool block copy failed");  // a device copy between valid blocks fails only if the GPU does
+}
+
+Status KvPool::writeLatent(std::int64_t layer, std::span<const std::int32_t> block_table, std::int64_t pos,
+                           const float* values) {
+  if (!onDevice()) {
+    model::writeLatent(view(), layer, block_table, pos, values);
+    return okStatus();
   }
+  const auto index = static_cast<std::size_t>(pos / blockSize());
+  PD_CHECK(index < block_table.size() && block_table[index] >= 0 && block_table[index] < numBlocks());
+  std::vector<std::byte> token(view().tokenBytes());
+  encodeKvToken(dtype(), std::span(values, static_cast<std::size_t>(latentDim())), token.data());
+  return memory_->writeTokens(layer, block_table[index] * blockSize() + pos % blockSize(), token);
 }
 
 }  // namespace pd::decode

@@ -82,7 +82,8 @@ class HostMirror final : public DeviceDecodeStep::LatentCollector {
     const i64 ld = cache_.latent_dim;
     for (const gpu::ForwardStep::SequenceSpan& sp : step_.sequences) {
       const SequenceChunk& s = batch_[sp.sequence];
-      for (i64 r = 0; r < sp.rows; ++r) {
+      // A device cache (the device KV pool) already holds them: the step wrote them there.
+      for (i64 r = 0; r < sp.rows && !cache_.on_device; ++r) {
         writeLatent(cache_, kv_layer, s.block_table, sp.start_pos + r, latents.data() + (sp.first_row + r) * ld);
       }
       if (sink_ != nullptr) {
@@ -100,6 +101,42 @@ class HostMirror final : public DeviceDecodeStep::LatentCollector {
 };
 
 static_assert(kMaxDeviceTopLogprobs == gpu::kernels::kMaxTopLogprobs, "one limit for the device's top logprobs");
+
+// The device KV pool (Engine::allocateCache): GPU memory laid out as the step's own cache (every
+// KV layer's blocks plus the step's padding blocks), which the step then uses as its cache
+// directly. The host reaches it only through these methods, each synchronous on the device.
+class DeviceCacheMemory final : public CacheMemory {
+ public:
+  DeviceCacheMemory(cuda::DeviceBuffer<std::uint8_t> memory, LatentCacheView view, int device)
+      : memory_(std::move(memory)), view_(std::move(view)), device_(device) {}
+  const LatentCacheView& view() const override { return view_; }
+  std::size_t bytes() const override { return memory_.bytes(); }
+  std::string location() const override { return fmt::format("cuda:{}", device_); }
+  Status copyBlock(std::int32_t src, std::int32_t dst) override {
+    const std::size_t block = sz(view_.block_size) * view_.tokenBytes();
+    PD_CUDA_TRY(cudaSetDevice(device_));
+    for (std::byte* layer : view_.layers) {
+      PD_CUDA_TRY(cudaMemcpy(layer + sz(dst) * block, layer + sz(src) * block, block, cudaMemcpyDeviceToDevice));
+    }
+    return okStatus();
+  }
+  Status writeTokens(std::int64_t layer, std::int64_t first_slot, std::span<const std::byte> tokens) override {
+    const std::size_t token = view_.tokenBytes();
+    if (layer < 0 || layer >= static_cast<i64>(view_.layers.size()) || first_slot < 0 || tokens.size() % token != 0 ||
+        sz(first_slot) + tokens.size() / token > sz(view_.num_blocks * view_.block_size)) {
+      return makeError(ErrorCode::InvalidArgument, "device cache write outside the cache");
+    }
+    PD_CUDA_TRY(cudaSetDevice(device_));
+    PD_CUDA_TRY(cudaMemcpy(view_.layers[sz(layer)] + sz(first_slot) * token, tokens.data(), tokens.size(),
+                           cudaMemcpyHostToDevice));
+    return okStatus();
+  }
+
+ private:
+  cuda::DeviceBuffer<std::uint8_t> memory_;
+  LatentCacheView view_;
+  int device_;
+};
 
 class CudaEngine final : public Engine, public SamplingEngine {
  public:
@@ -159,6 +196,48 @@ class CudaEngine final : public Engine, public SamplingEngine {
     return std::move(out.output);
   }
 
+  // GPU memory the step uses as its cache directly: the device KV pool (docs/gpu.md). One at a
+  // time: the engine forgets an earlier one (its owner must no longer pass it).
+  Result<std::unique_ptr<CacheMemory>> allocateCache(std::int64_t num_blocks, std::int64_t block_size,
+                                                     DType dtype) override {
+    const gpu::DecodeCacheShape shape{num_blocks, block_size, dtype};
+    PD_TRY(gpu::checkCacheShape(shape));
+    const int device = options_.device.index;
+    PD_CUDA_TRY(cudaSetDevice(device));
+    const std::uint64_t bytes = step_->cacheBytesFor(shape);
+    std::size_t free_bytes = 0;
+    std::size_t total_bytes = 0;
+    PD_CUDA_TRY(cudaMemGetInfo(&free_bytes, &total_bytes));
+    if (bytes > free_bytes) {
+      return makeError(ErrorCode::ResourceExhausted,
+                       fmt::format("cuda:{}: a KV pool of {} blocks x {} tokens ({:.2f} GB) does not fit in the {:.2f} "
+                                   "GB free",
+                                   device, num_blocks, block_size, static_cast<double>(bytes) / 1e9,
+                                   static_cast<double>(free_bytes) / 1e9));
+    }
+    PD_ASSIGN_OR_RETURN(cuda::DeviceBuffer<std::uint8_t> memory, cuda::DeviceBuffer<std::uint8_t>::create(sz(bytes)));
+    PD_CUDA_TRY(cudaMemset(memory.data(), 0, memory.bytes()));
+    LatentCacheView view;
+    view.dtype = dtype;
+    view.latent_dim = config_->latentDim();
+    view.block_size = block_size;
+    view.num_blocks = num_blocks;
+    view.on_device = true;
+    view.device = device;
+    const std::uint64_t layer_bytes = bytes / static_cast<std::uint64_t>(step_->cacheLayers());
+    for (i64 l = 0; l < step_->cacheLayers(); ++l) {
+      view.layers.push_back(reinterpret_cast<std::byte*>(memory.data()) + sz(l) * layer_bytes);
+    }
+    device_cache_ = view.layers.front();
+    device_cache_shape_ = shape;
+    main_residency_.forget();
+    mtp_residency_.forget();
+    PD_TRY(step_->useExternalCache(shape, device_cache_));
+    log::info("cuda", "cuda:{}: KV cache of {} blocks x {} tokens ({}, {:.2f} GB) in GPU memory", device, num_blocks,
+              block_size, kvDTypeName(dtype), static_cast<double>(bytes) / 1e9);
+    return std::unique_ptr<CacheMemory>(new DeviceCacheMemory(std::move(memory), std::move(view), device));
+  }
+
  private:
   // `rows` empty: logits come back; otherwise one sampling request per logits row.
   Result<SampledForward> run(std::span<const SequenceChunk> batch, const LatentCacheView& cache,
@@ -188,15 +267,29 @@ class CudaEngine final : public Engine, public SamplingEngine {
       row.allowed = r.allowed;  // DeviceSampler::sample checks its size and that it allows a token
       sample_rows.push_back(row);
     }
-    // The device cache takes the host cache's dtype: BF16 halves its memory and the attention's
-    // reads, FP8 tokens (kv_format.h) about quarter them; an F32 host cache (the golden parity
-    // mode) keeps F32.
-    PD_TRY(step_->setCacheShape({cache.num_blocks, cache.block_size, cache.dtype}));
-    // Only the positions the device cache does not hold yet cross over (CacheResidency); a call
-    // that fails past this point leaves the device cache unknown, so it is forgotten.
     CacheResidency& residency = mtp ? mtp_residency_ : main_residency_;
     ForgetUnlessDone guard(residency);
-    PD_TRY(uploadRanges(residency.prepare(batch, cache), cache, mtp ? c.num_hidden_layers : 0, kv_layer_last + 1));
+    if (cache.on_device) {
+      // The device KV pool this engine allocated: the step's cache itself, nothing to copy.
+      const gpu::DecodeCacheShape shape{cache.num_blocks, cache.block_size, cache.dtype};
+      if (cache.layers.empty() || cache.layers.front() != device_cache_ || !(shape == device_cache_shape_)) {
+        return makeError(ErrorCode::InvalidArgument, "a GPU cache this engine did not allocate");
+      }
+      PD_TRY(step_->useExternalCache(shape, device_cache_));
+    } else {
+      // A host cache, mirrored: the device cache takes its dtype (BF16 halves its memory and the
+      // attention's reads, FP8 tokens (kv_format.h) about quarter them; an F32 host cache, the
+      // golden parity mode, keeps F32). Leaving the device pool for it reallocates the step's own
+      // cache, so nothing of it is held yet.
+      if (device_cache_ != nullptr && step_->usesExternalCache(device_cache_)) {
+        main_residency_.forget();
+        mtp_residency_.forget();
+      }
+      PD_TRY(step_->setCacheShape({cache.num_blocks, cache.block_size, cache.dtype}));
+      // Only the positions the device cache does not hold yet cross over (CacheResidency); a call
+      // that fails past this point leaves the device cache unknown, so it is forgotten.
+      PD_TRY(uploadRanges(residency.prepare(batch, cache), cache, mtp ? c.num_hidden_layers : 0, kv_layer_last + 1));
+    }
     SampledForward result;
     ForwardOutput& out = result.output;
     if (rows.empty()) out.logits.reserve(sz(plan.logit_rows * c.vocab_size));
@@ -290,8 +383,10 @@ class CudaEngine final : public Engine, public SamplingEngine {
   std::unique_ptr<DeviceDecodeStep> step_;
   CudaEngineOptions options_;
   DType weight_dtype_;
-  CacheResidency main_residency_;  // what the device cache holds of the main layers
-  CacheResidency mtp_residency_;   // and of the MTP layer
+  CacheResidency main_residency_;      // what the device cache holds of the main layers
+  CacheResidency mtp_residency_;       // and of the MTP layer
+  std::byte* device_cache_ = nullptr;  // the device KV pool allocateCache made, if any (owned by its CacheMemory)
+  gpu::DecodeCacheShape device_cache_shape_;
 };
 
 }  // namespace

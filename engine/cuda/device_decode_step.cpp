@@ -173,6 +173,9 @@ struct DeviceDecodeStep::Impl {
   cuda::DeviceBuffer<float> cache;
   cuda::DeviceBuffer<std::uint16_t> cache_bf16;
   cuda::DeviceBuffer<std::uint8_t> cache_fp8;
+  // Or memory the caller owns (useExternalCache: the device KV pool), of the same layout; then
+  // none of the three above is allocated.
+  std::byte* external_cache = nullptr;
   std::optional<MlaDecodeAttention> attention;
   std::optional<MlaPrefillAttention> prefill_attention;  // workspace of one chunk, kMaxDecodeBatch rows
   std::optional<DeviceSampler> sampler;                  // kMaxDecodeBatch rows of the vocabulary
@@ -240,7 +243,16 @@ struct DeviceDecodeStep::Impl {
     return stream.synchronize();
   }
 
-  [[nodiscard]] bool hasCache() const { return cache.size() > 0 || cache_bf16.size() > 0 || cache_fp8.size() > 0; }
+  [[nodiscard]] bool hasCache() const {
+    return external_cache != nullptr || cache.size() > 0 || cache_bf16.size() > 0 || cache_fp8.size() > 0;
+  }
+  // The cache's first byte, whichever memory holds it.
+  [[nodiscard]] std::byte* cacheBytes() const {
+    if (external_cache != nullptr) return external_cache;
+    if (cache_shape.dtype == DType::BF16) return reinterpret_cast<std::byte*>(cache_bf16.data());
+    if (cache_shape.dtype == DType::F8E4M3) return reinterpret_cast<std::byte*>(cache_fp8.data());
+    return reinterpret_cast<std::byte*>(cache.data());
+  }
 
   [[nodiscard]] Result<const DeviceWeights::Tensor*> tensor(const std::string& name,
                                                             std::vector<std::int64_t> shape) const {
@@ -465,8 +477,9 @@ struct DeviceDecodeStep::Impl {
     return okStatus();
   }
 
-  // The device cache of cache_shape and what depends on it (attention splits, block tables).
-  [[nodiscard]] Status allocateCache() {
+  // The device cache of cache_shape (allocated here unless `external`, memory of the same layout
+  // the caller owns) and what depends on it (attention splits, block tables).
+  [[nodiscard]] Status allocateCache(std::byte* external) {
     const ModelConfig& c = cfg;
     const DecodeCacheShape& cs = cache_shape;
     const i64 ld = c.latentDim();
@@ -475,7 +488,10 @@ struct DeviceDecodeStep::Impl {
     // The caller's blocks, then the padding blocks of padded graph rows (padDecodeStep).
     allocated_blocks = cs.num_blocks + paddingBlocks(cs.block_size);
     const i64 allocated_slots = allocated_blocks * cs.block_size;
-    if (cs.dtype == DType::BF16) {
+    external_cache = external;
+    if (external != nullptr) {
+      // nothing to allocate: the caller's memory holds cache_layers x allocated_slots tokens
+    } else if (cs.dtype == DType::BF16) {
       PD_ASSIGN_OR_RETURN(cache_bf16,
                           cuda::DeviceBuffer<std::uint16_t>::create(sz(cache_layers * allocated_slots * ld)));
     } else if (cs.dtype == DType::F8E4M3) {
@@ -583,13 +599,9 @@ struct DeviceDecodeStep::Impl {
     PD_TRY(ropeInterleaved(q.data(), RopeShape{n, heads, heads * qk, qk, dn, half}, inv_freq.data(), positions.data(),
                            stream));
     const i64 layer_slots = kv_layer * allocated_blocks * cache_shape.block_size;
-    const i64 layer_offset = layer_slots * ld;
     const bool bf16_cache = cache_shape.dtype == DType::BF16;
     const bool fp8_cache = cache_shape.dtype == DType::F8E4M3;
-    void* layer_cache = fp8_cache
-                            ? static_cast<void*>(cache_fp8.data() + sz(layer_slots) * kvTokenBytes(DType::F8E4M3, ld))
-                        : bf16_cache ? static_cast<void*>(cache_bf16.data() + layer_offset)
-                                     : static_cast<void*>(cache.data() + layer_offset);
+    void* layer_cache = cacheBytes() + sz(layer_slots) * kvTokenBytes(cache_shape.dtype, ld);
     // The collector gets the latents as computed (the host cache rounds them as it stores them,
     // and a KV sink gets what the CPU engine's sink gets); the cache and the attention get them
     // rounded as the host cache holds them (an FP8 cache encodes them as it stores them).
@@ -869,7 +881,7 @@ Result<std::unique_ptr<DeviceDecodeStep>> DeviceDecodeStep::create(const DeviceW
   const i64 heads = m.localHeads();
   const i64 ld = c.latentDim();
   const i64 qk = c.qkHeadDim();
-  PD_TRY(m.allocateCache());
+  PD_TRY(m.allocateCache(nullptr));
   i64 widest = c.intermediate_size;
   widest = std::max(widest, c.moe_intermediate_size * std::max<i64>(c.n_shared_experts, 1));
   const i64 top_k = std::max<i64>(c.num_experts_per_tok, 1);
@@ -1238,8 +1250,9 @@ Status DeviceDecodeStep::writeCache(std::int64_t kv_layer, std::span<const std::
     std::uint16_t* bits = m.staging_bf16->data();
     for (std::size_t i = 0; i < values.size(); ++i) bits[i] = math::bf16Encode(values[i]);
     for (std::size_t i = 0; i < slots.size(); ++i) {
-      PD_CUDA_TRY(cudaMemcpyAsync(m.cache_bf16.data() + layer_offset + slots[i] * ld, bits + at * ld,
-                                  sz(counts[i] * ld) * sizeof(std::uint16_t), cudaMemcpyHostToDevice, m.stream.get()));
+      PD_CUDA_TRY(cudaMemcpyAsync(reinterpret_cast<std::uint16_t*>(m.cacheBytes()) + layer_offset + slots[i] * ld,
+                                  bits + at * ld, sz(counts[i] * ld) * sizeof(std::uint16_t), cudaMemcpyHostToDevice,
+                                  m.stream.get()));
       at += counts[i];
     }
     return m.stream.synchronize();
@@ -1251,8 +1264,9 @@ Status DeviceDecodeStep::writeCache(std::int64_t kv_layer, std::span<const std::
   }
   std::memcpy(m.staging->data(), values.data(), values.size_bytes());
   for (std::size_t i = 0; i < slots.size(); ++i) {
-    PD_CUDA_TRY(cudaMemcpyAsync(m.cache.data() + layer_offset + slots[i] * ld, m.staging->data() + at * ld,
-                                sz(counts[i] * ld) * sizeof(float), cudaMemcpyHostToDevice, m.stream.get()));
+    PD_CUDA_TRY(cudaMemcpyAsync(reinterpret_cast<float*>(m.cacheBytes()) + layer_offset + slots[i] * ld,
+                                m.staging->data() + at * ld, sz(counts[i] * ld) * sizeof(float), cudaMemcpyHostToDevice,
+                                m.stream.get()));
     at += counts[i];
   }
   return m.stream.synchronize();
@@ -1297,7 +1311,7 @@ Status DeviceDecodeStep::writeCacheTokens(std::int64_t kv_layer, std::span<const
   const std::size_t layer_offset = sz(kv_layer * m.allocated_blocks * cache_shape_.block_size) * token;
   i64 at = 0;
   for (std::size_t i = 0; i < slots.size(); ++i) {
-    PD_CUDA_TRY(cudaMemcpyAsync(m.cache_fp8.data() + layer_offset + sz(slots[i]) * token,
+    PD_CUDA_TRY(cudaMemcpyAsync(m.cacheBytes() + layer_offset + sz(slots[i]) * token,
                                 m.staging_tokens->data() + sz(at) * token, sz(counts[i]) * token,
                                 cudaMemcpyHostToDevice, m.stream.get()));
     at += counts[i];
@@ -1306,8 +1320,28 @@ Status DeviceDecodeStep::writeCacheTokens(std::int64_t kv_layer, std::span<const
 }
 
 Status DeviceDecodeStep::setCacheShape(const DecodeCacheShape& shape) {
+  if (shape == cache_shape_ && impl_->hasCache() && impl_->external_cache == nullptr) return okStatus();
+  return replaceCache(shape, nullptr);
+}
+
+Status DeviceDecodeStep::useExternalCache(const DecodeCacheShape& shape, void* memory) {
+  if (memory == nullptr) return makeError(ErrorCode::InvalidArgument, "device cache: no memory");
+  if (shape == cache_shape_ && impl_->external_cache == static_cast<std::byte*>(memory)) return okStatus();
+  return replaceCache(shape, static_cast<std::byte*>(memory));
+}
+
+std::uint64_t DeviceDecodeStep::cacheBytesFor(const DecodeCacheShape& shape) const {
+  const i64 slots = (shape.num_blocks + paddingBlocks(shape.block_size)) * shape.block_size;
+  return static_cast<std::uint64_t>(impl_->cache_layers) * static_cast<std::uint64_t>(slots) *
+         kvTokenBytes(shape.dtype, impl_->cfg.latentDim());
+}
+
+bool DeviceDecodeStep::usesExternalCache(const void* memory) const {
+  return impl_->external_cache != nullptr && impl_->external_cache == static_cast<const std::byte*>(memory);
+}
+
+Status DeviceDecodeStep::replaceCache(const DecodeCacheShape& shape, std::byte* external) {
   Impl& m = *impl_;
-  if (shape == cache_shape_ && m.hasCache()) return okStatus();
   PD_TRY(checkCacheShape(shape));
   PD_CUDA_TRY(cudaSetDevice(m.weights.device().index));
   PD_TRY(m.stream.synchronize());
@@ -1317,11 +1351,12 @@ Status DeviceDecodeStep::setCacheShape(const DecodeCacheShape& shape) {
   m.cache = {};
   m.cache_bf16 = {};
   m.cache_fp8 = {};
+  m.external_cache = nullptr;
   m.attention.reset();
   m.block_tables = {};
   cache_shape_ = shape;
   m.cache_shape = shape;
-  return m.allocateCache();
+  return m.allocateCache(external);
 }
 
 }  // namespace pd::gpu

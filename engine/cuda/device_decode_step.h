@@ -32,6 +32,7 @@
 /// Thread rules: one thread at a time (the engine's); all work is ordered on the step's own stream.
 /// The DeviceWeights must outlive the step.
 
+#include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <span>
@@ -172,6 +173,16 @@ class DeviceDecodeStep {
   /// ResourceExhausted when the device memory is not there (the step is then unusable until a
   /// shape that fits is set).
   [[nodiscard]] Status setCacheShape(const DecodeCacheShape& shape);
+  /// Makes `memory` (device memory on this step's GPU, cacheBytesFor(shape) bytes, owned by the
+  /// caller and kept alive while in use) the device cache: layer l's tokens start at
+  /// l * (num_blocks + padding blocks) * block_size tokens; nothing is allocated or copied. A later
+  /// setCacheShape() leaves it for a cache of the step's own. InvalidArgument for a bad shape or no
+  /// memory.
+  [[nodiscard]] Status useExternalCache(const DecodeCacheShape& shape, void* memory);
+  /// The bytes a cache of `shape` takes (its blocks plus the step's padding blocks, every KV layer).
+  [[nodiscard]] std::uint64_t cacheBytesFor(const DecodeCacheShape& shape) const;
+  /// Whether `memory` is the cache in use (useExternalCache).
+  [[nodiscard]] bool usesExternalCache(const void* memory) const;
 
   [[nodiscard]] const DecodeCacheShape& cacheShape() const { return cache_shape_; }
 
@@ -183,6 +194,7 @@ class DeviceDecodeStep {
 
  private:
   explicit DeviceDecodeStep(std::unique_ptr<Impl> impl, DecodeCacheShape cache);
+  [[nodiscard]] Status replaceCache(const DecodeCacheShape& shape, std::byte* external);
   std::unique_ptr<Impl> impl_;
   DecodeCacheShape cache_shape_;
 };

@@ -18,6 +18,7 @@ std::byte* slotOf(const LatentCacheView& cache, std::int64_t layer, std::span<co
   PD_CHECK(block_index < block_table.size());
   const std::int32_t block = block_table[block_index];
   PD_CHECK(block >= 0 && block < cache.num_blocks);
+  PD_CHECK_MSG(!cache.on_device, "host access to a device cache");
   return cache.slot(layer, block, pos % cache.block_size);
 }
 }  // namespace
@@ -63,6 +64,47 @@ Result<PagedLatentCache> PagedLatentCache::create(std::int64_t layers, std::int6
   for (std::int64_t l = 0; l < layers; ++l)
     view.layers.push_back(storage.get() + layer_bytes * static_cast<std::size_t>(l));
   return PagedLatentCache(std::move(storage), bytes, std::move(view));
+}
+
+namespace {
+class HostCacheMemory final : public CacheMemory {
+ public:
+  explicit HostCacheMemory(PagedLatentCache cache) : cache_(std::move(cache)) {}
+  const LatentCacheView& view() const override { return cache_.view(); }
+  std::size_t bytes() const override { return cache_.bytes(); }
+  std::string location() const override { return "host"; }
+  Status copyBlock(std::int32_t src, std::int32_t dst) override {
+    const LatentCacheView& v = cache_.view();
+    const std::size_t stride = static_cast<std::size_t>(v.block_size) * v.tokenBytes();
+    for (std::byte* layer : v.layers) {
+      std::memcpy(layer + static_cast<std::size_t>(dst) * stride, layer + static_cast<std::size_t>(src) * stride,
+                  stride);
+    }
+    return okStatus();
+  }
+  Status writeTokens(std::int64_t layer, std::int64_t first_slot, std::span<const std::byte> tokens) override {
+    const LatentCacheView& v = cache_.view();
+    const std::size_t token = v.tokenBytes();
+    if (layer < 0 || layer >= static_cast<std::int64_t>(v.layers.size()) || first_slot < 0 ||
+        tokens.size() % token != 0 ||
+        static_cast<std::size_t>(first_slot) + tokens.size() / token >
+            static_cast<std::size_t>(v.num_blocks * v.block_size)) {
+      return makeError(ErrorCode::InvalidArgument, "cache write outside the cache");
+    }
+    std::memcpy(v.layers[static_cast<std::size_t>(layer)] + static_cast<std::size_t>(first_slot) * token, tokens.data(),
+                tokens.size());
+    return okStatus();
+  }
+
+ private:
+  PagedLatentCache cache_;
+};
+}  // namespace
+
+Result<std::unique_ptr<CacheMemory>> allocateHostCache(const ModelConfig& config, std::int64_t num_blocks,
+                                                       std::int64_t block_size, DType dtype) {
+  PD_ASSIGN_OR_RETURN(PagedLatentCache cache, PagedLatentCache::create(config, num_blocks, block_size, dtype));
+  return std::unique_ptr<CacheMemory>(new HostCacheMemory(std::move(cache)));
 }
 
 Result<PagedLatentCache> PagedLatentCache::create(const ModelConfig& config, std::int64_t num_blocks,

@@ -43,12 +43,19 @@ Status validate(const KvTransferConfig& cfg) {
 }
 
 Result<KvTransport> createKvTransport(const KvTransferConfig& cfg, const UcxTransportOptions& ucx, KvTransportUse use,
-                                      bool pool_in_device_memory) {
+                                      bool pool_in_device_memory, int device) {
   PD_ASSIGN_OR_RETURN(const KvTransferPathSetting setting, parseKvTransferPath(cfg.path));
   PD_ASSIGN_OR_RETURN(std::unique_ptr<Transport> inner, createUcxTransport(ucx));
   const TransportCapabilities caps = inner->capabilities();
   const KvTransferPath path = resolveKvTransferPath(setting, pool_in_device_memory, caps.registers_device_memory);
   const char* const memory = pool_in_device_memory ? "GPU" : "host";
+  if (path == KvTransferPath::Direct && pool_in_device_memory && !caps.registers_device_memory) {
+    // UCX would take the GPU addresses for host memory.
+    return makeError(ErrorCode::Unsupported,
+                     fmt::format("kvtransfer.path direct: the KV pool is in GPU memory and this UCX ({}) cannot "
+                                 "register GPU memory; use kvtransfer.path staging or auto",
+                                 caps.name));
+  }
   if (path == KvTransferPath::Direct) {
     log::info("kvtransfer", "{}: KV transfer path direct (kvtransfer.path {}, pool in {} memory, {})", ucx.name,
               cfg.path, memory, caps.name);
@@ -56,7 +63,7 @@ Result<KvTransport> createKvTransport(const KvTransferConfig& cfg, const UcxTran
   }
   std::unique_ptr<DeviceCopier> copier;
   if (pool_in_device_memory) {
-    PD_ASSIGN_OR_RETURN(copier, createCudaCopier());
+    PD_ASSIGN_OR_RETURN(copier, createCudaCopier(device));
   } else {
     copier = createHostCopier();
   }

@@ -333,6 +333,60 @@ TEST(CudaEngine, AnFp8HostCacheAttendsToTheFp8ValuesAsTheCpuEngineDoes) {
   runCacheParity("tiny-fp8", pd::DType::F8E4M3);
 }
 
+// The device KV pool (Engine::allocateCache): GPU memory the step uses as its cache directly. A
+// 40-token prompt and 8 greedy decode steps give bit-equal logits on it and on a host cache of the
+// same dtype (the mirrored path: the same values reach the same kernels), for BF16, FP8 and F32; a
+// block copied through the pool's memory reads as the original; the CPU engine refuses the pool.
+TEST(CudaEngine, DeviceKvPoolGivesTheHostCachesLogits) {
+  auto gpu = cudaEngine("tiny-bf16");
+  auto cpu = cpuEngine("tiny-bf16");
+  ASSERT_TRUE(gpu && cpu);
+  const pd::ModelConfig& c = gpu->config();
+  const i64 vocab = c.vocab_size;
+  std::vector<std::int32_t> prompt;
+  for (i64 i = 0; i < 40; ++i) prompt.push_back(static_cast<std::int32_t>((i * 53 + 11) % vocab));
+  for (const pd::DType dtype : {pd::DType::BF16, pd::DType::F8E4M3, pd::DType::F32}) {
+    auto host = pd::model::PagedLatentCache::create(c, kBlocks, kBlockSize, dtype);
+    ASSERT_TRUE(host.ok());
+    auto pool = gpu->allocateCache(kBlocks, kBlockSize, dtype);
+    ASSERT_TRUE(pool.ok()) << pool.error().toString();
+    EXPECT_TRUE((*pool)->view().on_device);
+    EXPECT_EQ((*pool)->location(), "cuda:0");
+    const auto table = blockTable(0, 20, 1);
+    ForwardOptions all;
+    all.logits = OutputRows::All;
+    const std::vector<SequenceChunk> first{chunk(prompt, 0, table)};
+    auto want = gpu->forward(first, host->view(), all);
+    auto got = gpu->forward(first, (*pool)->view(), all);
+    ASSERT_TRUE(want.ok() && got.ok()) << (got.ok() ? want.error().toString() : got.error().toString());
+    EXPECT_EQ(maxAbsDiff(want->logits, got->logits), 0.0) << pd::dtypeName(dtype) << " prompt";
+    std::int32_t next = argmax(want->logits, 39, vocab);
+    ForwardOptions last;
+    last.logits = OutputRows::Last;
+    for (i64 pos = 40; pos < 48; ++pos) {
+      const std::vector<std::int32_t> token{next};
+      const std::vector<SequenceChunk> step{chunk(token, pos, table)};
+      auto w = gpu->forward(step, host->view(), last);
+      auto g = gpu->forward(step, (*pool)->view(), last);
+      ASSERT_TRUE(w.ok() && g.ok());
+      EXPECT_EQ(maxAbsDiff(w->logits, g->logits), 0.0) << pd::dtypeName(dtype) << " decode at " << pos;
+      next = argmax(w->logits, 0, vocab);
+    }
+    // Block 0 copied into block 30 through the pool's memory: a table naming 30 instead reads the same.
+    ASSERT_TRUE((*pool)->copyBlock(0, 30).ok());
+    auto moved = blockTable(0, 20, 1);
+    moved[0] = 30;
+    const std::vector<std::int32_t> token{next};
+    auto a = gpu->forward(std::vector<SequenceChunk>{chunk(token, 48, table)}, (*pool)->view(), last);
+    auto b = gpu->forward(std::vector<SequenceChunk>{chunk(token, 48, moved)}, (*pool)->view(), last);
+    ASSERT_TRUE(a.ok() && b.ok());
+    EXPECT_EQ(maxAbsDiff(a->logits, b->logits), 0.0) << pd::dtypeName(dtype) << " after a block copy";
+    auto refused = cpu->forward(first, (*pool)->view(), all);
+    ASSERT_FALSE(refused.ok());
+    EXPECT_EQ(refused.error().code, pd::ErrorCode::InvalidArgument);
+  }
+}
+
 std::vector<std::int32_t> goldenIds(const std::string& name, const std::string& tensor) {
   auto g = pd::SafetensorsFile::open(golden(name) / "golden.safetensors");
   EXPECT_TRUE(g.ok());

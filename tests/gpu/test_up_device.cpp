@@ -67,6 +67,10 @@ TEST_P(UpDevice, CompletionsReturnTheGoldenGreedyTokens) {
   auto st = worker_api::parseWorkerStatus(r.body);
   ASSERT_TRUE(st.ok()) << st.error().toString();
   EXPECT_EQ(st->free_blocks, st->total_blocks) << "KV blocks leaked";
+  // The decode pool is the CUDA engine's GPU memory (the device KV pool), filled through the
+  // staging path (UCX here cannot register GPU memory).
+  EXPECT_EQ(st->kv_pool_memory, "cuda:0");
+  EXPECT_EQ(st->kv_transfer_path, "staging");
   std::printf("%s mtp %d: golden tokens through up --device cuda; decode pool %s, %lld blocks\n", model.c_str(), mtp,
               st->kv_pool_memory.c_str(), static_cast<long long>(st->total_blocks));
   EXPECT_EQ(cluster.stop(std::chrono::seconds{60}), 0);

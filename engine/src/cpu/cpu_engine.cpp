@@ -241,6 +241,7 @@ class CpuEngine final : public Engine {
     if (!isKvDType(cache.dtype)) {
       return makeError(ErrorCode::InvalidArgument, "latent cache dtype must be F32, BF16 or F8_E4M3");
     }
+    if (cache.on_device) return makeError(ErrorCode::InvalidArgument, "the CPU engine cannot read a GPU cache");
     if (cache.latent_dim != cfg_.latentDim() || cache.block_size <= 0 ||
         static_cast<i64>(cache.layers.size()) <= kv_layer) {
       return makeError(ErrorCode::InvalidArgument,

@@ -7,6 +7,7 @@
 #include <deque>
 #include <mutex>
 #include <optional>
+#include <string>
 #include <thread>
 
 #include "pd/common/log.h"
@@ -100,10 +101,16 @@ class CudaCopier final : public DeviceCopier {
 
 }  // namespace
 
-Result<std::unique_ptr<DeviceCopier>> createCudaCopier() {
+Result<std::unique_ptr<DeviceCopier>> createCudaCopier(int device) {
   if (cuda::deviceCount() == 0) return makeError(ErrorCode::Unsupported, "no CUDA device for the KV staging copier");
-  int device = 0;
-  PD_CUDA_TRY(cudaGetDevice(&device));
+  if (device < 0) {
+    PD_CUDA_TRY(cudaGetDevice(&device));
+  } else {
+    if (device >= cuda::deviceCount()) {
+      return makeError(ErrorCode::InvalidArgument, "KV staging copier: no CUDA device " + std::to_string(device));
+    }
+    PD_CUDA_TRY(cudaSetDevice(device));  // the stream below is created on it
+  }
   PD_ASSIGN_OR_RETURN(cuda::Stream stream, cuda::Stream::create());
   return std::unique_ptr<DeviceCopier>(std::make_unique<CudaCopier>(device, std::move(stream)));
 }

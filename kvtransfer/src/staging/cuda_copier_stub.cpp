@@ -3,7 +3,7 @@
 
 namespace pd::kvtransfer {
 
-Result<std::unique_ptr<DeviceCopier>> createCudaCopier() {
+Result<std::unique_ptr<DeviceCopier>> createCudaCopier(int /*device*/) {
   return makeError(ErrorCode::Unsupported, "this build has no CUDA: the staging path copies with the host copier");
 }
 

@@ -120,6 +120,26 @@ TEST(KvTransferPathTest, AutoIsDirectUnlessADevicePoolMeetsATransportWithoutDevi
   EXPECT_EQ(validate(cfg).error().code, ErrorCode::InvalidArgument);
 }
 
+// A KV pool in GPU memory (the CUDA engine's device pool) with kvtransfer.path direct on a UCX that
+// cannot register GPU memory (this machine's: tcp, sm) is refused at startup, naming the fix: UCX
+// would take the GPU addresses for host memory.
+TEST(KvTransferPathTest, DirectIsRefusedForAGpuPoolWhenUcxCannotRegisterGpuMemory) {
+  KvTransferConfig cfg;
+  cfg.path = "direct";
+  UcxTransportOptions options;
+  options.ucx_tls = "tcp";
+  options.compat = testutil::realCompat();
+  options.name = "gpu-pool";
+  auto refused = createKvTransport(cfg, options, KvTransportUse::Receive, /*pool_in_device_memory=*/true);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.error().code, ErrorCode::Unsupported);
+  EXPECT_NE(refused.error().message.find("use kvtransfer.path staging or auto"), std::string::npos)
+      << refused.error().message;
+  auto host = createKvTransport(cfg, options, KvTransportUse::Receive, /*pool_in_device_memory=*/false);
+  ASSERT_TRUE(host.ok()) << host.error().toString();
+  EXPECT_EQ(host->path, KvTransferPath::Direct);
+}
+
 // ---- StagingTransport over the loopback fake ---------------------------------------------------
 
 /// A copier that holds every batch until the test releases it, then copies and answers on the

@@ -15,7 +15,9 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <span>
+#include <string>
 #include <vector>
 
 #include "pd/common/dtype.h"
@@ -33,6 +35,10 @@ class KvPool {
   /// other than F32/BF16/F8E4M3 or non-positive sizes; ResourceExhausted if the memory is not there.
   [[nodiscard]] static Result<KvPool> create(const ModelConfig& config, std::int64_t num_blocks,
                                              std::int64_t block_size, DType dtype);
+  /// A pool in memory an engine allocated (Engine::allocateCache): host memory, or the CUDA
+  /// engine's GPU memory (onDevice(): the host never touches the pool's bytes; KV lands through
+  /// the staging transport's device copier).
+  [[nodiscard]] static Result<KvPool> create(std::unique_ptr<model::CacheMemory> memory);
 
   /// What the engine's forward() takes (with block epochs once enableEpochs() was called).
   [[nodiscard]] const model::LatentCacheView& view() const { return view_; }
@@ -42,8 +48,17 @@ class KvPool {
   [[nodiscard]] std::int64_t latentDim() const { return view().latent_dim; }
   [[nodiscard]] DType dtype() const { return view().dtype; }
 
-  /// The whole allocation, to pass to Transport::registerRegion().
+  /// The whole allocation, to pass to Transport::registerRegion() (device addresses when
+  /// onDevice(): only a transport that never dereferences them may take it, the staging one).
   [[nodiscard]] std::span<std::byte> memory() const;
+  /// Whether the pool is GPU memory, and where it is ("host", "cuda:N").
+  [[nodiscard]] bool onDevice() const { return view().on_device; }
+  [[nodiscard]] std::string location() const { return memory_->location(); }
+  /// Writes float32 values into position `pos` of a sequence's blocks in `layer`, encoded as the
+  /// pool stores them (model::writeLatent for host memory; encoded on the host and copied for a
+  /// device pool). Engine thread only.
+  [[nodiscard]] Status writeLatent(std::int64_t layer, std::span<const std::int32_t> block_table, std::int64_t pos,
+                                   const float* values);
   [[nodiscard]] std::uint64_t layerStride() const;
   [[nodiscard]] std::uint64_t blockStride() const;
   /// The layout of every layer inside the registered region `region`, for exportTarget().
@@ -64,9 +79,9 @@ class KvPool {
   void touch(std::int32_t block);
 
  private:
-  explicit KvPool(model::PagedLatentCache cache) : cache_(std::move(cache)), view_(cache_.view()) {}
+  explicit KvPool(std::unique_ptr<model::CacheMemory> memory) : memory_(std::move(memory)), view_(memory_->view()) {}
 
-  model::PagedLatentCache cache_;
+  std::unique_ptr<model::CacheMemory> memory_;
   std::vector<std::uint64_t> epochs_;  // one per block once enabled; view_.block_epochs points here
   model::LatentCacheView view_;
 };

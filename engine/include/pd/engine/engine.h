@@ -134,6 +134,14 @@ class Engine {
   /// The MTP layer over a batch; Unsupported when the checkpoint has none.
   virtual Result<ForwardOutput> forwardMtp(std::span<const SequenceChunk> batch, const LatentCacheView& cache,
                                            const ForwardOptions& options) = 0;
+  /// Memory for a KV cache of config().kvLayers() layers that this engine reads and writes best: host
+  /// memory by default (allocateHostCache); the CUDA engine's own GPU memory, which it then uses as
+  /// its device cache directly (no host copy, no per-call upload; docs/gpu.md "The device KV pool").
+  /// A cache on the device is only for this engine: other engines refuse it.
+  [[nodiscard]] virtual Result<std::unique_ptr<CacheMemory>> allocateCache(std::int64_t num_blocks,
+                                                                           std::int64_t block_size, DType dtype) {
+    return allocateHostCache(config(), num_blocks, block_size, dtype);
+  }
 };
 
 struct CpuEngineOptions {

@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <memory>
 #include <span>
+#include <string>
 #include <vector>
 
 #include "pd/common/dtype.h"
@@ -36,6 +37,11 @@ struct LatentCacheView {
   /// trusts the positions it already holds otherwise. Empty: unknown, every needed position is
   /// re-read on every call.
   std::span<const std::uint64_t> block_epochs;
+  /// The layers are GPU memory (device `device`) that only the engine which allocated it reads or
+  /// writes (Engine::allocateCache): host code never dereferences them (readLatent / writeLatent
+  /// refuse such a view); it goes through the owning CacheMemory.
+  bool on_device = false;
+  int device = -1;
 
   /// Address of `layer`'s slot for token `offset` of `block`.
   [[nodiscard]] std::byte* slot(std::int64_t layer, std::int64_t block, std::int64_t offset) const {
@@ -53,6 +59,37 @@ void readLatent(const LatentCacheView& cache, std::int64_t layer, std::span<cons
 /// quantized per tile for F8E4M3).
 void writeLatent(const LatentCacheView& cache, std::int64_t layer, std::span<const std::int32_t> block_table,
                  std::int64_t pos, const float* values);
+
+/// Cache memory and how the host reaches it: host memory (HostCacheMemory), or GPU memory that an
+/// engine allocated for itself (Engine::allocateCache: the CUDA engine's device KV pool). The
+/// view's layer regions are equally spaced (one stride between consecutive layers), each at
+/// least num_blocks x block_size tokens (an engine may keep blocks of its own after them).
+/// Thread rules: as for the view; the methods run on the thread that owns the cache's writes.
+class CacheMemory {
+ public:
+  CacheMemory() = default;
+  virtual ~CacheMemory() = default;
+  CacheMemory(const CacheMemory&) = delete;
+  CacheMemory& operator=(const CacheMemory&) = delete;
+  CacheMemory(CacheMemory&&) = delete;
+  CacheMemory& operator=(CacheMemory&&) = delete;
+
+  [[nodiscard]] virtual const LatentCacheView& view() const = 0;
+  /// Bytes from view().layers.front() to the end of the allocation (a transport registers these).
+  [[nodiscard]] virtual std::size_t bytes() const = 0;
+  /// "host", or "cuda:N".
+  [[nodiscard]] virtual std::string location() const = 0;
+  /// Copies block `src` over block `dst` in every layer (ids checked by the caller).
+  [[nodiscard]] virtual Status copyBlock(std::int32_t src, std::int32_t dst) = 0;
+  /// Writes `tokens` (whole tokens of view().tokenBytes() bytes, as kv_format.h encodes them) into
+  /// consecutive slots of `layer` from `first_slot` (slot = block * block_size + offset).
+  [[nodiscard]] virtual Status writeTokens(std::int64_t layer, std::int64_t first_slot,
+                                           std::span<const std::byte> tokens) = 0;
+};
+
+/// Host memory: a PagedLatentCache's.
+[[nodiscard]] Result<std::unique_ptr<CacheMemory>> allocateHostCache(const ModelConfig& config, std::int64_t num_blocks,
+                                                                     std::int64_t block_size, DType dtype);
 
 /// Cache memory owned in this process (tests, the CLI, a prefill worker's local cache).
 /// Move-only; thread rules as for the view.

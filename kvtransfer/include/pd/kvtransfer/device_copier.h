@@ -76,8 +76,8 @@ class DeviceCopier {
 /// memcpy on one worker thread: "device" memory is host memory.
 [[nodiscard]] std::unique_ptr<DeviceCopier> createHostCopier();
 
-/// cudaMemcpyAsync on a stream of its own on the current device, one event per copy. Unsupported
-/// in a build without CUDA or on a machine without a GPU.
-[[nodiscard]] Result<std::unique_ptr<DeviceCopier>> createCudaCopier();
+/// cudaMemcpyAsync on a stream of its own on `device` (-1: the calling thread's current device),
+/// one event per copy. Unsupported in a build without CUDA or on a machine without a GPU.
+[[nodiscard]] Result<std::unique_ptr<DeviceCopier>> createCudaCopier(int device = -1);
 
 }  // namespace pd::kvtransfer

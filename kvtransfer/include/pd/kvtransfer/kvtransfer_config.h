@@ -56,8 +56,9 @@ struct KvTransport {
 /// host memory, CUDA copier for one in device memory) when cfg.path resolves to staging for a pool
 /// there (resolveKvTransferPath with the UCX context's device-memory support). Logs the path.
 /// Errors of UCX or of the staging transport.
+/// `device`: the pool's GPU when pool_in_device_memory (-1: the calling thread's current one).
 [[nodiscard]] Result<KvTransport> createKvTransport(const KvTransferConfig& cfg, const UcxTransportOptions& ucx,
-                                                    KvTransportUse use, bool pool_in_device_memory);
+                                                    KvTransportUse use, bool pool_in_device_memory, int device = -1);
 
 void registerOptions(config::OptionSet& set, KvTransferConfig& cfg);
 
