@@ -120,6 +120,17 @@ class DeviceCacheMemory final : public CacheMemory {
     }
     return okStatus();
   }
+  Status readTokens(std::int64_t layer, std::int64_t first_slot, std::span<std::byte> tokens) const override {
+    const std::size_t token = view_.tokenBytes();
+    if (layer < 0 || layer >= static_cast<i64>(view_.layers.size()) || first_slot < 0 || tokens.size() % token != 0 ||
+        sz(first_slot) + tokens.size() / token > sz(view_.num_blocks * view_.block_size)) {
+      return makeError(ErrorCode::InvalidArgument, "device cache read outside the cache");
+    }
+    PD_CUDA_TRY(cudaSetDevice(device_));
+    PD_CUDA_TRY(cudaMemcpy(tokens.data(), view_.layers[sz(layer)] + sz(first_slot) * token, tokens.size(),
+                           cudaMemcpyDeviceToHost));
+    return okStatus();
+  }
   Status writeTokens(std::int64_t layer, std::int64_t first_slot, std::span<const std::byte> tokens) override {
     const std::size_t token = view_.tokenBytes();
     if (layer < 0 || layer >= static_cast<i64>(view_.layers.size()) || first_slot < 0 || tokens.size() % token != 0 ||

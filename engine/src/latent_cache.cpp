@@ -2,9 +2,11 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cstring>
 #include <new>
 #include <utility>
+#include <vector>
 
 #include "pd/common/check.h"
 #include "pd/common/kv_format.h"
@@ -82,6 +84,19 @@ class HostCacheMemory final : public CacheMemory {
     }
     return okStatus();
   }
+  Status readTokens(std::int64_t layer, std::int64_t first_slot, std::span<std::byte> tokens) const override {
+    const LatentCacheView& v = cache_.view();
+    const std::size_t token = v.tokenBytes();
+    if (layer < 0 || layer >= static_cast<std::int64_t>(v.layers.size()) || first_slot < 0 ||
+        tokens.size() % token != 0 ||
+        static_cast<std::size_t>(first_slot) + tokens.size() / token >
+            static_cast<std::size_t>(v.num_blocks * v.block_size)) {
+      return makeError(ErrorCode::InvalidArgument, "cache read outside the cache");
+    }
+    std::memcpy(tokens.data(), v.layers[static_cast<std::size_t>(layer)] + static_cast<std::size_t>(first_slot) * token,
+                tokens.size());
+    return okStatus();
+  }
   Status writeTokens(std::int64_t layer, std::int64_t first_slot, std::span<const std::byte> tokens) override {
     const LatentCacheView& v = cache_.view();
     const std::size_t token = v.tokenBytes();
@@ -100,6 +115,30 @@ class HostCacheMemory final : public CacheMemory {
   PagedLatentCache cache_;
 };
 }  // namespace
+
+Status CacheMemory::readLatents(std::int64_t layer, std::span<const std::int32_t> block_table, std::int64_t count,
+                                float* out) const {
+  const LatentCacheView& v = view();
+  const std::size_t token = v.tokenBytes();
+  const auto dim = static_cast<std::size_t>(v.latent_dim);
+  std::vector<std::byte> run;
+  for (std::int64_t p = 0; p < count;) {  // one read per block
+    const auto index = static_cast<std::size_t>(p / v.block_size);
+    if (index >= block_table.size() || block_table[index] < 0 || block_table[index] >= v.num_blocks) {
+      return makeError(ErrorCode::InvalidArgument, "cache read: the block table does not cover the positions");
+    }
+    const std::int64_t offset = p % v.block_size;
+    const std::int64_t n = std::min(v.block_size - offset, count - p);
+    run.resize(static_cast<std::size_t>(n) * token);
+    PD_TRY(readTokens(layer, block_table[index] * v.block_size + offset, run));
+    for (std::int64_t i = 0; i < n; ++i) {
+      decodeKvToken(v.dtype, run.data() + static_cast<std::size_t>(i) * token,
+                    std::span(out + static_cast<std::size_t>(p + i) * dim, dim));
+    }
+    p += n;
+  }
+  return okStatus();
+}
 
 Result<std::unique_ptr<CacheMemory>> allocateHostCache(const ModelConfig& config, std::int64_t num_blocks,
                                                        std::int64_t block_size, DType dtype) {

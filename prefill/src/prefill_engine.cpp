@@ -80,12 +80,15 @@ Result<std::unique_ptr<PrefillEngine>> PrefillEngine::create(model::Engine& engi
                      "prefill engine: chunk_size, token_budget, max_queued_requests, cache_blocks and block_size "
                      "must be positive, prefix_cache_blocks within [0, cache_blocks] and a clock given");
   }
-  PD_ASSIGN_OR_RETURN(auto cache, model::PagedLatentCache::create(engine.config(), options.cache_blocks,
-                                                                  options.block_size, options.cache_dtype));
+  // In the memory the engine reads best: GPU memory for the CUDA engine (the step's own cache, no
+  // host mirror), host memory otherwise (a tensor-parallel leader's wrapper included).
+  PD_ASSIGN_OR_RETURN(std::unique_ptr<model::CacheMemory> cache,
+                      engine.allocateCache(options.cache_blocks, options.block_size, options.cache_dtype));
   return std::unique_ptr<PrefillEngine>(new PrefillEngine(engine, std::move(options), std::move(cache)));
 }
 
-PrefillEngine::PrefillEngine(model::Engine& engine, PrefillEngineOptions options, model::PagedLatentCache cache)
+PrefillEngine::PrefillEngine(model::Engine& engine, PrefillEngineOptions options,
+                             std::unique_ptr<model::CacheMemory> cache)
     : engine_(engine), options_(std::move(options)), cache_(std::move(cache)) {
   for (std::int64_t b = options_.cache_blocks - 1; b >= 0; --b) free_blocks_.push_back(static_cast<std::int32_t>(b));
   stats_.free_blocks = options_.cache_blocks;
@@ -216,10 +219,12 @@ bool PrefillEngine::shipCachedPrefix(Running& r) {
   std::vector<float> rows(static_cast<std::size_t>(r.cached_tokens * dim));
   // Main layers and the MTP layer alike: a cached block matched its next token, so its MTP
   // latents are this prompt's too (prefix_cache.h).
-  const auto layers = static_cast<std::int64_t>(cache_.view().layers.size());
+  const auto layers = static_cast<std::int64_t>(cache_->view().layers.size());
   for (std::int64_t layer = 0; layer < layers; ++layer) {
-    for (std::int64_t p = 0; p < r.cached_tokens; ++p) {
-      model::readLatent(cache_.view(), layer, r.blocks, p, rows.data() + p * dim);
+    // Through the cache's memory: a copy from the device for a GPU cache.
+    if (Status s = cache_->readLatents(layer, r.blocks, r.cached_tokens, rows.data()); !s.ok()) {
+      failRunning(r, s.error());
+      return false;
     }
     if (Status s = r.request.sink->putLayer(static_cast<std::uint32_t>(layer), 0, rows); !s.ok()) {
       failRunning(r, s.error());
@@ -383,7 +388,7 @@ bool PrefillEngine::step() {
     fo.hidden = model::OutputRows::All;
     fo.sink = &sink;
     const auto t0 = Clock::now();
-    Result<model::ForwardOutput> out = engine_.forward(batch, cache_.view(), fo);
+    Result<model::ForwardOutput> out = engine_.forward(batch, cache_->view(), fo);
     const auto t1 = Clock::now();
     for (std::size_t i = 0; i < rows.size(); ++i) {
       rows[i]->request.sink->forwardTimed(batch[i].start_pos, takes[i], false, t0, t1);
@@ -509,7 +514,7 @@ void PrefillEngine::finishPrompt(std::vector<Running*>& done) {
     fo.hidden = model::OutputRows::None;
     fo.sink = &sink;
     const auto t0 = Clock::now();
-    Result<model::ForwardOutput> out = engine_.forwardMtp(batch, cache_.view(), fo);
+    Result<model::ForwardOutput> out = engine_.forwardMtp(batch, cache_->view(), fo);
     const auto t1 = Clock::now();
     for (std::size_t k = 0; k < rows.size(); ++k) {
       rows[k]->request.sink->forwardTimed(batch[k].start_pos, takes[k], true, t0, t1);

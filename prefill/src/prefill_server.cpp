@@ -91,6 +91,9 @@ class PrefillServer::Impl {
   Status start() {
     PD_ASSIGN_OR_RETURN(tracer_, trace::Tracer::create(options_.trace, "pdserve-prefill", &registry_));
     PD_ASSIGN_OR_RETURN(prefill_, PrefillEngine::create(*model_, engineOptionsWithHash()));
+    cache_location_ = prefill_->cacheLocation();
+    log::info("prefill", "local latent cache: {} blocks x {} tokens in {} memory", options_.prefill.cache_blocks,
+              options_.prefill.cache_block_size, cache_location_);
     prefill_->start();
     http::ServerOptions so;
     so.host = options_.prefill.host;
@@ -330,7 +333,7 @@ class PrefillServer::Impl {
     w.free_blocks = static_cast<std::int64_t>(m_.free_blocks->value());
     w.total_blocks = options_.prefill.cache_blocks;
     w.block_size = options_.prefill.cache_block_size;
-    w.kv_pool_memory = "host";  // the CPU engine's prefix cache; a device cache is not built yet
+    w.kv_pool_memory = cache_location_;  // the local cache (and prefix cache): "host" or "cuda:N"
     const auto setting = kvt::parseKvTransferPath(options_.kvtransfer.path);
     if (setting.ok()) w.kv_transfer_path = kvt::kvTransferPathName(kvt::resolveKvTransferPath(*setting, false, false));
     return w;
@@ -716,6 +719,7 @@ class PrefillServer::Impl {
   // Callbacks reach the engine under a shared lock; stop() takes it away under the unique lock.
   mutable std::shared_mutex engine_guard_;
   std::unique_ptr<PrefillEngine> prefill_;
+  std::string cache_location_ = "host";  // set by start(), before the server answers
   std::unique_ptr<http::Server> http_;
 };
 

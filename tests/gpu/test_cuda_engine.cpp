@@ -360,6 +360,15 @@ TEST(CudaEngine, DeviceKvPoolGivesTheHostCachesLogits) {
     auto got = gpu->forward(first, (*pool)->view(), all);
     ASSERT_TRUE(want.ok() && got.ok()) << (got.ok() ? want.error().toString() : got.error().toString());
     EXPECT_EQ(maxAbsDiff(want->logits, got->logits), 0.0) << pd::dtypeName(dtype) << " prompt";
+    // The pool holds the bytes the host cache holds (read back as a prefill worker ships a cached
+    // prefix: CacheMemory::readLatents, a copy from the device).
+    {
+      std::vector<float> a(static_cast<std::size_t>(40 * c.latentDim()));
+      std::vector<float> b(a.size());
+      for (i64 p = 0; p < 40; ++p) pd::model::readLatent(host->view(), 1, table, p, a.data() + p * c.latentDim());
+      ASSERT_TRUE((*pool)->readLatents(1, table, 40, b.data()).ok());
+      EXPECT_EQ(maxAbsDiff(a, b), 0.0) << pd::dtypeName(dtype) << " cached latents";
+    }
     std::int32_t next = argmax(want->logits, 39, vocab);
     ForwardOptions last;
     last.logits = OutputRows::Last;

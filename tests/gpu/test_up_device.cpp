@@ -71,6 +71,17 @@ TEST_P(UpDevice, CompletionsReturnTheGoldenGreedyTokens) {
   // staging path (UCX here cannot register GPU memory).
   EXPECT_EQ(st->kv_pool_memory, "cuda:0");
   EXPECT_EQ(st->kv_transfer_path, "staging");
+  {  // and the prefill worker's local cache is its engine's GPU memory too
+    const auto prefills = childUrls(cluster, "prefill");
+    ASSERT_EQ(prefills.size(), 1U);
+    const auto at = prefills[0].rfind(':');
+    auto p = getPath(prefills[0].substr(0, at), static_cast<std::uint16_t>(std::stoi(prefills[0].substr(at + 1))),
+                     std::string(worker_api::kStatusPath), cluster.auth().get());
+    ASSERT_EQ(p.status, 200);
+    auto ps = worker_api::parseWorkerStatus(p.body);
+    ASSERT_TRUE(ps.ok()) << ps.error().toString();
+    EXPECT_EQ(ps->kv_pool_memory, "cuda:0");
+  }
   std::printf("%s mtp %d: golden tokens through up --device cuda; decode pool %s, %lld blocks\n", model.c_str(), mtp,
               st->kv_pool_memory.c_str(), static_cast<long long>(st->total_blocks));
   EXPECT_EQ(cluster.stop(std::chrono::seconds{60}), 0);

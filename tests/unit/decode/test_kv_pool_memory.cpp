@@ -7,6 +7,8 @@
 #include <gtest/gtest.h>
 #include <sys/mman.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstddef>
 #include <memory>
 #include <string>
@@ -50,6 +52,10 @@ class NoAccessMemory final : public model::CacheMemory {
   std::string location() const override { return "cuda:3"; }
   Status copyBlock(std::int32_t src, std::int32_t dst) override {
     copies.emplace_back(src, dst);
+    return okStatus();
+  }
+  Status readTokens(std::int64_t /*layer*/, std::int64_t /*first_slot*/, std::span<std::byte> tokens) const override {
+    std::fill(tokens.begin(), tokens.end(), std::byte{0});
     return okStatus();
   }
   Status writeTokens(std::int64_t layer, std::int64_t first_slot, std::span<const std::byte> tokens) override {
@@ -105,6 +111,33 @@ TEST(KvPoolMemory, ADevicePoolIsLaidOutByItsMemoryAndNeverTouchedByTheHost) {
   std::vector<std::byte> want(kvTokenBytes(DType::F8E4M3, 40));
   encodeKvToken(DType::F8E4M3, latent, want.data());
   EXPECT_EQ(memory.writes[0].bytes, want);
+}
+
+// readLatents, the way a prefill worker ships its prefix cache's KV (its cache may be on the
+// device): through readTokens, equal to readLatent position by position, across blocks, for every
+// KV dtype; a table too short is refused.
+TEST(KvPoolMemory, ReadLatentsThroughTheMemoryEqualsReadLatent) {
+  auto config = presetConfig("tiny");
+  ASSERT_TRUE(config.ok());
+  for (const DType dtype : {DType::F32, DType::BF16, DType::F8E4M3}) {
+    auto memory = model::allocateHostCache(*config, 8, 4, dtype);
+    ASSERT_TRUE(memory.ok());
+    const model::LatentCacheView& v = (*memory)->view();
+    const std::vector<std::int32_t> table{5, 2, 7};
+    std::vector<float> latent(static_cast<std::size_t>(v.latent_dim));
+    for (std::int64_t p = 0; p < 11; ++p) {
+      for (std::size_t i = 0; i < latent.size(); ++i) latent[i] = std::sin(static_cast<float>(p * 31 + i));
+      model::writeLatent(v, 1, table, p, latent.data());
+    }
+    std::vector<float> got(static_cast<std::size_t>(11 * v.latent_dim));
+    ASSERT_TRUE((*memory)->readLatents(1, table, 11, got.data()).ok());
+    for (std::int64_t p = 0; p < 11; ++p) {
+      model::readLatent(v, 1, table, p, latent.data());
+      EXPECT_TRUE(std::equal(latent.begin(), latent.end(), got.begin() + p * v.latent_dim)) << dtypeName(dtype) << p;
+    }
+    got.resize(static_cast<std::size_t>(13 * v.latent_dim));
+    EXPECT_EQ((*memory)->readLatents(1, table, 13, got.data()).error().code, ErrorCode::InvalidArgument);
+  }
 }
 
 TEST(KvPoolMemory, HostAccessToADeviceViewIsRefused) {

@@ -85,6 +85,13 @@ class CacheMemory {
   /// consecutive slots of `layer` from `first_slot` (slot = block * block_size + offset).
   [[nodiscard]] virtual Status writeTokens(std::int64_t layer, std::int64_t first_slot,
                                            std::span<const std::byte> tokens) = 0;
+  /// Reads consecutive slots of `layer` from `first_slot` into `tokens` (whole tokens).
+  [[nodiscard]] virtual Status readTokens(std::int64_t layer, std::int64_t first_slot,
+                                          std::span<std::byte> tokens) const = 0;
+  /// Positions [0, count) of a sequence's blocks in `layer` as float32 (count x latent_dim values),
+  /// through readTokens: for any memory, a device cache included.
+  [[nodiscard]] Status readLatents(std::int64_t layer, std::span<const std::int32_t> block_table, std::int64_t count,
+                                   float* out) const;
 };
 
 /// Host memory: a PagedLatentCache's.

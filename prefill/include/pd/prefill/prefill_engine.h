@@ -140,6 +140,8 @@ class PrefillEngine {
   bool cancel(std::uint64_t id);
   /// Thread-safe snapshot.
   [[nodiscard]] PrefillEngineStats stats() const;
+  /// Where the local latent cache lives: "host", or "cuda:N" (the CUDA engine's own memory).
+  [[nodiscard]] std::string cacheLocation() const { return cache_->location(); }
 
   /// One step: expire deadlines, apply cancels, admit, one forward (and the MTP of prompts that
   /// finished). Returns false when there was nothing to do. Engine thread only.
@@ -151,7 +153,7 @@ class PrefillEngine {
 
  private:
   struct Running;
-  PrefillEngine(model::Engine& engine, PrefillEngineOptions options, model::PagedLatentCache cache);
+  PrefillEngine(model::Engine& engine, PrefillEngineOptions options, std::unique_ptr<model::CacheMemory> cache);
   void failRunning(Running& r, const Error& reason);
   void finishPrompt(std::vector<Running*>& done);
   void release(Running& r, bool completed = false);
@@ -164,7 +166,7 @@ class PrefillEngine {
 
   model::Engine& engine_;
   const PrefillEngineOptions options_;
-  model::PagedLatentCache cache_;
+  std::unique_ptr<model::CacheMemory> cache_;  // the engine's memory (Engine::allocateCache): GPU memory on CUDA
 
   mutable std::mutex mutex_;
   std::condition_variable wake_;
