@@ -24,7 +24,7 @@ int runBenchDecode(const std::vector<std::string>& args) {
       .add("batches", &batches_text, "decode batch sizes, comma-separated")
       .add("context", &cfg.context, "cached prompt tokens per sequence", 1, 1 << 20)
       .add("steps", &cfg.steps, "timed decode steps per batch size (after 2 warm-up steps)", 1, 10000)
-      .add("kv_dtype", &cfg.kv_dtype, "latent KV pool element type", {"bf16", "f32"})
+      .add("kv_dtype", &cfg.kv_dtype, "latent KV pool element type", {"bf16", "f32", "fp8"})
       .add("mtp_k", &ks_text, "MTP draft counts to measure, comma-separated (batch 1)")
       .add("mtp_tokens", &cfg.mtp_tokens, "tokens per MTP run at batch 1 (the first 2 steps are warm-up)", 8, 100000)
       .add("bandwidth_mb", &cfg.bandwidth_mb, "buffer size of the read-bandwidth probe in MiB", 64, 1 << 20)

@@ -29,7 +29,7 @@ int runBenchPrefill(const std::vector<std::string>& args) {
       .add("runs", &cfg.runs, "runs per length and mode (the median is reported)", 1, 1000)
       .add("threads", &cfg.threads, "compute threads (0: every hardware thread)", 0, 1024)
       .add("chunk_size", &cfg.chunk_size, "prefill chunk size", 1, 1 << 20)
-      .add("kv_dtype", &cfg.kv_dtype, "the decode pool's KV dtype", {"bf16", "f32"})
+      .add("kv_dtype", &cfg.kv_dtype, "the decode pool's KV dtype", {"bf16", "f32", "fp8"})
       .add("json", &json, "print one JSON object instead of the table")
       .add("receiver", &receiver, "internal: run as the decode process");
   auto loaded = loadCommandOptions(

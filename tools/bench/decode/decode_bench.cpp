@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "bench/common/bench_util.h"
+#include "pd/common/kv_format.h"
 #include "pd/common/json_text.h"
 #include "pd/decode/decode_engine.h"
 #include "pd/decode/drafter.h"
@@ -523,7 +524,7 @@ Result<void> runDecodeBench(const DecodeBenchConfig& cfg) {
   if (!engine.ok()) return engine.error();
   const model::EngineCapabilities caps = (*engine)->capabilities();
   const bool has_mtp = caps.mtp;
-  const DType pool_dtype = kv_dtype == "f32" ? DType::F32 : DType::BF16;
+  const DType pool_dtype = parseKvDType(kv_dtype).value_or(DType::BF16);
   MeteredEngine metered(**engine);
 
   const std::uint64_t l3 = lastLevelCacheBytes();

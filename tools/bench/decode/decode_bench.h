@@ -38,7 +38,7 @@ struct DecodeBenchConfig {
   std::vector<std::int64_t> batches{1, 4, 16, 64};
   std::int64_t context = 256;     ///< cached prompt tokens per sequence
   std::int64_t steps = 8;         ///< timed decode steps per batch size (after 2 warm-up steps)
-  std::string kv_dtype = "bf16";  ///< "bf16" or "f32"
+  std::string kv_dtype = "bf16";  ///< "bf16", "f32" or "fp8"
   bool batch_invariant = false;   ///< `model.batch_invariant`: the engine's batch-invariant mode
   std::vector<std::int64_t> mtp_ks{1};
   std::int64_t mtp_tokens = 40;  ///< tokens per MTP run at batch 1

@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "bench/common/bench_util.h"
+#include "pd/common/kv_format.h"
 #include "pd/common/check.h"
 #include "pd/common/subprocess.h"
 #include "pd/common/worker_api.h"
@@ -55,7 +56,7 @@ Status receive(const std::filesystem::path& model, const kvt::KvTransferConfig& 
   PD_ASSIGN_OR_RETURN(const std::uint64_t hash, pd::modelHash(model));
   const std::int64_t block_size = 64;
   const std::int64_t max_tokens = *std::max_element(plan.begin(), plan.end());
-  const DType dtype = kv_dtype == "f32" ? DType::F32 : DType::BF16;
+  const DType dtype = parseKvDType(kv_dtype).value_or(DType::BF16);
   PD_ASSIGN_OR_RETURN(auto pool,
                       decode::KvPool::create(mcfg, (max_tokens + block_size - 1) / block_size, block_size, dtype));
   PD_ASSIGN_OR_RETURN(auto transport, kvt::createUcxTransport(kvt::ucxOptionsFromConfig(kv, pool.compat(hash, 1))));
