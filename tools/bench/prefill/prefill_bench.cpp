@@ -19,8 +19,8 @@
 #include <vector>
 
 #include "bench/common/bench_util.h"
-#include "pd/common/kv_format.h"
 #include "pd/common/check.h"
+#include "pd/common/kv_format.h"
 #include "pd/common/subprocess.h"
 #include "pd/common/worker_api.h"
 #include "pd/decode/kv_pool.h"
