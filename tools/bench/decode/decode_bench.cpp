@@ -20,8 +20,8 @@
 #include <vector>
 
 #include "bench/common/bench_util.h"
-#include "pd/common/kv_format.h"
 #include "pd/common/json_text.h"
+#include "pd/common/kv_format.h"
 #include "pd/decode/decode_engine.h"
 #include "pd/decode/drafter.h"
 #include "pd/decode/kv_pool.h"
