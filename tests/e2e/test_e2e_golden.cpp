@@ -183,8 +183,12 @@ TEST(E2eGoldenStaging, TheStagingPathReturnsTheGoldenGreedyTokens) {
 // float32 scale per 64 values, pd/common/kv_format.h), MTP on: the tokens are those the engine
 // generates in one process on an FP8 cache (model::generate), twice; the KV crossing the wire is
 // FP8 (612-byte tokens for DeepSeek-V3, here the golden model's latent); both workers report the
-// dtype and the pool is whole again afterwards.
-TEST(E2eGoldenFp8Kv, AnFp8PoolServesWhatAnFp8CacheGeneratesInOneProcess) {
+// dtype and the pool is whole again afterwards. On both KV paths: direct, and staging (612-byte
+// tokens through the host staging buffers and copiers).
+class E2eGoldenFp8Kv : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(E2eGoldenFp8Kv, AnFp8PoolServesWhatAnFp8CacheGeneratesInOneProcess) {
+  const std::string path = GetParam();
   const std::string model = "tiny-bf16";
   const GoldenPrompt golden = goldenPrompt(model);
   auto engine = model::createCpuEngine(goldenDir() / model, model::CpuEngineOptions{2, std::nullopt});
@@ -203,7 +207,7 @@ TEST(E2eGoldenFp8Kv, AnFp8PoolServesWhatAnFp8CacheGeneratesInOneProcess) {
   LocalCluster cluster({"--model.path=" + (goldenDir() / model).string(), "--model.tokenizer=" PD_TOKENIZER_DIR,
                         "--model.cache_dir=" + cache.path().string(), "--router.port=0",
                         "--decode.num_speculative_tokens=1", "--decode.kv_dtype=fp8", "--prefill.kv_dtype=fp8",
-                        "--log.level=warn"});
+                        "--kvtransfer.path=" + path, "--log.level=warn"});
   ASSERT_FALSE(cluster.url().empty());
   for (int i = 0; i < 600 && getPath(cluster.host(), cluster.port(), "/ready").status != 200; ++i) {
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
@@ -226,9 +230,12 @@ TEST(E2eGoldenFp8Kv, AnFp8PoolServesWhatAnFp8CacheGeneratesInOneProcess) {
   ASSERT_EQ(decoders.size(), 1U);
   const auto st = workerStatus(decoders[0], cluster.auth().get());
   EXPECT_EQ(st.kv_cache_dtype, "fp8");
+  EXPECT_EQ(st.kv_transfer_path, path == "staging" ? "staging" : "direct");
   EXPECT_EQ(st.free_blocks, st.total_blocks) << "KV blocks leaked";
   EXPECT_EQ(cluster.stop(std::chrono::seconds{60}), 0);
 }
+
+INSTANTIATE_TEST_SUITE_P(Paths, E2eGoldenFp8Kv, ::testing::Values("auto", "staging"));
 
 std::string goldenCaseName(const ::testing::TestParamInfo<std::tuple<std::string, int, int>>& info) {
   std::string name = std::get<0>(info.param) + "_mtp" + std::to_string(std::get<1>(info.param));
