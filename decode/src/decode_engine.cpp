@@ -23,10 +23,7 @@ class PoolWriter final : public model::LatentKvSink {
   PoolWriter(KvPool& pool, std::span<const std::int32_t> blocks) : pool_(pool), blocks_(blocks) {}
   void onLayer(std::int64_t kv_layer, std::size_t /*sequence*/, std::int64_t start_pos,
                std::span<const float> latent) override {
-    const auto dim = static_cast<std::size_t>(pool_.latentDim());
-    for (std::size_t t = 0; (t + 1) * dim <= latent.size() && status_.ok(); ++t) {
-      status_ = pool_.writeLatent(kv_layer, blocks_, start_pos + static_cast<std::int64_t>(t), latent.data() + t * dim);
-    }
+    if (status_.ok()) status_ = pool_.writeLatents(kv_layer, blocks_, start_pos, latent);
   }
   /// The first failed write into a device pool, if any.
   [[nodiscard]] const Status& status() const { return status_; }

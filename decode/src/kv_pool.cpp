@@ -1,5 +1,6 @@
 #include "pd/decode/kv_pool.h"
 
+#include <algorithm>
 #include <cstring>
 #include <utility>
 #include <vector>
@@ -97,6 +98,34 @@ Status KvPool::writeLatent(std::int64_t layer, std::span<const std::int32_t> blo
   std::vector<std::byte> token(view().tokenBytes());
   encodeKvToken(dtype(), std::span(values, static_cast<std::size_t>(latentDim())), token.data());
   return memory_->writeTokens(layer, block_table[index] * blockSize() + pos % blockSize(), token);
+}
+
+Status KvPool::writeLatents(std::int64_t layer, std::span<const std::int32_t> block_table, std::int64_t start_pos,
+                            std::span<const float> rows) {
+  const auto dim = static_cast<std::size_t>(latentDim());
+  const auto n = static_cast<std::int64_t>(rows.size() / dim);
+  if (!onDevice()) {
+    for (std::int64_t t = 0; t < n; ++t) {
+      model::writeLatent(view(), layer, block_table, start_pos + t, rows.data() + static_cast<std::size_t>(t) * dim);
+    }
+    return okStatus();
+  }
+  const std::size_t token = view().tokenBytes();
+  std::vector<std::byte> run;
+  for (std::int64_t t = 0; t < n;) {  // one copy per block
+    const std::int64_t pos = start_pos + t;
+    const auto index = static_cast<std::size_t>(pos / blockSize());
+    PD_CHECK(index < block_table.size() && block_table[index] >= 0 && block_table[index] < numBlocks());
+    const std::int64_t take = std::min(blockSize() - pos % blockSize(), n - t);
+    run.resize(static_cast<std::size_t>(take) * token);
+    for (std::int64_t i = 0; i < take; ++i) {
+      encodeKvToken(dtype(), rows.subspan(static_cast<std::size_t>(t + i) * dim, dim),
+                    run.data() + static_cast<std::size_t>(i) * token);
+    }
+    PD_TRY(memory_->writeTokens(layer, block_table[index] * blockSize() + pos % blockSize(), run));
+    t += take;
+  }
+  return okStatus();
 }
 
 }  // namespace pd::decode

@@ -111,6 +111,18 @@ TEST(KvPoolMemory, ADevicePoolIsLaidOutByItsMemoryAndNeverTouchedByTheHost) {
   std::vector<std::byte> want(kvTokenBytes(DType::F8E4M3, 40));
   encodeKvToken(DType::F8E4M3, latent, want.data());
   EXPECT_EQ(memory.writes[0].bytes, want);
+  // A run of 20 positions from 10 (a local prefill's layer): one copy per block it covers
+  // (positions 10..15 in block 6, 16..29 in block 1... of blocks of 16: 6 then 14 tokens).
+  std::vector<float> rows(static_cast<std::size_t>(20 * 40));
+  for (std::size_t i = 0; i < rows.size(); ++i) rows[i] = std::cos(static_cast<float>(i));
+  ASSERT_TRUE(pool->writeLatents(1, table, 10, rows).ok());
+  ASSERT_EQ(memory.writes.size(), 3U);
+  EXPECT_EQ(memory.writes[1].slot, 6 * 16 + 10);
+  EXPECT_EQ(memory.writes[1].bytes.size(), 6 * want.size());
+  EXPECT_EQ(memory.writes[2].slot, 1 * 16 + 0);
+  EXPECT_EQ(memory.writes[2].bytes.size(), 14 * want.size());
+  encodeKvToken(DType::F8E4M3, std::span<const float>(rows).subspan(7 * 40, 40), want.data());
+  EXPECT_TRUE(std::equal(want.begin(), want.end(), memory.writes[2].bytes.begin() + 1 * want.size()));
 }
 
 // readLatents, the way a prefill worker ships its prefix cache's KV (its cache may be on the

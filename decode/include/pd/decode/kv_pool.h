@@ -59,6 +59,10 @@ class KvPool {
   /// device pool). Engine thread only.
   [[nodiscard]] Status writeLatent(std::int64_t layer, std::span<const std::int32_t> block_table, std::int64_t pos,
                                    const float* values);
+  /// The same for consecutive positions [start_pos, start_pos + rows.size() / latentDim()): one
+  /// copy per block they cover for a device pool.
+  [[nodiscard]] Status writeLatents(std::int64_t layer, std::span<const std::int32_t> block_table,
+                                    std::int64_t start_pos, std::span<const float> rows);
   [[nodiscard]] std::uint64_t layerStride() const;
   [[nodiscard]] std::uint64_t blockStride() const;
   /// The layout of every layer inside the registered region `region`, for exportTarget().
