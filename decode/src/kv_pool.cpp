@@ -89,15 +89,7 @@ void KvPool::copyBlock(std::int32_t src, std::int32_t dst) {
 
 Status KvPool::writeLatent(std::int64_t layer, std::span<const std::int32_t> block_table, std::int64_t pos,
                            const float* values) {
-  if (!onDevice()) {
-    model::writeLatent(view(), layer, block_table, pos, values);
-    return okStatus();
-  }
-  const auto index = static_cast<std::size_t>(pos / blockSize());
-  PD_CHECK(index < block_table.size() && block_table[index] >= 0 && block_table[index] < numBlocks());
-  std::vector<std::byte> token(view().tokenBytes());
-  encodeKvToken(dtype(), std::span(values, static_cast<std::size_t>(latentDim())), token.data());
-  return memory_->writeTokens(layer, block_table[index] * blockSize() + pos % blockSize(), token);
+  return writeLatents(layer, block_table, pos, std::span(values, static_cast<std::size_t>(latentDim())));
 }
 
 Status KvPool::writeLatents(std::int64_t layer, std::span<const std::int32_t> block_table, std::int64_t start_pos,

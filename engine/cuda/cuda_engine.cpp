@@ -122,8 +122,7 @@ class DeviceCacheMemory final : public CacheMemory {
   }
   Status readTokens(std::int64_t layer, std::int64_t first_slot, std::span<std::byte> tokens) const override {
     const std::size_t token = view_.tokenBytes();
-    if (layer < 0 || layer >= static_cast<i64>(view_.layers.size()) || first_slot < 0 || tokens.size() % token != 0 ||
-        sz(first_slot) + tokens.size() / token > sz(view_.num_blocks * view_.block_size)) {
+    if (!tokenRunInCache(view_, layer, first_slot, tokens.size())) {
       return makeError(ErrorCode::InvalidArgument, "device cache read outside the cache");
     }
     PD_CUDA_TRY(cudaSetDevice(device_));
@@ -133,8 +132,7 @@ class DeviceCacheMemory final : public CacheMemory {
   }
   Status writeTokens(std::int64_t layer, std::int64_t first_slot, std::span<const std::byte> tokens) override {
     const std::size_t token = view_.tokenBytes();
-    if (layer < 0 || layer >= static_cast<i64>(view_.layers.size()) || first_slot < 0 || tokens.size() % token != 0 ||
-        sz(first_slot) + tokens.size() / token > sz(view_.num_blocks * view_.block_size)) {
+    if (!tokenRunInCache(view_, layer, first_slot, tokens.size())) {
       return makeError(ErrorCode::InvalidArgument, "device cache write outside the cache");
     }
     PD_CUDA_TRY(cudaSetDevice(device_));

@@ -1209,6 +1209,21 @@ Result<DeviceDecodeStep::Output> DeviceDecodeStep::run(const DecodeStepPlan& pla
   return out;
 }
 
+namespace {
+// The tokens of a cache write's runs (slots[i] .. + counts[i]), each run inside [0, cache_slots).
+Result<i64> runTokens(std::span<const std::int64_t> slots, std::span<const std::int64_t> counts, i64 cache_slots) {
+  i64 total = 0;
+  for (std::size_t i = 0; i < slots.size(); ++i) {
+    if (slots[i] < 0 || counts[i] <= 0 || slots[i] + counts[i] > cache_slots) {
+      return makeError(ErrorCode::InvalidArgument, fmt::format("device cache write: slots [{}, {}) outside [0, {})",
+                                                               slots[i], slots[i] + counts[i], cache_slots));
+    }
+    total += counts[i];
+  }
+  return total;
+}
+}  // namespace
+
 Status DeviceDecodeStep::writeCache(std::int64_t kv_layer, std::span<const std::int64_t> slots,
                                     std::span<const std::int64_t> counts, std::span<const float> values) {
   Impl& m = *impl_;
@@ -1219,14 +1234,7 @@ Status DeviceDecodeStep::writeCache(std::int64_t kv_layer, std::span<const std::
                      fmt::format("device cache write: layer {} of {}, {} slots and {} counts", kv_layer, m.cache_layers,
                                  slots.size(), counts.size()));
   }
-  i64 total = 0;
-  for (std::size_t i = 0; i < slots.size(); ++i) {
-    if (slots[i] < 0 || counts[i] <= 0 || slots[i] + counts[i] > cache_slots) {
-      return makeError(ErrorCode::InvalidArgument, fmt::format("device cache write: slots [{}, {}) outside [0, {})",
-                                                               slots[i], slots[i] + counts[i], cache_slots));
-    }
-    total += counts[i];
-  }
+  PD_ASSIGN_OR_RETURN(const i64 total, runTokens(slots, counts, cache_slots));
   if (static_cast<i64>(values.size()) != total * ld) {
     return makeError(ErrorCode::InvalidArgument,
                      fmt::format("device cache write: {} values for {} slots of {}", values.size(), total, ld));
@@ -1285,14 +1293,7 @@ Status DeviceDecodeStep::writeCacheTokens(std::int64_t kv_layer, std::span<const
                      fmt::format("device cache write: layer {} of {}, {} slots and {} counts", kv_layer, m.cache_layers,
                                  slots.size(), counts.size()));
   }
-  i64 total = 0;
-  for (std::size_t i = 0; i < slots.size(); ++i) {
-    if (slots[i] < 0 || counts[i] <= 0 || slots[i] + counts[i] > cache_slots) {
-      return makeError(ErrorCode::InvalidArgument, fmt::format("device cache write: slots [{}, {}) outside [0, {})",
-                                                               slots[i], slots[i] + counts[i], cache_slots));
-    }
-    total += counts[i];
-  }
+  PD_ASSIGN_OR_RETURN(const i64 total, runTokens(slots, counts, cache_slots));
   const std::size_t token = kvTokenBytes(DType::F8E4M3, ld);
   if (tokens.size() != sz(total) * token) {
     return makeError(ErrorCode::InvalidArgument, fmt::format("device cache write: {} bytes for {} tokens of {} bytes",

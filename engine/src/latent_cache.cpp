@@ -68,6 +68,14 @@ Result<PagedLatentCache> PagedLatentCache::create(std::int64_t layers, std::int6
   return PagedLatentCache(std::move(storage), bytes, std::move(view));
 }
 
+bool tokenRunInCache(const LatentCacheView& cache, std::int64_t layer, std::int64_t first_slot, std::size_t bytes) {
+  const std::size_t token = cache.tokenBytes();
+  return layer >= 0 && layer < static_cast<std::int64_t>(cache.layers.size()) && first_slot >= 0 && token > 0 &&
+         bytes % token == 0 &&
+         static_cast<std::size_t>(first_slot) + bytes / token <=
+             static_cast<std::size_t>(cache.num_blocks * cache.block_size);
+}
+
 namespace {
 class HostCacheMemory final : public CacheMemory {
  public:
@@ -87,10 +95,7 @@ class HostCacheMemory final : public CacheMemory {
   Status readTokens(std::int64_t layer, std::int64_t first_slot, std::span<std::byte> tokens) const override {
     const LatentCacheView& v = cache_.view();
     const std::size_t token = v.tokenBytes();
-    if (layer < 0 || layer >= static_cast<std::int64_t>(v.layers.size()) || first_slot < 0 ||
-        tokens.size() % token != 0 ||
-        static_cast<std::size_t>(first_slot) + tokens.size() / token >
-            static_cast<std::size_t>(v.num_blocks * v.block_size)) {
+    if (!tokenRunInCache(v, layer, first_slot, tokens.size())) {
       return makeError(ErrorCode::InvalidArgument, "cache read outside the cache");
     }
     std::memcpy(tokens.data(), v.layers[static_cast<std::size_t>(layer)] + static_cast<std::size_t>(first_slot) * token,
@@ -100,10 +105,7 @@ class HostCacheMemory final : public CacheMemory {
   Status writeTokens(std::int64_t layer, std::int64_t first_slot, std::span<const std::byte> tokens) override {
     const LatentCacheView& v = cache_.view();
     const std::size_t token = v.tokenBytes();
-    if (layer < 0 || layer >= static_cast<std::int64_t>(v.layers.size()) || first_slot < 0 ||
-        tokens.size() % token != 0 ||
-        static_cast<std::size_t>(first_slot) + tokens.size() / token >
-            static_cast<std::size_t>(v.num_blocks * v.block_size)) {
+    if (!tokenRunInCache(v, layer, first_slot, tokens.size())) {
       return makeError(ErrorCode::InvalidArgument, "cache write outside the cache");
     }
     std::memcpy(v.layers[static_cast<std::size_t>(layer)] + static_cast<std::size_t>(first_slot) * token, tokens.data(),

@@ -224,7 +224,7 @@ class CpuEngine final : public Engine {
   // Scratch reused across calls; only the engine thread resizes it.
   struct Workspace {
     std::vector<float> h, xn, q, qa, kv, latent, attn_o, q_cat, o_lat, attn_out;
-    std::vector<float> ctx_lat, kvb, head_k, head_v, run_max, run_sum;
+    std::vector<float> ctx_lat, kvb, head_k, head_v, run_max, run_sum, fp8_lat;
     std::vector<float> ffn_out, router_logits, moe_x, moe_act, moe_out, mtp_cat, final_h;
   };
 
@@ -485,6 +485,21 @@ class CpuEngine final : public Engine {
     for (std::size_t s = 0; s < batch.size(); ++s) {
       for (i64 t = plan.seq_begin[s]; t < plan.seq_begin[s + 1]; ++t) seq_of[sz(t)] = static_cast<i64>(s);
     }
+    // An FP8 cache (per-tile scales the kernels do not know) is read as F32 rows first: each
+    // sequence's context once per call, shared by its tokens and head groups.
+    const bool fp8 = cache.dtype == DType::F8E4M3;
+    std::vector<i64> fp8_begin(batch.size() + 1, 0);  // sequence s's rows start at row fp8_begin[s]
+    if (fp8) {
+      for (std::size_t s = 0; s < batch.size(); ++s) {
+        fp8_begin[s + 1] = fp8_begin[s] + batch[s].start_pos + static_cast<i64>(batch[s].tokens.size());
+      }
+      float* rows = grow(ws_.fp8_lat, fp8_begin.back() * ld);
+      for (std::size_t s = 0; s < batch.size(); ++s) {
+        for (i64 p = 0; p < fp8_begin[s + 1] - fp8_begin[s]; ++p) {
+          readLatent(cache, kv_layer, batch[s].block_table, p, rows + (fp8_begin[s] + p) * ld);
+        }
+      }
+    }
     const i64 group = std::min<i64>(heads, 16);
     const i64 groups = (heads + group - 1) / group;
     i64 attended = 0;
@@ -494,26 +509,20 @@ class CpuEngine final : public Engine {
       const i64 h0 = (task % groups) * group;
       const i64 hn = std::min(group, heads - h0);
       const SequenceChunk& seq = batch[sz(seq_of[sz(t)])];
+      const float* dequantized = fp8 ? ws_.fp8_lat.data() + fp8_begin[sz(seq_of[sz(t)])] * ld : nullptr;
       const i64 ctx = plan.cache_pos[sz(t)] + 1;  // causal: positions [0, ctx)
       const i64 nblocks = (ctx + bs - 1) / bs;
       thread_local std::vector<float> scores;
       if (scores.size() < sz(hn * nblocks * bs)) scores.resize(sz(hn * nblocks * bs));
       const i64 stride = nblocks * bs;
       const float* qrows = q_cat + (t * heads + h0) * ld;
-      // An FP8 cache (per-tile scales the kernels do not know) is read as F32 rows first.
-      thread_local std::vector<float> dequantized;
-      const bool fp8 = cache.dtype == DType::F8E4M3;
-      if (fp8) {
-        if (dequantized.size() < sz(ctx * ld)) dequantized.resize(sz(ctx * ld));
-        for (i64 p = 0; p < ctx; ++p) readLatent(cache, kv_layer, seq.block_table, p, dequantized.data() + p * ld);
-      }
       const auto block = [&](i64 b, i64 rows) {
         if (!fp8) return cacheBlock(cache, kv_layer, seq.block_table, b, rows);
         WeightMatrix m;
         m.dtype = DType::F32;
         m.rows = rows;
         m.cols = ld;
-        m.data = dequantized.data() + b * bs * ld;
+        m.data = dequantized + b * bs * ld;
         return m;
       };
       for (i64 b = 0; b < nblocks; ++b) {

@@ -60,6 +60,11 @@ void readLatent(const LatentCacheView& cache, std::int64_t layer, std::span<cons
 void writeLatent(const LatentCacheView& cache, std::int64_t layer, std::span<const std::int32_t> block_table,
                  std::int64_t pos, const float* values);
 
+/// Whether `bytes` of whole tokens from slot `first_slot` of `layer` lie inside the cache's
+/// num_blocks x block_size slots (CacheMemory::readTokens / writeTokens check runs with it).
+[[nodiscard]] bool tokenRunInCache(const LatentCacheView& cache, std::int64_t layer, std::int64_t first_slot,
+                                   std::size_t bytes);
+
 /// Cache memory and how the host reaches it: host memory (HostCacheMemory), or GPU memory that an
 /// engine allocated for itself (Engine::allocateCache: the CUDA engine's device KV pool). The
 /// view's layer regions are equally spaced (one stride between consecutive layers), each at
