@@ -66,14 +66,25 @@ std::vector<std::string> descendantCommandLines() {
   return out;
 }
 
-worker_api::WorkerStatus workerStatus(const std::string& host_port, const InternalAuth* auth) {
-  const auto colon = host_port.rfind(':');
-  auto r = getPath(host_port.substr(0, colon), static_cast<std::uint16_t>(std::stoi(host_port.substr(colon + 1))),
-                   std::string(worker_api::kStatusPath), auth);
-  EXPECT_EQ(r.status, 200);
-  auto st = worker_api::parseWorkerStatus(r.body);
-  EXPECT_TRUE(st.ok()) << (st.ok() ? "" : st.error().toString());
-  return st.ok() ? *st : worker_api::WorkerStatus{};
+// up prints READY once the router listens; the router routes once its first polls put the
+// workers in rotation (its /ready), which may come a moment later on a loaded machine.
+void waitUntilRouting(const LocalCluster& cluster) {
+  for (int i = 0; i < 600 && getPath(cluster.host(), cluster.port(), "/ready").status != 200; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+}
+
+// A /v1/completions answer's token ids (first choice); a failure, and no ids, unless it is a 200.
+std::vector<std::int64_t> completionTokenIds(const LocalCluster& cluster, const json::object& body) {
+  const auto response = postJson(cluster, "/v1/completions", json::serialize(body));
+  EXPECT_EQ(response.status, 200) << response.body;
+  if (response.status != 200) return {};
+  const auto doc = json::parse(response.body);
+  std::vector<std::int64_t> ids;
+  for (const auto& t : doc.at("choices").as_array().at(0).as_object().at("token_ids").as_array()) {
+    ids.push_back(t.to_number<std::int64_t>());
+  }
+  return ids;
 }
 
 // (model, MTP draft tokens, decode tensor-parallel ranks)
@@ -88,11 +99,7 @@ TEST_P(E2eGolden, CompletionsReturnTheGoldenGreedyTokens) {
                         "--decode.num_speculative_tokens=" + std::to_string(mtp), "--tp=" + std::to_string(tp),
                         "--log.level=warn"});
   ASSERT_FALSE(cluster.url().empty());
-  // up prints READY once the router listens; the router routes once its first polls put the
-  // workers in rotation (its /ready), which may come a moment later on a loaded machine.
-  for (int i = 0; i < 600 && getPath(cluster.host(), cluster.port(), "/ready").status != 200; ++i) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  }
+  waitUntilRouting(cluster);
 
   json::array prompt;
   for (auto t : golden.tokens) prompt.push_back(t);
@@ -148,9 +155,7 @@ TEST(E2eGoldenStaging, TheStagingPathReturnsTheGoldenGreedyTokens) {
                         "--model.cache_dir=" + cache.path().string(), "--router.port=0",
                         "--decode.num_speculative_tokens=1", "--kvtransfer.path=staging", "--log.level=warn"});
   ASSERT_FALSE(cluster.url().empty());
-  for (int i = 0; i < 600 && getPath(cluster.host(), cluster.port(), "/ready").status != 200; ++i) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  }
+  waitUntilRouting(cluster);
   json::array prompt;
   for (auto t : golden.tokens) prompt.push_back(t);
   const json::object body{{"model", "pdserve-default"},
@@ -159,13 +164,7 @@ TEST(E2eGoldenStaging, TheStagingPathReturnsTheGoldenGreedyTokens) {
                           {"temperature", 0},
                           {"return_token_ids", true}};
   for (int round = 0; round < 2; ++round) {  // the second round reuses freed pool and staging blocks
-    const auto response = postJson(cluster, "/v1/completions", json::serialize(body));
-    ASSERT_EQ(response.status, 200) << response.body;
-    const auto doc = json::parse(response.body);
-    std::vector<std::int64_t> ids;
-    for (const auto& t : doc.at("choices").as_array().at(0).as_object().at("token_ids").as_array()) {
-      ids.push_back(t.to_number<std::int64_t>());
-    }
+    const std::vector<std::int64_t> ids = completionTokenIds(cluster, body);
     EXPECT_EQ(ids, golden.greedy) << "round " << round;
   }
   const auto decoders = childUrls(cluster, "decode");
@@ -209,21 +208,13 @@ TEST_P(E2eGoldenFp8Kv, AnFp8PoolServesWhatAnFp8CacheGeneratesInOneProcess) {
                         "--decode.num_speculative_tokens=1", "--decode.kv_dtype=fp8", "--prefill.kv_dtype=fp8",
                         "--kvtransfer.path=" + path, "--log.level=warn"});
   ASSERT_FALSE(cluster.url().empty());
-  for (int i = 0; i < 600 && getPath(cluster.host(), cluster.port(), "/ready").status != 200; ++i) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  }
+  waitUntilRouting(cluster);
   json::array prompt;
   for (auto t : golden.tokens) prompt.push_back(t);
   const json::object body{{"model", "pdserve-default"}, {"prompt", prompt},   {"max_tokens", golden.greedy.size()},
                           {"temperature", 0},           {"ignore_eos", true}, {"return_token_ids", true}};
   for (int round = 0; round < 2; ++round) {  // the second round reuses freed blocks
-    const auto response = postJson(cluster, "/v1/completions", json::serialize(body));
-    ASSERT_EQ(response.status, 200) << response.body;
-    const auto doc = json::parse(response.body);
-    std::vector<std::int64_t> ids;
-    for (const auto& t : doc.at("choices").as_array().at(0).as_object().at("token_ids").as_array()) {
-      ids.push_back(t.to_number<std::int64_t>());
-    }
+    const std::vector<std::int64_t> ids = completionTokenIds(cluster, body);
     EXPECT_EQ(ids, want) << "round " << round;
   }
   const auto decoders = childUrls(cluster, "decode");

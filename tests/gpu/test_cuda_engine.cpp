@@ -262,6 +262,30 @@ TEST(CudaEngine, TinyFp8MatchesTheCpuEngine) {
   runParity("tiny-fp8");
 }
 
+using StepCompare = std::function<void(const ForwardOutput& want, const ForwardOutput& got, const std::string& what)>;
+
+// Greedy decode steps at positions [40, 48) after a 40-token prompt in `table`: each step's token
+// (from `next`, then the `want` side's argmax) runs through `want_engine` on `want_cache` and
+// `got_engine` on `got_cache`, and `compare` checks the pair. Returns the token after the last step.
+std::int32_t decodeStepsBothWays(Engine& want_engine, const pd::model::LatentCacheView& want_cache, Engine& got_engine,
+                                 const pd::model::LatentCacheView& got_cache, std::span<const std::int32_t> table,
+                                 std::int32_t next, const StepCompare& compare) {
+  const i64 vocab = want_engine.config().vocab_size;
+  ForwardOptions last;
+  last.logits = OutputRows::Last;
+  for (i64 pos = 40; pos < 48; ++pos) {
+    const std::vector<std::int32_t> token{next};
+    const std::vector<SequenceChunk> step{chunk(token, pos, table)};
+    auto w = want_engine.forward(step, want_cache, last);
+    auto g = got_engine.forward(step, got_cache, last);
+    EXPECT_TRUE(w.ok() && g.ok()) << "decode at " << pos;
+    if (!w.ok() || !g.ok()) return next;
+    compare(*w, *g, "decode at " + std::to_string(pos));
+    next = argmax(w->logits, 0, vocab);
+  }
+  return next;
+}
+
 // A BF16 or FP8 host cache against the CPU engine on the same kind of cache, for a 40-token prompt
 // (the prefill path on both) and 8 greedy decode steps. Both engines round every latent as the
 // cache holds it, but where their unrounded latents differ in the last bits a rounding can flip,
@@ -306,18 +330,8 @@ void runCacheParity(const std::string& model, pd::DType dtype) {
     }
   };
   compare(*want, *got, "prompt");
-  std::int32_t next = argmax(want->logits, 39, vocab);
-  ForwardOptions last;
-  last.logits = OutputRows::Last;
-  for (i64 pos = 40; pos < 48; ++pos) {
-    const std::vector<std::int32_t> token{next};
-    const std::vector<SequenceChunk> step{chunk(token, pos, table)};
-    auto w = cpu->forward(step, cpu_cache->view(), last);
-    auto g = gpu->forward(step, gpu_cache->view(), last);
-    ASSERT_TRUE(w.ok() && g.ok());
-    compare(*w, *g, "decode at " + std::to_string(pos));
-    next = argmax(w->logits, 0, vocab);
-  }
+  decodeStepsBothWays(*cpu, cpu_cache->view(), *gpu, gpu_cache->view(), table, argmax(want->logits, 39, vocab),
+                      compare);
   std::printf("%s on %s caches: max |d| logits %.3g (bound %.3g)\n", model.c_str(), pd::dtypeName(dtype).data(), worst,
               bound);
 }
@@ -369,18 +383,13 @@ TEST(CudaEngine, DeviceKvPoolGivesTheHostCachesLogits) {
       ASSERT_TRUE((*pool)->readLatents(1, table, 40, b.data()).ok());
       EXPECT_EQ(maxAbsDiff(a, b), 0.0) << pd::dtypeName(dtype) << " cached latents";
     }
-    std::int32_t next = argmax(want->logits, 39, vocab);
+    const std::int32_t next =
+        decodeStepsBothWays(*gpu, host->view(), *gpu, (*pool)->view(), table, argmax(want->logits, 39, vocab),
+                            [&](const ForwardOutput& w, const ForwardOutput& g, const std::string& what) {
+                              EXPECT_EQ(maxAbsDiff(w.logits, g.logits), 0.0) << pd::dtypeName(dtype) << " " << what;
+                            });
     ForwardOptions last;
     last.logits = OutputRows::Last;
-    for (i64 pos = 40; pos < 48; ++pos) {
-      const std::vector<std::int32_t> token{next};
-      const std::vector<SequenceChunk> step{chunk(token, pos, table)};
-      auto w = gpu->forward(step, host->view(), last);
-      auto g = gpu->forward(step, (*pool)->view(), last);
-      ASSERT_TRUE(w.ok() && g.ok());
-      EXPECT_EQ(maxAbsDiff(w->logits, g->logits), 0.0) << pd::dtypeName(dtype) << " decode at " << pos;
-      next = argmax(w->logits, 0, vocab);
-    }
     // Block 0 copied into block 30 through the pool's memory: a table naming 30 instead reads the same.
     ASSERT_TRUE((*pool)->copyBlock(0, 30).ok());
     auto moved = blockTable(0, 20, 1);

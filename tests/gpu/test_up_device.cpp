@@ -60,30 +60,18 @@ TEST_P(UpDevice, CompletionsReturnTheGoldenGreedyTokens) {
   }
   const auto decoders = childUrls(cluster, "decode");
   ASSERT_EQ(decoders.size(), 1U);
-  const auto colon = decoders[0].rfind(':');
-  auto r = getPath(decoders[0].substr(0, colon), static_cast<std::uint16_t>(std::stoi(decoders[0].substr(colon + 1))),
-                   std::string(worker_api::kStatusPath), cluster.auth().get());
-  ASSERT_EQ(r.status, 200);
-  auto st = worker_api::parseWorkerStatus(r.body);
-  ASSERT_TRUE(st.ok()) << st.error().toString();
-  EXPECT_EQ(st->free_blocks, st->total_blocks) << "KV blocks leaked";
+  const worker_api::WorkerStatus st = workerStatus(decoders[0], cluster.auth().get());
+  EXPECT_EQ(st.free_blocks, st.total_blocks) << "KV blocks leaked";
   // The decode pool is the CUDA engine's GPU memory (the device KV pool), filled through the
   // staging path (UCX here cannot register GPU memory).
-  EXPECT_EQ(st->kv_pool_memory, "cuda:0");
-  EXPECT_EQ(st->kv_transfer_path, "staging");
-  {  // and the prefill worker's local cache is its engine's GPU memory too
-    const auto prefills = childUrls(cluster, "prefill");
-    ASSERT_EQ(prefills.size(), 1U);
-    const auto at = prefills[0].rfind(':');
-    auto p = getPath(prefills[0].substr(0, at), static_cast<std::uint16_t>(std::stoi(prefills[0].substr(at + 1))),
-                     std::string(worker_api::kStatusPath), cluster.auth().get());
-    ASSERT_EQ(p.status, 200);
-    auto ps = worker_api::parseWorkerStatus(p.body);
-    ASSERT_TRUE(ps.ok()) << ps.error().toString();
-    EXPECT_EQ(ps->kv_pool_memory, "cuda:0");
-  }
+  EXPECT_EQ(st.kv_pool_memory, "cuda:0");
+  EXPECT_EQ(st.kv_transfer_path, "staging");
+  // and the prefill worker's local cache is its engine's GPU memory too
+  const auto prefills = childUrls(cluster, "prefill");
+  ASSERT_EQ(prefills.size(), 1U);
+  EXPECT_EQ(workerStatus(prefills[0], cluster.auth().get()).kv_pool_memory, "cuda:0");
   std::printf("%s mtp %d: golden tokens through up --device cuda; decode pool %s, %lld blocks\n", model.c_str(), mtp,
-              st->kv_pool_memory.c_str(), static_cast<long long>(st->total_blocks));
+              st.kv_pool_memory.c_str(), static_cast<long long>(st.total_blocks));
   EXPECT_EQ(cluster.stop(std::chrono::seconds{60}), 0);
 }
 

@@ -21,6 +21,7 @@
 #include "pd/common/http_client.h"
 #include "pd/common/internal_auth.h"
 #include "pd/common/role_process.h"
+#include "pd/common/worker_api.h"
 #include "support/test_files.h"
 
 namespace pd::test {
@@ -143,6 +144,18 @@ inline http::ClientResponse getPath(const std::string& host, std::uint16_t port,
     return {};
   }
   return std::move(*r);
+}
+
+// A child worker's /v1/internal/status ("host:port" as childUrls gives it), signed with `auth`; a
+// failure, and an empty status, unless it answers 200 with a valid status.
+inline worker_api::WorkerStatus workerStatus(const std::string& host_port, const InternalAuth* auth) {
+  const auto colon = host_port.rfind(':');
+  auto r = getPath(host_port.substr(0, colon), static_cast<std::uint16_t>(std::stoi(host_port.substr(colon + 1))),
+                   std::string(worker_api::kStatusPath), auth);
+  EXPECT_EQ(r.status, 200);
+  auto st = worker_api::parseWorkerStatus(r.body);
+  EXPECT_TRUE(st.ok()) << (st.ok() ? "" : st.error().toString());
+  return st.ok() ? *st : worker_api::WorkerStatus{};
 }
 
 }  // namespace pd::test
