@@ -274,6 +274,11 @@ void DecodeEngine::cachePrompt(const Sequence& seq) {
   stats_.prefix_cached_blocks += added;
 }
 
+bool DecodeEngine::awaitingKv(std::uint64_t request_id) const {
+  const auto it = requests_.find(request_id);
+  return it != requests_.end() && it->second->state == Sequence::State::WaitingKv;
+}
+
 Status DecodeEngine::onKvReady(std::uint64_t request_id, Result<kvtransfer::CompletionRecord> record) {
   if (quarantine_.contains(request_id)) {
     // The transfer is over (completed, failed, or timed out at the sender's side): no byte of it

@@ -96,8 +96,27 @@ kvtransfer::ArrivalFn DecodeLoop::waitArrival(std::shared_ptr<KvWait> wait) {
                   rearmed.error().toString());
       }
     }
+    model::TpLeaderEngine* followers = nullptr;
+    {
+      std::lock_guard lock(wait->mutex);
+      followers = wait->tp_leader;
+    }
     auto rec = std::make_shared<Result<kvtransfer::CompletionRecord>>(std::move(record));
-    wait->inbox->post([request_id, rec](DecodeEngine& e) { (void)e.onKvReady(request_id, std::move(*rec)); });
+    const Clock::time_point deadline = wait->deadline;
+    wait->inbox->post([request_id, rec, followers, deadline](DecodeEngine& e) {
+      if (followers != nullptr && rec->ok() && e.awaitingKv(request_id)) {
+        // Every rank must hold the KV before a step reads it: a rank on the staging path copies
+        // it into its pool when its own record arrives, which may be after ours (on the direct
+        // path the sender flushed every rank's puts before any record; the check costs one
+        // collective). A rank whose KV never lands fails the request here, not the group.
+        // Bounded well below a KV deadline: every step waits with it.
+        constexpr std::int64_t kMostMs = 10'000;
+        const auto left = std::chrono::ceil<std::chrono::milliseconds>(deadline - Clock::now()).count();
+        const auto wait_ms = static_cast<std::uint32_t>(std::clamp<std::int64_t>(left, 1, kMostMs));
+        if (Status s = followers->awaitKv(request_id, wait_ms); !s.ok()) *rec = std::move(s).error();
+      }
+      (void)e.onKvReady(request_id, std::move(*rec));
+    });
   };
 }
 
@@ -172,8 +191,23 @@ void DecodeLoop::openStreamAsync(DecodeRequest request, kvtransfer::Transport& t
     // before the descriptor goes out.
     Result<kvtransfer::KvDescriptor> granted = wait->transport->grant(wait->id, std::move(*descriptor));
     if (granted.ok() && tp != nullptr) {
+      // Each follower grants the same pool blocks; a rank on the staging path answers with its own
+      // staging blocks, which its target in the descriptor then names (KvTarget::block_ids).
       const std::vector<std::uint8_t> bytes = kvtransfer::encode(*granted);
-      if (Status s = tp->grantKv(wait->id, std::as_bytes(std::span(bytes))); !s.ok()) granted = s.error();
+      const std::uint32_t block_size = granted->compat.block_size;
+      const auto prompt_blocks =
+          static_cast<std::uint32_t>((std::uint64_t{granted->num_tokens} + block_size - 1) / block_size);
+      Result<std::vector<std::vector<std::uint32_t>>> ids =
+          tp->grantKv(wait->id, std::as_bytes(std::span(bytes)), prompt_blocks);
+      if (!ids.ok()) {
+        granted = std::move(ids).error();
+      } else {
+        for (kvtransfer::KvTarget& t : granted->targets) {
+          if (t.tp_rank != 0 && t.tp_rank < ids->size() && !(*ids)[t.tp_rank].empty()) {
+            t.block_ids = std::move((*ids)[t.tp_rank]);
+          }
+        }
+      }
     }
     if (!granted.ok()) {
       wait->stop();  // the Cancelled arrival frees the admitted request's blocks

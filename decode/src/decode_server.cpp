@@ -200,15 +200,11 @@ Status DecodeServer::Impl::startParts() {
   }
   // The pool in the memory the engine reads best: the CUDA engine's GPU memory (the device KV pool:
   // KV lands there through the staging transport's device copier, no host copy) or host memory.
-  // With decode tensor parallelism it stays in host memory: the staging transport does not serve
-  // several ranks yet, and the direct path needs a UCX that registers GPU memory.
-  std::unique_ptr<model::CacheMemory> memory;
-  if (group_size == 1) {
-    PD_ASSIGN_OR_RETURN(memory, engine_->allocateCache(poolBlocks(cfg), cfg.block_size, poolDtype(cfg)));
-  } else {
-    PD_ASSIGN_OR_RETURN(memory,
-                        model::allocateHostCache(engine_->config(), poolBlocks(cfg), cfg.block_size, poolDtype(cfg)));
-  }
+  // With decode tensor parallelism every rank's pool is its own engine's (TpLeaderEngine passes
+  // the call to rank 0's shard; TpFollowerWorker::start for the others), and each rank's staging
+  // transport grants staging blocks of its own (KvTarget::block_ids).
+  PD_ASSIGN_OR_RETURN(std::unique_ptr<model::CacheMemory> memory,
+                      engine_->allocateCache(poolBlocks(cfg), cfg.block_size, poolDtype(cfg)));
   PD_ASSIGN_OR_RETURN(KvPool pool, KvPool::create(std::move(memory)));
   pool_ = std::make_unique<KvPool>(std::move(pool));
   log::info("decode", "KV pool: {} blocks x {} tokens, {}, in {} memory ({})", pool_->numBlocks(), pool_->blockSize(),

@@ -204,8 +204,7 @@ Result<DecodeWorkerConfig> sizeGpuPool(const DecodeWorkerConfig& cfg, bool log_p
                            cfg.decode.block_size, poolDtype(cfg.decode)));
   out.decode.num_blocks = size.num_blocks;
   if (log_plan) {
-    log::info(kLog, "{} (model.gpu_memory_utilization; the pool is in host memory, mirrored into the device cache)",
-              size.description);
+    log::info(kLog, "{} (model.gpu_memory_utilization; every rank's pool in its own GPU memory)", size.description);
   }
   return out;
 }

@@ -20,8 +20,11 @@ Result<std::unique_ptr<TpFollowerWorker>> TpFollowerWorker::start(std::unique_pt
   if (comm.rank() == 0) return makeError(ErrorCode::InvalidArgument, "rank 0 is the leader, not a follower");
   std::unique_ptr<TpFollowerWorker> w(new TpFollowerWorker(std::move(engine), comm, std::move(options)));
   const DecodeConfig& cfg = w->options_.decode;
-  PD_ASSIGN_OR_RETURN(KvPool pool,
-                      KvPool::create(w->engine_->config(), poolBlocks(cfg), cfg.block_size, poolDtype(cfg)));
+  // The pool in the engine's memory, as on the leader (DecodeServer): the CUDA engine's GPU memory,
+  // which its steps read and write in place.
+  PD_ASSIGN_OR_RETURN(std::unique_ptr<model::CacheMemory> memory,
+                      w->engine_->allocateCache(poolBlocks(cfg), cfg.block_size, poolDtype(cfg)));
+  PD_ASSIGN_OR_RETURN(KvPool pool, KvPool::create(std::move(memory)));
   w->pool_ = std::make_unique<KvPool>(std::move(pool));
   const kvtransfer::CompatInfo compat =
       w->pool_->compat(w->options_.model_hash, static_cast<std::uint32_t>(comm.size()));
@@ -29,7 +32,14 @@ Result<std::unique_ptr<TpFollowerWorker>> TpFollowerWorker::start(std::unique_pt
   tx.name = fmt::format("decode-kv-tp{}", comm.rank());
   tx.auth = w->options_.auth;
   kvtransfer::inheritLoopbackHost(tx, w->options_.decode.host);
-  PD_ASSIGN_OR_RETURN(w->transport_, kvtransfer::createUcxTransport(tx));
+  PD_ASSIGN_OR_RETURN(kvtransfer::KvTransport kv,
+                      kvtransfer::createKvTransport(w->options_.kvtransfer, tx, kvtransfer::KvTransportUse::Receive,
+                                                    w->pool_->onDevice(), w->pool_->view().device));
+  w->transport_ = std::move(kv.transport);
+  w->path_ = kv.path;
+  log::info("tp", "rank {}: KV pool: {} blocks x {} tokens, {}, in {} memory ({}), KV transfer path {}", comm.rank(),
+            w->pool_->numBlocks(), w->pool_->blockSize(), kvDTypeName(w->pool_->dtype()),
+            w->pool_->onDevice() ? "GPU" : "host", w->pool_->location(), kvtransfer::kvTransferPathName(w->path_));
   PD_ASSIGN_OR_RETURN(w->region_, w->transport_->registerRegion(w->pool_->memory()));
   w->region_registered_ = true;
   const kvtransfer::RegionLayout layout = w->pool_->regionLayout(w->region_);
@@ -54,8 +64,16 @@ Status TpFollowerWorker::run() {
   hooks.expect_kv = [this](std::uint64_t id, std::uint32_t timeout_ms) {
     expectUntil(id, kvtransfer::Clock::now() + std::chrono::milliseconds(timeout_ms));
   };
-  hooks.cancel_kv = [this](std::uint64_t id) { (void)transport_->cancelExpect(id); };
-  hooks.grant_kv = [this](std::uint64_t id, std::span<const std::byte> bytes) { return grant(id, bytes); };
+  hooks.cancel_kv = [this](std::uint64_t id) {
+    (void)transport_->cancelExpect(id);
+    noteOutcome(id, false);
+  };
+  hooks.await_kv = [this](std::uint64_t id, std::uint32_t timeout_ms) {
+    return awaitLanded(id, std::chrono::milliseconds(timeout_ms));
+  };
+  hooks.grant_kv = [this](std::uint64_t id, std::span<const std::byte> bytes, std::uint32_t blocks) {
+    return grant(id, bytes, blocks);
+  };
   return model::runTpFollower(*engine_, comm_, model::fixedTpCache(pool_->view()), hooks);
 }
 
@@ -65,32 +83,83 @@ void TpFollowerWorker::expectUntil(std::uint64_t id, kvtransfer::Deadline deadli
   // expectation (on the transport's thread, as the leader does), so that the next attempt's
   // bytes land; it ends at the deadline or when the leader cancels it.
   const int rank = comm_.rank();
+  {
+    std::lock_guard lock(kv_mutex_);
+    kv_landed_.try_emplace(id, false);
+  }
   const Status s = transport_->expect(
       id, deadline, [this, rank, deadline](std::uint64_t rid, const Result<kvtransfer::CompletionRecord>& r) {
-        if (r.ok()) return;
+        if (r.ok()) {
+          noteOutcome(rid, true);  // in the pool: the staging path copies before it answers
+          return;
+        }
         const ErrorCode code = r.error().code;
         log::debug("tp", "rank {}: KV of request {} did not arrive: {}", rank, rid, r.error().toString());
-        if (code != ErrorCode::Timeout && code != ErrorCode::Cancelled) expectUntil(rid, deadline);
+        if (code != ErrorCode::Timeout && code != ErrorCode::Cancelled) {
+          expectUntil(rid, deadline);
+        } else {
+          noteOutcome(rid, false);
+        }
       });
-  if (!s.ok()) log::warn("tp", "rank {}: cannot expect KV of request {}: {}", rank, id, s.error().toString());
+  if (!s.ok()) {
+    log::warn("tp", "rank {}: cannot expect KV of request {}: {}", rank, id, s.error().toString());
+    noteOutcome(id, false);
+  }
 }
 
-bool TpFollowerWorker::grant(std::uint64_t id, std::span<const std::byte> bytes) {
+void TpFollowerWorker::noteOutcome(std::uint64_t id, bool landed) {
+  {
+    std::lock_guard lock(kv_mutex_);
+    if (landed) {
+      if (const auto it = kv_landed_.find(id); it != kv_landed_.end()) it->second = true;
+    } else {
+      kv_landed_.erase(id);
+    }
+  }
+  kv_changed_.notify_all();
+}
+
+bool TpFollowerWorker::awaitLanded(std::uint64_t id, std::chrono::milliseconds timeout) {
+  std::unique_lock lock(kv_mutex_);
+  const bool settled = kv_changed_.wait_for(lock, timeout, [&] {
+    const auto it = kv_landed_.find(id);
+    return it == kv_landed_.end() || it->second;
+  });
+  const auto it = kv_landed_.find(id);
+  const bool landed = settled && it != kv_landed_.end() && it->second;
+  if (it != kv_landed_.end()) kv_landed_.erase(it);
+  if (!landed) log::warn("tp", "rank {}: the KV of request {} is not in this rank's pool", comm_.rank(), id);
+  return landed;
+}
+
+std::optional<std::vector<std::uint32_t>> TpFollowerWorker::grant(std::uint64_t id, std::span<const std::byte> bytes,
+                                                                  std::uint32_t blocks) {
   const int rank = comm_.rank();
   const std::span<const std::uint8_t> raw(reinterpret_cast<const std::uint8_t*>(bytes.data()), bytes.size());
   Result<kvtransfer::KvDescriptor> descriptor = kvtransfer::decodeKvDescriptor(raw);
   if (!descriptor.ok()) {
     log::error("tp", "rank {}: the leader's KV grant does not decode: {}", rank, descriptor.error().toString());
-    return false;
+    return std::nullopt;
   }
   Result<kvtransfer::KvDescriptor> granted = transport_->grant(id, std::move(descriptor).value());
   if (!granted.ok()) {
     // Fail closed: an unconfined expectation would take writes anywhere in this rank's pool.
     log::error("tp", "rank {}: cannot confine the KV of request {}: {}", rank, id, granted.error().toString());
     (void)transport_->cancelExpect(id);
-    return false;
+    return std::nullopt;
   }
-  return true;
+  // This rank's own target: its staging blocks on the staging path, none of its own otherwise.
+  for (const kvtransfer::KvTarget& t : granted->targets) {
+    if (t.tp_rank != static_cast<std::uint32_t>(rank) || t.block_ids.empty()) continue;
+    if (t.block_ids.size() != blocks) {
+      log::error("tp", "rank {}: the KV grant of request {} names {} blocks of its own, not {}", rank, id,
+                 t.block_ids.size(), blocks);
+      (void)transport_->cancelExpect(id);
+      return std::nullopt;
+    }
+    return t.block_ids;
+  }
+  return std::vector<std::uint32_t>{};
 }
 
 Result<std::vector<kvtransfer::KvTarget>> exchangeKvTargets(comm::Communicator& comm, kvtransfer::KvTarget mine) {

@@ -3,7 +3,9 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cstring>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
@@ -19,6 +21,7 @@ enum class CallKind : std::uint32_t {
   ExpectKv = 0x54504b01,
   CancelKv = 0x54504b02,
   GrantKv = 0x54504b03,
+  AwaitKv = 0x54504b04,
   ForwardSampled = 0x54504653,  // Forward, then the number of sampled (logits) rows
 };
 
@@ -116,19 +119,38 @@ std::vector<std::byte> encodeKv(CallKind kind, std::uint64_t request_id, std::ui
   return w.take();
 }
 
-std::vector<std::byte> encodeGrant(std::uint64_t request_id, std::span<const std::byte> grant) {
+std::vector<std::byte> encodeGrant(std::uint64_t request_id, std::span<const std::byte> grant, std::uint32_t blocks) {
   Writer w;
   w.put(static_cast<std::uint32_t>(CallKind::GrantKv));
   w.put(request_id);
+  w.put(blocks);
   w.putSpan(grant);
   return w.take();
+}
+
+// Most blocks one grant may name (a prompt of max_position_embeddings in blocks of 1 token).
+constexpr std::uint32_t kMaxGrantBlocks = 1U << 22;
+
+// A rank's answer to a grant in the allGather: a status word (0: not applied, 1: the descriptor's
+// block ids, 2: its own ids) and `blocks` ids (zero unless its own).
+std::vector<std::uint32_t> grantAnswer(const std::optional<std::vector<std::uint32_t>>& ids, std::uint32_t blocks) {
+  std::vector<std::uint32_t> answer(std::size_t{blocks} + 1, 0);
+  if (!ids) return answer;
+  if (ids->empty()) {
+    answer[0] = 1;
+  } else if (ids->size() == blocks) {
+    answer[0] = 2;
+    std::copy(ids->begin(), ids->end(), answer.begin() + 1);
+  }
+  return answer;
 }
 
 struct DecodedCall {
   CallKind kind = CallKind::Stop;
   std::uint64_t request_id = 0;  // ExpectKv / CancelKv / GrantKv: the leader's local handle
   std::uint32_t timeout_ms = 0;
-  std::vector<std::byte> grant;  // GrantKv
+  std::vector<std::byte> grant;    // GrantKv
+  std::uint32_t grant_blocks = 0;  // GrantKv: the ids each rank answers with
   model::ForwardOptions options;
   TpCacheGeometry geometry;
   std::vector<DecodedSequence> sequences;
@@ -143,12 +165,15 @@ Result<DecodedCall> decodeCall(std::span<const std::byte> bytes) {
   if (!r.get(kind)) return corrupt();
   c.kind = static_cast<CallKind>(kind);
   if (c.kind == CallKind::Stop) return r.done() ? Result<DecodedCall>(std::move(c)) : corrupt();
-  if (c.kind == CallKind::ExpectKv || c.kind == CallKind::CancelKv) {
+  if (c.kind == CallKind::ExpectKv || c.kind == CallKind::CancelKv || c.kind == CallKind::AwaitKv) {
     if (!r.get(c.request_id) || !r.get(c.timeout_ms) || !r.done()) return corrupt();
     return c;
   }
   if (c.kind == CallKind::GrantKv) {
-    if (!r.get(c.request_id) || !r.getVector(c.grant) || !r.done()) return corrupt();
+    if (!r.get(c.request_id) || !r.get(c.grant_blocks) || !r.getVector(c.grant) || !r.done() ||
+        c.grant_blocks > kMaxGrantBlocks) {
+      return corrupt();
+    }
     return c;
   }
   if (c.kind != CallKind::Forward && c.kind != CallKind::ForwardMtp && c.kind != CallKind::ForwardSampled) {
@@ -233,21 +258,54 @@ Status TpLeaderEngine::expectKv(std::uint64_t request_id, std::uint32_t timeout_
   return send(encodeKv(CallKind::ExpectKv, request_id, timeout_ms));
 }
 
-Status TpLeaderEngine::grantKv(std::uint64_t request_id, std::span<const std::byte> grant) {
+Result<std::vector<std::vector<std::uint32_t>>> TpLeaderEngine::grantKv(std::uint64_t request_id,
+                                                                        std::span<const std::byte> grant,
+                                                                        std::uint32_t blocks) {
+  if (blocks > kMaxGrantBlocks) {
+    return makeError(ErrorCode::InvalidArgument, fmt::format("a KV grant of {} blocks", blocks));
+  }
   std::lock_guard lock(mu_);
-  PD_TRY(send(encodeGrant(request_id, grant)));
-  // Every rank adds 1 if it applied the grant: the sum says whether all did, and the descriptor
-  // goes out only after every follower's transport is confined.
-  float granted = 1.0F;
-  if (Status s = comm_.allReduceSum(std::span(&granted, 1)); !s.ok()) {
+  PD_TRY(send(encodeGrant(request_id, grant, blocks)));
+  // Every rank answers whether it applied the grant and, on the staging path, its own block ids;
+  // the descriptor goes out only after every follower's transport is confined.
+  const std::vector<std::uint32_t> mine = grantAnswer(std::vector<std::uint32_t>{}, blocks);
+  std::vector<std::uint32_t> all(mine.size() * static_cast<std::size_t>(comm_.size()));
+  if (Status s = comm_.allGather(std::as_bytes(std::span(mine)), std::as_writable_bytes(std::span(all))); !s.ok()) {
+    broken_ = s.error();
+    failed_.store(true);
+    return s.error();
+  }
+  std::vector<std::vector<std::uint32_t>> ids(static_cast<std::size_t>(comm_.size()));
+  int refused = 0;
+  for (int r = 1; r < comm_.size(); ++r) {
+    const auto answer = std::span(all).subspan(static_cast<std::size_t>(r) * mine.size(), mine.size());
+    if (answer[0] == 2) {
+      ids[static_cast<std::size_t>(r)].assign(answer.begin() + 1, answer.end());
+    } else if (answer[0] != 1) {
+      ++refused;
+    }
+  }
+  if (refused > 0) {
+    return makeError(ErrorCode::Internal,
+                     fmt::format("{} of {} follower rank(s) could not confine their KV transport to the request",
+                                 refused, comm_.size() - 1));
+  }
+  return ids;
+}
+
+Status TpLeaderEngine::awaitKv(std::uint64_t request_id, std::uint32_t timeout_ms) {
+  std::lock_guard lock(mu_);
+  PD_TRY(send(encodeKv(CallKind::AwaitKv, request_id, timeout_ms)));
+  float landed = 1.0F;
+  if (Status s = comm_.allReduceSum(std::span(&landed, 1)); !s.ok()) {
     broken_ = s.error();
     failed_.store(true);
     return s;
   }
-  if (granted != static_cast<float>(comm_.size())) {
+  if (landed != static_cast<float>(comm_.size())) {
     return makeError(ErrorCode::Internal,
-                     fmt::format("{} of {} follower rank(s) could not confine their KV transport to the request",
-                                 comm_.size() - static_cast<int>(granted), comm_.size() - 1));
+                     fmt::format("the KV of request {} did not land on {} of {} follower rank(s)", request_id,
+                                 comm_.size() - static_cast<int>(landed), comm_.size() - 1));
   }
   return okStatus();
 }
@@ -334,6 +392,23 @@ TpCacheProvider ownedTpCache() {
   };
 }
 
+TpCacheProvider engineTpCache(model::Engine& engine) {
+  auto memory = std::make_shared<std::unique_ptr<model::CacheMemory>>();
+  return [memory, &engine](const TpCacheGeometry& g) -> Result<model::LatentCacheView> {
+    if (!*memory || !(geometryOf((*memory)->view()) == g)) {
+      memory->reset();
+      PD_ASSIGN_OR_RETURN(*memory, engine.allocateCache(g.num_blocks, g.block_size, g.dtype));
+      if (!(geometryOf((*memory)->view()) == g)) {
+        memory->reset();
+        return makeError(ErrorCode::InvalidArgument,
+                         fmt::format("the leader's KV cache ({} layers of {}) differs from this rank's model", g.layers,
+                                     g.latent_dim));
+      }
+    }
+    return (*memory)->view();
+  };
+}
+
 Status runTpFollower(model::Engine& engine, comm::Communicator& comm, const TpCacheProvider& cache,
                      const TpFollowerHooks& hooks) {
   PD_CHECK(comm.rank() != 0);
@@ -350,10 +425,18 @@ Status runTpFollower(model::Engine& engine, comm::Communicator& comm, const TpCa
       if (hooks.cancel_kv) hooks.cancel_kv(call.request_id);
       continue;
     }
+    if (call.kind == CallKind::AwaitKv) {
+      float landed = hooks.await_kv && hooks.await_kv(call.request_id, call.timeout_ms) ? 1.0F : 0.0F;
+      PD_TRY(comm.allReduceSum(std::span(&landed, 1)));
+      continue;
+    }
     if (call.kind == CallKind::GrantKv) {
       // A follower without a grant hook cannot confine anything: it says so (fails closed).
-      float granted = hooks.grant_kv && hooks.grant_kv(call.request_id, call.grant) ? 1.0F : 0.0F;
-      PD_TRY(comm.allReduceSum(std::span(&granted, 1)));
+      std::optional<std::vector<std::uint32_t>> ids;
+      if (hooks.grant_kv) ids = hooks.grant_kv(call.request_id, call.grant, call.grant_blocks);
+      const std::vector<std::uint32_t> mine = grantAnswer(ids, call.grant_blocks);
+      std::vector<std::uint32_t> all(mine.size() * static_cast<std::size_t>(comm.size()));
+      PD_TRY(comm.allGather(std::as_bytes(std::span(mine)), std::as_writable_bytes(std::span(all))));
       continue;
     }
     PD_ASSIGN_OR_RETURN(model::LatentCacheView view, cache(call.geometry));

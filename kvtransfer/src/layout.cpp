@@ -18,10 +18,17 @@ Error invalid(std::string message) {
   return makeError(ErrorCode::InvalidArgument, "KV descriptor: " + std::move(message));
 }
 
-Status validateTarget(const KvDescriptor& d, std::size_t ti, std::uint32_t max_block_id) {
+Status validateTarget(const KvDescriptor& d, std::size_t ti) {
   const auto& t = d.targets[ti];
   const auto& c = d.compat;
   if (t.worker_address.empty()) return invalid(fmt::format("target {} has an empty worker address", ti));
+  const std::uint64_t blocks_needed = (std::uint64_t{d.num_tokens} + c.block_size - 1) / c.block_size;
+  if (!t.block_ids.empty() && t.block_ids.size() < blocks_needed) {
+    return invalid(fmt::format("target {}: {} tokens need {} blocks of {}, its own block list has {}", ti, d.num_tokens,
+                               blocks_needed, c.block_size, t.block_ids.size()));
+  }
+  const std::vector<std::uint32_t>& ids = targetBlockIds(d, t);
+  const std::uint32_t max_block_id = *std::max_element(ids.begin(), ids.end());
   if (t.regions.empty()) return invalid(fmt::format("target {} has no regions", ti));
   std::vector<std::size_t> order(t.regions.size());
   std::iota(order.begin(), order.end(), std::size_t{0});
@@ -112,8 +119,7 @@ Status validateDescriptor(const KvDescriptor& d) {
   if (const auto dup = std::adjacent_find(ranks.begin(), ranks.end()); dup != ranks.end()) {
     return invalid(fmt::format("tp_rank {} is listed twice", *dup));
   }
-  const std::uint32_t max_block_id = *std::max_element(d.block_ids.begin(), d.block_ids.end());
-  for (std::size_t ti = 0; ti < d.targets.size(); ++ti) PD_TRY(validateTarget(d, ti, max_block_id));
+  for (std::size_t ti = 0; ti < d.targets.size(); ++ti) PD_TRY(validateTarget(d, ti));
   return okStatus();
 }
 
@@ -136,6 +142,7 @@ Result<std::vector<PlannedPut>> planLayerPuts(const KvDescriptor& d, std::size_t
                                                              s.first_token, d.present_tokens));
   }
   const auto& regions = d.targets[target_index].regions;
+  const std::vector<std::uint32_t>& block_ids = targetBlockIds(d, d.targets[target_index]);
   const auto it = std::find_if(regions.begin(), regions.end(), [&](const KvRegion& r) {
     return s.layer >= r.first_layer && s.layer - r.first_layer < r.num_layers;
   });
@@ -151,7 +158,7 @@ Result<std::vector<PlannedPut>> planLayerPuts(const KvDescriptor& d, std::size_t
     const std::uint64_t block = t / c.block_size;
     const std::uint64_t slot = t % c.block_size;
     const std::uint64_t run = std::min<std::uint64_t>(c.block_size - slot, end - t);
-    const PlannedPut p{region_index, layer_base + d.block_ids[block] * it->block_stride + slot * token_bytes,
+    const PlannedPut p{region_index, layer_base + block_ids[block] * it->block_stride + slot * token_bytes,
                        (t - s.first_token) * token_bytes, run * token_bytes};
     if (!puts.empty() && puts.back().remote_address + puts.back().length == p.remote_address) {
       puts.back().length += p.length;

@@ -27,7 +27,7 @@ constexpr std::uint32_t kMaxHiddenFloats = 1U << 20;
 constexpr std::uint32_t kMaxTopLogprobs = 4096;
 constexpr std::uint32_t kMaxMessageChars = 64 * 1024;
 constexpr std::size_t kRegionFixedBytes = 8 + 8 + 4 + 4 + 8 + 8 + 4;
-constexpr std::size_t kTargetFixedBytes = 4 + 4 + 4;
+constexpr std::size_t kTargetFixedBytes = 4 + 4 + 4 + 4;
 
 // Wire codes are spelled out so that reordering an enum can never change the protocol.
 constexpr std::array<std::pair<DType, std::uint8_t>, 7> kDTypeCodes{{
@@ -207,6 +207,10 @@ Status checkCompatible(const CompatInfo& ours, const CompatInfo& theirs) {
   return okStatus();
 }
 
+const std::vector<std::uint32_t>& targetBlockIds(const KvDescriptor& descriptor, const KvTarget& target) {
+  return target.block_ids.empty() ? descriptor.block_ids : target.block_ids;
+}
+
 std::vector<std::uint8_t> encode(const KvDescriptor& d) {
   ByteWriter w;
   putHeader(w, MessageType::KvDescriptor);
@@ -233,6 +237,8 @@ std::vector<std::uint8_t> encode(const KvDescriptor& d) {
       w.put(r.block_stride);
       w.putBytes(r.rkey);
     }
+    w.put(static_cast<std::uint32_t>(t.block_ids.size()));
+    for (const auto id : t.block_ids) w.put(id);
   }
   return finish(std::move(w));
 }
@@ -349,6 +355,9 @@ Result<KvDescriptor> decodeKvDescriptor(std::span<const std::uint8_t> bytes) {
       reg.rkey = r.getBytes(kMaxRkeyBytes);
       if (!r.ok()) return corrupt(kWhat, fmt::format("truncated region of target {}", ti));
     }
+    const auto own_blocks = r.getCount(kMaxBlockIds, 4);
+    t.block_ids.reserve(own_blocks);
+    for (std::uint32_t i = 0; i < own_blocks; ++i) t.block_ids.push_back(r.get<std::uint32_t>());
     if (!r.ok()) return corrupt(kWhat, fmt::format("truncated target {}", ti));
   }
   PD_TRY(finishMessage(r, kWhat));

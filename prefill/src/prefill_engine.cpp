@@ -81,7 +81,7 @@ Result<std::unique_ptr<PrefillEngine>> PrefillEngine::create(model::Engine& engi
                      "must be positive, prefix_cache_blocks within [0, cache_blocks] and a clock given");
   }
   // In the memory the engine reads best: GPU memory for the CUDA engine (the step's own cache, no
-  // host mirror), host memory otherwise (a tensor-parallel leader's wrapper included).
+  // host mirror), host memory otherwise; a tensor-parallel leader passes the call to its own shard.
   PD_ASSIGN_OR_RETURN(std::unique_ptr<model::CacheMemory> cache,
                       engine.allocateCache(options.cache_blocks, options.block_size, options.cache_dtype));
   return std::unique_ptr<PrefillEngine>(new PrefillEngine(engine, std::move(options), std::move(cache)));

@@ -45,7 +45,7 @@ Status runSpawnedRank(const PrefillWorkerConfig& cfg, std::uint64_t hash) {
                             cfg.numerics, cfg.cuda_graphs, device_group.get());
   if (!engine.ok()) return engine.error();
   log::info(kLog, "tensor-parallel rank {} of {} serving", pre.tp_rank, pre.tensor_parallel);
-  if (Status s = model::runTpFollower(**engine, *comm, model::ownedTpCache()); !s.ok()) {
+  if (Status s = model::runTpFollower(**engine, *comm, model::engineTpCache(**engine)); !s.ok()) {
     log::error(kLog, "tensor-parallel rank {}: {}", pre.tp_rank, s.error().toString());
     return s;
   }

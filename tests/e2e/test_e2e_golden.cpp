@@ -147,13 +147,20 @@ TEST_P(E2eGolden, CompletionsReturnTheGoldenGreedyTokens) {
 
 // kvtransfer.path staging on both workers: every KV byte goes pool -> staging -> UCX -> staging ->
 // pool, and the tokens are still the golden greedy ones (those the direct path returns above).
-TEST(E2eGoldenStaging, TheStagingPathReturnsTheGoldenGreedyTokens) {
+// With a tensor-parallel decode worker (`--tp 2`) each rank's staging transport grants staging
+// blocks of its own, which the descriptor names per rank (KvTarget::block_ids), and the leader
+// runs a request only once every rank holds its KV (TpLeaderEngine::awaitKv).
+class E2eGoldenStaging : public ::testing::TestWithParam<int> {};
+
+TEST_P(E2eGoldenStaging, TheStagingPathReturnsTheGoldenGreedyTokens) {
+  const int tp = GetParam();
   const std::string model = "tiny-bf16";
   const GoldenPrompt golden = goldenPrompt(model);
   TempDir cache;
   LocalCluster cluster({"--model.path=" + (goldenDir() / model).string(), "--model.tokenizer=" PD_TOKENIZER_DIR,
                         "--model.cache_dir=" + cache.path().string(), "--router.port=0",
-                        "--decode.num_speculative_tokens=1", "--kvtransfer.path=staging", "--log.level=warn"});
+                        "--decode.num_speculative_tokens=1", "--kvtransfer.path=staging", "--tp=" + std::to_string(tp),
+                        "--log.level=warn"});
   ASSERT_FALSE(cluster.url().empty());
   waitUntilRouting(cluster);
   json::array prompt;
@@ -166,6 +173,11 @@ TEST(E2eGoldenStaging, TheStagingPathReturnsTheGoldenGreedyTokens) {
   for (int round = 0; round < 2; ++round) {  // the second round reuses freed pool and staging blocks
     const std::vector<std::int64_t> ids = completionTokenIds(cluster, body);
     EXPECT_EQ(ids, golden.greedy) << "round " << round;
+  }
+  if (tp > 1) {
+    int followers = 0;
+    for (const auto& cmd : descendantCommandLines()) followers += cmd.find("--decode.tp_rank") != std::string::npos;
+    EXPECT_EQ(followers, tp - 1) << "tensor-parallel follower processes under pdserve up";
   }
   const auto decoders = childUrls(cluster, "decode");
   const auto prefills = childUrls(cluster, "prefill");
@@ -226,6 +238,8 @@ TEST_P(E2eGoldenFp8Kv, AnFp8PoolServesWhatAnFp8CacheGeneratesInOneProcess) {
   EXPECT_EQ(cluster.stop(std::chrono::seconds{60}), 0);
 }
 
+INSTANTIATE_TEST_SUITE_P(Ranks, E2eGoldenStaging, ::testing::Values(1, 2),
+                         [](const ::testing::TestParamInfo<int>& ranks) { return "tp" + std::to_string(ranks.param); });
 INSTANTIATE_TEST_SUITE_P(Paths, E2eGoldenFp8Kv, ::testing::Values("auto", "staging"));
 
 std::string goldenCaseName(const ::testing::TestParamInfo<std::tuple<std::string, int, int>>& info) {

@@ -161,7 +161,12 @@ class StagingTransportImpl final : public StagingTransport {
       }
       layers_ = std::move(layers);
     }
-    return inner_->exportTarget(tp_rank, staged);
+    Result<KvTarget> target = inner_->exportTarget(tp_rank, staged);
+    if (target.ok()) {
+      std::lock_guard lock(mutex_);
+      own_address_ = target->worker_address;
+    }
+    return target;
   }
 
   // ---- sending side ------------------------------------------------------------------------
@@ -320,12 +325,10 @@ class StagingTransportImpl final : public StagingTransport {
   }
 
   Result<KvDescriptor> grant(std::uint64_t request_id, KvDescriptor descriptor) override {
-    if (descriptor.compat.tp_size > 1 || descriptor.targets.size() > 1) {
-      return makeError(ErrorCode::Unsupported, "the staging KV path does not serve decode tensor parallelism");
-    }
     const std::uint32_t block_size = inner_->compat().block_size;
     const std::uint32_t needed = (descriptor.num_tokens + block_size - 1) / block_size;
     bool allocated = false;
+    std::vector<KvTarget>::iterator own;
     {
       std::lock_guard lock(mutex_);
       const auto it = receives_.find(request_id);
@@ -333,6 +336,15 @@ class StagingTransportImpl final : public StagingTransport {
         return makeError(ErrorCode::NotFound, fmt::format("request {} is not expected", request_id));
       }
       Receive& r = it->second;
+      // The wire names this rank's staging blocks in its own target (KvTarget::block_ids), so that
+      // with decode tensor parallelism each rank's grant chooses its own; block_ids stay the pool's.
+      own = std::find_if(descriptor.targets.begin(), descriptor.targets.end(),
+                         [&](const KvTarget& t) { return !own_address_.empty() && t.worker_address == own_address_; });
+      if (own == descriptor.targets.end()) {
+        return makeError(
+            ErrorCode::InvalidArgument,
+            fmt::format("request {}: the descriptor lists no target at this transport's address", request_id));
+      }
       if (descriptor.block_ids.size() < needed) {
         return makeError(ErrorCode::InvalidArgument, "KV descriptor: the block list does not cover num_tokens");
       }
@@ -363,7 +375,7 @@ class StagingTransportImpl final : public StagingTransport {
         r.present_blocks = descriptor.present_tokens / block_size;
         allocated = true;
       }
-      descriptor.block_ids = r.staging_ids;
+      own->block_ids = r.staging_ids;
     }
     Result<KvDescriptor> granted = inner_->grant(request_id, std::move(descriptor));
     if (!granted.ok() && allocated) {
@@ -655,6 +667,7 @@ class StagingTransportImpl final : public StagingTransport {
   RegionId next_region_ = 1;
   std::map<RegionId, DeviceRegion> regions_;
   std::vector<std::optional<DeviceLayer>> layers_;  // by KV layer, from exportTarget
+  std::vector<std::uint8_t> own_address_;           // the exported target's worker address
   staging::StagingArena arena_;
   std::deque<TransferId> admission_;  // begun, waiting for staging space, in arrival order
   std::map<TransferId, Send> sends_;
@@ -672,9 +685,6 @@ Result<std::unique_ptr<StagingTransport>> createStagingTransport(std::unique_ptr
   PD_CHECK(inner != nullptr && copier != nullptr);
   const CompatInfo& c = inner->compat();
   if (c.num_layers == 0 || c.block_size == 0) return makeError(ErrorCode::InvalidArgument, "KV staging: no layers");
-  if (options.receive_blocks > 0 && c.tp_size > 1) {
-    return makeError(ErrorCode::Unsupported, "the staging KV path does not serve decode tensor parallelism");
-  }
   std::optional<StagingMemory> send_memory;
   std::optional<StagingMemory> receive_memory;
   RegionId send_region = 0;

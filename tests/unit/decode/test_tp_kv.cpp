@@ -13,6 +13,8 @@
 
 #include "pd/decode/kv_pool.h"
 #include "pd/decode/tp_worker.h"
+#include "pd/kvtransfer/kvtransfer_config.h"
+#include "pd/kvtransfer/staging_transport.h"
 #include "pd/kvtransfer/ucx_transport.h"
 #include "pd/prefill/prefill_engine.h"
 #include "pd/prefill/transport_kv_sink.h"
@@ -34,8 +36,27 @@ constexpr std::int64_t kBlockSize = 8;
 
 class TpKv : public ::testing::TestWithParam<std::string> {};
 
-TEST_P(TpKv, PrefillWritesEveryRanksPoolAndTheGroupDecodesTheGoldenTokens) {
-  const std::filesystem::path dir = goldenDir() / GetParam();
+// A receiving transport on `path` (kvtransfer.path: direct or staging) for a pool in host memory.
+Result<std::unique_ptr<kvt::Transport>> receiver(const kvt::CompatInfo& compat, const std::string& path,
+                                                 const std::string& name) {
+  kvt::KvTransferConfig cfg;
+  cfg.path = path;
+  cfg.staging_receive_blocks = 12;
+  kvt::UcxTransportOptions tx;
+  tx.compat = compat;
+  tx.name = name;
+  PD_ASSIGN_OR_RETURN(kvt::KvTransport kv, kvt::createKvTransport(cfg, tx, kvt::KvTransportUse::Receive, false));
+  return std::move(kv.transport);
+}
+
+// The prompt's KV from a real prefill worker into every rank's pool, then greedy decoding by the
+// TP = 2 group over them. `path`: every rank's kvtransfer.path. On the staging path each rank's
+// grant picks staging blocks of its own, and the leader's are made to differ from the follower's
+// (an earlier request holds its first ones), so KV reaches both pools only if the descriptor
+// names each rank's own blocks (KvTarget::block_ids).
+void prefillIntoEveryRankAndDecode(const std::string& model, const std::string& path) {
+  const bool staging = path == "staging";
+  const std::filesystem::path dir = goldenDir() / model;
   const std::vector<std::int32_t> prompt = goldenIds(dir / "golden.safetensors", "p0.tokens");
   const std::vector<std::int32_t> greedy = goldenIds(dir / "golden.safetensors", "p0.greedy");
   auto group = comm::createLoopbackGroup(2, comm::LoopbackOptions{60s});
@@ -49,6 +70,8 @@ TEST_P(TpKv, PrefillWritesEveryRanksPoolAndTheGroupDecodesTheGoldenTokens) {
     o.decode.block_size = kBlockSize;
     o.decode.kv_dtype = "f32";
     o.model_hash = kModelHash;
+    o.kvtransfer.path = path;
+    o.kvtransfer.staging_receive_blocks = 12;
     auto w = TpFollowerWorker::start(makeRankEngine(dir, group[1].get()), *group[1], o);
     if (!w.ok()) {
       follower_status = w.error();
@@ -62,13 +85,12 @@ TEST_P(TpKv, PrefillWritesEveryRanksPoolAndTheGroupDecodesTheGoldenTokens) {
   // Rank 0, the leader: the same start-up steps by hand (DecodeServer does them in the worker).
   const auto lead = [&] {
     model::TpLeaderEngine leader(makeRankEngine(dir, group[0].get()), *group[0]);
-    auto pool = KvPool::create(leader.config(), kBlocks, kBlockSize, DType::F32);
+    auto memory = leader.allocateCache(kBlocks, kBlockSize, DType::F32);
+    ASSERT_TRUE(memory.ok());
+    auto pool = KvPool::create(std::move(memory).value());
     ASSERT_TRUE(pool.ok());
     const kvt::CompatInfo compat = pool->compat(kModelHash, 2);
-    kvt::UcxTransportOptions tx;
-    tx.compat = compat;
-    tx.name = "test-tp-leader-kv";
-    auto transport = kvt::createUcxTransport(tx);
+    auto transport = receiver(compat, path, "test-tp-leader-kv");
     ASSERT_TRUE(transport.ok()) << transport.error().toString();
     auto region = (*transport)->registerRegion(pool->memory());
     ASSERT_TRUE(region.ok());
@@ -81,8 +103,10 @@ TEST_P(TpKv, PrefillWritesEveryRanksPoolAndTheGroupDecodesTheGoldenTokens) {
     EXPECT_EQ((*targets)[1].tp_rank, 1U);
     TpFollowerWorker* worker = follower_ready.get_future().get();
     ASSERT_NE(worker, nullptr) << follower_status.error().toString();
+    EXPECT_EQ(worker->transferPath(), staging ? kvt::KvTransferPath::Staging : kvt::KvTransferPath::Direct);
 
-    // The descriptor: every rank's target, the same block ids everywhere.
+    // The descriptor: every rank's target, the same pool block ids everywhere (4.., so that
+    // staging ids and pool ids differ).
     constexpr std::uint64_t kRequest = 42;
     kvt::KvDescriptor d;
     d.compat = compat;
@@ -90,9 +114,17 @@ TEST_P(TpKv, PrefillWritesEveryRanksPoolAndTheGroupDecodesTheGoldenTokens) {
     d.timeout_ms = 60000;
     const auto prompt_blocks = (static_cast<std::int64_t>(prompt.size()) + kBlockSize - 1) / kBlockSize;
     std::vector<std::int32_t> table;
-    for (std::int64_t b = 0; b < 8; ++b) table.push_back(static_cast<std::int32_t>(b));
-    for (std::int64_t b = 0; b < prompt_blocks; ++b) d.block_ids.push_back(static_cast<std::uint32_t>(b));
+    for (std::int64_t b = 0; b < 8; ++b) table.push_back(static_cast<std::int32_t>(b + 4));
+    for (std::int64_t b = 0; b < prompt_blocks; ++b) d.block_ids.push_back(static_cast<std::uint32_t>(b + 4));
     d.targets = *targets;
+    if (staging) {
+      // An earlier request on the leader only holds its first staging blocks.
+      kvt::KvDescriptor earlier = d;
+      earlier.num_tokens = 2 * kBlockSize;
+      earlier.block_ids = {0, 1};
+      ASSERT_TRUE((*transport)->expect(7, kvt::Clock::now() + 60s, [](std::uint64_t, auto) {}).ok());
+      ASSERT_TRUE((*transport)->grant(7, earlier).ok());
+    }
     ASSERT_TRUE(leader.expectKv(kRequest, d.timeout_ms).ok());
     std::promise<Result<kvt::CompletionRecord>> arrived;
     ASSERT_TRUE((*transport)
@@ -103,8 +135,26 @@ TEST_P(TpKv, PrefillWritesEveryRanksPoolAndTheGroupDecodesTheGoldenTokens) {
     auto granted = (*transport)->grant(kRequest, d);
     ASSERT_TRUE(granted.ok()) << granted.error().toString();
     const std::vector<std::uint8_t> granted_bytes = kvt::encode(*granted);
-    ASSERT_TRUE(leader.grantKv(kRequest, std::as_bytes(std::span(granted_bytes))).ok());
+    auto own_ids =
+        leader.grantKv(kRequest, std::as_bytes(std::span(granted_bytes)), static_cast<std::uint32_t>(prompt_blocks));
+    ASSERT_TRUE(own_ids.ok()) << own_ids.error().toString();
+    ASSERT_EQ(own_ids->size(), 2U);
     d = std::move(granted).value();
+    if (staging) {
+      // Each rank names its own staging blocks; the descriptor keeps the pool's.
+      ASSERT_EQ((*own_ids)[1].size(), static_cast<std::size_t>(prompt_blocks));
+      d.targets[1].block_ids = (*own_ids)[1];
+      EXPECT_EQ(d.targets[0].block_ids.size(), static_cast<std::size_t>(prompt_blocks));
+      EXPECT_NE(d.targets[0].block_ids, d.targets[1].block_ids);
+      EXPECT_EQ(d.block_ids[0], 4U);
+    } else {
+      EXPECT_TRUE((*own_ids)[1].empty());
+      EXPECT_TRUE(d.targets[0].block_ids.empty());
+    }
+    // What the prefill worker gets: the descriptor through the wire.
+    auto wired = kvt::decodeKvDescriptor(kvt::encode(d));
+    ASSERT_TRUE(wired.ok()) << wired.error().toString();
+    ASSERT_EQ(*wired, d);
 
     // The prefill worker: unsharded engine, its own transport, the real sink.
     auto prefill_model = makeRankEngine(dir, nullptr);
@@ -131,6 +181,13 @@ TEST_P(TpKv, PrefillWritesEveryRanksPoolAndTheGroupDecodesTheGoldenTokens) {
     ASSERT_TRUE(record.ok()) << record.error().toString();
     EXPECT_TRUE(sent.get_future().get().ok());
     EXPECT_EQ(record->first_token, greedy[0]);
+    // As DecodeLoop does before the request runs: every follower holds the KV too (a staging rank
+    // copies it into its pool when its own record arrives, which may be after ours).
+    ASSERT_TRUE(leader.awaitKv(kRequest, 60000).ok());
+    // A request the follower never expected is not in its pool: refused at once, group intact.
+    auto unknown = leader.awaitKv(kRequest + 1, 60000);
+    ASSERT_FALSE(unknown.ok());
+    EXPECT_EQ(unknown.error().code, ErrorCode::Internal) << unknown.error().toString();
 
     // Both ranks' pools hold the prompt's KV, identically, in every layer.
     const model::LatentCacheView& a = pool->view();
@@ -158,11 +215,20 @@ TEST_P(TpKv, PrefillWritesEveryRanksPoolAndTheGroupDecodesTheGoldenTokens) {
     EXPECT_EQ(tokens, greedy);
     ASSERT_TRUE(leader.stop().ok());
     (*prefill)->stop();
+    if (staging) (void)(*transport)->cancelExpect(7);
     EXPECT_TRUE((*transport)->deregisterRegion(*region).ok());
   };
   lead();
   follower.join();
   EXPECT_TRUE(follower_status.ok()) << follower_status.error().toString();
+}
+
+TEST_P(TpKv, PrefillWritesEveryRanksPoolAndTheGroupDecodesTheGoldenTokens) {
+  prefillIntoEveryRankAndDecode(GetParam(), "direct");
+}
+
+TEST_P(TpKv, OnTheStagingPathEveryRankReceivesAtItsOwnStagingBlocks) {
+  prefillIntoEveryRankAndDecode(GetParam(), "staging");
 }
 
 // The bits of positions [0, n) of blocks `blocks` of every layer of `view` (the test's KV is a
@@ -254,7 +320,7 @@ TEST_P(TpKv, AFollowerRankRefusesWritesToBlocksTheRequestDoesNotHold) {
           }));
       PD_ASSIGN_OR_RETURN(kvt::KvDescriptor granted, (*transport)->grant(id, d));
       const std::vector<std::uint8_t> bytes = kvt::encode(granted);
-      PD_TRY(leader.grantKv(id, std::as_bytes(std::span(bytes))));
+      PD_TRY(leader.grantKv(id, std::as_bytes(std::span(bytes)), 2));
       granted.block_ids = std::move(write_to);
       auto sent = std::make_shared<std::promise<Status>>();
       PD_TRY((*prefill_tx)->beginTransfer(granted, kvt::Clock::now() + 60s, [sent](const kvt::TransferId&, Status s) {

@@ -45,6 +45,36 @@ TEST(KvLayout, PlansOnePutPerBlockRunAndMergesContiguousBlocks) {
   EXPECT_EQ(puts.value()[1], (PlannedPut{0, layer1 + 2ULL * 64, 3ULL * 16, 6ULL * 16}));
 }
 
+// Decode tensor parallelism on the staging path: each rank receives at staging blocks of its own
+// (KvTarget::block_ids); a target without a list of its own is written at the descriptor's ids.
+TEST(KvLayout, ATargetWithBlockIdsOfItsOwnIsWrittenAtThem) {
+  KvDescriptor d = smallDescriptor();
+  KvTarget second = d.targets[0];
+  second.tp_rank = 1;
+  second.worker_address = {4, 5, 6};
+  second.block_ids = {0, 1, 5};
+  d.compat.tp_size = 2;
+  d.targets.push_back(second);
+  ASSERT_EQ(validationError(d), "");
+  const std::uint64_t layer1 = kBase + 10ULL * 64;
+  auto own = planLayerPuts(d, 1, LayerSlice{1, 1, 9});
+  ASSERT_TRUE(own.ok()) << own.error().toString();
+  ASSERT_EQ(own->size(), 2U);  // blocks 0 and 1 merge; 5 is apart
+  EXPECT_EQ((*own)[0], (PlannedPut{0, layer1 + 16, 0, 7ULL * 16}));
+  EXPECT_EQ((*own)[1], (PlannedPut{0, layer1 + 5ULL * 64, 7ULL * 16, 2ULL * 16}));
+  auto shared = planLayerPuts(d, 0, LayerSlice{1, 1, 9});
+  ASSERT_TRUE(shared.ok());
+  EXPECT_EQ((*shared)[0], (PlannedPut{0, layer1 + 7ULL * 64 + 16, 0, 3ULL * 16}));
+
+  // Its own list must cover the tokens and stay inside its region.
+  d.targets[1].block_ids = {0, 1};
+  EXPECT_NE(validationError(d).find("target 1: 10 tokens need 3 blocks of 4, its own block list has 2"),
+            std::string::npos)
+      << validationError(d);
+  d.targets[1].block_ids = {0, 1, 10};
+  EXPECT_NE(validationError(d).find("target 1 region 0: block 10"), std::string::npos) << validationError(d);
+}
+
 TEST(KvLayout, SplitRegionsPerLayerAreFound) {
   KvDescriptor d = smallDescriptor();
   auto& regions = d.targets[0].regions;

@@ -56,6 +56,11 @@ KvDescriptor randomDescriptor(std::mt19937_64& rng) {
       }
       t.regions.push_back(std::move(region));
     }
+    // A staging rank's own block ids (protocol 7).
+    if ((rng() & 3) == 0) {
+      for (std::uint32_t b = 0, nb = small(rng) * 5; b < nb; ++b)
+        t.block_ids.push_back(static_cast<std::uint32_t>(rng()));
+    }
     d.targets.push_back(std::move(t));
   }
   return d;
@@ -280,8 +285,9 @@ TEST(KvWire, EveryMessageCarriesTheFull128BitTransferIdAfterTheHeader) {
   EXPECT_NE(back_c->transfer_id, id);
   EXPECT_EQ(back_c->transfer_id.hi, id.hi);
   // Messages of earlier protocols (2: 64-bit ids; 3: no choices' first tokens; 4: no trace
-  // context; 5: no present tokens in the descriptor) are refused as another version.
-  for (const std::uint8_t older : {2, 3, 4, 5}) {
+  // context; 5: no present tokens in the descriptor; 6: no block ids of a target's own) are refused
+  // as another version.
+  for (const std::uint8_t older : {2, 3, 4, 5, 6}) {
     auto old = encode(c);
     old[4] = older;
     EXPECT_EQ(decodeCompletionRecord(old).error().code, ErrorCode::Unsupported);
@@ -289,7 +295,7 @@ TEST(KvWire, EveryMessageCarriesTheFull128BitTransferIdAfterTheHeader) {
     old_d[4] = older;
     EXPECT_EQ(decodeKvDescriptor(old_d).error().code, ErrorCode::Unsupported);
   }
-  EXPECT_EQ(kProtocolVersion, 6);
+  EXPECT_EQ(kProtocolVersion, 7);
 }
 
 TEST(KvWire, HeaderIsCheckedFieldByField) {

@@ -288,8 +288,10 @@ TEST_F(StagingTest, KvLandsInThePoolThroughStagingBlocksBeforeTheRecordIsHonoure
   SourceKv source(compat_, 10, 5);
   const RegionId src = sender_->registerRegion(source.bytes).value();
   const KvDescriptor granted = open(pool, 1, 10, {6, 0, 3});
-  // The descriptor that goes out names staging blocks, not the pool's.
-  EXPECT_EQ(granted.block_ids, (std::vector<std::uint32_t>{0, 1, 2}));
+  // The descriptor that goes out names staging blocks in its target; its block ids stay the pool's.
+  ASSERT_EQ(granted.targets.size(), 1U);
+  EXPECT_EQ(granted.targets[0].block_ids, (std::vector<std::uint32_t>{0, 1, 2}));
+  EXPECT_EQ(granted.block_ids, (std::vector<std::uint32_t>{6, 0, 3}));
   EXPECT_EQ(receiver_->stagingStats().receive_blocks_free, kStagingBlocks - 3);
 
   ASSERT_TRUE(sender_->put(tid(1), source.chunkPuts(src, 0, 6)).ok());
@@ -506,7 +508,7 @@ TEST_F(StagingTest, LateWritesOfAnExpiredReceiveStayInQuarantinedStagingBlocks) 
 
   // Request 8 gets the other two staging blocks; a third request finds none.
   const KvDescriptor b = open(pool, 8, 8, {4, 5});
-  EXPECT_EQ(b.block_ids, (std::vector<std::uint32_t>{2, 3}));
+  EXPECT_EQ(b.targets[0].block_ids, (std::vector<std::uint32_t>{2, 3}));
   ASSERT_TRUE(receiver_->expect(9, Clock::now() + testutil::kHangGuard, out_.onArrival()).ok());
   EXPECT_EQ(receiver_->grant(9, pool.descriptor(9, 4, {6}, 1000).value()).error().code, ErrorCode::Overloaded);
 
@@ -526,7 +528,7 @@ TEST_F(StagingTest, LateWritesOfAnExpiredReceiveStayInQuarantinedStagingBlocks) 
   now_ += kQuarantine;
   auto granted = receiver_->grant(9, pool.descriptor(9, 4, {6}, 1000).value());
   ASSERT_TRUE(granted.ok());
-  EXPECT_EQ(granted->block_ids, (std::vector<std::uint32_t>{0}));
+  EXPECT_EQ(granted->targets[0].block_ids, (std::vector<std::uint32_t>{0}));
   EXPECT_EQ(receiver_->stagingStats().receive_blocks_quarantined, 0U);
   EXPECT_TRUE(receiver_->cancelExpect(9));
 }
@@ -568,9 +570,9 @@ TEST_F(StagingTest, MisuseIsRefused) {
   EXPECT_EQ(receiver_->expect(1, Clock::now(), out_.onArrival()).error().code, ErrorCode::InvalidArgument);
   EXPECT_EQ(receiver_->grant(1, pool.descriptor(1, 4, {99}, 1000).value()).error().code,
             ErrorCode::InvalidArgument);  // a pool block outside the pool
-  KvDescriptor tp = pool.descriptor(1, 4, {0}, 1000).value();
-  tp.compat.tp_size = 2;
-  EXPECT_EQ(receiver_->grant(1, tp).error().code, ErrorCode::Unsupported);
+  KvDescriptor elsewhere = pool.descriptor(1, 4, {0}, 1000).value();
+  elsewhere.targets[0].worker_address = {9, 9};
+  EXPECT_EQ(receiver_->grant(1, elsewhere).error().code, ErrorCode::InvalidArgument);  // no target of ours
   EXPECT_EQ(
       receiver_->grant(1, pool.descriptor(1, 4 * (kStagingBlocks + 1), {0, 1, 2, 3, 4}, 1000).value()).error().code,
       ErrorCode::ResourceExhausted);

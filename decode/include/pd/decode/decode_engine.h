@@ -281,6 +281,10 @@ class DecodeEngine {
   /// for KV (unknown, aborted and freed, or already running).
   [[nodiscard]] Status onKvReady(std::uint64_t request_id, Result<kvtransfer::CompletionRecord> record);
 
+  /// True when request `request_id` is admitted and still waits for its KV (onKvReady would take
+  /// its record).
+  [[nodiscard]] bool awaitingKv(std::uint64_t request_id) const;
+
   /// Attaches choice `choice` (1..choices-1) of request `parent_id`, which must still wait for its
   /// KV, under the new id `child_id` with its own sink (header comment, "Choices"). NotFound when
   /// the parent is unknown or no longer waits; InvalidArgument for a choice out of range or

@@ -16,12 +16,15 @@
 /// Thread rules: driven by one thread (the process's main / engine thread).
 
 #include <chrono>
+#include <condition_variable>
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <span>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "pd/comm/communicator.h"
@@ -47,7 +50,10 @@ struct TpFollowerOptions {
 class TpFollowerWorker {
  public:
   /// `engine` is this rank's shard (CpuEngineOptions::tp = &comm); `comm` must outlive the worker.
-  /// Creates the pool and transport, registers the pool and exchanges KV targets with the group.
+  /// Creates the pool (in the memory `engine` allocates: the CUDA engine's GPU memory, host memory
+  /// otherwise) and the transport (kvtransfer.path as the leader's: a GPU pool lands through the
+  /// staging path unless UCX registers GPU memory), registers the pool and exchanges KV targets
+  /// with the group.
   static Result<std::unique_ptr<TpFollowerWorker>> start(std::unique_ptr<model::Engine> engine,
                                                          comm::Communicator& comm, TpFollowerOptions options);
   ~TpFollowerWorker();
@@ -59,6 +65,8 @@ class TpFollowerWorker {
   /// confine each request's writes to the request's blocks, as on the leader.
   Status run();
   [[nodiscard]] const KvPool& pool() const { return *pool_; }
+  /// How KV reaches this rank's pool.
+  [[nodiscard]] kvtransfer::KvTransferPath transferPath() const { return path_; }
   /// This rank's KV transport counters (thread-safe).
   [[nodiscard]] kvtransfer::TransportStats transportStats() const { return transport_->stats(); }
 
@@ -68,15 +76,28 @@ class TpFollowerWorker {
   // Arms the transport for `id`'s KV, re-arming after a failed attempt until `deadline` (a re-armed
   // expectation keeps its grant: Transport::grant).
   void expectUntil(std::uint64_t id, kvtransfer::Deadline deadline);
-  // Grants the transport the leader's encoded descriptor for request `id`; false (and the
-  // expectation cancelled, so nothing lands unconfined) when it cannot.
-  bool grant(std::uint64_t id, std::span<const std::byte> bytes);
+  // Grants the transport the leader's encoded descriptor for request `id`: this rank's own block
+  // ids (`blocks` staging blocks on the staging path; empty: the descriptor's), or nullopt (and
+  // the expectation cancelled, so nothing lands unconfined) when it cannot.
+  std::optional<std::vector<std::uint32_t>> grant(std::uint64_t id, std::span<const std::byte> bytes,
+                                                  std::uint32_t blocks);
+
+  // TpLeaderEngine::awaitKv: true once `id`'s KV is in this rank's pool, waiting at most `timeout`.
+  bool awaitLanded(std::uint64_t id, std::chrono::milliseconds timeout);
+  // The outcome of `id`'s expectation (expectUntil's callback, on the transport's thread).
+  void noteOutcome(std::uint64_t id, bool landed);
 
   std::unique_ptr<model::Engine> engine_;
   comm::Communicator& comm_;
+  // Requests this rank expects KV for: false while it has not landed, true once it has; erased
+  // when the expectation ends otherwise (cancelled, timed out), or once awaited.
+  std::mutex kv_mutex_;
+  std::condition_variable kv_changed_;
+  std::unordered_map<std::uint64_t, bool> kv_landed_;  // guarded by kv_mutex_
   TpFollowerOptions options_;
   std::unique_ptr<KvPool> pool_;
   std::unique_ptr<kvtransfer::Transport> transport_;
+  kvtransfer::KvTransferPath path_ = kvtransfer::KvTransferPath::Direct;
   kvtransfer::RegionId region_{};
   bool region_registered_ = false;
 };

@@ -66,6 +66,13 @@ class TpLeaderEngine : public model::Engine {
   Result<model::ForwardOutput> forwardMtp(std::span<const model::SequenceChunk> batch,
                                           const model::LatentCacheView& cache,
                                           const model::ForwardOptions& options) override;
+  /// Rank 0's shard's memory (the CUDA engine's GPU memory, host memory otherwise): the
+  /// followers' caches come from their own shards the same way (engineTpCache, TpFollowerWorker).
+  [[nodiscard]] Result<std::unique_ptr<model::CacheMemory>> allocateCache(std::int64_t num_blocks,
+                                                                          std::int64_t block_size,
+                                                                          DType dtype) override {
+    return local_->allocateCache(num_blocks, block_size, dtype);
+  }
   /// Tells the followers to return from runTpFollower(); later calls fail. Idempotent.
   Status stop();
   /// Tells every follower to expect request `request_id`'s KV for `timeout_ms` (their
@@ -73,9 +80,17 @@ class TpLeaderEngine : public model::Engine {
   Status expectKv(std::uint64_t request_id, std::uint32_t timeout_ms);
   /// Hands every follower the granted KV descriptor (`grant`, encoded by the caller) of request
   /// `request_id` for its transport's grant (TpFollowerHooks::grant_kv) and waits until every
-  /// follower has answered: OK when all applied it, Internal naming how many could not (the group
-  /// stays usable). Communication errors as forward(). Call after expectKv for the same request.
-  Status grantKv(std::uint64_t request_id, std::span<const std::byte> grant);
+  /// follower has answered. The answer: per rank (index = rank; rank 0's entry is empty), the
+  /// block ids that rank's transport receives at when they are its own (a rank on the staging
+  /// path: exactly `blocks` ids, its staging blocks), or empty (the descriptor's block ids).
+  /// Internal naming how many ranks could not apply the grant (the group stays usable).
+  /// Communication errors as forward(). Call after expectKv for the same request.
+  Result<std::vector<std::vector<std::uint32_t>>> grantKv(std::uint64_t request_id, std::span<const std::byte> grant,
+                                                          std::uint32_t blocks);
+  /// Once rank 0's KV of `request_id` has arrived: waits (at most `timeout_ms`) until every
+  /// follower's has landed in its pool too (TpFollowerHooks::await_kv). Internal naming how many
+  /// ranks do not hold it (the group stays usable); communication errors as forward().
+  Status awaitKv(std::uint64_t request_id, std::uint32_t timeout_ms);
   /// Tells every follower to stop expecting `request_id` (abort, deadline, failure).
   Status cancelKv(std::uint64_t request_id);
   /// The group (rank 0): for exchangeKvTargets() at start-up, before any forward call.
@@ -144,15 +159,27 @@ TpCacheProvider fixedTpCache(model::LatentCacheView view);
 /// A provider that allocates (and reallocates on a geometry change) a cache of its own, for
 /// followers of a leader whose caches come and go (tests, `generate`).
 TpCacheProvider ownedTpCache();
+/// ownedTpCache() in the memory `engine` allocates (Engine::allocateCache: the CUDA engine's GPU
+/// memory, which its steps use in place; host memory otherwise): a prefill follower's cache.
+/// `engine` must outlive the provider.
+TpCacheProvider engineTpCache(model::Engine& engine);
 
 /// What a follower does with the leader's KV expectations (TpLeaderEngine::expectKv / grantKv /
 /// cancelKv).
 struct TpFollowerHooks {
   std::function<void(std::uint64_t request_id, std::uint32_t timeout_ms)> expect_kv;
   std::function<void(std::uint64_t request_id)> cancel_kv;
-  /// TpLeaderEngine::grantKv's request and bytes; true once this rank's transport is confined by
-  /// them. Absent: the follower answers false (nothing to confine with).
-  std::function<bool(std::uint64_t request_id, std::span<const std::byte> grant)> grant_kv;
+  /// TpLeaderEngine::awaitKv: true once request_id's KV has landed in this rank's pool, waiting
+  /// for it at most timeout_ms; false when it did not (failed, cancelled, never expected, late).
+  /// Absent: false.
+  std::function<bool(std::uint64_t request_id, std::uint32_t timeout_ms)> await_kv;
+  /// TpLeaderEngine::grantKv's request, bytes and block count: once this rank's transport is
+  /// confined by them, the block ids it receives at when they are its own (exactly `blocks` of
+  /// them: the staging path's staging blocks) or an empty list (the descriptor's); nullopt when it
+  /// could not apply the grant. Absent: the follower answers nullopt (nothing to confine with).
+  std::function<std::optional<std::vector<std::uint32_t>>(std::uint64_t request_id, std::span<const std::byte> grant,
+                                                          std::uint32_t blocks)>
+      grant_kv;
 };
 
 /// Runs follower rank comm.rank() (>= 1): receives each call from rank 0 and runs it on

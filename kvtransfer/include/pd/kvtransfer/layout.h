@@ -14,7 +14,8 @@
 namespace pd::kvtransfer {
 
 /// Checks what a sender must know before writing anything: supported dtype, a block list that
-/// covers num_tokens, at least one target, distinct tp ranks below tp_size, every layer covered by
+/// covers num_tokens (a target's own list, KvTarget::block_ids, as long as the descriptor's), at
+/// least one target, distinct tp ranks below tp_size, every layer covered by
 /// exactly one region per target, and every byte a put could touch inside its region (overflow
 /// checked). InvalidArgument naming the field otherwise.
 [[nodiscard]] Status validateDescriptor(const KvDescriptor& descriptor);
@@ -37,7 +38,8 @@ struct LayerSlice {
   std::uint32_t num_tokens = 0;
 };
 
-/// Splits `slice` into puts for target `target_index` of a validated descriptor. Runs that are
+/// Splits `slice` into puts for target `target_index` of a validated descriptor, at that target's
+/// block ids (targetBlockIds). Runs that are
 /// contiguous on both sides (consecutive block ids, block_stride == block_size * token bytes) are
 /// merged into one put. InvalidArgument when the slice is outside the descriptor.
 [[nodiscard]] Result<std::vector<PlannedPut>> planLayerPuts(const KvDescriptor& descriptor, std::size_t target_index,

@@ -15,18 +15,19 @@
 ///    out; on_done follows the inner answer once no copy of the transfer runs.
 ///  - Receiving: exportTarget() exports the staging block pool in place of the device pool's
 ///    layout; grant() takes staging blocks for the request's tokens, maps them to the descriptor's
-///    pool block ids and hands out a descriptor naming the staging blocks (the wire format is
-///    unchanged: only block ids differ). On the completion record the staged tokens are copied into
-///    the pool blocks before on_arrival is called. A receive that fails without being re-armed
+///    pool block ids and hands out a descriptor whose target for this transport names the staging
+///    blocks (KvTarget::block_ids; the descriptor's block_ids stay the pool's). On the completion record the staged
+///    tokens are copied into the pool blocks before on_arrival is called. A receive that fails without being re-armed
 ///    (from its callback, for a prefill retry) quarantines its staging blocks for
 ///    StagingTransportOptions::quarantine: a sender that has not stopped may still write them.
 ///
 /// Guarantees kept from transport.h: one TransferDoneFn per begun transfer and one ArrivalFn per
 /// expectation; no read of a source after on_done; no write into the pool after on_arrival (a
 /// cancelExpect() during the copy answers Cancelled once the copy is over); deadlines are the inner
-/// transport's. Decode tensor parallelism is not supported (the TP relay hands followers the
-/// already-granted descriptor, whose staging ids they cannot map): a descriptor for tp_size > 1 is
-/// refused.
+/// transport's. Decode tensor parallelism: each rank's staging transport grants its own staging
+/// blocks and names them in its own target (KvTarget::block_ids) while the descriptor's block_ids
+/// stay the pool's, the same on every rank; the TP relay collects every rank's list into the
+/// descriptor that goes out (model::TpLeaderEngine::grantKv).
 ///
 /// Thread rules: every method is thread-safe and may be called from a callback. Callbacks run on
 /// the inner transport's progress thread or on the copier's completion thread and must not block.
@@ -77,8 +78,8 @@ class StagingTransport : public Transport {
 };
 
 /// Wraps `inner` (UCX in real use). Registers its staging memory (from `copier`'s allocateHost)
-/// with `inner`. InvalidArgument for a compat the staging layout cannot hold (tp_size > 1 with
-/// receive blocks, no layers); the inner transport's errors otherwise.
+/// with `inner`. InvalidArgument for a compat the staging layout cannot hold (no layers); the inner transport's errors
+/// otherwise.
 [[nodiscard]] Result<std::unique_ptr<StagingTransport>> createStagingTransport(std::unique_ptr<Transport> inner,
                                                                                std::unique_ptr<DeviceCopier> copier,
                                                                                StagingTransportOptions options);

@@ -4,7 +4,8 @@
 /// Three messages cross process boundaries:
 ///  - KvDescriptor: decode -> router -> prefill. Where to write a request's latent KV: every
 ///    decode rank's UCX worker address, the packed remote keys and strides of its KV regions, the
-///    block ids, the compatibility information and the transfer's time budget.
+///    block ids (per rank where a rank names its own), the compatibility information and the
+///    transfer's time budget.
 ///  - CompletionRecord: prefill -> decode over the transport, after every put of the request is
 ///    remotely complete: first sampled token, last hidden state (the MTP input), logprobs, and
 ///    the W3C trace context of the prefill worker's completion span.
@@ -38,7 +39,7 @@
 namespace pd::kvtransfer {
 
 /// Bumped on any incompatible change of a message or of the KV layout rules.
-inline constexpr std::uint16_t kProtocolVersion = 6;
+inline constexpr std::uint16_t kProtocolVersion = 7;
 /// "PDKV" read as a little-endian u32.
 inline constexpr std::uint32_t kWireMagic = 0x564B4450;
 inline constexpr std::size_t kWireHeaderBytes = 12;
@@ -88,6 +89,12 @@ struct KvTarget {
   std::uint32_t tp_rank = 0;
   std::vector<std::uint8_t> worker_address;  ///< opaque transport address
   std::vector<KvRegion> regions;
+  /// This rank's own block ids, in place of KvDescriptor::block_ids (at least the blocks that
+  /// num_tokens needs), where they differ from them:
+  /// a rank on the staging path (docs/kv-transfer.md, "Staging path") receives into staging
+  /// blocks that its own grant chose, so with decode tensor parallelism every rank names its own.
+  /// Empty: the descriptor's block_ids. On the wire (protocol 7) after the regions.
+  std::vector<std::uint32_t> block_ids;
   friend bool operator==(const KvTarget&, const KvTarget&) = default;
 };
 
@@ -102,8 +109,10 @@ struct KvDescriptor {
   /// The transfer's budget in ms, counted by each side from when it sees the descriptor (clocks
   /// of different machines are not compared).
   std::uint32_t timeout_ms = 0;
-  std::vector<std::uint32_t> block_ids;  ///< the same ids on every rank
-  std::vector<KvTarget> targets;         ///< one per decode rank written to
+  /// The request's pool block ids (the same on every rank); a target with block_ids of its own
+  /// is written at those instead (targetBlockIds).
+  std::vector<std::uint32_t> block_ids;
+  std::vector<KvTarget> targets;  ///< one per decode rank written to
   /// Leading prompt tokens whose KV the decode worker already holds (its prefix cache,
   /// docs/kv-memory.md "Prefix reuse on the decode side"): a whole number of blocks, fewer than
   /// num_tokens. The sender puts only tokens [present_tokens, num_tokens); the receiver grants
@@ -112,6 +121,10 @@ struct KvDescriptor {
   std::uint32_t present_tokens = 0;
   friend bool operator==(const KvDescriptor&, const KvDescriptor&) = default;
 };
+
+/// The block ids the sender writes target `target` at: its own when it lists them, otherwise the
+/// descriptor's.
+[[nodiscard]] const std::vector<std::uint32_t>& targetBlockIds(const KvDescriptor& descriptor, const KvTarget& target);
 
 using pd::TokenLogprob;  // the generation vocabulary's (generation.h)
 
