@@ -43,6 +43,7 @@ struct StepShape {
   bool mtp = false;
   const std::uint8_t* zero = nullptr;  // MTP rows whose embedding is zeroed, or null
   bool collect = false;                // copy each layer's latents to the host buffer
+  bool signal_layers = false;          // with collect: record layer_done[kv layer] after each copy (eager only)
   bool round = false;                  // round the latents to BF16 first
   // The prefill attention path (MlaPrefillAttention) over these segments of the plan's rows;
   // null: the absorbed decode attention. Never captured: its launches depend on the contexts.
@@ -207,6 +208,9 @@ struct DeviceDecodeStep::Impl {
   i64 xb_cols = 0;
   // [cache_layers, kMaxDecodeBatch, latent_dim]: each layer's latents for the collector.
   std::optional<cuda::PinnedHostBuffer<float>> collected;
+  // [cache_layers]: recorded after each layer's copy into `collected` in an eager step, so that
+  // the host hands the layer to the collector while the device computes the next ones.
+  std::vector<cuda::Event> layer_done;
   // CUDA graphs (Options::cuda_graphs); declared last, so released before what they point into.
   bool cuda_graphs = true;
   cuda::DeviceBuffer<std::byte> blas_workspace;
@@ -608,6 +612,7 @@ struct DeviceDecodeStep::Impl {
     if (shape.collect) {  // into pinned memory: a plain copy node when captured
       PD_CUDA_TRY(cudaMemcpyAsync(collected->data() + kv_layer * kMaxDecodeBatch * ld, latent.data(),
                                   sz(n * ld) * sizeof(float), cudaMemcpyDeviceToHost, s));
+      if (shape.signal_layers) PD_TRY(layer_done[sz(kv_layer)].record(stream));
     }
     if (shape.round) PD_TRY(roundToBf16(latent.data(), n * ld, stream));
     // Each row's latent into its cache slot: one scatter over the uploaded slots.
@@ -700,10 +705,16 @@ struct DeviceDecodeStep::Impl {
 
   // Runs forwardBody as a CUDA graph when graphs are on (see DecodeGraphCache for when a key is
   // eager, captured or replayed), else eagerly with the exact context.
-  [[nodiscard]] Status runBody(StepShape shape) {
+  // `signalled`: whether the body ran eagerly with each collected layer's event recorded (then
+  // the caller may hand layers over as they complete; never inside a captured graph).
+  [[nodiscard]] Status runBody(StepShape shape, bool& signalled) {
+    signalled = false;
+    StepShape eager = shape;
+    eager.signal_layers = shape.collect;
     if (!cuda_graphs || shape.segments != nullptr) {
       ++graph_stats.eager;
-      return forwardBody(shape);
+      signalled = eager.signal_layers;
+      return forwardBody(eager);
     }
     DecodeGraphKey key;
     key.tokens = shape.n;
@@ -716,7 +727,8 @@ struct DeviceDecodeStep::Impl {
     auto [entry, action] = graphs.use(key);
     if (action == DecodeGraphCache<cuda::Graph>::Action::Eager) {
       ++graph_stats.eager;
-      return forwardBody(shape);
+      signalled = eager.signal_layers;
+      return forwardBody(eager);
     }
     if (action == DecodeGraphCache<cuda::Graph>::Action::Capture) {
       StepShape banded = shape;
@@ -729,7 +741,8 @@ struct DeviceDecodeStep::Impl {
         log::warn("cuda",
                   "decode step: capturing {} rows (context {}) as a CUDA graph failed, the shape stays eager: {}",
                   key.tokens, key.attention_context, graph.error().toString());
-        return forwardBody(shape);
+        signalled = eager.signal_layers;
+        return forwardBody(eager);
       }
       entry->graph.emplace(std::move(*graph));
       ++graph_stats.captured;
@@ -929,6 +942,11 @@ Result<std::unique_ptr<DeviceDecodeStep>> DeviceDecodeStep::create(const DeviceW
   PD_ASSIGN_OR_RETURN(cuda::PinnedHostBuffer<float> collected,
                       cuda::PinnedHostBuffer<float>::create(sz(m.cache_layers * n * ld)));
   m.collected.emplace(std::move(collected));
+  m.layer_done.reserve(sz(m.cache_layers));
+  for (i64 l = 0; l < m.cache_layers; ++l) {
+    PD_ASSIGN_OR_RETURN(cuda::Event e, cuda::Event::create());
+    m.layer_done.push_back(std::move(e));
+  }
   PD_ASSIGN_OR_RETURN(m.topk_idx, cuda::DeviceBuffer<std::int32_t>::create(sz(n * top_k)));
   PD_ASSIGN_OR_RETURN(m.slot_of, cuda::DeviceBuffer<std::int32_t>::create(sz(n * top_k)));
   PD_ASSIGN_OR_RETURN(m.moe_offsets,
@@ -1160,7 +1178,25 @@ Result<DeviceDecodeStep::Output> DeviceDecodeStep::run(const DecodeStepPlan& pla
       shape.zero = m.zero_rows.data();
     }
   }
-  PD_TRY(m.runBody(shape));
+  bool signalled = false;
+  PD_TRY(m.runBody(shape, signalled));
+  // The collector's layers: in an eager step each as soon as its copy is done, while the device
+  // computes the next layers (the KV sink's puts overlap the step); after a replayed graph, all
+  // once the step is over (below).
+  const i64 ld = c.latentDim();
+  const i64 first_layer = request.mtp ? c.num_hidden_layers : 0;
+  const i64 last_layer = request.mtp ? c.num_hidden_layers : c.num_hidden_layers - 1;
+  const auto collect = [&](i64 layer) -> Status {
+    const float* at = m.collected->data() + layer * kMaxDecodeBatch * ld;
+    return request.collector->onLatents(layer, std::span<const float>(at, sz(n * ld)));
+  };
+  if (request.collector != nullptr && signalled) {
+    for (i64 layer = first_layer; layer <= last_layer; ++layer) {
+      PD_TRY(m.layer_done[sz(layer)].synchronize());
+      PD_TRY(collect(layer));
+      ++m.graph_stats.streamed_layers;
+    }
+  }
   const Linear* out_head = request.mtp ? &m.mtp->head : &m.head;
   Output out;
   const auto k = static_cast<i64>(request.logit_rows.size());
@@ -1197,14 +1233,8 @@ Result<DeviceDecodeStep::Output> DeviceDecodeStep::run(const DecodeStepPlan& pla
   if (moe_failed[0] != 0) {
     return makeError(ErrorCode::Internal, "device step: MoE routing chose an expert outside the model's experts");
   }
-  if (request.collector != nullptr) {
-    const i64 ld = c.latentDim();
-    const i64 first = request.mtp ? c.num_hidden_layers : 0;
-    const i64 last = request.mtp ? c.num_hidden_layers : c.num_hidden_layers - 1;
-    for (i64 layer = first; layer <= last; ++layer) {
-      const float* at = m.collected->data() + layer * kMaxDecodeBatch * ld;
-      PD_TRY(request.collector->onLatents(layer, std::span<const float>(at, sz(n * ld))));
-    }
+  if (request.collector != nullptr && !signalled) {
+    for (i64 layer = first_layer; layer <= last_layer; ++layer) PD_TRY(collect(layer));
   }
   return out;
 }

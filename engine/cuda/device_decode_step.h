@@ -82,8 +82,13 @@ class DeviceDecodeStep {
   [[nodiscard]] Result<std::vector<float>> step(std::span<const DecodeSequence> batch);
 
   /// Receives each layer's new latents [tokens, latent_dim] (float32, on the host, in row order,
-  /// as the device cache holds them) after the whole step has run, in KV-layer order: no
-  /// synchronize per layer, so a step with a collector can run as a CUDA graph.
+  /// as the device cache holds them), in KV-layer order. A step that runs eagerly (the prefill
+  /// attention path, graphs off, a shape that stays eager) hands over layer l as soon as its copy
+  /// to the host is done, while the device computes the later layers: the host waits on the
+  /// layer's event (recorded after the copy), so a KV sink puts layer l during layers l+1.. (the
+  /// issue's "copied device -> pinned on the layer's stream event and put while the next layer
+  /// computes"). A replayed CUDA graph hands them all over after the step (no event inside it).
+  /// Layers already handed over stay handed over if the step then fails.
   class LatentCollector {
    public:
     virtual ~LatentCollector() = default;
@@ -149,6 +154,8 @@ class DeviceDecodeStep {
     std::int64_t replayed = 0;
     std::int64_t capture_failures = 0;
     std::int64_t held = 0;
+    /// Layers handed to a collector while their step was still running (LatentCollector).
+    std::int64_t streamed_layers = 0;
   };
   [[nodiscard]] GraphStats graphStats() const;
 
