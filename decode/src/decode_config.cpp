@@ -27,6 +27,9 @@ void registerOptions(config::OptionSet& set, DecodeConfig& cfg) {
            "prompt tokens prefilled locally between two decode steps (at least one prompt)", 1, 1 << 24)
       .add("prefix_cache_blocks", &cfg.prefix_cache_blocks,
            "pool blocks of finished prompts kept for later turns' prefix reuse (0 = off)", 0, 1 << 24)
+      .add("overlap_steps", &cfg.overlap_steps,
+           "run each step's forwards beside the loop that admits requests, takes KV arrivals and streams first "
+           "tokens")
       .add("tensor_parallel", &cfg.tensor_parallel, "tensor-parallel ranks", 1, 64)
       .add("nnodes", &cfg.nnodes, "machines the tensor-parallel group spans (> 1 needs dist_init_address)", 1, 64)
       .add("node_rank", &cfg.node_rank, "this machine's index in the tensor-parallel group (0 serves the API)", 0, 63)

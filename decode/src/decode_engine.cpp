@@ -6,6 +6,7 @@
 #include <chrono>
 #include <limits>
 #include <numeric>
+#include <unordered_set>
 #include <utility>
 
 #include "draft_verifier.h"
@@ -50,6 +51,7 @@ DecodeEngineOptions engineOptions(const DecodeConfig& config) {
   // rank over the same block table; a TP worker refuses local prefills), and the leader's block
   // manager alone decides which blocks stay cached.
   options.prefix_cache_blocks = config.prefix_cache_blocks;
+  options.overlap_steps = config.overlap_steps;
   return options;
 }
 
@@ -118,7 +120,21 @@ DecodeEngine::DecodeEngine(model::Engine& engine, KvPool& pool, DecodeEngineOpti
   publishGauges();
 }
 
+// A step between prepareStep and completeStep (decode_engine.h, "Overlap").
+struct DecodeEngine::PendingStep {
+  Clock::time_point started;
+  std::vector<Sequence*> batch;  // oldest admission first
+  std::vector<std::int64_t> k;   // drafts per sequence
+  // Block tables taken on the owning thread (the block manager is not touched by computeStep).
+  std::vector<std::span<const std::int32_t>> tables;
+  std::unordered_set<std::uint64_t> ids;  // the batch's requests
+  std::vector<std::vector<std::int32_t>> drafts;
+  Result<std::vector<Verified>> verified = makeError(ErrorCode::Internal, "the step has not run");
+  std::vector<std::uint64_t> deferred_aborts;  // abort() of a batch request while the step ran
+};
+
 DecodeEngine::~DecodeEngine() {
+  PD_CHECK(pending_ == nullptr);  // a running step completes first (DecodeLoop)
   // Requests still held end as aborted so that every sink hears the end of its stream.
   std::vector<std::uint64_t> ids;
   ids.reserve(requests_.size());
@@ -676,6 +692,11 @@ bool DecodeEngine::abort(std::uint64_t request_id) {
     return true;
   }
   if (!requests_.contains(request_id)) return false;
+  if (pending_ && pending_->ids.contains(request_id)) {
+    // In the step that is running (computeStep): it ends when the step completes.
+    pending_->deferred_aborts.push_back(request_id);
+    return true;
+  }
   finish(request_id, FinishReason::Aborted,
          makeError(ErrorCode::Cancelled, fmt::format("request {} aborted", request_id)), RequestOutcome::Aborted);
   return true;
@@ -710,6 +731,13 @@ std::optional<Clock::time_point> DecodeEngine::nextKvDeadline() const {
 }
 
 void DecodeEngine::step(Clock::time_point now) {
+  if (!prepareStep(now)) return;
+  computeStep();
+  completeStep();
+}
+
+bool DecodeEngine::prepareStep(Clock::time_point now) {
+  PD_CHECK(!pending_);
   std::vector<std::uint64_t> expired;
   for (const auto& [id, seq] : requests_) {
     if (seq->state == Sequence::State::WaitingKv && seq->req.kv_deadline < now) expired.push_back(id);
@@ -731,16 +759,22 @@ void DecodeEngine::step(Clock::time_point now) {
     requests_.at(id)->state = Sequence::State::Running;
     running_.push_back(id);
   }
-  if (running_.empty()) return;
-  std::vector<Sequence*> batch;
-  batch.reserve(running_.size());
-  for (const std::uint64_t id : running_) batch.push_back(requests_.at(id).get());
-  runBatch(batch);
-  publishGauges();
+  if (running_.empty()) return false;
+  std::vector<Sequence*> all;
+  all.reserve(running_.size());
+  for (const std::uint64_t id : running_) all.push_back(requests_.at(id).get());
+  auto step = std::make_unique<PendingStep>(planBatch(all));
+  if (step->batch.empty()) {
+    publishGauges();
+    return false;
+  }
+  pending_ = std::move(step);
+  return true;
 }
 
-void DecodeEngine::runBatch(std::span<Sequence* const> all) {
-  const auto started = Clock::now();
+DecodeEngine::PendingStep DecodeEngine::planBatch(std::span<Sequence* const> all) {
+  PendingStep step;
+  step.started = Clock::now();
   const ModelConfig& cfg = engine_.config();
   const std::int64_t max_pos = cfg.max_position_embeddings > 0 ? cfg.max_position_embeddings : INT64_MAX;
 
@@ -752,8 +786,6 @@ void DecodeEngine::runBatch(std::span<Sequence* const> all) {
   order.reserve(all.size());
   for (Sequence* seq : all) order.emplace_back(seq->admitted, seq->req.id);
   std::sort(order.begin(), order.end());
-  std::vector<Sequence*> batch;
-  std::vector<std::int64_t> k;
   for (const auto& [admitted, id] : order) {
     const auto it = requests_.find(id);
     if (it == requests_.end()) continue;  // preempted for an older sequence's block
@@ -766,48 +798,53 @@ void DecodeEngine::runBatch(std::span<Sequence* const> all) {
             : 0;
     if (ki > 0 && !blocks_.grow(id, start + 1 + ki).ok()) ki = 0;
     if (!growOrPreempt(*seq, start + 1 + ki)) continue;
-    batch.push_back(seq);
-    k.push_back(ki);
+    step.batch.push_back(seq);
+    step.k.push_back(ki);
   }
+  // The block tables now, on this thread: computeStep may run while admissions change the block
+  // manager (a sequence's own table changes only here and when it ends, neither while it runs).
+  for (Sequence* seq : step.batch) {
+    step.tables.push_back(blocks_.blockTable(seq->req.id));
+    step.ids.insert(seq->req.id);
+  }
+  return step;
+}
+
+void DecodeEngine::computeStep() {
+  PD_CHECK(pending_ != nullptr);
+  PendingStep& step = *pending_;
+  const std::vector<Sequence*>& batch = step.batch;
+  const std::vector<std::int64_t>& k = step.k;
   const std::size_t n = batch.size();
-  if (n == 0) return;
-  const auto fail_all = [&](const Error& e) {
-    // A tensor-parallel group's communication failure keeps its code (PeerFailed / Timeout: a
-    // rank died or stalled); anything else is this worker's internal failure.
-    const ErrorCode code =
-        e.code == ErrorCode::PeerFailed || e.code == ErrorCode::Timeout ? e.code : ErrorCode::Internal;
-    for (Sequence* seq : batch) {
-      finish(seq->req.id, FinishReason::Error, makeError(code, fmt::format("decode step failed: {}", e.toString())),
-             RequestOutcome::Error);
-    }
-  };
 
   // Draft: the drafter proposes k[i] tokens for every sequence that drafts this step.
-  std::vector<std::vector<std::int32_t>> drafts(n);
+  step.drafts.assign(n, {});
   std::vector<DraftSlot> draft_slots;
   std::vector<std::size_t> drafting;
   for (std::size_t i = 0; i < n; ++i) {
     if (k[i] == 0) continue;
     Sequence& s = *batch[i];
-    draft_slots.push_back(
-        DraftSlot{s.req.id, s.req.prompt_tokens, s.generated, k[i], blocks_.blockTable(s.req.id), &s.mtp});
+    draft_slots.push_back(DraftSlot{s.req.id, s.req.prompt_tokens, s.generated, k[i], step.tables[i], &s.mtp});
     drafting.push_back(i);
   }
   if (!draft_slots.empty()) {
     auto proposed = drafter_->draft(draft_slots);
-    if (!proposed.ok()) return fail_all(proposed.error());
+    if (!proposed.ok()) {
+      step.verified = std::move(proposed).error();
+      return;
+    }
     PD_CHECK(proposed->size() == drafting.size());
     for (std::size_t r = 0; r < drafting.size(); ++r) {
       PD_CHECK(static_cast<std::int64_t>((*proposed)[r].size()) == k[drafting[r]]);
-      drafts[drafting[r]] = std::move((*proposed)[r]);
+      step.drafts[drafting[r]] = std::move((*proposed)[r]);
     }
   }
 
   // A draft the grammar refuses can never equal a sample drawn under its mask: verify only the
   // prefix it accepts.
   for (std::size_t i = 0; i < n; ++i) {
-    if (batch[i]->constraint && !drafts[i].empty()) {
-      drafts[i].resize(batch[i]->constraint->acceptablePrefix(drafts[i]));
+    if (batch[i]->constraint && !step.drafts[i].empty()) {
+      step.drafts[i].resize(batch[i]->constraint->acceptablePrefix(step.drafts[i]));
     }
   }
 
@@ -816,37 +853,60 @@ void DecodeEngine::runBatch(std::span<Sequence* const> all) {
   verify_slots.reserve(n);
   for (std::size_t i = 0; i < n; ++i) {
     Sequence& s = *batch[i];
-    verify_slots.push_back(VerifySlot{s.generated.back(), s.len() - 1, drafts[i], blocks_.blockTable(s.req.id),
-                                      &s.sampler, static_cast<std::size_t>(s.req.max_tokens) - s.generated.size(),
+    verify_slots.push_back(VerifySlot{s.generated.back(), s.len() - 1, step.drafts[i], step.tables[i], &s.sampler,
+                                      static_cast<std::size_t>(s.req.max_tokens) - s.generated.size(),
                                       s.speculate ? &s.mtp : nullptr, s.constraint.get()});
   }
-  auto verified = verifier_->verify(verify_slots);
-  if (!verified.ok()) return fail_all(verified.error());
-  ++stats_.steps;
-  std::int64_t emitted_tokens = 0;
-  std::int64_t proposed_tokens = 0;
-  std::int64_t accepted_tokens = 0;
-  for (std::size_t i = 0; i < n; ++i) {
-    proposed_tokens += static_cast<std::int64_t>(drafts[i].size());
-    accepted_tokens += (*verified)[i].accepted;
-    emitted_tokens += static_cast<std::int64_t>((*verified)[i].tokens.size());
+  step.verified = verifier_->verify(verify_slots);
+}
+
+void DecodeEngine::completeStep() {
+  PD_CHECK(pending_ != nullptr);
+  const std::unique_ptr<PendingStep> owned = std::move(pending_);
+  PendingStep& step = *owned;
+  const std::vector<Sequence*>& batch = step.batch;
+  const std::size_t n = batch.size();
+  if (!step.verified.ok()) {
+    // A tensor-parallel group's communication failure keeps its code (PeerFailed / Timeout: a
+    // rank died or stalled); anything else is this worker's internal failure.
+    const Error& e = step.verified.error();
+    const ErrorCode code =
+        e.code == ErrorCode::PeerFailed || e.code == ErrorCode::Timeout ? e.code : ErrorCode::Internal;
+    for (Sequence* seq : batch) {
+      finish(seq->req.id, FinishReason::Error, makeError(code, fmt::format("decode step failed: {}", e.toString())),
+             RequestOutcome::Error);
+    }
+  } else {
+    std::vector<Verified>& verified = *step.verified;
+    ++stats_.steps;
+    std::int64_t emitted_tokens = 0;
+    std::int64_t proposed_tokens = 0;
+    std::int64_t accepted_tokens = 0;
+    for (std::size_t i = 0; i < n; ++i) {
+      proposed_tokens += static_cast<std::int64_t>(step.drafts[i].size());
+      accepted_tokens += verified[i].accepted;
+      emitted_tokens += static_cast<std::int64_t>(verified[i].tokens.size());
+    }
+    for (Sequence* seq : batch) {
+      if (seq->constraint) stats_.grammar_seconds += seq->constraint->takeSeconds();
+    }
+    stats_.sample_seconds += verifier_->takeSampleSeconds();
+    stats_.engine_sampled_tokens += verifier_->takeEngineSampledTokens();
+    stats_.drafts_proposed += proposed_tokens;
+    stats_.drafts_accepted += accepted_tokens;
+    stats_.tokens_generated += emitted_tokens;
+    // Counted before any stream hears of this step, so its last event implies the step's metrics.
+    if (options_.metrics != nullptr) {
+      options_.metrics->stepDone(std::chrono::duration<double>(Clock::now() - step.started).count(), emitted_tokens,
+                                 proposed_tokens, accepted_tokens);
+    }
+    for (std::size_t i = 0; i < n; ++i) {
+      emit(*batch[i], std::move(verified[i].tokens));  // may end and destroy the sequence: not touched after
+    }
   }
-  for (Sequence* seq : batch) {
-    if (seq->constraint) stats_.grammar_seconds += seq->constraint->takeSeconds();
-  }
-  stats_.sample_seconds += verifier_->takeSampleSeconds();
-  stats_.engine_sampled_tokens += verifier_->takeEngineSampledTokens();
-  stats_.drafts_proposed += proposed_tokens;
-  stats_.drafts_accepted += accepted_tokens;
-  stats_.tokens_generated += emitted_tokens;
-  // Counted before any stream hears of this step, so its last event implies the step's metrics.
-  if (options_.metrics != nullptr) {
-    options_.metrics->stepDone(std::chrono::duration<double>(Clock::now() - started).count(), emitted_tokens,
-                               proposed_tokens, accepted_tokens);
-  }
-  for (std::size_t i = 0; i < n; ++i) {
-    emit(*batch[i], std::move((*verified)[i].tokens));  // may end and destroy the sequence: not touched after
-  }
+  // Aborts that arrived while the step ran, for sequences its tokens did not end.
+  for (const std::uint64_t id : step.deferred_aborts) (void)abort(id);
+  publishGauges();
 }
 
 }  // namespace pd::decode

@@ -14,7 +14,11 @@ namespace pd::decode {
 
 DecodeLoop::DecodeLoop(model::Engine& engine, KvPool& pool, DecodeEngineOptions options,
                        model::TpLeaderEngine* tp_leader)
-    : tp_leader_(tp_leader), engine_(engine, pool, options), thread_([this] { run(); }) {}
+    : tp_leader_(tp_leader),
+      overlap_(options.overlap_steps),
+      engine_(engine, pool, options),
+      compute_thread_(overlap_ ? std::thread([this] { compute(); }) : std::thread()),
+      thread_([this] { run(); }) {}
 
 DecodeLoop::~DecodeLoop() {
   {
@@ -22,7 +26,32 @@ DecodeLoop::~DecodeLoop() {
     inbox_->closed = true;
   }
   inbox_->wake.notify_one();
-  thread_.join();
+  thread_.join();  // completes a running step first
+  if (compute_thread_.joinable()) {
+    {
+      std::lock_guard lock(compute_mutex_);
+      compute_stop_ = true;
+    }
+    compute_wake_.notify_one();
+    compute_thread_.join();
+  }
+}
+
+void DecodeLoop::compute() {
+  for (;;) {
+    {
+      std::unique_lock lock(compute_mutex_);
+      compute_wake_.wait(lock, [this] { return compute_requested_ || compute_stop_; });
+      if (!compute_requested_) return;
+      compute_requested_ = false;
+    }
+    engine_.computeStep();
+    {
+      std::lock_guard lock(inbox_->mutex);
+      compute_done_ = true;
+    }
+    inbox_->wake.notify_one();
+  }
 }
 
 bool DecodeLoop::Inbox::post(Command command) {
@@ -271,11 +300,18 @@ void DecodeLoop::runOnLoop(const std::function<void(DecodeEngine&)>& fn) {
 
 void DecodeLoop::run() {
   Inbox& in = *inbox_;
+  bool stepping = false;  // a step is computing on the compute thread
   for (;;) {
     std::deque<Command> batch;
+    bool closed = false;
+    bool computed = false;
     {
       std::unique_lock lock(in.mutex);
-      if (in.commands.empty() && !in.closed && !engine_.hasWork()) {
+      if (stepping) {
+        // Commands are served while the step computes; the step completes once it is done.
+        in.wake.wait(lock, [&] { return !in.commands.empty() || compute_done_; });
+        computed = std::exchange(compute_done_, false);
+      } else if (in.commands.empty() && !in.closed && !engine_.hasWork()) {
         const auto deadline = engine_.nextKvDeadline();
         const auto ready = [&in] { return !in.commands.empty() || in.closed; };
         if (deadline) {
@@ -285,10 +321,27 @@ void DecodeLoop::run() {
         }
       }
       batch.swap(in.commands);
-      if (in.closed && batch.empty()) break;
+      closed = in.closed;
+      if (!stepping && closed && batch.empty()) break;
     }
     for (Command& c : batch) c(engine_);
-    engine_.step(Clock::now());
+    if (stepping) {
+      if (!computed) continue;
+      stepping = false;
+      engine_.completeStep();
+    }
+    if (closed) continue;  // no new step: what is queued is served, then the loop ends
+    if (!overlap_) {
+      engine_.step(Clock::now());
+      continue;
+    }
+    if (!engine_.prepareStep(Clock::now())) continue;
+    {
+      std::lock_guard lock(compute_mutex_);
+      compute_requested_ = true;
+    }
+    compute_wake_.notify_one();
+    stepping = true;
   }
   // Requests still held end as aborted in ~DecodeEngine, after the thread has been joined.
 }

@@ -8,6 +8,7 @@
 #include <condition_variable>
 #include <cstring>
 #include <filesystem>
+#include <future>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -51,8 +52,8 @@ class Stream {
         ++finish_events_;
         finish_ = e.finish;
         error_ = e.error;
-        done_.notify_all();
       }
+      done_.notify_all();
     };
   }
   // Waits for the end of the stream; false on timeout.
@@ -76,6 +77,11 @@ class Stream {
     std::lock_guard lock(mutex_);
     return finish_events_;
   }
+  // Waits until the stream has at least `n` tokens; false on timeout.
+  bool waitTokens(std::size_t n) {
+    std::unique_lock lock(mutex_);
+    return done_.wait_for(lock, kWait, [&] { return tokens_.size() >= n; });
+  }
 
  private:
   std::mutex mutex_;
@@ -84,6 +90,56 @@ class Stream {
   std::optional<FinishReason> finish_;
   std::optional<Error> error_;
   int finish_events_ = 0;
+};
+
+// The model engine with a gate (a fake of the layer below the loop): once hold() is called, the
+// next forward announces itself (waitEntered) and waits until release(); later forwards pass.
+class GatedEngine final : public model::Engine {
+ public:
+  explicit GatedEngine(model::Engine& inner) : inner_(inner) {}
+  [[nodiscard]] const ModelConfig& config() const override { return inner_.config(); }
+  [[nodiscard]] model::EngineCapabilities capabilities() const override { return inner_.capabilities(); }
+  Result<model::ForwardOutput> forward(std::span<const model::SequenceChunk> batch, const model::LatentCacheView& cache,
+                                       const model::ForwardOptions& options) override {
+    gate();
+    return inner_.forward(batch, cache, options);
+  }
+  Result<model::ForwardOutput> forwardMtp(std::span<const model::SequenceChunk> batch,
+                                          const model::LatentCacheView& cache,
+                                          const model::ForwardOptions& options) override {
+    gate();
+    return inner_.forwardMtp(batch, cache, options);
+  }
+  void hold() {
+    std::lock_guard lock(mutex_);
+    held_ = true;
+    entered_ = false;
+  }
+  bool waitEntered() {
+    std::unique_lock lock(mutex_);
+    return changed_.wait_for(lock, kWait, [this] { return entered_; });
+  }
+  void release() {
+    {
+      std::lock_guard lock(mutex_);
+      held_ = false;
+    }
+    changed_.notify_all();
+  }
+
+ private:
+  void gate() {
+    std::unique_lock lock(mutex_);
+    if (!held_) return;
+    entered_ = true;
+    changed_.notify_all();
+    changed_.wait(lock, [this] { return !held_; });
+  }
+  model::Engine& inner_;
+  std::mutex mutex_;
+  std::condition_variable changed_;
+  bool held_ = false;
+  bool entered_ = false;
 };
 
 // The sending side of one request: layer latents staged contiguously per layer in a registered
@@ -123,12 +179,21 @@ class PutSink : public model::LatentKvSink {
   kvtransfer::RegionId region_ = 0;
 };
 
-class DecodeLoopGolden : public ::testing::TestWithParam<std::string> {
+// (golden model, overlapped steps: DecodeEngineOptions::overlap_steps)
+class DecodeLoopGolden : public ::testing::TestWithParam<std::tuple<std::string, bool>> {
+ protected:
+  [[nodiscard]] std::string model() const { return std::get<0>(GetParam()); }
+  // The loop's options with this case's overlap setting.
+  [[nodiscard]] DecodeEngineOptions withOverlap(DecodeEngineOptions o) const {
+    o.overlap_steps = std::get<1>(GetParam());
+    return o;
+  }
+
  protected:
   void SetUp() override {
-    decode_engine_ = makeEngine(GetParam());
-    prefill_engine_ = makeEngine(GetParam());
-    const fs::path file = goldenDir() / GetParam() / "golden.safetensors";
+    decode_engine_ = makeEngine(model());
+    prefill_engine_ = makeEngine(model());
+    const fs::path file = goldenDir() / model() / "golden.safetensors";
     prompt_ = goldenIds(file, "p0.tokens");
     greedy_ = goldenIds(file, "p0.greedy");
     auto p = KvPool::create(decode_engine_->config(), 64, 8, DType::F32);
@@ -208,7 +273,7 @@ TEST_P(DecodeLoopGolden, KvPutThroughTheTransportThenDecodedEqualsGolden) {
 
   Stream stream;
   {
-    DecodeLoop loop(*decode_engine_, *pool_, DecodeEngineOptions{1, 8});
+    DecodeLoop loop(*decode_engine_, *pool_, withOverlap(DecodeEngineOptions{1, 8}));
     const std::uint64_t id = 77;
     DecodeRequest r = request(id, static_cast<std::int64_t>(greedy_.size()), stream);
     r.kv_deadline = Clock::now() + kWait;
@@ -282,7 +347,7 @@ TEST_P(DecodeLoopGolden, AFailedOpenHoldsNothing) {
   {
     auto small_pool = KvPool::create(decode_engine_->config(), 8, 8, DType::F32);
     ASSERT_TRUE(small_pool.ok());
-    DecodeLoop loop(*decode_engine_, *small_pool, DecodeEngineOptions{0, 8});
+    DecodeLoop loop(*decode_engine_, *small_pool, withOverlap(DecodeEngineOptions{0, 8}));
     DecodeRequest big = request(1, 40, refused);
     big.prompt_tokens = 8 * 8 + 1;  // the prompt alone is more than 8 blocks of 8
     big.kv_deadline = Clock::now() + kWait;
@@ -319,7 +384,7 @@ TEST_P(DecodeLoopGolden, DeadlineAbortAndShutdownEndEveryStreamAndFreeEveryBlock
   Stream aborted;
   Stream at_shutdown;
   {
-    DecodeLoop loop(*decode_engine_, *pool_, DecodeEngineOptions{1, 8});
+    DecodeLoop loop(*decode_engine_, *pool_, withOverlap(DecodeEngineOptions{1, 8}));
     DecodeRequest r = request(1, 8, expires);
     r.kv_deadline = Clock::now() + std::chrono::milliseconds(50);  // the loop wakes up for it
     ASSERT_TRUE(loop.admit(std::move(r)).ok());
@@ -362,7 +427,7 @@ TEST_P(DecodeLoopGolden, AFailureRecordWhileAttemptsRemainKeepsTheBlocksForTheNe
   ASSERT_TRUE(target.ok());
   Stream stream;
   {
-    DecodeLoop loop(*decode_engine_, *pool_, DecodeEngineOptions{1, 8, nullptr});
+    DecodeLoop loop(*decode_engine_, *pool_, withOverlap(DecodeEngineOptions{1, 8, nullptr}));
     DecodeRequest r = request(5, static_cast<std::int64_t>(greedy_.size()), stream);
     r.kv_deadline = Clock::now() + kWait;
     r.prefill_attempts = 3;
@@ -415,7 +480,7 @@ TEST_P(DecodeLoopGolden, TheLastAttemptsFailureAndTheDeadlineEndTheRequest) {
   Stream deadline;
   Stream aborted;
   {
-    DecodeLoop loop(*decode_engine_, *pool_, DecodeEngineOptions{0, 8, nullptr});
+    DecodeLoop loop(*decode_engine_, *pool_, withOverlap(DecodeEngineOptions{0, 8, nullptr}));
     // Two attempts: the second failure ends the stream with that failure's code.
     DecodeRequest a = request(1, 4, out_of_attempts);
     a.kv_deadline = Clock::now() + kWait;
@@ -456,7 +521,101 @@ TEST_P(DecodeLoopGolden, TheLastAttemptsFailureAndTheDeadlineEndTheRequest) {
   EXPECT_TRUE(decode_tx.deregisterRegion(*region).ok());
 }
 
-INSTANTIATE_TEST_SUITE_P(Golden, DecodeLoopGolden, ::testing::Values("tiny-bf16", "tiny-fp8"));
+// Overlapped steps, ordered by construction: a decode step is held inside the model engine while
+// the test opens a second request, ships its KV and sees its first token streamed, and aborts
+// the first request; the abort takes effect only when the held step completes, and both streams
+// end as they should with every block free.
+class DecodeLoopOverlap : public DecodeLoopGolden {};
+
+TEST_P(DecodeLoopOverlap, WhileAStepComputesTheLoopAdmitsStreamsFirstTokensAndDefersAborts) {
+  auto fabric = std::make_shared<LoopbackFabric>();
+  const kvtransfer::CompatInfo compat = pool_->compat(0x5eed, 1);
+  LoopbackTransport decode_tx(fabric, compat);
+  LoopbackTransport prefill_tx(fabric, compat);
+  auto region = decode_tx.registerRegion(pool_->memory());
+  ASSERT_TRUE(region.ok());
+  const kvtransfer::RegionLayout layout = pool_->regionLayout(*region);
+  auto target = decode_tx.exportTarget(0, std::span<const kvtransfer::RegionLayout>(&layout, 1));
+  ASSERT_TRUE(target.ok());
+  const std::vector<kvtransfer::KvTarget> targets{*target};
+  const auto want = static_cast<std::int64_t>(std::min<std::size_t>(greedy_.size(), 6));
+  ASSERT_GE(want, 3);
+
+  GatedEngine gated(*decode_engine_);
+  Stream a;
+  Stream b;
+  {
+    DecodeLoop loop(gated, *pool_, withOverlap(DecodeEngineOptions{0, 8}));
+    struct Release {
+      GatedEngine& engine;
+      ~Release() { engine.release(); }  // before the loop waits for its step, even on a failure
+    } release{gated};
+
+    // A runs; its first decode step enters the engine and is held there.
+    gated.hold();
+    DecodeRequest ra = request(1, want, a);
+    ra.kv_deadline = Clock::now() + kWait;
+    auto da = loop.openStream(std::move(ra), decode_tx, compat, targets, 60000);
+    ASSERT_TRUE(da.ok()) << da.error().toString();
+    shipKv(prefill_tx, *da);
+    ASSERT_TRUE(gated.waitEntered()) << "A's decode step never reached the engine";
+    ASSERT_TRUE(a.waitTokens(1));
+
+    // While it is held: B is admitted (its descriptor comes back), its KV arrives and its first
+    // token streams.
+    DecodeRequest rb = request(2, want, b);
+    rb.kv_deadline = Clock::now() + kWait;
+    auto opened = std::make_shared<std::promise<Result<kvtransfer::KvDescriptor>>>();
+    loop.openStreamAsync(std::move(rb), decode_tx, compat, targets, 60000,
+                         [opened](Result<kvtransfer::KvDescriptor> r) { opened->set_value(std::move(r)); });
+    auto future = opened->get_future();
+    ASSERT_EQ(future.wait_for(kWait), std::future_status::ready) << "the open waited for the running step";
+    auto db = future.get();
+    ASSERT_TRUE(db.ok()) << db.error().toString();
+    shipKv(prefill_tx, *db);
+    ASSERT_TRUE(b.waitTokens(1)) << "B's first token waited for the running step";
+    EXPECT_EQ(b.tokens(), std::vector<std::int32_t>{greedy_[0]});
+    EXPECT_EQ(a.tokens().size(), 1U) << "A's held step already streamed";
+
+    // A's abort is deferred: the command has run (runOnLoop after it, FIFO) and A still runs.
+    loop.postAbort(1);
+    std::size_t running = 0;
+    loop.runOnLoop([&](DecodeEngine& e) { running = e.numRunning(); });
+    EXPECT_EQ(running, 1U);
+    EXPECT_EQ(a.finishEvents(), 0);
+
+    gated.release();
+    ASSERT_TRUE(a.waitFinished());
+    EXPECT_EQ(a.finish(), FinishReason::Aborted);
+    // The held step's token streamed before the abort took effect.
+    EXPECT_EQ(a.tokens(), (std::vector<std::int32_t>{greedy_[0], greedy_[1]}));
+    ASSERT_TRUE(b.waitFinished());
+    EXPECT_EQ(b.finish(), FinishReason::Length);
+    EXPECT_EQ(b.tokens(), std::vector<std::int32_t>(greedy_.begin(), greedy_.begin() + want));
+    bool free = false;
+    loop.runOnLoop([&](DecodeEngine& e) { free = e.blocks().isFullyFree(); });
+    EXPECT_TRUE(free);
+  }
+  EXPECT_EQ(a.finishEvents(), 1);
+  EXPECT_EQ(b.finishEvents(), 1);
+  EXPECT_TRUE(decode_tx.deregisterRegion(*region).ok());
+}
+
+INSTANTIATE_TEST_SUITE_P(Golden, DecodeLoopOverlap,
+                         ::testing::Combine(::testing::Values("tiny-bf16", "tiny-fp8"), ::testing::Values(true)),
+                         [](const ::testing::TestParamInfo<std::tuple<std::string, bool>>& p) {
+                           std::string name = std::get<0>(p.param);
+                           for (char& ch : name) ch = ch == '-' ? '_' : ch;
+                           return name;
+                         });
+
+INSTANTIATE_TEST_SUITE_P(Golden, DecodeLoopGolden,
+                         ::testing::Combine(::testing::Values("tiny-bf16", "tiny-fp8"), ::testing::Bool()),
+                         [](const ::testing::TestParamInfo<std::tuple<std::string, bool>>& p) {
+                           std::string name = std::get<0>(p.param) + (std::get<1>(p.param) ? "_overlap" : "");
+                           for (char& ch : name) ch = ch == '-' ? '_' : ch;
+                           return name;
+                         });
 
 }  // namespace
 }  // namespace pd::decode

@@ -36,6 +36,9 @@ struct DecodeConfig {
   /// blocks of finished prompts kept for later turns (0 = off). Idle cached blocks are given back
   /// before any request is preempted.
   std::int64_t prefix_cache_blocks = 0;
+  /// Run each step's forwards on a thread of their own while the loop thread serves admissions,
+  /// KV arrivals (with their first tokens) and aborts (docs/kv-memory.md, "Overlapped steps").
+  bool overlap_steps = true;
   std::int64_t tensor_parallel = 1;
   /// Machines (pods) the group spans: each runs tensor_parallel / nnodes ranks (docs/tensor-parallel.md,
   /// "Across nodes"). > 1 needs dist_init_address.

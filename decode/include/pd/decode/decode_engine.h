@@ -222,6 +222,9 @@ struct DecodeEngineOptions {
   /// granules of lcm(block size, local_prefill_chunk_size) tokens (the prefill workers' chunks).
   std::int64_t prefix_cache_blocks = 0;
   std::uint64_t model_hash = 0;
+  /// DecodeLoop: run computeStep on a thread of its own while the loop thread serves commands
+  /// (prepareStep / computeStep / completeStep). Off: step() on the loop thread.
+  bool overlap_steps = false;
 };
 
 /// The engine options a worker's typed config implies.
@@ -304,8 +307,27 @@ class DecodeEngine {
   /// Expires KV waits whose deadline is before `now`, frees quarantined blocks whose deadline
   /// is not after `now`, then runs one decode step over the
   /// running batch (nothing when it is empty). Errors are per request (they end those requests);
-  /// the step itself does not fail.
+  /// the step itself does not fail. prepareStep, computeStep and completeStep in a row.
   void step(Clock::time_point now);
+
+  /// step() in three parts, so that the owning thread can serve other calls while the model runs
+  /// (DecodeLoop, docs/kv-memory.md "Overlapped steps"):
+  ///  - prepareStep(now): everything before the model runs (deadlines, quarantines, local
+  ///    prefills, the batch: its drafts' budget, its blocks, preemption). False when there is no
+  ///    batch (then there is nothing to compute or complete).
+  ///  - computeStep(): the batch's draft and verify forwards and sampling. It touches only the
+  ///    batch's sequences, the drafter, the verifier, the model engine and the pool's memory, so
+  ///    it may run on another thread; meanwhile the owning thread may call admit, onKvReady,
+  ///    attach, noteKvRetry, abort and the read-only accessors, but not step, prepareStep or
+  ///    completeStep. abort() of a request in the batch is deferred until completeStep.
+  ///  - completeStep(): on the owning thread, after computeStep: counts the step, streams its
+  ///    tokens (ending the requests they end; a failed step ends its whole batch), then applies
+  ///    the deferred aborts.
+  [[nodiscard]] bool prepareStep(Clock::time_point now);
+  void computeStep();
+  void completeStep();
+  /// Whether a prepared step has not completed yet.
+  [[nodiscard]] bool stepPending() const { return pending_ != nullptr; }
 
   /// The earliest kv_deadline of the requests still waiting for KV or quarantined (the loop
   /// sleeps until then).
@@ -342,9 +364,10 @@ class DecodeEngine {
   // Grows `seq`'s blocks to cover `tokens` positions, preempting as needed. False when `seq`
   // itself was preempted (it is destroyed then).
   bool growOrPreempt(Sequence& seq, std::int64_t tokens);
-  // One step over the running batch: plan the drafts and grow the blocks, draft (drafter_),
-  // verify (verifier_), then stream what each sequence emitted.
-  void runBatch(std::span<Sequence* const> batch);
+  struct PendingStep;
+  // The step's batch out of the running sequences: the drafts' budget and the blocks (oldest
+  // admission first, preempting as needed).
+  PendingStep planBatch(std::span<Sequence* const> all);
   // Pool and sequence gauges (options_.metrics).
   void publishGauges() const;
   // Offers a request's checked prompt blocks to the prefix cache (header comment, "Prefix cache").
@@ -365,6 +388,7 @@ class DecodeEngine {
   std::unordered_map<std::uint64_t, Quarantined> quarantine_;  // ended, blocks held (late writes)
   std::uint64_t admissions_ = 0;                               // admission order of the sequences
   DecodeStats stats_;
+  std::unique_ptr<PendingStep> pending_;  // between prepareStep and completeStep
 };
 
 }  // namespace pd::decode

@@ -9,6 +9,14 @@
 /// transport callback. When idle, the loop sleeps until a command arrives or the earliest KV
 /// deadline passes.
 ///
+/// Overlapped steps (DecodeEngineOptions::overlap_steps; docs/kv-memory.md "Overlapped steps"):
+/// the loop thread prepares a step (DecodeEngine::prepareStep), hands its forwards to a compute
+/// thread (computeStep) and, until they are done, keeps serving commands: admissions and opens
+/// (so a prefill worker gets its descriptor without waiting for the step), KV arrivals (a
+/// request's first token streams at once), attaches, aborts (of a request in the running step:
+/// applied when it completes). Then it completes the step (completeStep: the tokens stream) and
+/// prepares the next. Without it, each step runs whole on the loop thread between commands.
+///
 /// Thread rules: every public method is thread-safe. Sinks run on the loop thread (must not
 /// block, must not call back into the loop). The destructor stops the thread after aborting every
 /// request still held (each sink hears Aborted); the engine and pool must outlive the loop.
@@ -96,7 +104,8 @@ class DecodeLoop {
   /// An ArrivalFn for Transport::expect() that posts the outcome to this loop. Safe to call
   /// after the loop is destroyed (the outcome is dropped then).
   [[nodiscard]] kvtransfer::ArrivalFn arrivalFn();
-  /// Runs `fn` on the loop thread and waits for it (tests, metrics snapshots).
+  /// Runs `fn` on the loop thread and waits for it (tests, metrics snapshots). With overlapped
+  /// steps it may run while a step computes: read-only calls only.
   void runOnLoop(const std::function<void(DecodeEngine&)>& fn);
 
  private:
@@ -118,11 +127,22 @@ class DecodeLoop {
 
   void post(Command command) { inbox_->post(std::move(command)); }
   void run();
+  // The compute thread (overlap_steps): DecodeEngine::computeStep each time the loop asks.
+  void compute();
 
   model::TpLeaderEngine* tp_leader_ = nullptr;
-  DecodeEngine engine_;  // loop thread only once the thread runs
+  const bool overlap_;
+  DecodeEngine engine_;  // loop thread only once the thread runs (computeStep: the compute thread)
   std::shared_ptr<Inbox> inbox_ = std::make_shared<Inbox>();
-  std::thread thread_;  // last: started after everything it uses exists
+  // Hand-off to the compute thread: requested / stop guarded by compute_mutex_; done (the step
+  // computed) guarded by inbox_->mutex, so that the loop waits for it and commands at once.
+  std::mutex compute_mutex_;
+  std::condition_variable compute_wake_;
+  bool compute_requested_ = false;
+  bool compute_stop_ = false;
+  bool compute_done_ = false;
+  std::thread compute_thread_;  // started (overlap_steps) before the loop thread
+  std::thread thread_;          // last: started after everything it uses exists
 };
 
 }  // namespace pd::decode
