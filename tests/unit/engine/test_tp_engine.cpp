@@ -178,6 +178,84 @@ TEST_P(TpGolden, GreedyTokensMatchTheGoldenWithAndWithoutMtp) {
   }
 }
 
+// The KV relays of a TP = 4 group with scripted follower hooks (a fake of the transport side):
+// grantKv collects each follower's own block ids (rank 1 answers with staging ids, ranks 2 and 3
+// with none: the descriptor's), refuses an answer of the wrong length or a refusal naming how many
+// ranks failed, and awaitKv answers whether every follower's KV landed; the group stays usable
+// after each refusal, and a follower without hooks fails closed.
+TEST_P(TpGolden, KvRelaysCollectEachRanksOwnBlocksAndWhetherItsKvLanded) {
+  auto group = comm::createLoopbackGroup(4);
+  std::vector<Status> follower_status(4, okStatus());
+  std::vector<std::thread> followers;
+  for (int r = 1; r < 4; ++r) {
+    followers.emplace_back([&, r] {
+      auto engine = makeRankEngine(dir(), group[static_cast<std::size_t>(r)].get());
+      model::TpFollowerHooks hooks;
+      hooks.grant_kv = [r](std::uint64_t id, std::span<const std::byte> grant,
+                           std::uint32_t blocks) -> std::optional<std::vector<std::uint32_t>> {
+        EXPECT_EQ(grant.size(), 3U);                                     // the leader's bytes, as they were
+        if (id == 2 && r == 2) return std::nullopt;                      // cannot confine
+        if (id == 3 && r == 1) return std::vector<std::uint32_t>{1, 2};  // not `blocks` ids
+        if (r >= 2) return std::vector<std::uint32_t>{};                 // the descriptor's ids
+        std::vector<std::uint32_t> own(blocks);
+        for (std::uint32_t b = 0; b < blocks; ++b) own[b] = 100 + b;
+        return own;
+      };
+      hooks.await_kv = [r](std::uint64_t id, std::uint32_t timeout_ms) {
+        EXPECT_EQ(timeout_ms, 500U);
+        return !(id == 5 && r == 1);
+      };
+      follower_status[static_cast<std::size_t>(r)] =
+          model::runTpFollower(*engine, *group[static_cast<std::size_t>(r)], model::ownedTpCache(), hooks);
+    });
+  }
+  const auto lead = [&] {
+    model::TpLeaderEngine leader(makeRankEngine(dir(), group[0].get()), *group[0]);
+    const std::vector<std::byte> bytes(3, std::byte{7});
+    auto ids = leader.grantKv(1, bytes, 4);
+    ASSERT_TRUE(ids.ok()) << ids.error().toString();
+    ASSERT_EQ(ids->size(), 4U);
+    EXPECT_TRUE((*ids)[0].empty());
+    EXPECT_EQ((*ids)[1], (std::vector<std::uint32_t>{100, 101, 102, 103}));
+    EXPECT_TRUE((*ids)[2].empty());
+    EXPECT_TRUE((*ids)[3].empty());
+    auto refused = leader.grantKv(2, bytes, 4);
+    ASSERT_FALSE(refused.ok());
+    EXPECT_EQ(refused.error().code, ErrorCode::Internal);
+    EXPECT_NE(refused.error().message.find("1 of 3 follower rank(s)"), std::string::npos) << refused.error().message;
+    auto short_list = leader.grantKv(3, bytes, 4);
+    ASSERT_FALSE(short_list.ok());
+    EXPECT_EQ(short_list.error().code, ErrorCode::Internal);
+    EXPECT_EQ(leader.grantKv(4, bytes, (1U << 22) + 1).error().code, ErrorCode::InvalidArgument);
+    EXPECT_TRUE(leader.awaitKv(4, 500).ok());
+    auto missing = leader.awaitKv(5, 500);
+    ASSERT_FALSE(missing.ok());
+    EXPECT_EQ(missing.error().code, ErrorCode::Internal);
+    EXPECT_NE(missing.error().message.find("did not land on 1 of 3"), std::string::npos) << missing.error().message;
+    EXPECT_FALSE(leader.broken());
+    ASSERT_TRUE(leader.stop().ok());
+  };
+  lead();
+  for (auto& f : followers) f.join();
+  for (const Status& s : follower_status) EXPECT_TRUE(s.ok()) << s.error().toString();
+
+  // Followers without hooks answer no to both.
+  auto bare = comm::createLoopbackGroup(2);
+  Status bare_status = okStatus();
+  std::thread follower([&] {
+    auto engine = makeRankEngine(dir(), bare[1].get());
+    bare_status = model::runTpFollower(*engine, *bare[1], model::ownedTpCache());
+  });
+  {
+    model::TpLeaderEngine leader(makeRankEngine(dir(), bare[0].get()), *bare[0]);
+    EXPECT_EQ(leader.grantKv(1, std::vector<std::byte>(1), 1).error().code, ErrorCode::Internal);
+    EXPECT_EQ(leader.awaitKv(1, 10).error().code, ErrorCode::Internal);
+    EXPECT_TRUE(leader.stop().ok());
+  }
+  follower.join();
+  EXPECT_TRUE(bare_status.ok()) << bare_status.error().toString();
+}
+
 // A leader whose local engine samples (the CUDA engine; here HostRowSamplingEngine, which samples
 // its logits on the host) is a SamplingEngine itself: generate samples through it, the followers
 // run each sampled step with greedy rows (taking part in the same collectives, their tokens
