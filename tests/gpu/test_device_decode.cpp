@@ -392,10 +392,11 @@ void runStepsEqual(const char* name, Second second) {
   }
   const auto stats = (*graphed)->graphStats();
   const auto eager_stats = (*eager)->graphStats();
-  std::printf("%s graphs: %lld eager, %lld captured, %lld replayed, %lld capture failures, %lld held\n", name,
-              static_cast<long long>(stats.eager), static_cast<long long>(stats.captured),
-              static_cast<long long>(stats.replayed), static_cast<long long>(stats.capture_failures),
-              static_cast<long long>(stats.held));
+  std::printf(
+      "%s graphs: %lld eager, %lld captured, %lld replayed, %lld capture failures, %lld held, %lld layers streamed\n",
+      name, static_cast<long long>(stats.eager), static_cast<long long>(stats.captured),
+      static_cast<long long>(stats.replayed), static_cast<long long>(stats.capture_failures),
+      static_cast<long long>(stats.held), static_cast<long long>(stats.streamed_layers));
   // Every eager step hands each layer to the collector while the step runs (on its layer event);
   // a replayed graph hands them over afterwards. The latents compared above are the same either way.
   EXPECT_EQ(eager_stats.streamed_layers, kSteps * (*eager)->cacheLayers());
