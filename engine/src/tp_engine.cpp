@@ -270,11 +270,7 @@ Result<std::vector<std::vector<std::uint32_t>>> TpLeaderEngine::grantKv(std::uin
   // the descriptor goes out only after every follower's transport is confined.
   const std::vector<std::uint32_t> mine = grantAnswer(std::vector<std::uint32_t>{}, blocks);
   std::vector<std::uint32_t> all(mine.size() * static_cast<std::size_t>(comm_.size()));
-  if (Status s = comm_.allGather(std::as_bytes(std::span(mine)), std::as_writable_bytes(std::span(all))); !s.ok()) {
-    broken_ = s.error();
-    failed_.store(true);
-    return s.error();
-  }
+  PD_TRY(breakOnFailure(comm_.allGather(std::as_bytes(std::span(mine)), std::as_writable_bytes(std::span(all)))));
   std::vector<std::vector<std::uint32_t>> ids(static_cast<std::size_t>(comm_.size()));
   int refused = 0;
   for (int r = 1; r < comm_.size(); ++r) {
@@ -297,11 +293,7 @@ Status TpLeaderEngine::awaitKv(std::uint64_t request_id, std::uint32_t timeout_m
   std::lock_guard lock(mu_);
   PD_TRY(send(encodeKv(CallKind::AwaitKv, request_id, timeout_ms)));
   float landed = 1.0F;
-  if (Status s = comm_.allReduceSum(std::span(&landed, 1)); !s.ok()) {
-    broken_ = s.error();
-    failed_.store(true);
-    return s;
-  }
+  PD_TRY(breakOnFailure(comm_.allReduceSum(std::span(&landed, 1))));
   if (landed != static_cast<float>(comm_.size())) {
     return makeError(ErrorCode::Internal,
                      fmt::format("the KV of request {} did not land on {} of {} follower rank(s)", request_id,
@@ -335,6 +327,14 @@ Result<model::ForwardOutput> TpLeaderEngine::call(bool mtp, std::span<const mode
   auto out = mtp ? local_->forwardMtp(batch, cache, options) : local_->forward(batch, cache, options);
   if (!out.ok()) noteFailure(out.error());
   return out;
+}
+
+Status TpLeaderEngine::breakOnFailure(Status s) {
+  if (!s.ok()) {
+    broken_ = s.error();
+    failed_.store(true);
+  }
+  return s;
 }
 
 void TpLeaderEngine::noteFailure(const Error& e) {

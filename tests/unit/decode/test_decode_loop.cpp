@@ -201,6 +201,17 @@ class DecodeLoopGolden : public ::testing::TestWithParam<std::tuple<std::string,
     pool_ = std::make_unique<KvPool>(std::move(p).value());
   }
 
+  // The decode pool registered with `decode_tx` and exported as rank 0's only target; `region`
+  // gets the registration, which the test deregisters at its end.
+  Result<std::vector<kvtransfer::KvTarget>> exportPool(kvtransfer::Transport& decode_tx,
+                                                       kvtransfer::RegionId& region) const {
+    PD_ASSIGN_OR_RETURN(region, decode_tx.registerRegion(pool_->memory()));
+    const kvtransfer::RegionLayout layout = pool_->regionLayout(region);
+    PD_ASSIGN_OR_RETURN(kvtransfer::KvTarget target,
+                        decode_tx.exportTarget(0, std::span<const kvtransfer::RegionLayout>(&layout, 1)));
+    return std::vector<kvtransfer::KvTarget>{std::move(target)};
+  }
+
   DecodeRequest request(std::uint64_t id, std::int64_t max_tokens, Stream& s) const {
     DecodeRequest r;
     r.id = id;
@@ -265,11 +276,9 @@ TEST_P(DecodeLoopGolden, KvPutThroughTheTransportThenDecodedEqualsGolden) {
   const kvtransfer::CompatInfo compat = pool_->compat(/*model_hash=*/0x5eed, /*tp_size=*/1);
   LoopbackTransport decode_tx(fabric, compat);
   LoopbackTransport prefill_tx(fabric, compat);
-  auto region = decode_tx.registerRegion(pool_->memory());
-  ASSERT_TRUE(region.ok());
-  const kvtransfer::RegionLayout layout = pool_->regionLayout(*region);
-  auto target = decode_tx.exportTarget(0, std::span<const kvtransfer::RegionLayout>(&layout, 1));
-  ASSERT_TRUE(target.ok());
+  kvtransfer::RegionId region = 0;
+  auto targets = exportPool(decode_tx, region);
+  ASSERT_TRUE(targets.ok()) << targets.error().toString();
 
   Stream stream;
   {
@@ -277,7 +286,7 @@ TEST_P(DecodeLoopGolden, KvPutThroughTheTransportThenDecodedEqualsGolden) {
     const std::uint64_t id = 77;
     DecodeRequest r = request(id, static_cast<std::int64_t>(greedy_.size()), stream);
     r.kv_deadline = Clock::now() + kWait;
-    auto opened = loop.openStream(std::move(r), decode_tx, compat, {*target}, 60000);
+    auto opened = loop.openStream(std::move(r), decode_tx, compat, *targets, 60000);
     ASSERT_TRUE(opened.ok()) << opened.error().toString();
     const kvtransfer::KvDescriptor& desc = *opened;
     EXPECT_TRUE(kvtransfer::validateDescriptor(desc).ok());
@@ -332,7 +341,7 @@ TEST_P(DecodeLoopGolden, KvPutThroughTheTransportThenDecodedEqualsGolden) {
     EXPECT_TRUE(free);
   }
   EXPECT_EQ(stream.finishEvents(), 1);
-  EXPECT_TRUE(decode_tx.deregisterRegion(*region).ok());
+  EXPECT_TRUE(decode_tx.deregisterRegion(region).ok());
 }
 
 TEST_P(DecodeLoopGolden, AFailedOpenHoldsNothing) {
@@ -420,18 +429,16 @@ TEST_P(DecodeLoopGolden, AFailureRecordWhileAttemptsRemainKeepsTheBlocksForTheNe
   LoopbackTransport decode_tx(fabric, compat);
   LoopbackTransport prefill_a(fabric, compat);
   LoopbackTransport prefill_b(fabric, compat);
-  auto region = decode_tx.registerRegion(pool_->memory());
-  ASSERT_TRUE(region.ok());
-  const kvtransfer::RegionLayout layout = pool_->regionLayout(*region);
-  auto target = decode_tx.exportTarget(0, std::span<const kvtransfer::RegionLayout>(&layout, 1));
-  ASSERT_TRUE(target.ok());
+  kvtransfer::RegionId region = 0;
+  auto targets = exportPool(decode_tx, region);
+  ASSERT_TRUE(targets.ok()) << targets.error().toString();
   Stream stream;
   {
     DecodeLoop loop(*decode_engine_, *pool_, withOverlap(DecodeEngineOptions{1, 8, nullptr}));
     DecodeRequest r = request(5, static_cast<std::int64_t>(greedy_.size()), stream);
     r.kv_deadline = Clock::now() + kWait;
     r.prefill_attempts = 3;
-    auto opened = loop.openStream(std::move(r), decode_tx, compat, {*target}, 60000);
+    auto opened = loop.openStream(std::move(r), decode_tx, compat, *targets, 60000);
     ASSERT_TRUE(opened.ok()) << opened.error().toString();
     std::vector<std::int32_t> held;
     const auto snapshot = [&] {
@@ -462,7 +469,7 @@ TEST_P(DecodeLoopGolden, AFailureRecordWhileAttemptsRemainKeepsTheBlocksForTheNe
     EXPECT_TRUE(free);
   }
   EXPECT_FALSE(decode_tx.cancelExpect(5)) << "an expectation outlived the request";
-  EXPECT_TRUE(decode_tx.deregisterRegion(*region).ok());
+  EXPECT_TRUE(decode_tx.deregisterRegion(region).ok());
 }
 
 TEST_P(DecodeLoopGolden, TheLastAttemptsFailureAndTheDeadlineEndTheRequest) {
@@ -470,12 +477,9 @@ TEST_P(DecodeLoopGolden, TheLastAttemptsFailureAndTheDeadlineEndTheRequest) {
   const kvtransfer::CompatInfo compat = pool_->compat(0x5eed, 1);
   LoopbackTransport decode_tx(fabric, compat);
   LoopbackTransport prefill_tx(fabric, compat);
-  auto region = decode_tx.registerRegion(pool_->memory());
-  ASSERT_TRUE(region.ok());
-  const kvtransfer::RegionLayout layout = pool_->regionLayout(*region);
-  auto target = decode_tx.exportTarget(0, std::span<const kvtransfer::RegionLayout>(&layout, 1));
-  ASSERT_TRUE(target.ok());
-  const std::vector<kvtransfer::KvTarget> targets{*target};
+  kvtransfer::RegionId region = 0;
+  auto targets = exportPool(decode_tx, region);
+  ASSERT_TRUE(targets.ok()) << targets.error().toString();
   Stream out_of_attempts;
   Stream deadline;
   Stream aborted;
@@ -485,7 +489,7 @@ TEST_P(DecodeLoopGolden, TheLastAttemptsFailureAndTheDeadlineEndTheRequest) {
     DecodeRequest a = request(1, 4, out_of_attempts);
     a.kv_deadline = Clock::now() + kWait;
     a.prefill_attempts = 2;
-    auto da = loop.openStream(std::move(a), decode_tx, compat, targets, 60000);
+    auto da = loop.openStream(std::move(a), decode_tx, compat, *targets, 60000);
     ASSERT_TRUE(da.ok());
     failAttempt(prefill_tx, *da, ErrorCode::Internal);
     EXPECT_EQ(out_of_attempts.finishEvents(), 0);
@@ -497,7 +501,7 @@ TEST_P(DecodeLoopGolden, TheLastAttemptsFailureAndTheDeadlineEndTheRequest) {
     DecodeRequest b = request(2, 4, deadline);
     b.kv_deadline = Clock::now() + std::chrono::milliseconds(200);
     b.prefill_attempts = 5;
-    auto db = loop.openStream(std::move(b), decode_tx, compat, targets, 200);
+    auto db = loop.openStream(std::move(b), decode_tx, compat, *targets, 200);
     ASSERT_TRUE(db.ok());
     failAttempt(prefill_tx, *db, ErrorCode::Internal);
     ASSERT_TRUE(deadline.waitFinished());
@@ -506,7 +510,7 @@ TEST_P(DecodeLoopGolden, TheLastAttemptsFailureAndTheDeadlineEndTheRequest) {
     DecodeRequest c = request(3, 4, aborted);
     c.kv_deadline = Clock::now() + kWait;
     c.prefill_attempts = 5;
-    auto dc = loop.openStream(std::move(c), decode_tx, compat, targets, 60000);
+    auto dc = loop.openStream(std::move(c), decode_tx, compat, *targets, 60000);
     ASSERT_TRUE(dc.ok());
     loop.postAbort(3);
     ASSERT_TRUE(aborted.waitFinished());
@@ -518,7 +522,7 @@ TEST_P(DecodeLoopGolden, TheLastAttemptsFailureAndTheDeadlineEndTheRequest) {
     EXPECT_TRUE(free);
   }
   for (Stream* s : {&out_of_attempts, &deadline, &aborted}) EXPECT_EQ(s->finishEvents(), 1);
-  EXPECT_TRUE(decode_tx.deregisterRegion(*region).ok());
+  EXPECT_TRUE(decode_tx.deregisterRegion(region).ok());
 }
 
 // Overlapped steps, ordered by construction: a decode step is held inside the model engine while
@@ -532,12 +536,9 @@ TEST_P(DecodeLoopOverlap, WhileAStepComputesTheLoopAdmitsStreamsFirstTokensAndDe
   const kvtransfer::CompatInfo compat = pool_->compat(0x5eed, 1);
   LoopbackTransport decode_tx(fabric, compat);
   LoopbackTransport prefill_tx(fabric, compat);
-  auto region = decode_tx.registerRegion(pool_->memory());
-  ASSERT_TRUE(region.ok());
-  const kvtransfer::RegionLayout layout = pool_->regionLayout(*region);
-  auto target = decode_tx.exportTarget(0, std::span<const kvtransfer::RegionLayout>(&layout, 1));
-  ASSERT_TRUE(target.ok());
-  const std::vector<kvtransfer::KvTarget> targets{*target};
+  kvtransfer::RegionId region = 0;
+  auto targets = exportPool(decode_tx, region);
+  ASSERT_TRUE(targets.ok()) << targets.error().toString();
   const auto want = static_cast<std::int64_t>(std::min<std::size_t>(greedy_.size(), 6));
   ASSERT_GE(want, 3);
 
@@ -555,7 +556,7 @@ TEST_P(DecodeLoopOverlap, WhileAStepComputesTheLoopAdmitsStreamsFirstTokensAndDe
     gated.hold();
     DecodeRequest ra = request(1, want, a);
     ra.kv_deadline = Clock::now() + kWait;
-    auto da = loop.openStream(std::move(ra), decode_tx, compat, targets, 60000);
+    auto da = loop.openStream(std::move(ra), decode_tx, compat, *targets, 60000);
     ASSERT_TRUE(da.ok()) << da.error().toString();
     shipKv(prefill_tx, *da);
     ASSERT_TRUE(gated.waitEntered()) << "A's decode step never reached the engine";
@@ -566,7 +567,7 @@ TEST_P(DecodeLoopOverlap, WhileAStepComputesTheLoopAdmitsStreamsFirstTokensAndDe
     DecodeRequest rb = request(2, want, b);
     rb.kv_deadline = Clock::now() + kWait;
     auto opened = std::make_shared<std::promise<Result<kvtransfer::KvDescriptor>>>();
-    loop.openStreamAsync(std::move(rb), decode_tx, compat, targets, 60000,
+    loop.openStreamAsync(std::move(rb), decode_tx, compat, *targets, 60000,
                          [opened](Result<kvtransfer::KvDescriptor> r) { opened->set_value(std::move(r)); });
     auto future = opened->get_future();
     ASSERT_EQ(future.wait_for(kWait), std::future_status::ready) << "the open waited for the running step";
@@ -598,7 +599,7 @@ TEST_P(DecodeLoopOverlap, WhileAStepComputesTheLoopAdmitsStreamsFirstTokensAndDe
   }
   EXPECT_EQ(a.finishEvents(), 1);
   EXPECT_EQ(b.finishEvents(), 1);
-  EXPECT_TRUE(decode_tx.deregisterRegion(*region).ok());
+  EXPECT_TRUE(decode_tx.deregisterRegion(region).ok());
 }
 
 INSTANTIATE_TEST_SUITE_P(Golden, DecodeLoopOverlap,

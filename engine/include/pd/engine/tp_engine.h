@@ -118,6 +118,9 @@ class TpLeaderEngine : public model::Engine {
   // A communication failure (PeerFailed / Timeout) of a call breaks the group; others do not.
   // Called with mu_ held.
   void noteFailure(const Error& e);
+  // Any failure of a relay's own collective breaks the group (the ranks may be out of step).
+  // Returns `s`. Called with mu_ held.
+  Status breakOnFailure(Status s);
 
   std::unique_ptr<model::Engine> local_;
   comm::Communicator& comm_;
