@@ -72,11 +72,8 @@ Result<KvDescriptor> UcxTransport::grant(std::uint64_t request_id, KvDescriptor 
     // is outside the request's writable blocks and fails the receive like any other stray write.
     const std::uint64_t present = descriptor.present_tokens / c.block_size;
     // This rank's own block ids where it lists them (a staging rank's staging blocks).
+    // (validateDescriptor above checked that the list covers the tokens.)
     const std::vector<std::uint32_t>& ids = targetBlockIds(descriptor, *target);
-    if (ids.size() < blocks) {
-      return makeError(ErrorCode::InvalidArgument,
-                       fmt::format("request {}: the descriptor's blocks do not cover its tokens", id));
-    }
     g.blocks.insert(ids.begin() + static_cast<std::ptrdiff_t>(present),
                     ids.begin() + static_cast<std::ptrdiff_t>(blocks));
     descriptor.transfer_id = g.id;
