@@ -6,6 +6,9 @@ function(pd_target_defaults target)
     $<$<COMPILE_LANGUAGE:CXX>:-Wall -Wextra -Werror -Wshadow -Wnon-virtual-dtor
       -Wold-style-cast -Wcast-align -Wunused -Woverloaded-virtual -Wnull-dereference
       -Wimplicit-fallthrough -Wno-missing-field-initializers>
+    # gcc in ISO C++ mode fuses no multiply-add the source does not spell; clang would (its
+    # default is -ffp-contract=on), and the CPU kernels' bit-exact tests rely on gcc's rule.
+    $<$<AND:$<COMPILE_LANGUAGE:CXX>,$<CXX_COMPILER_ID:Clang>>:-ffp-contract=off>
     $<$<COMPILE_LANGUAGE:CUDA>:-Werror=all-warnings --expt-relaxed-constexpr>)
   if(PD_SANITIZE)
     target_compile_options(${target} PRIVATE

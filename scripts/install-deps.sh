@@ -10,6 +10,8 @@ packages=(
   libyaml-cpp-dev libpcre2-dev libfmt-dev libssl-dev
   libgtest-dev libgmock-dev libbenchmark-dev
   clang-format clang-tidy
+  # clang and its sanitizer runtimes: scripts/sanitize.sh builds the ASan + UBSan tree with clang.
+  clang libclang-rt-14-dev
   python3 python3-yaml python3-jsonschema
   # promtool (Debian ships it in the prometheus package): checks the alert and dashboard PromQL
   # (tests/deploy/check_observability.py); chromium: the status page's headless browser test.

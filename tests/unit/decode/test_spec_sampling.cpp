@@ -184,7 +184,7 @@ FitResult chiSquareFit(const std::map<Cell, std::int64_t>& counts, const std::ma
   r.ok = r.chi2 <= r.critical;
   if (!r.ok) {
     r.message = "chi-square " + std::to_string(r.chi2) + " > " + std::to_string(r.critical) + " (df " +
-                std::to_string(r.df) + ", alpha 1e-4)";
+                std::to_string(r.df) + ", alpha " + std::to_string(kAlpha) + ")";
   }
   return r;
 }

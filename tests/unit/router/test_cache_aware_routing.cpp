@@ -271,8 +271,8 @@ TEST(DecodeAffinityPolicyTest, TheConversationsWorkerWhileItHasRoom) {
   EXPECT_EQ(choice.index, 0u);
   EXPECT_EQ(choice.reason, "most_free_blocks");
   // Bounded: two other conversations push the oldest ones out.
-  policy->choose(c, {tokens(1000, 8)});
-  policy->choose(c, {tokens(2000, 8)});
+  (void)policy->choose(c, {tokens(1000, 8)});
+  (void)policy->choose(c, {tokens(2000, 8)});
   auto turn6 = turn5;
   turn6.push_back(1);
   std::vector<WorkerView> rich_b{worker("a", 0, 10), worker("b", 0, 100)};
