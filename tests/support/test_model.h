@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <cstdlib>
 #include <filesystem>
 #include <memory>
 #include <string>
@@ -15,9 +16,20 @@
 
 namespace pd::test {
 
-/// Writes the checkpoint to `dir`. A failure is a fatal test failure: callers that go on
-/// afterwards check ::testing::Test::HasFatalFailure().
+/// Writes the checkpoint to `dir`: a copy of the ctest fixture's (PD_TEST_DEFAULT_MODEL, set for
+/// tests declared with pd_add_test(... DEFAULT_MODEL)) when there is one, else make-model's own.
+/// A failure is a fatal test failure: callers that go on afterwards check
+/// ::testing::Test::HasFatalFailure().
 inline void makeDefaultModel(const std::filesystem::path& dir) {
+  const char* shared = std::getenv("PD_TEST_DEFAULT_MODEL");
+  if (shared != nullptr && std::filesystem::is_regular_file(std::filesystem::path(shared) / "config.json")) {
+    std::error_code ec;
+    std::filesystem::create_directories(dir, ec);
+    ASSERT_FALSE(ec) << "create " << dir << ": " << ec.message();
+    std::filesystem::copy(shared, dir, std::filesystem::copy_options::recursive, ec);
+    ASSERT_FALSE(ec) << "copy " << shared << " to " << dir << ": " << ec.message();
+    return;
+  }
   auto make = proc::Subprocess::spawn(
       {{PD_PDSERVE_BIN, "make-model", dir.string(), "--preset", "default", "--tokenizer", PD_TOKENIZER_DIR},
        {},
