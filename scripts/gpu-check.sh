@@ -17,6 +17,8 @@
 #                           lent device machines; docs/gpu.md, "The device check")
 #   PD_GPU_BUILD_DIR        build folder (default build-gpu)
 #   CMAKE_CUDA_ARCHITECTURES  default 90 (H100/H200)
+#   PD_GPU_TEST_TIMEOUT     with PD_GPU_BUNDLE: each gpu test's time limit in seconds, when lower than
+#                           ctest's (a short device lease: a hung test costs this, not 280 s)
 #   PD_GPU_CHECK_LAYERS     decoder layers of the bench checkpoint (default 1: one dense layer plus
 #                           the MTP layer, which is MoE with 256 experts: about 16 GB in FP8)
 set -uo pipefail
@@ -67,6 +69,7 @@ run_test_list() {
     n=$((n + 1))
     t0=$SECONDS
     out="$log_dir/test-$n.log"
+    if [[ -n "${PD_GPU_TEST_TIMEOUT:-}" ]] && ((limit > PD_GPU_TEST_TIMEOUT)); then limit=$PD_GPU_TEST_TIMEOUT; fi
     (cd "$dir" && timeout --kill-after=10 "$limit" bash -c "$cmd") </dev/null >"$out" 2>&1
     rc=$?
     if [[ "$rc" == "$skip_code" ]] || grep -q '^\[  SKIPPED \]' "$out"; then
