@@ -9,7 +9,8 @@ packages=(
   libboost1.81-dev libboost-json1.81-dev
   libyaml-cpp-dev libpcre2-dev libfmt-dev libssl-dev
   libgtest-dev libgmock-dev libbenchmark-dev
-  clang-format clang-tidy
+  # clang-tidy-22: scripts/lint.sh --tidy (Debian 12 ships it beside the default clang-tidy 14).
+  clang-format clang-tidy-22
   # clang and its sanitizer runtimes: scripts/sanitize.sh builds the ASan + UBSan tree with clang.
   clang libclang-rt-14-dev
   python3 python3-yaml python3-jsonschema

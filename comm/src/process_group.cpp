@@ -75,6 +75,7 @@ Result<std::unique_ptr<TpProcessGroup>> TpProcessGroup::start(TpGroupOptions opt
 
 std::vector<std::optional<int>> TpProcessGroup::pollLocalRanks() {
   std::vector<std::optional<int>> out;
+  out.reserve(children_.size());
   for (auto& c : children_) out.push_back(c->poll());
   return out;
 }

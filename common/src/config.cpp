@@ -82,6 +82,7 @@ OptionSet& OptionSet::add(const std::string& name, std::int64_t* field, std::str
   b.parse = [field, name, min, max](std::string_view text, std::string_view source) -> Status {
     std::int64_t v = 0;
     const auto* end = text.data() + text.size();
+    // NOLINTNEXTLINE(bugprone-suspicious-stringview-data-usage): [data, end) is the whole view.
     auto [ptr, ec] = std::from_chars(text.data(), end, v);
     if (ec != std::errc() || ptr != end || text.empty()) return badValue(source, name, text, "expected an integer");
     if (v < min || v > max) return badValue(source, name, text, fmt::format("must be in {}..{}", min, max));
@@ -220,6 +221,7 @@ std::string OptionSet::helpText() const {
 
 std::vector<std::string> OptionSet::describeValues() const {
   std::vector<std::string> out;
+  out.reserve(bindings_.size());
   for (const auto& b : bindings_) out.push_back(fmt::format("{}.{}={}", section_, b.info.name, b.show()));
   return out;
 }

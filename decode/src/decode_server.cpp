@@ -507,7 +507,7 @@ void DecodeServer::Impl::recordKvRecord(const Stream& stream, std::string_view t
   // The record's context passed the wire decoder's exact check; parse it as any caller's.
   const std::optional<trace::SpanContext> completion = trace::parseTraceparent(traceparent);
   if (!completion) return;
-  trace::Span span = tracer_->startSpan("decode.kv_record", *completion, trace::SpanKind::Internal, start);
+  trace::Span span = tracer_->startSpan("decode.kv_record", completion, trace::SpanKind::Internal, start);
   span.setAttribute("pd.request_id", stream.request_id);
   span.addLink(stream.span.context());
   span.end();

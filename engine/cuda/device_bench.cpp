@@ -85,10 +85,11 @@ Result<double> measureReadBandwidth(const DeviceCeilingsConfig& c, const cuda::S
   // Defined contents (the kernel's result is discarded, but reading uninitialized memory is not
   // something to benchmark either).
   PD_CUDA_TRY(cudaMemsetAsync(data.data(), 0x5A, data.bytes(), stream.get()));
-  PD_ASSIGN_OR_RETURN(const double seconds, timeMedian(stream, c.iterations, [&]() -> Status {
-                        PD_CUDA_TRY(kernels::launchStreamRead(data.data(), data.size(), sink.data(), stream.get()));
-                        return okStatus();
-                      }));
+  const auto read = [&]() -> Status {
+    PD_CUDA_TRY(kernels::launchStreamRead(data.data(), data.size(), sink.data(), stream.get()));
+    return okStatus();
+  };
+  PD_ASSIGN_OR_RETURN(const double seconds, timeMedian(stream, c.iterations, read));
   return static_cast<double>(data.bytes()) / seconds;
 }
 
@@ -104,12 +105,13 @@ Result<double> measureGemmFlops(const DeviceCeilingsConfig& c, const cuda::Strea
   const float alpha = 1.0F / static_cast<float>(n);
   const float beta = 0.0F;
   const int dim = static_cast<int>(n);
-  PD_ASSIGN_OR_RETURN(const double seconds, timeMedian(stream, c.iterations, [&]() -> Status {
-                        PD_CUDA_TRY(cublasGemmEx(blas.get(), CUBLAS_OP_N, CUBLAS_OP_N, dim, dim, dim, &alpha, a.data(),
-                                                 CUDA_R_16BF, dim, b.data(), CUDA_R_16BF, dim, &beta, out.data(),
-                                                 CUDA_R_16BF, dim, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
-                        return okStatus();
-                      }));
+  const auto gemm = [&]() -> Status {
+    PD_CUDA_TRY(cublasGemmEx(blas.get(), CUBLAS_OP_N, CUBLAS_OP_N, dim, dim, dim, &alpha, a.data(), CUDA_R_16BF, dim,
+                             b.data(), CUDA_R_16BF, dim, &beta, out.data(), CUDA_R_16BF, dim, CUBLAS_COMPUTE_32F,
+                             CUBLAS_GEMM_DEFAULT));
+    return okStatus();
+  };
+  PD_ASSIGN_OR_RETURN(const double seconds, timeMedian(stream, c.iterations, gemm));
   return 2.0 * static_cast<double>(n) * static_cast<double>(n) * static_cast<double>(n) / seconds;
 }
 
@@ -330,6 +332,7 @@ Result<ModelOnDeviceResult> measureModelOnDevice(const std::filesystem::path& mo
   };
   const auto batch_at = [&](std::int64_t n, std::int64_t pos) {
     std::vector<DecodeSequence> batch;
+    batch.reserve(static_cast<std::size_t>(n));
     for (std::int64_t s = 0; s < n; ++s) batch.push_back({token(s, pos), pos, tables[static_cast<std::size_t>(s)]});
     return batch;
   };

@@ -4,7 +4,9 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <cstring>
+#include <exception>
 #include <optional>
 #include <type_traits>
 #include <vector>
@@ -216,7 +218,12 @@ TpLeaderEngine::TpLeaderEngine(std::unique_ptr<model::Engine> local, comm::Commu
 }
 
 TpLeaderEngine::~TpLeaderEngine() {
-  if (Status s = stop(); !s.ok()) log::warn("tp", "stopping the tensor-parallel followers: {}", s.error().toString());
+  try {
+    if (Status s = stop(); !s.ok()) log::warn("tp", "stopping the tensor-parallel followers: {}", s.error().toString());
+  } catch (const std::exception& e) {
+    // A destructor must not throw (the lock, an allocation or the log line failed): say so plainly.
+    std::fprintf(stderr, "tp: stopping the tensor-parallel followers failed: %s\n", e.what());
+  }
 }
 
 model::EngineCapabilities TpLeaderEngine::capabilities() const {

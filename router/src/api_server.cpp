@@ -333,6 +333,7 @@ class RequestState final : public TokenSink, public std::enable_shared_from_this
         exchange_.end();
       } else {
         std::vector<ChoiceOutput> out;
+        out.reserve(choices_.size());
         for (const Choice& each : choices_) {
           out.push_back(ChoiceOutput{each.text, &each.ids, &each.logprobs, *each.finish,
                                      each.parser ? &each.message_parts : nullptr});
@@ -1074,6 +1075,7 @@ class ApiServer::Impl {
       started = fe_->backend.start(std::move(g), state);
     } else {
       std::vector<std::shared_ptr<TokenSink>> sinks;
+      sinks.reserve(static_cast<std::size_t>(p.n));
       for (std::size_t i = 0; i < static_cast<std::size_t>(p.n); ++i) {
         sinks.push_back(std::make_shared<ChoiceSink>(state, i));
       }

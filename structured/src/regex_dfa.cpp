@@ -493,7 +493,8 @@ Result<RegexDfa> compileRegex(std::string_view pattern) {
     if (sets.size() > kMaxDfaStates || subset_elements > kMaxSubsetElements) {
       return unsupported("a pattern whose automaton has this many states");
     }
-    const std::vector<std::uint32_t> set = sets[q];  // copy: intern() may grow `sets`
+    // NOLINTNEXTLINE(performance-unnecessary-copy-initialization): intern() may grow `sets`.
+    const std::vector<std::uint32_t> set = sets[q];
     std::vector<std::uint32_t> points;
     for (const auto s : set) {
       for (const auto& [r, t] : nfa.states[s].edges) {

@@ -78,7 +78,9 @@ ValueList pySplit(const std::string& s, const Value& sep, std::int64_t maxsplit,
       k = e;
     }
     const auto text = [&](std::size_t from, std::size_t to) {
-      return std::string(cps[from].data(), cps[to - 1].data() + cps[to - 1].size());
+      const char* begin = cps[from].data();
+      const char* end = cps[to - 1].data() + cps[to - 1].size();
+      return std::string(begin, static_cast<std::size_t>(end - begin));
     };
     if (maxsplit < 0 || static_cast<std::size_t>(maxsplit) + 1 >= words.size()) {
       for (const auto& [b, e] : words) out.push_back(Value::string(text(b, e)));
@@ -1103,7 +1105,7 @@ class Renderer {
           const std::string t = pyStrip(v.asString(), Value(), 3);
           const auto i = std::stoll(t, &used);
           if (used == t.size()) return Value::integer(i);
-        } catch (const std::exception&) {
+        } catch (const std::exception&) {  // NOLINT(bugprone-empty-catch): not an integer: the default below
         }
       }
       return args.value(0, "default", Value::integer(0));
@@ -1116,7 +1118,7 @@ class Renderer {
           const std::string t = pyStrip(v.asString(), Value(), 3);
           const double d = std::stod(t, &used);
           if (used == t.size()) return Value::real(d);
-        } catch (const std::exception&) {
+        } catch (const std::exception&) {  // NOLINT(bugprone-empty-catch): not a number: the default below
         }
       }
       return args.value(0, "default", Value::real(0.0));

@@ -167,6 +167,7 @@ Result<std::string> ClusterSupervisor::start() {
     children_.push_back(std::move(c));
     return children_.back().get();
   };
+  workers.reserve(static_cast<std::size_t>(options_.decode_workers + options_.prefill_workers));
   for (std::int64_t i = 0; i < options_.decode_workers; ++i) {
     workers.push_back(add("decode-" + std::to_string(i), "decode", "--decode.port"));
   }

@@ -113,6 +113,7 @@ Result<std::string> writeLogits(const LogitsRequest& request) {
   }
   const auto vocab = static_cast<std::size_t>(cfg.vocab_size);
   std::vector<std::int32_t> argmaxes;
+  argmaxes.reserve(static_cast<std::size_t>(n));
   for (std::int64_t p = 0; p < n; ++p) {
     argmaxes.push_back(
         model::argmax(std::span<const float>(out->logits.data() + static_cast<std::size_t>(p) * vocab, vocab)));

@@ -1,8 +1,9 @@
 // pdserve bench comm: the tensor-parallel allreduce latency against ucx_perftest
 // (tools/bench/comm).
+#include <charconv>
 #include <cstdio>
-#include <cstdlib>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "bench/comm/comm_bench.h"
@@ -17,6 +18,15 @@ constexpr const char* kUsage =
     "Measures the shared-memory communicator's allreduce of N floats between two processes (median\n"
     "per call) and ucx_perftest ucp_am_lat (one-way latency, median) for 4N bytes over UCX_TLS=sm\n"
     "and UCX_TLS=tcp; prints both and ours / perftest. 7168 = DeepSeek-V3's hidden size.";
+
+// The whole of `text` as a decimal integer; -1 when it is not one (every count here is >= 0).
+long long wholeNumber(std::string_view text) {
+  long long n = 0;
+  const char* end = text.data() + text.size();
+  // NOLINTNEXTLINE(bugprone-suspicious-stringview-data-usage): [data, end) is the whole view.
+  const auto [ptr, ec] = std::from_chars(text.data(), end, n);
+  return ec == std::errc() && ptr == end && !text.empty() ? n : -1;
+}
 
 Result<bench::CommBenchConfig> parse(const std::vector<std::string>& args, bool* json) {
   bench::CommBenchConfig c;
@@ -33,18 +43,18 @@ Result<bench::CommBenchConfig> parse(const std::vector<std::string>& args, bool*
       c.floats.clear();
       for (std::size_t p = 0; p <= v.size();) {
         const std::size_t q = std::min(v.find(',', p), v.size());
-        const long long n = std::atoll(v.substr(p, q - p).c_str());
+        const long long n = wholeNumber(std::string_view(v).substr(p, q - p));
         if (n <= 0 || n > (1LL << 26)) return makeError(ErrorCode::InvalidArgument, "--floats: bad count in " + v);
         c.floats.push_back(n);
         p = q + 1;
       }
     } else if (a == "--iterations") {
       PD_ASSIGN_OR_RETURN(std::string v, value());
-      c.iterations = std::atoll(v.c_str());
+      c.iterations = wholeNumber(v);
       if (c.iterations < 10) return makeError(ErrorCode::InvalidArgument, "--iterations must be >= 10");
     } else if (a == "--spin-us") {
       PD_ASSIGN_OR_RETURN(std::string v, value());
-      c.spin_us = std::atoll(v.c_str());
+      c.spin_us = wholeNumber(v);
       if (c.spin_us < 0 || c.spin_us > 10'000'000) return makeError(ErrorCode::InvalidArgument, "--spin-us: 0..1e7");
     } else if (a == "--perftest") {
       PD_ASSIGN_OR_RETURN(c.perftest, value());

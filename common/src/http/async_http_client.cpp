@@ -108,7 +108,7 @@ class AsyncClient::Impl : public std::enable_shared_from_this<Impl> {
         return self->fail(self->toError(ec, "connect"));
       }
       beast::error_code ignored;
-      self->stream_->socket().set_option(tcp::no_delay(true), ignored);
+      (void)self->stream_->socket().set_option(tcp::no_delay(true), ignored);
       self->write();
     });
   }
@@ -216,8 +216,8 @@ class AsyncClient::Impl : public std::enable_shared_from_this<Impl> {
   void disconnect() {
     if (stream_) {
       beast::error_code ec;
-      stream_->socket().shutdown(tcp::socket::shutdown_both, ec);
-      stream_->socket().close(ec);
+      (void)stream_->socket().shutdown(tcp::socket::shutdown_both, ec);
+      (void)stream_->socket().close(ec);
       stream_.reset();
     }
     buffer_.clear();
@@ -248,7 +248,7 @@ AsyncClient::AsyncClient(const boost::asio::any_io_executor& executor, std::stri
 AsyncClient::~AsyncClient() {
   try {
     impl_->cancel();
-  } catch (...) {
+  } catch (...) {  // NOLINT(bugprone-empty-catch): nothing to do, as said below
     // Posting the interruption allocates. Should that fail, the exchange in flight still sees
     // the cancelled flag (cancel() sets it first) at its next step; a destructor must not throw.
   }

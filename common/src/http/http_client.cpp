@@ -169,8 +169,8 @@ class Client::Impl {
   void disconnect() {
     if (stream_) {
       beast::error_code ec;
-      stream_->socket().shutdown(tcp::socket::shutdown_both, ec);
-      stream_->socket().close(ec);
+      (void)stream_->socket().shutdown(tcp::socket::shutdown_both, ec);
+      (void)stream_->socket().close(ec);
       stream_.reset();
     }
     buffer_.clear();
@@ -246,7 +246,7 @@ class Client::Impl {
       disconnect();
       return toError(ec, "connect").error();
     }
-    stream_->socket().set_option(tcp::no_delay(true), ec);
+    (void)stream_->socket().set_option(tcp::no_delay(true), ec);
     return okStatus();
   }
 

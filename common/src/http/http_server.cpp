@@ -589,7 +589,7 @@ void Session::finishExchange() {
   if (monitoring_) {
     resume_after_monitor_ = true;
     beast::error_code ec;
-    socket_.cancel(ec);
+    (void)socket_.cancel(ec);
     return;
   }
   waitForRequest();
@@ -616,7 +616,7 @@ void Session::lingerThenClose() {
   // so a client still sending its body gets our response rather than a connection reset.
   lingering_ = true;
   beast::error_code ec;
-  socket_.shutdown(tcp::socket::shutdown_send, ec);
+  (void)socket_.shutdown(tcp::socket::shutdown_send, ec);
   if (ec) return close();
   armRead(std::chrono::duration_cast<std::chrono::milliseconds>(kLingerTime));
   if (!monitoring_) startMonitor();
@@ -630,8 +630,8 @@ void Session::close() {
   read_timer_.cancel();
   write_timer_.cancel();
   beast::error_code ec;
-  socket_.shutdown(tcp::socket::shutdown_both, ec);
-  socket_.close(ec);
+  (void)socket_.shutdown(tcp::socket::shutdown_both, ec);
+  (void)socket_.close(ec);
   std::function<void()> on_gone;
   if (current_) on_gone = current_->markGone();
   current_.reset();
@@ -746,13 +746,13 @@ class Server::Impl {
     std::promise<void> closed;
     net::post(acceptor_.get_executor(), [this, &closed] {
       beast::error_code ec;
-      acceptor_.close(ec);
+      (void)acceptor_.close(ec);
       backoff_.cancel();
       net::post(acceptor_.get_executor(), [&closed] { closed.set_value(); });
     });
     if (state_->io->context().stopped()) {
       beast::error_code ec;  // no thread runs the loop any more: nothing else touches the acceptor
-      acceptor_.close(ec);
+      (void)acceptor_.close(ec);
     } else {
       closed.get_future().wait();
     }
@@ -785,10 +785,10 @@ class Server::Impl {
         if (connectionCount() >= state_->options.max_connections) {
           log::warn(kLog, "connection limit {} reached; refusing a connection", state_->options.max_connections);
           beast::error_code ignored;
-          socket.close(ignored);
+          (void)socket.close(ignored);
         } else {
           beast::error_code ignored;
-          socket.set_option(tcp::no_delay(true), ignored);
+          (void)socket.set_option(tcp::no_delay(true), ignored);
           auto session = std::make_shared<detail::Session>(state_, std::move(socket));
           if (!state_->addSession(session)) return;
           session->start();

@@ -189,6 +189,7 @@ void UcxTransport::fireDeadlines(Clock::time_point now) {
       // The transfer waits on the network: the peer is stalled or the link is cut. Cancel by
       // force-closing its endpoints and stop sending to the peer for a while.
       std::vector<std::string> keys;
+      keys.reserve(t.links.size());
       for (const auto& link : t.links) keys.push_back(link.key);
       for (const auto& key : keys) {
         failPeer(key,
@@ -227,6 +228,7 @@ void UcxTransport::shutdown() {
   while (wiring() && Clock::now() < wireup_until) ucp_worker_progress(worker_.get());
   for (auto& [id, t] : transfers_) failTransfer(*t, makeError(ErrorCode::Cancelled, "KV transport shutting down"));
   std::vector<std::string> keys;
+  keys.reserve(peers_.size());
   for (const auto& [key, peer] : peers_) keys.push_back(key);
   for (const auto& key : keys) failPeer(key, makeError(ErrorCode::Cancelled, "KV transport shutting down"), false);
   for (auto& [id, t] : transfers_) t->ops.clear();

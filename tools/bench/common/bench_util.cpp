@@ -140,7 +140,7 @@ int freeLoopbackPort() {
 
 std::string slurp(std::FILE* f) {
   std::string text;
-  std::rewind(f);
+  if (std::fseek(f, 0, SEEK_SET) != 0) return text;
   char buf[4096];
   for (std::size_t n; (n = std::fread(buf, 1, sizeof(buf), f)) > 0;) text.append(buf, n);
   return text;

@@ -21,6 +21,7 @@
 #include <numeric>
 #include <optional>
 #include <random>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <utility>
@@ -145,7 +146,9 @@ int runReceiver(int control, const kvtransfer::UcxTransportOptions& options, std
     std::uint64_t id = 0;
     std::uint32_t tokens = 0;
     int verify = 0;
-    if (std::sscanf(command->c_str(), "go %lu %u %d", &id, &tokens, &verify) != 3) break;
+    std::istringstream words(*command);
+    std::string verb;
+    if (!(words >> verb >> id >> tokens >> verify) || verb != "go") break;
     kvtransfer::KvDescriptor d;
     d.compat = c;
     d.num_tokens = tokens;
@@ -236,6 +239,7 @@ Result<double> transferOnce(kvtransfer::Transport& t, int control, kvtransfer::R
   const std::span<const std::uint8_t> bytes(reinterpret_cast<const std::uint8_t*>(wire->data()), wire->size());
   PD_ASSIGN_OR_RETURN(auto desc, kvtransfer::decodeKvDescriptor(bytes));
   std::vector<kvtransfer::LayerPut> puts;
+  puts.reserve(c.num_layers);
   for (std::uint32_t l = 0; l < c.num_layers; ++l) {
     puts.push_back({kvtransfer::LayerSlice{l, 0, tokens}, source, std::uint64_t{l} * max_tokens * c.tokenBytes()});
   }

@@ -218,6 +218,7 @@ Result<void> runServeBench(ServeBenchConfig cfg, const ModelDirSource& model_dir
       return randomRequests(w, count);
     }
     std::vector<RequestSpec> out;
+    out.reserve(static_cast<std::size_t>(count));
     for (std::int64_t i = 0; i < count; ++i) {
       out.push_back(file_prompts[static_cast<std::size_t>(offset + i) % file_prompts.size()]);
     }

@@ -133,6 +133,7 @@ Result<std::vector<ConversationRequest>> runConversations(const Target& target, 
   const auto phase = [&](const std::function<void(http::Client&, std::int64_t)>& work) {
     std::atomic<std::int64_t> next{0};
     std::vector<std::thread> threads;
+    threads.reserve(workers);
     for (std::size_t w = 0; w < workers; ++w) {
       threads.emplace_back([&] {
         http::Client client(target.host, target.port);

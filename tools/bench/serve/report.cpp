@@ -119,7 +119,10 @@ std::vector<double> niceTicks(double lo, double hi, int target) {
     if (step >= raw) break;
   }
   std::vector<double> ticks;
-  for (double t = std::ceil(lo / step) * step; t <= hi + step * 1e-9; t += step) ticks.push_back(t);
+  for (auto k = static_cast<std::int64_t>(std::ceil(lo / step)); static_cast<double>(k) * step <= hi + step * 1e-9;
+       ++k) {
+    ticks.push_back(static_cast<double>(k) * step);
+  }
   return ticks;
 }
 

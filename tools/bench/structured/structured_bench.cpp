@@ -17,6 +17,7 @@
 #include <cstdio>
 #include <cstring>
 #include <ctime>
+#include <exception>
 #include <fstream>
 #include <random>
 #include <string>
@@ -83,9 +84,7 @@ int usage() {
   return 2;
 }
 
-}  // namespace
-
-int main(int argc, char** argv) {
+int run(int argc, char** argv) {
   Args args;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string key = argv[i];
@@ -183,4 +182,15 @@ int main(int argc, char** argv) {
       all.size(), percentile(all, 0.5), percentile(all, 0.99), mask.size(), ceiling_p50,
       percentile(all, 0.5) / std::max(ceiling_p50, 1e-3));
   return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    return run(argc, argv);
+  } catch (const std::exception& e) {  // std::stoi on a bad number, an allocation failure
+    std::fprintf(stderr, "pd_bench_structured: %s\n", e.what());
+    return 1;
+  }
 }

@@ -98,7 +98,8 @@ class DeviceBuffer {
   [[nodiscard]] Status copyFromHost(std::span<const T> host, const Stream& stream) {
     if (host.size() > size_) return makeError(ErrorCode::InvalidArgument, "copyFromHost: more than the buffer holds");
     if (host.empty()) return okStatus();
-    PD_CUDA_TRY(cudaMemcpyAsync(data(), host.data(), host.size_bytes(), cudaMemcpyHostToDevice, stream.get()));
+    PD_CUDA_TRY(cudaMemcpyAsync(static_cast<void*>(data()), static_cast<const void*>(host.data()), host.size_bytes(),
+                                cudaMemcpyHostToDevice, stream.get()));
     return okStatus();
   }
   /// Queues a copy of the buffer's first host.size() elements into `host`; the host memory must
@@ -106,13 +107,14 @@ class DeviceBuffer {
   [[nodiscard]] Status copyToHost(std::span<T> host, const Stream& stream) const {
     if (host.size() > size_) return makeError(ErrorCode::InvalidArgument, "copyToHost: more than the buffer holds");
     if (host.empty()) return okStatus();
-    PD_CUDA_TRY(cudaMemcpyAsync(host.data(), data(), host.size_bytes(), cudaMemcpyDeviceToHost, stream.get()));
+    PD_CUDA_TRY(cudaMemcpyAsync(static_cast<void*>(host.data()), static_cast<const void*>(data()), host.size_bytes(),
+                                cudaMemcpyDeviceToHost, stream.get()));
     return okStatus();
   }
 
  private:
   struct Deleter {
-    void operator()(T* ptr) const noexcept { detail::DeviceFree{}(ptr); }
+    void operator()(T* ptr) const noexcept { detail::DeviceFree{}(static_cast<void*>(ptr)); }
   };
   DeviceBuffer(T* data, std::size_t size) : data_(data), size_(size) {}
   std::unique_ptr<T, Deleter> data_;
