@@ -167,7 +167,10 @@ class NcclCommunicator final : public Communicator {
           PD_ASSIGN_OR_RETURN(const NcclProgress comm_state, comm_.poll());
           if (comm_state == NcclProgress::InProgress) return NcclProgress::InProgress;
           const cudaError_t query = cudaStreamQuery(stream);
-          if (query == cudaErrorNotReady) return NcclProgress::InProgress;
+          if (query == cudaErrorNotReady) {
+            (void)cudaGetLastError();  // "not ready" also set the last error: a later launch check would see it
+            return NcclProgress::InProgress;
+          }
           PD_CUDA_TRY(query);
           return NcclProgress::Done;
         },

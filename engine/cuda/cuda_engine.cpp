@@ -104,7 +104,10 @@ static_assert(kMaxDeviceTopLogprobs == gpu::kernels::kMaxTopLogprobs, "one limit
 
 // The device KV pool (Engine::allocateCache): GPU memory laid out as the step's own cache (every
 // KV layer's blocks plus the step's padding blocks), which the step then uses as its cache
-// directly. The host reaches it only through these methods, each synchronous on the device.
+// directly. The host reaches it only through these methods, each synchronous on the device: they
+// run on the legacy default stream, which the step's non-blocking stream does not wait for, so each
+// waits for its copies to land (a device-to-device cudaMemcpy, and the DMA of a pageable
+// host-to-device one, may still be running when cudaMemcpy returns).
 class DeviceCacheMemory final : public CacheMemory {
  public:
   DeviceCacheMemory(cuda::DeviceBuffer<std::uint8_t> memory, LatentCacheView view, int device)
@@ -118,6 +121,7 @@ class DeviceCacheMemory final : public CacheMemory {
     for (std::byte* layer : view_.layers) {
       PD_CUDA_TRY(cudaMemcpy(layer + sz(dst) * block, layer + sz(src) * block, block, cudaMemcpyDeviceToDevice));
     }
+    PD_CUDA_TRY(cudaStreamSynchronize(cudaStreamLegacy));
     return okStatus();
   }
   Status readTokens(std::int64_t layer, std::int64_t first_slot, std::span<std::byte> tokens) const override {
@@ -138,6 +142,7 @@ class DeviceCacheMemory final : public CacheMemory {
     PD_CUDA_TRY(cudaSetDevice(device_));
     PD_CUDA_TRY(cudaMemcpy(view_.layers[sz(layer)] + sz(first_slot) * token, tokens.data(), tokens.size(),
                            cudaMemcpyHostToDevice));
+    PD_CUDA_TRY(cudaStreamSynchronize(cudaStreamLegacy));
     return okStatus();
   }
 
@@ -226,6 +231,7 @@ class CudaEngine final : public Engine, public SamplingEngine {
     }
     PD_ASSIGN_OR_RETURN(cuda::DeviceBuffer<std::uint8_t> memory, cuda::DeviceBuffer<std::uint8_t>::create(sz(bytes)));
     PD_CUDA_TRY(cudaMemset(memory.data(), 0, memory.bytes()));
+    PD_CUDA_TRY(cudaStreamSynchronize(cudaStreamLegacy));  // before any step writes into the pool
     LatentCacheView view;
     view.dtype = dtype;
     view.latent_dim = config_->latentDim();

@@ -12,6 +12,10 @@ Error callError(ErrorCode code, std::string_view call, std::string_view why, std
 
 Status checkCall(cudaError_t status, std::string_view call, std::string_view file, int line) {
   if (status == cudaSuccess) return okStatus();
+  // A failed call also sets the thread's last error, which a later launch check
+  // (PD_CUDA_TRY(cudaGetLastError())) would report as its own: this failure is reported here, so
+  // clear it (a sticky error, which breaks the context, stays set whatever is done).
+  (void)cudaGetLastError();
   ErrorCode code = ErrorCode::Internal;
   switch (status) {
     case cudaErrorMemoryAllocation:

@@ -6,8 +6,22 @@ namespace pd::cuda {
 
 int deviceCount() {
   int count = 0;
-  if (cudaGetDeviceCount(&count) != cudaSuccess) return 0;
-  return count;
+  const cudaError_t status = cudaGetDeviceCount(&count);
+  if (status == cudaSuccess) return count;
+  (void)cudaGetLastError();
+  // No driver or no device is the common case (a CPU machine: cudaErrorInsufficientDriver with a
+  // driver version of 0). Anything else (a driver older than this CUDA runtime needs, a bad
+  // CUDA_VISIBLE_DEVICES) must not look like it.
+  int driver = 0;
+  if (cudaDriverGetVersion(&driver) != cudaSuccess) driver = 0;
+  (void)cudaGetLastError();
+  if (status != cudaErrorNoDevice && driver != 0) {
+    log::warn("cuda",
+              "no usable CUDA device: cudaGetDeviceCount failed: {} ({}); driver supports CUDA {}.{}, runtime is {}.{}",
+              cudaGetErrorString(status), cudaGetErrorName(status), driver / 1000, driver % 1000 / 10,
+              CUDART_VERSION / 1000, CUDART_VERSION % 1000 / 10);
+  }
+  return 0;
 }
 
 namespace detail {

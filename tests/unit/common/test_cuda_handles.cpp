@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <cstddef>
+#include <cstdint>
 #include <numeric>
 #include <vector>
 
@@ -134,6 +135,8 @@ TEST(CudaHandles, AFailedCaptureEndsTheCaptureAndReportsTheError) {
   ASSERT_TRUE(stream.ok());
   auto graph = pd::cuda::Graph::capture(*stream, [&]() { return stream->synchronize(); });
   EXPECT_FALSE(graph.ok());
+  // The failure was reported; the next launch check (cudaGetLastError) must not see it again.
+  EXPECT_EQ(cudaGetLastError(), cudaSuccess);
   auto refused = pd::cuda::Graph::capture(
       *stream, [] { return pd::makeError(pd::ErrorCode::InvalidArgument, "the body's own error"); });
   ASSERT_FALSE(refused.ok());
@@ -149,6 +152,16 @@ TEST(CudaHandles, AFailedCaptureEndsTheCaptureAndReportsTheError) {
   ASSERT_TRUE(device->copyToHost(out, *stream).ok());
   ASSERT_TRUE(stream->synchronize().ok());
   EXPECT_EQ(out, in);
+}
+
+// A failed call reported through PD_CUDA_TRY leaves no stale "last error" behind, which the next
+// kernel launch's check would otherwise report as its own failure.
+TEST(CudaHandles, AReportedFailureLeavesNoStaleErrorForTheNextLaunchCheck) {
+  PD_SKIP_WITHOUT_DEVICE();
+  auto huge = pd::cuda::DeviceBuffer<std::uint8_t>::create(std::size_t{1} << 50);  // 1 PiB (plain cudaMalloc)
+  ASSERT_FALSE(huge.ok());
+  EXPECT_EQ(huge.error().code, pd::ErrorCode::ResourceExhausted) << huge.error().toString();
+  EXPECT_EQ(cudaGetLastError(), cudaSuccess);
 }
 
 }  // namespace
