@@ -22,7 +22,7 @@ if [[ ! -f "$build_dir/CMakeCache.txt" ]] || ! grep -q '^PD_WITH_CUDA:BOOL=ON' "
   exit 1
 fi
 targets=(test_kernel_parity test_device_weights test_device_decode test_cuda_engine test_cuda_tp test_up_device test_cuda_handles
-  test_staging_device pdserve)
+  test_staging_device test_nccl_device pdserve)
 cmake --build "$build_dir" -j "${PD_JOBS:-$(nproc)}" --target "${targets[@]}"
 
 stage=$(mktemp -d)

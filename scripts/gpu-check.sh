@@ -142,7 +142,7 @@ else
     -DCMAKE_CUDA_ARCHITECTURES="$arch" "${launcher[@]}" || fail "configure (is nvcc on PATH or CUDACXX set?)"
   targets=(test_kernel_parity test_device_weights test_device_decode test_cuda_engine test_cuda_tp test_up_device test_gpu test_device_math
     test_device_memory_plan test_model_device test_weight_upload_plan test_device_bench test_cuda_handles
-    test_decode_step_plan test_forward_plan test_weight_shard test_staging_device pdserve)
+    test_decode_step_plan test_forward_plan test_weight_shard test_staging_device test_nccl_device pdserve)
   step build 360 cmake --build "$build_dir" -j "$jobs" --target "${targets[@]}" || fail "build"
 
   # 3. The host tests of the kernels' arithmetic, then every gpu-labelled test.
@@ -281,8 +281,8 @@ fi
 rm -rf "$bench_model"
 
 elapsed=$((SECONDS - start))
-if ((ran < 50)); then
-  fail "only $ran gpu tests ran (expected at least 50: the CUDA handles and graphs, one per kernel, the memory plan, bad shapes, device weights, device decode and its graphs, cuda engine, tensor parallelism, up --device cuda, staging)"
+if ((ran < 53)); then
+  fail "only $ran gpu tests ran (expected at least 53: the CUDA handles and graphs, one per kernel, the memory plan, bad shapes, device weights, device decode and its graphs, cuda engine, tensor parallelism, up --device cuda, staging, one-rank NCCL)"
 fi
 if ((skipped > 0)); then fail "$skipped gpu tests skipped: the device was not usable by the tests"; fi
 if ((gpu_rc != 0 || failed > 0)); then fail "$failed gpu tests failed (details in $gpu_log)"; fi
