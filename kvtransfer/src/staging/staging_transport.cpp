@@ -280,6 +280,9 @@ class StagingTransportImpl final : public StagingTransport {
   // ---- receiving side ----------------------------------------------------------------------
 
   Status expect(std::uint64_t request_id, Deadline deadline, ArrivalFn on_arrival) override {
+    // A record for this transport lands in its receive memory (onRecord): refuse here, as
+    // exportTarget does, rather than rely on every caller holding a receiving transport.
+    if (!receive_memory_) return makeError(ErrorCode::InvalidArgument, "this staging transport does not receive");
     bool created = false;
     {
       std::lock_guard lock(mutex_);

@@ -580,6 +580,9 @@ TEST_F(StagingTest, MisuseIsRefused) {
   EXPECT_TRUE(receiver_->cancelExpect(1));
   EXPECT_FALSE(receiver_->cancelExpect(1));
   EXPECT_EQ(sender_->exportTarget(0, {}).error().code, ErrorCode::InvalidArgument);  // does not receive
+  const Status sender_expects = sender_->expect(2, Clock::now() + testutil::kHangGuard, out_.onArrival());
+  ASSERT_FALSE(sender_expects.ok());
+  EXPECT_EQ(sender_expects.error().code, ErrorCode::InvalidArgument);  // nor expect a record
 }
 
 // ---- over real UCX, in one process --------------------------------------------------------------
