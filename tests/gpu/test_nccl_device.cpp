@@ -6,6 +6,7 @@
 // so and exits 77 (ctest: skipped); with a device, an NCCL communicator that cannot be made fails.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstddef>
 #include <vector>
 

@@ -1,12 +1,14 @@
 // pdserve bench comm: the tensor-parallel allreduce latency against ucx_perftest
 // (tools/bench/comm).
 #include <charconv>
+#include <cstdint>
 #include <cstdio>
 #include <string>
 #include <string_view>
 #include <vector>
 
 #include "bench/comm/comm_bench.h"
+#include "bench/common/bench_util.h"
 #include "cli.h"
 
 namespace pd::cli {
@@ -19,7 +21,7 @@ constexpr const char* kUsage =
     "per call) and ucx_perftest ucp_am_lat (one-way latency, median) for 4N bytes over UCX_TLS=sm\n"
     "and UCX_TLS=tcp; prints both and ours / perftest. 7168 = DeepSeek-V3's hidden size.";
 
-// The whole of `text` as a decimal integer; -1 when it is not one (every count here is >= 0).
+// The whole of `text` as a decimal integer; -1 when it is not one (both counts that use it are >= 0).
 long long wholeNumber(std::string_view text) {
   long long n = 0;
   const char* end = text.data() + text.size();
@@ -40,13 +42,9 @@ Result<bench::CommBenchConfig> parse(const std::vector<std::string>& args, bool*
       *json = true;
     } else if (a == "--floats") {
       PD_ASSIGN_OR_RETURN(std::string v, value());
-      c.floats.clear();
-      for (std::size_t p = 0; p <= v.size();) {
-        const std::size_t q = std::min(v.find(',', p), v.size());
-        const long long n = wholeNumber(std::string_view(v).substr(p, q - p));
-        if (n <= 0 || n > (1LL << 26)) return makeError(ErrorCode::InvalidArgument, "--floats: bad count in " + v);
-        c.floats.push_back(n);
-        p = q + 1;
+      PD_ASSIGN_OR_RETURN(c.floats, bench::parsePositiveList(v, "--floats"));
+      for (const std::int64_t n : c.floats) {
+        if (n > (std::int64_t{1} << 26)) return makeError(ErrorCode::InvalidArgument, "--floats: bad count in " + v);
       }
     } else if (a == "--iterations") {
       PD_ASSIGN_OR_RETURN(std::string v, value());
